@@ -1,0 +1,43 @@
+"""Causal grouped-query self-attention (Ainslie et al. 2023) on torch SDPA.
+
+Legend: B batch, S sequence, D hidden, H query heads, G key/value heads (H % G == 0), Dh head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeplug.config import ModelConfig
+from moeplug.modules.rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections without bias, RoPE on q and k, causal SDPA with shared kv heads."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # One RoPE table shared by every layer; held in a list so it is not registered (and
+        # counted, moved, saved) once per layer.
+        self._rope = [rope]
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q_BHSDh = self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BGSDh = self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGSDh = self.v_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHSDh, k_BGSDh = self._rope[0](q_BHSDh, k_BGSDh)
+        # enable_gqa lets SDPA broadcast the G kv heads over H query heads without materialising
+        # repeated K/V.
+        out_BHSDh = F.scaled_dot_product_attention(
+            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
+            enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out_BHSDh.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

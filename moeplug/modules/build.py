@@ -1,0 +1,32 @@
+"""Build a MoETransformer from a validated RootConfig and the plugin host."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeplug.config import RootConfig
+from moeplug.modules.moe import MoELayer
+from moeplug.modules.transformer import MoETransformer
+
+
+def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = None) -> MoETransformer:
+    """One router, dispatcher and experts backend per MoE layer, each made by ``host.create``.
+
+    ``vocab_size`` comes from the tokenizer; ``cfg.model.vocab_size`` (if non-zero) may pad it up
+    (e.g. to a multiple of 64 for faster GEMMs) but never below. ``ep_group`` is the
+    expert-parallel process group (None: single process).
+    """
+    m, p = cfg.model, cfg.plugins
+    if m.vocab_size and m.vocab_size < vocab_size:
+        raise ValueError(
+            f"ModelConfig.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({vocab_size}); token ids would overflow the embedding. Fix: set model.vocab_size=0 "
+            f"(use the tokenizer's) or >= {vocab_size}")
+    moe_layers = []
+    for _ in range(m.num_layers - m.first_k_dense):
+        router = host.create("router", p.router, dict(p.router_options), m)
+        dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, ep_group)
+        experts = host.create("experts", p.experts, dict(p.experts_options), m,
+                              dispatcher.num_local_experts)
+        moe_layers.append(MoELayer(router, dispatcher, experts))
+    return MoETransformer(m, m.vocab_size or vocab_size, moe_layers)

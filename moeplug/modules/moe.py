@@ -1,0 +1,55 @@
+"""The MoE layer: a fixed sequence of named stages over pluggable components.
+
+Legend: T tokens (leading dims flattened), D hidden, K top-k, E experts (global),
+S routed rows held by the local experts, L local experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeplug.interfaces import Dispatcher, Experts, Router
+
+
+class MoELayer(nn.Module):
+    """Routed feed-forward block built from a router, a dispatcher and an experts backend.
+
+    ``forward`` follows these stages line for line (see moeplug/interfaces.py for each contract):
+        1. route      routing = router(x_TD)                      -> probs_TK, ids_TK, aux_loss
+        2. dispatch   d = dispatcher.dispatch(x_TD, routing)      -> x_SD grouped by local expert
+        3. experts    y_SD = experts(d.x_SD, d.probs_S, d.counts_L)  (weights applied inside)
+        4. combine    y_TD = dispatcher.combine(y_SD, d.meta)     -> each token's K rows summed
+        5. shared     (shared experts: not yet)
+        6. sum        y = y_TD (+ shared), reshaped to the input's shape
+    Returns ``(y, aux_loss, counts_E)``; nothing from the call is kept on ``self``, so several
+    micro-batches may be in flight through one layer.
+    """
+
+    def __init__(self, router: Router, dispatcher: Dispatcher, experts: Experts) -> None:
+        super().__init__()
+        if dispatcher.num_local_experts != experts.num_local_experts:
+            raise ValueError(
+                f"MoELayer: dispatcher.num_local_experts = {dispatcher.num_local_experts} but "
+                f"experts.num_local_experts = {experts.num_local_experts}. Fix: build the experts "
+                f"with num_local_experts=dispatcher.num_local_experts")
+        if router.num_experts != dispatcher.num_experts:
+            raise ValueError(
+                f"MoELayer: router.num_experts = {router.num_experts} but dispatcher.num_experts = "
+                f"{dispatcher.num_experts}. Fix: build both from the same ModelConfig.moe")
+        self.router = router
+        self.experts = experts
+        # The dispatcher is not an nn.Module (it owns no parameters); a plain attribute.
+        self.dispatcher = dispatcher
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x_TD = x_ND.reshape(-1, x_ND.shape[-1])
+        routing = self.router(x_TD)                                   # 1. route
+        d = self.dispatcher.dispatch(x_TD, routing)                   # 2. dispatch
+        y_SD = self.experts(d.x_SD, d.probs_S, d.counts_L)            # 3. experts
+        y_TD = self.dispatcher.combine(y_SD, d.meta)                  # 4. combine
+        # 5. shared experts: not yet
+        y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
+        counts_E = torch.bincount(routing.ids_TK.reshape(-1).detach().cpu(),
+                                  minlength=self.router.num_experts)
+        return y_ND, routing.aux_loss, counts_E

@@ -1,0 +1,48 @@
+"""Rotary position embeddings (Su et al. 2021), "rotate half" layout as in Llama/Mixtral.
+
+Legend: B batch, H heads, S sequence positions, Dh head dim (even), P max positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables for positions [0, max_seq_len).
+
+    The tables are non-persistent buffers: they are a pure function of (head_dim, theta,
+    max_seq_len), so keeping them out of checkpoints lets a checkpoint load into a model with a
+    different max_seq_len.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        # Computed in fp32 exactly like HF (inv_freq in fp32, positions * inv_freq, then cos/sin),
+        # so a Mixtral checkpoint sees bit-identical rotations.
+        inv_freq_F = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        pos_P = torch.arange(max_seq_len, dtype=torch.int64).float()
+        freqs_PF = pos_P[:, None] * inv_freq_F[None, :]
+        emb_PDh = torch.cat((freqs_PF, freqs_PF), dim=-1)
+        self.register_buffer("cos_PDh", emb_PDh.cos(), persistent=False)
+        self.register_buffer("sin_PDh", emb_PDh.sin(), persistent=False)
+
+    def forward(self, q_BHSDh: torch.Tensor, k_BHSDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate queries and keys of a sequence that starts at position 0."""
+        seq_len = q_BHSDh.shape[-2]
+        if seq_len > self.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds ModelConfig.max_seq_len = {self.max_seq_len}. "
+                f"Fix: raise model.max_seq_len to at least {seq_len} or shorten train.seq_len")
+        cos_SDh = self.cos_PDh[:seq_len].to(q_BHSDh.dtype)
+        sin_SDh = self.sin_PDh[:seq_len].to(q_BHSDh.dtype)
+        return _rotate(q_BHSDh, cos_SDh, sin_SDh), _rotate(k_BHSDh, cos_SDh, sin_SDh)
+
+
+def _rotate(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
+    half = x_BHSDh.shape[-1] // 2
+    x1, x2 = x_BHSDh[..., :half], x_BHSDh[..., half:]
+    rotated_BHSDh = torch.cat((-x2, x1), dim=-1)
+    return x_BHSDh * cos_SDh + rotated_BHSDh * sin_SDh

@@ -1,0 +1,125 @@
+"""Decoder-only MoE transformer: embedding, pre-norm blocks (attention + dense MLP or MoE), head.
+
+Legend: B batch, S sequence, D hidden, V vocabulary, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeplug.config import ModelConfig
+from moeplug.modules.attention import Attention
+from moeplug.modules.flops import flops_per_token
+from moeplug.modules.mlp import SwiGLUMLP
+from moeplug.modules.moe import MoELayer
+from moeplug.modules.norm import RMSNorm
+from moeplug.modules.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """What one forward returns.
+
+    loss = lm_loss + aux_loss; loss and lm_loss are None when no targets were given.
+    aux_loss: sum over MoE layers of each router's aux loss (already times its coefficient).
+    expert_counts: per MoE layer, an int64 [E] tensor of tokens routed to each expert.
+    """
+
+    logits_BSV: torch.Tensor
+    loss: torch.Tensor | None
+    lm_loss: torch.Tensor | None
+    aux_loss: torch.Tensor
+    expert_counts: list[torch.Tensor]
+
+
+class TransformerBlock(nn.Module):
+    """x + attn(norm(x)), then + ffn(norm(x)); ffn is a dense SwiGLU or an MoELayer."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ffn: SwiGLUMLP | MoELayer) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = Attention(cfg, rope)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.ffn = ffn
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        if isinstance(self.ffn, MoELayer):
+            y_BSD, aux_loss, counts_E = self.ffn(self.ffn_norm(x_BSD))
+            return x_BSD + y_BSD, aux_loss, counts_E
+        return x_BSD + self.ffn(self.ffn_norm(x_BSD)), None, None
+
+
+class MoETransformer(nn.Module):
+    """Layers [0, first_k_dense) use a dense SwiGLU MLP; the rest use ``moe_layers`` in order."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, moe_layers: Sequence[MoELayer]) -> None:
+        super().__init__()
+        num_moe = cfg.num_layers - cfg.first_k_dense
+        if len(moe_layers) != num_moe:
+            raise ValueError(
+                f"MoETransformer: got {len(moe_layers)} MoE layers but ModelConfig.num_layers - "
+                f"first_k_dense = {cfg.num_layers} - {cfg.first_k_dense} = {num_moe}. "
+                f"Fix: build one MoELayer per non-dense layer (use moeplug.modules.build_model)")
+        if vocab_size <= 0:
+            raise ValueError(f"MoETransformer: vocab_size = {vocab_size} must be >= 1. "
+                             f"Fix: pass the tokenizer's vocab_size")
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, cfg.hidden_size)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        ffns = [SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size) for _ in range(cfg.first_k_dense)]
+        ffns += list(moe_layers)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, self.rope, ffn) for ffn in ffns)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """normal(0, init_std) for every matrix; output projections (attention o_proj, FFN and
+        expert down_proj) use init_std / sqrt(2 * num_layers) so the residual stream's variance
+        does not grow with depth (GPT-2 / Megatron scaled init). Norm weights are 1; vectors owned
+        by plugins (e.g. router biases) keep the plugin's own initialisation."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
+        for name, p in self.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            if p.ndim < 2:
+                if isinstance(self.get_submodule(owner), RMSNorm):
+                    p.fill_(1.0)
+                continue
+            # "attn.o_proj.weight" (nn.Linear) or "experts.down_proj" (a bare [L, D, F] parameter).
+            is_output = bool({"o_proj", "down_proj"} & {leaf, owner.rpartition(".")[2]})
+            p.normal_(0.0, out_std if is_output else std)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None) -> ModelOutput:
+        x_BSD = self.embed(tokens_BS)
+        aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
+        expert_counts: list[torch.Tensor] = []
+        for block in self.blocks:
+            x_BSD, layer_aux, counts_E = block(x_BSD)
+            if counts_E is not None:
+                aux_loss = aux_loss + layer_aux.float()
+                expert_counts.append(counts_E)
+        logits_BSV = F.linear(self.norm(x_BSD), self.output_weight())
+        lm_loss = loss = None
+        if targets_BS is not None:
+            # fp32 cross-entropy: under bf16 autocast the log-softmax over V would lose precision.
+            lm_loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
+                                      targets_BS.reshape(-1))
+            loss = lm_loss + aux_loss
+        return ModelOutput(logits_BSV, loss, lm_loss, aux_loss, expert_counts)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Megatron model-FLOPs per training token (see moeplug.modules.flops)."""
+        return flops_per_token(self.cfg, self.vocab_size, seq_len)
