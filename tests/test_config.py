@@ -1,0 +1,176 @@
+"""Every config error path names the field, the value and the fix — and fires before training.
+
+The in-process tests cover each validation rule; the subprocess tests prove that the CLI turns
+any of them into exit status 2 with one readable paragraph and no traceback, before any data is
+prepared (the cache directory stays empty).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from moeplug.config import (ConfigError, DataConfig, ModelConfig, MoEConfig, PluginsConfig,
+                            RootConfig, TrainConfig, apply_overrides, config_from_dict, load_config)
+
+
+def assert_names(err: pytest.ExceptionInfo, *parts: str) -> None:
+    msg = str(err.value)
+    for part in parts:
+        assert part in msg, f"{part!r} missing from error message: {msg}"
+    assert "Fix:" in msg, f"no fix in error message: {msg}"
+
+
+@pytest.mark.parametrize("cls, kwargs, parts", [
+    (MoEConfig, {"num_experts": 4, "top_k": 5}, ["top_k", "5", "num_experts (4)", "top_k <= 4"]),
+    (MoEConfig, {"num_experts": 0}, ["num_experts", "0", "positive integer"]),
+    (MoEConfig, {"aux_loss_coeff": -1.0}, ["aux_loss_coeff", "-1.0", ">= 0"]),
+    (MoEConfig, {"activation": "gelu"}, ["activation", "'gelu'", "'swiglu'"]),
+    (ModelConfig, {"hidden_size": 30, "num_heads": 4},
+     ["hidden_size", "30", "num_heads (4)", "30 % 4 = 2", "multiple of num_heads"]),
+    (ModelConfig, {"num_heads": 8, "num_kv_heads": 3}, ["num_kv_heads", "3", "num_heads (8)", "divisor"]),
+    (ModelConfig, {"hidden_size": 36, "num_heads": 4}, ["hidden_size", "36", "head dim 9", "even"]),
+    (ModelConfig, {"num_layers": 2, "first_k_dense": 3}, ["first_k_dense", "3", "num_layers (2)"]),
+    (ModelConfig, {"hidden_size": "big"}, ["hidden_size", "'big'", "integer"]),
+    (TrainConfig, {"lr": 1e-3, "min_lr": 1e-2}, ["min_lr", "0.01", "lr (0.001)", "min_lr <= lr"]),
+    (TrainConfig, {"steps": 10, "warmup_steps": 20}, ["warmup_steps", "20", "steps (10)"]),
+    (TrainConfig, {"beta2": 1.0}, ["beta2", "1.0", "[0, 1)"]),
+    (TrainConfig, {"micro_batch_size": 0}, ["micro_batch_size", "0", "positive integer"]),
+    (TrainConfig, {"grad_clip": -1}, ["grad_clip", "-1", ">= 0"]),
+    (DataConfig, {"tokenizer": "wordpiece"}, ["tokenizer", "'wordpiece'", "'bpe' or 'bytes'"]),
+    (DataConfig, {"vocab_size": 100}, ["vocab_size", "100", "(256, 65536]"]),
+    (DataConfig, {"corpus": "/no/such/dir"}, ["corpus", "'/no/such/dir'", "folder of text files"]),
+    (PluginsConfig, {"router": ""}, ["router", "''", "moeplug plugins"]),
+    (PluginsConfig, {"router_options": [1]}, ["router_options", "[1]", "mapping"]),
+    (PluginsConfig, {"block": 3}, ["block", "3", "list of plugin names"]),
+])
+def test_field_errors_name_field_value_and_fix(cls, kwargs, parts):
+    with pytest.raises(ConfigError) as err:
+        cls(**kwargs)
+    assert_names(err, cls.__name__, *parts)
+
+
+def test_seq_len_longer_than_model_context_is_a_cross_check():
+    with pytest.raises(ConfigError) as err:
+        RootConfig(model=ModelConfig(max_seq_len=64), train=TrainConfig(seq_len=128))
+    assert_names(err, "TrainConfig.seq_len", "128", "model.max_seq_len (64)", "train.seq_len <= 64")
+
+
+def test_unknown_key_suggests_the_closest_name():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": {"hiden_size": 64}})
+    assert_names(err, "ModelConfig", "model.hiden_size", "did you mean 'hidden_size'")
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"train": {"zzz": 1}})
+    assert_names(err, "train.zzz", "valid keys:", "micro_batch_size")
+
+
+def test_section_that_is_not_a_mapping():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model=5"])
+    assert_names(err, "model.", "5", "must be a mapping")
+
+
+def test_override_without_equals_sign():
+    with pytest.raises(ConfigError) as err:
+        apply_overrides({}, ["model.hidden_size"])
+    assert_names(err, "'model.hidden_size'", "KEY=VALUE", "--set model.moe.num_experts=8")
+
+
+def test_override_through_a_scalar(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 5\n  warmup_steps: 1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), ["train.steps.x=1"])
+    assert_names(err, "'train.steps.x=1'", "'steps' is not a section")
+
+
+def test_yaml_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert_names(err, str(path), "top level must be a mapping", "model:")
+
+
+def test_overrides_are_typed_and_applied_after_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  moe:\n    num_experts: 4\n    top_k: 1\n")
+    cfg = load_config(str(path), ["model.moe.num_experts=16", "train.lr=1e-3", "plugins.block=a,b"])
+    assert cfg.model.moe.num_experts == 16 and cfg.model.moe.top_k == 1
+    assert cfg.train.lr == pytest.approx(1e-3) and isinstance(cfg.train.lr, float)
+    assert cfg.plugins.block == ["a", "b"]
+
+
+def test_packaged_default_config_is_valid_and_self_consistent():
+    from moeplug.cli import default_config_path
+    cfg = load_config(default_config_path())
+    assert cfg.train.seq_len <= cfg.model.max_seq_len
+    assert cfg.data.corpus == "shakespeare"
+
+
+# --------------------------------------------------------------------------------------------
+# Plugins: unknown / blocked names and bad options are config errors too
+# --------------------------------------------------------------------------------------------
+
+def test_unknown_plugin_lists_what_exists(tiny_cfg):
+    from moeplug.cli import check_plugins
+    from moeplug.plugin_host import PluginHost
+    cfg = tiny_cfg("plugins.router=topkk")
+    with pytest.raises(ConfigError) as err:
+        check_plugins(PluginHost.load(block=cfg.plugins.block), cfg)
+    assert_names(err, "router", "'topkk'", "did you mean 'topk'")
+
+
+def test_blocked_plugin_says_who_blocked_it(tiny_cfg):
+    from moeplug.cli import check_plugins
+    from moeplug.plugin_host import PluginHost
+    cfg = tiny_cfg("plugins.block=[topk]")
+    with pytest.raises(ConfigError) as err:
+        check_plugins(PluginHost.load(block=cfg.plugins.block), cfg)
+    assert_names(err, "router", "'topk'", "blocked by plugins.block", "remove 'topk' from plugins.block")
+
+
+def test_bad_plugin_option_names_the_option(tiny_cfg):
+    from moeplug.cli import check_plugins
+    from moeplug.plugin_host import PluginHost
+    cfg = tiny_cfg("plugins.router_options={no_such_option: 1}")
+    with pytest.raises(ConfigError) as err:
+        check_plugins(PluginHost.load(), cfg)
+    assert_names(err, "router", "plugins.router_options.no_such_option", "1")
+
+
+# --------------------------------------------------------------------------------------------
+# The CLI: exit 2, one paragraph, no traceback, nothing prepared
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, parts", [
+    (["--set", "model.moe.top_k=99"], ["MoEConfig.top_k = 99", "num_experts"]),
+    (["--set", "train.min_lr=1"], ["TrainConfig.min_lr = 1", "min_lr <= lr"]),
+    (["--set", "model.hidden_sise=64"], ["model.hidden_sise", "did you mean 'hidden_size'"]),
+    (["--set", "model.moe.top_k"], ["'model.moe.top_k'", "KEY=VALUE"]),
+    (["--router", "no_such_router"], ["unknown router 'no_such_router'", "topk"]),
+    (["--set", "plugins.block=[topk]"], ["router 'topk'", "blocked by plugins.block"]),
+    (["--resume", "/no/such/checkpoint"], ["TrainConfig.resume = '/no/such/checkpoint'", "'auto'"]),
+])
+def test_cli_config_errors_exit_2_before_any_work(run_cli, cli_env, tmp_path, args, parts):
+    cache_dir = tmp_path / "cache"
+    t0 = time.perf_counter()
+    proc = run_cli("train", "--out", str(tmp_path / "run"), *args, timeout=120,
+                   env=dict(cli_env, MOEPLUG_CACHE=str(cache_dir)))
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr
+    for part in parts:
+        assert part in proc.stderr, proc.stderr
+    assert "Fix:" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, "one paragraph, not a log"
+    # Nothing heavy ran: no corpus was tokenised into the cache, no run directory was made.
+    assert not os.path.exists(cache_dir) or not os.listdir(cache_dir)
+    assert not (tmp_path / "run").exists()
+    assert elapsed < 60
