@@ -1,3 +1,10 @@
-#include <pybind11/pybind11.h>
-namespace py = pybind11;
-PYBIND11_MODULE(_runtime_core, m) { m.attr("__version__") = "0.1.0"; }
+// moeplug._runtime_core: the thin Python layer over the C++ core. Kernels take raw pointers
+// (tensor.data_ptr()), shapes and a dtype code (0 float32, 1 bfloat16) and run without the GIL.
+#include "register.h"
+
+PYBIND11_MODULE(_runtime_core, m) {
+  m.doc() = "moeplug C++ runtime core: thread pool, permute/unpermute, fused SwiGLU";
+  moeplug::py_bind::register_runtime(m);
+  moeplug::py_bind::register_permute(m);
+  moeplug::py_bind::register_swiglu(m);
+}

@@ -1,0 +1,33 @@
+// Token permutation for MoE dispatch/combine.
+//
+// Shape legend: T tokens, K top-k choices, D hidden, E experts, S = T*K routed rows.
+// All buffers are row-major and contiguous; x/y rows are fp32 or bf16 (DType), ids and
+// row_map int64, probs fp32.
+#pragma once
+
+#include <cstdint>
+
+#include "moeplug/dtype.h"
+
+namespace moeplug {
+
+// Groups the rows of x_TD by expert (counting sort, stable: inside an expert, rows keep
+// (token, k) order). Writes x_SD [T*K, D], row_map_TK [T, K] (the x_SD row of each (t, k))
+// and counts_E [E]. Throws std::invalid_argument naming the first (t, k) whose id is not in
+// [0, E).
+void permute(const void* x_TD, const int64_t* ids_TK, int64_t T, int64_t K, int64_t D, int64_t E,
+             DType dtype, void* x_SD, int64_t* row_map_TK, int64_t* counts_E);
+
+// y_TD[t] = sum_k p[t, k] * y_SD[row_map[t, k]] (plain sum when probs_TK is null), summed in
+// fp32. row_map entries must lie in [0, S) and be distinct (as permute produces them).
+void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_TK, int64_t T,
+               int64_t K, int64_t D, int64_t S, DType dtype, void* y_TD);
+
+// Backward of unpermute. grad_y_SD[row_map[t, k]] = p[t, k] * grad_TD[t] (rows that no (t, k)
+// reads are left untouched: the caller zero-fills them); grad_probs_TK[t, k] =
+// dot(grad_TD[t], y_SD[row_map[t, k]]) when both probs_TK and grad_probs_TK are non-null.
+void unpermute_backward(const void* grad_TD, const void* y_SD, const int64_t* row_map_TK,
+                        const float* probs_TK, int64_t T, int64_t K, int64_t D, int64_t S,
+                        DType dtype, void* grad_y_SD, float* grad_probs_TK);
+
+}  // namespace moeplug

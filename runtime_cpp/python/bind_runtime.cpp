@@ -1,0 +1,53 @@
+#include <thread>
+
+#include "moeplug/thread_pool.h"
+#include "register.h"
+
+namespace py = pybind11;
+
+namespace moeplug::py_bind {
+
+namespace {
+
+// Which ISA the multiversioned kernels resolve to on this CPU (same order as target_clones).
+const char* simd_dispatch() {
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return "avx512 (skylake-avx512 clone)";
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2 (haswell clone)";
+  return "baseline";
+#else
+  return "portable (no multiversioning)";
+#endif
+}
+
+py::dict build_info() {
+  py::dict d;
+  d["version"] = MOEPLUG_VERSION;
+  d["cuda"] = false;
+  d["compiler"] = MOEPLUG_COMPILER;
+  d["flags"] = MOEPLUG_CXX_FLAGS;
+  d["openmp"] = false;  // parallelism comes from moeplug's own pool, not an OpenMP runtime
+  d["threading"] = "moeplug::ThreadPool (std::thread)";
+  d["num_threads"] = get_num_threads();
+  d["hardware_concurrency"] = std::thread::hardware_concurrency();
+  d["simd"] = simd_dispatch();
+  return d;
+}
+
+}  // namespace
+
+void register_runtime(py::module_& m) {
+  m.attr("__version__") = MOEPLUG_VERSION;
+  m.def("build_info", &build_info,
+        "Dict describing this build: version, cuda, compiler, flags, threading, simd.");
+  m.def("set_num_threads", &set_num_threads, py::arg("num_threads"),
+        "Resize the worker pool (the calling thread counts as one).",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("get_num_threads", &get_num_threads, "Current worker pool size.");
+}
+
+}  // namespace moeplug::py_bind

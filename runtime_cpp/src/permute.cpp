@@ -1,0 +1,224 @@
+// Counting-sort permute and its gather/scatter inverses, parallel over tokens.
+//
+// Shape legend: T tokens, K top-k, D hidden, E experts, S routed rows, C token chunks.
+#include "moeplug/permute.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "moeplug/thread_pool.h"
+
+namespace moeplug {
+
+namespace {
+
+// Tokens per task: enough rows that per-task overhead (a lock, a wakeup) is noise.
+constexpr int64_t kTokenGrain = 64;
+
+void check_dims(const char* op, int64_t T, int64_t K, int64_t D) {
+  if (T < 0 || K < 1 || D < 1) {
+    throw std::invalid_argument(std::string(op) + ": expected num_tokens >= 0, top_k >= 1, " +
+                                "hidden >= 1; got num_tokens=" + std::to_string(T) +
+                                ", top_k=" + std::to_string(K) + ", hidden=" + std::to_string(D));
+  }
+}
+
+// Every row index in range and used once; a duplicate would make the backward scatter race.
+void check_row_map(const char* op, const int64_t* row_map_TK, int64_t T, int64_t K, int64_t S) {
+  std::vector<uint8_t> seen_S(static_cast<size_t>(S), 0);
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int64_t r = row_map_TK[i];
+    const std::string where = std::string(op) + ": row_map[" + std::to_string(i / K) + ", " +
+                              std::to_string(i % K) + "] = " + std::to_string(r);
+    if (r < 0 || r >= S) {
+      throw std::invalid_argument(where + " is outside [0, " + std::to_string(S) +
+                                  "); pass the row_map that permute returned for these rows");
+    }
+    if (seen_S[r]) {
+      throw std::invalid_argument(where + " repeats an earlier entry; each routed row must be "
+                                  "used by exactly one (token, k), as permute produces");
+    }
+    seen_S[r] = 1;
+  }
+}
+
+// y_TD rows for tokens [t0, t1): acc = sum_k p * y_SD[row], accumulated in fp32.
+template <class T_>
+MOEPLUG_INLINE void gather_sum_rows(const T_* y_SD, const int64_t* row_map_TK, const float* probs_TK,
+                                    int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc_D,
+                                    T_* y_TD) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t d = 0; d < D; ++d) acc_D[d] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const T_* src = y_SD + row_map_TK[t * K + k] * D;
+      const float p = probs_TK ? probs_TK[t * K + k] : 1.0f;
+      for (int64_t d = 0; d < D; ++d) acc_D[d] += p * load_f32(src, d);
+    }
+    T_* dst = y_TD + t * D;
+    for (int64_t d = 0; d < D; ++d) store_f32(dst, d, acc_D[d]);
+  }
+}
+
+MOEPLUG_MULTIVERSION void gather_sum_f32(const float* y, const int64_t* rm, const float* p,
+                                         int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc,
+                                         float* out) {
+  gather_sum_rows(y, rm, p, t0, t1, K, D, acc, out);
+}
+MOEPLUG_MULTIVERSION void gather_sum_bf16(const uint16_t* y, const int64_t* rm, const float* p,
+                                          int64_t t0, int64_t t1, int64_t K, int64_t D,
+                                          float* acc, uint16_t* out) {
+  gather_sum_rows(y, rm, p, t0, t1, K, D, acc, out);
+}
+
+// For tokens [t0, t1): grad_y_SD[row] = p * g[t]; grad_p[t, k] = dot(g[t], y_SD[row]).
+template <class T_>
+MOEPLUG_INLINE void scatter_rows(const T_* g_TD, const T_* y_SD, const int64_t* row_map_TK,
+                                 const float* probs_TK, int64_t t0, int64_t t1, int64_t K,
+                                 int64_t D, T_* grad_y_SD, float* grad_probs_TK) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const T_* g = g_TD + t * D;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t r = row_map_TK[t * K + k];
+      T_* dst = grad_y_SD + r * D;
+      if (!probs_TK) {
+        std::memcpy(dst, g, sizeof(T_) * D);
+        continue;
+      }
+      const float p = probs_TK[t * K + k];
+      for (int64_t d = 0; d < D; ++d) store_f32(dst, d, p * load_f32(g, d));
+      if (grad_probs_TK) {
+        const T_* y = y_SD + r * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += load_f32(g, d) * load_f32(y, d);
+        grad_probs_TK[t * K + k] = dot;
+      }
+    }
+  }
+}
+
+MOEPLUG_MULTIVERSION void scatter_f32(const float* g, const float* y, const int64_t* rm,
+                                      const float* p, int64_t t0, int64_t t1, int64_t K,
+                                      int64_t D, float* gy, float* gp) {
+  scatter_rows(g, y, rm, p, t0, t1, K, D, gy, gp);
+}
+MOEPLUG_MULTIVERSION void scatter_bf16(const uint16_t* g, const uint16_t* y, const int64_t* rm,
+                                       const float* p, int64_t t0, int64_t t1, int64_t K,
+                                       int64_t D, uint16_t* gy, float* gp) {
+  scatter_rows(g, y, rm, p, t0, t1, K, D, gy, gp);
+}
+
+}  // namespace
+
+void permute(const void* x_TD, const int64_t* ids_TK, int64_t T, int64_t K, int64_t D, int64_t E,
+             DType dtype, void* x_SD, int64_t* row_map_TK, int64_t* counts_E) {
+  check_dims("permute", T, K, D);
+  if (E < 1) {
+    throw std::invalid_argument("permute: num_experts must be >= 1, got " + std::to_string(E));
+  }
+  // Fixed token chunks (not the pool's dynamic ones): chunk c's histogram row must describe
+  // exactly the tokens chunk c later scatters, so the sort stays stable.
+  const int64_t C = std::max<int64_t>(
+      1, std::min<int64_t>(get_num_threads() * 4, (T + kTokenGrain - 1) / kTokenGrain));
+  const int64_t chunk = std::max<int64_t>(1, (T + C - 1) / C);
+  std::vector<int64_t> hist_CE(static_cast<size_t>(C * E), 0);
+  std::vector<int64_t> first_bad_C(static_cast<size_t>(C), -1);
+
+  // 1. Per-chunk expert histograms; remember each chunk's first out-of-range id.
+  parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* hist = hist_CE.data() + c * E;
+      const int64_t i1 = std::min(T, (c + 1) * chunk) * K;
+      for (int64_t i = c * chunk * K; i < i1; ++i) {
+        const int64_t e = ids_TK[i];
+        if (e < 0 || e >= E) {
+          first_bad_C[c] = i;
+          break;
+        }
+        ++hist[e];
+      }
+    }
+  });
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t i = first_bad_C[c];
+    if (i >= 0) {
+      throw std::invalid_argument(
+          "permute: ids[" + std::to_string(i / K) + ", " + std::to_string(i % K) + "] = " +
+          std::to_string(ids_TK[i]) + " is not a valid expert id; expected 0 <= id < num_experts (" +
+          std::to_string(E) + "). Check the router's top-k output and num_experts");
+    }
+  }
+
+  // 2. counts_E, then each chunk's first destination row per expert (expert-major, chunk-minor).
+  int64_t row = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t count = 0;
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t h = hist_CE[c * E + e];
+      hist_CE[c * E + e] = row + count;  // reuse the histogram as the offset table
+      count += h;
+    }
+    counts_E[e] = count;
+    row += count;
+  }
+
+  // 3. Scatter: each chunk walks its tokens in (t, k) order, so rows stay stable per expert.
+  const int64_t row_bytes = D * dtype_size(dtype);
+  const auto* src = static_cast<const char*>(x_TD);
+  auto* dst = static_cast<char*>(x_SD);
+  parallel_for(0, C, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t* next_row_E = hist_CE.data() + c * E;
+      const int64_t t1 = std::min(T, (c + 1) * chunk);
+      for (int64_t t = c * chunk; t < t1; ++t) {
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t r = next_row_E[ids_TK[t * K + k]]++;
+          row_map_TK[t * K + k] = r;
+          std::memcpy(dst + r * row_bytes, src + t * row_bytes, static_cast<size_t>(row_bytes));
+        }
+      }
+    }
+  });
+}
+
+void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_TK, int64_t T,
+               int64_t K, int64_t D, int64_t S, DType dtype, void* y_TD) {
+  check_dims("unpermute", T, K, D);
+  check_row_map("unpermute", row_map_TK, T, K, S);
+  parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc_D(static_cast<size_t>(D));
+    if (dtype == DType::kFloat32) {
+      gather_sum_f32(static_cast<const float*>(y_SD), row_map_TK, probs_TK, t0, t1, K, D,
+                     acc_D.data(), static_cast<float*>(y_TD));
+    } else {
+      gather_sum_bf16(static_cast<const uint16_t*>(y_SD), row_map_TK, probs_TK, t0, t1, K, D,
+                      acc_D.data(), static_cast<uint16_t*>(y_TD));
+    }
+  });
+}
+
+void unpermute_backward(const void* grad_TD, const void* y_SD, const int64_t* row_map_TK,
+                        const float* probs_TK, int64_t T, int64_t K, int64_t D, int64_t S,
+                        DType dtype, void* grad_y_SD, float* grad_probs_TK) {
+  check_dims("unpermute_backward", T, K, D);
+  check_row_map("unpermute_backward", row_map_TK, T, K, S);
+  if (grad_probs_TK && (!probs_TK || !y_SD)) {
+    throw std::invalid_argument("unpermute_backward: grad_probs needs probs and y_SD; got "
+                                "a null probs or y_SD pointer");
+  }
+  parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
+    if (dtype == DType::kFloat32) {
+      scatter_f32(static_cast<const float*>(grad_TD), static_cast<const float*>(y_SD), row_map_TK,
+                  probs_TK, t0, t1, K, D, static_cast<float*>(grad_y_SD), grad_probs_TK);
+    } else {
+      scatter_bf16(static_cast<const uint16_t*>(grad_TD), static_cast<const uint16_t*>(y_SD),
+                   row_map_TK, probs_TK, t0, t1, K, D, static_cast<uint16_t*>(grad_y_SD),
+                   grad_probs_TK);
+    }
+  });
+}
+
+}  // namespace moeplug

@@ -1,0 +1,141 @@
+// Fused SwiGLU forward/backward. Inner loops are branch-free over f so GCC vectorises them
+// (exp is a polynomial below, not libm's scalar expf).
+//
+// Shape legend: S rows, F expert FFN hidden size.
+#include "moeplug/swiglu.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "moeplug/thread_pool.h"
+
+namespace moeplug {
+
+namespace {
+
+constexpr int64_t kRowGrain = 16;
+
+// Cephes-style expf: range reduction to [-ln2/2, ln2/2] plus a degree-5 polynomial, ~1 ulp.
+// Inputs are clamped so 2^n never overflows the exponent field; sigmoid only needs the
+// saturated ends to be 0 or huge, which the clamp preserves.
+MOEPLUG_INLINE float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float fx = x * 1.44269504088896341f;
+  const float n = static_cast<float>(static_cast<int32_t>(fx + (fx >= 0.0f ? 0.5f : -0.5f)));
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+template <class T_>
+MOEPLUG_INLINE void fwd_rows(const T_* h, const float* probs, int64_t s0, int64_t s1, int64_t F,
+                             T_* a) {
+  for (int64_t s = s0; s < s1; ++s) {
+    const T_* g_F = h + s * 2 * F;
+    const T_* u_F = g_F + F;
+    T_* a_F = a + s * F;
+    const float p = probs ? probs[s] : 1.0f;
+    for (int64_t f = 0; f < F; ++f) {
+      const float g = load_f32(g_F, f);
+      const float silu = g / (1.0f + exp_approx(-g));
+      store_f32(a_F, f, silu * load_f32(u_F, f) * p);
+    }
+  }
+}
+
+template <class T_>
+MOEPLUG_INLINE void bwd_rows(const T_* da, const T_* h, const float* probs, int64_t s0,
+                             int64_t s1, int64_t F, T_* dh, float* dprobs) {
+  for (int64_t s = s0; s < s1; ++s) {
+    const T_* g_F = h + s * 2 * F;
+    const T_* u_F = g_F + F;
+    const T_* da_F = da + s * F;
+    T_* dg_F = dh + s * 2 * F;
+    T_* du_F = dg_F + F;
+    const float p = probs ? probs[s] : 1.0f;
+    float dp = 0.0f;
+#pragma omp simd reduction(+ : dp)
+    for (int64_t f = 0; f < F; ++f) {
+      const float g = load_f32(g_F, f);
+      const float u = load_f32(u_F, f);
+      const float d = load_f32(da_F, f);
+      const float sig = 1.0f / (1.0f + exp_approx(-g));
+      const float silu = g * sig;
+      const float dsilu = sig * (1.0f + g * (1.0f - sig));
+      store_f32(dg_F, f, d * p * u * dsilu);
+      store_f32(du_F, f, d * p * silu);
+      dp += d * silu * u;
+    }
+    if (dprobs) dprobs[s] = dp;
+  }
+}
+
+MOEPLUG_MULTIVERSION void fwd_f32(const float* h, const float* p, int64_t s0, int64_t s1,
+                                  int64_t F, float* a) {
+  fwd_rows(h, p, s0, s1, F, a);
+}
+MOEPLUG_MULTIVERSION void fwd_bf16(const uint16_t* h, const float* p, int64_t s0, int64_t s1,
+                                   int64_t F, uint16_t* a) {
+  fwd_rows(h, p, s0, s1, F, a);
+}
+MOEPLUG_MULTIVERSION void bwd_f32(const float* da, const float* h, const float* p, int64_t s0,
+                                  int64_t s1, int64_t F, float* dh, float* dp) {
+  bwd_rows(da, h, p, s0, s1, F, dh, dp);
+}
+MOEPLUG_MULTIVERSION void bwd_bf16(const uint16_t* da, const uint16_t* h, const float* p,
+                                   int64_t s0, int64_t s1, int64_t F, uint16_t* dh, float* dp) {
+  bwd_rows(da, h, p, s0, s1, F, dh, dp);
+}
+
+void check_dims(const char* op, int64_t S, int64_t F) {
+  if (S < 0 || F < 1) {
+    throw std::invalid_argument(std::string(op) + ": expected rows >= 0 and ffn_hidden >= 1; got "
+                                "rows=" + std::to_string(S) + ", ffn_hidden=" + std::to_string(F));
+  }
+}
+
+}  // namespace
+
+void swiglu_forward(const void* h_S2F, const float* probs_S, int64_t S, int64_t F, DType dtype,
+                    void* a_SF) {
+  check_dims("swiglu_forward", S, F);
+  parallel_for(0, S, kRowGrain, [&](int64_t s0, int64_t s1) {
+    if (dtype == DType::kFloat32) {
+      fwd_f32(static_cast<const float*>(h_S2F), probs_S, s0, s1, F, static_cast<float*>(a_SF));
+    } else {
+      fwd_bf16(static_cast<const uint16_t*>(h_S2F), probs_S, s0, s1, F,
+               static_cast<uint16_t*>(a_SF));
+    }
+  });
+}
+
+void swiglu_backward(const void* grad_a_SF, const void* h_S2F, const float* probs_S, int64_t S,
+                     int64_t F, DType dtype, void* grad_h_S2F, float* grad_probs_S) {
+  check_dims("swiglu_backward", S, F);
+  if (grad_probs_S && !probs_S) {
+    throw std::invalid_argument("swiglu_backward: grad_probs requested but probs is null; "
+                                "pass the forward's probs or do not ask for their gradient");
+  }
+  parallel_for(0, S, kRowGrain, [&](int64_t s0, int64_t s1) {
+    if (dtype == DType::kFloat32) {
+      bwd_f32(static_cast<const float*>(grad_a_SF), static_cast<const float*>(h_S2F), probs_S, s0,
+              s1, F, static_cast<float*>(grad_h_S2F), grad_probs_S);
+    } else {
+      bwd_bf16(static_cast<const uint16_t*>(grad_a_SF), static_cast<const uint16_t*>(h_S2F),
+               probs_S, s0, s1, F, static_cast<uint16_t*>(grad_h_S2F), grad_probs_S);
+    }
+  });
+}
+
+}  // namespace moeplug

@@ -1,0 +1,146 @@
+#include "moeplug/thread_pool.h"
+
+#include <algorithm>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+namespace moeplug {
+
+namespace {
+thread_local bool t_inside_pool = false;  // true while this thread runs a chunk
+}
+
+ThreadPool::ThreadPool(int num_threads) {
+  if (num_threads < 1) {
+    throw std::invalid_argument("ThreadPool: num_threads must be >= 1, got " +
+                                std::to_string(num_threads));
+  }
+  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (auto& w : workers_) w.join();
+}
+
+void ThreadPool::run_chunks() {
+  // Chunks are claimed under the lock: there are only a few per call (a handful per thread),
+  // so contention is negligible next to the work in each chunk.
+  t_inside_pool = true;
+  for (;;) {
+    int64_t c;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (next_chunk_ >= num_chunks_) break;
+      c = next_chunk_++;
+    }
+    const int64_t lo = begin_ + c * chunk_;
+    const int64_t hi = std::min(end_, lo + chunk_);
+    try {
+      (*fn_)(lo, hi);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_) error_ = std::current_exception();
+      next_chunk_ = num_chunks_;  // stop handing out work after a failure
+    }
+  }
+  t_inside_pool = false;
+}
+
+void ThreadPool::worker_loop() {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      ++busy_workers_;
+    }
+    run_chunks();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--busy_workers_ == 0) done_cv_.notify_one();
+    }
+  }
+}
+
+void ThreadPool::parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) {
+  if (end <= begin) return;
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t n = end - begin;
+  // A few chunks per thread evens out uneven chunk costs without much scheduling overhead.
+  const int64_t max_chunks = std::max<int64_t>(1, n / grain);
+  const int64_t num_chunks = std::min<int64_t>(max_chunks, int64_t(num_threads()) * 4);
+  if (num_chunks == 1 || workers_.empty() || t_inside_pool) {
+    fn(begin, end);
+    return;
+  }
+  std::lock_guard<std::mutex> call_lock(call_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fn_ = &fn;
+    begin_ = begin;
+    end_ = end;
+    chunk_ = (n + num_chunks - 1) / num_chunks;
+    num_chunks_ = (n + chunk_ - 1) / chunk_;
+    next_chunk_ = 0;
+    error_ = nullptr;
+    ++generation_;
+  }
+  work_cv_.notify_all();
+  run_chunks();
+  std::exception_ptr error;
+  {
+    // Wait until every worker that woke for this generation has left run_chunks; a worker
+    // that wakes late finds no chunks left and only bumps busy_workers_ briefly.
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return next_chunk_ >= num_chunks_ && busy_workers_ == 0; });
+    fn_ = nullptr;
+    error = error_;
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+namespace {
+std::mutex g_pool_mu;
+std::shared_ptr<ThreadPool> g_pool;
+
+// Callers hold a shared_ptr for the duration of a call, so set_num_threads never destroys a
+// pool that another thread is still using.
+std::shared_ptr<ThreadPool> global_pool() {
+  std::lock_guard<std::mutex> lock(g_pool_mu);
+  if (!g_pool) {
+    g_pool = std::make_shared<ThreadPool>(std::max(1u, std::thread::hardware_concurrency()));
+  }
+  return g_pool;
+}
+}  // namespace
+
+void set_num_threads(int n) {
+  if (n < 1) {
+    throw std::invalid_argument("set_num_threads: n must be >= 1, got " + std::to_string(n) +
+                                "; pass e.g. torch.get_num_threads()");
+  }
+  std::shared_ptr<ThreadPool> old;
+  {
+    std::lock_guard<std::mutex> lock(g_pool_mu);
+    if (g_pool && g_pool->num_threads() == n) return;
+    old = std::move(g_pool);
+    g_pool = std::make_shared<ThreadPool>(n);
+  }
+  // `old` joins its workers here, once the last in-flight call using it has finished.
+}
+
+int get_num_threads() { return global_pool()->num_threads(); }
+
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) {
+  global_pool()->parallel_for(begin, end, grain, fn);
+}
+
+}  // namespace moeplug
