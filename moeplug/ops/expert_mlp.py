@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from moeplug.ops import reference
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
 from moeplug.ops.swiglu import swiglu_backward_raw, swiglu_forward_raw
-from moeplug.runtime import dtype_code
+from moeplug.runtime import DTYPE_CODES
 
 
 def _slices(counts: list[int]) -> list[tuple[int, int, int]]:
@@ -154,7 +154,10 @@ def expert_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch
     for name, t in (("x_SD", x_SD), ("gate_up_proj", gate_up_proj_L2FD),
                     ("down_proj", down_proj_LDF)):
         check_cpu_contiguous("expert_mlp", name, t)
-    dtype_code(torch.empty(0, dtype=compute_dtype), "expert_mlp", "x_SD (compute dtype)")
+    if compute_dtype not in DTYPE_CODES:
+        raise TypeError(f"expert_mlp: compute dtype {compute_dtype} (from x_SD or autocast) is "
+                        f"not supported; the SwiGLU kernel takes float32 or bfloat16. Fix: pass "
+                        f"x_SD.float() or run under torch.autocast('cpu', dtype=torch.bfloat16)")
     probs32_S = None if probs_S is None else check_probs("expert_mlp", "probs_S", probs_S,
                                                          (x_SD.shape[0],))
     return _ExpertMLP.apply(x_SD, probs_S, probs32_S, counts, gate_up_proj_L2FD, down_proj_LDF,

@@ -1,0 +1,143 @@
+"""expert_mlp (fused grouped SwiGLU MLP) vs a plain per-expert torch loop, plus runtime loading.
+
+Shape legend: S routed rows, D hidden, F expert FFN hidden, L local experts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from moeplug import ops
+from moeplug.ops import reference as ref
+
+
+def make_inputs(counts: list[int], D: int = 24, F: int = 40, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    S, L = sum(counts), len(counts)
+    x_SD = torch.randn(S, D, generator=gen)
+    probs_S = torch.rand(S, generator=gen)
+    w13_L2FD = torch.randn(L, 2 * F, D, generator=gen) * D ** -0.5
+    w2_LDF = torch.randn(L, D, F, generator=gen) * F ** -0.5
+    return x_SD, probs_S, torch.tensor(counts, dtype=torch.int64), w13_L2FD, w2_LDF
+
+
+def run(fn, x_SD, probs_S, counts_L, w13_L2FD, w2_LDF, g_SD, autocast=None):
+    leaves = [t.detach().clone().requires_grad_() for t in (x_SD, probs_S, w13_L2FD, w2_LDF)]
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        y_SD = fn(leaves[0], leaves[1], counts_L, leaves[2], leaves[3])
+    grads = torch.autograd.grad(y_SD, leaves, g_SD.to(y_SD.dtype))
+    return y_SD, grads
+
+
+COUNTS = {
+    "balanced": [8, 8, 8, 8],
+    "zero_token_experts": [0, 13, 0, 7, 0],
+    "one_expert": [21],
+    "all_rows_one_of_many": [0, 0, 17, 0],
+    "single_row": [0, 1],
+}
+
+
+@pytest.mark.parametrize("name", list(COUNTS))
+def test_matches_per_expert_loop_fp32(name):
+    inputs = make_inputs(COUNTS[name])
+    g_SD = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(9))
+    y, grads = run(ops.expert_mlp, *inputs, g_SD)
+    ry, rgrads = run(ref.expert_mlp, *inputs, g_SD)
+    torch.testing.assert_close(y, ry, atol=1e-5, rtol=1e-5)
+    for label, got, want in zip(("x", "probs", "gate_up_proj", "down_proj"), grads, rgrads):
+        assert got.dtype == want.dtype, label
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=label)
+    # Experts that got no rows get exactly zero weight gradients (not garbage from empty()).
+    for e, n in enumerate(COUNTS[name]):
+        if n == 0:
+            assert not grads[2][e].any() and not grads[3][e].any()
+
+
+def test_bf16_autocast_matches_loop_and_keeps_fp32_weight_grads():
+    inputs = make_inputs([10, 0, 22, 5], D=32, F=48, seed=3)
+    g_SD = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(4))
+    y, grads = run(ops.expert_mlp, *inputs, g_SD, autocast=torch.bfloat16)
+    ry, rgrads = run(ref.expert_mlp, *inputs, g_SD)  # fp32 ground truth
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ry, atol=3e-2, rtol=3e-2)
+    for label, got, want, leaf in zip(("x", "probs", "gate_up_proj", "down_proj"), grads, rgrads,
+                                      (inputs[0], inputs[1], inputs[3], inputs[4])):
+        assert got.dtype == leaf.dtype == torch.float32, label  # master weights stay fp32
+        # bf16 keeps 8 mantissa bits: compare relative to each tensor's scale.
+        err = (got - want).abs().max() / want.abs().max()
+        assert err < 3e-2, (label, err.item())
+
+
+def test_bf16_inputs_without_autocast():
+    x_SD, probs_S, counts_L, w13, w2 = make_inputs([6, 9], seed=5)
+    args = (x_SD.bfloat16(), probs_S, counts_L, w13.bfloat16(), w2.bfloat16())
+    y = ops.expert_mlp(*args)
+    torch.testing.assert_close(y, ref.expert_mlp(*args), atol=3e-2, rtol=3e-2)
+
+
+def test_grouped_mm_path_agrees():
+    # The CUDA path (F.grouped_mm) also runs on CPU: the two paths must agree.
+    from moeplug.ops.expert_mlp import _grouped_mm_path
+
+    x_SD, probs_S, counts_L, w13, w2 = make_inputs([5, 0, 11], seed=6)
+    got = _grouped_mm_path(x_SD, probs_S, counts_L.tolist(), w13, w2, torch.float32)
+    torch.testing.assert_close(ops.expert_mlp(x_SD, probs_S, counts_L, w13, w2), got,
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: a.update(counts_L=torch.tensor([3, 3, 3, 3])),
+     r"counts_L = \[3, 3, 3, 3\] sums to 12 but x_SD has 32 rows"),
+    (lambda a: a.update(counts_L=torch.tensor([16, 16])),
+     r"counts_L has 2 entries but the weights hold 4 experts"),
+    (lambda a: a.update(counts_L=torch.tensor([8, 8, 8, 8], dtype=torch.int32)),
+     r"counts_L must be a 1-D int64 CPU tensor, got dtype torch.int32"),
+    (lambda a: a.update(counts_L=torch.tensor([40, -8, 0, 0])),
+     r"sums to 32 but x_SD has 32 rows. Fix: .*all >= 0"),
+    (lambda a: a.update(w2_LDF=torch.zeros(4, 24, 7)),
+     r"down_proj \(4, 24, 7\) \(want \[L, 24, F\]\)"),
+    (lambda a: a.update(probs_S=torch.rand(31)),
+     r"probs_S must have shape \(32,\), got \(31,\)"),
+    (lambda a: a.update(x_SD=a["x_SD"].double()),
+     r"compute dtype torch.float64 .* Fix: pass x_SD.float\(\)"),
+    (lambda a: a.update(w13_L2FD=a["w13_L2FD"].transpose(1, 2).contiguous().transpose(1, 2)),
+     r"gate_up_proj .* is not contiguous. Fix: pass gate_up_proj.contiguous\(\)"),
+])
+def test_errors_name_field_and_fix(mutate, match):
+    x_SD, probs_S, counts_L, w13, w2 = make_inputs([8, 8, 8, 8])
+    args = dict(x_SD=x_SD, probs_S=probs_S, counts_L=counts_L, w13_L2FD=w13, w2_LDF=w2)
+    mutate(args)
+    with pytest.raises((ValueError, TypeError), match=match):
+        ops.expert_mlp(args["x_SD"], args["probs_S"], args["counts_L"], args["w13_L2FD"],
+                       args["w2_LDF"])
+
+
+def test_import_works_without_extension_and_error_names_rebuild_command():
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["moeplug._runtime_core"] = None   # makes `import` of it raise ImportError
+        import moeplug, moeplug.ops, moeplug.runtime as rt
+        import torch
+        assert rt.runtime_info()["available"] is False
+        for _ in range(2):   # the same clear error every time, no silent fallback
+            try:
+                moeplug.ops.permute(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), 2)
+            except rt.RuntimeMissingError as exc:
+                print("ERR:", exc)
+            else:
+                raise SystemExit("permute ran without the extension")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("ERR:")]
+    assert len(lines) == 2
+    assert "moeplug._runtime_core" in lines[0]
+    assert "pip install -e . --no-build-isolation" in lines[0] and "pip install -e ." in lines[0]

@@ -1,0 +1,216 @@
+"""C++ permute / unpermute / swiglu kernels vs the plain-torch references (values and grads).
+
+Shape legend: T tokens, K top-k, D hidden, E experts, S = T*K routed rows, F FFN hidden.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeplug import ops
+from moeplug.ops import reference as ref
+from moeplug.runtime import get_runtime, runtime_info
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def random_ids(T: int, K: int, E: int, gen: torch.Generator) -> torch.Tensor:
+    """Distinct experts per token, like a top-k router."""
+    return torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].contiguous()
+
+
+# (T, K, E, ids builder) covering the adversarial routings the dispatcher can produce.
+ROUTINGS = {
+    "random": (37, 3, 8, lambda T, K, E, g: random_ids(T, K, E, g)),
+    "all_to_one_expert": (20, 1, 6, lambda T, K, E, g: torch.full((T, K), 4, dtype=torch.int64)),
+    "zero_token_experts": (25, 2, 9, lambda T, K, E, g: random_ids(T, K, 3, g) * 3),
+    "top_k_equals_E": (11, 4, 4, lambda T, K, E, g: random_ids(T, K, E, g)),
+    "one_token": (1, 2, 5, lambda T, K, E, g: torch.tensor([[3, 0]])),
+    "many_tokens_parallel": (1500, 2, 16, lambda T, K, E, g: random_ids(T, K, E, g)),
+    "repeated_ids_in_token": (9, 3, 2, lambda T, K, E, g: torch.randint(0, E, (T, K), generator=g)),
+}
+
+
+@pytest.fixture(params=list(ROUTINGS), ids=list(ROUTINGS))
+def routing(request):
+    T, K, E, build = ROUTINGS[request.param]
+    gen = torch.Generator().manual_seed(hash(request.param) % 1000)
+    return T, K, E, build(T, K, E, gen), gen
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_permute_matches_reference(routing, dtype):
+    T, K, E, ids_TK, gen = routing
+    D = 19  # odd: exercises vector tails
+    x_TD = torch.randn(T, D, generator=gen).to(dtype).requires_grad_()
+    x_SD, row_map_TK, counts_E = ops.permute(x_TD, ids_TK, E)
+    rx_SD, rrow_map_TK, rcounts_E = ref.permute(x_TD.detach(), ids_TK, E)
+    assert torch.equal(counts_E, rcounts_E)
+    assert torch.equal(row_map_TK, rrow_map_TK)  # stable order: (token, k) within an expert
+    assert torch.equal(x_SD.detach(), rx_SD)  # a permutation copies bits exactly
+    assert counts_E.dtype == torch.int64 and counts_E.device.type == "cpu"
+
+    g_SD = torch.randn(T * K, D, generator=gen).to(dtype)
+    (grad,) = torch.autograd.grad(x_SD, x_TD, g_SD)
+    want = g_SD.float()[row_map_TK].sum(dim=1).to(dtype)
+    torch.testing.assert_close(grad, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_unpermute_matches_reference(routing, dtype, with_probs):
+    T, K, E, ids_TK, gen = routing
+    D = 33
+    _, row_map_TK, _ = ref.permute(torch.zeros(T, 1), ids_TK, E)
+    y_SD = torch.randn(T * K, D, generator=gen).to(dtype).requires_grad_()
+    probs_TK = torch.rand(T, K, generator=gen).requires_grad_() if with_probs else None
+    ry_SD = y_SD.detach().clone().requires_grad_()
+    rprobs_TK = probs_TK.detach().clone().requires_grad_() if with_probs else None
+
+    y_TD = ops.unpermute(y_SD, row_map_TK, probs_TK)
+    ry_TD = ref.unpermute(ry_SD, row_map_TK, rprobs_TK)
+    assert y_TD.dtype == dtype
+    torch.testing.assert_close(y_TD, ry_TD, **TOL[dtype])
+
+    g_TD = torch.randn(T, D, generator=gen).to(dtype)
+    inputs = (y_SD, probs_TK) if with_probs else (y_SD,)
+    rinputs = (ry_SD, rprobs_TK) if with_probs else (ry_SD,)
+    for got, want in zip(torch.autograd.grad(y_TD, inputs, g_TD),
+                         torch.autograd.grad(ry_TD, rinputs, g_TD)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_permute_then_unpermute_roundtrip():
+    gen = torch.Generator().manual_seed(0)
+    T, K, E, D = 64, 2, 8, 16
+    x_TD = torch.randn(T, D, generator=gen)
+    ids_TK = random_ids(T, K, E, gen)
+    x_SD, row_map_TK, _ = ops.permute(x_TD, ids_TK, E)
+    # Plain sum of K identical copies is K * x.
+    torch.testing.assert_close(ops.unpermute(x_SD, row_map_TK), K * x_TD)
+
+
+def test_unpermute_padded_rows_get_zero_grad():
+    # S > T*K (a dispatcher may pad): rows nobody reads must get exactly zero gradient.
+    row_map_TK = torch.tensor([[0, 5], [2, 3]])
+    y_SD = torch.randn(7, 4, requires_grad=True)
+    probs_TK = torch.rand(2, 2)
+    y_TD = ops.unpermute(y_SD, row_map_TK, probs_TK)
+    torch.testing.assert_close(y_TD, ref.unpermute(y_SD.detach(), row_map_TK, probs_TK))
+    (grad,) = torch.autograd.grad(y_TD.sum(), y_SD)
+    assert torch.equal(grad[[1, 4, 6]], torch.zeros(3, 4))
+    torch.testing.assert_close(grad[5], probs_TK[0, 1].expand(4))
+
+
+def test_empty_batch():
+    x_SD, row_map_TK, counts_E = ops.permute(torch.zeros(0, 8), torch.zeros(0, 2, dtype=torch.int64), 4)
+    assert x_SD.shape == (0, 8) and row_map_TK.shape == (0, 2)
+    assert torch.equal(counts_E, torch.zeros(4, dtype=torch.int64))
+    assert ops.unpermute(x_SD, row_map_TK).shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_probs", [True, False])
+@pytest.mark.parametrize("S,F", [(1, 1), (7, 13), (300, 64)])
+def test_swiglu_matches_reference(dtype, with_probs, S, F):
+    gen = torch.Generator().manual_seed(S * 100 + F)
+    # Wide range: exercises the saturated ends of the polynomial exp.
+    h_S2F = (torch.randn(S, 2 * F, generator=gen) * 6).to(dtype).requires_grad_()
+    probs_S = torch.rand(S, generator=gen).requires_grad_() if with_probs else None
+    rh_S2F = h_S2F.detach().clone().requires_grad_()
+    rprobs_S = probs_S.detach().clone().requires_grad_() if with_probs else None
+    a_SF = ops.swiglu(h_S2F, probs_S)
+    ra_SF = ref.swiglu(rh_S2F, rprobs_S)
+    torch.testing.assert_close(a_SF, ra_SF, **TOL[dtype])
+
+    g_SF = torch.randn(S, F, generator=gen).to(dtype)
+    inputs = (h_S2F, probs_S) if with_probs else (h_S2F,)
+    rinputs = (rh_S2F, rprobs_S) if with_probs else (rh_S2F,)
+    for got, want in zip(torch.autograd.grad(a_SF, inputs, g_SF),
+                         torch.autograd.grad(ra_SF, rinputs, g_SF)):
+        # dp sums F products of size ~36 in a different order than torch: looser for fp32.
+        tol = TOL[dtype] if got.shape == h_S2F.shape else {
+            torch.float32: dict(atol=1e-3, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}[dtype]
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_swiglu_extreme_inputs_stay_finite():
+    h = torch.tensor([[-200.0, -90.0, 0.0, 90.0, 200.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    a = ops.swiglu(h)
+    torch.testing.assert_close(a, ref.swiglu(h))
+    assert torch.isfinite(a).all()
+
+
+# ---- error paths: each message names the argument, the value and the fix ------------------
+
+def test_bad_expert_id_names_position_and_range():
+    ids_TK = torch.tensor([[0, 1], [2, 9], [1, 0]])
+    with pytest.raises(ValueError, match=r"ids\[1, 1\] = 9 .*0 <= id < num_experts \(4\)"):
+        ops.permute(torch.randn(3, 8), ids_TK, 4)
+    with pytest.raises(ValueError, match=r"ids\[0, 0\] = -1"):
+        ops.permute(torch.randn(3, 8), torch.tensor([[-1, 0], [0, 1], [1, 2]]), 4)
+
+
+def test_bad_row_map_is_rejected():
+    y_SD = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"row_map\[1, 0\] = 4 is outside \[0, 4\).*permute returned"):
+        ops.unpermute(y_SD, torch.tensor([[0, 1], [4, 2]]))
+    with pytest.raises(ValueError, match=r"row_map\[1, 1\] = 0 repeats.*exactly one"):
+        ops.unpermute(y_SD, torch.tensor([[0, 1], [2, 0]]))
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: ops.permute(torch.randn(4, 8, dtype=torch.float64), torch.zeros(4, 1, dtype=torch.int64), 2),
+     r"permute: x_TD has dtype torch.float64.*Fix: cast with x_TD.float\(\)"),
+    (lambda: ops.permute(torch.randn(8, 4).t(), torch.zeros(4, 1, dtype=torch.int64), 2),
+     r"permute: x_TD .*not contiguous. Fix: pass x_TD.contiguous\(\)"),
+    (lambda: ops.permute(torch.randn(4, 8), torch.zeros(4, 1, dtype=torch.int32), 2),
+     r"permute: ids_TK has dtype torch.int32; expected torch.int64. Fix: pass ids_TK.long\(\)"),
+    (lambda: ops.permute(torch.randn(4, 8), torch.zeros(3, 1, dtype=torch.int64), 2),
+     r"ids_TK has 3 rows but x_TD has 4 tokens"),
+    (lambda: ops.permute(torch.randn(4, 8), torch.zeros(4, 1, dtype=torch.int64), 0),
+     r"num_experts = 0 must be an integer >= 1"),
+    (lambda: ops.permute(torch.randn(4), torch.zeros(4, 1, dtype=torch.int64), 2),
+     r"permute: x_TD must be 2-D \[T, D\], got shape \(4,\)"),
+    (lambda: ops.unpermute(torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int64), torch.rand(2, 3)),
+     r"unpermute: probs_TK must have shape \(2, 2\), got \(2, 3\)"),
+    (lambda: ops.swiglu(torch.randn(3, 5)),
+     r"swiglu: h_S2F has 5 columns; expected an even number"),
+    (lambda: ops.swiglu(torch.randn(3, 4), torch.ones(3, dtype=torch.int64)),
+     r"swiglu: probs_S has dtype torch.int64; expected a floating dtype"),
+])
+def test_argument_errors_name_field_and_fix(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+def test_cpp_rejects_unknown_dtype_code():
+    core = get_runtime()
+    with pytest.raises(ValueError, match=r"dtype code 7 is unknown; expected 0 \(float32\) or 1"):
+        core.swiglu_forward(h=0, probs=0, a=0, num_rows=0, ffn_hidden=1, dtype=7)
+
+
+def test_thread_pool_size_and_build_info():
+    core = get_runtime()
+    before = core.get_num_threads()
+    try:
+        core.set_num_threads(3)
+        assert core.get_num_threads() == 3
+        # Results do not depend on the pool size (fixed chunking keeps permute stable).
+        gen = torch.Generator().manual_seed(1)
+        ids_TK = random_ids(999, 2, 7, gen)
+        x_TD = torch.randn(999, 5, generator=gen)
+        got = ops.permute(x_TD, ids_TK, 7)
+        core.set_num_threads(1)
+        want = ops.permute(x_TD, ids_TK, 7)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        with pytest.raises(ValueError, match=r"set_num_threads: n must be >= 1, got 0"):
+            core.set_num_threads(0)
+    finally:
+        core.set_num_threads(before)
+    info = runtime_info()
+    assert info["available"] and info["cuda"] is False
+    assert {"version", "compiler", "flags", "num_threads"} <= set(info)
