@@ -1,0 +1,90 @@
+"""Dispatcher contract (one process): shapes, counts, expert-contiguous rows, dispatch -> identity
+experts -> combine gives sum_k p*x, gradients to tokens and probs, two dispatches in flight.
+
+Legend: T tokens, D hidden, E experts, K top-k, L local experts, S rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moeplug.config import ModelConfig
+from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
+from moeplug.testing._common import (build, close, expect, expect_no_new_state, state_snapshot,
+                                     tiny_model_config)
+
+
+def random_routing(T: int, E: int, K: int, generator: torch.Generator,
+                   allowed_experts: int | None = None) -> RouterOutput:
+    """Distinct ids per token drawn from the first ``allowed_experts`` experts, random probs."""
+    n = allowed_experts or E
+    ids_TK = torch.stack([torch.randperm(n, generator=generator)[:K] for _ in range(T)])
+    probs_TK = torch.rand(T, K, generator=generator).requires_grad_()
+    return RouterOutput(probs_TK=probs_TK, ids_TK=ids_TK, aux_loss=torch.zeros(()))
+
+
+def _tagged_experts(d: Dispatched) -> torch.Tensor:
+    # "Identity" experts that also tag each row with its expert (e + 1): a row grouped under the
+    # wrong expert, or carrying the wrong prob, changes the combined result.
+    e_S = torch.repeat_interleave(torch.arange(len(d.counts_L)), d.counts_L)
+    return d.x_SD * d.probs_S.unsqueeze(-1) * (e_S + 1).unsqueeze(-1).to(d.x_SD.dtype)
+
+
+def _expected(x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
+    weight_TK = routing.probs_TK * (routing.ids_TK + 1).to(routing.probs_TK.dtype)
+    return x_TD * weight_TK.sum(dim=-1, keepdim=True)
+
+
+def check_dispatcher(source: Any, name: str | None = None, *, model_cfg: ModelConfig | None = None,
+                     options: Any = None, num_tokens: int = 11, seed: int = 0) -> None:
+    cfg = model_cfg or tiny_model_config()
+    E, K, D, T = cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden_size, num_tokens
+    gen = torch.Generator().manual_seed(seed)
+    disp, label = build(source, "dispatcher", name, options, cfg, None)
+    expect(isinstance(disp, Dispatcher), label, f"is a {type(disp).__name__}, not a Dispatcher")
+    expect(disp.num_experts == E and disp.num_local_experts == E, label,
+           f"at one process num_experts/num_local_experts = {disp.num_experts}/"
+           f"{disp.num_local_experts}, expected {E}/{E}")
+
+    # Round trip, with K and E chosen so some experts get no rows in the second case.
+    for allowed in (E, K):
+        routing = random_routing(T, E, K, gen, allowed_experts=allowed)
+        x_TD = torch.randn(T, D, generator=gen).requires_grad_()
+        before = state_snapshot(disp)
+        d = disp.dispatch(x_TD, routing)
+        expect_no_new_state(before, disp, label, "dispatch")
+        _check_dispatched(d, label, routing, T, K, D)
+        y_TD = disp.combine(_tagged_experts(d), d.meta)
+        expect_no_new_state(before, disp, label, "combine")
+        close(y_TD, _expected(x_TD, routing), label, "combine(identity experts(dispatch(x)))")
+
+        w_TD = torch.randn(T, D, generator=gen)
+        grads = torch.autograd.grad((y_TD * w_TD).sum(), (x_TD, routing.probs_TK))
+        ref = torch.autograd.grad((_expected(x_TD, routing) * w_TD).sum(), (x_TD, routing.probs_TK))
+        close(grads[0], ref[0], label, "gradient w.r.t. x_TD")
+        close(grads[1], ref[1], label, "gradient w.r.t. probs_TK")
+
+    # Two micro-batches in flight, combined in reverse order: everything combine needs is in meta.
+    r1, r2 = random_routing(T, E, K, gen), random_routing(T + 3, E, K, gen)
+    x1, x2 = torch.randn(T, D, generator=gen), torch.randn(T + 3, D, generator=gen)
+    d1, d2 = disp.dispatch(x1, r1), disp.dispatch(x2, r2)
+    y2 = disp.combine(_tagged_experts(d2), d2.meta)
+    y1 = disp.combine(_tagged_experts(d1), d1.meta)
+    close(y2, _expected(x2, r2), label, "second of two in-flight micro-batches")
+    close(y1, _expected(x1, r1), label, "first of two in-flight micro-batches (combined last)")
+
+
+def _check_dispatched(d: Any, label: str, routing: RouterOutput, T: int, K: int, D: int) -> None:
+    S = T * K
+    expect(isinstance(d, Dispatched), label, f"dispatch returned {type(d).__name__}, not Dispatched")
+    expect(d.x_SD.shape == (S, D), label, f"x_SD has shape {tuple(d.x_SD.shape)}, expected {(S, D)}")
+    expect(d.probs_S.shape == (S,) and d.probs_S.dtype == torch.float32, label,
+           f"probs_S is {d.probs_S.dtype}{tuple(d.probs_S.shape)}, expected float32{(S,)}")
+    expect(d.counts_L.dtype == torch.int64 and d.counts_L.device.type == "cpu", label,
+           f"counts_L is {d.counts_L.dtype} on {d.counts_L.device}, expected an int64 CPU tensor")
+    expect(int(d.counts_L.sum()) == S, label, f"counts_L sums to {int(d.counts_L.sum())}, expected S = {S}")
+    want = torch.bincount(routing.ids_TK.reshape(-1), minlength=len(d.counts_L))
+    expect(torch.equal(d.counts_L, want), label,
+           f"counts_L = {d.counts_L.tolist()}, but the routing sends {want.tolist()} rows per expert")

@@ -1,0 +1,141 @@
+"""Run a function on N real processes joined by a gloo process group on 127.0.0.1 (tests only).
+
+    results = run_distributed(fn, 4, arg1, arg2)   # fn(rank, world_size, arg1, arg2) on 4 ranks
+
+``fn`` must be importable by the children (a module-level function) and return something
+picklable; ``results[r]`` is rank r's return value. The harness guarantees three things tests need:
+
+* **No hangs.** The whole run has a wall-clock ``timeout``; on expiry every child is killed and
+  :class:`DistributedTimeout` names the ranks that had not finished. The process group itself is
+  created with ``pg_timeout``, so a rank waiting on a dead peer raises instead of blocking.
+* **Failures keep their traceback.** An exception on any rank becomes a
+  :class:`DistributedError` carrying each failed rank's formatted traceback (and the exit code of
+  ranks that died without one). After the first failure the others get ``grace`` seconds to
+  report their own error (often the more telling one) before they are killed.
+* **Clean teardown.** Every child destroys its process group; the parent reaps every child.
+
+Children run with one intra-op thread (OMP_NUM_THREADS=1): the test machines are small and N
+ranks of multi-threaded torch would only fight over the same cores.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class DistributedError(RuntimeError):
+    """One or more ranks failed; ``failures`` maps rank -> traceback text or exit reason."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = dict(sorted(failures.items()))
+        parts = [f"--- rank {r} ---\n{text.rstrip()}" for r, text in self.failures.items()]
+        super().__init__(f"{len(self.failures)} rank(s) failed: {sorted(self.failures)}\n"
+                         + "\n".join(parts))
+
+
+class DistributedTimeout(DistributedError):
+    """The run exceeded its wall-clock timeout; all children were killed."""
+
+
+def free_port() -> int:
+    # Bind to port 0 so the OS picks an unused port; the tiny race until rank 0 binds it again
+    # is acceptable for tests.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: float,
+           results: Any, args: tuple) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        # Pickle to bytes here: handing tensors to the queue directly would send them through
+        # torch's shared-memory reducer, whose file descriptors die with this process.
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # report everything, including SystemExit from the test body
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
+                    pg_timeout: float = 60, grace: float = 10) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the
+    per-rank results in rank order. Raises DistributedError / DistributedTimeout."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size = {world_size!r}: must be a positive integer. "
+                         "Fix: pass the number of ranks to spawn")
+    # spawn, not fork: a forked child would inherit the parent's torch/OpenMP thread state, which
+    # can deadlock; spawn costs ~1 s of import per rank and is always safe.
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, pg_timeout, results, args),
+                         daemon=True, name=f"moeplug-rank{r}") for r in range(world_size)]
+    for p in procs:
+        p.start()
+
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    first_failure_at: float | None = None
+    try:
+        while len(outputs) + len(failures) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                pending = [r for r in range(world_size) if r not in outputs and r not in failures]
+                for r in pending:
+                    failures[r] = f"still running after the {timeout} s timeout; killed"
+                raise DistributedTimeout(failures)
+            if first_failure_at is not None and now > first_failure_at + grace:
+                for r in range(world_size):
+                    if r not in outputs and r not in failures:
+                        failures[r] = f"killed {grace} s after another rank failed"
+                break
+            try:
+                rank, ok, value = results.get(timeout=0.1)
+            except queue.Empty:
+                # A child that died without reporting (os._exit, a signal, a segfault).
+                for r, p in enumerate(procs):
+                    if r in outputs or r in failures or p.is_alive():
+                        continue
+                    try:  # its report may still be in flight through the queue's pipe
+                        rank, ok, value = results.get(timeout=0.5)
+                    except queue.Empty:
+                        failures[r] = f"process exited with code {p.exitcode} without a result"
+                        first_failure_at = first_failure_at or time.monotonic()
+                        continue
+                    break
+                else:
+                    continue
+            if ok:
+                outputs[rank] = pickle.loads(value)
+            else:
+                failures[rank] = value
+                first_failure_at = first_failure_at or time.monotonic()
+        if failures:
+            raise DistributedError(failures)
+        return [outputs[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()

@@ -1,0 +1,35 @@
+"""Precision contract: a name and a compute dtype, an ``autocast`` that computes in that dtype, is
+re-enterable and restores the previous state, while parameters and their grads stay fp32."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moeplug.interfaces import Precision
+from moeplug.testing._common import build, expect
+
+
+def check_precision(source: Any, name: str | None = None, *, options: Any = None,
+                    device_type: str = "cpu") -> None:
+    prec, label = build(source, "precision", name, options)
+    expect(isinstance(prec, Precision), label, f"is a {type(prec).__name__}, not a Precision")
+    expect(isinstance(prec.name, str) and prec.name, label, f"name must be a non-empty str, got {prec.name!r}")
+    expect(isinstance(prec.compute_dtype, torch.dtype) and prec.compute_dtype.is_floating_point, label,
+           f"compute_dtype must be a floating torch.dtype, got {prec.compute_dtype!r}")
+
+    layer = nn.Linear(8, 8).to(device_type)
+    x = torch.randn(4, 8, device=device_type)
+    was_enabled = torch.is_autocast_enabled(device_type)
+    for attempt in ("first", "second"):  # one Precision object wraps every step
+        with prec.autocast(device_type):
+            y = layer(x)
+        expect(y.dtype == prec.compute_dtype, label,
+               f"{attempt} use: a Linear under autocast produced {y.dtype}, expected {prec.compute_dtype}")
+        expect(torch.is_autocast_enabled(device_type) == was_enabled, label,
+               "autocast did not restore the previous autocast state on exit")
+        y.float().sum().backward()
+    expect(layer.weight.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32, label,
+           "parameters and their gradients must stay fp32 (master weights)")

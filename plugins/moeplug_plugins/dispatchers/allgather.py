@@ -1,0 +1,70 @@
+"""``allgather`` dispatcher, structured like Megatron's MoEAllGatherTokenDispatcher.
+
+Legend: T local tokens, G gathered tokens (T * ep_size), K top-k, D hidden, L local experts,
+S rows for the local experts.
+
+dispatch:
+    1. gather       all-gather tokens, probs and ids over the EP group       -> x_GD, ids_GK
+    2. select       choices of experts this rank owns keep their local id; the others go to a
+                    sink expert L, whose rows sort last and are cut off
+    3. permute      group the kept rows by local expert                       (moeplug.ops.permute)
+combine: pad the sink rows with zeros -> unpermute -> reduce-scatter back to this rank's T tokens.
+At one rank, gather and reduce-scatter are the identity and no choice goes to the sink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeplug.config import ModelConfig
+from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
+from moeplug.ops import permute, unpermute
+from moeplug_plugins.dispatchers._group import MULTI_RANK_TODO, ep_layout
+
+
+@dataclass(frozen=True)
+class AllGatherMeta:
+    row_map_GK: torch.Tensor  # row of the [S + sink rows] buffer holding (gathered token, choice)
+    num_sink_rows: int        # rows routed to other ranks' experts (zeros on the way back)
+
+
+class AllGatherDispatcher(Dispatcher):
+    def __init__(self, model: ModelConfig, group=None):
+        self.group = group
+        self.ep_size, self.ep_rank, self.num_local_experts = ep_layout(model, group)
+        self.num_experts = model.moe.num_experts
+
+    def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
+        L = self.num_local_experts
+        # 1. gather
+        x_GD, probs_GK, ids_GK = (self._all_gather(t) for t in (x_TD, routing.probs_TK, routing.ids_TK))
+        # 2. select local experts (others -> sink expert L)
+        local_GK = ids_GK - self.ep_rank * L
+        is_local_GK = (local_GK >= 0) & (local_GK < L)
+        local_GK = torch.where(is_local_GK, local_GK, torch.full_like(local_GK, L))
+        # 3. permute over L + 1 experts; the sink's rows are last
+        x_RD, row_map_GK, counts = permute(x_GD, local_GK, L + 1)
+        probs_R = probs_GK.new_zeros(x_RD.shape[0]).index_put(
+            (row_map_GK.reshape(-1),), probs_GK.reshape(-1))
+        num_sink = int(counts[L])
+        S = x_RD.shape[0] - num_sink
+        return Dispatched(x_RD[:S], probs_R[:S], counts[:L].to(torch.int64).cpu(),
+                          AllGatherMeta(row_map_GK, num_sink))
+
+    def combine(self, y_SD: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
+        y_RD = torch.cat([y_SD, y_SD.new_zeros((meta.num_sink_rows, y_SD.shape[1]))])
+        y_GD = unpermute(y_RD, meta.row_map_GK)
+        return self._reduce_scatter(y_GD)
+
+    # ---- collectives (identity at one rank) -----------------------------------------------
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            raise NotImplementedError(MULTI_RANK_TODO)
+        return t
+
+    def _reduce_scatter(self, y_GD: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            raise NotImplementedError(MULTI_RANK_TODO)
+        return y_GD

@@ -1,0 +1,78 @@
+"""``alltoall`` dispatcher, structured like Megatron's MoEAlltoAllTokenDispatcher.
+
+Legend: T local tokens, K top-k, D hidden, E experts (global), L local experts, S rows.
+
+dispatch:
+    1. permute      group this rank's T*K token copies by global expert   (moeplug.ops.permute)
+    2. counts       exchange per-expert row counts with every EP rank
+    3. all-to-all   send each expert's rows to the rank that owns it
+    4. sort         received chunks are (source rank, local expert)-major: reorder expert-major
+combine runs the inverse: unsort -> all-to-all back -> unpermute (plain sum: rows carry p).
+At one rank, steps 2-4 are the identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeplug.config import ModelConfig
+from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
+from moeplug.ops import permute, unpermute
+from moeplug_plugins.dispatchers._group import MULTI_RANK_TODO, ep_layout
+
+
+@dataclass(frozen=True)
+class AlltoAllMeta:
+    row_map_TK: torch.Tensor  # row of the permuted buffer holding (token t, choice k)
+    counts_E: torch.Tensor    # rows this rank sent per global expert (for the way back)
+
+
+class AlltoAllDispatcher(Dispatcher):
+    def __init__(self, model: ModelConfig, group=None):
+        self.group = group
+        self.ep_size, self.ep_rank, self.num_local_experts = ep_layout(model, group)
+        self.num_experts = model.moe.num_experts
+
+    def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
+        # 1. permute
+        x_SD, row_map_TK, counts_E = permute(x_TD, routing.ids_TK, self.num_experts)
+        probs_S = routing.probs_TK.new_zeros(x_SD.shape[0]).index_put(
+            (row_map_TK.reshape(-1),), routing.probs_TK.reshape(-1))
+        # 2. counts  3. all-to-all  4. sort by local expert
+        counts_L = self._exchange_counts(counts_E)
+        x_SD, probs_S = self._all_to_all(x_SD, counts_E), self._all_to_all(probs_S, counts_E)
+        x_SD, probs_S = self._sort_by_local_expert(x_SD), self._sort_by_local_expert(probs_S)
+        return Dispatched(x_SD, probs_S, counts_L, AlltoAllMeta(row_map_TK, counts_E))
+
+    def combine(self, y_SD: torch.Tensor, meta: AlltoAllMeta) -> torch.Tensor:
+        y_SD = self._unsort(y_SD)
+        y_SD = self._all_to_all_back(y_SD, meta.counts_E)
+        return unpermute(y_SD, meta.row_map_TK)
+
+    # ---- collectives (identity at one rank) -----------------------------------------------
+    def _exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            raise NotImplementedError(MULTI_RANK_TODO)
+        return counts_E.to(torch.int64).cpu()
+
+    def _all_to_all(self, rows: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            raise NotImplementedError(MULTI_RANK_TODO)
+        return rows
+
+    def _sort_by_local_expert(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            raise NotImplementedError(MULTI_RANK_TODO)
+        return rows
+
+    def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            raise NotImplementedError(MULTI_RANK_TODO)
+        return rows
+
+    def _all_to_all_back(self, rows: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1:
+            raise NotImplementedError(MULTI_RANK_TODO)
+        return rows

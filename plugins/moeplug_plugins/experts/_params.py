@@ -1,0 +1,29 @@
+"""The parameters every built-in experts backend shares (Hugging Face Mixtral layout).
+
+Legend: L local experts, F expert FFN hidden size, D hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeplug.config import ConfigError, ModelConfig
+from moeplug.interfaces import Experts
+
+
+class ExpertParams(Experts):
+    """``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows) and ``down_proj`` [L, D, F]."""
+
+    def __init__(self, model: ModelConfig, num_local_experts: int):
+        super().__init__()
+        if not isinstance(num_local_experts, int) or num_local_experts <= 0:
+            raise ConfigError(f"num_local_experts = {num_local_experts!r}: must be a positive integer. "
+                              f"Fix: pass num_experts // expert_parallel_size")
+        L, F, D = num_local_experts, model.moe.ffn_hidden_size, model.hidden_size
+        self.num_local_experts = L
+        self.ffn_hidden_size = F
+        self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * F, D, dtype=torch.float32))
+        self.down_proj = nn.Parameter(torch.empty(L, D, F, dtype=torch.float32))
+        nn.init.normal_(self.gate_up_proj, std=model.init_std)
+        nn.init.normal_(self.down_proj, std=model.init_std)
