@@ -62,6 +62,9 @@ def test_bpe_round_trip_and_compression(text_dir, tmp_path):
     # The saved tokenizer file reloads to the same encoder.
     again = BPETokenizer.load(os.path.join(corpus.cache_dir, "tokenizer.json"))
     assert again.encode(train_text) == tok.encode(train_text)
+    # Training is deterministic, so ranks that each prepare the corpus agree on the ids.
+    retrained = BPETokenizer.train([WORKS["alpha"], WORKS["beta"]], 300)
+    assert retrained.encode(WORKS["gamma"]) == tok.encode(WORKS["gamma"])
 
 
 def test_split_by_whole_works_and_exact_ids(text_dir, tmp_path):

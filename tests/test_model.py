@@ -2,15 +2,13 @@
 
 Legend: B batch, S sequence, V vocab, T = B*S tokens, D hidden, K top-k, E experts, F FFN hidden.
 
-The MoE components come from the real plugin host when it is installed; otherwise from a small
-stand-in host below that follows moeplug/interfaces.py with plain torch (a slow, obviously correct
-reference in its own right).
+The MoE components come from the real plugin host (built-in topk router, alltoall dispatcher,
+grouped experts by default); the MoE glue is checked against a per-token loop written here.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,92 +16,12 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from moeplug.config import ConfigError, ModelConfig, MoEConfig, RootConfig, TrainConfig
-from moeplug.interfaces import Dispatched, Dispatcher, Experts, Router, RouterOutput
 from moeplug.modules import MoELayer, MoETransformer, build_model
-from moeplug.modules.flops import flops_per_token
+from moeplug.plugin_host import PluginHost
 
 
-# ------------------------------------------------------------------------------------------------
-# Stand-in host (plain torch, following moeplug/interfaces.py)
-# ------------------------------------------------------------------------------------------------
-
-class _TopKRouter(Router):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.num_experts, self.top_k = cfg.moe.num_experts, cfg.moe.top_k
-        self.coeff = cfg.moe.aux_loss_coeff
-        self.weight = torch.nn.Parameter(torch.randn(self.num_experts, cfg.hidden_size) * 0.02)
-
-    def forward(self, x_TD):
-        logits_TE = F.linear(x_TD.float(), self.weight)
-        scores_TE = logits_TE.softmax(-1)
-        top_TK, ids_TK = scores_TE.topk(self.top_k, dim=-1)
-        probs_TK = top_TK / top_TK.sum(-1, keepdim=True)
-        T = x_TD.shape[0]
-        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts).float()
-        aux = self.coeff * self.num_experts / (self.top_k * T * T) * (scores_TE.sum(0) * counts_E).sum()
-        return RouterOutput(probs_TK, ids_TK, aux, logits_TE)
-
-
-@dataclass(frozen=True)
-class _Meta:
-    order_S: torch.Tensor
-    num_tokens: int
-
-
-class _SortDispatcher(Dispatcher):
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.num_experts = self.num_local_experts = cfg.moe.num_experts
-
-    def dispatch(self, x_TD, routing):
-        T, K = routing.ids_TK.shape
-        order_S = torch.argsort(routing.ids_TK.reshape(-1), stable=True)
-        counts_L = torch.bincount(routing.ids_TK.reshape(-1), minlength=self.num_experts).cpu()
-        return Dispatched(x_TD[order_S // K], routing.probs_TK.reshape(-1)[order_S], counts_L,
-                          _Meta(order_S, T))
-
-    def combine(self, y_SD, meta):
-        K = y_SD.shape[0] // meta.num_tokens
-        y_TD = y_SD.new_zeros(meta.num_tokens, y_SD.shape[1])
-        return y_TD.index_add(0, meta.order_S // K, y_SD)
-
-
-class _LoopExperts(Experts):
-    def __init__(self, cfg: ModelConfig, num_local_experts: int) -> None:
-        super().__init__()
-        self.num_local_experts = num_local_experts
-        D, F_ = cfg.hidden_size, cfg.moe.ffn_hidden_size
-        self.gate_up_proj = torch.nn.Parameter(torch.randn(num_local_experts, 2 * F_, D) * 0.02)
-        self.down_proj = torch.nn.Parameter(torch.randn(num_local_experts, D, F_) * 0.02)
-
-    def forward(self, x_SD, probs_S, counts_L):
-        outs, start = [], 0
-        for e, n in enumerate(counts_L.tolist()):
-            h = x_SD[start:start + n] @ self.gate_up_proj[e].T
-            g, u = h.chunk(2, dim=-1)
-            outs.append((F.silu(g) * u * probs_S[start:start + n, None]) @ self.down_proj[e].T)
-            start += n
-        return torch.cat(outs)
-
-
-class StandInHost:
-    def create(self, kind, name, options, model_cfg, *extra):
-        if kind == "router":
-            return _TopKRouter(model_cfg)
-        if kind == "dispatcher":
-            return _SortDispatcher(model_cfg)
-        if kind == "experts":
-            return _LoopExperts(model_cfg, extra[0])
-        raise KeyError(kind)
-
-
-def make_host():
-    """The real plugin host once the built-in plugins load; the stand-in until then."""
-    try:
-        from moeplug.plugin_host import PluginHost
-        return PluginHost.load()
-    except Exception:  # host or built-in plugins not there yet (parallel development)
-        return StandInHost()
+def make_host() -> PluginHost:
+    return PluginHost.load()
 
 
 def tiny_cfg(**model_kw) -> RootConfig:

@@ -50,6 +50,7 @@ class MoELayer(nn.Module):
         y_TD = self.dispatcher.combine(y_SD, d.meta)                  # 4. combine
         # 5. shared experts: not yet
         y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
+        # On the host, like the dispatcher's counts_L: these are logged, never differentiated.
         counts_E = torch.bincount(routing.ids_TK.reshape(-1).detach().cpu(),
                                   minlength=self.router.num_experts)
         return y_ND, routing.aux_loss, counts_E
