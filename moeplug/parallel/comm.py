@@ -1,0 +1,306 @@
+"""Differentiable collectives over torch.distributed (gloo on CPU, NCCL on GPU).
+
+Each function's backward is the adjoint collective, so gradients are those of the *sum of every
+rank's loss*: all-to-all <-> all-to-all with the splits swapped, all-gather <-> reduce-scatter,
+all-reduce <-> all-reduce. Megatron's tensor/sequence-parallel "region" functions are here too;
+they differ from the plain collectives only where the code around them is replicated across the
+group (e.g. after ``reduce_from_tp_region`` every TP rank computes the same loss, so its backward
+is the identity, not another all-reduce).
+
+A ``group`` of ``None`` or of size 1 is the single-process fast path: every function returns its
+input (splits and sizes are still checked, so a layout bug shows up without a second process).
+
+Shape legend: N rows (dim 0) on this rank before the collective, M rows after it, W ranks in the
+group, ``...`` any trailing dims; ``sizes_W`` rows contributed by each rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn); torch < 2.13 has only
+# the old ones. Same signatures: (output, input, ..., group=).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _check_splits(name: str, splits: Sequence[int], world: int, rows: int | None) -> list[int]:
+    splits = [int(s) for s in splits]
+    if len(splits) != world:
+        raise ValueError(f"{name} has {len(splits)} entries {splits} but the group has {world} "
+                         f"ranks. Fix: pass one row count per rank of the group")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"{name} = {splits} has a negative entry. Fix: row counts are >= 0")
+    if rows is not None and sum(splits) != rows:
+        raise ValueError(f"{name} = {splits} sums to {sum(splits)} but the input has {rows} rows "
+                         f"(dim 0). Fix: input splits must add up to x.shape[0]")
+    return splits
+
+
+# --- raw (non-differentiable) building blocks ----------------------------------------------
+
+def _all_to_all(x_N: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: Any) -> torch.Tensor:
+    out_M = x_N.new_empty((sum(out_splits), *x_N.shape[1:]))
+    dist.all_to_all_single(out_M, x_N.contiguous(), out_splits, in_splits, group=group)
+    return out_M
+
+
+def _gather_even(x_N: torch.Tensor, group: Any) -> torch.Tensor:
+    """[N, ...] -> [W*N, ...], rank r's rows at [r*N, (r+1)*N)."""
+    out = x_N.new_empty((group_size(group) * x_N.shape[0], *x_N.shape[1:]))
+    _all_gather_single(out, x_N.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_even(x_M: torch.Tensor, group: Any) -> torch.Tensor:
+    """[W*N, ...] -> [N, ...]: the sum over ranks of each rank's r-th block, for rank r.
+    (gloo in torch 2.13 implements it natively; older gloo builds lacked reduce-scatter.)"""
+    out = x_M.new_empty((x_M.shape[0] // group_size(group), *x_M.shape[1:]))
+    _reduce_scatter_single(out, x_M.contiguous(), group=group)
+    return out
+
+
+def _gather_sizes(rows: int, group: Any) -> list[int]:
+    sizes_W = torch.zeros(group_size(group), dtype=torch.int64)
+    _all_gather_single(sizes_W, torch.tensor([rows], dtype=torch.int64), group=group)
+    return sizes_W.tolist()
+
+
+def _pad_rows(x_N: torch.Tensor, rows: int) -> torch.Tensor:
+    if x_N.shape[0] == rows:
+        return x_N
+    return torch.cat([x_N, x_N.new_zeros((rows - x_N.shape[0], *x_N.shape[1:]))])
+
+
+def _gather_uneven(x_N: torch.Tensor, sizes_W: list[int], group: Any) -> torch.Tensor:
+    # all_gather needs equal shapes on gloo and NCCL: pad every rank to the largest, then drop
+    # the padding. One collective instead of W point-to-point sends.
+    cap = max(sizes_W)
+    out_WC = _gather_even(_pad_rows(x_N, cap), group).unflatten(0, (len(sizes_W), cap))
+    return torch.cat([out_WC[r, :n] for r, n in enumerate(sizes_W)])
+
+
+def _reduce_scatter_uneven(x_M: torch.Tensor, sizes_W: list[int], group: Any) -> torch.Tensor:
+    cap = max(sizes_W)
+    blocks = torch.split(x_M, sizes_W)
+    padded = torch.cat([_pad_rows(b, cap) for b in blocks])
+    return _reduce_scatter_even(padded, group)[: sizes_W[group_rank(group)]]
+
+
+def _split_own(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    world = group_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} evenly over {world} "
+                         f"ranks. Fix: make that dim a multiple of the group size")
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def _gather_last_dim(x: torch.Tensor, group: Any) -> torch.Tensor:
+    world = group_size(group)
+    buf = _gather_even(x.unsqueeze(0), group)  # [W, ...]
+    return torch.cat(buf.unbind(0), dim=-1) if world > 1 else x
+
+
+# --- autograd Functions ----------------------------------------------------------------------
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx, x_N, out_splits, in_splits, group):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return _all_to_all(x_N, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_M):
+        # Rows go back the way they came: swap the splits.
+        return _AllToAll.apply(grad_M, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+class _AllGather(Function):
+    @staticmethod
+    def forward(ctx, x_N, sizes_W, group):
+        ctx.group, ctx.sizes_W = group, sizes_W
+        return _gather_uneven(x_N, sizes_W, group)
+
+    @staticmethod
+    def backward(ctx, grad_M):
+        return _ReduceScatter.apply(grad_M, ctx.sizes_W, ctx.group), None, None
+
+
+class _ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx, x_M, sizes_W, group):
+        ctx.group, ctx.sizes_W = group, sizes_W
+        return _reduce_scatter_uneven(x_M, sizes_W, group)
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        return _AllGather.apply(grad_N, ctx.sizes_W, ctx.group), None, None
+
+
+class _AllReduce(Function):
+    """Forward all-reduce; backward all-reduce (``grad_is_replicated=False``) or identity."""
+
+    @staticmethod
+    def forward(ctx, x, group, grad_is_replicated):
+        ctx.group, ctx.grad_is_replicated = group, grad_is_replicated
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.grad_is_replicated:
+            return grad, None, None
+        return _AllReduce.apply(grad, ctx.group, False), None, None
+
+
+class _CopyToRegion(Function):
+    """Identity forward; all-reduce backward (each rank's branch adds to the input's grad)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllReduce.apply(grad, ctx.group, True), None
+
+
+class _Split(Function):
+    """Keep this rank's chunk of ``dim``; backward all-gathers the chunks' grads."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split_own(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Gather.apply(grad, ctx.dim, ctx.group, False), None, None
+
+
+class _Gather(Function):
+    """All-gather along dim 0 or -1 (even sizes). Backward: reduce-scatter when every rank's
+    downstream differs (``reduce_grad``), else just this rank's chunk (replicated downstream)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, reduce_grad):
+        ctx.dim, ctx.group, ctx.reduce_grad = dim, group, reduce_grad
+        return _gather_even(x, group) if dim == 0 else _gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            n = grad.shape[0] // group_size(ctx.group)
+            return _ReduceScatter.apply(grad, [n] * group_size(ctx.group), ctx.group), None, None, None
+        return _Split.apply(grad, ctx.dim, ctx.group), None, None, None
+
+
+# --- public API --------------------------------------------------------------------------------
+
+def all_to_all(x_N: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+               group: Any) -> torch.Tensor:
+    """Send rows ``x_N[sum(input_splits[:r]) : ...+input_splits[r]]`` to rank r; receive
+    ``output_splits[r]`` rows from rank r, concatenated in rank order. Zero-size splits are fine."""
+    world = group_size(group)
+    in_splits = _check_splits("input_splits", input_splits, world, x_N.shape[0])
+    out_splits = _check_splits("output_splits", output_splits, world, None)
+    if world == 1:
+        if out_splits != in_splits:
+            raise ValueError(f"output_splits {out_splits} ≠ input_splits {in_splits} on a single "
+                             "rank. Fix: without a group every row stays, so pass the same splits")
+        return x_N
+    return _AllToAll.apply(x_N, out_splits, in_splits, group)
+
+
+def all_gather(x_N: torch.Tensor, group: Any, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's rows along dim 0, in rank order; ranks may hold different row
+    counts. ``sizes`` (rows per rank) saves one small collective when the caller knows them.
+    Backward: reduce-scatter (sum of all ranks' grads of this rank's rows)."""
+    world = group_size(group)
+    if world == 1:
+        if sizes is not None:
+            _check_splits("sizes", sizes, 1, x_N.shape[0])
+        return x_N
+    sizes_W = (_gather_sizes(x_N.shape[0], group) if sizes is None else
+               _check_splits("sizes", sizes, world, None))
+    if sizes_W[group_rank(group)] != x_N.shape[0]:
+        raise ValueError(f"sizes[{group_rank(group)}] = {sizes_W[group_rank(group)]} but this "
+                         f"rank has {x_N.shape[0]} rows. Fix: pass this rank's true row count")
+    return _AllGather.apply(x_N, sizes_W, group)
+
+
+def reduce_scatter(x_M: torch.Tensor, group: Any, sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Sum ``x_M`` over ranks and keep rank r's block of rows (``sizes[r]`` rows; equal blocks
+    when ``sizes`` is None). Backward: all-gather."""
+    world = group_size(group)
+    if sizes is None:
+        if x_M.shape[0] % world:
+            raise ValueError(f"reduce_scatter: dim 0 has {x_M.shape[0]} rows, not divisible by "
+                             f"the group size {world}. Fix: pad the rows or pass sizes=")
+        sizes = [x_M.shape[0] // world] * world
+    sizes_W = _check_splits("sizes", sizes, world, x_M.shape[0])
+    if world == 1:
+        return x_M
+    return _ReduceScatter.apply(x_M, sizes_W, group)
+
+
+def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over ranks. Backward all-reduces the grad: each rank's loss depends on the sum."""
+    return x if group_size(group) == 1 else _AllReduce.apply(x, group, False)
+
+
+# Megatron tensor-parallel regions (megatron/core/tensor_parallel/mappings.py, same semantics).
+
+def copy_to_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Enter a TP region (column-parallel input): identity; backward all-reduce."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Leave a TP region (row-parallel output): all-reduce; backward identity, because the code
+    after it is replicated on every TP rank and its grad is already the same everywhere."""
+    return x if group_size(group) == 1 else _AllReduce.apply(x, group, True)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Keep this rank's chunk of the last dim; backward all-gathers the last dim."""
+    return x if group_size(group) == 1 else _Split.apply(x, -1, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-gather the last dim; backward keeps this rank's chunk (replicated downstream)."""
+    return x if group_size(group) == 1 else _Gather.apply(x, -1, group, False)
+
+
+def scatter_to_sp_region(x_N: torch.Tensor, group: Any) -> torch.Tensor:
+    """Keep this rank's chunk of the sequence (dim 0); backward all-gathers dim 0."""
+    return x_N if group_size(group) == 1 else _Split.apply(x_N, 0, group)
+
+
+def gather_from_sp_region(x_N: torch.Tensor, group: Any,
+                          tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """All-gather the sequence (dim 0). Backward reduce-scatters when the consumer is a TP region
+    whose ranks produce different partial grads (the default), else keeps this rank's chunk."""
+    if group_size(group) == 1:
+        return x_N
+    return _Gather.apply(x_N, 0, group, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sp_region(x_M: torch.Tensor, group: Any) -> torch.Tensor:
+    """Leave a TP region into sequence-parallel: reduce-scatter dim 0; backward all-gather."""
+    return reduce_scatter(x_M, group)
