@@ -324,15 +324,19 @@ class PluginHost:
         try:
             pm.check_pending()
         except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin {_source_of(exc.plugin, registered)}: {exc}. Fix: rename the "
-                              f"function to one of the moeplug_* hooks in moeplug.hookspecs") from exc
+            raise PluginError(f"plugin {_source_of(exc.plugin, registered)}: {_one_line(exc)}. "
+                              f"Fix: rename the function to one of the moeplug_* hooks in "
+                              f"moeplug.hookspecs") from exc
 
+        # Each implementation is called with a registry bound to its own plugin, so every
+        # component records the distribution that added it (and duplicates can name both).
         entries: dict[str, dict[str, _Entry]] = {kind: {} for kind in KINDS}
-        for plugin, source in registered:
-            others = [p for p, _ in registered if p is not plugin]
-            for kind, hook_name in hookspecs.REGISTER_HOOKS.items():
-                call = pm.subset_hook_caller(hook_name, remove_plugins=others)
-                call(registry=ComponentRegistry(kind, source, entries[kind], blocks))
+        sources = {id(p): source for p, source in registered}
+        for kind, hook_name in hookspecs.REGISTER_HOOKS.items():
+            impls = getattr(pm.hook, hook_name).get_hookimpls()  # pluggy order: last registered first
+            for impl in sorted(impls, key=lambda i: _position(i.plugin, registered)):
+                registry = ComponentRegistry(kind, sources[id(impl.plugin)], entries[kind], blocks)
+                impl.function(**{arg: registry for arg in impl.argnames})
         return cls(pm, entries, tuple(skipped), blocks)
 
     # ---- queries ---------------------------------------------------------------------------
@@ -406,11 +410,19 @@ def _register(pm: pluggy.PluginManager, plugin: object, source: _Source) -> None
     try:
         pm.register(plugin, name=f"{source.dist}:{source.entry_point}")
     except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin {source}: {exc}. Fix: give the hook function the argument names of "
-                          f"its spec in moeplug.hookspecs") from exc
+        raise PluginError(f"plugin {source}: {_one_line(exc)}. Fix: give the hook function the "
+                          f"argument names of its spec in moeplug.hookspecs") from exc
     except ValueError as exc:  # pluggy: plugin object or name already registered
         raise PluginError(f"plugin {source}: {exc}. Fix: point each entry point at its own module") \
             from exc
+
+
+def _one_line(exc: Exception) -> str:
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _position(plugin: object, registered: list[tuple[object, _Source]]) -> int:
+    return next(i for i, (p, _) in enumerate(registered) if p is plugin)
 
 
 def _source_of(plugin: object, registered: list[tuple[object, _Source]]) -> str:

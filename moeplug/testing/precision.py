@@ -16,7 +16,8 @@ def check_precision(source: Any, name: str | None = None, *, options: Any = None
                     device_type: str = "cpu") -> None:
     prec, label = build(source, "precision", name, options)
     expect(isinstance(prec, Precision), label, f"is a {type(prec).__name__}, not a Precision")
-    expect(isinstance(prec.name, str) and prec.name, label, f"name must be a non-empty str, got {prec.name!r}")
+    expect(isinstance(prec.name, str) and prec.name, label,
+           f"name must be a non-empty str, got {prec.name!r}")
     expect(isinstance(prec.compute_dtype, torch.dtype) and prec.compute_dtype.is_floating_point, label,
            f"compute_dtype must be a floating torch.dtype, got {prec.compute_dtype!r}")
 

@@ -22,7 +22,8 @@ def check_router(source: Any, name: str | None = None, *, model_cfg: ModelConfig
     E, K, D, T = cfg.moe.num_experts, cfg.moe.top_k, cfg.hidden_size, num_tokens
     torch.manual_seed(seed)
     router, label = build(source, "router", name, options, cfg)
-    expect(isinstance(router, Router), label, f"is a {type(router).__name__}, not a moeplug.interfaces.Router")
+    expect(isinstance(router, Router), label,
+           f"is a {type(router).__name__}, not a moeplug.interfaces.Router")
     expect(router.num_experts == E and router.top_k == K, label,
            f"num_experts/top_k = {router.num_experts}/{router.top_k}, expected {E}/{K} from the model config")
 

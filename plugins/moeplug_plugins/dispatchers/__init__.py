@@ -20,4 +20,5 @@ def moeplug_register_dispatchers(registry) -> None:
     registry.add("alltoall", make_alltoall,
                  description="permute -> all-to-all over EP -> sort by local expert (Megatron alltoall)")
     registry.add("allgather", make_allgather,
-                 description="all-gather over EP -> select local experts -> reduce-scatter (Megatron allgather)")
+                 description="all-gather over EP -> select local experts -> reduce-scatter "
+                             "(Megatron allgather)")
