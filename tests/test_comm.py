@@ -220,7 +220,7 @@ def _bad_calls(rank, world):
     messages = []
     for call in (lambda: comm.reduce_scatter(torch.zeros(3, D), dist.group.WORLD),
                  lambda: comm.all_gather(torch.zeros(rank + 1, D), dist.group.WORLD, sizes=[2, 3]),
-                 lambda: comm.all_to_all(torch.zeros(2, D), [1], [2], dist.group.WORLD)):
+                 lambda: comm.all_to_all(torch.zeros(2, D), [1], [1, 1], dist.group.WORLD)):
         with pytest.raises(ValueError) as e:
             call()
         messages.append(str(e.value))
