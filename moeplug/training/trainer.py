@@ -124,9 +124,10 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             # Grad accumulation: divide so the summed grads equal the mean over micro-batches.
             (out.loss / tc.grad_accum_steps).backward()
             for k in sums:
-                sums[k] += float(getattr(out, k)) / tc.grad_accum_steps
-            counts_per_layer = [c.detach().cpu() + (counts_per_layer[i] if counts_per_layer else 0)
-                                for i, c in enumerate(out.expert_counts)]
+                sums[k] += float(getattr(out, k).detach()) / tc.grad_accum_steps
+            micro_counts = [c.detach().cpu() for c in out.expert_counts]
+            counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
+                                if counts_per_layer else micro_counts)
         # Clipping: rescale all grads together so their global L2 norm is at most grad_clip
         # (0 disables it; the norm is still computed for logging).
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or float("inf")))

@@ -1,0 +1,122 @@
+"""The `moeplug` command in real subprocesses, on the real plugins, data pipeline and model."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from moeplug.training.metrics import read_metrics
+
+
+def _records(out_dir: str, kind: str) -> list[dict]:
+    return [r for r in read_metrics(os.path.join(out_dir, "metrics.jsonl")) if r["kind"] == kind]
+
+
+def test_train_30_steps_loss_falls_and_everything_is_logged(run_cli, tiny_config_file, tmp_path):
+    out = str(tmp_path / "run")
+    proc = run_cli("train", "--config", tiny_config_file(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    train = _records(out, "train")
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30]
+    first, last = train[0], train[-1]
+    assert last["lm_loss"] < first["lm_loss"] - 0.5, (first["lm_loss"], last["lm_loss"])
+    for r in train:
+        assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"], rel=1e-5)
+        assert r["tokens_per_s"] > 0 and r["tflops"] > 0 and 0 < r["mfu"]
+        assert r["grad_norm"] > 0 and r["lr"] > 0
+        assert r["plugins"] == {"router": "topk", "dispatcher": "alltoall", "experts": "grouped",
+                                "precision": "fp32"}
+        # one MoE layer (2 layers, first dense); every token picks top_k=2 of 4 experts
+        [layer] = r["expert_load"]
+        assert layer["mean"] == pytest.approx(8 * 32 * 2 / 4)
+        assert layer["max"] >= layer["mean"]
+    val = _records(out, "val")
+    assert [r["step"] for r in val] == [10, 20, 30]
+    assert val[-1]["val_loss"] < val[0]["val_loss"]
+
+    # stderr is a pipe here: plain log lines, no progress bar escape codes
+    assert "step     30 | loss" in proc.stdout and "\r" not in proc.stderr
+    assert "validation loss" in proc.stdout and "unigram entropy" in proc.stdout
+    assert open(os.path.join(out, "latest")).read().strip() == "step_000030"
+
+
+def test_overrides_take_effect(run_cli, tiny_config_file, tmp_path):
+    out = str(tmp_path / "run")
+    proc = run_cli("train", "--config", tiny_config_file(str(tmp_path / "ignored")), "--out", out,
+                   "--steps", "3", "--experts", "sequential", "--router", "topk",
+                   "--set", "model.moe.num_experts=2", "--set", "train.warmup_steps=1",
+                   "--set", "train.log_interval=1", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "ignored"), "--out must win over the file's out_dir"
+    run = _records(out, "run")[0]
+    assert run["config"]["model"]["moe"]["num_experts"] == 2
+    assert run["config"]["train"]["steps"] == 3
+    train = _records(out, "train")
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert train[0]["plugins"]["experts"] == "sequential"
+    # 2 experts, top_k 2: every token goes to both, so each gets exactly B*S tokens
+    assert train[0]["expert_load"][0] == {"layer": 0, "max": 256.0, "mean": 256.0,
+                                          "max_over_mean": 1.0}
+
+
+def test_version_reports_package_and_runtime(run_cli):
+    import moeplug
+    from moeplug.runtime import runtime_info
+    proc = run_cli("--version", timeout=120)
+    assert proc.returncode == 0
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"moeplug {moeplug.__version__}"
+    info = runtime_info()
+    assert info["available"], "the test environment must have the built extension"
+    assert f"runtime core {info['version']}" in lines[1]
+    assert ("CUDA build" if info.get("cuda") else "CPU build") in lines[1]
+
+
+def test_version_without_extension_says_how_to_rebuild(run_cli, cli_env, tmp_path):
+    # A real interpreter in which the compiled module cannot be imported (as after a failed build).
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoCore:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'moeplug._runtime_core':\n"
+        "            raise ImportError('simulated missing build')\n"
+        "sys.meta_path.insert(0, _NoCore())\n")
+    env = dict(cli_env, PYTHONPATH=str(tmp_path) + os.pathsep + cli_env.get("PYTHONPATH", ""))
+    proc = run_cli("--version", env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "NOT AVAILABLE" in proc.stdout and "simulated missing build" in proc.stdout
+    assert "rebuild it with: pip install -e ." in proc.stdout
+
+
+def test_plugins_lists_every_registered_component(run_cli):
+    from moeplug.plugin_host import PluginHost
+    proc = run_cli("plugins", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    infos = PluginHost.load().infos()
+    assert {i.kind for i in infos} == {"router", "dispatcher", "experts", "precision"}
+    for info in infos:
+        assert f"{info.kind}:" in text
+        line = next(l for l in text.splitlines() if l.strip().startswith(info.name + " "))
+        assert f"[{info.dist}]" in line
+        assert ("available" in line) if info.available else (f"unavailable: {info.reason}" in line)
+
+
+def test_python_dash_m_and_console_script_agree(cli_env):
+    import shutil
+    import subprocess
+    exe = shutil.which("moeplug", path=os.path.dirname(sys.executable))
+    assert exe, "the `moeplug` console script is not installed next to the interpreter"
+    a = subprocess.run([exe, "--version"], capture_output=True, text=True, env=cli_env, timeout=120)
+    b = subprocess.run([sys.executable, "-m", "moeplug", "--version"], capture_output=True,
+                       text=True, env=cli_env, timeout=120)
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout
+
+
+def test_no_command_prints_help_and_exits_2(run_cli):
+    proc = run_cli(timeout=120)
+    assert proc.returncode == 2 and "train" in proc.stdout and "plugins" in proc.stdout
