@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeplug.ops import reference
+from moeplug.ops import reference, workspace
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
 from moeplug.ops.swiglu import swiglu_backward_raw, swiglu_forward_raw
 from moeplug.runtime import DTYPE_CODES
@@ -33,24 +33,39 @@ def _slices(counts: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.dtype == dtype:
+        return t.contiguous()
+    return workspace.empty(tuple(t.shape), dtype).copy_(t)
+
+
+def _weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Uninitialised [L, ...] grad whose experts without rows are zero (the rest get mm(out=))."""
+    grad = torch.empty_like(w)
+    used = {e for e, _, _ in slices}
+    for e in range(w.shape[0]):
+        if e not in used:
+            grad[e].zero_()
+    return grad
+
+
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, probs_S, probs32_S, counts, w13_L2FD, w2_LDF, compute_dtype):
         # Casting inside the Function means autograd records no cast nodes: gradients come back
         # in each input's own dtype (fp32 master weights) from backward below.
-        x_c = x_SD.to(compute_dtype).contiguous()
-        w13_c = w13_L2FD.to(compute_dtype)
-        w2_c = w2_LDF.to(compute_dtype)
+        x_c, w13_c, w2_c = (_cast(t, compute_dtype) for t in (x_SD, w13_L2FD, w2_LDF))
         S, D = x_c.shape
         F2 = w13_c.shape[1]
         slices = _slices(counts)
-        h_S2F = x_c.new_empty(S, F2)
-        y_SD = x_c.new_empty(S, D)
+        h_S2F = workspace.empty((S, F2), compute_dtype)
+        y_SD = workspace.empty((S, D), compute_dtype)
         # torch.mm(out=...) is not an autocast op; the dtype choice was made above.
         with torch.autocast("cpu", enabled=False):
             for e, s0, s1 in slices:
                 torch.mm(x_c[s0:s1], w13_c[e].t(), out=h_S2F[s0:s1])
-            a_SF = swiglu_forward_raw(h_S2F, probs32_S)
+            a_SF = swiglu_forward_raw(h_S2F, probs32_S, workspace.empty((S, F2 // 2),
+                                                                        compute_dtype))
             for e, s0, s1 in slices:
                 torch.mm(a_SF[s0:s1], w2_c[e].t(), out=y_SD[s0:s1])
         ctx.save_for_backward(x_c, h_S2F, a_SF, probs32_S, w13_c, w2_c)
@@ -69,18 +84,19 @@ class _ExpertMLP(torch.autograd.Function):
         S, D = x_c.shape
         F_ = a_SF.shape[1]
 
-        dA_SF = x_c.new_empty(S, F_)
-        dW2_LDF = torch.zeros_like(w2_c) if need_w2 else None
+        dA_SF = workspace.empty((S, F_), x_c.dtype)
+        dW2_LDF = _weight_grad(w2_c, slices) if need_w2 else None
         for e, s0, s1 in slices:
             torch.mm(dY_SD[s0:s1], w2_c[e], out=dA_SF[s0:s1])
             if need_w2:
                 torch.mm(dY_SD[s0:s1].t(), a_SF[s0:s1], out=dW2_LDF[e])
         dh_S2F, dp_S = swiglu_backward_raw(dA_SF, h_S2F, probs32_S,
-                                           need_p and probs32_S is not None)
+                                           need_p and probs32_S is not None,
+                                           workspace.empty((S, 2 * F_), x_c.dtype))
         del dA_SF  # [S, F] activations: free before allocating dX
 
-        dX_SD = x_c.new_empty(S, D) if need_x else None
-        dW13_L2FD = torch.zeros_like(w13_c) if need_w13 else None
+        dX_SD = workspace.empty((S, D), x_c.dtype) if need_x else None
+        dW13_L2FD = _weight_grad(w13_c, slices) if need_w13 else None
         for e, s0, s1 in slices:
             if need_x:
                 torch.mm(dh_S2F[s0:s1], w13_c[e], out=dX_SD[s0:s1])

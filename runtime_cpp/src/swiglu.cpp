@@ -4,6 +4,7 @@
 // Shape legend: S rows, F expert FFN hidden size.
 #include "moeplug/swiglu.h"
 
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -20,7 +21,8 @@ constexpr int64_t kRowGrain = 16;
 // Inputs are clamped so 2^n never overflows the exponent field; sigmoid only needs the
 // saturated ends to be 0 or huge, which the clamp preserves.
 MOEPLUG_INLINE float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
   const float fx = x * 1.44269504088896341f;
   const float n = static_cast<float>(static_cast<int32_t>(fx + (fx >= 0.0f ? 0.5f : -0.5f)));
   float r = x - n * 0.693359375f;
