@@ -174,3 +174,31 @@ def test_cli_config_errors_exit_2_before_any_work(run_cli, cli_env, tmp_path, ar
     assert not os.path.exists(cache_dir) or not os.listdir(cache_dir)
     assert not (tmp_path / "run").exists()
     assert elapsed < 60
+
+
+# --------------------------------------------------------------------------------------------
+# The README's config reference stays complete and correct
+# --------------------------------------------------------------------------------------------
+
+def _all_fields(obj, prefix=""):
+    import dataclasses
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _all_fields(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
+def test_readme_config_reference_lists_every_field_with_its_default():
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip(): line for line in readme.splitlines()
+            if line.startswith("| `") and line.count("|") >= 4}
+    fields = dict(_all_fields(RootConfig()))
+    missing = [k for k in fields if f"`{k}`" not in rows]
+    assert not missing, f"README config reference lacks: {missing}"
+    wrong = [k for k, v in fields.items() if f"| `{v!r}` |" not in rows[f"`{k}`"]]
+    assert not wrong, f"README shows a stale default for: {wrong}"
+    described = [k for k in fields if not rows[f"`{k}`"].rstrip(" |").split("|")[-1].strip()]
+    assert not described, f"README rows without a meaning: {described}"

@@ -107,66 +107,69 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     loss_step = float("nan")
     val_loss, last_val_step, ckpt_path = float("nan"), -1, ""
     window_tokens, window_seconds, run_tokens, run_seconds = 0, 0.0, 0, 0.0
-    for step in range(start_step, tc.steps):
-        t0 = time.perf_counter()
-        # LR is set per step from the pure schedule, so resume needs no scheduler object.
-        lr = lr_at(step, tc)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        gen = batch_generator(tc.seed, step)
-        optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0}
-        counts_per_layer: list[torch.Tensor] = []
-        for _ in range(tc.grad_accum_steps):
-            tokens_BS, targets_BS = get_batch(corpus.train_ids, tc.micro_batch_size, tc.seq_len, gen)
-            with precision.autocast("cpu"):  # precision plugin picks the compute dtype
-                out = model(tokens_BS, targets_BS)
-            # Grad accumulation: divide so the summed grads equal the mean over micro-batches.
-            (out.loss / tc.grad_accum_steps).backward()
-            for k in sums:
-                sums[k] += float(getattr(out, k).detach()) / tc.grad_accum_steps
-            micro_counts = [c.detach().cpu() for c in out.expert_counts]
-            counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
-                                if counts_per_layer else micro_counts)
-        # Clipping: rescale all grads together so their global L2 norm is at most grad_clip
-        # (0 disables it; the norm is still computed for logging).
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or float("inf")))
-        optimizer.step()
-        done = step + 1
-        loss_step = sums["loss"]
-        if not math.isfinite(loss_step):
-            raise FloatingPointError(f"loss became {loss_step} at step {done}. Fix: lower train.lr "
-                                     f"(now {tc.lr}) or raise train.warmup_steps (now {tc.warmup_steps})")
-        dt = time.perf_counter() - t0
-        window_tokens, window_seconds = window_tokens + tokens_per_step, window_seconds + dt
-        run_tokens, run_seconds = run_tokens + tokens_per_step, run_seconds + dt
-        metrics_state = {"tokens_seen": metrics_state["tokens_seen"] + tokens_per_step,
-                         "train_seconds": metrics_state["train_seconds"] + dt}
+    try:
+        for step in range(start_step, tc.steps):
+            t0 = time.perf_counter()
+            # LR is set per step from the pure schedule, so resume needs no scheduler object.
+            lr = lr_at(step, tc)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            gen = batch_generator(tc.seed, step)
+            optimizer.zero_grad(set_to_none=True)
+            sums = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0}
+            counts_per_layer: list[torch.Tensor] = []
+            for _ in range(tc.grad_accum_steps):
+                tokens_BS, targets_BS = get_batch(corpus.train_ids, tc.micro_batch_size,
+                                                  tc.seq_len, gen)
+                with precision.autocast("cpu"):  # the precision plugin picks the compute dtype
+                    out = model(tokens_BS, targets_BS)
+                # Grad accumulation: divide so the summed grads equal the micro-batch mean.
+                (out.loss / tc.grad_accum_steps).backward()
+                for k in sums:
+                    sums[k] += float(getattr(out, k).detach()) / tc.grad_accum_steps
+                micro_counts = [c.detach().cpu() for c in out.expert_counts]
+                counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
+                                    if counts_per_layer else micro_counts)
+            # Clipping: rescale all grads together so their global L2 norm is <= grad_clip
+            # (0 disables it; the norm is still computed for logging).
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or math.inf))
+            optimizer.step()
+            done, loss_step = step + 1, sums["loss"]
+            if not math.isfinite(loss_step):
+                raise FloatingPointError(
+                    f"loss became {loss_step} at step {done}. Fix: lower train.lr (now {tc.lr}) "
+                    f"or raise train.warmup_steps (now {tc.warmup_steps})")
+            dt = time.perf_counter() - t0  # train time only: eval and checkpoints excluded
+            window_tokens, window_seconds = window_tokens + tokens_per_step, window_seconds + dt
+            run_tokens, run_seconds = run_tokens + tokens_per_step, run_seconds + dt
+            metrics_state = {"tokens_seen": metrics_state["tokens_seen"] + tokens_per_step,
+                             "train_seconds": metrics_state["train_seconds"] + dt}
 
-        record = None
-        if done % tc.log_interval == 0 or done == tc.steps:
-            tok_s = window_tokens / window_seconds
-            tflops = achieved_tflops(flops_per_token, window_tokens, window_seconds)
-            record = {"kind": "train", "step": done, **sums, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_s": tok_s, "tflops": tflops, "mfu": mfu(tflops, peak),
-                      "expert_load": expert_load(counts_per_layer), "plugins": plugin_names}
-            writer.write(record)
-            window_tokens, window_seconds = 0, 0.0
-        progress.step(record)
+            record = None
+            if done % tc.log_interval == 0 or done == tc.steps:
+                tflops = achieved_tflops(flops_per_token, window_tokens, window_seconds)
+                record = {"kind": "train", "step": done, **sums, "lr": lr, "grad_norm": grad_norm,
+                          "tokens_per_s": window_tokens / window_seconds, "tflops": tflops,
+                          "mfu": mfu(tflops, peak), "expert_load": expert_load(counts_per_layer),
+                          "plugins": plugin_names}
+                writer.write(record)
+                window_tokens, window_seconds = 0, 0.0
+            progress.step(record)
 
-        if (tc.eval_interval and done % tc.eval_interval == 0) or done == tc.steps:
-            val_loss, last_val_step = evaluate(model, val_batches, precision), done
-            writer.write({"kind": "val", "step": done, "val_loss": val_loss})
-            progress.message(f"step {done:>6} | val loss {val_loss:.4f}")
-        if (tc.ckpt_interval and done % tc.ckpt_interval == 0) or done == tc.steps:
-            ckpt_path = checkpoint(done)
-    progress.close()
+            if (tc.eval_interval and done % tc.eval_interval == 0) or done == tc.steps:
+                val_loss, last_val_step = evaluate(model, val_batches, precision), done
+                writer.write({"kind": "val", "step": done, "val_loss": val_loss})
+                progress.message(f"step {done:>6} | val loss {val_loss:.4f}")
+            if (tc.ckpt_interval and done % tc.ckpt_interval == 0) or done == tc.steps:
+                ckpt_path = checkpoint(done)
 
-    if last_val_step != tc.steps:  # resumed at/after the end: nothing trained, still report
-        val_loss = evaluate(model, val_batches, precision)
-        writer.write({"kind": "val", "step": tc.steps, "val_loss": val_loss})
-        ckpt_path = ckpt_path or (resume_from or "")
-    writer.close()
+        if last_val_step != tc.steps:  # resumed at/after the end: nothing trained, still report
+            val_loss = evaluate(model, val_batches, precision)
+            writer.write({"kind": "val", "step": tc.steps, "val_loss": val_loss})
+            ckpt_path = ckpt_path or (resume_from or "")
+    finally:
+        progress.close()
+        writer.close()
     return TrainSummary(steps=tc.steps, final_train_loss=loss_step, val_loss=val_loss,
                         unigram_entropy=float(corpus.unigram_entropy()),
                         tokens_per_s=run_tokens / run_seconds if run_seconds else 0.0,
