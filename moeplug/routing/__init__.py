@@ -1,0 +1,31 @@
+"""Reusable routing math (Megatron-Core router features), as pure functions.
+
+Modules, one job each:
+    gating       router logits in fp32/fp64, input jitter, force-balanced logits
+    scores       softmax / sigmoid / sqrtsoftplus scores, expert bias, group-limited top-k
+    aux_losses   aux_loss, seq_aux_loss, global_aux_loss, z-loss, which counts feed them
+    capacity     expert capacity and the ``probs`` / ``position`` drop policies
+    expert_bias  aux-loss-free bias update (all-reduced counts)
+    rows         dropped/padded rows for dispatchers (sink expert, pad-to-capacity, pad multiple)
+The ``topk`` router plugin (plugins/moeplug_plugins/routers.py) composes them; other routers and
+dispatchers may reuse any piece.
+"""
+
+from moeplug.routing.aux_losses import (AUX_LOSS_COUNTS, AUX_LOSS_TYPES, counts_for_aux,
+                                        expert_counts, global_aux_loss, seq_aux_loss,
+                                        switch_aux_loss, z_loss)
+from moeplug.routing.capacity import DROP_POLICIES, drop_over_capacity, expert_capacity
+from moeplug.routing.expert_bias import updated_expert_bias
+from moeplug.routing.gating import ROUTER_DTYPES, force_balanced_logits, input_jitter, router_logits
+from moeplug.routing.rows import append_sink_rows, pad_rows, padded_counts, sink_dropped, unpad_rows
+from moeplug.routing.scores import (NORM_EPS, SCORE_FUNCTIONS, aux_scores, group_limited_topk,
+                                    score, select_topk, topk_routing)
+
+__all__ = [
+    "AUX_LOSS_COUNTS", "AUX_LOSS_TYPES", "DROP_POLICIES", "NORM_EPS", "ROUTER_DTYPES",
+    "SCORE_FUNCTIONS", "append_sink_rows", "aux_scores", "counts_for_aux", "drop_over_capacity",
+    "expert_capacity", "expert_counts", "force_balanced_logits", "global_aux_loss",
+    "group_limited_topk", "input_jitter", "pad_rows", "padded_counts", "router_logits", "score",
+    "select_topk", "seq_aux_loss", "sink_dropped", "switch_aux_loss", "topk_routing",
+    "unpad_rows", "updated_expert_bias", "z_loss",
+]

@@ -1,0 +1,95 @@
+"""Load-balancing losses (Switch / DeepSeek style) and the ST-MoE z-loss. All return the
+*unscaled* loss (the coefficient is applied by the caller), so a perfectly uniform router gives
+exactly 1.0 for every aux-loss type.
+
+Legend: T tokens, E experts, K top-k, B sequences, S tokens per sequence (T = B * S, b-major).
+
+    aux_loss         L = E * sum_i f_i * P_i,  f_i = n_i / (T*K) (constant), P_i = mean_t s[t, i]
+    seq_aux_loss     the same per sequence, averaged over the B sequences (DeepSeek-V2); equals
+                     aux_loss at B = 1 and the mean of per-sequence aux losses otherwise
+    global_aux_loss  f_i from counts accumulated over every micro-batch of the optimizer step so
+                     far: f_i = (sum n_i) / (K * sum T), i.e. the running mean of the counts over
+                     the running mean of the token count (Megatron #7213: normalising the
+                     accumulated counts by the *current* micro-batch's T is wrong when
+                     micro-batches differ in size); P_i from the current micro-batch
+    z_loss           mean_t logsumexp(z_t)^2
+s is the full score distribution (``moeplug.routing.scores.aux_scores``) and n_i the number of
+token choices counted for expert i (``counts_for_aux``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeplug.routing.scores import select_topk
+
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+AUX_LOSS_COUNTS = ("plain_topk", "routed")
+
+
+def expert_counts(ids_TK: torch.Tensor, num_experts: int, keep_TK: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """int64 [E]: token choices per expert (only those with ``keep_TK`` True when given)."""
+    ids = ids_TK.reshape(-1)
+    if keep_TK is not None:
+        ids = ids[keep_TK.reshape(-1)]
+    return torch.bincount(ids, minlength=num_experts)
+
+
+def counts_for_aux(aux_scores_TE: torch.Tensor, routed_ids_TK: torch.Tensor, mode: str
+                   ) -> torch.Tensor:
+    """The ids whose counts n_i feed the aux losses ([T, K], no gradient).
+
+    ``plain_topk`` (Megatron's choice, default): a separately recomputed plain top-k of the aux
+    scores, ignoring group limits and the expert bias (Megatron #2767), so the loss balances the
+    router's *preferences*. ``routed``: the experts the router actually chose (group limits and
+    bias included, before capacity dropping), so the loss balances the real *load*.
+    """
+    if mode == "plain_topk":
+        return select_topk(aux_scores_TE.detach(), routed_ids_TK.shape[1])[1]
+    if mode == "routed":
+        return routed_ids_TK
+    raise ValueError(f"aux_loss_counts = {mode!r}: unknown. Fix: use one of {', '.join(AUX_LOSS_COUNTS)}")
+
+
+def switch_aux_loss(aux_scores_TE: torch.Tensor, counts_E: torch.Tensor, num_tokens: float,
+                    top_k: int) -> torch.Tensor:
+    """E * sum_i (counts_i / (num_tokens*K)) * mean_t s[t, i]; counts carry no gradient."""
+    T, E = aux_scores_TE.shape
+    if T == 0:
+        return aux_scores_TE.new_zeros(())
+    f_E = counts_E.to(aux_scores_TE.dtype) / (num_tokens * top_k)
+    P_E = aux_scores_TE.mean(dim=0)
+    return E * torch.sum(f_E * P_E)
+
+
+def seq_aux_loss(aux_scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int
+                 ) -> torch.Tensor:
+    """Mean over sequences of each sequence's aux loss; tokens are b-major (t = b * S + s)."""
+    T, E = aux_scores_TE.shape
+    B, K = num_sequences, ids_TK.shape[1]
+    if T == 0:
+        return aux_scores_TE.new_zeros(())
+    if T % B:
+        raise ValueError(f"seq_aux_loss: {T} tokens do not split into num_sequences = {B} equal "
+                         f"sequences. Fix: pass the batch size of the [B, S, D] input as num_sequences")
+    S = T // B
+    seq_B1 = torch.arange(B, device=ids_TK.device).repeat_interleave(S * K).view(-1)
+    counts_BE = torch.bincount(seq_B1 * E + ids_TK.reshape(-1), minlength=B * E).view(B, E)
+    f_BE = counts_BE.to(aux_scores_TE.dtype) / (S * K)
+    P_BE = aux_scores_TE.view(B, S, E).mean(dim=1)
+    return E * torch.sum(f_BE * P_BE) / B
+
+
+def global_aux_loss(aux_scores_TE: torch.Tensor, accumulated_counts_E: torch.Tensor,
+                    accumulated_tokens: float, top_k: int) -> torch.Tensor:
+    """Switch loss with f_i from counts accumulated over the step's micro-batches so far
+    (including this one): f_i = accumulated_counts_i / (K * accumulated_tokens)."""
+    return switch_aux_loss(aux_scores_TE, accumulated_counts_E, accumulated_tokens, top_k)
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)^2 (keeps logits small)."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.new_zeros(())
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()

@@ -1,0 +1,54 @@
+"""Router gate: logits in fp32 (or fp64), input jitter, force-balanced logits for benchmarks.
+
+Legend: T tokens, D hidden, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor:
+    """``logits_TE = x_TD @ weight_ED.T`` computed in ``dtype`` (fp32 or fp64), autocast off.
+
+    Routing decisions flip on tiny logit differences, so Megatron keeps the gate GEMM out of
+    bf16 (``moe_router_dtype``). Autograd casts the gradients back to the inputs' dtypes; unlike
+    Megatron's RouterGatingLinearFunction we keep the up-cast copies for backward, which costs
+    T*D extra floats but needs no custom autograd function.
+    """
+    with torch.autocast(device_type=x_TD.device.type, enabled=False):
+        return x_TD.to(dtype) @ weight_ED.to(dtype).t()
+
+
+def input_jitter(x_TD: torch.Tensor, eps: float) -> torch.Tensor:
+    """Multiplicative uniform noise ``x * U(1 - eps, 1 + eps)`` (Switch Transformer); a new
+    draw per call from torch's global RNG, so seed it for reproducible runs."""
+    if eps <= 0.0:
+        return x_TD
+    noise_TD = torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
+    return x_TD * noise_TD
+
+
+class _RandomLogits(torch.autograd.Function):
+    """Forward: random normal logits; backward: the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx, logits_TE: torch.Tensor, seed: int):
+        gen = torch.Generator(device=logits_TE.device).manual_seed(seed)
+        return torch.randn(logits_TE.shape, generator=gen, dtype=logits_TE.dtype,
+                           device=logits_TE.device)
+
+    @staticmethod
+    def backward(ctx, grad_TE):
+        return grad_TE, None
+
+
+def force_balanced_logits(logits_TE: torch.Tensor, seed: int = 42) -> torch.Tensor:
+    """Replace the logits with i.i.d. normal ones (Megatron ``moe_router_force_load_balancing``),
+    so every expert gets ~T*K/E tokens whatever the weights: benchmarks then measure the
+    balanced case. The draw depends only on ``seed`` and the shape (not on call count), so two
+    calls route identically; the gate still gets a (straight-through) gradient."""
+    return _RandomLogits.apply(logits_TE, seed)

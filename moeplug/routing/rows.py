@@ -1,0 +1,73 @@
+"""Dropped and padded rows, shared by the dispatchers.
+
+Legend: T tokens, K top-k, D hidden, L local experts, S real rows, P padded rows (P >= S).
+
+Dropped choices (``RouterOutput.dropped_TK``) go to a *sink* expert numbered after the real
+ones, so a stable permute puts their rows last, where the dispatcher cuts them off; combine
+appends zero rows in their place before the unpermute.
+
+Padding gives every local expert a fixed row count: exactly ``capacity * ep_size`` rows
+(pad-to-capacity, static shapes) or the next multiple of ``pad_multiple`` (quantised GEMMs need
+16/32-row tiles). Padded rows are zeros with routing weight 0, so the experts' outputs for them
+are discarded and the layer's output and gradients do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sink_dropped(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, sink: int) -> torch.Tensor:
+    """``ids_TK`` with every dropped choice sent to expert ``sink``."""
+    if dropped_TK is None:
+        return ids_TK
+    return ids_TK.masked_fill(dropped_TK, sink)
+
+
+def padded_counts(counts_L: torch.Tensor, capacity: int | None, pad_multiple: int,
+                  ep_size: int = 1) -> torch.Tensor:
+    """Rows per local expert after padding (int64 CPU). Raises if an expert already holds more
+    rows than the capacity allows (the router did not drop as it promised)."""
+    if capacity is not None:
+        limit = capacity * ep_size
+        most = int(counts_L.max()) if counts_L.numel() else 0
+        if most > limit:
+            raise ValueError(f"padding to capacity: an expert received {most} rows but "
+                             f"capacity * ep_size = {capacity} * {ep_size} = {limit}. Fix: the router "
+                             f"must drop choices over capacity before setting RouterOutput.capacity")
+        return torch.full_like(counts_L, limit)
+    if pad_multiple > 1:
+        return (counts_L + pad_multiple - 1) // pad_multiple * pad_multiple
+    return counts_L
+
+
+def pad_rows(x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor,
+             target_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Insert zero rows (weight 0) after each expert's real rows so expert e holds target_L[e].
+
+    Returns (x_PD, probs_P, index_S) with ``x_PD[index_S] == x_SD``; index_S is None (and the
+    inputs are returned as they are) when no padding is needed.
+    """
+    if torch.equal(counts_L, target_L):
+        return x_SD, probs_S, None
+    src_start_L = torch.cumsum(counts_L, 0) - counts_L
+    dst_start_L = torch.cumsum(target_L, 0) - target_L
+    expert_S = torch.repeat_interleave(torch.arange(len(counts_L)), counts_L)
+    index_S = (torch.arange(x_SD.shape[0]) - src_start_L[expert_S] + dst_start_L[expert_S])
+    index_S = index_S.to(x_SD.device)
+    P = int(target_L.sum())
+    x_PD = x_SD.new_zeros(P, x_SD.shape[1]).index_copy(0, index_S, x_SD)
+    probs_P = probs_S.new_zeros(P).index_copy(0, index_S, probs_S)
+    return x_PD, probs_P, index_S
+
+
+def unpad_rows(y_PD: torch.Tensor, index_S: torch.Tensor | None) -> torch.Tensor:
+    """The real rows of ``y_PD`` (inverse of :func:`pad_rows`); padded rows get no gradient."""
+    return y_PD if index_S is None else y_PD.index_select(0, index_S)
+
+
+def append_sink_rows(y_SD: torch.Tensor, num_sink_rows: int) -> torch.Tensor:
+    """Zero rows standing in for the dropped choices, so unpermute sums nothing for them."""
+    if num_sink_rows == 0:
+        return y_SD
+    return torch.cat([y_SD, y_SD.new_zeros(num_sink_rows, y_SD.shape[1])])
