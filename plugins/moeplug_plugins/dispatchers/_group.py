@@ -7,9 +7,6 @@ import torch.distributed as dist
 from moeplug.config import ConfigError
 from moeplug.config import ModelConfig
 
-MULTI_RANK_TODO = "multi-rank EP arrives with issue 4"
-
-
 def ep_layout(model: ModelConfig, group) -> tuple[int, int, int]:
     """(ep_size, ep_rank, num_local_experts) for ``group`` (None = one process)."""
     ep_size = 1 if group is None else dist.get_world_size(group)

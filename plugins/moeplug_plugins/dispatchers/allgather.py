@@ -21,13 +21,15 @@ import torch
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
 from moeplug.ops import permute, unpermute
-from moeplug_plugins.dispatchers._group import MULTI_RANK_TODO, ep_layout
+from moeplug_plugins.dispatchers import _ep_comm
+from moeplug_plugins.dispatchers._group import ep_layout
 
 
 @dataclass(frozen=True)
 class AllGatherMeta:
     row_map_GK: torch.Tensor  # row of the [S + sink rows] buffer holding (gathered token, choice)
     num_sink_rows: int        # rows routed to other ranks' experts (zeros on the way back)
+    sizes_W: tuple[int, ...] = ()  # tokens on each EP rank (to reduce-scatter back)
 
 
 class AllGatherDispatcher(Dispatcher):
@@ -39,7 +41,9 @@ class AllGatherDispatcher(Dispatcher):
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         L = self.num_local_experts
         # 1. gather
-        x_GD, probs_GK, ids_GK = (self._all_gather(t) for t in (x_TD, routing.probs_TK, routing.ids_TK))
+        sizes_W = self._gather_sizes(x_TD)
+        x_GD, probs_GK, ids_GK = (self._all_gather(t, sizes_W)
+                                  for t in (x_TD, routing.probs_TK, routing.ids_TK))
         # 2. select local experts (others -> sink expert L)
         local_GK = ids_GK - self.ep_rank * L
         is_local_GK = (local_GK >= 0) & (local_GK < L)
@@ -51,20 +55,23 @@ class AllGatherDispatcher(Dispatcher):
         num_sink = int(counts[L])
         S = x_RD.shape[0] - num_sink
         return Dispatched(x_RD[:S], probs_R[:S], counts[:L].to(torch.int64).cpu(),
-                          AllGatherMeta(row_map_GK, num_sink))
+                          AllGatherMeta(row_map_GK, num_sink, sizes_W=sizes_W))
 
     def combine(self, y_SD: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
         y_RD = torch.cat([y_SD, y_SD.new_zeros((meta.num_sink_rows, y_SD.shape[1]))])
         y_GD = unpermute(y_RD, meta.row_map_GK)
-        return self._reduce_scatter(y_GD)
+        return self._reduce_scatter(y_GD, meta.sizes_W)
 
-    # ---- collectives (identity at one rank) -----------------------------------------------
-    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        if self.ep_size > 1:
-            raise NotImplementedError(MULTI_RANK_TODO)
-        return t
+    # ---- collectives (identity at one rank; see _ep_comm) ----------------------------------
+    def _gather_sizes(self, x_TD: torch.Tensor) -> tuple[int, ...]:
+        if self.ep_size == 1:
+            return (x_TD.shape[0],)
+        return tuple(_ep_comm.gather_sizes(x_TD.shape[0], self.group))
 
-    def _reduce_scatter(self, y_GD: torch.Tensor) -> torch.Tensor:
-        if self.ep_size > 1:
-            raise NotImplementedError(MULTI_RANK_TODO)
-        return y_GD
+    def _all_gather(self, t: torch.Tensor, sizes_W: tuple[int, ...]) -> torch.Tensor:
+        return t if self.ep_size == 1 else _ep_comm.all_gather_tokens(t, list(sizes_W), self.group)
+
+    def _reduce_scatter(self, y_GD: torch.Tensor, sizes_W: tuple[int, ...]) -> torch.Tensor:
+        if self.ep_size == 1:
+            return y_GD
+        return _ep_comm.reduce_scatter_tokens(y_GD, list(sizes_W), self.group)

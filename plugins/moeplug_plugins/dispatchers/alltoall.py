@@ -20,13 +20,15 @@ import torch
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
 from moeplug.ops import permute, unpermute
-from moeplug_plugins.dispatchers._group import MULTI_RANK_TODO, ep_layout
+from moeplug_plugins.dispatchers import _ep_comm
+from moeplug_plugins.dispatchers._group import ep_layout
 
 
 @dataclass(frozen=True)
 class AlltoAllMeta:
     row_map_TK: torch.Tensor  # row of the permuted buffer holding (token t, choice k)
     counts_E: torch.Tensor    # rows this rank sent per global expert (for the way back)
+    plan: _ep_comm.A2APlan    # row counts of the EP exchange, both directions
 
 
 class AlltoAllDispatcher(Dispatcher):
@@ -41,38 +43,30 @@ class AlltoAllDispatcher(Dispatcher):
         probs_S = routing.probs_TK.new_zeros(x_SD.shape[0]).index_put(
             (row_map_TK.reshape(-1),), routing.probs_TK.reshape(-1))
         # 2. counts  3. all-to-all  4. sort by local expert
-        counts_L = self._exchange_counts(counts_E)
-        x_SD, probs_S = self._all_to_all(x_SD, counts_E), self._all_to_all(probs_S, counts_E)
-        x_SD, probs_S = self._sort_by_local_expert(x_SD), self._sort_by_local_expert(probs_S)
-        return Dispatched(x_SD, probs_S, counts_L, AlltoAllMeta(row_map_TK, counts_E))
+        plan = self._exchange_counts(counts_E)
+        x_SD, probs_S = self._all_to_all(x_SD, plan), self._all_to_all(probs_S, plan)
+        x_SD = self._sort_by_local_expert(x_SD, plan)
+        probs_S = self._sort_by_local_expert(probs_S, plan)
+        return Dispatched(x_SD, probs_S, plan.counts_L,
+                          AlltoAllMeta(row_map_TK=row_map_TK, counts_E=counts_E, plan=plan))
 
     def combine(self, y_SD: torch.Tensor, meta: AlltoAllMeta) -> torch.Tensor:
-        y_SD = self._unsort(y_SD)
-        y_SD = self._all_to_all_back(y_SD, meta.counts_E)
+        y_SD = self._unsort(y_SD, meta.plan)
+        y_SD = self._all_to_all_back(y_SD, meta.plan)
         return unpermute(y_SD, meta.row_map_TK)
 
-    # ---- collectives (identity at one rank) -----------------------------------------------
-    def _exchange_counts(self, counts_E: torch.Tensor) -> torch.Tensor:
-        if self.ep_size > 1:
-            raise NotImplementedError(MULTI_RANK_TODO)
-        return counts_E.to(torch.int64).cpu()
+    # ---- collectives (identity at one rank; see _ep_comm) ----------------------------------
+    def _exchange_counts(self, counts_E: torch.Tensor) -> _ep_comm.A2APlan:
+        return _ep_comm.exchange_counts(counts_E, self.group)
 
-    def _all_to_all(self, rows: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        if self.ep_size > 1:
-            raise NotImplementedError(MULTI_RANK_TODO)
-        return rows
+    def _all_to_all(self, rows: torch.Tensor, plan: _ep_comm.A2APlan) -> torch.Tensor:
+        return rows if self.ep_size == 1 else _ep_comm.all_to_all_there(rows, plan, self.group)
 
-    def _sort_by_local_expert(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.ep_size > 1:
-            raise NotImplementedError(MULTI_RANK_TODO)
-        return rows
+    def _sort_by_local_expert(self, rows: torch.Tensor, plan: _ep_comm.A2APlan) -> torch.Tensor:
+        return rows if self.ep_size == 1 else _ep_comm.sort_by_local_expert(rows, plan)
 
-    def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.ep_size > 1:
-            raise NotImplementedError(MULTI_RANK_TODO)
-        return rows
+    def _unsort(self, rows: torch.Tensor, plan: _ep_comm.A2APlan) -> torch.Tensor:
+        return rows if self.ep_size == 1 else _ep_comm.unsort_by_local_expert(rows, plan)
 
-    def _all_to_all_back(self, rows: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        if self.ep_size > 1:
-            raise NotImplementedError(MULTI_RANK_TODO)
-        return rows
+    def _all_to_all_back(self, rows: torch.Tensor, plan: _ep_comm.A2APlan) -> torch.Tensor:
+        return rows if self.ep_size == 1 else _ep_comm.all_to_all_back(rows, plan, self.group)
