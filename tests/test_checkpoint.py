@@ -235,3 +235,27 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_config_file, tmp_p
 def _read_run(run_dir: str) -> list[dict]:
     from moeplug.training.metrics import read_metrics
     return read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+
+
+def test_unreadable_metadata_is_reported(tmp_path):
+    model, opt = _trained()
+    path = save_checkpoint(str(tmp_path), 1, model, opt, {})
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, _Tied(), None)
+    msg = str(err.value)
+    assert "meta.json" in msg and "unreadable" in msg and "Fix:" in msg
+
+
+def test_optimizer_state_that_does_not_fit_is_reported(tmp_path):
+    model, opt = _trained()
+    path = save_checkpoint(str(tmp_path), 1, model, opt, {})
+    other = _Tied()
+    # Two parameter groups instead of one: the saved optimizer layout no longer fits.
+    params = list(other.parameters())
+    opt2 = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}])
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, other, opt2)
+    msg = str(err.value)
+    assert "optimizer state does not fit" in msg and "Fix:" in msg

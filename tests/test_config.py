@@ -202,3 +202,10 @@ def test_readme_config_reference_lists_every_field_with_its_default():
     assert not wrong, f"README shows a stale default for: {wrong}"
     described = [k for k in fields if not rows[f"`{k}`"].rstrip(" |").split("|")[-1].strip()]
     assert not described, f"README rows without a meaning: {described}"
+
+
+def test_float_fields_accept_yaml_exponents_and_reject_words():
+    assert load_config(None, ["train.lr=1e-3", "train.min_lr=0"]).train.lr == 1e-3
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.lr=fast"])
+    assert_names(err, "TrainConfig.lr", "'fast'", "number")

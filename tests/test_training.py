@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-import json
 import math
 
 import pytest
@@ -118,3 +116,67 @@ def test_progress_without_terminal_prints_plain_lines():
     assert len(lines) == 2
     assert "step      5" in lines[0] and "loss 3.0000" in lines[0] and "MFU 5.0%" in lines[0]
     assert lines[1] == "val"
+
+
+def test_progress_bar_on_a_terminal_replaces_log_lines():
+    lines: list[str] = []
+    p = Progress(total=3, initial=1, log=lines.append, use_bar=True)
+    p.step({"step": 2, "loss": 3.0, "lm_loss": 2.9, "aux_loss": 0.1, "lr": 1e-3,
+            "grad_norm": 0.5, "tokens_per_s": 1.0, "tflops": 0.0, "mfu": 0.0})
+    assert p._bar.n == 2 and "loss" in p._bar.postfix
+    p.close()
+    assert lines == []
+
+
+# --------------------------------------------------------------------------------------------
+# The loop on the real model, data and plugins
+# --------------------------------------------------------------------------------------------
+
+def _real_pieces(cfg):
+    from moeplug.cli import check_plugins
+    from moeplug.data import prepare_corpus
+    from moeplug.modules import build_model
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.trainer import seed_everything
+    host = PluginHost.load()
+    precision = check_plugins(host, cfg)
+    corpus = prepare_corpus(cfg.data)
+    seed_everything(cfg.train.seed)
+    return build_model(cfg, host, corpus.vocab_size), corpus, precision
+
+
+def test_grad_accumulation_matches_one_big_batch(tiny_cfg, tmp_path):
+    """2 micro-batches of 4, each loss divided by 2, must leave the gradient of the mean of the
+    two micro-batch losses (checked on .grad, which the loop leaves in place after its last
+    step: Adam alone would hide a wrong scale), and the same weights after the step."""
+    from moeplug.data import get_batch
+    from moeplug.training.trainer import batch_generator, train
+    cfg = tiny_cfg("train.steps=1", "train.warmup_steps=0", "train.micro_batch_size=4",
+                   "train.grad_accum_steps=2", "train.grad_clip=0", "train.eval_batches=1")
+    model, corpus, precision = _real_pieces(cfg)
+    ref, _, _ = _real_pieces(cfg)  # same seed: identical initial weights
+    train(cfg, model, corpus, precision, {}, log=lambda _: None, use_bar=False)
+
+    opt = build_optimizer(ref, cfg.train)
+    for g in opt.param_groups:
+        g["lr"] = lr_at(0, cfg.train)
+    gen = batch_generator(cfg.train.seed, 0)
+    batches = [get_batch(corpus.train_ids, 4, cfg.train.seq_len, gen) for _ in range(2)]
+    loss = sum(ref(t, y).loss for t, y in batches) / 2
+    loss.backward()
+    opt.step()
+    for (name, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-7, rtol=1e-5), name
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), name
+
+
+def test_non_finite_loss_stops_with_a_fix(tiny_cfg):
+    from moeplug.training.trainer import train
+    cfg = tiny_cfg("train.steps=3", "train.warmup_steps=1")
+    model, corpus, precision = _real_pieces(cfg)
+    with torch.no_grad():
+        model.embed.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError) as err:
+        train(cfg, model, corpus, precision, {}, log=lambda _: None, use_bar=False)
+    msg = str(err.value)
+    assert "loss became nan at step 1" in msg and "train.lr" in msg and "Fix:" in msg
