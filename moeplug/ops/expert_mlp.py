@@ -40,8 +40,12 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]]) -> torch.Tensor:
-    """Uninitialised [L, ...] grad whose experts without rows are zero (the rest get mm(out=))."""
-    grad = torch.empty_like(w)
+    """Uninitialised [L, ...] grad whose experts without rows are zero (the rest get mm(out=)).
+
+    From the workspace too: AccumulateGrad usually adopts it as ``param.grad``, and the cache
+    only hands it out again once that grad has been dropped (zero_grad) or summed into.
+    """
+    grad = workspace.empty(tuple(w.shape), w.dtype)
     used = {e for e, _, _ in slices}
     for e in range(w.shape[0]):
         if e not in used:
@@ -104,7 +108,7 @@ class _ExpertMLP(torch.autograd.Function):
                 torch.mm(dh_S2F[s0:s1].t(), x_c[s0:s1], out=dW13_L2FD[e])
 
         def back(t, dtype):
-            return None if t is None else t.to(dtype)
+            return None if t is None else _cast(t, dtype)
 
         return (back(dX_SD, x_dtype), back(dp_S, p_dtype), None, None,
                 back(dW13_L2FD, w13_dtype), back(dW2_LDF, w2_dtype), None)

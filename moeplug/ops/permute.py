@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from moeplug.ops import workspace
 from moeplug.ops._checks import check_index, check_probs, check_rows, ptr
 from moeplug.runtime import get_runtime
 
@@ -14,7 +15,7 @@ from moeplug.runtime import get_runtime
 def _sum_rows(grad_SD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
     """grad_TD[t] = sum_k grad_SD[row_map[t, k]] (permute's backward, unpermute's forward)."""
     T, K = row_map_TK.shape
-    grad_TD = grad_SD.new_empty(T, grad_SD.shape[1])
+    grad_TD = workspace.empty((T, grad_SD.shape[1]), grad_SD.dtype)
     get_runtime().unpermute(y=grad_SD.data_ptr(), row_map=row_map_TK.data_ptr(), probs=0,
                             y_out=grad_TD.data_ptr(), num_tokens=T, top_k=K,
                             hidden=grad_SD.shape[1], num_rows=grad_SD.shape[0],
@@ -27,7 +28,7 @@ class _Permute(torch.autograd.Function):
     def forward(ctx, x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int):
         T, D = x_TD.shape
         K = ids_TK.shape[1]
-        x_SD = x_TD.new_empty(T * K, D)
+        x_SD = workspace.empty((T * K, D), x_TD.dtype)
         row_map_TK = torch.empty(T, K, dtype=torch.int64)
         counts_E = torch.empty(num_experts, dtype=torch.int64)
         get_runtime().permute(x=x_TD.data_ptr(), ids=ids_TK.data_ptr(), x_out=x_SD.data_ptr(),
@@ -86,8 +87,9 @@ class _Unpermute(torch.autograd.Function):
         T, K = row_map_TK.shape
         S, D = ctx.num_rows, grad_TD.shape[1]
         # Rows no (t, k) reads get zero gradient; when S == T*K every row is written.
-        make = torch.empty if S == T * K else torch.zeros
-        grad_SD = make(S, D, dtype=grad_TD.dtype)
+        grad_SD = workspace.empty((S, D), grad_TD.dtype)
+        if S != T * K:
+            grad_SD.zero_()
         grad_probs_TK = torch.empty(T, K, dtype=torch.float32) if y_SD is not None else None
         get_runtime().unpermute_backward(
             grad=grad_TD.data_ptr(), y=ptr(y_SD), row_map=row_map_TK.data_ptr(),

@@ -1,0 +1,97 @@
+"""Helpers shared by every benchmark file.
+
+This machine is shared and its speed drifts, so absolute timings from separate runs mean little.
+Benchmarks therefore time the op and its baselines *interleaved* in one run (round-robin, so
+drift hits all of them alike), compare medians, and report ratios:
+
+    times = interleave({"kernel": f, "memcpy": g}, repeats=7)
+    report.row("permute fp32", "vs memcpy", times["memcpy"] / times["kernel"], target=0.5)
+
+Every ``report.row`` ends up in one table printed at the end of the session (also without -s).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+
+
+def interleave(candidates: dict[str, Callable[[], Any]], repeats: int = 5,
+               warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each candidate, timed round-robin ``repeats`` times."""
+    for _ in range(warmup):
+        for fn in candidates.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def gflops(flop: float, seconds: float) -> float:
+    return flop / seconds / 1e9
+
+
+def gbytes_per_s(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+@dataclass
+class Row:
+    bench: str
+    metric: str
+    value: float
+    unit: str
+    target: float | None
+    note: str
+
+    @property
+    def status(self) -> str:
+        if self.target is None:
+            return ""
+        return "ok" if self.value >= self.target else "BELOW TARGET"
+
+
+class Report:
+    """Rows collected during the session and printed as one table at the end."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+
+    def row(self, bench: str, metric: str, value: float, unit: str = "x",
+            target: float | None = None, note: str = "") -> None:
+        self.rows.append(Row(bench, metric, value, unit, target, note))
+
+    def table(self) -> str:
+        if not self.rows:
+            return ""
+        w1 = max(len(r.bench) for r in self.rows)
+        w2 = max(len(r.metric) for r in self.rows)
+        lines = [f"{'benchmark':<{w1}}  {'metric':<{w2}}  {'value':>10}  {'target':>7}  status  note"]
+        for r in self.rows:
+            target = "" if r.target is None else f"{r.target:.2f}"
+            lines.append(f"{r.bench:<{w1}}  {r.metric:<{w2}}  {r.value:>8.3f}{r.unit:<2}  "
+                         f"{target:>7}  {r.status:<6}  {r.note}")
+        return "\n".join(lines)
+
+
+_REPORT = Report()
+
+
+@pytest.fixture(scope="session")
+def report() -> Report:
+    return _REPORT
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    text = _REPORT.table()
+    if text:
+        terminalreporter.section("moeplug benchmark ratios (interleaved, medians)")
+        terminalreporter.write_line(text)

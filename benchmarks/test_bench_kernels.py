@@ -1,0 +1,112 @@
+"""Runtime kernels at the standard MoE shape, each timed interleaved with its baselines.
+
+Shape legend: T tokens, K top-k, E experts, D hidden, F expert FFN hidden, S = T*K rows.
+Standard shape: T=4096, K=4, E=16, D=1024, F=1408 (S=16384 rows, balanced counts).
+
+Run: pytest -q benchmarks/test_bench_kernels.py -s   (about 2-3 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.conftest import gbytes_per_s, gflops, interleave
+from moeplug import ops
+from moeplug.ops import reference as ref
+
+T, K, E, D, F = 4096, 4, 16, 1024, 1408
+S = T * K
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def balanced_ids(gen: torch.Generator) -> torch.Tensor:
+    return torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].contiguous()
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_permute(benchmark, report, dtype_name):
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(0)
+    x_TD = torch.randn(T, D, generator=gen).to(dtype)
+    ids_TK = balanced_ids(gen)
+    src_SD, dst_SD = torch.randn(S, D).to(dtype), torch.empty(S, D, dtype=dtype)
+    times = interleave({
+        "kernel": lambda: ops.permute(x_TD, ids_TK, E),
+        "reference": lambda: ref.permute(x_TD, ids_TK, E),
+        "memcpy": lambda: dst_SD.copy_(src_SD),  # the S*D output bytes, written once
+    }, repeats=7)
+    nbytes = S * D * x_TD.element_size()
+    name = f"permute {dtype_name}"
+    report.row(name, "speed vs memcpy", times["memcpy"] / times["kernel"],
+               note=f"{gbytes_per_s(nbytes, times['kernel']):.1f} GB/s written")
+    report.row(name, "speedup vs torch ref", times["reference"] / times["kernel"])
+    benchmark.extra_info.update({k: v * 1e3 for k, v in times.items()})
+    benchmark.pedantic(ops.permute, args=(x_TD, ids_TK, E), rounds=3, iterations=1)
+    assert torch.equal(ops.permute(x_TD, ids_TK, E)[0], ref.permute(x_TD, ids_TK, E)[0])
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_unpermute(benchmark, report, dtype_name):
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(1)
+    y_SD = torch.randn(S, D, generator=gen).to(dtype)
+    _, row_map_TK, _ = ref.permute(torch.zeros(T, 1), balanced_ids(gen), E)
+    probs_TK = torch.rand(T, K, generator=gen)
+    dst_SD = torch.empty_like(y_SD)
+    times = interleave({
+        "kernel": lambda: ops.unpermute(y_SD, row_map_TK, probs_TK),
+        "reference": lambda: ref.unpermute(y_SD, row_map_TK, probs_TK),
+        "memcpy": lambda: dst_SD.copy_(y_SD),  # the S*D input bytes, read once
+    }, repeats=7)
+    nbytes = S * D * y_SD.element_size()
+    name = f"unpermute {dtype_name}"
+    report.row(name, "speed vs memcpy", times["memcpy"] / times["kernel"],
+               note=f"{gbytes_per_s(nbytes, times['kernel']):.1f} GB/s read")
+    report.row(name, "speedup vs torch ref", times["reference"] / times["kernel"])
+    benchmark.extra_info.update({k: v * 1e3 for k, v in times.items()})
+    benchmark.pedantic(ops.unpermute, args=(y_SD, row_map_TK, probs_TK), rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("dtype_name,target", [("fp32", 0.85), ("bf16", None)])
+def test_expert_mlp_vs_square_matmul(benchmark, report, dtype_name, target):
+    """Useful GFLOP/s of expert_mlp fwd+bwd over GFLOP/s of a 2048^3 matmul, same dtype.
+
+    bf16 runs the way training does: fp32 master weights under CPU autocast.
+    """
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(2)
+    x_SD = torch.randn(S, D, generator=gen).requires_grad_()
+    probs_S = torch.rand(S, generator=gen).requires_grad_()
+    counts_E = torch.full((E,), S // E, dtype=torch.int64)
+    w13_E2FD = (torch.randn(E, 2 * F, D, generator=gen) * D ** -0.5).requires_grad_()
+    w2_EDF = (torch.randn(E, D, F, generator=gen) * F ** -0.5).requires_grad_()
+    grad_SD = torch.randn(S, D, generator=gen).to(dtype)
+    a_NN = torch.randn(2048, 2048, generator=gen).to(dtype)
+    b_NN = torch.randn(2048, 2048, generator=gen).to(dtype)
+
+    def fwd_bwd():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            y_SD = ops.expert_mlp(x_SD, probs_S, counts_E, w13_E2FD, w2_EDF)
+        y_SD.backward(grad_SD)
+        for t in (x_SD, probs_S, w13_E2FD, w2_EDF):
+            t.grad = None
+
+    useful_flop = 3 * 2 * S * 3 * D * F  # 3 GEMMs (gate, up, down) x fwd + 2 bwd
+    # One matmul sample does about the same work as one fwd+bwd (25 mm calls), so both
+    # samples span the same stretch of time and see the same load from other processes.
+    mm_calls = max(1, round(useful_flop / (2 * 2048 ** 3)))
+
+    def matmuls():
+        for _ in range(mm_calls):
+            torch.mm(a_NN, b_NN)
+
+    times = interleave({"expert_mlp": fwd_bwd, "matmul": matmuls}, repeats=3)
+    mlp = gflops(useful_flop, times["expert_mlp"])
+    mm = gflops(mm_calls * 2 * 2048 ** 3, times["matmul"])
+    name = f"expert_mlp fwd+bwd {dtype_name}"
+    report.row(name, "GFLOP/s vs 2048^3 mm", mlp / mm, target=target,
+               note=f"{mlp:.0f} vs {mm:.0f} GFLOP/s")
+    benchmark.extra_info.update({"expert_mlp_gflops": mlp, "matmul_gflops": mm,
+                                 "ratio": mlp / mm})
+    benchmark.pedantic(fwd_bwd, rounds=1, iterations=1)
