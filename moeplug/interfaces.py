@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ContextManager
 
 import torch
@@ -43,12 +43,28 @@ class RouterOutput:
     aux_loss: scalar tensor, the load-balancing loss *times its coefficient*; it is added to the
               training loss by the model. ``torch.zeros(())`` when the router has none.
     logits_TE: float32 router logits (for logging / z-loss); may be None.
+
+    Optional (defaults mean: nothing dropped, no padding, nothing to log):
+    losses:       detached, *unscaled* per-layer values for logging, e.g. ``aux_loss``,
+                  ``seq_aux_loss``, ``global_aux_loss``, ``z_loss``, ``dropped_fraction``.
+    dropped_TK:   bool [T, K], True where capacity dropped the choice. A dropped choice keeps a
+                  valid, distinct id and has prob 0, so a dispatcher that ignores this field still
+                  computes the right output (it just also computes the dropped rows); dispatchers
+                  that honour it send no row for it (see ``moeplug.routing.rows``).
+    capacity:     when set, every local expert must receive exactly ``capacity * ep_size`` rows:
+                  the dispatcher pads with prob-0 rows (static shapes, Megatron pad-to-capacity).
+    pad_multiple: the dispatcher pads each local expert's rows to a multiple of this with prob-0
+                  rows (quantised grouped GEMMs want 16/32-row tiles); outputs do not change.
     """
 
     probs_TK: torch.Tensor
     ids_TK: torch.Tensor
     aux_loss: torch.Tensor
     logits_TE: torch.Tensor | None = None
+    losses: dict = field(default_factory=dict)
+    dropped_TK: torch.Tensor | None = None
+    capacity: int | None = None
+    pad_multiple: int = 1
 
 
 @dataclass(frozen=True)
@@ -68,14 +84,28 @@ class Dispatched:
 
 
 class Router(nn.Module, abc.ABC):
-    """Chooses K experts per token. Owns the gate weight (``[E, D]``, fp32)."""
+    """Chooses K experts per token. Owns the gate weight (``[E, D]``, fp32).
+
+    A router that needs sequence boundaries (per-sequence losses) sets
+    ``accepts_num_sequences = True`` and takes ``forward(x_TD, num_sequences=1)``; the MoE layer
+    then passes the batch size B of its [B, S, D] input (tokens are b-major: t = b * S + s).
+    Routers that leave it False keep the one-argument ``forward(x_TD)``.
+    """
 
     num_experts: int
     top_k: int
+    accepts_num_sequences: bool = False
 
     @abc.abstractmethod
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         ...
+
+    def finalize_step(self, group=None) -> None:
+        """Called once per optimizer step, after ``optimizer.step()``, by
+        ``MoETransformer.finalize_step``. Routers with per-step state (e.g. an expert-bias
+        update from the step's token counts, or counts accumulated for a global-batch aux loss)
+        update and reset it here; ``group`` is the process group whose ranks saw different tokens
+        (data/context parallel), over which counts are summed. Default: nothing to do."""
 
 
 class Dispatcher(abc.ABC):

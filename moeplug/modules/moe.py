@@ -16,7 +16,7 @@ class MoELayer(nn.Module):
     """Routed feed-forward block built from a router, a dispatcher and an experts backend.
 
     ``forward`` follows these stages line for line (see moeplug/interfaces.py for each contract):
-        1. route      routing = router(x_TD)                      -> probs_TK, ids_TK, aux_loss
+        1. route      routing = router(x_TD[, num_sequences=B])   -> probs_TK, ids_TK, aux_loss
         2. dispatch   d = dispatcher.dispatch(x_TD, routing)      -> x_SD grouped by local expert
         3. experts    y_SD = experts(d.x_SD, d.probs_S, d.counts_L)  (weights applied inside)
         4. combine    y_TD = dispatcher.combine(y_SD, d.meta)     -> each token's K rows summed
@@ -44,13 +44,23 @@ class MoELayer(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
-        routing = self.router(x_TD)                                   # 1. route
+        routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
         d = self.dispatcher.dispatch(x_TD, routing)                   # 2. dispatch
         y_SD = self.experts(d.x_SD, d.probs_S, d.counts_L)            # 3. experts
         y_TD = self.dispatcher.combine(y_SD, d.meta)                  # 4. combine
         # 5. shared experts: not yet
         y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
         # On the host, like the dispatcher's counts_L: these are logged, never differentiated.
-        counts_E = torch.bincount(routing.ids_TK.reshape(-1).detach().cpu(),
-                                  minlength=self.router.num_experts)
+        # Choices dropped by capacity reach no expert, so they are not counted.
+        ids = routing.ids_TK.reshape(-1).detach()
+        if routing.dropped_TK is not None:
+            ids = ids[~routing.dropped_TK.reshape(-1)]
+        counts_E = torch.bincount(ids.cpu(), minlength=self.router.num_experts)
         return y_ND, routing.aux_loss, counts_E
+
+    def _route(self, x_TD: torch.Tensor, num_sequences: int):
+        # Sequence boundaries only go to routers that declare they take them (see Router), so
+        # third-party routers with forward(x_TD) keep working. Tokens are b-major (t = b*S + s).
+        if getattr(self.router, "accepts_num_sequences", False):
+            return self.router(x_TD, num_sequences=num_sequences)
+        return self.router(x_TD)

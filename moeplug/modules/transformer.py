@@ -120,6 +120,14 @@ class MoETransformer(nn.Module):
             loss = lm_loss + aux_loss
         return ModelOutput(logits_BSV, loss, lm_loss, aux_loss, expert_counts)
 
+    def finalize_step(self, group=None) -> None:
+        """Call once per optimizer step, right after ``optimizer.step()``: each router applies
+        its per-step updates (e.g. the expert-bias update) and resets its per-step counts.
+        ``group``: the data/context-parallel process group whose ranks saw different tokens."""
+        for block in self.blocks:
+            if isinstance(block.ffn, MoELayer):
+                block.ffn.router.finalize_step(group)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Megatron model-FLOPs per training token (see moeplug.modules.flops)."""
         return flops_per_token(self.cfg, self.vocab_size, seq_len)

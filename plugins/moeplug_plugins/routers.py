@@ -1,65 +1,282 @@
-"""Built-in router ``topk``: softmax gate, top-k choice, Switch load-balancing loss.
+"""Built-in router ``topk``: every Megatron-Core top-k router feature, composed from the pure
+functions in :mod:`moeplug.routing`.
 
-Legend: T tokens, D hidden, E experts, K top-k.
+Legend: T tokens, D hidden, E experts, K top-k, B sequences in the micro-batch.
 
-Semantics (Mixtral / Hugging Face, Megatron ``score_function=softmax``):
-    logits_TE = x_TD @ W_ED^T            in fp32 even under autocast (routing is precision-sensitive)
-    scores_TE = softmax(logits_TE)       over all E experts
-    ids_TK    = top-k of scores_TE
-    probs_TK  = chosen scores / their sum            (renormalize=True, Mixtral)
-              = chosen scores                        (renormalize=False, Megatron pre-softmax)
-    aux_loss  = coeff * E * sum_i f_i * P_i,  f_i = n_i / (T*K) (no grad),  P_i = mean_t scores_TE[t, i]
-A perfectly uniform router gives aux_loss / coeff == 1.
+forward(x_TD, num_sequences=B):
+    1. jitter      x * U(1 - eps, 1 + eps)                      (training only, input_jitter_eps)
+    2. gate        logits_TE = x_TD @ W_ED^T in fp32 or fp64     (dtype; autocast off)
+                   replaced by seeded random logits when force_load_balancing (benchmarks)
+    3. route       scores, expert bias, group-limited top-k, scaling   (moeplug.routing.scores)
+    4. drop        capacity C = ceil(T*K/E * capacity_factor); over-capacity choices get prob 0
+                   and dropped_TK = True; pad_to_capacity asks the dispatcher for exactly C rows
+    5. losses      sum over load_balancing_type of coeff * loss, plus z_loss_coeff * z-loss
+    6. count       step counts for the expert-bias update / global aux loss (training + grad)
+finalize_step(group): expert bias b += rate * sign(mean n - n) over the step's counts (summed
+over ``group``), then both per-step count buffers reset.
+
+Defaults keep Mixtral semantics: softmax, renormalised top-k, Switch aux loss with the model's
+``moe.aux_loss_coeff``; the gate ``weight`` [E, D] is named like HF Mixtral's ``gate.weight``.
+The two count buffers are per-*step* state (they must outlive a micro-batch), deliberately kept
+on the module; they change only in training with grad enabled, so evaluation and activation
+recomputation under no_grad do not count.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from moeplug import hookimpl
-from moeplug.config import ModelConfig
+from moeplug.config import ConfigError, ModelConfig
 from moeplug.interfaces import Router, RouterOutput
+from moeplug import routing as R
+
+
+def _fail(name: str, value, rule: str, fix: str) -> None:
+    raise ConfigError(f"TopKOptions.{name} = {value!r}: {rule}. Fix: {fix}")
 
 
 @dataclass(frozen=True)
 class TopKOptions:
-    # True: renormalise the K chosen probabilities to sum to 1 (Mixtral). False: keep them as
-    # fractions of the softmax over all E (Megatron's moe_router_pre_softmax).
-    renormalize: bool = True
+    """Options of router ``topk`` (Megatron's ``moe_router_*`` / ``moe_*`` names, prefix dropped)."""
+
+    # Score function. softmax + renormalize=True is Megatron's post-softmax (= Mixtral);
+    # softmax + renormalize=False is Megatron's pre_softmax. For sigmoid/sqrtsoftplus,
+    # renormalize divides the K chosen scores by their sum (+1e-20) when K > 1 (Megatron).
+    # None (default): True when top_k >= 2, False at top_k = 1, where a renormalised softmax
+    # weight is the constant 1.0 and the gate would get no gradient from the main loss.
+    score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    renormalize: bool | None = None
+    topk_scaling_factor: float = 1.0
+    # Group-limited routing: experts split into num_groups contiguous groups; each token picks
+    # its group_topk best groups first (DeepSeek-V3: 8 groups, 4 kept). Both set or both None.
+    num_groups: int | None = None
+    group_topk: int | None = None
+    # Aux-loss-free balancing: a bias for selection only, updated once per optimizer step.
+    enable_expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    # Load-balancing losses: one name or a list; coefficients: None = model.moe.aux_loss_coeff
+    # for each, a number for all, or a list matching the types.
+    load_balancing_type: str | list = "aux_loss"
+    aux_loss_coeff: float | list | None = None
+    # Which token counts feed the aux losses: "plain_topk" (Megatron, default) recomputes a plain
+    # top-k ignoring group limits and the bias (Megatron #2767); "routed" uses the real choices.
+    aux_loss_counts: Literal["plain_topk", "routed"] = "plain_topk"
+    z_loss_coeff: float = 0.0
+    input_jitter_eps: float = 0.0
+    dtype: Literal["fp32", "fp64"] = "fp32"
+    # Capacity: None = dropless. Drop policy: "probs" keeps each expert's highest-weight choices,
+    # "position" keeps the earliest tokens. pad_to_capacity gives every expert exactly C rows.
+    capacity_factor: float | None = None
+    token_drop_policy: Literal["probs", "position"] = "probs"
+    pad_to_capacity: bool = False
+    # Pad each expert's rows to a multiple of this (16 FP8, 32 MXFP8/NVFP4); 1 = off.
+    padding_for_quantization: int = 1
+    # Benchmarks: random (seeded, hence repeatable) logits, so the load is balanced.
+    force_load_balancing: bool = False
+    force_load_balancing_seed: int = 42
+
+    def __post_init__(self) -> None:
+        types = self.loss_types()
+        for t in types:
+            if t not in R.AUX_LOSS_TYPES:
+                _fail("load_balancing_type", self.load_balancing_type, f"unknown type {t!r}",
+                      f"use 'none' or any of {', '.join(R.AUX_LOSS_TYPES)} (one or a list)")
+        if len(set(types)) != len(types):
+            _fail("load_balancing_type", self.load_balancing_type, "lists a type twice",
+                  "list each loss type once")
+        if isinstance(self.aux_loss_coeff, list):
+            if len(self.aux_loss_coeff) != len(types):
+                _fail("aux_loss_coeff", self.aux_loss_coeff,
+                      f"has {len(self.aux_loss_coeff)} entries but load_balancing_type has "
+                      f"{len(types)} ({types})", "give one coefficient per loss type")
+            coeffs = self.aux_loss_coeff
+        else:
+            coeffs = [] if self.aux_loss_coeff is None else [self.aux_loss_coeff]
+        for c in coeffs:
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0:
+                _fail("aux_loss_coeff", self.aux_loss_coeff, "coefficients must be numbers >= 0",
+                      "write e.g. aux_loss_coeff: 1e-2 or [1e-2, 1e-3]")
+        for name in ("z_loss_coeff", "input_jitter_eps", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                _fail(name, getattr(self, name), "must be >= 0", f"set {name} to 0 (off) or more")
+        if self.input_jitter_eps >= 1:
+            _fail("input_jitter_eps", self.input_jitter_eps, "must be < 1 (the noise is "
+                  "U(1 - eps, 1 + eps))", "use a small value such as 1e-2")
+        if self.topk_scaling_factor <= 0:
+            _fail("topk_scaling_factor", self.topk_scaling_factor, "must be > 0",
+                  "use 1.0 (off) or e.g. 2.5 (DeepSeek-V3)")
+        if self.enable_expert_bias and self.score_function == "softmax":
+            _fail("enable_expert_bias", True, "the expert bias needs score_function 'sigmoid' or "
+                  "'sqrtsoftplus' (Megatron rejects it with softmax)",
+                  "set score_function: sigmoid, or enable_expert_bias: false")
+        if (self.num_groups is None) != (self.group_topk is None):
+            _fail("num_groups" if self.num_groups is None else "group_topk",
+                  None, "num_groups and group_topk go together",
+                  "set both (e.g. num_groups: 8, group_topk: 4) or neither")
+        for name in ("num_groups", "group_topk"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                _fail(name, v, "must be >= 1", f"set {name} to a positive integer or leave it unset")
+        if self.num_groups is not None and self.group_topk > self.num_groups:
+            _fail("group_topk", self.group_topk, f"exceeds num_groups ({self.num_groups})",
+                  f"set group_topk <= {self.num_groups}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            _fail("capacity_factor", self.capacity_factor, "must be > 0",
+                  "leave it unset (dropless) or use e.g. 1.25")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            _fail("pad_to_capacity", True, "needs a capacity", "set capacity_factor (e.g. 1.0)")
+        if self.padding_for_quantization < 1:
+            _fail("padding_for_quantization", self.padding_for_quantization, "must be >= 1",
+                  "use 1 (off), 16 (FP8) or 32 (MXFP8/NVFP4)")
+        if self.pad_to_capacity and self.padding_for_quantization > 1:
+            _fail("padding_for_quantization", self.padding_for_quantization,
+                  "cannot combine with pad_to_capacity (capacity fixes the row count)",
+                  "choose one of them")
+
+    def loss_types(self) -> list[str]:
+        types = ([self.load_balancing_type] if isinstance(self.load_balancing_type, str)
+                 else list(self.load_balancing_type))
+        return [t for t in types if t != "none"]
+
+
+def _check_against_model(model: ModelConfig, o: TopKOptions) -> None:
+    E, K = model.moe.num_experts, model.moe.top_k
+    if K == 1 and o.score_function == "softmax" and o.renormalize is True:
+        _fail("renormalize", True, "with top_k = 1 and softmax the renormalised weight is always "
+              "1.0, so the gate gets no gradient from the main loss (Megatron rejects post-softmax "
+              "top-1)", "set renormalize: false (pre-softmax) or use top_k >= 2")
+    if o.num_groups is not None:
+        if E % o.num_groups:
+            _fail("num_groups", o.num_groups, f"does not divide num_experts ({E}): "
+                  f"{E} % {o.num_groups} = {E % o.num_groups}", "choose a divisor of num_experts")
+        if o.group_topk > K:
+            _fail("group_topk", o.group_topk, f"exceeds top_k ({K}); each kept group must supply "
+                  f"at least one of the top_k experts", f"set group_topk <= {K}")
+        if o.group_topk * (E // o.num_groups) < K:
+            _fail("group_topk", o.group_topk, f"the {o.group_topk} kept groups hold "
+                  f"{o.group_topk * (E // o.num_groups)} experts, fewer than top_k ({K})",
+                  "raise group_topk or lower num_groups")
 
 
 class TopKRouter(Router):
-    """fp32 gate ``weight`` [E, D] (named like HF Mixtral's ``gate.weight``)."""
+    """fp32 gate ``weight`` [E, D]; ``expert_bias`` [E] buffer when enabled."""
+
+    accepts_num_sequences = True
 
     def __init__(self, model: ModelConfig, options: TopKOptions):
         super().__init__()
+        _check_against_model(model, options)
         self.num_experts = model.moe.num_experts
         self.top_k = model.moe.top_k
-        self.aux_loss_coeff = float(model.moe.aux_loss_coeff)
-        self.renormalize = options.renormalize
+        self.options = options
+        self.renormalize = self.top_k > 1 if options.renormalize is None else options.renormalize
+        types = options.loss_types()
+        coeff = options.aux_loss_coeff
+        if coeff is None:
+            coeff = model.moe.aux_loss_coeff
+        coeffs = coeff if isinstance(coeff, list) else [coeff] * len(types)
+        self.aux_loss_coeffs = {t: float(c) for t, c in zip(types, coeffs)}
         self.weight = nn.Parameter(torch.empty(self.num_experts, model.hidden_size, dtype=torch.float32))
         nn.init.normal_(self.weight, mean=0.0, std=model.init_std)
+        E = self.num_experts
+        # Per-step state (see the module docstring). expert_bias is model state: saved.
+        self.register_buffer("expert_bias", torch.zeros(E) if options.enable_expert_bias else None)
+        self.register_buffer("step_counts_E", torch.zeros(E, dtype=torch.int64) if
+                             options.enable_expert_bias else None, persistent=False)
+        wants_global = "global_aux_loss" in self.aux_loss_coeffs
+        self.register_buffer("global_counts_E", torch.zeros(E, dtype=torch.int64) if wants_global
+                             else None, persistent=False)
+        # Tokens seen this step, for the global aux loss's f_i = sum n_i / (K * sum T).
+        self.register_buffer("global_tokens", torch.zeros((), dtype=torch.int64) if wants_global
+                             else None, persistent=False)
 
-    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = x_TD.float() @ self.weight.t()
-        scores_TE = torch.softmax(logits_TE, dim=-1)
-        top_TK, ids_TK = torch.topk(scores_TE, self.top_k, dim=-1)
-        probs_TK = top_TK / top_TK.sum(dim=-1, keepdim=True) if self.renormalize else top_TK
-        return RouterOutput(probs_TK=probs_TK, ids_TK=ids_TK,
-                            aux_loss=self._aux_loss(scores_TE, ids_TK), logits_TE=logits_TE)
+    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
+        o, E, K = self.options, self.num_experts, self.top_k
+        T = x_TD.shape[0]
+        counting = self.training and torch.is_grad_enabled()
+        # 1. jitter  2. gate
+        if self.training and o.input_jitter_eps > 0:
+            x_TD = R.input_jitter(x_TD, o.input_jitter_eps)
+        logits_TE = R.router_logits(x_TD, self.weight, R.ROUTER_DTYPES[o.dtype])
+        if o.force_load_balancing:
+            logits_TE = R.force_balanced_logits(logits_TE, o.force_load_balancing_seed)
+        # 3. route
+        probs_TK, ids_TK = R.topk_routing(
+            logits_TE, K, score_function=o.score_function, renormalize=self.renormalize,
+            expert_bias_E=self.expert_bias, num_groups=o.num_groups, group_topk=o.group_topk,
+            scaling_factor=o.topk_scaling_factor)
+        # 4. drop over capacity
+        dropped_TK, capacity = None, None
+        if o.capacity_factor is not None:
+            capacity = R.expert_capacity(T, K, E, o.capacity_factor)
+            probs_TK, dropped_TK = R.drop_over_capacity(probs_TK, ids_TK, E, capacity,
+                                                        o.token_drop_policy)
+        # 5. losses
+        losses: dict[str, torch.Tensor] = {}
+        aux_loss = self._aux_losses(logits_TE, ids_TK, num_sequences, counting, losses)
+        if o.z_loss_coeff > 0:
+            z = R.z_loss(logits_TE)
+            losses["z_loss"] = z.detach().float()
+            aux_loss = aux_loss + o.z_loss_coeff * z
+        if dropped_TK is not None:
+            losses["dropped_fraction"] = dropped_TK.float().mean() if T else torch.zeros(())
+        # 6. step counts for the expert-bias update
+        if counting and self.step_counts_E is not None:
+            with torch.no_grad():
+                self.step_counts_E += R.expert_counts(ids_TK, E, None if dropped_TK is None
+                                                      else ~dropped_TK)
+        return RouterOutput(probs_TK=probs_TK.float(), ids_TK=ids_TK, aux_loss=aux_loss.float(),
+                            logits_TE=logits_TE.float(), losses=losses, dropped_TK=dropped_TK,
+                            capacity=capacity if o.pad_to_capacity else None,
+                            pad_multiple=o.padding_for_quantization)
 
-    def _aux_loss(self, scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
-        T, K = ids_TK.shape
-        if self.aux_loss_coeff == 0.0 or T == 0:
-            return scores_TE.new_zeros(())
-        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts)  # integer: no grad
-        f_E = counts_E.to(scores_TE.dtype) / (T * K)
-        P_E = scores_TE.mean(dim=0)
-        return self.aux_loss_coeff * self.num_experts * torch.sum(f_E * P_E)
+    def _aux_losses(self, logits_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int,
+                    counting: bool, losses: dict) -> torch.Tensor:
+        """Sum of coeff * loss over the configured types; unscaled values go to ``losses``."""
+        total = logits_TE.new_zeros(())
+        active = {t: c for t, c in self.aux_loss_coeffs.items() if c != 0.0}
+        if not active or ids_TK.shape[0] == 0:
+            return total
+        T, K, E = ids_TK.shape[0], self.top_k, self.num_experts
+        s_TE = R.aux_scores(logits_TE, self.options.score_function)
+        with torch.no_grad():
+            count_ids_TK = R.counts_for_aux(s_TE, ids_TK, self.options.aux_loss_counts)
+            counts_E = R.expert_counts(count_ids_TK, E)
+        for loss_type, coeff in active.items():
+            if loss_type == "aux_loss":
+                value = R.switch_aux_loss(s_TE, counts_E, T, K)
+            elif loss_type == "seq_aux_loss":
+                value = R.seq_aux_loss(s_TE, count_ids_TK, num_sequences)
+            else:
+                acc_counts_E, acc_tokens = counts_E, T
+                if self.global_counts_E is not None:
+                    acc_counts_E = self.global_counts_E + counts_E
+                    acc_tokens = int(self.global_tokens) + T
+                    if counting:
+                        with torch.no_grad():
+                            self.global_counts_E.copy_(acc_counts_E)
+                            self.global_tokens += T
+                value = R.global_aux_loss(s_TE, acc_counts_E, acc_tokens, K)
+            losses[loss_type] = value.detach().float()
+            total = total + coeff * value
+        return total
+
+    @torch.no_grad()
+    def finalize_step(self, group=None) -> None:
+        """After optimizer.step(): update the expert bias from the step's counts (summed over
+        ``group``), then reset the per-step counts (bias and global aux loss)."""
+        if self.expert_bias is not None:
+            self.expert_bias.copy_(R.updated_expert_bias(
+                self.expert_bias, self.step_counts_E, self.options.bias_update_rate, group))
+            self.step_counts_E.zero_()
+        if self.global_counts_E is not None:
+            self.global_counts_E.zero_()
+            self.global_tokens.zero_()
 
 
 def make_topk(model: ModelConfig, options: TopKOptions) -> TopKRouter:
@@ -69,4 +286,6 @@ def make_topk(model: ModelConfig, options: TopKOptions) -> TopKRouter:
 @hookimpl
 def moeplug_register_routers(registry) -> None:
     registry.add("topk", make_topk, options_cls=TopKOptions,
-                 description="softmax top-k router with Switch aux loss (Mixtral semantics)")
+                 description="top-k router with every Megatron-Core feature: softmax/sigmoid/"
+                             "sqrtsoftplus, group-limited, expert bias, aux/seq/global/z losses, "
+                             "capacity dropping, padding (Mixtral semantics by default)")

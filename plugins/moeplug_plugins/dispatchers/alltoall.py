@@ -7,7 +7,11 @@ dispatch:
     2. counts       exchange per-expert row counts with every EP rank
     3. all-to-all   send each expert's rows to the rank that owns it
     4. sort         received chunks are (source rank, local expert)-major: reorder expert-major
-combine runs the inverse: unsort -> all-to-all back -> unpermute (plain sum: rows carry p).
+    5. pad          prob-0 rows so each local expert holds capacity*ep_size rows or a multiple
+                    of pad_multiple, when the routing asks for it          (moeplug.routing.rows)
+combine runs the inverse: unpad -> unsort -> all-to-all back -> unpermute (plain sum: rows carry p).
+Choices dropped by capacity (``routing.dropped_TK``) are permuted to a sink expert E whose rows
+sort last and are cut off before step 2; combine puts zero rows back in their place.
 At one rank, steps 2-4 are the identity.
 """
 
@@ -20,6 +24,7 @@ import torch
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
 from moeplug.ops import permute, unpermute
+from moeplug.routing import append_sink_rows, pad_rows, padded_counts, sink_dropped, unpad_rows
 from moeplug_plugins.dispatchers import _ep_comm
 from moeplug_plugins.dispatchers._group import ep_layout
 
@@ -29,6 +34,8 @@ class AlltoAllMeta:
     row_map_TK: torch.Tensor  # row of the permuted buffer holding (token t, choice k)
     counts_E: torch.Tensor    # rows this rank sent per global expert (for the way back)
     plan: _ep_comm.A2APlan    # row counts of the EP exchange, both directions
+    num_sink_rows: int = 0    # dropped choices' rows, cut after permute (zeros on the way back)
+    pad_index_S: torch.Tensor | None = None  # padded-buffer position of each real row
 
 
 class AlltoAllDispatcher(Dispatcher):
@@ -38,22 +45,33 @@ class AlltoAllDispatcher(Dispatcher):
         self.num_experts = model.moe.num_experts
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
-        # 1. permute
-        x_SD, row_map_TK, counts_E = permute(x_TD, routing.ids_TK, self.num_experts)
-        probs_S = routing.probs_TK.new_zeros(x_SD.shape[0]).index_put(
+        E = self.num_experts
+        # 1. permute (dropped choices -> sink expert E, whose rows come last and are cut off)
+        has_sink = routing.dropped_TK is not None
+        ids_TK = sink_dropped(routing.ids_TK, routing.dropped_TK, E)
+        x_RD, row_map_TK, counts = permute(x_TD, ids_TK, E + 1 if has_sink else E)
+        probs_R = routing.probs_TK.new_zeros(x_RD.shape[0]).index_put(
             (row_map_TK.reshape(-1),), routing.probs_TK.reshape(-1))
+        num_sink = int(counts[E]) if has_sink else 0
+        S = x_RD.shape[0] - num_sink
+        x_SD, probs_S, counts_E = x_RD[:S], probs_R[:S], counts[:E]
         # 2. counts  3. all-to-all  4. sort by local expert
         plan = self._exchange_counts(counts_E)
         x_SD, probs_S = self._all_to_all(x_SD, plan), self._all_to_all(probs_S, plan)
         x_SD = self._sort_by_local_expert(x_SD, plan)
         probs_S = self._sort_by_local_expert(probs_S, plan)
-        return Dispatched(x_SD, probs_S, plan.counts_L,
-                          AlltoAllMeta(row_map_TK=row_map_TK, counts_E=counts_E, plan=plan))
+        # 5. pad
+        target_L = padded_counts(plan.counts_L, routing.capacity, routing.pad_multiple, self.ep_size)
+        x_SD, probs_S, pad_index_S = pad_rows(x_SD, probs_S, plan.counts_L, target_L)
+        return Dispatched(x_SD, probs_S, target_L,
+                          AlltoAllMeta(row_map_TK=row_map_TK, counts_E=counts_E, plan=plan,
+                                       num_sink_rows=num_sink, pad_index_S=pad_index_S))
 
     def combine(self, y_SD: torch.Tensor, meta: AlltoAllMeta) -> torch.Tensor:
+        y_SD = unpad_rows(y_SD, meta.pad_index_S)
         y_SD = self._unsort(y_SD, meta.plan)
         y_SD = self._all_to_all_back(y_SD, meta.plan)
-        return unpermute(y_SD, meta.row_map_TK)
+        return unpermute(append_sink_rows(y_SD, meta.num_sink_rows), meta.row_map_TK)
 
     # ---- collectives (identity at one rank; see _ep_comm) ----------------------------------
     def _exchange_counts(self, counts_E: torch.Tensor) -> _ep_comm.A2APlan:
