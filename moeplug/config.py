@@ -300,8 +300,15 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     """Defaults ← YAML file ← dotted overrides, validated as one RootConfig."""
     data: dict = {}
     if path:
-        with open(path, encoding="utf-8") as f:
-            loaded = yaml.safe_load(f) or {}
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist. Fix: pass an existing YAML "
+                              f"file to --config, or leave --config out to use the packaged default")
+        try:
+            with open(path, encoding="utf-8") as f:
+                loaded = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r} is not valid YAML: "
+                              f"{' '.join(str(e).split())}. Fix: correct the syntax there") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping. "
                               f"Fix: start with sections model:, plugins:, data:, train:")

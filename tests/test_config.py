@@ -157,6 +157,7 @@ def test_bad_plugin_option_names_the_option(tiny_cfg):
     (["--router", "no_such_router"], ["unknown router 'no_such_router'", "topk"]),
     (["--set", "plugins.block=[topk]"], ["router 'topk'", "blocked by plugins.block"]),
     (["--resume", "/no/such/checkpoint"], ["TrainConfig.resume = '/no/such/checkpoint'", "'auto'"]),
+    (["--config", "/no/such.yaml"], ["'/no/such.yaml' does not exist"]),
 ])
 def test_cli_config_errors_exit_2_before_any_work(run_cli, cli_env, tmp_path, args, parts):
     cache_dir = tmp_path / "cache"
@@ -209,3 +210,17 @@ def test_float_fields_accept_yaml_exponents_and_reject_words():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.lr=fast"])
     assert_names(err, "TrainConfig.lr", "'fast'", "number")
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(str(tmp_path / "nope.yaml"))
+    assert_names(err, "nope.yaml", "does not exist", "--config")
+
+
+def test_config_file_with_yaml_syntax_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  hidden_size: [64\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert_names(err, "bad.yaml", "not valid YAML", "line")
