@@ -134,6 +134,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             # (0 disables it; the norm is still computed for logging).
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or math.inf))
             optimizer.step()
+            model.finalize_step()  # per-step router state: expert-bias update, global aux counts
             done, loss_step = step + 1, sums["loss"]
             if not math.isfinite(loss_step):
                 raise FloatingPointError(
