@@ -143,6 +143,17 @@ def _ep_checks(rank: int, world: int) -> dict[str, float]:
                     getattr(experts, pname).grad,
                     getattr(experts_ref, pname).grad[mine.start:mine.stop])
         experts_ref.zero_grad(set_to_none=True)
+
+    # --- 3. error path: expert counts that the EP group cannot split ---------------------------
+    from moeplug_plugins.dispatchers._ep_comm import exchange_counts
+    try:
+        exchange_counts(torch.zeros(world + 1, dtype=torch.int64), dist.group.WORLD)
+        errors["error/exchange_counts_raised"] = 1.0
+    except ValueError as e:
+        msg = str(e)
+        errors["error/exchange_counts_message"] = float(not (
+            f"counts_E has {world + 1} experts" in msg and f"EP size {world}" in msg
+            and "Fix: choose num_experts a multiple" in msg))
     return errors
 
 
@@ -171,3 +182,62 @@ def test_skewed_case_really_starves_the_other_ranks():
         rank_of_token = torch.repeat_interleave(torch.arange(world),
                                                 torch.tensor(_tokens_per_rank(world)))
         assert torch.equal(owner, rank_of_token.unsqueeze(1).expand_as(owner))
+
+
+# --- single process: chunk sorting against a plain loop, and the shard helper's errors ---------
+
+def test_chunk_order_sorts_arrival_chunks_expert_major_and_unsort_inverts_it():
+    from moeplug_plugins.dispatchers._ep_comm import (A2APlan, chunk_order, sort_by_local_expert,
+                                                      unsort_by_local_expert)
+    gen = torch.Generator().manual_seed(3)
+    for W, L in ((1, 3), (2, 2), (4, 3)):
+        counts_WL = torch.randint(0, 4, (W, L), generator=gen)
+        counts_WL[0] = 0  # a source rank that sent nothing
+        # rows tagged (w, l, i) in arrival order: (w, l)-major
+        tags = [(w, l, i) for w in range(W) for l in range(L) for i in range(int(counts_WL[w, l]))]
+        want = sorted(tags, key=lambda t: (t[1], t[0], t[2]))  # expert-major, then source rank
+        idx_S = chunk_order(counts_WL)
+        assert [tags[i] for i in idx_S.tolist()] == want
+        rows = torch.randn(len(tags), 2, requires_grad=True)
+        plan = A2APlan(send_W=[], recv_W=[], counts_WL=counts_WL, order_S=idx_S)
+        assert torch.equal(unsort_by_local_expert(sort_by_local_expert(rows, plan), plan), rows)
+        assert torch.equal(plan.counts_L, counts_WL.sum(0))
+
+
+def test_local_expert_ids_and_its_errors():
+    from moeplug.parallel.experts import local_expert_ids
+    assert list(local_expert_ids(8, 4, 2)) == [4, 5]
+    with pytest.raises(ValueError, match=r"num_experts = 6 is not divisible by the EP size 4.*"
+                                         r"Fix: choose num_experts a multiple of 4"):
+        local_expert_ids(6, 4, 0)
+    with pytest.raises(ValueError, match=r"ep_rank = 2 is outside the EP group of size 2.*Fix"):
+        local_expert_ids(8, 2, 2)
+
+
+def test_load_expert_shard_copies_slices_and_names_every_mismatch():
+    from moeplug.parallel.experts import expert_param_names, load_expert_shard
+    from moeplug.plugin_host import PluginHost
+    from moeplug.testing._common import tiny_model_config
+
+    host = PluginHost.load()
+    cfg = tiny_model_config(num_experts=E, top_k=K, hidden_size=D, ffn_hidden_size=F)
+    full = _make_layer(host, cfg, None, "alltoall")
+    shard = _make_layer(host, cfg, None, "alltoall")
+    # a 2-expert shard: what EP rank 3 of 4 holds (experts 6, 7)
+    shard.experts = host.create("experts", "grouped", {}, cfg, 2)
+    assert expert_param_names(shard) == {"experts.gate_up_proj", "experts.down_proj"}
+    load_expert_shard(shard, full.state_dict(), ep_rank=3, ep_size=4)
+    assert torch.equal(shard.experts.down_proj, full.experts.down_proj[6:8])
+    assert torch.equal(shard.router.weight, full.router.weight)
+
+    with pytest.raises(ValueError, match=r"'experts.gate_up_proj' holds 2 local experts here but "
+                                         r"the source has 8 experts / EP 2 = 4.*Fix: build"):
+        load_expert_shard(shard, full.state_dict(), ep_rank=0, ep_size=2)
+    state = dict(full.state_dict())
+    state["router.weight"] = state["router.weight"][:, :3]
+    with pytest.raises(ValueError, match=r"'router.weight' has shape \(8, 16\) here but \(8, 3\) "
+                                         r"in the source.*Fix: build both models"):
+        load_expert_shard(shard, state, ep_rank=3, ep_size=4)
+    del state["router.weight"]
+    with pytest.raises(KeyError, match=r"parameter 'router.weight' is missing.*Fix: pass"):
+        load_expert_shard(shard, state, ep_rank=3, ep_size=4)
