@@ -1,0 +1,144 @@
+"""The MoE layer forward+backward at the standard shape, against the limits and a peer.
+
+Standard shape: T=4096 tokens, D=1024 hidden, F=1408 expert FFN, E=16 experts, top-4, SwiGLU.
+Timed interleaved in one run (this machine's speed drifts 2-3x within minutes; only ratios from
+one run compare):
+    matmul      square 2048^3 matmul of the same dtype: the practical GEMM limit
+    dense_ffn   a dense SwiGLU FFN (D -> F -> D) over the same S = T*K rows: same useful FLOPs,
+                no routing
+    hf_mixtral  Hugging Face transformers' MixtralSparseMoeBlock with the same weights, its
+                `grouped_mm` experts implementation
+    moeplug     MoELayer(topk router, alltoall dispatcher, sequential|grouped experts)
+Useful FLOPs count the routed-expert matmuls only: 3 (fwd + 2 bwd) x 2*S*3*D*F.
+Each figure is reported as a ratio of its GFLOP/s to the matmul's.
+
+Run: pytest -q benchmarks/test_bench_moe_layer.py -s     (about 3-5 minutes on 2 cores)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as Fn
+
+from benchmarks.conftest import gflops, interleave
+from moeplug.config import ModelConfig, MoEConfig
+from moeplug.modules.moe import MoELayer
+from moeplug.plugin_host import PluginHost
+
+T, D, F, E, K = 4096, 1024, 1408, 16, 4
+S = T * K
+USEFUL_FLOP = 3 * 2 * S * 3 * D * F          # routed-expert matmuls, fwd + bwd
+MATMUL_N = 2048
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Target from issue 2 for the grouped backend in fp32 (HF's block reaches ~0.75 here).
+TARGET_GROUPED_FP32 = 0.80
+
+
+def _model_cfg() -> ModelConfig:
+    return ModelConfig(hidden_size=D, num_heads=8, num_kv_heads=8, num_layers=1, first_k_dense=0,
+                       moe=MoEConfig(num_experts=E, top_k=K, ffn_hidden_size=F, aux_loss_coeff=1e-2))
+
+
+def _moeplug_layer(host: PluginHost, experts: str) -> MoELayer:
+    m = _model_cfg()
+    router = host.create("router", "topk", {}, m)
+    dispatcher = host.create("dispatcher", "alltoall", {}, m, None)
+    return MoELayer(router, dispatcher, host.create("experts", experts, {}, m, E))
+
+
+def _hf_block(layer: MoELayer):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = MixtralConfig(hidden_size=D, intermediate_size=F, num_local_experts=E,
+                        num_experts_per_tok=K, router_jitter_noise=0.0)
+    cfg._experts_implementation = "grouped_mm"
+    block = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(layer.router.weight)
+        block.experts.gate_up_proj.copy_(layer.experts.gate_up_proj)
+        block.experts.down_proj.copy_(layer.experts.down_proj)
+    return block
+
+
+def _fwd_bwd(module_call, x, params, grad):
+    """One forward+backward; grads cleared so nothing accumulates across calls."""
+    def run():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        out = module_call(x)
+        out.backward(grad)
+    return run
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
+    dtype = DTYPES[dtype_name]
+    torch.manual_seed(0)
+    host = PluginHost.load()
+    layers = {name: _moeplug_layer(host, name) for name in ("sequential", "grouped")}
+    # Same weights everywhere; gate scaled so routing is near-balanced (as in trained models).
+    ref = layers["grouped"]
+    with torch.no_grad():
+        ref.router.weight.normal_(0.0, 0.02)
+        ref.experts.gate_up_proj.normal_(0.0, 0.02)
+        ref.experts.down_proj.normal_(0.0, 0.02)
+        layers["sequential"].load_state_dict(ref.state_dict())
+    hf = _hf_block(ref)
+
+    x_TD = torch.randn(T, D).requires_grad_(True)
+    grad_TD = torch.randn(T, D)
+    # Dense SwiGLU FFN over the same S rows: the same useful FLOPs without routing.
+    w13 = (torch.randn(2 * F, D) * 0.02).requires_grad_(True)
+    w2 = (torch.randn(D, F) * 0.02).requires_grad_(True)
+    x_SD = torch.randn(S, D).requires_grad_(True)
+    grad_SD = torch.randn(S, D)
+    a_mm, b_mm = torch.randn(MATMUL_N, MATMUL_N, dtype=dtype), torch.randn(MATMUL_N, MATMUL_N, dtype=dtype)
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16)
+
+    def under_autocast(fn):
+        def call(x):
+            with autocast:
+                return fn(x)
+        return call
+
+    def dense_ffn(x):
+        g, u = Fn.linear(x, w13).chunk(2, dim=-1)
+        return Fn.linear(Fn.silu(g) * u, w2)
+
+    def moe(layer):
+        return lambda x: layer(x)[0]
+
+    def hf_call(x):
+        return hf(x.unsqueeze(0)).squeeze(0)
+
+    candidates = {
+        "matmul": lambda: torch.mm(a_mm, b_mm),
+        "dense_ffn": _fwd_bwd(under_autocast(dense_ffn), x_SD, [w13, w2], grad_SD),
+        "hf_mixtral": _fwd_bwd(under_autocast(hf_call), x_TD, list(hf.parameters()), grad_TD),
+        "sequential": _fwd_bwd(under_autocast(moe(layers["sequential"])), x_TD,
+                               list(layers["sequential"].parameters()), grad_TD),
+        "grouped": _fwd_bwd(under_autocast(moe(layers["grouped"])), x_TD,
+                            list(layers["grouped"].parameters()), grad_TD),
+    }
+    # Sanity before timing: moeplug and HF compute the same function with the same weights.
+    # Checked in fp32: under bf16 autocast HF's gate GEMM runs in bf16 (ours stays fp32), so
+    # near-tied experts may be chosen differently and the outputs legitimately differ.
+    with torch.no_grad():
+        ours, theirs = moe(layers["grouped"])(x_TD), hf_call(x_TD)
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (ours - theirs).abs().max()
+
+    times = interleave(candidates, repeats=5)
+    matmul_gflops = gflops(2 * MATMUL_N ** 3, times["matmul"])
+    for name in ("dense_ffn", "hf_mixtral", "sequential", "grouped"):
+        g = gflops(USEFUL_FLOP, times[name])
+        target = TARGET_GROUPED_FP32 if (name == "grouped" and dtype_name == "fp32") else None
+        report.row(f"moe layer {dtype_name} fwd+bwd", f"{name} / matmul", g / matmul_gflops,
+                   target=target, note=f"{g:.0f} GFLOP/s useful; matmul {matmul_gflops:.0f} GFLOP/s")
+    report.row(f"moe layer {dtype_name} fwd+bwd", "grouped speedup vs hf_mixtral",
+               times["hf_mixtral"] / times["grouped"])
+    benchmark.extra_info.update({k: v * 1e3 for k, v in times.items()})
+    benchmark.pedantic(candidates["grouped"], rounds=1, iterations=1)
