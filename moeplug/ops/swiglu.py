@@ -24,13 +24,16 @@ def swiglu_forward_raw(h_S2F: torch.Tensor, probs32_S: torch.Tensor | None,
 
 def swiglu_backward_raw(grad_SF: torch.Tensor, h_S2F: torch.Tensor,
                         probs32_S: torch.Tensor | None, want_probs_grad: bool,
-                        out_S2F: torch.Tensor | None = None
+                        out_S2F: torch.Tensor | None = None,
+                        out_probs_S: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (grad_h_S2F, grad_probs_S or None); grad_SF must match h's dtype."""
     S, F2 = h_S2F.shape
     grad_SF = grad_SF.to(h_S2F.dtype).contiguous()
     grad_h_S2F = torch.empty_like(h_S2F) if out_S2F is None else out_S2F
-    grad_probs_S = torch.empty(S, dtype=torch.float32) if want_probs_grad else None
+    grad_probs_S = None
+    if want_probs_grad:
+        grad_probs_S = torch.empty(S, dtype=torch.float32) if out_probs_S is None else out_probs_S
     get_runtime().swiglu_backward(grad_a=grad_SF.data_ptr(), h=h_S2F.data_ptr(),
                                   probs=ptr(probs32_S), grad_h=grad_h_S2F.data_ptr(),
                                   grad_probs=ptr(grad_probs_S), num_rows=S, ffn_hidden=F2 // 2,

@@ -9,15 +9,12 @@ namespace moeplug::py_bind {
 
 namespace {
 
-// Which ISA the multiversioned kernels resolve to on this CPU (same order as target_clones).
+// Which clone the multiversioned kernels resolve to on this CPU (same test as the ifunc).
 const char* simd_dispatch() {
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return "avx512 (skylake-avx512 clone)";
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2 (haswell clone)";
+  if (__builtin_cpu_supports("x86-64-v4")) return "x86-64-v4 (AVX-512)";
+  if (__builtin_cpu_supports("x86-64-v3")) return "x86-64-v3 (AVX2+FMA)";
   return "baseline";
 #else
   return "portable (no multiversioning)";

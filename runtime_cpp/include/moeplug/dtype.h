@@ -6,10 +6,12 @@
 #include <string>
 
 // Hot loops are compiled once per ISA and picked at load time (GCC/Clang ifunc), so one
-// x86_64 wheel runs everywhere and still uses AVX-512/AVX2 where the CPU has them.
+// x86_64 wheel runs everywhere and still uses AVX-512/AVX2 where the CPU has them. The clones
+// are x86-64 ISA levels, not CPU models: "arch=skylake-avx512" dispatches on the CPU *model*,
+// so AMD Zen 4 (which has AVX-512) silently got the SSE2 fallback.
 #if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
 #define MOEPLUG_MULTIVERSION \
-  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define MOEPLUG_MULTIVERSION
 #endif
