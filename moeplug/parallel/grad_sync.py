@@ -74,8 +74,9 @@ def sync_gradients(model: nn.Module, groups: Any) -> None:
 @torch.no_grad()
 def global_grad_norm(model: nn.Module, groups: Any) -> torch.Tensor:
     """L2 norm of the whole model's gradient (after :func:`sync_gradients`), the same on every
-    rank: non-expert grads are replicated, expert grads are summed over the EP x ETP shards.
-    (Pipeline stages, once they exist, add an all-reduce over ``groups.pp``.)"""
+    rank: non-expert grads are replicated, expert grads are summed over the EP x ETP shards,
+    and the pipeline stages' sums over ``groups.pp``. Pass the rank's model chunks as one module
+    (e.g. ``nn.ModuleList(chunks)``) with pipeline parallelism."""
     dense, expert = _split_params(model)
 
     def sq(ps: list[nn.Parameter]) -> torch.Tensor:
@@ -88,7 +89,10 @@ def global_grad_norm(model: nn.Module, groups: Any) -> torch.Tensor:
     expert_sq = sq(expert)
     if groups.ep_etp is not None:
         dist.all_reduce(expert_sq, group=groups.ep_etp)
-    return (sq(dense) + expert_sq).sqrt()
+    total_sq = sq(dense) + expert_sq
+    if groups.pp is not None:  # pipeline stages hold disjoint parameters: add their squares
+        dist.all_reduce(total_sq, group=groups.pp)
+    return total_sq.sqrt()
 
 
 @torch.no_grad()

@@ -1,0 +1,211 @@
+"""Pipeline parallelism, part 2: the 1F1B schedules (pure op order) and the step that runs them.
+
+Legend: P pipeline ranks, C model chunks per rank (VPP), M micro-batches, v = c * P + r the
+virtual stage of chunk c on rank r (V = P * C of them), B micro-batch, S sequence, D hidden.
+
+Op order (Megatron-Core ``megatron/core/pipeline_parallel/schedules.py``):
+  * 1F1B (C = 1): rank r runs ``P - r - 1`` warm-up forwards, then alternates one forward and
+    one backward, then drains the remaining backwards. At most ``P - r`` micro-batches' activations
+    are alive on rank r (GPipe would hold all M).
+  * Interleaved 1F1B (C > 1): forwards walk the chunks in groups of P micro-batches (forward
+    iteration k runs chunk ``(k mod P·C) // P`` on micro-batch ``(k // (P·C))·P + k mod P``),
+    backwards the same with the chunk order reversed; warm-up is ``2·(P - r - 1) + (C - 1)·P``
+    forwards (all of them when M = P). Needs M to be a multiple of P.
+These are pure functions of (P, r, M, C), so the order can be unit-tested without processes.
+
+Running a step (:func:`forward_backward_pipeline`): every forward receives its input from the
+previous virtual stage (the first one embeds the tokens), every backward receives the output's
+gradient from the next one, and both send their result on with a non-blocking tagged send
+(:mod:`moeplug.parallel.p2p`), so ranks wait only on real data dependencies.
+
+Objective: each micro-batch contributes ``(lm_loss + sum of every stage's aux losses) / M``,
+exactly what one process doing gradient accumulation over the same M micro-batches
+differentiates. A stage that is not last backpropagates the received gradient together with its
+own MoE layers' ``aux_loss / M``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moeplug.config import ConfigError
+from moeplug.parallel import p2p
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One compute step of a rank: ``kind`` "F" (forward) or "B" (backward) of ``microbatch``
+    through this rank's model chunk ``chunk``."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+
+
+def _check(pp: int, rank: int, num_microbatches: int, vpp: int) -> None:
+    for name, v in (("pp", pp), ("num_microbatches", num_microbatches), ("vpp", vpp)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"pipeline schedule: {name} = {v!r} must be a positive integer. "
+                              f"Fix: pass {name} >= 1")
+    if not isinstance(rank, int) or not 0 <= rank < pp:
+        raise ConfigError(f"pipeline schedule: rank = {rank!r} is outside [0, {pp}). Fix: pass "
+                          "this rank's index in its pipeline group (groups.rank_in('pp'))")
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"pipeline schedule: vpp = {vpp} model chunks need pp > 1. "
+                          "Fix: set vpp = 1, or pp > 1")
+    if vpp > 1 and num_microbatches % pp:
+        raise ConfigError(f"pipeline schedule: num_microbatches = {num_microbatches} "
+                          f"(train.grad_accum_steps) is not a multiple of PP = {pp}, which the "
+                          f"interleaved schedule (vpp = {vpp}) needs. Fix: set "
+                          f"train.grad_accum_steps to a multiple of {pp}, or vpp = 1")
+
+
+def one_f_one_b(pp: int, rank: int, num_microbatches: int) -> list[Op]:
+    """Non-interleaved 1F1B op order of pipeline rank ``rank``."""
+    _check(pp, rank, num_microbatches, 1)
+    warmup = min(pp - rank - 1, num_microbatches)
+    steady = num_microbatches - warmup
+    ops = [Op("F", m) for m in range(warmup)]
+    for i in range(steady):
+        ops += [Op("F", warmup + i), Op("B", i)]
+    return ops + [Op("B", m) for m in range(steady, num_microbatches)]
+
+
+def interleaved_1f1b(pp: int, rank: int, num_microbatches: int, vpp: int) -> list[Op]:
+    """Interleaved 1F1B op order of pipeline rank ``rank`` with ``vpp`` chunks per rank."""
+    _check(pp, rank, num_microbatches, vpp)
+    total = num_microbatches * vpp
+
+    def op(kind: str, k: int) -> Op:
+        in_group = k % (pp * vpp)
+        chunk = in_group // pp
+        if kind == "B":  # backwards run the chunks last to first
+            chunk = vpp - 1 - chunk
+        return Op(kind, (k // (pp * vpp)) * pp + k % pp, chunk)
+
+    if num_microbatches == pp:
+        warmup = total  # all forwards, then all backwards
+    else:
+        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+    steady = total - warmup
+    ops = [op("F", k) for k in range(warmup)]
+    for k in range(steady):
+        ops += [op("F", warmup + k), op("B", k)]
+    return ops + [op("B", k) for k in range(steady, total)]
+
+
+def pipeline_schedule(pp: int, rank: int, num_microbatches: int, vpp: int = 1,
+                      forward_only: bool = False) -> list[Op]:
+    """The op order for this rank: 1F1B, interleaved 1F1B (vpp > 1), or forwards only (eval:
+    the forward order of the training schedule with the backwards left out)."""
+    ops = (one_f_one_b(pp, rank, num_microbatches) if vpp == 1 else
+           interleaved_1f1b(pp, rank, num_microbatches, vpp))
+    return [o for o in ops if o.kind == "F"] if forward_only else ops
+
+
+@dataclass(frozen=True)
+class PipelineStepResult:
+    """One pipelined step, the same on every rank of the pipeline group.
+
+    loss = lm_loss + aux_loss, each the mean over micro-batches (aux summed over all stages'
+    MoE layers), detached. expert_counts: per MoE layer of *this rank's* chunks (chunk order),
+    int64 [E] tokens routed to each expert, summed over the micro-batches.
+    """
+
+    loss: torch.Tensor
+    lm_loss: torch.Tensor
+    aux_loss: torch.Tensor
+    expert_counts: list[torch.Tensor]
+
+
+def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                              groups: Any, *, forward_only: bool = False,
+                              autocast: Callable[[], ContextManager] | None = None,
+                              activation_dtype: torch.dtype = torch.float32) -> PipelineStepResult:
+    """Run forward (+ backward) of ``microbatches`` through this rank's ``chunks`` (from
+    :func:`moeplug.parallel.pipeline.build_stage_modules`), leaving the gradients of
+    ``sum_m (lm_loss_m + aux_loss_m) / M`` accumulated in the chunks' ``.grad``.
+
+    ``microbatches``: M pairs (tokens_BS, targets_BS), the same on every rank of the pipeline
+    group (middle stages only read their shapes: activations are [B, S, D]). ``groups``: a
+    ParallelGroups. ``autocast``: a factory of the precision's forward context, entered around
+    every chunk forward. Collective over the pipeline group (one all-reduce of the losses).
+    """
+    pp, rank = groups.size("pp"), groups.rank_in("pp")
+    vpp, num_mb = len(chunks), len(microbatches)
+    ops = pipeline_schedule(pp, rank, num_mb, vpp, forward_only)
+    members, group = groups.members["pp"], groups.pp
+    prev_rank, next_rank = members[(rank - 1) % pp], members[(rank + 1) % pp]
+    last_stage = pp * vpp - 1
+    autocast = autocast or contextlib.nullcontext
+
+    def tag(direction: int, stage: int, m: int) -> int:
+        return p2p.message_tag(direction, stage, m, pp * vpp, num_mb)
+
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+    sends: list[Any] = []
+    lm_sum = torch.zeros((), dtype=torch.float64)
+    aux_sum = torch.zeros((), dtype=torch.float64)
+    counts: dict[tuple[int, int], torch.Tensor] = {}
+    grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
+    with grad_mode:
+        for op in ops:
+            c, m = op.chunk, op.microbatch
+            v = c * pp + rank
+            tokens_BS, targets_BS = microbatches[m]
+            if op.kind == "F":
+                if v == 0:
+                    x = tokens_BS
+                else:
+                    shape = (*tokens_BS.shape, chunks[c].hidden_size)
+                    x = p2p.recv(shape, activation_dtype, prev_rank, group,
+                                 tag(p2p.FORWARD, v - 1, m))
+                    x.requires_grad_(not forward_only)
+                with autocast():
+                    out = chunks[c](x, targets_BS if v == last_stage else None)
+                aux_sum += out.aux_loss.detach().double()
+                for i, counts_E in enumerate(out.expert_counts):
+                    counts[(c, i)] = counts.get((c, i), 0) + counts_E
+                if v == last_stage:
+                    lm_sum += out.lm_loss.detach().double()
+                    objective = (out.lm_loss + out.aux_loss) / num_mb
+                else:
+                    if out.x_BSD.dtype != activation_dtype:
+                        raise TypeError(f"pipeline stage {v} produced a {out.x_BSD.dtype} "
+                                        f"activation but activation_dtype = {activation_dtype}. "
+                                        "Fix: pass activation_dtype= the residual stream's dtype")
+                    sends.append(p2p.send_async(out.x_BSD, next_rank, group,
+                                                tag(p2p.FORWARD, v, m)))
+                    objective = out.aux_loss / num_mb
+                if not forward_only:
+                    saved[(c, m)] = (x, out.x_BSD, objective)
+                continue
+            # Backward of micro-batch m through chunk c.
+            x, y_BSD, objective = saved.pop((c, m))
+            if v == last_stage:
+                torch.autograd.backward(objective)
+            else:
+                grad_BSD = p2p.recv(tuple(y_BSD.shape), y_BSD.dtype, next_rank, group,
+                                    tag(p2p.BACKWARD, v + 1, m))
+                tensors, grads = [y_BSD], [grad_BSD]
+                if objective.requires_grad:  # this chunk's aux losses join the objective here
+                    tensors.append(objective)
+                    grads.append(torch.ones_like(objective))
+                torch.autograd.backward(tensors, grads)
+            if v > 0:
+                sends.append(p2p.send_async(x.grad, prev_rank, group, tag(p2p.BACKWARD, v, m)))
+    p2p.wait_all(sends)
+    # Every rank reports the whole pipeline's losses: the last stage has lm, every stage has aux.
+    losses = torch.stack([lm_sum, aux_sum]) / num_mb
+    if group is not None:
+        dist.all_reduce(losses, group=group)
+    lm, aux = losses.float().unbind()
+    return PipelineStepResult(lm + aux, lm, aux, [counts[k] for k in sorted(counts)])
