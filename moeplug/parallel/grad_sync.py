@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeplug.parallel.experts import expert_param_names
+from moeplug.parallel.tensor_parallel import sum_partial_grads_over_tp
 
 
 def _split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -66,6 +67,9 @@ def sync_gradients(model: nn.Module, groups: Any) -> None:
     """Average non-expert grads over DP x CP; sum expert grads over expert-DP and divide by the
     DP x CP size (see the module docstring for why). ``groups`` is a ParallelGroups."""
     dense, expert = _split_params(model)
+    # TP: grads of parameters that saw only this rank's token chunk (SP norms, MoE routers) are
+    # partial; sum them over TP first (moeplug.parallel.tensor_parallel).
+    sum_partial_grads_over_tp(model, groups.tp)
     scale = 1.0 / groups.size("dp_cp")
     _all_reduce_grads(dense, groups.dp_cp, scale)
     _all_reduce_grads(expert, groups.edp, scale)
@@ -89,7 +93,12 @@ def global_grad_norm(model: nn.Module, groups: Any) -> torch.Tensor:
     expert_sq = sq(expert)
     if groups.ep_etp is not None:
         dist.all_reduce(expert_sq, group=groups.ep_etp)
-    total_sq = sq(dense) + expert_sq
+    # TP-sharded dense parameters (``partition_dim``) hold disjoint slices: add their squares
+    # over TP; the replicated ones are counted once per rank.
+    tp_sq = sq([p for p in dense if hasattr(p, "partition_dim")])
+    if groups.tp is not None:
+        dist.all_reduce(tp_sq, group=groups.tp)
+    total_sq = sq([p for p in dense if not hasattr(p, "partition_dim")]) + tp_sq + expert_sq
     if groups.pp is not None:  # pipeline stages hold disjoint parameters: add their squares
         dist.all_reduce(total_sq, group=groups.pp)
     return total_sq.sqrt()

@@ -13,7 +13,7 @@ dispatchers may reuse any piece.
 
 from moeplug.routing.aux_losses import (AUX_LOSS_COUNTS, AUX_LOSS_TYPES, counts_for_aux,
                                         expert_counts, global_aux_loss, seq_aux_loss,
-                                        switch_aux_loss, z_loss)
+                                        sum_over_group, switch_aux_loss, z_loss)
 from moeplug.routing.capacity import DROP_POLICIES, drop_over_capacity, expert_capacity
 from moeplug.routing.expert_bias import updated_expert_bias
 from moeplug.routing.gating import ROUTER_DTYPES, force_balanced_logits, input_jitter, router_logits
@@ -26,6 +26,6 @@ __all__ = [
     "SCORE_FUNCTIONS", "append_sink_rows", "aux_scores", "counts_for_aux", "drop_over_capacity",
     "expert_capacity", "expert_counts", "force_balanced_logits", "global_aux_loss",
     "group_limited_topk", "input_jitter", "pad_rows", "padded_counts", "router_logits", "score",
-    "select_topk", "seq_aux_loss", "sink_dropped", "switch_aux_loss", "topk_routing",
+    "select_topk", "seq_aux_loss", "sink_dropped", "sum_over_group", "switch_aux_loss", "topk_routing",
     "unpad_rows", "updated_expert_bias", "z_loss",
 ]

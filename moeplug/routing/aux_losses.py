@@ -20,6 +20,7 @@ token choices counted for expert i (``counts_for_aux``).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from moeplug.routing.scores import select_topk
 
@@ -63,9 +64,21 @@ def switch_aux_loss(aux_scores_TE: torch.Tensor, counts_E: torch.Tensor, num_tok
     return E * torch.sum(f_E * P_E)
 
 
-def seq_aux_loss(aux_scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int
-                 ) -> torch.Tensor:
-    """Mean over sequences of each sequence's aux loss; tokens are b-major (t = b * S + s)."""
+def sum_over_group(counts: torch.Tensor, group) -> tuple[torch.Tensor, int]:
+    """(counts summed over ``group``, group size). Used when the ranks of ``group`` hold equal
+    chunks of the same sequences (tensor/sequence parallel): f_i must count the whole batch."""
+    if group is None or dist.get_world_size(group) == 1:
+        return counts, 1
+    counts = counts.clone()
+    dist.all_reduce(counts, group=group)
+    return counts, dist.get_world_size(group)
+
+
+def seq_aux_loss(aux_scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int,
+                 group=None) -> torch.Tensor:
+    """Mean over sequences of each sequence's aux loss; tokens are b-major (t = b * S + s).
+    ``group``: ranks holding other equal chunks of the same B sequences; counts are summed over
+    it and this rank's P_i is a mean over its chunk (average the ranks' losses after)."""
     T, E = aux_scores_TE.shape
     B, K = num_sequences, ids_TK.shape[1]
     if T == 0:
@@ -76,7 +89,8 @@ def seq_aux_loss(aux_scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequence
     S = T // B
     seq_B1 = torch.arange(B, device=ids_TK.device).repeat_interleave(S * K).view(-1)
     counts_BE = torch.bincount(seq_B1 * E + ids_TK.reshape(-1), minlength=B * E).view(B, E)
-    f_BE = counts_BE.to(aux_scores_TE.dtype) / (S * K)
+    counts_BE, W = sum_over_group(counts_BE, group)
+    f_BE = counts_BE.to(aux_scores_TE.dtype) / (S * W * K)
     P_BE = aux_scores_TE.view(B, S, E).mean(dim=1)
     return E * torch.sum(f_BE * P_BE) / B
 

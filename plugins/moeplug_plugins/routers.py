@@ -167,6 +167,9 @@ class TopKRouter(Router):
     """fp32 gate ``weight`` [E, D]; ``expert_bias`` [E] buffer when enabled."""
 
     accepts_num_sequences = True
+    # Under TP the MoE layer routes one chunk of each sequence per rank and passes the TP group:
+    # expert counts are summed over it so f_i is the whole batch's (see MoELayer.token_group).
+    accepts_token_group = True
 
     def __init__(self, model: ModelConfig, options: TopKOptions):
         super().__init__()
@@ -195,7 +198,7 @@ class TopKRouter(Router):
         self.register_buffer("global_tokens", torch.zeros((), dtype=torch.int64) if wants_global
                              else None, persistent=False)
 
-    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1) -> RouterOutput:
+    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1, token_group=None) -> RouterOutput:
         o, E, K = self.options, self.num_experts, self.top_k
         T = x_TD.shape[0]
         counting = self.training and torch.is_grad_enabled()
@@ -218,7 +221,7 @@ class TopKRouter(Router):
                                                         o.token_drop_policy)
         # 5. losses
         losses: dict[str, torch.Tensor] = {}
-        aux_loss = self._aux_losses(logits_TE, ids_TK, num_sequences, counting, losses)
+        aux_loss = self._aux_losses(logits_TE, ids_TK, num_sequences, counting, losses, token_group)
         if o.z_loss_coeff > 0:
             z = R.z_loss(logits_TE)
             losses["z_loss"] = z.detach().float()
@@ -236,7 +239,7 @@ class TopKRouter(Router):
                             pad_multiple=o.padding_for_quantization)
 
     def _aux_losses(self, logits_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int,
-                    counting: bool, losses: dict) -> torch.Tensor:
+                    counting: bool, losses: dict, token_group=None) -> torch.Tensor:
         """Sum of coeff * loss over the configured types; unscaled values go to ``losses``."""
         total = logits_TE.new_zeros(())
         active = {t: c for t, c in self.aux_loss_coeffs.items() if c != 0.0}
@@ -247,11 +250,15 @@ class TopKRouter(Router):
         with torch.no_grad():
             count_ids_TK = R.counts_for_aux(s_TE, ids_TK, self.options.aux_loss_counts)
             counts_E = R.expert_counts(count_ids_TK, E)
+            # f_i over every rank of token_group (T counts the group's tokens); P_i stays this
+            # rank's mean, and MoELayer averages the ranks' losses.
+            counts_E, W = R.sum_over_group(counts_E, token_group)
+            T = T * W
         for loss_type, coeff in active.items():
             if loss_type == "aux_loss":
                 value = R.switch_aux_loss(s_TE, counts_E, T, K)
             elif loss_type == "seq_aux_loss":
-                value = R.seq_aux_loss(s_TE, count_ids_TK, num_sequences)
+                value = R.seq_aux_loss(s_TE, count_ids_TK, num_sequences, token_group)
             else:
                 acc_counts_E, acc_tokens = counts_E, T
                 if self.global_counts_E is not None:

@@ -1,0 +1,389 @@
+"""Tensor parallelism (Megatron TP) and sequence parallelism (Megatron SP) for the dense model.
+
+Legend: B batch, S sequence, s = S / W sequence shard, D hidden, V vocabulary, Vl = V / W local
+vocabulary rows, N tokens (flattened), W ranks in the TP group, r this rank's index in it.
+
+Layout (Shoeybi et al. 2019; Korthikanti et al. 2022):
+  * attention: q/k/v column-parallel by heads (each rank holds H/W query heads and G/W kv heads,
+    so GQA groups never straddle ranks), o row-parallel;
+  * dense SwiGLU: gate/up column-parallel, down row-parallel;
+  * embedding: vocab-parallel (rows [r*Vl, (r+1)*Vl)); output head: column-parallel over the
+    vocabulary, fed to :func:`vocab_parallel_cross_entropy`, which never gathers the logits.
+
+The column-parallel layer is *only* the local matmul over a weight shard: the region is entered
+once by :func:`enter_tp_region`, so one sequence all-gather feeds q, k and v (Megatron gets the
+same by fusing QKV into one linear). The row-parallel layer leaves the region itself.
+
+Without SP every TP rank holds the whole [B, S, D] activation: entering a region is the identity
+(backward all-reduce), leaving it all-reduces the partial sums. With SP the activations between
+regions are [B, s, D] (this rank's sequence chunk): entering all-gathers the sequence, leaving
+reduce-scatters it, so norms and residuals run on 1/W of the tokens. Their weights then see only
+this rank's tokens: such parameters carry ``sequence_parallel = True`` and
+:func:`sum_partial_grads_over_tp` sums their grads over TP (``sync_gradients`` calls it).
+
+Sharded parameters carry ``partition_dim`` (0: rows, 1: columns), which :func:`shard_state_dict`
+uses to cut a single-process state dict into this rank's shards (names are unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from moeplug.parallel import comm
+from moeplug.parallel.expert_tp import etp_slice
+from moeplug.parallel.experts import expert_param_names, local_expert_ids
+
+
+def _check_divisible(what: str, value: int, W: int, fix: str) -> None:
+    if value % W:
+        raise ValueError(f"{what} = {value} is not divisible by the tensor-parallel size {W}. "
+                         f"Fix: {fix}")
+
+
+# --- regions (communication) ----------------------------------------------------------------
+
+def _seq_first(x_BSD: torch.Tensor) -> torch.Tensor:
+    # comm's sequence functions split/gather dim 0 (Megatron keeps activations [S, B, D]); ours
+    # are [B, S, D], so the sequence is moved to the front and back around each collective.
+    return x_BSD.transpose(0, 1)
+
+
+def gather_sequence(x_BsD: torch.Tensor, group: Any, grad_is_partial: bool = True) -> torch.Tensor:
+    """[B, s, D] -> [B, S, D]. Backward reduce-scatters (``grad_is_partial``: every rank's
+    consumer holds a different part of the grad) or keeps this rank's chunk (replicated consumer)."""
+    if comm.group_size(group) == 1:
+        return x_BsD
+    return _seq_first(comm.gather_from_sp_region(_seq_first(x_BsD), group, grad_is_partial))
+
+
+def scatter_sequence(x_BSD: torch.Tensor, group: Any) -> torch.Tensor:
+    """[B, S, D] -> this rank's [B, s, D] chunk; backward all-gathers the chunks' grads."""
+    if comm.group_size(group) == 1:
+        return x_BSD
+    S = x_BSD.shape[1]
+    _check_divisible("sequence length", S, comm.group_size(group),
+                     "choose train.seq_len a multiple of ParallelConfig.tp")
+    return _seq_first(comm.scatter_to_sp_region(_seq_first(x_BSD), group))
+
+
+def reduce_scatter_sequence(y_BSD: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum partial [B, S, D] outputs over the group and keep this rank's [B, s, D] chunk."""
+    if comm.group_size(group) == 1:
+        return y_BSD
+    _check_divisible("sequence length", y_BSD.shape[1], comm.group_size(group),
+                     "choose train.seq_len a multiple of ParallelConfig.tp")
+    return _seq_first(comm.reduce_scatter_to_sp_region(_seq_first(y_BSD), group))
+
+
+def enter_tp_region(x: torch.Tensor, group: Any, sequence_parallel: bool) -> torch.Tensor:
+    """Input of column-parallel layers: all-gather the sequence (SP) or identity with an
+    all-reduce backward. Identity at TP = 1."""
+    if sequence_parallel:
+        return gather_sequence(x, group)
+    return comm.copy_to_tp_region(x, group)
+
+
+def exit_tp_region(y: torch.Tensor, group: Any, sequence_parallel: bool) -> torch.Tensor:
+    """Output of row-parallel layers: reduce-scatter the sequence (SP) or all-reduce."""
+    if sequence_parallel:
+        return reduce_scatter_sequence(y, group)
+    return comm.reduce_from_tp_region(y, group)
+
+
+# --- layers (local compute over a weight shard) ---------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., out/W] = x @ W_r^T with W_r rows [r*out/W, (r+1)*out/W) of the full [out, in]
+    weight. The input must already be in the TP region (:func:`enter_tp_region`)."""
+
+    def __init__(self, in_features: int, out_features: int, group: Any) -> None:
+        super().__init__()
+        W = comm.group_size(group)
+        _check_divisible("ColumnParallelLinear out_features", out_features, W,
+                         "choose tp dividing the layer's output size")
+        self.weight = nn.Parameter(torch.empty(out_features // W, in_features))
+        self.weight.partition_dim = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y[..., out] = sum over ranks of x[..., in/W] @ W_r^T, W_r columns [r*in/W, (r+1)*in/W)
+    of the full weight. Unlike the column layer it communicates itself (:func:`exit_tp_region`):
+    its output always leaves the region, and callers (e.g. attention's two output paths) then
+    need no TP code at all."""
+
+    def __init__(self, in_features: int, out_features: int, group: Any,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        W = comm.group_size(group)
+        _check_divisible("RowParallelLinear in_features", in_features, W,
+                         "choose tp dividing the layer's input size")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // W))
+        self.weight.partition_dim = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return exit_tp_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [r*Vl, (r+1)*Vl) of the [V, D] table; ids outside this range look up zeros, and the
+    ranks' partial results are summed (all-reduce, or reduce-scatter over the sequence under SP,
+    which hands each rank its [B, s, D] chunk)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: Any,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        W = comm.group_size(group)
+        _check_divisible("vocab_size", vocab_size, W,
+                         f"set model.vocab_size to a multiple of {W} (it may pad the tokenizer's)")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_start = comm.group_rank(group) * (vocab_size // W)
+        self.weight = nn.Parameter(torch.empty(vocab_size // W, hidden_size))
+        self.weight.partition_dim = 0
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        local_BS = tokens_BS - self.vocab_start
+        outside_BS = (local_BS < 0) | (local_BS >= self.weight.shape[0])
+        x_BSD = F.embedding(local_BS.masked_fill(outside_BS, 0), self.weight)
+        x_BSD = x_BSD.masked_fill(outside_BS.unsqueeze(-1), 0.0)
+        return exit_tp_region(x_BSD, self.group, self.sequence_parallel)
+
+
+# --- vocab-parallel cross-entropy -------------------------------------------------------------
+
+class _VocabParallelCE(Function):
+    """Megatron's vocab-parallel cross-entropy: three all-reduces of [N] vectors (max, target
+    logit, sum of exps) instead of gathering [N, V] logits. Every rank returns the same per-token
+    loss; the backward needs no communication (softmax - one_hot on this rank's columns)."""
+
+    @staticmethod
+    def forward(ctx, logits_NVl, targets_N, group):
+        logits_NVl = logits_NVl.float()
+        Vl = logits_NVl.shape[1]
+        max_N = logits_NVl.max(dim=1).values
+        if group is not None:
+            dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
+        shifted_NVl = logits_NVl - max_N.unsqueeze(1)
+        local_N = targets_N - comm.group_rank(group) * Vl
+        outside_N = (local_N < 0) | (local_N >= Vl)
+        local_N = local_N.masked_fill(outside_N, 0)
+        rows_N = torch.arange(shifted_NVl.shape[0], device=shifted_NVl.device)
+        target_logit_N = shifted_NVl[rows_N, local_N].masked_fill(outside_N, 0.0)
+        exp_NVl = shifted_NVl.exp()
+        sum_exp_N = exp_NVl.sum(dim=1)
+        if group is not None:
+            both_2N = torch.stack([target_logit_N, sum_exp_N])  # one collective for two sums
+            dist.all_reduce(both_2N, group=group)
+            target_logit_N, sum_exp_N = both_2N[0], both_2N[1]
+        loss_N = sum_exp_N.log() - target_logit_N
+        exp_NVl.div_(sum_exp_N.unsqueeze(1))  # now this rank's softmax columns
+        ctx.save_for_backward(exp_NVl, local_N, outside_N)
+        return loss_N
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        softmax_NVl, local_N, outside_N = ctx.saved_tensors
+        grad_NVl = softmax_NVl.clone()
+        rows_N = torch.arange(grad_NVl.shape[0], device=grad_NVl.device)
+        grad_NVl[rows_N, local_N] -= (~outside_N).to(grad_NVl.dtype)
+        return grad_NVl * grad_N.unsqueeze(1), None, None
+
+
+def vocab_parallel_cross_entropy(logits_NVl: torch.Tensor, targets_N: torch.Tensor,
+                                 group: Any) -> torch.Tensor:
+    """Per-token CE [N] (fp32) of logits split over the vocabulary: rank r holds columns
+    [r*Vl, (r+1)*Vl). Equals ``F.cross_entropy(full_logits, targets, reduction='none')``; the
+    result is the same on every rank of ``group`` (None: one process, the whole vocabulary)."""
+    if logits_NVl.dim() != 2 or targets_N.shape != logits_NVl.shape[:1]:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits_NVl.shape)} and "
+                         f"targets {tuple(targets_N.shape)} must be [N, V/TP] and [N]. "
+                         "Fix: flatten batch and sequence first (reshape(-1, ...))")
+    return _VocabParallelCE.apply(logits_NVl, targets_N, group)
+
+
+# --- model wiring (what moeplug.modules calls; every helper is a no-op at TP = 1) -----------
+
+def tp_of(groups: Any) -> tuple[Any, bool]:
+    """(TP group or None, sequence parallel on?) of a ParallelGroups (None: one process)."""
+    tp = None if groups is None else groups.tp
+    return tp, tp is not None and bool(groups.config.sequence_parallel)
+
+
+def parallelize_attention(attn: nn.Module, cfg: Any, groups: Any) -> None:
+    """Swap an Attention's q/k/v for column-parallel and o for row-parallel layers (same names)
+    and make its head counts local. GQA: kv heads are split too, so each rank keeps whole groups
+    (query head h uses kv head h // (H/G), and rank r's query heads map to its kv heads)."""
+    tp, sp = tp_of(groups)
+    if tp is None:
+        return
+    W = comm.group_size(tp)
+    _check_divisible("ModelConfig.num_heads", cfg.num_heads, W, "choose tp dividing num_heads")
+    _check_divisible("ModelConfig.num_kv_heads", cfg.num_kv_heads, W,
+                     "choose tp dividing num_kv_heads (each TP rank needs whole KV heads)")
+    D, Dh = cfg.hidden_size, cfg.head_dim
+    attn.q_proj = ColumnParallelLinear(D, cfg.num_heads * Dh, tp)
+    attn.k_proj = ColumnParallelLinear(D, cfg.num_kv_heads * Dh, tp)
+    attn.v_proj = ColumnParallelLinear(D, cfg.num_kv_heads * Dh, tp)
+    attn.o_proj = RowParallelLinear(cfg.num_heads * Dh, D, tp, sp)
+    attn.num_heads, attn.num_kv_heads = cfg.num_heads // W, cfg.num_kv_heads // W
+    for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+        if norm is not None:  # one [Dh] weight shared by all heads; each rank has other heads
+            mark_sequence_parallel(norm)
+
+
+def parallelize_mlp(mlp: nn.Module, hidden_size: int, ffn_hidden_size: int, groups: Any) -> None:
+    """Dense SwiGLU: gate/up column-parallel, down row-parallel (same names)."""
+    tp, sp = tp_of(groups)
+    if tp is None:
+        return
+    mlp.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp)
+    mlp.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp)
+    mlp.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, tp, sp)
+
+
+def parallelize_transformer(model: nn.Module, groups: Any) -> None:
+    """The model-level TP pieces, called by MoETransformer before its parameter init:
+    vocab-parallel embedding (and head, column-parallel over V; tied heads reuse the embedding
+    shard), and the ``sequence_parallel`` flag on parameters whose grads are partial over TP:
+    norms under SP, and every non-expert parameter of the MoE layers (router, shared experts),
+    whose tokens are always split over TP (see :func:`moe_tokens_in`)."""
+    tp, sp = tp_of(groups)
+    if tp is None:
+        return
+    from moeplug.modules.moe import MoELayer  # modules import this file; avoid the cycle
+    from moeplug.modules.norm import RMSNorm
+    V, D = model.vocab_size, model.cfg.hidden_size
+    model.embed = VocabParallelEmbedding(V, D, tp, sp)
+    if model.head is not None:
+        model.head = ColumnParallelLinear(D, V, tp)
+    expert_names = expert_param_names(model)
+    for name, module in model.named_modules():
+        if isinstance(module, RMSNorm) and sp:
+            mark_sequence_parallel(module)
+        if isinstance(module, MoELayer):
+            for pname, p in module.named_parameters():
+                if f"{name}.{pname}" not in expert_names:
+                    p.sequence_parallel = True
+
+
+def moe_tokens_in(x_BSD: torch.Tensor, groups: Any) -> torch.Tensor:
+    """The MoE layer always works on this TP rank's sequence chunk: under SP it already holds
+    it; without SP every rank holds all tokens, so it keeps its chunk (Megatron instead refuses
+    MoE + TP without SP). Routing each token once keeps expert grads from being counted TP
+    times when sync_gradients sums them over expert-DP."""
+    tp, sp = tp_of(groups)
+    return x_BSD if tp is None or sp else scatter_sequence(x_BSD, tp)
+
+
+def moe_tokens_out(y_BsD: torch.Tensor, groups: Any) -> torch.Tensor:
+    """Inverse of :func:`moe_tokens_in`: all-gather the chunks; the consumer is replicated over
+    TP, so the backward keeps this rank's chunk of the (identical) grads."""
+    tp, sp = tp_of(groups)
+    return y_BsD if tp is None or sp else gather_sequence(y_BsD, tp, grad_is_partial=False)
+
+
+def average_over_token_group(aux: torch.Tensor, group: Any) -> torch.Tensor:
+    """Mean over ``group`` of each rank's aux loss (forward all-reduce / W, backward identity /
+    W): with expert counts already summed over the group by the router, the mean of the ranks'
+    losses over equal token chunks is the loss of the unsplit batch (every aux loss is
+    sum_i f_i * mean over tokens), and every rank gets the same value to log and add."""
+    W = comm.group_size(group)
+    return aux if W == 1 else comm.reduce_from_tp_region(aux, group) / W
+
+
+def enter_for(groups: Any, x: torch.Tensor) -> torch.Tensor:
+    """:func:`enter_tp_region` with the groups' TP group and SP flag (identity at TP = 1)."""
+    tp, sp = tp_of(groups)
+    return x if tp is None else enter_tp_region(x, tp, sp)
+
+
+def lm_loss(logits_BSVl: torch.Tensor, targets_BS: torch.Tensor, groups: Any) -> torch.Tensor:
+    """Mean token cross-entropy of vocab-parallel logits (the full logits are never built)."""
+    tp, _ = tp_of(groups)
+    return vocab_parallel_cross_entropy(logits_BSVl.reshape(-1, logits_BSVl.shape[-1]),
+                                        targets_BS.reshape(-1), tp).mean()
+
+
+# --- gradients and state dicts ----------------------------------------------------------------
+
+def mark_sequence_parallel(module: nn.Module) -> None:
+    """Flag every parameter of ``module`` as seeing only this rank's token shard."""
+    for p in module.parameters():
+        p.sequence_parallel = True
+
+
+@torch.no_grad()
+def sum_partial_grads_over_tp(model: nn.Module, tp_group: Any) -> None:
+    """Sum over TP the grads of parameters flagged ``sequence_parallel`` (norms under SP, the
+    routers of MoE layers whose tokens are split over TP): each rank's grad covers only its
+    tokens. One flat buffer, same parameter order on every rank."""
+    if tp_group is None:
+        return
+    params = [p for p in model.parameters()
+              if getattr(p, "sequence_parallel", False) and p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=tp_group)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(g.view_as(p.grad))
+
+
+def tp_slice(full: torch.Tensor, partition_dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s contiguous chunk of ``full`` along ``partition_dim``."""
+    _check_divisible(f"dim {partition_dim} of a tensor of shape {tuple(full.shape)}",
+                     full.shape[partition_dim], tp_size, "build both models from the same config")
+    return full.chunk(tp_size, dim=partition_dim)[tp_rank]
+
+
+def shard_state_dict(model: nn.Module, full_state: Mapping[str, torch.Tensor],
+                     groups: Any) -> dict[str, torch.Tensor]:
+    """This rank's shard of a single-process state dict, for ``model`` built with ``groups``.
+
+    Expert parameters: global experts of this EP rank (dim 0), then this ETP rank's F-slice
+    (:func:`moeplug.parallel.expert_tp.etp_slice`). Parameters with ``partition_dim``: this TP
+    rank's chunk. Everything else: whole. Works on grads too (pass a dict of reference grads).
+    """
+    expert_names = expert_param_names(model)
+    ep_rank, ep_size = groups.rank_in("ep"), groups.size("ep")
+    etp_rank, etp_size = groups.rank_in("etp"), groups.size("etp")
+    tp_rank, tp_size = groups.rank_in("tp"), groups.size("tp")
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        if name not in full_state:
+            raise KeyError(f"shard_state_dict: parameter '{name}' is missing from the source "
+                           "state dict. Fix: pass the state_dict of a model built from the same "
+                           "config on one process")
+        src = full_state[name]
+        if name in expert_names:
+            ids = local_expert_ids(src.shape[0], ep_size, ep_rank)
+            src = etp_slice(name, src[ids.start:ids.stop], full_state, etp_rank, etp_size)
+        elif hasattr(p, "partition_dim"):
+            src = tp_slice(src, p.partition_dim, tp_rank, tp_size)
+        if src.shape != p.shape:
+            raise ValueError(f"shard_state_dict: '{name}' has shape {tuple(p.shape)} here but its "
+                             f"shard of the source is {tuple(src.shape)}. Fix: build both models "
+                             "from the same ModelConfig (and this one with these groups)")
+        out[name] = src
+    return out
+
+
+@torch.no_grad()
+def load_parallel_shard(model: nn.Module, full_state: Mapping[str, torch.Tensor],
+                        groups: Any) -> None:
+    """Copy :func:`shard_state_dict` into ``model`` (buffers are left alone: they are derived)."""
+    shards = shard_state_dict(model, full_state, groups)
+    for name, p in model.named_parameters():
+        p.copy_(shards[name])
