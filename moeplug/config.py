@@ -41,6 +41,11 @@ def _non_negative(obj: Any, *names: str) -> None:
             _fail(obj, n, v, "must be a number >= 0", f"set {n} to 0 or more")
 
 
+# Expert activations (moeplug.ops.activations implements them); the gated ones double FC1.
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "squared_relu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+
 @dataclass(kw_only=True, slots=True)
 class MoEConfig:
     """The routed feed-forward block of an MoE layer."""
@@ -49,17 +54,54 @@ class MoEConfig:
     top_k: int = 2
     ffn_hidden_size: int = 384
     aux_loss_coeff: float = 1e-2
+    # Expert (and shared-expert) activation; gated ones (swiglu, geglu) need a 2F-row FC1.
     activation: str = "swiglu"
+    # Top-1 only: scale the expert's input rows by p instead of its activation (Megatron
+    # moe_apply_probs_on_input): y = FC2(act(FC1(p * x))).
+    apply_probs_on_input: bool = False
+    # Shared experts: a dense MLP of this hidden size on every token (0 = none); with
+    # shared_expert_gate its output is scaled by sigmoid(x . w_g), w_g [1, D].
+    shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+    # Which layers are MoE (Megatron moe_layer_freq): int N = every N-th layer (layer i is MoE
+    # iff i % N == 0), or a 0/1 list with one entry per layer. ModelConfig.first_k_dense still
+    # forces the first k layers dense; ModelConfig.moe_layer_pattern combines both.
+    layer_freq: int | list = 1
 
     def __post_init__(self) -> None:
         _positive(self, "num_experts", "top_k", "ffn_hidden_size")
-        _non_negative(self, "aux_loss_coeff")
+        _non_negative(self, "aux_loss_coeff", "shared_expert_ffn_hidden_size")
         if self.top_k > self.num_experts:
             _fail(self, "top_k", self.top_k, f"exceeds num_experts ({self.num_experts})",
                   f"set top_k <= {self.num_experts} or raise num_experts")
-        if self.activation != "swiglu":
+        if self.activation not in ACTIVATIONS:
             _fail(self, "activation", self.activation, "unsupported activation",
-                  "use 'swiglu'")
+                  f"use one of {', '.join(map(repr, ACTIVATIONS))}")
+        for n in ("apply_probs_on_input", "shared_expert_gate"):
+            if not isinstance(getattr(self, n), bool):
+                _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
+        if isinstance(self.shared_expert_ffn_hidden_size, float):
+            _fail(self, "shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size,
+                  "must be an integer", "set it to a whole number of units (0 = no shared expert)")
+        if self.apply_probs_on_input and self.top_k != 1:
+            _fail(self, "apply_probs_on_input", True,
+                  f"needs top_k = 1 (got top_k = {self.top_k}): with several experts per token "
+                  f"the input can be scaled by only one of their weights",
+                  "set top_k: 1 or apply_probs_on_input: false")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            _fail(self, "shared_expert_gate", True, "gates a shared expert, but "
+                  "shared_expert_ffn_hidden_size = 0 (none)",
+                  "set shared_expert_ffn_hidden_size > 0 or shared_expert_gate: false")
+        freq = self.layer_freq
+        if isinstance(freq, bool) or not isinstance(freq, (int, list)):
+            _fail(self, "layer_freq", freq, "must be an integer N or a list of 0/1",
+                  "write layer_freq: 2 (every 2nd layer is MoE) or layer_freq: [0, 1, 1, 1]")
+        if isinstance(freq, int) and freq < 1:
+            _fail(self, "layer_freq", freq, "must be >= 1 (layer i is MoE iff i % N == 0)",
+                  "set layer_freq: 1 for all-MoE, or N for every N-th layer")
+        if isinstance(freq, list) and any(v not in (0, 1) or isinstance(v, float) for v in freq):
+            _fail(self, "layer_freq", freq, "list entries must be 0 (dense) or 1 (MoE)",
+                  "write one 0 or 1 per layer, e.g. [0, 1, 1, 1]")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,6 +142,22 @@ class ModelConfig:
         if self.first_k_dense > self.num_layers:
             _fail(self, "first_k_dense", self.first_k_dense,
                   f"exceeds num_layers ({self.num_layers})", f"set first_k_dense <= {self.num_layers}")
+        freq = self.moe.layer_freq
+        if isinstance(freq, list) and len(freq) != self.num_layers:
+            _fail(self.moe, "layer_freq", freq,
+                  f"has {len(freq)} entries but num_layers = {self.num_layers}",
+                  f"give exactly one 0/1 entry per layer ({self.num_layers})")
+
+    @property
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Per layer, True if it is an MoE layer: moe.layer_freq, then the first
+        ``first_k_dense`` layers forced dense."""
+        freq = self.moe.layer_freq
+        if isinstance(freq, int):
+            pattern = [i % freq == 0 for i in range(self.num_layers)]
+        else:
+            pattern = [bool(v) for v in freq]
+        return tuple(moe and i >= self.first_k_dense for i, moe in enumerate(pattern))
 
     @property
     def head_dim(self) -> int:

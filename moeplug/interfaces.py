@@ -132,8 +132,14 @@ class Experts(nn.Module, abc.ABC):
     """The routed expert FFNs of one layer (the local ones).
 
     Parameters, shared by every backend so checkpoints are interchangeable (Hugging Face
-    Mixtral layout): ``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows) and
-    ``down_proj`` [L, D, F]. For expert e and rows x: y = down(silu(gate x) * (up x) * p).
+    Mixtral layout), by ``model.moe.activation`` (see ``moeplug.ops.activations``):
+        swiglu, geglu (gated)      ``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows)
+        gelu, squared_relu         ``gate_up_proj`` [L, F, D]
+        every activation           ``down_proj``    [L, D, F]
+    For expert e and rows x: y = down(act(gate_up x) * p), e.g. swiglu:
+    y = down(silu(gate x) * (up x) * p). The routing weight p scales the activation, not the
+    input rows, so dispatchers never keep weighted copies; with ``moe.apply_probs_on_input`` the
+    MoE layer passes rows already scaled by p and p = 1.
     """
 
     num_local_experts: int

@@ -27,7 +27,7 @@ def assert_names(err: pytest.ExceptionInfo, *parts: str) -> None:
     (MoEConfig, {"num_experts": 4, "top_k": 5}, ["top_k", "5", "num_experts (4)", "top_k <= 4"]),
     (MoEConfig, {"num_experts": 0}, ["num_experts", "0", "positive integer"]),
     (MoEConfig, {"aux_loss_coeff": -1.0}, ["aux_loss_coeff", "-1.0", ">= 0"]),
-    (MoEConfig, {"activation": "gelu"}, ["activation", "'gelu'", "'swiglu'"]),
+    (MoEConfig, {"activation": "relu"}, ["activation", "'relu'", "'swiglu'", "'gelu'"]),
     (ModelConfig, {"hidden_size": 30, "num_heads": 4},
      ["hidden_size", "30", "num_heads (4)", "30 % 4 = 2", "multiple of num_heads"]),
     (ModelConfig, {"num_heads": 8, "num_kv_heads": 3}, ["num_kv_heads", "3", "num_heads (8)", "divisor"]),

@@ -6,11 +6,14 @@ from typing import Any
 
 from moeplug.config import RootConfig
 from moeplug.modules.moe import MoELayer
+from moeplug.modules.shared_experts import SharedExperts
 from moeplug.modules.transformer import MoETransformer
 
 
 def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = None) -> MoETransformer:
-    """One router, dispatcher and experts backend per MoE layer, each made by ``host.create``.
+    """One router, dispatcher and experts backend (+ shared experts when
+    ``moe.shared_expert_ffn_hidden_size > 0``) per MoE layer of ``model.moe_layer_pattern``,
+    each plugin made by ``host.create``.
 
     ``vocab_size`` comes from the tokenizer; ``cfg.model.vocab_size`` (if non-zero) may pad it up
     (e.g. to a multiple of 64 for faster GEMMs) but never below. ``ep_group`` is the
@@ -23,10 +26,13 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
             f"({vocab_size}); token ids would overflow the embedding. Fix: set model.vocab_size=0 "
             f"(use the tokenizer's) or >= {vocab_size}")
     moe_layers = []
-    for _ in range(m.num_layers - m.first_k_dense):
+    for _ in range(sum(m.moe_layer_pattern)):  # the transformer places them by the pattern
         router = host.create("router", p.router, dict(p.router_options), m)
         dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, ep_group)
         experts = host.create("experts", p.experts, dict(p.experts_options), m,
                               dispatcher.num_local_experts)
-        moe_layers.append(MoELayer(router, dispatcher, experts))
+        shared = (SharedExperts(m.hidden_size, m.moe) if m.moe.shared_expert_ffn_hidden_size
+                  else None)
+        moe_layers.append(MoELayer(router, dispatcher, experts, shared,
+                                   apply_probs_on_input=m.moe.apply_probs_on_input))
     return MoETransformer(m, m.vocab_size or vocab_size, moe_layers)

@@ -3,15 +3,17 @@
 Megatron's ``num_floating_point_operations`` counts only the matrix multiplies on the active path
 of a forward pass, in multiply-adds, then multiplies by 6 (2 FLOPs per multiply-add x 3 for
 forward + data-grad + weight-grad). Routers, norms, activations, softmax and the embedding lookup
-are not counted; routed experts count exactly K per token. Using the same count makes our
-TFLOP/s comparable with published Megatron-Core numbers.
+are not counted (nor the shared-expert gate, a [1, D] vector); routed experts count exactly K per
+token, a shared expert once. Using the same count makes our TFLOP/s comparable with
+published Megatron-Core numbers.
 """
 
 from __future__ import annotations
 
-from moeplug.config import ModelConfig
+from moeplug.config import GATED_ACTIVATIONS, ModelConfig
 
-SWIGLU_GEMMS = 3  # g: gate, up and down projections
+SWIGLU_GEMMS = 3  # g for gated activations: gate, up and down projections
+PLAIN_GEMMS = 2   # g for gelu / squared_relu: up and down projections
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> float:
@@ -19,11 +21,14 @@ def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> float:
     h = cfg.hidden_size
     d = cfg.head_dim
     n_q, n_kv = cfg.num_heads, cfg.num_kv_heads
-    num_dense = cfg.first_k_dense
-    num_moe = cfg.num_layers - cfg.first_k_dense
-    g = SWIGLU_GEMMS
-    ffn_macs = h * (g * cfg.dense_ffn_hidden_size * num_dense
-                    + g * cfg.moe.top_k * cfg.moe.ffn_hidden_size * num_moe)
+    num_moe = sum(cfg.moe_layer_pattern)
+    num_dense = cfg.num_layers - num_moe
+    moe = cfg.moe
+    # Dense layers are always SwiGLU (SwiGLUMLP); routed and shared experts use moe.activation.
+    g = SWIGLU_GEMMS if moe.activation in GATED_ACTIVATIONS else PLAIN_GEMMS
+    ffn_macs = h * (SWIGLU_GEMMS * cfg.dense_ffn_hidden_size * num_dense
+                    + (g * moe.top_k * moe.ffn_hidden_size
+                       + g * moe.shared_expert_ffn_hidden_size) * num_moe)
     # A_lin: q, k, v and output projections.
     attn_linear_macs = h * (n_q * d + 2 * n_kv * d) + n_q * d * h
     logits_macs = h * vocab_size

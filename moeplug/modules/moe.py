@@ -18,16 +18,22 @@ class MoELayer(nn.Module):
     ``forward`` follows these stages line for line (see moeplug/interfaces.py for each contract):
         1. route      routing = router(x_TD[, num_sequences=B])   -> probs_TK, ids_TK, aux_loss
         2. dispatch   d = dispatcher.dispatch(x_TD, routing)      -> x_SD grouped by local expert
-        3. experts    y_SD = experts(d.x_SD, d.probs_S, d.counts_L)  (weights applied inside)
+        3. experts    y_SD = experts(d.x_SD, d.probs_S, d.counts_L)  (weights applied inside;
+                      with apply_probs_on_input: experts(p * x_SD, 1, counts_L), top-1 only)
         4. combine    y_TD = dispatcher.combine(y_SD, d.meta)     -> each token's K rows summed
-        5. shared     (shared experts: not yet)
-        6. sum        y = y_TD (+ shared), reshaped to the input's shape
+        5. shared     s_TD = shared(x_TD)  when a SharedExperts module was given (all tokens)
+        6. sum        y = y_TD (+ s_TD), reshaped to the input's shape
     Returns ``(y, aux_loss, counts_E)``; nothing from the call is kept on ``self``, so several
     micro-batches may be in flight through one layer.
     """
 
-    def __init__(self, router: Router, dispatcher: Dispatcher, experts: Experts) -> None:
+    def __init__(self, router: Router, dispatcher: Dispatcher, experts: Experts,
+                 shared: nn.Module | None = None, apply_probs_on_input: bool = False) -> None:
         super().__init__()
+        if apply_probs_on_input and router.top_k != 1:
+            raise ValueError(
+                f"MoELayer: apply_probs_on_input needs a top-1 router, got router.top_k = "
+                f"{router.top_k}. Fix: set model.moe.top_k=1 or apply_probs_on_input=false")
         if dispatcher.num_local_experts != experts.num_local_experts:
             raise ValueError(
                 f"MoELayer: dispatcher.num_local_experts = {dispatcher.num_local_experts} but "
@@ -41,14 +47,17 @@ class MoELayer(nn.Module):
         self.experts = experts
         # The dispatcher is not an nn.Module (it owns no parameters); a plain attribute.
         self.dispatcher = dispatcher
+        self.shared = shared  # registered only when given: no "shared" keys in checkpoints else
+        self.apply_probs_on_input = apply_probs_on_input
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
         routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
         d = self.dispatcher.dispatch(x_TD, routing)                   # 2. dispatch
-        y_SD = self.experts(d.x_SD, d.probs_S, d.counts_L)            # 3. experts
+        y_SD = self._experts(d)                                       # 3. experts
         y_TD = self.dispatcher.combine(y_SD, d.meta)                  # 4. combine
-        # 5. shared experts: not yet
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)                           # 5. shared, 6. sum
         y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
         # On the host, like the dispatcher's counts_L: these are logged, never differentiated.
         # Choices dropped by capacity reach no expert, so they are not counted.
@@ -57,6 +66,14 @@ class MoELayer(nn.Module):
             ids = ids[~routing.dropped_TK.reshape(-1)]
         counts_E = torch.bincount(ids.cpu(), minlength=self.router.num_experts)
         return y_ND, routing.aux_loss, counts_E
+
+    def _experts(self, d) -> torch.Tensor:
+        if not self.apply_probs_on_input:
+            return self.experts(d.x_SD, d.probs_S, d.counts_L)
+        # Megatron moe_apply_probs_on_input: FC2(act(FC1(p * x))). The weight moves onto the
+        # rows and the experts get p = 1, so any Experts backend supports it unchanged.
+        p_S1 = d.probs_S.unsqueeze(-1).to(d.x_SD.dtype)
+        return self.experts(d.x_SD * p_S1, torch.ones_like(d.probs_S), d.counts_L)
 
     def _route(self, x_TD: torch.Tensor, num_sequences: int):
         # Sequence boundaries only go to routers that declare they take them (see Router), so

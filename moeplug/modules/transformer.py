@@ -57,16 +57,19 @@ class TransformerBlock(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    """Layers [0, first_k_dense) use a dense SwiGLU MLP; the rest use ``moe_layers`` in order."""
+    """Layer i is MoE iff ``cfg.moe_layer_pattern[i]`` (moe.layer_freq, the first
+    ``first_k_dense`` forced dense); MoE layers take ``moe_layers`` in order, the others a dense
+    SwiGLU MLP."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, moe_layers: Sequence[MoELayer]) -> None:
         super().__init__()
-        num_moe = cfg.num_layers - cfg.first_k_dense
-        if len(moe_layers) != num_moe:
+        pattern = cfg.moe_layer_pattern
+        if len(moe_layers) != sum(pattern):
             raise ValueError(
-                f"MoETransformer: got {len(moe_layers)} MoE layers but ModelConfig.num_layers - "
-                f"first_k_dense = {cfg.num_layers} - {cfg.first_k_dense} = {num_moe}. "
-                f"Fix: build one MoELayer per non-dense layer (use moeplug.modules.build_model)")
+                f"MoETransformer: got {len(moe_layers)} MoE layers but ModelConfig's layer "
+                f"pattern (moe.layer_freq = {cfg.moe.layer_freq!r}, first_k_dense = "
+                f"{cfg.first_k_dense}) has {sum(pattern)}. "
+                f"Fix: build one MoELayer per MoE layer (use moeplug.modules.build_model)")
         if vocab_size <= 0:
             raise ValueError(f"MoETransformer: vocab_size = {vocab_size} must be >= 1. "
                              f"Fix: pass the tokenizer's vocab_size")
@@ -74,8 +77,9 @@ class MoETransformer(nn.Module):
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        ffns = [SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size) for _ in range(cfg.first_k_dense)]
-        ffns += list(moe_layers)
+        moe_iter = iter(moe_layers)
+        ffns = [next(moe_iter) if is_moe else SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size)
+                for is_moe in pattern]
         self.blocks = nn.ModuleList(TransformerBlock(cfg, self.rope, ffn) for ffn in ffns)
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, vocab_size, bias=False)

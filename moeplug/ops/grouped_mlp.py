@@ -41,7 +41,9 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, probs_S, counts, w1_LXD, w2_LDF, activation, compute_dtype):
         x_c, w1_c, w2_c = (t.to(compute_dtype).contiguous() for t in (x_SD, w1_LXD, w2_LDF))
-        probs32_S = None if probs_S is None else probs_S.detach().float()
+        # Routing weights at least fp32 (as the fused kernel takes them); fp64 stays fp64.
+        probs32_S = (None if probs_S is None else
+                     probs_S.detach().to(torch.promote_types(probs_S.dtype, torch.float32)))
         S, D = x_c.shape
         slices = _slices(counts)
         h_SX = x_c.new_empty(S, w1_c.shape[1])

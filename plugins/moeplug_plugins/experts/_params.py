@@ -10,10 +10,13 @@ from torch import nn
 
 from moeplug.config import ConfigError, ModelConfig
 from moeplug.interfaces import Experts
+from moeplug.ops.activations import fc1_rows
 
 
 class ExpertParams(Experts):
-    """``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows) and ``down_proj`` [L, D, F]."""
+    """``gate_up_proj`` [L, 2F, D] (gate rows first, then up rows) for gated activations
+    (swiglu, geglu), [L, F, D] for plain ones (gelu, squared_relu); ``down_proj`` [L, D, F].
+    ``activation`` is ``model.moe.activation`` (see moeplug.ops.activations)."""
 
     def __init__(self, model: ModelConfig, num_local_experts: int):
         super().__init__()
@@ -23,7 +26,9 @@ class ExpertParams(Experts):
         L, F, D = num_local_experts, model.moe.ffn_hidden_size, model.hidden_size
         self.num_local_experts = L
         self.ffn_hidden_size = F
-        self.gate_up_proj = nn.Parameter(torch.empty(L, 2 * F, D, dtype=torch.float32))
+        self.activation = model.moe.activation
+        self.gate_up_proj = nn.Parameter(torch.empty(L, fc1_rows(self.activation, F), D,
+                                                     dtype=torch.float32))
         self.down_proj = nn.Parameter(torch.empty(L, D, F, dtype=torch.float32))
         nn.init.normal_(self.gate_up_proj, std=model.init_std)
         nn.init.normal_(self.down_proj, std=model.init_std)

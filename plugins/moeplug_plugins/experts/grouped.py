@@ -1,4 +1,5 @@
-"""``grouped`` experts: every local expert in one call to ``moeplug.ops.expert_mlp``.
+"""``grouped`` experts: every local expert in one op — ``moeplug.ops.expert_mlp`` (fused C++
+SwiGLU) for swiglu, ``moeplug.ops.grouped_mlp`` (torch activation) for the others.
 
 Legend: S rows, D hidden, F ffn hidden, L local experts.
 """
@@ -8,9 +9,13 @@ from __future__ import annotations
 import torch
 
 from moeplug.ops import expert_mlp
+from moeplug.ops.grouped_mlp import grouped_mlp
 from moeplug_plugins.experts._params import ExpertParams
 
 
 class GroupedExperts(ExpertParams):
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
-        return expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj)
+        if self.activation == "swiglu":  # the fused C++ SwiGLU kernel
+            return expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj)
+        return grouped_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
+                           self.activation)
