@@ -68,6 +68,9 @@ class ParallelConfig:
     etp: int = 1
     sequence_parallel: bool = False
     order: str = "tp-cp-ep-dp-pp"
+    # How CP ranks exchange K/V (moeplug.parallel.context_parallel): "allgather" (one collective
+    # per layer; the default because gloo pays per message) or "ring" (send/recv per step).
+    cp_comm: str = "allgather"
     # Filled by resolve(); 0 until then. Not an init argument: it is always derived.
     edp: int = field(default=0, init=False)
 
@@ -82,6 +85,9 @@ class ParallelConfig:
         if not isinstance(self.sequence_parallel, bool):
             _fail("sequence_parallel", self.sequence_parallel, "must be a bool",
                   "write sequence_parallel: true or false")
+        if self.cp_comm not in ("allgather", "ring"):
+            _fail("cp_comm", self.cp_comm, "is not a context-parallel K/V exchange",
+                  "use 'allgather' or 'ring'")
         names = self.order.split("-") if isinstance(self.order, str) else None
         if names is None or sorted(names) != sorted(DIM_NAMES):
             _fail("order", self.order, f"must name each of {'-'.join(DIM_NAMES)} exactly once, "
