@@ -5,18 +5,21 @@ Legend: B batch, S sequence, D hidden, H query heads, G key/value heads (H % G =
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeplug.config import ModelConfig
 from moeplug.modules.rope import RotaryEmbedding
+from moeplug.parallel.context_parallel import cp_attention_for
 
 
 class Attention(nn.Module):
     """q/k/v/o projections without bias, RoPE on q and k, causal SDPA with shared kv heads."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, groups: Any = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -28,16 +31,22 @@ class Attention(nn.Module):
         # One RoPE table shared by every layer; held in a list so it is not registered (and
         # counted, moved, saved) once per layer.
         self._rope = [rope]
+        # Context parallel (groups.cp set): x holds a load-balanced shard of the sequence, so RoPE
+        # and the causal mask use global positions and K/V are exchanged over the CP group.
+        self._cp = cp_attention_for(groups)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         q_BHSDh = self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         k_BGSDh = self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v_BGSDh = self.v_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHSDh, k_BGSDh = self._rope[0](q_BHSDh, k_BGSDh)
-        # enable_gqa lets SDPA broadcast the G kv heads over H query heads without materialising
-        # repeated K/V.
-        out_BHSDh = F.scaled_dot_product_attention(
-            q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
-            enable_gqa=self.num_kv_heads != self.num_heads)
+        if self._cp is not None:
+            out_BHSDh = self._cp(q_BHSDh, k_BGSDh, v_BGSDh, self._rope[0])
+        else:
+            q_BHSDh, k_BGSDh = self._rope[0](q_BHSDh, k_BGSDh)
+            # enable_gqa lets SDPA broadcast the G kv heads over H query heads without
+            # materialising repeated K/V.
+            out_BHSDh = F.scaled_dot_product_attention(
+                q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
+                enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out_BHSDh.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

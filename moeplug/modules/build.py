@@ -10,14 +10,17 @@ from moeplug.modules.shared_experts import SharedExperts
 from moeplug.modules.transformer import MoETransformer
 
 
-def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = None) -> MoETransformer:
+def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = None,
+                groups: Any = None) -> MoETransformer:
     """One router, dispatcher and experts backend (+ shared experts when
     ``moe.shared_expert_ffn_hidden_size > 0``) per MoE layer of ``model.moe_layer_pattern``,
     each plugin made by ``host.create``.
 
     ``vocab_size`` comes from the tokenizer; ``cfg.model.vocab_size`` (if non-zero) may pad it up
     (e.g. to a multiple of 64 for faster GEMMs) but never below. ``ep_group`` is the
-    expert-parallel process group (None: single process).
+    expert-parallel process group (None: single process). ``groups`` (a ParallelGroups, None =
+    single process) gives the modules their groups, e.g. attention's ``groups.cp``; its ``ep``
+    group is used when ``ep_group`` is not given.
     """
     m, p = cfg.model, cfg.plugins
     if m.vocab_size and m.vocab_size < vocab_size:
@@ -25,6 +28,8 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
             f"ModelConfig.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({vocab_size}); token ids would overflow the embedding. Fix: set model.vocab_size=0 "
             f"(use the tokenizer's) or >= {vocab_size}")
+    if groups is not None and ep_group is None:
+        ep_group = groups.ep
     moe_layers = []
     for _ in range(sum(m.moe_layer_pattern)):  # the transformer places them by the pattern
         router = host.create("router", p.router, dict(p.router_options), m)
@@ -35,4 +40,4 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
                   else None)
         moe_layers.append(MoELayer(router, dispatcher, experts, shared,
                                    apply_probs_on_input=m.moe.apply_probs_on_input))
-    return MoETransformer(m, m.vocab_size or vocab_size, moe_layers)
+    return MoETransformer(m, m.vocab_size or vocab_size, moe_layers, groups=groups)

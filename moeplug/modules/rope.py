@@ -29,15 +29,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_PDh", emb_PDh.cos(), persistent=False)
         self.register_buffer("sin_PDh", emb_PDh.sin(), persistent=False)
 
-    def forward(self, q_BHSDh: torch.Tensor, k_BHSDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate queries and keys of a sequence that starts at position 0."""
-        seq_len = q_BHSDh.shape[-2]
+    def forward(self, q_BHSDh: torch.Tensor, k_BHSDh: torch.Tensor,
+                positions_S: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate queries and keys of a sequence that starts at position 0, or, given
+        ``positions_S`` (int64), of tokens at those global positions (a context-parallel shard)."""
+        seq_len = q_BHSDh.shape[-2] if positions_S is None else int(positions_S.max()) + 1
         if seq_len > self.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} exceeds ModelConfig.max_seq_len = {self.max_seq_len}. "
                 f"Fix: raise model.max_seq_len to at least {seq_len} or shorten train.seq_len")
-        cos_SDh = self.cos_PDh[:seq_len].to(q_BHSDh.dtype)
-        sin_SDh = self.sin_PDh[:seq_len].to(q_BHSDh.dtype)
+        rows = slice(0, seq_len) if positions_S is None else positions_S
+        cos_SDh = self.cos_PDh[rows].to(q_BHSDh.dtype)
+        sin_SDh = self.sin_PDh[rows].to(q_BHSDh.dtype)
         return _rotate(q_BHSDh, cos_SDh, sin_SDh), _rotate(k_BHSDh, cos_SDh, sin_SDh)
 
 

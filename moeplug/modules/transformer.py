@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from moeplug.modules.mlp import SwiGLUMLP
 from moeplug.modules.moe import MoELayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
+from moeplug.parallel.context_parallel import cp_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,11 @@ class ModelOutput:
 class TransformerBlock(nn.Module):
     """x + attn(norm(x)), then + ffn(norm(x)); ffn is a dense SwiGLU or an MoELayer."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ffn: SwiGLUMLP | MoELayer) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ffn: SwiGLUMLP | MoELayer,
+                 groups: Any = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg, rope)
+        self.attn = Attention(cfg, rope, groups)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.ffn = ffn
 
@@ -61,7 +63,8 @@ class MoETransformer(nn.Module):
     ``first_k_dense`` forced dense); MoE layers take ``moe_layers`` in order, the others a dense
     SwiGLU MLP."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, moe_layers: Sequence[MoELayer]) -> None:
+    def __init__(self, cfg: ModelConfig, vocab_size: int, moe_layers: Sequence[MoELayer],
+                 groups: Any = None) -> None:
         super().__init__()
         pattern = cfg.moe_layer_pattern
         if len(moe_layers) != sum(pattern):
@@ -80,7 +83,10 @@ class MoETransformer(nn.Module):
         moe_iter = iter(moe_layers)
         ffns = [next(moe_iter) if is_moe else SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size)
                 for is_moe in pattern]
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, self.rope, ffn) for ffn in ffns)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, self.rope, ffn, groups) for ffn in ffns)
+        # Context parallel: each CP rank holds a shard of every sequence; the loss is the mean
+        # over the whole CP group's tokens (moeplug.parallel.context_parallel).
+        self._cp_group = None if groups is None else groups.cp
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, vocab_size, bias=False)
         self.reset_parameters()
@@ -119,7 +125,8 @@ class MoETransformer(nn.Module):
         lm_loss = loss = None
         if targets_BS is not None:
             # fp32 cross-entropy: under bf16 autocast the log-softmax over V would lose precision.
-            lm_loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
+            lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group) if (
+                self._cp_group is not None) else F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
                                       targets_BS.reshape(-1))
             loss = lm_loss + aux_loss
         return ModelOutput(logits_BSV, loss, lm_loss, aux_loss, expert_counts)
