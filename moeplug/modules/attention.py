@@ -14,6 +14,7 @@ from torch import nn
 from moeplug.config import ModelConfig
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.parallel.context_parallel import cp_attention_for
+from moeplug.parallel.tensor_parallel import enter_for, parallelize_attention
 
 
 class Attention(nn.Module):
@@ -34,8 +35,12 @@ class Attention(nn.Module):
         # Context parallel (groups.cp set): x holds a load-balanced shard of the sequence, so RoPE
         # and the causal mask use global positions and K/V are exchanged over the CP group.
         self._cp = cp_attention_for(groups)
+        # Tensor parallel (groups.tp set): q/k/v column-parallel by heads, o row-parallel.
+        parallelize_attention(self, cfg, groups)
+        self._groups = groups
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        x_BSD = enter_for(self._groups, x_BSD)  # TP: gather the sequence (SP) once for q, k, v
         B, S, _ = x_BSD.shape
         q_BHSDh = self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         k_BGSDh = self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)

@@ -8,6 +8,8 @@ from moeplug.config import RootConfig
 from moeplug.modules.moe import MoELayer
 from moeplug.modules.shared_experts import SharedExperts
 from moeplug.modules.transformer import MoETransformer
+from moeplug.parallel.expert_tp import etp_dispatcher, etp_experts_config
+from moeplug.parallel.tensor_parallel import tp_of
 
 
 def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = None,
@@ -34,10 +36,13 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
     for _ in range(sum(m.moe_layer_pattern)):  # the transformer places them by the pattern
         router = host.create("router", p.router, dict(p.router_options), m)
         dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, ep_group)
-        experts = host.create("experts", p.experts, dict(p.experts_options), m,
-                              dispatcher.num_local_experts)
+        # ETP: all-gather rows over groups.etp around experts built with ffn_hidden_size / ETP.
+        dispatcher = etp_dispatcher(dispatcher, groups)
+        experts = host.create("experts", p.experts, dict(p.experts_options),
+                              etp_experts_config(m, groups), dispatcher.num_local_experts)
         shared = (SharedExperts(m.hidden_size, m.moe) if m.moe.shared_expert_ffn_hidden_size
                   else None)
         moe_layers.append(MoELayer(router, dispatcher, experts, shared,
-                                   apply_probs_on_input=m.moe.apply_probs_on_input))
+                                   apply_probs_on_input=m.moe.apply_probs_on_input,
+                                   token_group=tp_of(groups)[0]))
     return MoETransformer(m, m.vocab_size or vocab_size, moe_layers, groups=groups)

@@ -6,10 +6,13 @@ S routed rows held by the local experts, L local experts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from moeplug.interfaces import Dispatcher, Experts, Router
+from moeplug.parallel.tensor_parallel import average_over_token_group
 
 
 class MoELayer(nn.Module):
@@ -28,7 +31,8 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, router: Router, dispatcher: Dispatcher, experts: Experts,
-                 shared: nn.Module | None = None, apply_probs_on_input: bool = False) -> None:
+                 shared: nn.Module | None = None, apply_probs_on_input: bool = False,
+                 token_group: Any = None) -> None:
         super().__init__()
         if apply_probs_on_input and router.top_k != 1:
             raise ValueError(
@@ -49,6 +53,11 @@ class MoELayer(nn.Module):
         self.dispatcher = dispatcher
         self.shared = shared  # registered only when given: no "shared" keys in checkpoints else
         self.apply_probs_on_input = apply_probs_on_input
+        # The group whose ranks hold other chunks of the same sequences (TP; see
+        # moeplug.parallel.tensor_parallel.moe_tokens_in). Routers that accept it count experts
+        # over the whole group; the aux loss is then averaged over it, which equals the loss of
+        # the unsplit batch, with each rank's grad that of its own tokens.
+        self.token_group = token_group
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
@@ -65,7 +74,7 @@ class MoELayer(nn.Module):
         if routing.dropped_TK is not None:
             ids = ids[~routing.dropped_TK.reshape(-1)]
         counts_E = torch.bincount(ids.cpu(), minlength=self.router.num_experts)
-        return y_ND, routing.aux_loss, counts_E
+        return y_ND, average_over_token_group(routing.aux_loss, self.token_group), counts_E
 
     def _experts(self, d) -> torch.Tensor:
         if not self.apply_probs_on_input:
@@ -78,6 +87,9 @@ class MoELayer(nn.Module):
     def _route(self, x_TD: torch.Tensor, num_sequences: int):
         # Sequence boundaries only go to routers that declare they take them (see Router), so
         # third-party routers with forward(x_TD) keep working. Tokens are b-major (t = b*S + s).
+        kwargs = {}
+        if self.token_group is not None and getattr(self.router, "accepts_token_group", False):
+            kwargs["token_group"] = self.token_group
         if getattr(self.router, "accepts_num_sequences", False):
-            return self.router(x_TD, num_sequences=num_sequences)
-        return self.router(x_TD)
+            return self.router(x_TD, num_sequences=num_sequences, **kwargs)
+        return self.router(x_TD, **kwargs)

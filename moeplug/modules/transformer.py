@@ -21,6 +21,7 @@ from moeplug.modules.moe import MoELayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.parallel.context_parallel import cp_cross_entropy
+from moeplug.parallel import tensor_parallel as tpar
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,14 @@ class TransformerBlock(nn.Module):
         self.attn = Attention(cfg, rope, groups)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.ffn = ffn
+        self._groups = groups
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
         if isinstance(self.ffn, MoELayer):
-            y_BSD, aux_loss, counts_E = self.ffn(self.ffn_norm(x_BSD))
+            # TP: the MoE layer routes only this rank's sequence chunk (tpar.moe_tokens_in).
+            y_BSD, aux_loss, counts_E = self.ffn(tpar.moe_tokens_in(self.ffn_norm(x_BSD), self._groups))
+            y_BSD = tpar.moe_tokens_out(y_BSD, self._groups)
             return x_BSD + y_BSD, aux_loss, counts_E
         return x_BSD + self.ffn(self.ffn_norm(x_BSD)), None, None
 
@@ -81,7 +85,7 @@ class MoETransformer(nn.Module):
         self.embed = nn.Embedding(vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         moe_iter = iter(moe_layers)
-        ffns = [next(moe_iter) if is_moe else SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size)
+        ffns = [next(moe_iter) if is_moe else SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size, groups)
                 for is_moe in pattern]
         self.blocks = nn.ModuleList(TransformerBlock(cfg, self.rope, ffn, groups) for ffn in ffns)
         # Context parallel: each CP rank holds a shard of every sequence; the loss is the mean
@@ -89,6 +93,9 @@ class MoETransformer(nn.Module):
         self._cp_group = None if groups is None else groups.cp
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, vocab_size, bias=False)
+        # Tensor parallel: vocab-parallel embedding/head, SP flags (moeplug.parallel.tensor_parallel).
+        tpar.parallelize_transformer(self, groups)
+        self._groups = groups
         self.reset_parameters()
 
     @torch.no_grad()
@@ -121,11 +128,15 @@ class MoETransformer(nn.Module):
             if counts_E is not None:
                 aux_loss = aux_loss + layer_aux.float()
                 expert_counts.append(counts_E)
-        logits_BSV = F.linear(self.norm(x_BSD), self.output_weight())
+        # TP: logits_BSV holds this rank's V/TP vocabulary columns; the full [B, S, V] is never built.
+        logits_BSV = F.linear(tpar.enter_for(self._groups, self.norm(x_BSD)), self.output_weight())
         lm_loss = loss = None
         if targets_BS is not None:
             # fp32 cross-entropy: under bf16 autocast the log-softmax over V would lose precision.
-            lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group) if (
+            if tpar.tp_of(self._groups)[0] is not None:
+                lm_loss = tpar.lm_loss(logits_BSV, targets_BS, self._groups)
+            else:
+                lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group) if (
                 self._cp_group is not None) else F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
                                       targets_BS.reshape(-1))
             loss = lm_loss + aux_loss
