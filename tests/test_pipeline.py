@@ -1,14 +1,15 @@
 """Pipeline parallelism: layer partition, schedule order, and pipelined steps equal to one process.
 
-Proof standard for every layout (PP2 1F1B, PP2 x 2 virtual stages, PP2 uneven 1+2 layers, PP4):
-each rank builds its model chunks from a *different* seed, loads its shard of the single-process
-model's state_dict (load_pipeline_shard), runs one pipelined step over M micro-batches and
-returns its losses, gradients and parameters by name. The parent runs one process doing gradient
-accumulation over the same M micro-batches (loss / M per micro-batch) and checks: every
-parameter lives on exactly one rank, and the loss (lm + aux, aux nonzero so every stage's aux
-loss is in the objective) and every gradient match within fp32 tolerance (TOL below). The PP2
-1F1B layout also runs 3 AdamW steps with sync_gradients + the global-norm clip (which must sum
-the stages' squared norms) and compares the loss sequence, the norms and the final parameters.
+Proof standard for every layout (PP2 1F1B, PP2 x 2 virtual stages, PP2 uneven 1+2 layers, PP4,
+DP2 x PP2): each rank builds its model chunks from a *different* seed, loads its shard of the
+single-process model's state_dict (load_pipeline_shard), runs one pipelined step over M
+micro-batches and returns its losses, gradients and parameters by name. The parent runs one
+process doing gradient accumulation (loss / M per micro-batch) over the same micro-batches (all
+DP x M of them with data parallelism) and checks: every parameter lives on exactly one rank of
+each DP replica, and the loss (lm + aux; aux is nonzero so every stage's aux loss must be in the
+objective) and every gradient match within fp32 tolerance (TOL below). The PP2 1F1B layout also
+runs 3 AdamW steps with sync_gradients + the global-norm clip (which must sum the stages'
+squared norms) and compares the loss sequence, the norms and the final parameters.
 """
 
 from __future__ import annotations
@@ -329,8 +330,12 @@ def _pipeline_rank(rank: int, world: int, pp: int, pipe_kwargs: dict, num_layers
     load_pipeline_shard(chunks, full)
     model = nn.ModuleList(chunks)
     out: dict = {"losses": [], "norms": []}
+    out["dp_rank"] = dp_rank = groups.rank_in("dp")
     if adam_steps == 0:
-        res = forward_backward_pipeline(chunks, _microbatches(num_mb), groups)
+        # Data parallel: DP rank d runs micro-batches [d*M, (d+1)*M) of one list of DP*M.
+        mbs = _microbatches(num_mb * groups.size("dp"))[dp_rank * num_mb:(dp_rank + 1) * num_mb]
+        res = forward_backward_pipeline(chunks, mbs, groups)
+        sync_gradients(model, groups)  # averages over DP; a no-op without it
         out["losses"].append((res.loss.item(), res.aux_loss.item()))
         out["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()
                         if p.grad is not None}
@@ -352,20 +357,25 @@ def _pipeline_rank(rank: int, world: int, pp: int, pipe_kwargs: dict, num_layers
 
 
 def _check_against_reference(results: list[dict], num_layers: int, num_mb: int) -> None:
+    """One process accumulates over all DP x M micro-batches; the pipeline's loss is the mean
+    of its DP replicas' losses, and every replica's grads (after sync) equal the reference."""
     cfg = _cfg(num_layers)
-    mbs = _microbatches(num_mb)
-    ref, ref_loss = _reference(cfg, mbs)
+    dp = 1 + max(res["dp_rank"] for res in results)
+    ref, ref_loss = _reference(cfg, _microbatches(num_mb * dp))
     ref_params = dict(ref.named_parameters())
     owners: dict[str, int] = {}
     for r, res in enumerate(results):
+        if res["dp_rank"]:
+            continue
         for k in res["params"]:
             assert k not in owners, f"{k} is on ranks {owners[k]} and {r}"
             owners[k] = r
     assert set(owners) == set(ref_params), set(owners) ^ set(ref_params)
     for r, res in enumerate(results):
-        loss, aux = res["losses"][0]
-        assert aux > 0, "aux loss must be part of the objective for the test to cover it"
-        torch.testing.assert_close(loss, ref_loss, **TOL, msg=f"rank {r} loss")
+        assert res["losses"][0][1] > 0, "aux loss must be in the objective for the test to cover it"
+        replicas = [x["losses"][0][0] for x in results if x["params"].keys() == res["params"].keys()]
+        assert len(replicas) == dp
+        torch.testing.assert_close(sum(replicas) / dp, ref_loss, **TOL, msg=f"rank {r} loss")
         for k, g in res["grads"].items():
             torch.testing.assert_close(g, ref_params[k].grad, **TOL, msg=f"rank {r}: grad {k}")
         assert set(res["grads"]) == set(res["params"])  # every local parameter got a gradient
@@ -377,6 +387,7 @@ def _check_against_reference(results: list[dict], num_layers: int, num_mb: int) 
     ("pp2_vpp2", 2, 2, {"vpp": 2}, 4, 4),
     ("pp2_uneven_1_2", 2, 2, {"num_layers_in_first_stage": 1}, 3, 3),
     ("pp4", 4, 4, {}, 4, 5),
+    ("dp2_pp2", 4, 2, {}, 4, 2),  # composes with sync_gradients over the DP group
 ])
 def test_pipeline_step_equals_gradient_accumulation(name, world, pp, pipe_kwargs, num_layers, num_mb):
     results = run_distributed(_pipeline_rank, world, pp, pipe_kwargs, num_layers, num_mb, 0,
