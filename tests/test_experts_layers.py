@@ -153,6 +153,25 @@ def test_sequential_equals_grouped_and_reference(activation):
 
 
 @pytest.mark.parametrize("activation", ["geglu", "gelu", "squared_relu"])
+@pytest.mark.parametrize("backend", ["sequential", "grouped"])
+def test_public_experts_contract_for_every_activation(backend, activation):
+    """moeplug.testing.check_experts (what third-party backends run) covers each activation."""
+    from moeplug.testing import check_experts
+    check_experts(HOST, backend, model_cfg=model_cfg(activation=activation))
+
+
+def test_public_experts_contract_catches_a_backend_that_ignores_the_activation():
+    from moeplug.testing import ContractError, check_experts
+
+    def wrong_activation(model, options, num_local_experts):
+        ex = HOST.create("experts", "grouped", {}, model, num_local_experts)
+        ex.activation = "gelu"  # same [L, F, D] shapes as squared_relu, different math
+        return ex
+    with pytest.raises(ContractError, match="output differs from the reference"):
+        check_experts(wrong_activation, model_cfg=model_cfg(activation="squared_relu"))
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gelu", "squared_relu"])
 def test_grouped_mlp_gradients_by_finite_differences(activation):
     torch.manual_seed(0)
     X, Fh = (8, 4) if activation == "geglu" else (4, 4)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from moeplug.config import ModelConfig
+from moeplug.config import GATED_ACTIVATIONS, ModelConfig
 from moeplug.interfaces import Experts
 from moeplug.testing._common import (build, close, expect, expect_no_new_state, state_snapshot,
                                      tiny_model_config)
@@ -26,7 +26,9 @@ def check_experts(source: Any, name: str | None = None, *, model_cfg: ModelConfi
     expect(isinstance(experts, Experts), label, f"is a {type(experts).__name__}, not an Experts")
     expect(experts.num_local_experts == L, label,
            f"num_local_experts = {experts.num_local_experts}, expected {L}")
-    for pname, shape in (("gate_up_proj", (L, 2 * F, D)), ("down_proj", (L, D, F))):
+    act = cfg.moe.activation  # gated ones (swiglu, geglu) have a [L, 2F, D] gate_up_proj
+    X = 2 * F if act in GATED_ACTIVATIONS else F
+    for pname, shape in (("gate_up_proj", (L, X, D)), ("down_proj", (L, D, F))):
         p = getattr(experts, pname, None)
         expect(isinstance(p, torch.nn.Parameter) and tuple(p.shape) == shape and p.dtype == torch.float32,
                label, f"{pname} must be an fp32 Parameter of shape {shape} (HF Mixtral layout), got "
@@ -37,20 +39,22 @@ def check_experts(source: Any, name: str | None = None, *, model_cfg: ModelConfi
     # receive nothing).
     for counts in ([3, 0, 5], [0, 4, 0], [2, 2, 2], [0, 0, 0]):
         counts_L = torch.tensor((counts + [1] * L)[:L], dtype=torch.int64)
-        _check_case(experts, label, counts_L, D, gen)
+        _check_case(experts, label, counts_L, D, gen, act)
 
     counts_L = torch.tensor(([4, 0, 3] + [2] * L)[:L], dtype=torch.int64)
     S = int(counts_L.sum())
     x_SD, p_S = torch.randn(S, D, generator=gen), torch.rand(S, generator=gen)
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
         y_SD = experts(x_SD, p_S, counts_L)
-    ref = reference_expert_mlp(x_SD, p_S, counts_L, experts.gate_up_proj, experts.down_proj)
+    ref = reference_expert_mlp(x_SD, p_S, counts_L, experts.gate_up_proj, experts.down_proj,
+                               cfg.moe.activation)
     close(y_SD, ref, label, "output under bf16 autocast", rtol=5e-2, atol=5e-2 * ref.abs().max().item())
     expect(experts.gate_up_proj.dtype == torch.float32 and experts.down_proj.dtype == torch.float32, label,
            "autocast changed the parameter dtype; parameters must stay fp32")
 
 
-def _check_case(experts: Any, label: str, counts_L: torch.Tensor, D: int, gen: torch.Generator) -> None:
+def _check_case(experts: Any, label: str, counts_L: torch.Tensor, D: int, gen: torch.Generator,
+                activation: str) -> None:
     S = int(counts_L.sum())
     x_SD = torch.randn(S, D, generator=gen).requires_grad_()
     p_S = torch.rand(S, generator=gen).requires_grad_()
@@ -61,7 +65,7 @@ def _check_case(experts: Any, label: str, counts_L: torch.Tensor, D: int, gen: t
     expect(y_SD.shape == (S, D) and y_SD.dtype == x_SD.dtype, label,
            f"{case}: output is {y_SD.dtype}{tuple(y_SD.shape)}, expected {x_SD.dtype}{(S, D)}")
     params = (experts.gate_up_proj, experts.down_proj)
-    ref = reference_expert_mlp(x_SD, p_S, counts_L, *params)
+    ref = reference_expert_mlp(x_SD, p_S, counts_L, *params, activation)
     close(y_SD, ref, label, f"{case}: output")
     if S == 0:
         return
