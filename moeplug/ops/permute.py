@@ -69,7 +69,7 @@ class _Unpermute(torch.autograd.Function):
                 probs32_TK: torch.Tensor | None):
         S, D = y_SD.shape
         T, K = row_map_TK.shape
-        y_TD = y_SD.new_empty(T, D)
+        y_TD = workspace.empty((T, D), y_SD.dtype)
         get_runtime().unpermute(y=y_SD.data_ptr(), row_map=row_map_TK.data_ptr(),
                                 probs=ptr(probs32_TK), y_out=y_TD.data_ptr(), num_tokens=T,
                                 top_k=K, hidden=D, num_rows=S,

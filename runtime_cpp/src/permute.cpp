@@ -31,17 +31,19 @@ void check_row_map(const char* op, const int64_t* row_map_TK, int64_t T, int64_t
   std::vector<uint8_t> seen_S(static_cast<size_t>(S), 0);
   for (int64_t i = 0; i < T * K; ++i) {
     const int64_t r = row_map_TK[i];
+    const bool out_of_range = r < 0 || r >= S;
+    if (!out_of_range && !seen_S[r]) {
+      seen_S[r] = 1;
+      continue;
+    }
     const std::string where = std::string(op) + ": row_map[" + std::to_string(i / K) + ", " +
                               std::to_string(i % K) + "] = " + std::to_string(r);
-    if (r < 0 || r >= S) {
+    if (out_of_range) {
       throw std::invalid_argument(where + " is outside [0, " + std::to_string(S) +
                                   "); pass the row_map that permute returned for these rows");
     }
-    if (seen_S[r]) {
-      throw std::invalid_argument(where + " repeats an earlier entry; each routed row must be "
-                                  "used by exactly one (token, k), as permute produces");
-    }
-    seen_S[r] = 1;
+    throw std::invalid_argument(where + " repeats an earlier entry; each routed row must be "
+                                "used by exactly one (token, k), as permute produces");
   }
 }
 
@@ -50,15 +52,18 @@ template <class T_>
 MOEPLUG_INLINE void gather_sum_rows(const T_* y_SD, const int64_t* row_map_TK, const float* probs_TK,
                                     int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc_D,
                                     T_* y_TD) {
+  // __restrict: the fp32 rows and the accumulator share a type, and without it GCC assumes
+  // they may overlap and leaves these loops scalar.
+  float* __restrict acc = acc_D;
   for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t d = 0; d < D; ++d) acc_D[d] = 0.0f;
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
     for (int64_t k = 0; k < K; ++k) {
-      const T_* src = y_SD + row_map_TK[t * K + k] * D;
+      const T_* __restrict src = y_SD + row_map_TK[t * K + k] * D;
       const float p = probs_TK ? probs_TK[t * K + k] : 1.0f;
-      for (int64_t d = 0; d < D; ++d) acc_D[d] += p * load_f32(src, d);
+      for (int64_t d = 0; d < D; ++d) acc[d] += p * load_f32(src, d);
     }
-    T_* dst = y_TD + t * D;
-    for (int64_t d = 0; d < D; ++d) store_f32(dst, d, acc_D[d]);
+    T_* __restrict dst = y_TD + t * D;
+    for (int64_t d = 0; d < D; ++d) store_f32(dst, d, acc[d]);
   }
 }
 
@@ -79,10 +84,10 @@ MOEPLUG_INLINE void scatter_rows(const T_* g_TD, const T_* y_SD, const int64_t* 
                                  const float* probs_TK, int64_t t0, int64_t t1, int64_t K,
                                  int64_t D, T_* grad_y_SD, float* grad_probs_TK) {
   for (int64_t t = t0; t < t1; ++t) {
-    const T_* g = g_TD + t * D;
+    const T_* __restrict g = g_TD + t * D;
     for (int64_t k = 0; k < K; ++k) {
       const int64_t r = row_map_TK[t * K + k];
-      T_* dst = grad_y_SD + r * D;
+      T_* __restrict dst = grad_y_SD + r * D;
       if (!probs_TK) {
         std::memcpy(dst, g, sizeof(T_) * D);
         continue;
