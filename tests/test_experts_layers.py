@@ -363,13 +363,14 @@ def test_zero_token_experts(activation):
     assert_same(a, b)
     assert a[3].tolist()[2:4] == [0, 0]
     for grads in (a[2], b[2]):
-        assert torch.equal(grads["experts.gate_up_proj"][2:4], torch.zeros_like(grads["experts.gate_up_proj"][2:4]))
+        assert grads["experts.gate_up_proj"][2:4].abs().sum() == 0
         assert grads["experts.down_proj"][2:4].abs().sum() == 0
     y_ref = ref_moe(x_TD, ids, probs, seq.experts.gate_up_proj.detach(),
                     seq.experts.down_proj.detach(), activation)
     torch.testing.assert_close(a[0], y_ref, atol=1e-5, rtol=1e-4)
     # Router weight gradient: d loss / d p_tk reaches the router through the experts.
-    torch.testing.assert_close(a[2]["router.probs_TK"], b[2]["router.probs_TK"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(a[2]["router.probs_TK"], b[2]["router.probs_TK"],
+                               atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("E, K, activation", [(1, 1, "geglu"), (1, 1, "swiglu"),
@@ -403,7 +404,8 @@ def assert_names(err, *parts):
      ["apply_probs_on_input", "top_k = 2", "top_k: 1"]),
     ({"apply_probs_on_input": "yes"}, ["apply_probs_on_input", "'yes'", "boolean"]),
     ({"shared_expert_gate": True}, ["shared_expert_gate", "shared_expert_ffn_hidden_size = 0"]),
-    ({"shared_expert_gate": 1, "shared_expert_ffn_hidden_size": 4}, ["shared_expert_gate", "boolean"]),
+    ({"shared_expert_gate": 1, "shared_expert_ffn_hidden_size": 4},
+     ["shared_expert_gate", "boolean"]),
     ({"shared_expert_ffn_hidden_size": -8}, ["shared_expert_ffn_hidden_size", "-8", ">= 0"]),
     ({"shared_expert_ffn_hidden_size": 2.5}, ["shared_expert_ffn_hidden_size", "2.5", "integer"]),
     ({"layer_freq": 0}, ["layer_freq", "0", ">= 1"]),

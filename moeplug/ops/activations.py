@@ -42,7 +42,8 @@ _FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "squared_relu": _squared_relu,
 }
-assert tuple(_FUNCS) == ACTIVATIONS, "moeplug.config.ACTIVATIONS and _FUNCS must list the same names"
+# config.py validates names without importing torch; both lists must name the same functions.
+assert tuple(_FUNCS) == ACTIVATIONS, "moeplug.config.ACTIVATIONS and _FUNCS must match"
 
 
 def is_gated(name: str) -> bool:
