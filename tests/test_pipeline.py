@@ -291,6 +291,18 @@ def test_tied_embeddings_rejected_with_pipeline():
         _single_process_chunks(cfg, PipelineConfig(), 2, 0)
 
 
+def test_unsupported_combinations_are_rejected():
+    from moeplug.config import ConfigError
+    from moeplug.parallel.pipeline import check_composable
+    cfg = _cfg().model
+    check_composable(cfg, pp=1, tp=2, cp=2)  # no pipeline: the model's own forward runs
+    check_composable(cfg, pp=2, tp=1, cp=1)
+    with pytest.raises(ConfigError, match=r"ParallelConfig.tp = 2 with pp = 2: .*Fix: set tp = 1"):
+        check_composable(cfg, pp=2, tp=2, cp=1)
+    with pytest.raises(ConfigError, match=r"ParallelConfig.cp = 4 with pp = 2: .*Fix: set cp = 1"):
+        check_composable(cfg, pp=2, tp=1, cp=4)
+
+
 def test_load_pipeline_shard_errors():
     from moeplug.parallel.pipeline import PipelineConfig, load_pipeline_shard
     cfg = _cfg(num_layers=2)

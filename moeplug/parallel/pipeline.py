@@ -209,8 +209,30 @@ def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any
     pp, pp_rank = groups.size("pp"), groups.rank_in("pp")
     pipe.chunk_layers(cfg.model.num_layers, pp)  # validate before the (larger) build
     _check_untied(cfg.model.tie_embeddings, pp)
-    model = build_model(cfg, host, vocab_size, ep_group=groups.ep)
+    check_composable(cfg.model, pp=pp, tp=groups.size("tp"), cp=groups.size("cp"))
+    model = build_model(cfg, host, vocab_size, groups=groups)
     return split_model(model, pipe, pp, pp_rank)
+
+
+def check_composable(model_cfg: Any, *, pp: int, tp: int, cp: int) -> None:
+    """Reject what pipeline chunks cannot run yet (raises ConfigError).
+
+    PipelineChunk.forward repeats MoETransformer.forward's plain path: embedding, blocks, norm,
+    head and F.cross_entropy. The TP (vocab-parallel head/loss), CP (cross-shard loss) and MTP
+    paths of the model's forward are not mirrored, so PP > 1 with any of them would silently
+    compute a different loss. Lifting this needs MoETransformer to expose its embedding and its
+    head + loss as methods the last chunk can call."""
+    if pp == 1:
+        return
+    for name, size in (("tp", tp), ("cp", cp)):
+        if size > 1:
+            raise ConfigError(f"ParallelConfig.{name} = {size} with pp = {pp}: pipeline stages do "
+                              f"not support {name.upper()} yet (the last stage's loss would skip "
+                              f"the {name.upper()} path). Fix: set {name} = 1 or pp = 1")
+    mtp = getattr(model_cfg, "mtp_num_layers", 0)
+    if mtp:
+        raise ConfigError(f"ModelConfig.mtp_num_layers = {mtp} with pp = {pp}: pipeline stages do "
+                          "not hold MTP layers yet. Fix: set mtp_num_layers = 0 or pp = 1")
 
 
 def pipeline_state_dict(chunks: list[PipelineChunk]) -> dict[str, torch.Tensor]:
