@@ -8,8 +8,8 @@ from moeplug.config import RootConfig
 from moeplug.modules.moe import MoELayer
 from moeplug.modules.shared_experts import SharedExperts
 from moeplug.modules.transformer import MoETransformer
+from moeplug.parallel.context_parallel import moe_token_group
 from moeplug.parallel.expert_tp import etp_dispatcher, etp_experts_config
-from moeplug.parallel.tensor_parallel import tp_of
 
 
 def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = None,
@@ -44,5 +44,5 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
                   else None)
         moe_layers.append(MoELayer(router, dispatcher, experts, shared,
                                    apply_probs_on_input=m.moe.apply_probs_on_input,
-                                   token_group=tp_of(groups)[0]))
+                                   token_group=moe_token_group(groups)))
     return MoETransformer(m, m.vocab_size or vocab_size, moe_layers, groups=groups)

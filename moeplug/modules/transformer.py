@@ -20,7 +20,7 @@ from moeplug.modules.mlp import SwiGLUMLP
 from moeplug.modules.moe import MoELayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
-from moeplug.parallel.context_parallel import cp_cross_entropy
+from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
 from moeplug.parallel import tensor_parallel as tpar
 
 
@@ -128,6 +128,8 @@ class MoETransformer(nn.Module):
             if counts_E is not None:
                 aux_loss = aux_loss + layer_aux.float()
                 expert_counts.append(counts_E)
+        if self._cp_group is not None:  # grad x CP: sync_gradients averages over CP (cp_aux_loss)
+            aux_loss = cp_aux_loss(aux_loss, self._cp_group)
         # TP: logits_BSV holds this rank's V/TP vocabulary columns; the full [B, S, V] is never built.
         logits_BSV = F.linear(tpar.enter_for(self._groups, self.norm(x_BSD)), self.output_weight())
         lm_loss = loss = None

@@ -160,6 +160,36 @@ def cp_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, group: 
     return all_reduce(sum_, group) / count
 
 
+def moe_token_group(groups: Any) -> Any:
+    """The ranks whose MoE layers route other chunks of the same sequences: TP x CP. Routers sum
+    their aux-loss expert counts over it (Megatron reduces them over TP x CP), so each chunk's
+    aux loss uses the whole sequences' f_i. None for one process."""
+    return None if groups is None else groups.tp_cp
+
+
+class _ScaleGrad(Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def cp_aux_loss(aux: torch.Tensor, group: Any) -> torch.Tensor:
+    """The aux loss with its gradient multiplied by the CP size (Megatron's loss_scale·cp).
+
+    Each CP rank's aux loss is already the CP group's mean (counts summed over
+    :func:`moe_token_group`, the layer averages the ranks' values), so its grad is 1/CP of this
+    rank's share; ``sync_gradients`` then *averages* over CP, which needs every rank's grad at CP
+    times its share - the same convention as :func:`cp_cross_entropy`.
+    """
+    W = group_size(group)
+    return aux if W == 1 else _ScaleGrad.apply(aux, float(W))
+
+
 # --- all-gather KV exchange --------------------------------------------------------------------
 
 def _allgather_attention(q_BHSDh, k_BGSDh, v_BGSDh, group):
