@@ -57,7 +57,8 @@ def test_shard_unshard_round_trip(W):
         assert all(s.shape[dim] == x.shape[dim] // W for s in shards)
         assert torch.equal(unshard_sequence(shards, dim=dim), x)
     # rank r's tokens are those at its global positions
-    assert torch.equal(shard_sequence(tokens_BS, W, W - 1), tokens_BS[:, cp_positions(4 * W, W, W - 1)])
+    last = cp_positions(4 * W, W, W - 1)
+    assert torch.equal(shard_sequence(tokens_BS, W, W - 1), tokens_BS[:, last])
 
 
 def test_rope_at_global_positions_equals_rows_of_the_full_sequence():
@@ -129,7 +130,8 @@ def _attention_vs_sdpa(rank: int, world: int) -> dict[str, float]:
             want = [out_ref] + [t.grad for t in full]
             for name, got, ref in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in local],
                                       want):
-                errs[f"cp{cp}/{comm}/{name}"] = (got - shard_sequence(ref, W, r, dim=2)).abs().max().item()
+                diff = got - shard_sequence(ref, W, r, dim=2)
+                errs[f"cp{cp}/{comm}/{name}"] = diff.abs().max().item()
     return errs
 
 
