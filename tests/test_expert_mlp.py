@@ -141,3 +141,21 @@ def test_import_works_without_extension_and_error_names_rebuild_command():
     assert len(lines) == 2
     assert "moeplug._runtime_core" in lines[0]
     assert "pip install -e . --no-build-isolation" in lines[0] and "pip install -e ." in lines[0]
+
+
+def test_pooled_buffers_survive_repeated_and_retained_backward(monkeypatch):
+    # Buffers come from the workspace cache: outputs and saved activations held by a live graph
+    # must never be reused underneath it, so a second backward gives the same gradients.
+    from moeplug.ops import workspace
+
+    monkeypatch.setattr(workspace, "MIN_BYTES", 0)  # pool even these small test buffers
+    x_SD, probs_S, counts_L, w13, w2 = make_inputs([300, 0, 200], D=64, F=96, seed=11)
+    x_SD.requires_grad_()
+    y1 = ops.expert_mlp(x_SD, probs_S, counts_L, w13, w2)
+    y2 = ops.expert_mlp(x_SD * 2, probs_S, counts_L, w13, w2)  # allocated while y1 is alive
+    (g1,) = torch.autograd.grad(y1.sum(), x_SD, retain_graph=True)
+    (g2,) = torch.autograd.grad(y2.sum(), x_SD)
+    (g1_again,) = torch.autograd.grad(y1.sum(), x_SD)
+    torch.testing.assert_close(g1, g1_again, atol=0, rtol=0)
+    torch.testing.assert_close(y1, ref.expert_mlp(x_SD, probs_S, counts_L, w13, w2))
+    torch.testing.assert_close(y2, ref.expert_mlp(x_SD * 2, probs_S, counts_L, w13, w2))

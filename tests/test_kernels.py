@@ -214,3 +214,21 @@ def test_thread_pool_size_and_build_info():
     info = runtime_info()
     assert info["available"] and info["cuda"] is False
     assert {"version", "compiler", "flags", "num_threads"} <= set(info)
+
+
+def test_workspace_never_hands_out_a_live_buffer():
+    from moeplug.ops import workspace
+
+    shape = (workspace.MIN_BYTES // 4,)
+    a = workspace.empty(shape, torch.float32)
+    view = a[10:20]  # a view keeps the storage alive after `a` is gone
+    ptr_a = a.data_ptr()
+    del a
+    b = workspace.empty(shape, torch.float32)
+    assert b.data_ptr() != ptr_a
+    del view
+    c = workspace.empty(shape, torch.float32)
+    assert c.data_ptr() == ptr_a  # freed: reused instead of page-faulting a new one
+    assert c.data_ptr() != b.data_ptr()
+    small = workspace.empty((4,), torch.float32)  # below MIN_BYTES: plain torch.empty
+    assert small.shape == (4,)
