@@ -29,7 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     sub.add_parser("plugins", help="list plugins per kind with their package and availability")
     t = sub.add_parser("train", help="train a model (defaults: moeplug/configs/default.yaml)")
-    t.add_argument("--config", help="YAML config file (default: the packaged default.yaml)")
+    t.add_argument("--config", help="YAML config file (default: the packaged default.yaml, "
+                   "or nothing when --preset is given)")
+    t.add_argument("--preset", metavar="NAME", help="start from a model preset (mixtral, qwen3_moe, "
+                   "deepseek_v3 and their *_tiny variants); --config and --set go on top")
     for kind in ("router", "dispatcher", "experts", "precision"):
         t.add_argument(f"--{kind}", metavar="NAME", help=f"{kind} plugin (plugins.{kind})")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -37,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, help="train.steps")
     t.add_argument("--out", metavar="DIR", help="train.out_dir (checkpoints + metrics.jsonl)")
     t.add_argument("--resume", metavar="DIR|auto", help="train.resume")
+    from moeplug.convert.cli import add_convert_parser
+    add_convert_parser(sub)
     return p
 
 
@@ -105,7 +110,13 @@ def cmd_plugins() -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     # 1. config, 2. plugins (checked, nothing built) — all cheap and all before any heavy work.
-    cfg = load_config(args.config or default_config_path(), _overrides(args))
+    base = None
+    if args.preset:
+        from moeplug.presets import preset
+        base = preset(args.preset)
+    # A preset replaces the packaged default.yaml (whose model would override the preset's).
+    path = args.config or (None if base else default_config_path())
+    cfg = load_config(path, _overrides(args), base=base)
     host = _load_host(cfg)
     precision = check_plugins(host, cfg)
     from moeplug.training.checkpoint import resolve_resume
@@ -138,6 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plugins()
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "convert":
+            from moeplug.convert.cli import cmd_convert
+            return cmd_convert(args)
     except ConfigError as e:
         print(f"moeplug: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -104,6 +104,38 @@ class MoEConfig:
                   "write one 0 or 1 per layer, e.g. [0, 1, 1, 1]")
 
 
+ATTENTION_TYPES = ("gqa", "mla")
+
+
+@dataclass(kw_only=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3), used when ``model.attention = "mla"``.
+
+    q = W_qb norm(W_qa x) (or W_q x when q_lora_rank = 0); [c_kv, k_rope] = W_kva x;
+    [k_nope, v] = W_kvb norm(c_kv); each head's key is [k_nope; k_rope] with k_rope shared by all
+    heads; RoPE touches only the rope part.
+    """
+
+    q_lora_rank: int = 0  # 0: queries projected directly from x (DeepSeek-V2-Lite style)
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    # DeepSeek checkpoints store the rope dims as interleaved pairs (x0, x1), (x2, x3), ...;
+    # False: the Llama "rotate half" layout.
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        _non_negative(self, "q_lora_rank")
+        if self.qk_rope_head_dim % 2:
+            _fail(self, "qk_rope_head_dim", self.qk_rope_head_dim,
+                  "is odd; RoPE rotates pairs of dimensions", "choose an even qk_rope_head_dim")
+        if not isinstance(self.rope_interleave, bool):
+            _fail(self, "rope_interleave", self.rope_interleave, "must be a boolean",
+                  "write rope_interleave: true (DeepSeek checkpoints) or false")
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Decoder-only transformer. ``vocab_size = 0`` means: take it from the tokenizer."""
@@ -120,25 +152,25 @@ class ModelConfig:
     first_k_dense: int = 1
     dense_ffn_hidden_size: int = 768
     init_std: float = 0.02
+    # Attention: "gqa" (grouped-query, Llama/Mixtral/Qwen) or "mla" (multi-head latent, see
+    # MLAConfig). kv_channels: per-head width of q/k/v for gqa (Megatron's name, HF's head_dim);
+    # 0 = hidden_size / num_heads. qk_norm: RMSNorm over each head's q and k before RoPE (Qwen3).
+    attention: str = "gqa"
+    kv_channels: int = 0
+    qk_norm: bool = False
+    mla: MLAConfig = field(default_factory=MLAConfig)
+    # Multi-token prediction (DeepSeek-V3): mtp_num_layers extra blocks, block k predicting the
+    # token k+1 ahead of the next; their mean loss times mtp_loss_scaling_factor joins the loss.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len",
                   "dense_ffn_hidden_size")
-        _non_negative(self, "vocab_size", "first_k_dense")
-        if self.hidden_size % self.num_heads:
-            _fail(self, "hidden_size", self.hidden_size,
-                  f"not divisible by num_heads ({self.num_heads}): "
-                  f"{self.hidden_size} % {self.num_heads} = {self.hidden_size % self.num_heads}",
-                  "choose hidden_size a multiple of num_heads")
-        if self.num_heads % self.num_kv_heads:
-            _fail(self, "num_kv_heads", self.num_kv_heads,
-                  f"does not divide num_heads ({self.num_heads})",
-                  "choose num_kv_heads a divisor of num_heads")
-        if (self.hidden_size // self.num_heads) % 2:
-            _fail(self, "hidden_size", self.hidden_size,
-                  f"head dim {self.hidden_size // self.num_heads} is odd; RoPE needs an even head dim",
-                  "choose hidden_size / num_heads even")
+        _non_negative(self, "vocab_size", "first_k_dense", "kv_channels", "mtp_num_layers",
+                      "mtp_loss_scaling_factor")
+        self._check_attention()
         if self.first_k_dense > self.num_layers:
             _fail(self, "first_k_dense", self.first_k_dense,
                   f"exceeds num_layers ({self.num_layers})", f"set first_k_dense <= {self.num_layers}")
@@ -147,6 +179,42 @@ class ModelConfig:
             _fail(self.moe, "layer_freq", freq,
                   f"has {len(freq)} entries but num_layers = {self.num_layers}",
                   f"give exactly one 0/1 entry per layer ({self.num_layers})")
+
+    def _check_attention(self) -> None:
+        if self.attention not in ATTENTION_TYPES:
+            _fail(self, "attention", self.attention, "unknown attention type",
+                  f"use one of {', '.join(map(repr, ATTENTION_TYPES))}")
+        if not isinstance(self.qk_norm, bool):
+            _fail(self, "qk_norm", self.qk_norm, "must be a boolean", "write qk_norm: true or false")
+        if isinstance(self.mtp_num_layers, float) or isinstance(self.kv_channels, float):
+            name = "mtp_num_layers" if isinstance(self.mtp_num_layers, float) else "kv_channels"
+            _fail(self, name, getattr(self, name), "must be an integer", f"set {name} to a whole number")
+        if self.attention == "mla":
+            # MLA has its own head widths (MLAConfig); num_kv_heads, kv_channels and qk_norm
+            # do not apply, so reject the ones a user could believe take effect.
+            if self.kv_channels:
+                _fail(self, "kv_channels", self.kv_channels, "does not apply to attention 'mla'",
+                      "set kv_channels: 0 and use mla.qk_nope_head_dim / mla.v_head_dim")
+            if self.qk_norm:
+                _fail(self, "qk_norm", True, "is not defined for attention 'mla' (it normalises "
+                      "the latents instead)", "set qk_norm: false")
+            return
+        if self.kv_channels == 0 and self.hidden_size % self.num_heads:
+            _fail(self, "hidden_size", self.hidden_size,
+                  f"not divisible by num_heads ({self.num_heads}): "
+                  f"{self.hidden_size} % {self.num_heads} = {self.hidden_size % self.num_heads}",
+                  "choose hidden_size a multiple of num_heads")
+        if self.num_heads % self.num_kv_heads:
+            _fail(self, "num_kv_heads", self.num_kv_heads,
+                  f"does not divide num_heads ({self.num_heads})",
+                  "choose num_kv_heads a divisor of num_heads")
+        if self.kv_channels % 2:
+            _fail(self, "kv_channels", self.kv_channels, "is odd; RoPE needs an even head dim",
+                  "choose an even kv_channels (or 0 for hidden_size / num_heads)")
+        if self.head_dim % 2:
+            _fail(self, "hidden_size", self.hidden_size,
+                  f"head dim {self.head_dim} is odd; RoPE needs an even head dim",
+                  "choose hidden_size / num_heads even")
 
     @property
     def moe_layer_pattern(self) -> tuple[bool, ...]:
@@ -161,7 +229,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        """Per-head q/k/v width of gqa attention: kv_channels, or hidden_size / num_heads."""
+        return self.kv_channels or self.hidden_size // self.num_heads
 
 
 @dataclass(kw_only=True, slots=True)
@@ -322,6 +391,7 @@ _SUBCONFIGS: dict[tuple[type, str], type] = {
     (RootConfig, "data"): DataConfig,
     (RootConfig, "train"): TrainConfig,
     (ModelConfig, "moe"): MoEConfig,
+    (ModelConfig, "mla"): MLAConfig,
 }
 
 
@@ -354,8 +424,20 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_config(path: str | None = None, overrides: list[str] | None = None) -> RootConfig:
-    """Defaults ← YAML file ← dotted overrides, validated as one RootConfig."""
+def merge_config_dicts(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict:
+    """``top`` over ``base``: sections (mappings) merge key by key; any other value replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_config_dicts(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None,
+                base: Mapping[str, Any] | None = None) -> RootConfig:
+    """Defaults ← ``base`` (a preset) ← YAML file ← dotted overrides, validated as one RootConfig."""
     data: dict = {}
     if path:
         if not os.path.isfile(path):
@@ -371,5 +453,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"config file {path}: top level must be a mapping. "
                               f"Fix: start with sections model:, plugins:, data:, train:")
         data = loaded
+    if base:
+        data = merge_config_dicts(base, data)
     apply_overrides(data, list(overrides or []))
     return config_from_dict(data)

@@ -17,9 +17,10 @@ from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
 from transformers.models.mixtral.modeling_mixtral import (  # noqa: E402
     MixtralSparseMoeBlock, load_balancing_loss_func)
 
-from moeplug.config import PluginsConfig, RootConfig, TrainConfig  # noqa: E402
+from moeplug.config import PluginsConfig, RootConfig, TrainConfig, config_from_dict  # noqa: E402
+from moeplug.convert.common import ConvertError  # noqa: E402
+from moeplug.convert.mixtral import config_from_hf, state_from_hf  # noqa: E402
 from moeplug.modules import build_model  # noqa: E402
-from moeplug.modules.hf_mixtral import model_config_from_mixtral, state_dict_from_mixtral  # noqa: E402
 from moeplug.plugin_host import PluginHost  # noqa: E402
 
 EXPERTS = ["sequential", "grouped"]
@@ -49,6 +50,15 @@ def hf_model(tie: bool = False) -> MixtralForCausalLM:
     return hf
 
 
+def model_config_from_mixtral(hf_config):
+    return config_from_dict({"model": config_from_hf(hf_config.to_dict())["model"],
+                             "train": {"seq_len": 16, "warmup_steps": 0}}).model
+
+
+def state_dict_from_mixtral(hf_sd, num_layers, tie_embeddings, hf_config=None):
+    return state_from_hf(hf_sd, model_config_from_mixtral(hf_config))
+
+
 def root_cfg(hf: MixtralForCausalLM, experts: str) -> RootConfig:
     return RootConfig(model=model_config_from_mixtral(hf.config),
                       plugins=PluginsConfig(router="topk", dispatcher="alltoall", experts=experts),
@@ -58,7 +68,8 @@ def root_cfg(hf: MixtralForCausalLM, experts: str) -> RootConfig:
 def ours_from(hf: MixtralForCausalLM, experts: str):
     cfg = root_cfg(hf, experts)
     model = build_model(cfg, PluginHost.load(), hf.config.vocab_size)
-    sd = state_dict_from_mixtral(hf.state_dict(), cfg.model.num_layers, cfg.model.tie_embeddings)
+    sd = state_dict_from_mixtral(hf.state_dict(), cfg.model.num_layers, cfg.model.tie_embeddings,
+                                 hf.config)
     model.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=True)
     return model
 
@@ -83,7 +94,7 @@ def test_logits_loss_and_grads_match_mixtral(experts, tie):
     out.lm_loss.backward()
     hf_grads = state_dict_from_mixtral({n: p.grad for n, p in hf.named_parameters()}
                                        | ({"lm_head.weight": None} if tie else {}),
-                                       hf.config.num_hidden_layers, tie)
+                                       hf.config.num_hidden_layers, tie, hf.config)
     ours_grads = dict(ours.named_parameters())
     assert set(hf_grads) == set(ours_grads)
     for name, g in hf_grads.items():
@@ -125,9 +136,9 @@ def test_moe_layer_matches_mixtral_sparse_moe_block(experts):
 def test_mixtral_config_errors_name_field_and_fix():
     cfg = hf_config()
     cfg.sliding_window = 8
-    with pytest.raises(ValueError, match=r"MixtralConfig.sliding_window = 8: .*Fix: set sliding_window=None"):
+    with pytest.raises(ConvertError, match=r"MixtralConfig.sliding_window = 8: .*Fix: set sliding_window=None"):
         model_config_from_mixtral(cfg)
+    # A head dim other than hidden / heads is now supported: it becomes kv_channels.
     cfg = hf_config()
     cfg.head_dim = 16
-    with pytest.raises(ValueError, match=r"MixtralConfig.head_dim = 16: .*Fix: leave head_dim unset"):
-        model_config_from_mixtral(cfg)
+    assert model_config_from_mixtral(cfg).head_dim == 16

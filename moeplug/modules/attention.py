@@ -1,4 +1,5 @@
-"""Causal grouped-query self-attention (Ainslie et al. 2023) on torch SDPA.
+"""Causal grouped-query self-attention (Ainslie et al. 2023) on torch SDPA, with optional
+per-head q/k RMSNorm (Qwen3) and a head dim independent of hidden / heads (``kv_channels``).
 
 Legend: B batch, S sequence, D hidden, H query heads, G key/value heads (H % G == 0), Dh head dim.
 """
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeplug.config import ModelConfig
+from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.parallel.context_parallel import cp_attention_for
 from moeplug.parallel.tensor_parallel import enter_for, parallelize_attention
@@ -29,6 +31,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # Qwen3: normalising q and k per head bounds the attention logits; one weight [Dh] each,
+        # shared by all heads. Registered only when on, so other checkpoints have no such keys.
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         # One RoPE table shared by every layer; held in a list so it is not registered (and
         # counted, moved, saved) once per layer.
         self._rope = [rope]
@@ -45,6 +54,8 @@ class Attention(nn.Module):
         q_BHSDh = self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         k_BGSDh = self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v_BGSDh = self.v_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q_BHSDh, k_BGSDh = self.q_norm(q_BHSDh), self.k_norm(k_BGSDh)
         if self._cp is not None:
             out_BHSDh = self._cp(q_BHSDh, k_BGSDh, v_BGSDh, self._rope[0])
         else:

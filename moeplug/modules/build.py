@@ -33,7 +33,9 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
     if groups is not None and ep_group is None:
         ep_group = groups.ep
     moe_layers = []
-    for _ in range(sum(m.moe_layer_pattern)):  # the transformer places them by the pattern
+    # The transformer places them by the pattern; MTP blocks follow the last layer's kind.
+    num_mtp_moe = m.mtp_num_layers if m.moe_layer_pattern[-1] else 0
+    for _ in range(sum(m.moe_layer_pattern) + num_mtp_moe):
         router = host.create("router", p.router, dict(p.router_options), m)
         dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, ep_group)
         # ETP: all-gather rows over groups.etp around experts built with ffn_hidden_size / ETP.

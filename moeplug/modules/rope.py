@@ -1,4 +1,5 @@
-"""Rotary position embeddings (Su et al. 2021), "rotate half" layout as in Llama/Mixtral.
+"""Rotary position embeddings (Su et al. 2021): "rotate half" layout as in Llama/Mixtral, or the
+interleaved-pairs layout of DeepSeek checkpoints (``interleaved=True``).
 
 Legend: B batch, H heads, S sequence positions, Dh head dim (even), P max positions.
 """
@@ -17,9 +18,10 @@ class RotaryEmbedding(nn.Module):
     different max_seq_len.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, interleaved: bool = False) -> None:
         super().__init__()
         self.max_seq_len = max_seq_len
+        self.interleaved = interleaved
         # Computed in fp32 exactly like HF (inv_freq in fp32, positions * inv_freq, then cos/sin),
         # so a Mixtral checkpoint sees bit-identical rotations.
         inv_freq_F = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -41,7 +43,8 @@ class RotaryEmbedding(nn.Module):
         rows = slice(0, seq_len) if positions_S is None else positions_S
         cos_SDh = self.cos_PDh[rows].to(q_BHSDh.dtype)
         sin_SDh = self.sin_PDh[rows].to(q_BHSDh.dtype)
-        return _rotate(q_BHSDh, cos_SDh, sin_SDh), _rotate(k_BHSDh, cos_SDh, sin_SDh)
+        rotate = _rotate_interleaved if self.interleaved else _rotate
+        return rotate(q_BHSDh, cos_SDh, sin_SDh), rotate(k_BHSDh, cos_SDh, sin_SDh)
 
 
 def _rotate(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
@@ -49,3 +52,14 @@ def _rotate(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor)
     x1, x2 = x_BHSDh[..., :half], x_BHSDh[..., half:]
     rotated_BHSDh = torch.cat((-x2, x1), dim=-1)
     return x_BHSDh * cos_SDh + rotated_BHSDh * sin_SDh
+
+
+def _rotate_interleaved(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor
+                        ) -> torch.Tensor:
+    # Pairs (x0, x1), (x2, x3), ... each turn by one frequency; the output puts the rotated even
+    # members first, then the odd ones (HF apply_rotary_pos_emb_interleave). Queries and keys get
+    # the same permutation, so q.k equals the interleaved rotation's exactly.
+    half = x_BHSDh.shape[-1] // 2
+    cos_SF, sin_SF = cos_SDh[..., :half], sin_SDh[..., :half]  # the tables are cat(freqs, freqs)
+    x1, x2 = x_BHSDh[..., 0::2], x_BHSDh[..., 1::2]
+    return torch.cat((x1 * cos_SF - x2 * sin_SF, x2 * cos_SF + x1 * sin_SF), dim=-1)

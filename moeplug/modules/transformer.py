@@ -16,8 +16,10 @@ from torch import nn
 from moeplug.config import ModelConfig
 from moeplug.modules.attention import Attention
 from moeplug.modules.flops import flops_per_token
+from moeplug.modules.mla import MLAttention
 from moeplug.modules.mlp import SwiGLUMLP
 from moeplug.modules.moe import MoELayer
+from moeplug.modules.mtp import MTPLayer, mtp_losses
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
@@ -38,6 +40,9 @@ class ModelOutput:
     lm_loss: torch.Tensor | None
     aux_loss: torch.Tensor
     expert_counts: list[torch.Tensor]
+    # Multi-token prediction (model.mtp_num_layers > 0, targets given): the scaled MTP loss,
+    # already inside ``loss``.
+    mtp_loss: torch.Tensor | None = None
 
 
 class TransformerBlock(nn.Module):
@@ -47,7 +52,13 @@ class TransformerBlock(nn.Module):
                  groups: Any = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.attn = Attention(cfg, rope, groups)
+        if cfg.attention == "mla":
+            if groups is not None and getattr(groups, "cp", None) is not None:
+                raise ValueError("ModelConfig.attention = 'mla' does not support context "
+                                 "parallelism yet. Fix: set attention: gqa or cp: 1")
+            self.attn = MLAttention(cfg, rope)
+        else:
+            self.attn = Attention(cfg, rope, groups)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.ffn = ffn
         self._groups = groups
@@ -71,11 +82,13 @@ class MoETransformer(nn.Module):
                  groups: Any = None) -> None:
         super().__init__()
         pattern = cfg.moe_layer_pattern
-        if len(moe_layers) != sum(pattern):
+        # MTP blocks are the same kind as the last layer (Megatron); MoE ones come last.
+        num_mtp_moe = cfg.mtp_num_layers if pattern[-1] else 0
+        if len(moe_layers) != sum(pattern) + num_mtp_moe:
             raise ValueError(
                 f"MoETransformer: got {len(moe_layers)} MoE layers but ModelConfig's layer "
                 f"pattern (moe.layer_freq = {cfg.moe.layer_freq!r}, first_k_dense = "
-                f"{cfg.first_k_dense}) has {sum(pattern)}. "
+                f"{cfg.first_k_dense}) has {sum(pattern)} (+ {num_mtp_moe} MTP). "
                 f"Fix: build one MoELayer per MoE layer (use moeplug.modules.build_model)")
         if vocab_size <= 0:
             raise ValueError(f"MoETransformer: vocab_size = {vocab_size} must be >= 1. "
@@ -83,11 +96,22 @@ class MoETransformer(nn.Module):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.hidden_size)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        if cfg.attention == "mla":  # RoPE covers only MLA's rope dims
+            self.rope = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta,
+                                        interleaved=cfg.mla.rope_interleave)
+        else:
+            self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         moe_iter = iter(moe_layers)
         ffns = [next(moe_iter) if is_moe else SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size, groups)
                 for is_moe in pattern]
         self.blocks = nn.ModuleList(TransformerBlock(cfg, self.rope, ffn, groups) for ffn in ffns)
+        if cfg.mtp_num_layers and groups is not None and getattr(groups, "cp", None) is not None:
+            raise ValueError("ModelConfig.mtp_num_layers > 0 does not support context parallelism "
+                             "yet (MTP shifts tokens across shards). Fix: set mtp_num_layers: 0")
+        self.mtp = nn.ModuleList(
+            MTPLayer(cfg, TransformerBlock(cfg, self.rope, next(moe_iter) if num_mtp_moe else
+                                           SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size)))
+            for _ in range(cfg.mtp_num_layers))
         # Context parallel: each CP rank holds a shard of every sequence; the loss is the mean
         # over the whole CP group's tokens (moeplug.parallel.context_parallel).
         self._cp_group = None if groups is None else groups.cp
@@ -142,13 +166,22 @@ class MoETransformer(nn.Module):
                 self._cp_group is not None) else F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
                                       targets_BS.reshape(-1))
             loss = lm_loss + aux_loss
-        return ModelOutput(logits_BSV, loss, lm_loss, aux_loss, expert_counts)
+        mtp_loss = None
+        if targets_BS is not None and len(self.mtp):
+            depth_losses, mtp_aux, mtp_counts = mtp_losses(
+                self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight)
+            mtp_loss = (self.cfg.mtp_loss_scaling_factor / len(self.mtp)) * sum(
+                depth_losses, torch.zeros((), device=x_BSD.device))
+            aux_loss = aux_loss + sum(mtp_aux, torch.zeros_like(aux_loss))
+            expert_counts += mtp_counts
+            loss = lm_loss + aux_loss + mtp_loss
+        return ModelOutput(logits_BSV, loss, lm_loss, aux_loss, expert_counts, mtp_loss)
 
     def finalize_step(self, group=None) -> None:
         """Call once per optimizer step, right after ``optimizer.step()``: each router applies
         its per-step updates (e.g. the expert-bias update) and resets its per-step counts.
         ``group``: the data/context-parallel process group whose ranks saw different tokens."""
-        for block in self.blocks:
+        for block in [*self.blocks, *(layer.block for layer in self.mtp)]:
             if isinstance(block.ffn, MoELayer):
                 block.ffn.router.finalize_step(group)
 

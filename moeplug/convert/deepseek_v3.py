@@ -1,0 +1,159 @@
+"""Hugging Face ``DeepseekV3ForCausalLM`` <-> moeplug (config + weights).
+
+DeepSeek-V3: multi-head latent attention with interleaved RoPE on the rope dims, the first
+``first_k_dense_replace`` layers dense, then MoE layers with ``n_shared_experts`` shared experts
+(one SwiGLU of n_shared_experts x moe_intermediate_size) and a sigmoid router: group-limited
+top-k (``n_group``, ``topk_group``; a group scores by its top-2 experts), selection biased by
+``e_score_correction_bias`` (our router's ``expert_bias``), weights renormalised when
+``norm_topk_prob`` and scaled by ``routed_scaling_factor``. Router options map to our ``topk``
+router: score_function sigmoid, num_groups, group_topk, enable_expert_bias, renormalize,
+topk_scaling_factor; the balance loss is the paper's sequence-wise loss (alpha = 1e-4).
+
+Multi-token prediction: HF has no MTP forward and ``save_pretrained`` drops those weights; the
+original checkpoint stores MTP module k as decoder layer ``num_hidden_layers + k`` with extra
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` (and copies of the embedding and head).
+Import reads them when present (else ``mtp_num_layers = 0``); export writes them that way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from moeplug.config import ModelConfig, RootConfig
+from moeplug.convert.common import (
+    convert_model_weights, hf_fail, hf_rope, main_blocks, require, rope_theta, take, topk_options)
+
+FAMILY = "DeepseekV3Config"
+MODEL_TYPE = "deepseek_v3"
+MOE_NAME = "mlp"
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+GROUP_TOP = 2  # HF/DeepSeek score a group by the sum of its 2 best experts
+SEQ_AUX_LOSS_COEFF = 1e-4  # DeepSeek-V3 paper, section 4.2 (alpha)
+
+
+def config_from_hf(hf: Mapping[str, Any], hf_sd: Mapping[str, torch.Tensor] = ()) -> dict:
+    require(FAMILY, hf, "hidden_act", ("silu",), "moeplug experts are SwiGLU (silu)")
+    require(FAMILY, hf, "attention_bias", (False,), "use a model without attention biases")
+    L, K = hf["num_hidden_layers"], hf["num_experts_per_tok"]
+    E = hf["n_routed_experts"]
+    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    router: dict = {"score_function": "sigmoid", "enable_expert_bias": True,
+                    "renormalize": bool(hf.get("norm_topk_prob", True)),
+                    "topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+                    "load_balancing_type": "seq_aux_loss", "aux_loss_coeff": SEQ_AUX_LOSS_COEFF}
+    if groups > 1:
+        # Megatron (and so our router) scores a group by its top (top_k // topk_group) experts;
+        # HF by its top 2. They agree exactly when top_k // topk_group == 2 (DeepSeek-V3: 8 // 4).
+        if K // group_topk != GROUP_TOP:
+            hf_fail(FAMILY, "topk_group", group_topk, f"num_experts_per_tok // topk_group = "
+                    f"{K} // {group_topk} = {K // group_topk}, but the group score must use the "
+                    f"top {GROUP_TOP} experts like HF", f"choose topk_group = num_experts_per_tok "
+                    f"/ {GROUP_TOP}, or n_group = 1")
+        router.update(num_groups=groups, group_topk=group_topk)
+    mtp = hf.get("num_nextn_predict_layers", 0) or 0
+    if mtp and f"model.layers.{L}.eh_proj.weight" not in hf_sd:
+        mtp = 0  # config promises MTP modules the weights do not hold (save_pretrained drops them)
+    nh = hf["num_attention_heads"]
+    return {
+        "model": dict(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=L,
+            num_heads=nh, num_kv_heads=nh, attention="mla",
+            mla=dict(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                     qk_nope_head_dim=hf["qk_nope_head_dim"],
+                     qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+                     rope_interleave=bool(hf.get("rope_interleave", True))),
+            max_seq_len=hf["max_position_embeddings"], rope_theta=rope_theta(FAMILY, hf),
+            norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings")),
+            first_k_dense=hf.get("first_k_dense_replace", 0) or 0,
+            dense_ffn_hidden_size=hf["intermediate_size"],
+            init_std=hf.get("initializer_range", 0.02), mtp_num_layers=mtp,
+            moe=dict(num_experts=E, top_k=K, ffn_hidden_size=hf["moe_intermediate_size"],
+                     shared_expert_ffn_hidden_size=(hf.get("n_shared_experts") or 0)
+                     * hf["moe_intermediate_size"], aux_loss_coeff=SEQ_AUX_LOSS_COEFF)),
+        "plugins": {"router": "topk", "router_options": router},
+    }
+
+
+def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
+    m, moe = cfg.model, cfg.model.moe
+    if m.attention != "mla":
+        hf_fail(FAMILY, "model.attention", m.attention, "DeepSeek-V3 uses multi-head latent "
+                "attention", "export as mixtral or qwen3_moe, or train with attention: mla")
+    if moe.activation != "swiglu" or moe.shared_expert_gate:
+        hf_fail(FAMILY, "model.moe", (moe.activation, moe.shared_expert_gate), "DeepSeek-V3 has "
+                "SwiGLU experts and an ungated shared expert", "use activation: swiglu and "
+                "shared_expert_gate: false")
+    pattern = m.moe_layer_pattern
+    k = m.first_k_dense
+    if list(pattern) != [i >= k for i in range(m.num_layers)]:
+        hf_fail(FAMILY, "model.moe.layer_freq", moe.layer_freq, "DeepSeek-V3 has k dense layers "
+                "then only MoE layers", "use first_k_dense for the dense layers, layer_freq: 1")
+    F_shared = moe.shared_expert_ffn_hidden_size
+    if F_shared % moe.ffn_hidden_size:
+        hf_fail(FAMILY, "model.moe.shared_expert_ffn_hidden_size", F_shared,
+                f"must be a multiple of moe.ffn_hidden_size ({moe.ffn_hidden_size}): HF stores "
+                f"n_shared_experts", "use n x ffn_hidden_size")
+    opts = topk_options(cfg, FAMILY)
+    if opts.get("score_function") != "sigmoid" or not opts.get("enable_expert_bias"):
+        hf_fail(FAMILY, "plugins.router_options", opts, "DeepSeek-V3 routes with sigmoid scores "
+                "and an expert bias", "set score_function: sigmoid, enable_expert_bias: true")
+    groups, group_topk = opts.get("num_groups") or 1, opts.get("group_topk") or 1
+    if groups > 1 and moe.top_k // group_topk != GROUP_TOP:
+        hf_fail(FAMILY, "plugins.router_options.group_topk", group_topk,
+                f"HF scores groups by their top {GROUP_TOP}; top_k // group_topk = "
+                f"{moe.top_k // group_topk}", f"set group_topk = top_k / {GROUP_TOP}")
+    renormalize = opts.get("renormalize")
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": MODEL_TYPE, "dtype": "float32",
+        "vocab_size": vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_heads,
+        "q_lora_rank": m.mla.q_lora_rank or None, "kv_lora_rank": m.mla.kv_lora_rank,
+        "qk_nope_head_dim": m.mla.qk_nope_head_dim, "qk_rope_head_dim": m.mla.qk_rope_head_dim,
+        "v_head_dim": m.mla.v_head_dim, "rope_interleave": m.mla.rope_interleave,
+        "intermediate_size": m.dense_ffn_hidden_size, "moe_intermediate_size": moe.ffn_hidden_size,
+        "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+        "n_shared_experts": F_shared // moe.ffn_hidden_size, "first_k_dense_replace": k,
+        "n_group": groups, "topk_group": group_topk,
+        "norm_topk_prob": moe.top_k > 1 if renormalize is None else bool(renormalize),
+        "routed_scaling_factor": float(opts.get("topk_scaling_factor", 1.0)),
+        "num_nextn_predict_layers": m.mtp_num_layers,
+        "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,
+        "hidden_act": "silu", "attention_bias": False, **hf_rope(m.rope_theta),
+    }
+
+
+def _blocks_and_extras(m: ModelConfig) -> tuple[list, list]:
+    blocks = main_blocks(m)
+    mtp_moe = m.moe_layer_pattern[-1]
+    for k in range(m.mtp_num_layers):
+        blocks.append((f"model.layers.{m.num_layers + k}.", f"mtp.{k}.block.", mtp_moe))
+    extras = [(f"{h}{MOE_NAME}.gate.e_score_correction_bias", f"{o}ffn.router.expert_bias")
+              for h, o, moe in blocks if moe]
+    for k in range(m.mtp_num_layers):
+        h, o = f"model.layers.{m.num_layers + k}.", f"mtp.{k}."
+        extras += [(f"{h}enorm.weight", f"{o}enorm.weight"), (f"{h}hnorm.weight", f"{o}hnorm.weight"),
+                   (f"{h}eh_proj.weight", f"{o}eh_proj.weight"),
+                   (f"{h}shared_head.norm.weight", f"{o}norm.weight")]
+    return blocks, extras
+
+
+def state_from_hf(hf_sd: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    blocks, extras = _blocks_and_extras(m)
+    return convert_model_weights(hf_sd, m, MOE_NAME, EXPERT_NAMES, to_ours=True,
+                                 extra_pairs=extras, blocks=blocks)
+
+
+def state_to_hf(sd: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    blocks, extras = _blocks_and_extras(m)
+    out = convert_model_weights(sd, m, MOE_NAME, EXPERT_NAMES, to_ours=False,
+                                extra_pairs=extras, blocks=blocks)
+    # The original checkpoint gives each MTP layer its own copy of the shared embedding/head.
+    head = "embed.weight" if m.tie_embeddings else "head.weight"
+    for k in range(m.mtp_num_layers):
+        h = f"model.layers.{m.num_layers + k}."
+        out[h + "embed_tokens.weight"] = take(sd, "embed.weight", "moeplug checkpoint")
+        out[h + "shared_head.head.weight"] = take(sd, head, "moeplug checkpoint")
+    return out

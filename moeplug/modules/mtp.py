@@ -1,0 +1,76 @@
+"""Multi-token prediction (DeepSeek-V3 section 2.2; Megatron ``multi_token_prediction.py``).
+
+Legend: B batch, S sequence, D hidden, V vocabulary; depth k = 1..mtp_num_layers.
+
+MTP module k sees the main model's last hidden state (before the final norm) chained through
+modules 1..k-1, and the embedding of the token k steps further on:
+    h'_i = M_k [hnorm(h_i); enorm(Emb(t_{i+k}))]      M_k = ``eh_proj`` [D, 2D]
+    h_i  = TransformerBlock_k(h'_i)                   causal, same kind as the last main layer
+    p_i  = OutHead(norm_k(h_i))                       embedding and output head shared
+    L_k  = CE(p_i, t_{i+k+1}) over the S - k positions that have that target
+    L_MTP = mtp_loss_scaling_factor / K * sum_k L_k
+``eh_proj`` stores its input columns as [embedding | hidden] — the order of the DeepSeek-V3
+checkpoint, Megatron and vLLM — which is the paper's M with its two column blocks swapped.
+Positions beyond S - k are simply cut: attention is causal, so the cut changes no kept position
+(Megatron rolls the sequence and masks the tail instead; same values).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeplug.config import ModelConfig
+from moeplug.modules.norm import RMSNorm
+
+
+class MTPLayer(nn.Module):
+    """One depth: ``enorm``, ``hnorm``, ``eh_proj``, a transformer ``block`` and its ``norm``
+    (DeepSeek's ``shared_head.norm``)."""
+
+    def __init__(self, cfg: ModelConfig, block: nn.Module) -> None:
+        super().__init__()
+        D = cfg.hidden_size
+        self.enorm = RMSNorm(D, cfg.norm_eps)
+        self.hnorm = RMSNorm(D, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.block = block
+        self.norm = RMSNorm(D, cfg.norm_eps)
+
+    def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor):
+        """Returns the block's (h_BSD, aux_loss or None, counts_E or None)."""
+        x_BSD = self.eh_proj(torch.cat((self.enorm(emb_BSD), self.hnorm(h_BSD)), dim=-1))
+        return self.block(x_BSD)
+
+
+def mtp_losses(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
+               targets_BS: torch.Tensor, embed: nn.Embedding,
+               output_weight: Callable[[], torch.Tensor]):
+    """Per-depth cross-entropies [L_1, ..., L_K] plus the MoE blocks' aux losses and counts.
+
+    ``targets_BS`` must be the next-token targets (``targets[:, i] = tokens[:, i + 1]``, as
+    ``moeplug.data.get_batch`` returns them): depth k reads token i + k from them.
+    """
+    S = tokens_BS.shape[1]
+    if S > 1 and not torch.equal(targets_BS[:, :-1], tokens_BS[:, 1:]):
+        raise ValueError("multi-token prediction needs next-token targets (targets[:, i] == "
+                         "tokens[:, i + 1]); got other targets. Fix: pass the batch from "
+                         "moeplug.data.get_batch, or set model.mtp_num_layers=0")
+    # t_0..t_S: every token the batch knows; depth k feeds t_{i+k}, predicts t_{i+k+1}.
+    seq_BS1 = torch.cat((tokens_BS[:, :1], targets_BS), dim=1)
+    losses, aux, counts = [], [], []
+    for k, layer in enumerate(layers, start=1):
+        if S - k <= 0:
+            break  # too short to have a target k + 1 ahead: no loss at this depth
+        emb_BSD = embed(seq_BS1[:, k:S])
+        h_BSD, layer_aux, counts_E = layer(h_BSD[:, :S - k], emb_BSD)
+        logits_BSV = F.linear(layer.norm(h_BSD), output_weight())
+        losses.append(F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
+                                      seq_BS1[:, k + 1:S + 1].reshape(-1)))
+        if counts_E is not None:
+            aux.append(layer_aux.float())
+            counts.append(counts_E)
+    return losses, aux, counts

@@ -1,0 +1,375 @@
+"""Hugging Face interop: Mixtral, Qwen3-MoE and DeepSeek-V3 round trips, built in-process.
+
+For each family: a tiny random HF model (eager attention, perturbed weights so a wrong mapping
+shows far above tolerance) is saved with save_pretrained (safetensors), imported with
+``moeplug convert import`` into a moeplug checkpoint, rebuilt from that checkpoint, and its
+logits / loss compared with transformers' in fp32 (atol 1e-5 on logits, 1e-5 on the loss). The
+checkpoint is then exported and loaded back with from_pretrained, whose logits must equal the
+original model's. Plus the multi-token-prediction module against a hand-written reference of
+the DeepSeek-V3 paper's formulation, presets, and every error path.
+
+Legend: B batch, S sequence, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig,
+    MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+from moeplug.cli import main as cli_main  # noqa: E402
+from moeplug.config import ConfigError, config_from_dict, load_config  # noqa: E402
+from moeplug.convert import (  # noqa: E402
+    ConvertError, export_hf, import_hf, load_hf_into_moeplug, root_config_from_hf)
+from moeplug.convert.common import read_hf_dir  # noqa: E402
+from moeplug.modules import build_model  # noqa: E402
+from moeplug.plugin_host import PluginHost  # noqa: E402
+from moeplug.presets import PRESETS, preset  # noqa: E402
+from moeplug.training.checkpoint import load_checkpoint  # noqa: E402
+
+V = 64
+ATOL = 1e-5
+
+
+def mixtral(**kw):
+    return MixtralForCausalLM(MixtralConfig(**{**dict(
+        vocab_size=V, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 5e3}),
+        **kw}))
+
+
+def qwen3_moe(**kw):
+    # head_dim 16 != 32 / 4, one dense layer (mlp_only_layers), renormalised top-k.
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**dict(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True,
+        max_position_embeddings=64), **kw}))
+
+
+def deepseek_v3(**kw):
+    # 8 experts in 4 groups, top-4 from 2 groups (4 // 2 = 2 per group, like V3's 8 // 4), q-LoRA,
+    # one dense layer, one shared expert, interleaved RoPE.
+    return DeepseekV3ForCausalLM(DeepseekV3Config(**{**dict(
+        vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+        max_position_embeddings=64, routed_scaling_factor=2.5), **kw}))
+
+
+FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3}
+
+
+def randomised(hf):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+        for name, b in hf.named_buffers():
+            if "e_score_correction_bias" in name:  # selection bias must be honoured too
+                b.uniform_(-0.2, 0.2)
+    hf.config._attn_implementation = "eager"
+    return hf.eval()
+
+
+def tokens(B=2, S=17):
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(7))
+
+
+def logits_and_loss(model, x_BS):
+    out = model(x_BS[:, :-1], x_BS[:, 1:])
+    return out.logits_BSV, out.lm_loss
+
+
+def rebuilt_from_checkpoint(ckpt):
+    with open(os.path.join(ckpt, "meta.json"), encoding="utf-8") as f:
+        cfg = config_from_dict(json.load(f)["config"])
+    model = build_model(cfg, PluginHost.load(), cfg.model.vocab_size)
+    load_checkpoint(ckpt, model, restore_rng=False)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("tie", [False, True])
+def test_import_matches_transformers_and_export_round_trips(family, tie, tmp_path):
+    hf = randomised(FAMILIES[family](tie_word_embeddings=tie))
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    x_BS = tokens()
+    with torch.no_grad():
+        ref = hf(input_ids=x_BS, labels=x_BS)  # HF shifts the labels itself
+
+    ckpt = import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    ours = rebuilt_from_checkpoint(ckpt)
+    with torch.no_grad():
+        logits_BSV, loss = logits_and_loss(ours, x_BS)
+    torch.testing.assert_close(logits_BSV, ref.logits[:, :-1], rtol=0, atol=ATOL)
+    torch.testing.assert_close(loss, ref.loss, rtol=0, atol=ATOL)
+
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert not [p for p in os.listdir(tmp_path / "out") if p.endswith((".bin", ".pt"))]
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        again = back(input_ids=x_BS, labels=x_BS)
+    torch.testing.assert_close(again.logits, ref.logits, rtol=0, atol=ATOL)
+    torch.testing.assert_close(again.loss, ref.loss, rtol=0, atol=ATOL)
+
+
+def test_cli_import_export_and_train_resume_accepts_the_import(tmp_path, capsys):
+    hf = randomised(qwen3_moe())
+    hf.save_pretrained(tmp_path / "hf")
+    assert cli_main(["convert", "import", "--hf", str(tmp_path / "hf"), "--out",
+                     str(tmp_path / "run")]) == 0
+    assert cli_main(["convert", "export", "--ckpt", str(tmp_path / "run"), "--out",
+                     str(tmp_path / "out")]) == 0
+    assert "exported" in capsys.readouterr().out
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    x_BS = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=x_BS).logits, hf(input_ids=x_BS).logits,
+                                   rtol=0, atol=ATOL)
+    # The trainer's optimizer accepts the imported checkpoint (same param groups, empty state).
+    from moeplug.training.optim import build_optimizer
+    cfg = config_from_dict(json.load(open(tmp_path / "run" / "step_000000" / "meta.json"))["config"])
+    model = build_model(cfg, PluginHost.load(), V)
+    meta = load_checkpoint(str(tmp_path / "run" / "step_000000"), model,
+                           build_optimizer(model, cfg.train), restore_rng=False)
+    assert meta["step"] == 0 and meta["hf"]["model_type"] == "qwen3_moe"
+
+
+def test_router_matches_hf_routing_choices():
+    """DeepSeek-V3's gate (sigmoid, bias, groups, scaling) == our router, choice by choice."""
+    hf = randomised(deepseek_v3())
+    gate = hf.model.layers[1].mlp.gate
+    cfg = root_config_from_hf(hf.config.to_dict())
+    router = PluginHost.load().create("router", "topk", dict(cfg.plugins.router_options), cfg.model)
+    with torch.no_grad():
+        router.weight.copy_(gate.weight)
+        router.expert_bias.copy_(gate.e_score_correction_bias)
+    x_TD = torch.randn(40, 32, generator=torch.Generator().manual_seed(3))
+    _, w_TK, ids_TK = gate(x_TD)
+    out = router.eval()(x_TD)
+    order, ref_order = out.ids_TK.sort(-1), ids_TK.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(out.probs_TK.gather(1, order.indices),
+                               w_TK.gather(1, ref_order.indices), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-token prediction against the paper's formulation
+# --------------------------------------------------------------------------------------------
+
+def rms(x, w, eps):
+    return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_mtp_loss_matches_handwritten_deepseek_v3_formulation():
+    """L_MTP = lambda/K sum_k CE(OutHead(norm(TRM_k(M_k [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))]))),
+    t_{i+k+1}), with h^0 the main model's last hidden state (before its final norm)."""
+    cfg = config_from_dict({"model": preset("deepseek_v3_tiny")["model"] | {"mtp_num_layers": 2},
+                            "plugins": preset("deepseek_v3_tiny")["plugins"],
+                            "train": {"seq_len": 16, "warmup_steps": 0}})
+    torch.manual_seed(0)
+    model = build_model(cfg, PluginHost.load(), V).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    x_BS = tokens(B=2, S=13)
+    tok_BS, tgt_BS = x_BS[:, :-1], x_BS[:, 1:]
+    out = model(tok_BS, tgt_BS)
+
+    # Reference, written from the paper with this model's weights.
+    eps, D, S = cfg.model.norm_eps, cfg.model.hidden_size, tok_BS.shape[1]
+    h_BSD = model.embed(tok_BS)
+    for block in model.blocks:
+        h_BSD = block(h_BSD)[0]
+    t = x_BS  # t_0 .. t_S
+    depth_losses, aux = [], torch.zeros(())
+    for k, layer in enumerate(model.mtp, start=1):
+        W = layer.eh_proj.weight            # columns: [embedding | hidden] (checkpoint layout)
+        M_h, M_e = W[:, D:], W[:, :D]       # the paper's M_k = [M_h | M_e] on [h; emb]
+        n = S - k
+        h_prev = rms(h_BSD[:, :n], layer.hnorm.weight, eps)
+        e_next = rms(model.embed(t[:, k:k + n]), layer.enorm.weight, eps)
+        h_in = h_prev @ M_h.T + e_next @ M_e.T
+        h_BSD, layer_aux, _ = layer.block(h_in)
+        aux = aux + layer_aux
+        logits = rms(h_BSD, layer.norm.weight, eps) @ model.head.weight.T
+        depth_losses.append(F.cross_entropy(logits.reshape(-1, V), t[:, k + 1:k + 1 + n].reshape(-1)))
+    ref_mtp = cfg.model.mtp_loss_scaling_factor / 2 * (depth_losses[0] + depth_losses[1])
+    torch.testing.assert_close(out.mtp_loss, ref_mtp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, out.lm_loss + out.aux_loss + ref_mtp, rtol=1e-5, atol=1e-6)
+    assert len(out.expert_counts) == 3 + 2  # 3 MoE layers + 2 MoE MTP blocks
+    # Without targets there is no MTP work and no MTP loss.
+    assert model(tok_BS).mtp_loss is None
+
+
+def test_mtp_refuses_targets_that_are_not_next_tokens():
+    cfg = config_from_dict({**preset("deepseek_v3_tiny"), "train": {"seq_len": 16,
+                                                                    "warmup_steps": 0}})
+    model = build_model(cfg, PluginHost.load(), V)
+    x_BS = tokens(S=9)
+    with pytest.raises(ValueError, match=r"next-token targets.*Fix: pass the batch from "
+                                         r"moeplug.data.get_batch, or set model.mtp_num_layers=0"):
+        model(x_BS[:, :-1], x_BS[:, :-1])
+
+
+def test_mtp_weights_round_trip_in_deepseek_checkpoint_layout(tmp_path):
+    cfg = config_from_dict({**preset("deepseek_v3_tiny"), "train": {"seq_len": 16,
+                                                                    "warmup_steps": 0}})
+    model = build_model(cfg, PluginHost.load(), V)
+    from moeplug.training.checkpoint import save_checkpoint
+    from moeplug.training.optim import build_optimizer
+    save_checkpoint(str(tmp_path / "run"), 5, model, build_optimizer(model, cfg.train),
+                    {"config": cfg.to_dict()})
+    export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+    hf_cfg, hf_sd = read_hf_dir(str(tmp_path / "hf"))
+    L = cfg.model.num_layers
+    assert hf_cfg["num_nextn_predict_layers"] == 1
+    assert torch.equal(hf_sd[f"model.layers.{L}.eh_proj.weight"], model.mtp[0].eh_proj.weight)
+    assert torch.equal(hf_sd[f"model.layers.{L}.shared_head.head.weight"], model.head.weight)
+    # Importing the file restores the MTP module (HF's own model ignores these keys).
+    _, again, _ = load_hf_into_moeplug(str(tmp_path / "hf"))
+    assert again.cfg.mtp_num_layers == 1
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+# --------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_validate_and_tiny_ones_build_small(name):
+    cfg = load_config(None, [], base=preset(name))
+    if name.endswith("_tiny"):
+        model = build_model(cfg, PluginHost.load(), 2048)
+        assert sum(p.numel() for p in model.parameters()) < 5e6
+        out = model(tokens(S=9)[:, :-1], tokens(S=9)[:, 1:])
+        assert torch.isfinite(out.loss)
+
+
+def test_preset_sits_under_config_and_set(tmp_path):
+    yaml_path = tmp_path / "c.yaml"
+    yaml_path.write_text("model:\n  num_layers: 6\n  moe:\n    top_k: 3\n")
+    cfg = load_config(str(yaml_path), ["model.moe.num_experts=16"], base=preset("mixtral_tiny"))
+    assert (cfg.model.num_layers, cfg.model.moe.top_k, cfg.model.moe.num_experts) == (6, 3, 16)
+    assert cfg.model.rope_theta == 1e6 and cfg.model.hidden_size == 128  # from the preset
+    assert preset("mixtral_tiny")["model"]["num_layers"] == 4  # presets are copied, not mutated
+
+
+def test_unknown_preset_lists_presets(capsys):
+    assert cli_main(["train", "--preset", "mixtrall"]) == 2
+    err = capsys.readouterr().err
+    assert "--preset 'mixtrall': unknown preset. Fix: use one of" in err
+    assert all(name in err for name in PRESETS)
+
+
+# --------------------------------------------------------------------------------------------
+# Error paths: each names the field, the value and the fix
+# --------------------------------------------------------------------------------------------
+
+def test_refuses_pickle_only_directories(tmp_path):
+    hf = mixtral()
+    hf.save_pretrained(tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ConvertError, match=r"only pickle weights \['pytorch_model.bin'\].*never "
+                                           r"loads pickle.*Fix: convert them to safetensors"):
+        import_hf(str(tmp_path), str(tmp_path / "ck"))
+
+
+def test_missing_config_and_unknown_family(tmp_path):
+    with pytest.raises(ConvertError, match=r"no config.json there. Fix: pass a Hugging Face"):
+        import_hf(str(tmp_path), str(tmp_path / "ck"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConvertError, match=r"model_type = 'llama': no converter. Fix: use one "
+                                           r"of deepseek_v3, mixtral, qwen3_moe"):
+        import_hf(str(tmp_path), str(tmp_path / "ck"))
+    (tmp_path / "config.json").write_text(json.dumps(mixtral().config.to_dict()))
+    with pytest.raises(ConvertError, match=r"model.safetensors' is not a valid safetensors file "
+                                           r".*Fix: re-download or re-save it"):
+        import_hf(str(tmp_path), str(tmp_path / "ck"))
+
+
+@pytest.mark.parametrize("family,kw,pattern", [
+    ("mixtral", {"sliding_window": 8}, r"MixtralConfig.sliding_window = 8: .*Fix: set sliding_window=None"),
+    ("mixtral", {"num_experts_per_tok": 1}, r"MixtralConfig.num_experts_per_tok = 1: .*Fix: use num_experts_per_tok >= 2"),
+    ("mixtral", {"hidden_act": "gelu"}, r"MixtralConfig.hidden_act = 'gelu': .*Fix: moeplug experts are SwiGLU"),
+    ("qwen3_moe", {"use_sliding_window": True}, r"Qwen3MoeConfig.use_sliding_window = True: .*Fix: set use_sliding_window=false"),
+    ("qwen3_moe", {"mlp_only_layers": [0, 1, 2]}, r"Qwen3MoeConfig.mlp_only_layers = \[0, 1, 2\]: leaves no MoE layer"),
+    ("deepseek_v3", {"topk_group": 1}, r"DeepseekV3Config.topk_group = 1: .*4 // 1 = 4.*Fix: choose topk_group"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                         "original_max_position_embeddings": 16}},
+     r"rope_parameters.rope_type = 'yarn': .*default RoPE.*Fix: import a model with rope_type 'default'"),
+])
+def test_unsupported_hf_features_are_refused(family, kw, pattern):
+    hf_cfg = FAMILIES[family]().config.to_dict() | kw
+    with pytest.raises(ConvertError, match=pattern):
+        root_config_from_hf(hf_cfg)
+
+
+def test_qwen3_sparse_step_maps_to_layer_freq():
+    hf_cfg = qwen3_moe().config.to_dict() | {"mlp_only_layers": [], "decoder_sparse_step": 2,
+                                             "num_hidden_layers": 4}
+    m = root_config_from_hf(hf_cfg).model
+    assert m.moe_layer_pattern == (False, True, False, True)  # HF: (i + 1) % step == 0
+
+
+def test_export_refuses_what_the_family_cannot_express(tmp_path):
+    cfg = config_from_dict({**preset("qwen3_moe_tiny"), "train": {"seq_len": 16,
+                                                                  "warmup_steps": 0}})
+    model = build_model(cfg, PluginHost.load(), V)
+    from moeplug.training.checkpoint import save_checkpoint
+    from moeplug.training.optim import build_optimizer
+    save_checkpoint(str(tmp_path / "run"), 1, model, build_optimizer(model, cfg.train),
+                    {"config": cfg.to_dict()})
+    with pytest.raises(ConvertError, match=r"MixtralConfig.model.qk_norm = True: .*Fix: export "
+                                           r"to a family that has it"):
+        export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), model_type="mixtral")
+    with pytest.raises(ConvertError, match=r"DeepseekV3Config.model.attention = 'gqa': .*Fix: "
+                                           r"export as mixtral or qwen3_moe"):
+        export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), model_type="deepseek_v3")
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("model.attention=sparse", r"ModelConfig.attention = 'sparse': unknown attention type. Fix: use one of 'gqa', 'mla'"),
+    ("model.kv_channels=15", r"ModelConfig.kv_channels = 15: is odd.*Fix: choose an even kv_channels"),
+    ("model.qk_norm=maybe", r"ModelConfig.qk_norm = 'maybe': must be a boolean. Fix: write qk_norm: true or false"),
+    ("model.mtp_num_layers=-1", r"ModelConfig.mtp_num_layers = -1: must be a number >= 0. Fix: set mtp_num_layers to 0"),
+    ("model.mla.qk_rope_head_dim=7", r"MLAConfig.qk_rope_head_dim = 7: is odd.*Fix: choose an even qk_rope_head_dim"),
+    ("model.mla.kv_lora_rank=0", r"MLAConfig.kv_lora_rank = 0: must be a positive integer. Fix: set kv_lora_rank"),
+    ("model.mla.rope_interleave=2", r"MLAConfig.rope_interleave = 2: must be a boolean. Fix: write rope_interleave"),
+])
+def test_new_model_fields_are_validated(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, [override])
+
+
+def test_mla_rejects_gqa_only_fields():
+    with pytest.raises(ConfigError, match=r"ModelConfig.kv_channels = 16: does not apply to "
+                                          r"attention 'mla'. Fix: set kv_channels: 0"):
+        load_config(None, ["model.attention=mla", "model.kv_channels=16"])
+    with pytest.raises(ConfigError, match=r"ModelConfig.qk_norm = True: is not defined for "
+                                          r"attention 'mla'.*Fix: set qk_norm: false"):
+        load_config(None, ["model.attention=mla", "model.qk_norm=true"])
+
+
+def test_kv_channels_decouples_head_dim_from_hidden():
+    cfg = load_config(None, ["model.hidden_size=96", "model.num_heads=4", "model.kv_channels=16"])
+    assert cfg.model.head_dim == 16  # 96 / 4 = 24 without the override
