@@ -110,7 +110,7 @@ def test_batches_are_windows_shifted_by_one(text_dir, tmp_path):
 
 
 def test_get_batch_error_names_seq_len():
-    with pytest.raises(ValueError, match=r"seq_len = 10 needs more than 10 tokens but the split has 10\. Fix: lower train.seq_len"):
+    with pytest.raises(ConfigError, match=r"train.seq_len = 10 needs more than 10 tokens but the split has 10\. Fix: lower train.seq_len"):
         get_batch(np.arange(10, dtype=np.uint16), 2, 10, torch.Generator())
 
 

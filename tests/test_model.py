@@ -223,7 +223,7 @@ def test_flops_match_flop_counter_for_dense_model():
 # ------------------------------------------------------------------------------------------------
 
 def test_error_vocab_smaller_than_tokenizer():
-    with pytest.raises(ValueError, match=r"ModelConfig.vocab_size = 16 .*\(40\).*Fix: set model.vocab_size=0"):
+    with pytest.raises(ConfigError, match=r"ModelConfig.vocab_size = 16 .*\(40\).*Fix: set model.vocab_size=0"):
         build_model(tiny_cfg(vocab_size=16), make_host(), VOCAB)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moeplug.config import DataConfig
+from moeplug.config import ConfigError, DataConfig
 from moeplug.data.corpus import Split, Work, load_split
 from moeplug.data.tokenizer import BPETokenizer, ByteTokenizer, TextTokenizer
 
@@ -111,9 +111,11 @@ def get_batch(ids_N: np.ndarray, batch_size: int, seq_len: int,
     """``batch_size`` random windows of ``seq_len + 1`` tokens -> (inputs, inputs shifted by one)."""
     num_starts = len(ids_N) - seq_len
     if num_starts <= 0:
-        raise ValueError(
-            f"get_batch: seq_len = {seq_len} needs more than {seq_len} tokens but the split has "
-            f"{len(ids_N)}. Fix: lower train.seq_len below {len(ids_N)} or use a larger corpus")
+        # A ConfigError, not a crash: the CLI reports it as a configuration problem (exit 2).
+        raise ConfigError(
+            f"get_batch: train.seq_len = {seq_len} needs more than {seq_len} tokens but the "
+            f"split has {len(ids_N)}. Fix: lower train.seq_len below {len(ids_N)} or use a "
+            f"larger corpus (data.corpus; data.val_works for the validation split)")
     starts_B = torch.randint(0, num_starts, (batch_size,), generator=generator).tolist()
     windows_BS1 = np.stack([np.asarray(ids_N[s:s + seq_len + 1], dtype=np.int64) for s in starts_B])
     windows = torch.from_numpy(windows_BS1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeplug.config import RootConfig
+from moeplug.config import ConfigError, RootConfig
 from moeplug.modules.moe import MoELayer
 from moeplug.modules.shared_experts import SharedExperts
 from moeplug.modules.transformer import MoETransformer
@@ -26,7 +26,7 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
     """
     m, p = cfg.model, cfg.plugins
     if m.vocab_size and m.vocab_size < vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"ModelConfig.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({vocab_size}); token ids would overflow the embedding. Fix: set model.vocab_size=0 "
             f"(use the tokenizer's) or >= {vocab_size}")
