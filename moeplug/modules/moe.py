@@ -15,6 +15,21 @@ from moeplug.interfaces import Dispatcher, Experts, Router
 from moeplug.parallel.tensor_parallel import average_over_token_group
 
 
+class MoEOutput(tuple):
+    """What ``MoELayer.forward`` returns: unpacks as the ``(y, aux_loss, counts_E)`` triple every
+    caller expects, and also carries ``router_losses``, the router's detached, unscaled logging
+    values (``RouterOutput.losses``) for moeplug.observability. A tuple subclass so that
+    attribute is extra, not a fourth element that every ``y, aux, counts = layer(x)`` would
+    have to change for."""
+
+    router_losses: dict
+
+    def __new__(cls, y: Any, aux_loss: Any, counts_E: Any, router_losses: dict) -> "MoEOutput":
+        out = super().__new__(cls, (y, aux_loss, counts_E))
+        out.router_losses = router_losses
+        return out
+
+
 class MoELayer(nn.Module):
     """Routed feed-forward block built from a router, a dispatcher and an experts backend.
 
@@ -26,7 +41,8 @@ class MoELayer(nn.Module):
         4. combine    y_TD = dispatcher.combine(y_SD, d.meta)     -> each token's K rows summed
         5. shared     s_TD = shared(x_TD)  when a SharedExperts module was given (all tokens)
         6. sum        y = y_TD (+ s_TD), reshaped to the input's shape
-    Returns ``(y, aux_loss, counts_E)``; nothing from the call is kept on ``self``, so several
+    Returns ``MoEOutput(y, aux_loss, counts_E)`` (a triple; ``.router_losses`` holds the
+    router's logging values); nothing from the call is kept on ``self``, so several
     micro-batches may be in flight through one layer.
     """
 
@@ -74,7 +90,8 @@ class MoELayer(nn.Module):
         if routing.dropped_TK is not None:
             ids = ids[~routing.dropped_TK.reshape(-1)]
         counts_E = torch.bincount(ids.cpu(), minlength=self.router.num_experts)
-        return y_ND, average_over_token_group(routing.aux_loss, self.token_group), counts_E
+        return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
+                         counts_E, dict(routing.losses))
 
     def _experts(self, d) -> torch.Tensor:
         if not self.apply_probs_on_input:

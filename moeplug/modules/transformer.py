@@ -6,7 +6,7 @@ Legend: B batch, S sequence, D hidden, V vocabulary, E experts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -18,7 +18,7 @@ from moeplug.modules.attention import Attention
 from moeplug.modules.flops import flops_per_token
 from moeplug.modules.mla import MLAttention
 from moeplug.modules.mlp import SwiGLUMLP
-from moeplug.modules.moe import MoELayer
+from moeplug.modules.moe import MoELayer, MoEOutput
 from moeplug.modules.mtp import MTPLayer, mtp_losses
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
@@ -43,6 +43,9 @@ class ModelOutput:
     # Multi-token prediction (model.mtp_num_layers > 0, targets given): the scaled MTP loss,
     # already inside ``loss``.
     mtp_loss: torch.Tensor | None = None
+    # Per MoE layer (aligned with expert_counts), the router's detached, unscaled logging values
+    # (RouterOutput.losses: aux_loss, z_loss, dropped_fraction, ...); {} for MTP layers.
+    router_losses: list[dict] = field(default_factory=list)
 
 
 class TransformerBlock(nn.Module):
@@ -67,9 +70,10 @@ class TransformerBlock(nn.Module):
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
         if isinstance(self.ffn, MoELayer):
             # TP: the MoE layer routes only this rank's sequence chunk (tpar.moe_tokens_in).
-            y_BSD, aux_loss, counts_E = self.ffn(tpar.moe_tokens_in(self.ffn_norm(x_BSD), self._groups))
+            moe_out = self.ffn(tpar.moe_tokens_in(self.ffn_norm(x_BSD), self._groups))
+            y_BSD, aux_loss, counts_E = moe_out
             y_BSD = tpar.moe_tokens_out(y_BSD, self._groups)
-            return x_BSD + y_BSD, aux_loss, counts_E
+            return MoEOutput(x_BSD + y_BSD, aux_loss, counts_E, moe_out.router_losses)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD)), None, None
 
 
@@ -147,11 +151,14 @@ class MoETransformer(nn.Module):
         x_BSD = self.embed(tokens_BS)
         aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         expert_counts: list[torch.Tensor] = []
+        router_losses: list[dict] = []
         for block in self.blocks:
-            x_BSD, layer_aux, counts_E = block(x_BSD)
+            block_out = block(x_BSD)
+            x_BSD, layer_aux, counts_E = block_out
             if counts_E is not None:
                 aux_loss = aux_loss + layer_aux.float()
                 expert_counts.append(counts_E)
+                router_losses.append(block_out.router_losses)
         if self._cp_group is not None:  # grad x CP: sync_gradients averages over CP (cp_aux_loss)
             aux_loss = cp_aux_loss(aux_loss, self._cp_group)
         # TP: logits_BSV holds this rank's V/TP vocabulary columns; the full [B, S, V] is never built.
@@ -174,8 +181,10 @@ class MoETransformer(nn.Module):
                 depth_losses, torch.zeros((), device=x_BSD.device))
             aux_loss = aux_loss + sum(mtp_aux, torch.zeros_like(aux_loss))
             expert_counts += mtp_counts
+            router_losses += [{} for _ in mtp_counts]  # mtp_losses does not pass them on
             loss = lm_loss + aux_loss + mtp_loss
-        return ModelOutput(logits_BSV, loss, lm_loss, aux_loss, expert_counts, mtp_loss)
+        return ModelOutput(logits_BSV, loss, lm_loss, aux_loss, expert_counts, mtp_loss,
+                           router_losses=router_losses)
 
     def finalize_step(self, group=None) -> None:
         """Call once per optimizer step, right after ``optimizer.step()``: each router applies
