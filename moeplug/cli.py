@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="DIR|auto", help="train.resume")
     from moeplug.convert.cli import add_convert_parser
     add_convert_parser(sub)
+    from moeplug.observability.cli import add_plot_load_parser
+    add_plot_load_parser(sub)
     return p
 
 
@@ -152,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "convert":
             from moeplug.convert.cli import cmd_convert
             return cmd_convert(args)
+        if args.command == "plot-load":
+            from moeplug.observability.cli import cmd_plot_load
+            return cmd_plot_load(args)
     except ConfigError as e:
         print(f"moeplug: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG
