@@ -94,13 +94,13 @@ def test_grouped_mm_path_agrees():
 
 @pytest.mark.parametrize("mutate,match", [
     (lambda a: a.update(counts_L=torch.tensor([3, 3, 3, 3])),
-     r"counts_L = \[3, 3, 3, 3\] sums to 12 but x_SD has 32 rows"),
+     r"counts_L = \[3, 3, 3, 3\] sums to 12 but x_SD has S = 32 rows"),
     (lambda a: a.update(counts_L=torch.tensor([16, 16])),
      r"counts_L has 2 entries but the weights hold 4 experts"),
     (lambda a: a.update(counts_L=torch.tensor([8, 8, 8, 8], dtype=torch.int32)),
      r"counts_L must be a 1-D int64 CPU tensor, got dtype torch.int32"),
     (lambda a: a.update(counts_L=torch.tensor([40, -8, 0, 0])),
-     r"sums to 32 but x_SD has 32 rows. Fix: .*all >= 0"),
+     r"sums to 32 but x_SD has S = 32 rows. Fix: .*all >= 0"),
     (lambda a: a.update(w2_LDF=torch.zeros(4, 24, 7)),
      r"down_proj \(4, 24, 7\) \(want \[L, 24, F\]\)"),
     (lambda a: a.update(probs_S=torch.rand(31)),

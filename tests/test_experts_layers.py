@@ -290,7 +290,7 @@ def test_build_model_adds_shared_experts_to_every_moe_layer():
     assert moe[0].shared.up_proj.weight.grad.abs().sum() > 0
 
 
-# -- layer pattern and FLOPs ----------------------------------------------------------------------
+# -- layer pattern (its FLOPs count: tests/test_flops.py) ----------------------------------------
 
 @pytest.mark.parametrize("num_layers, first_k, freq, want", [
     (4, 0, 1, [1, 1, 1, 1]),
@@ -312,39 +312,6 @@ def test_layer_pattern_builds_the_right_layers(num_layers, first_k, freq, want):
     assert all(isinstance(b.ffn, SwiGLUMLP) for b, k in zip(model.blocks, kinds) if not k)
     out = model(torch.randint(0, VOCAB, (1, 8)))
     assert len(out.expert_counts) == sum(want)
-
-
-def _flops_from_parameters(model, seq_len):
-    """6 x multiply-adds per token, counted from the built modules' weights: every dense
-    weight matrix on a token's path, K/E of the routed expert weights, the shared expert
-    (not its [1, D] gate), attention projections, the output head, and causal attention."""
-    macs = model.output_weight().numel()
-    cfg = model.cfg
-    for b in model.blocks:
-        macs += sum(m.weight.numel() for m in b.attn.modules() if isinstance(m, torch.nn.Linear))
-        macs += cfg.num_heads * cfg.head_dim * seq_len
-        if isinstance(b.ffn, MoELayer):
-            ex = b.ffn.experts
-            macs += (ex.gate_up_proj.numel() + ex.down_proj.numel()) * cfg.moe.top_k \
-                / cfg.moe.num_experts
-            if b.ffn.shared is not None:
-                sh = b.ffn.shared
-                macs += sum(m.weight.numel() for m in (sh.gate_proj, sh.up_proj, sh.down_proj)
-                            if m is not None)
-        else:
-            macs += sum(p.numel() for p in b.ffn.parameters())
-    return 6.0 * macs
-
-
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-@pytest.mark.parametrize("freq, first_k, shared", [(1, 1, 0), (2, 0, 12), ([0, 1, 0, 1], 0, 12)])
-def test_flops_count_dense_moe_shared_and_plain_activations(activation, freq, first_k, shared):
-    cfg = RootConfig(model=model_cfg(num_layers=4, first_k_dense=first_k, layer_freq=freq,
-                                     activation=activation, shared_expert_ffn_hidden_size=shared,
-                                     shared_expert_gate=bool(shared)),
-                     train=TrainConfig(seq_len=8, warmup_steps=0))
-    model = build_model(cfg, HOST, VOCAB)
-    assert model.flops_per_token(8) == pytest.approx(_flops_from_parameters(model, 8), rel=1e-12)
 
 
 # -- edge cases through the whole MoE layer -------------------------------------------------------

@@ -4,7 +4,8 @@ Legend: B batch, H heads, S sequence, Q q/k head width, W v head width.
 
 1. The reference's own check (megatron_moe.md section 5, s = 4096): DeepSeek-V3 with one MTP
    layer, Qwen3-235B-A22B, Mixtral-8x22B and Qwen2-57B-A14B, from their published configs.
-2. Tiny MLA / MTP models: the count equals multiply-adds read off the built modules' weights.
+2. Tiny GQA (dense, MoE, shared experts, gated and plain activations) and MLA / MTP models: the
+   count equals multiply-adds read off the built modules' weights.
 3. MLA's causal core term equals FlopCounterMode over an explicit QK^T / PV with MLA widths.
 """
 
@@ -85,6 +86,21 @@ def _macs_from_parameters(model, seq_len):
         macs += block_macs(layer.block) + layer.eh_proj.weight.numel()
         macs += sum(n.weight.numel() for n in (layer.enorm, layer.hnorm, layer.norm))
     return macs
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("freq, first_k, shared", [(1, 1, 0), (2, 0, 12), ([0, 1, 0, 1], 0, 12)])
+def test_gqa_dense_moe_shared_and_plain_activations_match_built_model(activation, freq, first_k,
+                                                                     shared):
+    moe = dict(num_experts=4, top_k=2, ffn_hidden_size=8, activation=activation, layer_freq=freq,
+               shared_expert_ffn_hidden_size=shared, shared_expert_gate=bool(shared))
+    cfg = config_from_dict({"model": dict(hidden_size=16, num_heads=4, num_kv_heads=2,
+                                          num_layers=4, first_k_dense=first_k,
+                                          dense_ffn_hidden_size=24, max_seq_len=16, moe=moe),
+                            "train": dict(seq_len=8, warmup_steps=0)})
+    model = build_model(cfg, HOST, VOCAB)
+    assert model.flops_per_token(8) == pytest.approx(6.0 * _macs_from_parameters(model, 8),
+                                                     rel=1e-12)
 
 
 @pytest.mark.parametrize("q_lora_rank", [64, 0])

@@ -21,19 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from moeplug.ops import reference, workspace
+from moeplug.ops._grouped import check_counts_and_probs, compute_dtype, expert_slices
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
 from moeplug.ops.swiglu import swiglu_backward_raw, swiglu_forward_raw
 from moeplug.runtime import DTYPE_CODES
-
-
-def _slices(counts: list[int]) -> list[tuple[int, int, int]]:
-    """(expert, start, end) for every expert that received rows."""
-    out, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            out.append((e, start, start + n))
-        start += n
-    return out
 
 
 def _rows(t: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor | None:
@@ -68,7 +59,7 @@ class _ExpertMLP(torch.autograd.Function):
         x_c, w13_c, w2_c = (_cast(t, compute_dtype) for t in (x_SD, w13_L2FD, w2_LDF))
         S, D = x_c.shape
         F2 = w13_c.shape[1]
-        slices = _slices(counts)
+        slices = expert_slices(counts)
         h_S2F = workspace.empty((S, F2), compute_dtype)
         y_SD = workspace.empty((S, D), compute_dtype)
         # torch.mm(out=...) is not an autocast op; the dtype choice was made above.
@@ -141,17 +132,7 @@ def _check(x_SD, probs_S, counts_L, w13_L2FD, w2_LDF) -> list[int]:
         raise ValueError(f"{op}: counts_L must be a 1-D int64 CPU tensor, got dtype "
                          f"{counts_L.dtype} on {counts_L.device} with shape "
                          f"{tuple(counts_L.shape)}. Fix: pass Dispatched.counts_L")
-    counts = counts_L.tolist()
-    if len(counts) != L:
-        raise ValueError(f"{op}: counts_L has {len(counts)} entries but the weights hold {L} "
-                         f"experts. Fix: pass one count per local expert")
-    if any(n < 0 for n in counts) or sum(counts) != S:
-        raise ValueError(f"{op}: counts_L = {counts} sums to {sum(counts)} but x_SD has {S} "
-                         f"rows. Fix: counts_L must be the rows per expert of x_SD (all >= 0)")
-    if probs_S is not None and tuple(probs_S.shape) != (S,):
-        raise ValueError(f"{op}: probs_S must have shape ({S},), got {tuple(probs_S.shape)}. "
-                         f"Fix: pass one routing weight per row")
-    return counts
+    return check_counts_and_probs(op, counts_L, L, S, probs_S)
 
 
 def _grouped_mm_path(x_SD, probs_S, counts, w13_L2FD, w2_LDF, compute_dtype):
@@ -171,21 +152,17 @@ def expert_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch
     the autocast dtype and weight gradients come back in the weights' dtype.
     """
     counts = _check(x_SD, probs_S, counts_L, gate_up_proj_L2FD, down_proj_LDF)
-    device = x_SD.device.type
-    compute_dtype = x_SD.dtype
-    if torch.is_autocast_enabled(device):
-        compute_dtype = torch.get_autocast_dtype(device)
-    if device != "cpu":
-        return _grouped_mm_path(x_SD, probs_S, counts, gate_up_proj_L2FD, down_proj_LDF,
-                                compute_dtype)
+    dtype = compute_dtype(x_SD)
+    if x_SD.device.type != "cpu":
+        return _grouped_mm_path(x_SD, probs_S, counts, gate_up_proj_L2FD, down_proj_LDF, dtype)
     for name, t in (("x_SD", x_SD), ("gate_up_proj", gate_up_proj_L2FD),
                     ("down_proj", down_proj_LDF)):
         check_cpu_contiguous("expert_mlp", name, t)
-    if compute_dtype not in DTYPE_CODES:
-        raise TypeError(f"expert_mlp: compute dtype {compute_dtype} (from x_SD or autocast) is "
+    if dtype not in DTYPE_CODES:
+        raise TypeError(f"expert_mlp: compute dtype {dtype} (from x_SD or autocast) is "
                         f"not supported; the SwiGLU kernel takes float32 or bfloat16. Fix: pass "
                         f"x_SD.float() or run under torch.autocast('cpu', dtype=torch.bfloat16)")
     probs32_S = None if probs_S is None else check_probs("expert_mlp", "probs_S", probs_S,
                                                          (x_SD.shape[0],))
     return _ExpertMLP.apply(x_SD, probs_S, probs32_S, counts, gate_up_proj_L2FD, down_proj_LDF,
-                            compute_dtype)
+                            dtype)

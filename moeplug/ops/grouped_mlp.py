@@ -16,17 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from moeplug.ops._grouped import check_counts_and_probs, compute_dtype, expert_slices
 from moeplug.ops.activations import activation_fn, fc1_rows
-
-
-def _slices(counts: list[int]) -> list[tuple[int, int, int]]:
-    """(expert, start, end) for every expert that received rows."""
-    out, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            out.append((e, start, start + n))
-        start += n
-    return out
 
 
 def _act_times_probs(h_SX: torch.Tensor, probs32_S: torch.Tensor | None, activation: str):
@@ -45,7 +36,7 @@ class _GroupedMLP(torch.autograd.Function):
         probs32_S = (None if probs_S is None else
                      probs_S.detach().to(torch.promote_types(probs_S.dtype, torch.float32)))
         S, D = x_c.shape
-        slices = _slices(counts)
+        slices = expert_slices(counts)
         h_SX = x_c.new_empty(S, w1_c.shape[1])
         y_SD = x_c.new_empty(S, D)
         with torch.autocast(x_c.device.type, enabled=False):
@@ -114,14 +105,7 @@ def _check(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation) -> list[int]:
                          f"[L, {D}, F={Fh}]; got {tuple(w1_LXD.shape)} and "
                          f"{tuple(w2_LDF.shape)}. Fix: build the experts with the same "
                          f"activation, hidden_size and ffn_hidden_size")
-    counts = counts_L.tolist()
-    if len(counts) != L or any(n < 0 for n in counts) or sum(counts) != S:
-        raise ValueError(f"{op}: counts_L = {counts} must hold {L} non-negative row counts "
-                         f"summing to S = {S}. Fix: pass Dispatched.counts_L")
-    if probs_S is not None and tuple(probs_S.shape) != (S,):
-        raise ValueError(f"{op}: probs_S must have shape ({S},), got {tuple(probs_S.shape)}. "
-                         f"Fix: pass one routing weight per row")
-    return counts
+    return check_counts_and_probs(op, counts_L, L, S, probs_S)
 
 
 def grouped_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch.Tensor,
@@ -132,9 +116,5 @@ def grouped_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torc
     Differentiable w.r.t. x_SD, probs_S and both weights; ``probs_S=None`` means p = 1.
     """
     counts = _check(x_SD, probs_S, counts_L, gate_up_proj_LXD, down_proj_LDF, activation)
-    device = x_SD.device.type
-    compute_dtype = x_SD.dtype
-    if torch.is_autocast_enabled(device):
-        compute_dtype = torch.get_autocast_dtype(device)
     return _GroupedMLP.apply(x_SD, probs_S, counts, gate_up_proj_LXD, down_proj_LDF, activation,
-                             compute_dtype)
+                             compute_dtype(x_SD))
