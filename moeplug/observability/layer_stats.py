@@ -94,10 +94,19 @@ def _mean(values: tuple[float, ...]) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
-def moe_metrics(acc: StepRouting | None) -> dict:
-    """The compact per-layer ``moe`` record of one step (see the module docstring)."""
-    if acc is None:  # no micro-batch yet (or a model without MoE layers): empty lists
-        acc = StepRouting(counts=(), values=(), num_micro_batches=0)
+def moe_metrics(acc: StepRouting | None, counts: Sequence[torch.Tensor] | None = None) -> dict:
+    """The compact per-layer ``moe`` record of one step (see the module docstring).
+
+    ``counts``: per-layer token counts to report instead of ``acc.counts`` — in a parallel run,
+    the counts summed over every rank (the router losses stay those of ``acc``'s micro-batches;
+    layers ``acc`` does not have, e.g. other pipeline stages', report none).
+    """
+    if acc is None:  # no micro-batch seen here (or no MoE layers): nothing reported
+        acc = StepRouting(counts=(), values=(), num_micro_batches=1)
+    if counts is not None:
+        values = tuple(acc.values[i] if i < len(acc.values) else {} for i in range(len(counts)))
+        acc = StepRouting(counts=tuple(c.detach().to("cpu", torch.int64) for c in counts),
+                          values=values, num_micro_batches=acc.num_micro_batches)
     stats = [load_stats(c) for c in acc.counts]
     out: dict = {"tokens": [c.tolist() for c in acc.counts]}
     for key in ("tokens_min", "tokens_mean", "tokens_max", "max_violation", "cv"):

@@ -4,7 +4,11 @@ JSONL records (one JSON object per line, ``metrics.jsonl`` in the run directory)
     {"kind": "run",   ...}   once per start/resume: plugins, peak TFLOP/s, FLOPs per token, config
     {"kind": "train", "step", "loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s",
                       "tflops", "mfu", "expert_load": [{"layer", "max", "mean", "max_over_mean"}],
-                      "plugins": {"router": ..., ...}}      every ``log_interval`` steps
+                      "plugins": {"router": ..., ...},
+                      "moe": {"tokens": [[per expert] per layer], "tokens_min", "tokens_mean",
+                              "tokens_max", "max_violation", "cv", "dropped_fraction": [per layer],
+                              "router_losses": {type: [per layer]}}}   every ``log_interval`` steps
+                      (``moe``: see moeplug.observability.layer_stats for the definitions)
     {"kind": "val",   "step", "val_loss"}                     every ``eval_interval`` steps + at the end
 ``step`` counts completed optimizer steps (1 after the first update).
 """

@@ -23,6 +23,7 @@ import torch
 
 from moeplug.config import RootConfig
 from moeplug.data import get_batch
+from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.training.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load
@@ -118,6 +119,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             optimizer.zero_grad(set_to_none=True)
             sums = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0}
             counts_per_layer: list[torch.Tensor] = []
+            routing = None  # per-layer counts and router losses of this step's micro-batches
             for _ in range(tc.grad_accum_steps):
                 tokens_BS, targets_BS = get_batch(corpus.train_ids, tc.micro_batch_size,
                                                   tc.seq_len, gen)
@@ -130,6 +132,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 micro_counts = [c.detach().cpu() for c in out.expert_counts]
                 counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
                                     if counts_per_layer else micro_counts)
+                routing = add_micro_batch(routing, out.expert_counts, out.router_losses)
             # Clipping: rescale all grads together so their global L2 norm is <= grad_clip
             # (0 disables it; the norm is still computed for logging).
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or math.inf))
@@ -152,7 +155,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 record = {"kind": "train", "step": done, **sums, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": window_tokens / window_seconds, "tflops": tflops,
                           "mfu": mfu(tflops, peak), "expert_load": expert_load(counts_per_layer),
-                          "plugins": plugin_names}
+                          "plugins": plugin_names, "moe": moe_metrics(routing)}
                 writer.write(record)
                 window_tokens, window_seconds = 0, 0.0
             progress.step(record)
