@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, help="train.steps")
     t.add_argument("--out", metavar="DIR", help="train.out_dir (checkpoints + metrics.jsonl)")
     t.add_argument("--resume", metavar="DIR|auto", help="train.resume")
+    t.add_argument("--nproc", type=int, metavar="N", help="run on N processes: re-executes this "
+                   "command under torchrun (layout: the parallel.* config section)")
     from moeplug.convert.cli import add_convert_parser
     add_convert_parser(sub)
     from moeplug.observability.cli import add_plot_load_parser
@@ -110,7 +112,7 @@ def cmd_plugins() -> int:
     return 0
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     # 1. config, 2. plugins (checked, nothing built) — all cheap and all before any heavy work.
     base = None
     if args.preset:
@@ -123,16 +125,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     precision = check_plugins(host, cfg)
     from moeplug.training.checkpoint import resolve_resume
     resolve_resume(cfg.train.resume, cfg.train.out_dir)  # a bad train.resume fails here, not later
+    # Layout vs world size: checked here, before any process or process group exists.
+    from moeplug.training import distributed as D
+    from moeplug.training import launch
+    world = D.world_from_env() if launch.under_torchrun() else (args.nproc or 1)
+    if args.nproc is not None and (args.nproc < 1 or (launch.under_torchrun()
+                                                      and args.nproc != world)):
+        raise ConfigError(f"--nproc {args.nproc}: must be >= 1 and, under torchrun, equal "
+                          f"its world size ({world}). Fix: pass --nproc N >= 1, or leave it out "
+                          "when launching with torchrun yourself")
+    if D.is_parallel(cfg, world):
+        D.resolve_layout(cfg, world)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
-    from moeplug.modules import build_model
     from moeplug.training.trainer import seed_everything, train
 
-    corpus = prepare_corpus(cfg.data)
-    seed_everything(cfg.train.seed)
-    model = build_model(cfg, host, corpus.vocab_size)
-    plugin_names = {k: getattr(cfg.plugins, k) for k in ("router", "dispatcher", "experts", "precision")}
-    summary = train(cfg, model, corpus, precision, plugin_names)
+    if world > 1 and not launch.under_torchrun():
+        prepare_corpus(cfg.data)  # once, here: the ranks then only read the cache
+        return launch.relaunch(world, argv)
+    groups = D.init_distributed(cfg)
+    try:
+        if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
+            D.barrier(groups)
+        corpus = prepare_corpus(cfg.data)
+        if D.is_main_rank(groups):
+            D.barrier(groups)
+        seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
+        model = D.build_rank_model(cfg, host, corpus.vocab_size, groups)
+        plugin_names = {k: getattr(cfg.plugins, k) for k in ("router", "dispatcher", "experts", "precision")}
+        summary = train(cfg, model, corpus, precision, plugin_names, groups=groups)
+    finally:
+        D.shutdown(groups)
+    if not D.is_main_rank(groups):
+        return 0
     verdict = "below" if summary.val_loss < summary.unigram_entropy else "NOT below"
     print(f"done: {summary.steps} steps, {summary.tokens_per_s:.0f} tokens/s, "
           f"final train loss {summary.final_train_loss:.4f}")
@@ -143,6 +168,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
         if args.version:
@@ -150,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plugins":
             return cmd_plugins()
         if args.command == "train":
-            return cmd_train(args)
+            return cmd_train(args, argv)
         if args.command == "convert":
             from moeplug.convert.cli import cmd_convert
             return cmd_convert(args)

@@ -330,6 +330,58 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelSection:
+    """The ``parallel:`` section: degrees and layout (moeplug.parallel.layout.ParallelConfig),
+    pipeline split (moeplug.parallel.pipeline.PipelineConfig), distributed optimizer, timeout.
+
+    The degree fields are checked by ParallelConfig / PipelineConfig themselves (one rule, one
+    place); model-dependent checks run in RootConfig; checks that need the world size run in
+    moeplug.training.distributed.resolve_layout (the CLI calls it before launching any rank).
+    """
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 0  # 0: world size / (tp * cp * pp)
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+    order: str = "tp-cp-ep-dp-pp"
+    cp_comm: str = "allgather"
+    vpp: int = 1
+    num_layers_in_first_stage: int | None = None
+    num_layers_in_last_stage: int | None = None
+    # ZeRO-1: AdamW state sharded over DP (dense params) / expert-DP (expert params).
+    distributed_optimizer: bool = False
+    # Process-group timeout: a rank waiting this long on a dead peer raises instead of hanging.
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        self.layout()  # ParallelConfig's own checks
+        self.pipeline()
+        if not isinstance(self.distributed_optimizer, bool):
+            _fail(self, "distributed_optimizer", self.distributed_optimizer, "must be a boolean",
+                  "write distributed_optimizer: true or false")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not self.timeout_s > 0:
+            _fail(self, "timeout_s", self.timeout_s, "must be a number of seconds > 0",
+                  "set timeout_s to e.g. 300")
+
+    def layout(self) -> Any:
+        """The degrees as a (not yet resolved) moeplug.parallel.ParallelConfig."""
+        from moeplug.parallel.layout import ParallelConfig
+        return ParallelConfig(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep,
+                              etp=self.etp, sequence_parallel=self.sequence_parallel,
+                              order=self.order, cp_comm=self.cp_comm)
+
+    def pipeline(self) -> Any:
+        """The layer split as a moeplug.parallel.pipeline.PipelineConfig."""
+        from moeplug.parallel.pipeline import PipelineConfig
+        return PipelineConfig(vpp=self.vpp, num_layers_in_first_stage=self.num_layers_in_first_stage,
+                              num_layers_in_last_stage=self.num_layers_in_last_stage)
+
+
+@dataclass(kw_only=True, slots=True)
 class RootConfig:
     """The whole run. Cross-component checks live here."""
 
@@ -337,12 +389,34 @@ class RootConfig:
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
             _fail(self.train, "seq_len", self.train.seq_len,
                   f"exceeds model.max_seq_len ({self.model.max_seq_len})",
                   f"set train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len")
+        self._check_parallel_fits_model()
+
+    def _check_parallel_fits_model(self) -> None:
+        # Shards must split evenly (heads % TP, experts % EP, layers per pipeline stage, seq_len
+        # per CP/SP shard). No world size needed, so this runs on every load.
+        from moeplug.parallel.layout import validate_model
+        from moeplug.parallel.pipeline import _check_untied, check_composable
+        m, par = self.model, self.parallel
+        # pp = 1 here: the layer split (even or uneven stages) is PipelineConfig's to check.
+        validate_model(dataclasses.replace(par.layout(), pp=1), num_experts=m.moe.num_experts,
+                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                       num_layers=m.num_layers, ffn_hidden_size=m.moe.ffn_hidden_size,
+                       seq_len=self.train.seq_len)
+        par.pipeline().rank_layer_counts(m.num_layers, par.pp)
+        _check_untied(m.tie_embeddings, par.pp)
+        check_composable(m, pp=par.pp, tp=par.tp, cp=par.cp)
+        if par.pp > 1 and par.vpp > 1 and self.train.grad_accum_steps % par.pp:
+            _fail(self.train, "grad_accum_steps", self.train.grad_accum_steps,
+                  f"the interleaved pipeline schedule (parallel.vpp = {par.vpp}) needs a "
+                  f"multiple of parallel.pp = {par.pp} micro-batches",
+                  f"set train.grad_accum_steps to a multiple of {par.pp}, or parallel.vpp: 1")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -390,6 +464,7 @@ _SUBCONFIGS: dict[tuple[type, str], type] = {
     (RootConfig, "plugins"): PluginsConfig,
     (RootConfig, "data"): DataConfig,
     (RootConfig, "train"): TrainConfig,
+    (RootConfig, "parallel"): ParallelSection,
     (ModelConfig, "moe"): MoEConfig,
     (ModelConfig, "mla"): MLAConfig,
 }

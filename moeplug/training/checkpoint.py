@@ -10,6 +10,11 @@ Layout of one run directory::
         meta.json               step, config, plugin names, RNG states, optimizer param groups,
                                 scheduler position, metrics state
 
+A multi-process run (:func:`save_sharded_checkpoint`) writes per-rank shards instead of the two
+safetensors files: ``model_rank{r}.safetensors``, ``optimizer_rank{r}.safetensors`` and
+``optimizer_rank{r}.json`` (that rank's param groups), plus ``meta.json`` whose ``parallel``
+entry is the layout manifest. Resume needs exactly the same layout (checked, clear error).
+
 Atomicity: a checkpoint is written into ``.tmp-step_XXXXXX-<pid>`` next to its final place,
 every file and the directory are fsynced, and only then is it renamed to ``step_XXXXXX``
 (``os.replace``, atomic on POSIX). ``latest`` is updated the same way afterwards. A crash at
@@ -145,7 +150,85 @@ def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
                      optimizer={"param_groups": param_groups})
     _write_json(os.path.join(tmp, META_FILE), full_meta)  # last: its presence marks completeness
     _fsync_path(tmp)
+    _publish(out_dir, name, tmp, final)
+    return final
 
+
+# --------------------------------------------------------------------------------------------
+# Finding and loading
+# --------------------------------------------------------------------------------------------
+
+def _rank_files(rank: int) -> tuple[str, str, str]:
+    return (f"model_rank{rank}.safetensors", f"optimizer_rank{rank}.safetensors",
+            f"optimizer_rank{rank}.json")
+
+
+def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, optimizer: Any,
+                            meta: dict, groups: Any, layout: dict) -> str:
+    """Every rank writes its shard into one temporary directory; rank 0 then writes meta.json
+    (with ``parallel = layout``), renames the directory and updates ``latest`` exactly as
+    :func:`save_checkpoint` does. Collective over all ranks; returns the final path."""
+    import torch.distributed as dist
+
+    rank = groups.rank
+    name = step_dir_name(step)
+    final = os.path.join(out_dir, name)
+    box = [None]
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        box[0] = os.path.join(out_dir, f".tmp-{name}-{os.getpid()}")
+        shutil.rmtree(box[0], ignore_errors=True)
+        os.makedirs(box[0])
+    dist.broadcast_object_list(box, src=0)  # sync point: the directory exists for every rank
+    tmp = box[0]
+    model_file, optim_file, groups_file = _rank_files(rank)
+    optim_tensors, param_groups = _optimizer_payload(optimizer)
+    save_file(_model_tensors(model), os.path.join(tmp, model_file))
+    save_file(optim_tensors, os.path.join(tmp, optim_file))
+    _write_json(os.path.join(tmp, groups_file), param_groups)
+    for f in (model_file, optim_file):
+        _fsync_path(os.path.join(tmp, f))
+    dist.barrier()  # sync point: every shard is on disk before meta.json marks completeness
+    if rank == 0:
+        full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(), parallel=layout)
+        _write_json(os.path.join(tmp, META_FILE), full_meta)
+        _fsync_path(tmp)
+        _publish(out_dir, name, tmp, final)
+    dist.barrier()  # nobody starts the next step (or a resume) before the rename
+    return final
+
+
+def load_sharded_checkpoint(path: str, model: torch.nn.Module, optimizer: Any, groups: Any,
+                            layout: dict) -> dict:
+    """Load this rank's shard of a checkpoint written by :func:`save_sharded_checkpoint` with
+    the same ``layout``; return its meta. Raises CheckpointError on any other layout."""
+    meta = _read_meta(path)
+    saved = meta.get("parallel")
+    if saved != layout:
+        diff = {k: (saved.get(k), v) for k, v in layout.items()
+                if saved.get(k) != v} if saved else None
+        raise CheckpointError(
+            f"checkpoint {path!r} was written with parallel layout {saved or 'single-process'} "
+            f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}). "
+            f"Fix: resume with the same parallel settings and number of processes, or start a "
+            f"fresh run (train.resume='')")
+    model_file, optim_file, groups_file = _rank_files(groups.rank)
+    model_sd = _load_safetensors(os.path.join(path, model_file))
+    _load_model_state(path, model, model_sd)
+    tensors = _load_safetensors(os.path.join(path, optim_file))
+    try:
+        with open(os.path.join(path, groups_file), encoding="utf-8") as f:
+            param_groups = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: {groups_file} is unreadable ({e}). Fix: "
+                              "resume from a complete checkpoint") from None
+    _load_optimizer_state(path, optimizer, tensors, param_groups)
+    set_rng_state(meta["rng"])
+    return meta
+
+
+def _publish(out_dir: str, name: str, tmp: str, final: str) -> None:
+    """Rename the complete ``tmp`` to ``final`` and point ``latest`` at it (both atomic)."""
     if os.path.exists(final):  # re-saving the same step (e.g. resumed run that had finished)
         old = os.path.join(out_dir, f".old-{name}-{os.getpid()}")
         os.replace(final, old)
@@ -162,12 +245,7 @@ def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
         os.fsync(f.fileno())
     os.replace(latest_tmp, os.path.join(out_dir, LATEST))
     _fsync_path(out_dir)
-    return final
 
-
-# --------------------------------------------------------------------------------------------
-# Finding and loading
-# --------------------------------------------------------------------------------------------
 
 def _is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META_FILE))
@@ -225,9 +303,7 @@ def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
             f"or convert it to safetensors with a tool you trust") from None
 
 
-def load_checkpoint(path: str, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict:
-    """Load model (and optimizer) state in place from a checkpoint directory; return its meta."""
+def _read_meta(path: str) -> dict:
     meta_path = os.path.join(path, META_FILE)
     try:
         with open(meta_path, encoding="utf-8") as f:
@@ -238,8 +314,10 @@ def load_checkpoint(path: str, model: torch.nn.Module,
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path!r}: format = {meta.get('format')!r}, expected "
                               f"{FORMAT!r}. Fix: use a checkpoint written by this moeplug version")
+    return meta
 
-    model_sd = _load_safetensors(os.path.join(path, MODEL_FILE))
+
+def _load_model_state(path: str, model: torch.nn.Module, model_sd: dict) -> None:
     missing, unexpected = model.load_state_dict(model_sd, strict=False)
     # Tied duplicates were stored once; a "missing" key is fine only if it shares storage with
     # a loaded one, which load_state_dict already filled through the shared Parameter.
@@ -251,20 +329,36 @@ def load_checkpoint(path: str, model: torch.nn.Module,
             f"unexpected {list(unexpected)[:5]}. Fix: resume with the same model config the "
             f"checkpoint was trained with (it is stored in {META_FILE} under 'config')")
 
+
+def _load_optimizer_state(path: str, optimizer: Any, tensors: dict, param_groups: list) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = t
+    # JSON turned tuples (AdamW betas) into lists; only "params" is a real list.
+    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v)
+               for k, v in g.items()} for g in param_groups]
+    try:
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: optimizer state does not fit ({e}). Fix: "
+                              f"resume with the same model and optimizer config") from None
+
+
+def load_checkpoint(path: str, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict:
+    """Load model (and optimizer) state in place from a checkpoint directory; return its meta."""
+    meta = _read_meta(path)
+    if meta.get("parallel"):
+        raise CheckpointError(
+            f"checkpoint {path!r} holds per-rank shards of a parallel run (layout "
+            f"{meta['parallel']}); this is a single-process run. Fix: resume with the same "
+            f"parallel settings and number of processes (--nproc / torchrun), or start fresh "
+            f"(train.resume='')")
+    _load_model_state(path, model, _load_safetensors(os.path.join(path, MODEL_FILE)))
     if optimizer is not None:
-        tensors = _load_safetensors(os.path.join(path, OPTIM_FILE))
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, t in tensors.items():
-            _, idx, name = key.split(".", 2)
-            state.setdefault(int(idx), {})[name] = t
-        # JSON turned tuples (AdamW betas) into lists; only "params" is a real list.
-        groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v)
-                   for k, v in g.items()} for g in meta["optimizer"]["param_groups"]]
-        try:
-            optimizer.load_state_dict({"state": state, "param_groups": groups})
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {path!r}: optimizer state does not fit ({e}). Fix: "
-                                  f"resume with the same model and optimizer config") from None
+        _load_optimizer_state(path, optimizer, _load_safetensors(os.path.join(path, OPTIM_FILE)),
+                              meta["optimizer"]["param_groups"])
     if restore_rng:
         set_rng_state(meta["rng"])
     return meta

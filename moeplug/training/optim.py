@@ -33,7 +33,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Split parameters into a decayed and a non-decayed group (policy in the module docstring)."""
-    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    from moeplug.parallel.tensor_parallel import VocabParallelEmbedding  # TP's embedding table
+    embedding_ids = {id(m.weight) for m in model.modules()
+                     if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}
     decay, no_decay = [], []
     for p in model.parameters():  # parameters() already de-duplicates tied weights
         if not p.requires_grad:

@@ -23,8 +23,11 @@ import torch
 
 from moeplug.config import RootConfig
 from moeplug.data import get_batch
+from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
-from moeplug.training.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from moeplug.training import distributed as D
+from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoint, resolve_resume,
+                                         save_checkpoint, save_sharded_checkpoint)
 from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load
 from moeplug.training.optim import build_optimizer, lr_at
@@ -57,52 +60,174 @@ def batch_generator(seed: int, step: int, stream: int = _TRAIN_STREAM) -> torch.
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list, precision: Any) -> float:
-    """Mean language-model loss (no aux loss) over fixed batches, in eval mode."""
+def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any = None) -> float:
+    """Mean language-model loss (no aux loss) over fixed batches, in eval mode. Parallel: every
+    rank runs every batch (expert-parallel collectives need all ranks in each forward); CP
+    ranks take their shard, pipeline ranks run the forward-only schedule."""
     was_training = model.training
     model.eval()
+    chunks = D.pipeline_chunks(model)
+    if chunks is not None:
+        from moeplug.parallel.schedules import forward_backward_pipeline
+        res = forward_backward_pipeline(chunks, batches, groups, forward_only=True,
+                                        autocast=lambda: precision.autocast("cpu"))
+        model.train(was_training)
+        return float(res.lm_loss)
     losses = []
     for tokens_BS, targets_BS in batches:
         with precision.autocast("cpu"):
-            losses.append(float(model(tokens_BS, targets_BS).lm_loss))
+            losses.append(float(model(*D.local_sequence(tokens_BS, targets_BS, groups)).lm_loss))
     model.train(was_training)
     return sum(losses) / len(losses)
 
 
+def step_batches(ids: Any, tc: Any, step: int, groups: Any = None) -> list:
+    """This rank's micro-batches of optimizer step ``step``: the step's DP * A micro-batches
+    are drawn in one-process order from the (seed, step) generator; DP rank r keeps
+    micro-batches r*A .. (r+1)*A - 1 (moeplug.training.distributed explains why)."""
+    dp = 1 if groups is None else groups.size("dp")
+    gen = batch_generator(tc.seed, step)
+    drawn = [get_batch(ids, tc.micro_batch_size, tc.seq_len, gen)
+             for _ in range(dp * tc.grad_accum_steps)]
+    return [drawn[i] for i in D.dp_slice(tc.grad_accum_steps, groups)]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One optimizer step, the same on every rank: losses averaged over the step's micro-batches
+    and DP ranks, the global grad norm (before clipping), per-layer expert counts; ``moe``:
+    the per-layer load statistics and router losses (moeplug.observability.moe_metrics)."""
+
+    loss: float
+    lm_loss: float
+    aux_loss: float
+    grad_norm: float
+    expert_counts: list
+    moe: dict | None = None
+
+
+def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: Any,
+               precision: Any, groups: Any = None) -> StepStats:
+    """Forward + backward of this rank's micro-batches, gradient sync, clip, optimizer step.
+
+    ``model``: a MoETransformer, or a pipeline rank's ``nn.ModuleList`` of chunks. ``groups``:
+    a ParallelGroups (None = one process). ``optimizer``: AdamW, or a DistributedAdamW.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    num_micro = len(micro_batches)
+    chunks = D.pipeline_chunks(model)
+    routing = None  # per-layer counts and router losses of this rank's micro-batches
+    if chunks is not None:
+        from moeplug.parallel.schedules import forward_backward_pipeline
+        # The schedule accumulates grads of sum_m (lm_m + aux_m) / M over its micro-batches.
+        res = forward_backward_pipeline(chunks, micro_batches, groups,
+                                        autocast=lambda: precision.autocast("cpu"))
+        sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss)]
+        counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
+    else:
+        sums, counts_per_layer = [0.0, 0.0, 0.0], []
+        for tokens_BS, targets_BS in micro_batches:
+            tokens_BS, targets_BS = D.local_sequence(tokens_BS, targets_BS, groups)  # CP shard
+            with precision.autocast("cpu"):  # the precision plugin picks the compute dtype
+                out = model(tokens_BS, targets_BS)
+            # Grad accumulation: divide so the summed grads equal the micro-batch mean.
+            (out.loss / num_micro).backward()
+            for i, v in enumerate((out.loss, out.lm_loss, out.aux_loss)):
+                sums[i] += float(v.detach()) / num_micro
+            micro_counts = [c.detach().cpu() for c in out.expert_counts]
+            counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
+                                if counts_per_layer else micro_counts)
+            routing = add_micro_batch(routing, out.expert_counts, out.router_losses)
+    # Clipping: rescale all grads together so their global L2 norm is <= grad_clip
+    # (0 disables it; the norm is still computed for logging).
+    if groups is None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or math.inf))
+    elif hasattr(optimizer, "reduce_gradients"):  # ZeRO-1: reduce-scatter into owned slices
+        optimizer.reduce_gradients()
+        grad_norm = float(optimizer.clip_grad_norm(tc.grad_clip))
+    else:  # sync point: grads averaged over DP x CP (experts: summed over expert-DP, / DP x CP)
+        from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
+        sync_gradients(model, groups)
+        grad_norm = float(clip_grad_norm(model, groups, tc.grad_clip))
+    optimizer.step()
+    # Per-step router state (expert-bias update, global aux counts) over every rank of a stage.
+    group = None if groups is None else groups.tp_dp_cp
+    for m in (chunks or [model]):
+        m.finalize_step(group)
+    # Logging only: the DP ranks' losses averaged (TP/CP/PP ranks already agree), counts summed.
+    sums = D.mean_over_dp(sums, groups)
+    expert_counts = D.global_expert_counts(counts_per_layer, groups)
+    # Router losses: this rank's micro-batches (rank 0 logs them); counts: every rank's.
+    return StepStats(*sums, grad_norm=grad_norm, expert_counts=expert_counts,
+                     moe=moe_metrics(routing, counts=expert_counts))
+
+
+def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:
+    """AdamW, or the ZeRO-1 DistributedAdamW when ``parallel.distributed_optimizer`` is on and
+    the run is parallel."""
+    if groups is not None and cfg.parallel.distributed_optimizer:
+        from moeplug.training.dist_optim import DistributedAdamW
+        return DistributedAdamW(model, cfg.train, groups)
+    return build_optimizer(model, cfg.train)
+
+
 def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
           plugin_names: dict[str, str], log: Callable[[str], None] = print,
-          use_bar: bool | None = None) -> TrainSummary:
+          use_bar: bool | None = None, groups: Any = None) -> TrainSummary:
+    """Train ``model`` (this rank's model or pipeline chunks, from
+    moeplug.training.distributed.build_rank_model) for ``cfg.train.steps``. ``groups``: the
+    ParallelGroups of a multi-process run (None: one process). Only rank 0 logs, writes
+    metrics and the run-level checkpoint files."""
     tc = cfg.train
     if tc.threads > 0:
         torch.set_num_threads(tc.threads)
-    optimizer = build_optimizer(model, tc)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    main_rank = D.is_main_rank(groups)
+    if not main_rank:
+        log, use_bar = (lambda _msg: None), False
+    optimizer = build_rank_optimizer(model, cfg, groups)
+    num_params = sum(p.numel() for p in model.parameters())
 
     start_step, metrics_state = 0, {"tokens_seen": 0, "train_seconds": 0.0}
     resume_from = resolve_resume(tc.resume, tc.out_dir)
     if resume_from:
-        meta = load_checkpoint(resume_from, model, optimizer)
+        meta = (load_checkpoint(resume_from, model, optimizer) if groups is None else
+                load_sharded_checkpoint(resume_from, model, optimizer, groups,
+                                        D.layout_manifest(cfg, groups)))
         start_step, metrics_state = meta["step"], meta["metrics"]
         log(f"resumed from {resume_from} at step {start_step}")
 
-    tokens_per_step = tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps
-    flops_per_token = float(model.flops_per_token(tc.seq_len))
-    peak = measure_peak_tflops(getattr(precision, "compute_dtype", torch.float32))
+    dp = 1 if groups is None else groups.size("dp")
+    world = 1 if groups is None else groups.world_size
+    tokens_per_step = dp * tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps  # all ranks
+    vocab_size = cfg.model.vocab_size or corpus.vocab_size
+    flops_per_token = float(model_flops_per_token(cfg.model, vocab_size, tc.seq_len))
+    peak = world * measure_peak_tflops(getattr(precision, "compute_dtype", torch.float32))
     gen = batch_generator(tc.seed, 0, _VAL_STREAM)
     val_batches = [get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
                    for _ in range(tc.eval_batches)]
-    writer = MetricsWriter(os.path.join(tc.out_dir, "metrics.jsonl"), append=bool(resume_from))
-    writer.write({"kind": "run", "start_step": start_step, "resumed_from": resume_from,
-                  "plugins": plugin_names, "peak_tflops": peak, "flops_per_token": flops_per_token,
-                  "num_params": sum(p.numel() for p in params), "config": cfg.to_dict()})
-    log(f"{sum(p.numel() for p in params) / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
-        f"measured GEMM peak {peak:.3f} TFLOP/s; plugins {plugin_names}")
+    metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
+    writer = MetricsWriter(metrics_path, append=bool(resume_from)) if main_rank else None
+
+    def write(record: dict) -> None:
+        if writer is not None:
+            writer.write(record)
+
+    layout = None if groups is None else D.layout_manifest(cfg, groups)
+    write({"kind": "run", "start_step": start_step, "resumed_from": resume_from,
+           "plugins": plugin_names, "peak_tflops": peak, "flops_per_token": flops_per_token,
+           "num_params": num_params, "parallel": layout, "config": cfg.to_dict()})
+    log(f"{num_params / 1e6:.2f}M parameters{' on rank 0' if groups else ''}, "
+        f"{tokens_per_step} tokens/step, measured GEMM peak {peak:.3f} TFLOP/s"
+        f"{f' over {world} ranks' if groups else ''}; plugins {plugin_names}")
     progress = Progress(tc.steps, start_step, log, use_bar)
 
     def checkpoint(step: int) -> str:
-        return save_checkpoint(tc.out_dir, step, model, optimizer, {
-            "config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
-            "scheduler": {"step": step, "lr": lr_at(step, tc)}})
+        meta = {"config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
+                "scheduler": {"step": step, "lr": lr_at(step, tc)}}
+        if groups is None:
+            return save_checkpoint(tc.out_dir, step, model, optimizer, meta)
+        return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups, layout)
 
     model.train()
     loss_step = float("nan")
@@ -115,29 +240,10 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            gen = batch_generator(tc.seed, step)
-            optimizer.zero_grad(set_to_none=True)
-            sums = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0}
-            counts_per_layer: list[torch.Tensor] = []
-            routing = None  # per-layer counts and router losses of this step's micro-batches
-            for _ in range(tc.grad_accum_steps):
-                tokens_BS, targets_BS = get_batch(corpus.train_ids, tc.micro_batch_size,
-                                                  tc.seq_len, gen)
-                with precision.autocast("cpu"):  # the precision plugin picks the compute dtype
-                    out = model(tokens_BS, targets_BS)
-                # Grad accumulation: divide so the summed grads equal the micro-batch mean.
-                (out.loss / tc.grad_accum_steps).backward()
-                for k in sums:
-                    sums[k] += float(getattr(out, k).detach()) / tc.grad_accum_steps
-                micro_counts = [c.detach().cpu() for c in out.expert_counts]
-                counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
-                                    if counts_per_layer else micro_counts)
-                routing = add_micro_batch(routing, out.expert_counts, out.router_losses)
-            # Clipping: rescale all grads together so their global L2 norm is <= grad_clip
-            # (0 disables it; the norm is still computed for logging).
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or math.inf))
-            optimizer.step()
-            model.finalize_step()  # per-step router state: expert-bias update, global aux counts
+            stats = train_step(model, optimizer, step_batches(corpus.train_ids, tc, step, groups),
+                               tc, precision, groups)
+            sums = {"loss": stats.loss, "lm_loss": stats.lm_loss, "aux_loss": stats.aux_loss}
+            grad_norm, counts_per_layer = stats.grad_norm, stats.expert_counts
             done, loss_step = step + 1, sums["loss"]
             if not math.isfinite(loss_step):
                 raise FloatingPointError(
@@ -155,26 +261,27 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 record = {"kind": "train", "step": done, **sums, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": window_tokens / window_seconds, "tflops": tflops,
                           "mfu": mfu(tflops, peak), "expert_load": expert_load(counts_per_layer),
-                          "plugins": plugin_names, "moe": moe_metrics(routing)}
-                writer.write(record)
+                          "plugins": plugin_names, "moe": stats.moe}
+                write(record)
                 window_tokens, window_seconds = 0, 0.0
             progress.step(record)
 
             if (tc.eval_interval and done % tc.eval_interval == 0) or done == tc.steps:
-                val_loss, last_val_step = evaluate(model, val_batches, precision), done
-                writer.write({"kind": "val", "step": done, "val_loss": val_loss})
+                val_loss, last_val_step = evaluate(model, val_batches, precision, groups), done
+                write({"kind": "val", "step": done, "val_loss": val_loss})
                 progress.message(f"step {done:>6} | val loss {val_loss:.4f}")
             if (tc.ckpt_interval and done % tc.ckpt_interval == 0) or done == tc.steps:
                 ckpt_path = checkpoint(done)
 
         if last_val_step != tc.steps:  # resumed at/after the end: nothing trained, still report
-            val_loss = evaluate(model, val_batches, precision)
-            writer.write({"kind": "val", "step": tc.steps, "val_loss": val_loss})
+            val_loss = evaluate(model, val_batches, precision, groups)
+            write({"kind": "val", "step": tc.steps, "val_loss": val_loss})
             ckpt_path = ckpt_path or (resume_from or "")
     finally:
         progress.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
     return TrainSummary(steps=tc.steps, final_train_loss=loss_step, val_loss=val_loss,
                         unigram_entropy=float(corpus.unigram_entropy()),
                         tokens_per_s=run_tokens / run_seconds if run_seconds else 0.0,
-                        checkpoint=ckpt_path, metrics_path=writer.path)
+                        checkpoint=ckpt_path, metrics_path=metrics_path)

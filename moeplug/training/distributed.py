@@ -1,0 +1,182 @@
+"""Multi-process training setup: process group, layout, this rank's model and its data slice.
+
+Launch: ``torchrun --nproc-per-node N -m moeplug train ...`` (or ``moeplug train --nproc N``,
+which re-executes itself under torchrun). torchrun sets WORLD_SIZE/RANK/MASTER_ADDR/PORT; one
+process with every degree 1 never creates a process group and takes the unchanged
+single-process path.
+
+Equivalence contract (tests/test_parallel_train.py proves it per layout): a run with
+data-parallel size DP and ``train.grad_accum_steps = A`` equals one process with
+``grad_accum_steps = DP * A`` and the same seed, because
+
+* init: every rank builds the *full* single-process model from the seed (same RNG on every
+  rank), then copies its shard into its own model or pipeline chunks (TP/EP/ETP slices by
+  :func:`moeplug.parallel.tensor_parallel.load_parallel_shard`, pipeline chunks keep the full
+  model's names). Cost: the whole model exists once per rank during setup; gain: no broadcast
+  and initial weights identical to the single-process run whatever the layout.
+* data: step ``s`` draws ``DP * A`` micro-batches from the (seed, s) generator, in the order one
+  process would draw them; DP rank r takes micro-batches ``r*A .. (r+1)*A - 1``. Slicing whole
+  micro-batches (not rows of one big batch) keeps the per-micro-batch aux loss identical.
+  TP ranks of one DP rank get the same micro-batches; CP ranks then take their
+  :func:`~moeplug.parallel.context_parallel.shard_sequence` of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeplug.config import ConfigError, RootConfig
+
+
+def world_from_env() -> int:
+    """The number of processes torchrun started (1 when not launched by torchrun)."""
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"$WORLD_SIZE = {raw!r} is not an integer. Fix: launch with torchrun "
+                          "(it sets WORLD_SIZE) or unset it") from None
+
+
+def is_parallel(cfg: RootConfig, world_size: int) -> bool:
+    p = cfg.parallel
+    return world_size > 1 or any(v > 1 for v in (p.tp, p.cp, p.pp, p.ep, p.etp, p.dp))
+
+
+def resolve_layout(cfg: RootConfig, world_size: int) -> Any:
+    """The resolved ParallelConfig for ``world_size`` (dp/edp filled). Raises ConfigError when
+    the degrees do not tile the world: call it before any process group or rank exists."""
+    return cfg.parallel.layout().resolve(world_size)
+
+
+def layout_manifest(cfg: RootConfig, groups: Any) -> dict:
+    """The layout a checkpoint shard depends on; resume needs exactly the same one."""
+    pc = groups.config
+    return {"world_size": groups.world_size, "tp": pc.tp, "cp": pc.cp, "dp": pc.dp, "pp": pc.pp,
+            "ep": pc.ep, "etp": pc.etp, "edp": pc.edp, "sequence_parallel": pc.sequence_parallel,
+            "order": pc.order, "vpp": cfg.parallel.vpp,
+            "num_layers_in_first_stage": cfg.parallel.num_layers_in_first_stage,
+            "num_layers_in_last_stage": cfg.parallel.num_layers_in_last_stage,
+            "distributed_optimizer": cfg.parallel.distributed_optimizer}
+
+
+def init_distributed(cfg: RootConfig) -> Any:
+    """Join torchrun's process group and build every parallel group; None on the plain
+    single-process path. The layout is validated before the process group is created."""
+    from moeplug.parallel import ParallelGroups
+
+    world = world_from_env()
+    if not is_parallel(cfg, world):
+        return None
+    resolve_layout(cfg, world)
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    if not dist.is_initialized():
+        # CPU tensors go over gloo; with CUDA present, CUDA tensors over NCCL.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timeout)  # env:// rendezvous set by torchrun
+    return ParallelGroups.build(cfg.parallel.layout(), dist.get_world_size(), dist.get_rank(),
+                                timeout=timeout)
+
+
+def is_main_rank(groups: Any) -> bool:
+    return groups is None or groups.rank == 0
+
+
+def build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any) -> nn.Module:
+    """This rank's model: the MoETransformer, or ``nn.ModuleList`` of its pipeline chunks when
+    pp > 1, initialised with its shard of the single-process model (see the module docstring).
+    Call after seeding the RNG; ``groups=None`` is exactly ``build_model(cfg, host, vocab)``."""
+    from moeplug.modules import build_model
+    from moeplug.parallel.pipeline import build_stage_modules
+    from moeplug.parallel.tensor_parallel import load_parallel_shard
+
+    if groups is None:
+        return build_model(cfg, host, vocab_size)
+    full_state = build_model(cfg, host, vocab_size).state_dict()
+    if groups.size("pp") > 1:
+        chunks = build_stage_modules(cfg, host, vocab_size, groups, cfg.parallel.pipeline())
+        for chunk in chunks:  # chunk parameter names are the full model's
+            load_parallel_shard(chunk, full_state, groups)
+        return nn.ModuleList(chunks)
+    model = build_model(cfg, host, vocab_size, groups=groups)
+    load_parallel_shard(model, full_state, groups)
+    return model
+
+
+def pipeline_chunks(model: nn.Module) -> list | None:
+    """The pipeline chunks if ``model`` is a pipeline rank's ModuleList, else None."""
+    from moeplug.parallel.pipeline import PipelineChunk
+    if isinstance(model, nn.ModuleList) and all(isinstance(c, PipelineChunk) for c in model):
+        return list(model)
+    return None
+
+
+def dp_slice(num_micro: int, groups: Any) -> range:
+    """Indices (into the step's DP * A micro-batches) that this rank trains on."""
+    if groups is None:
+        return range(num_micro)
+    r = groups.rank_in("dp")
+    return range(r * num_micro, (r + 1) * num_micro)
+
+
+def local_sequence(tokens_BS: torch.Tensor, targets_BS: torch.Tensor,
+                   groups: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """This CP rank's shard of a micro-batch (identity without context parallelism)."""
+    if groups is None or groups.size("cp") == 1:
+        return tokens_BS, targets_BS
+    from moeplug.parallel.context_parallel import shard_sequence
+    cp, r = groups.size("cp"), groups.rank_in("cp")
+    return shard_sequence(tokens_BS, cp, r), shard_sequence(targets_BS, cp, r)
+
+
+def mean_over_dp(values: list[float], groups: Any) -> list[float]:
+    """Average per-rank scalars over DP (every rank of a DP group computed its own batch's; TP
+    and CP ranks already agree, pipeline ranks too after forward_backward_pipeline)."""
+    if groups is None or groups.dp is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, group=groups.dp)
+    return (t / groups.size("dp")).tolist()
+
+
+def global_expert_counts(counts: list[torch.Tensor], groups: Any) -> list[torch.Tensor]:
+    """Per MoE layer of the whole model, tokens routed to each expert over every rank: local
+    counts summed over the ranks of one pipeline stage (distinct tokens), stages concatenated."""
+    if groups is None or not counts and groups.pp is None:
+        return counts
+    if counts and groups.tp_dp_cp is not None:
+        flat = torch.stack(counts).to(torch.int64)
+        dist.all_reduce(flat, group=groups.tp_dp_cp)
+        counts = list(flat.unbind(0))
+    if groups.pp is None:
+        return counts
+    per_stage: list[Any] = [None] * groups.size("pp")
+    dist.all_gather_object(per_stage, [c.tolist() for c in counts], group=groups.pp)
+    return [torch.tensor(c, dtype=torch.int64) for stage in per_stage for c in stage]
+
+
+def single_process_equivalent(cfg: RootConfig, dp: int) -> RootConfig:
+    """The one-process config a parallel run with data-parallel size ``dp`` equals."""
+    from moeplug.config import ParallelSection
+    return dataclasses.replace(
+        cfg, parallel=ParallelSection(),
+        train=dataclasses.replace(cfg.train, grad_accum_steps=cfg.train.grad_accum_steps * dp))
+
+
+def barrier(groups: Any) -> None:
+    """Sync point of every rank (no-op in one process)."""
+    if groups is not None:
+        dist.barrier()
+
+
+def shutdown(groups: Any) -> None:
+    """Leave the process group (every rank, also on errors, so torchrun sees clean exits)."""
+    if groups is not None and dist.is_initialized():
+        dist.destroy_process_group()
