@@ -245,7 +245,8 @@ def test_encoder_round_trip_by_hand():
     rgb = bytes([255, 0, 0, 0, 255, 0, 0, 0, 255, 10, 20, 30, 40, 50, 60, 70, 80, 90])
     w, h, rows = _decode_png(encode_png(3, 2, rgb))
     assert (w, h) == (3, 2)
-    assert rows == [[(255, 0, 0), (0, 255, 0), (0, 0, 255)], [(10, 20, 30), (40, 50, 60), (70, 80, 90)]]
+    assert rows == [[(255, 0, 0), (0, 255, 0), (0, 0, 255)],
+                    [(10, 20, 30), (40, 50, 60), (70, 80, 90)]]
 
 
 def test_encoder_rejects_a_wrong_pixel_count():
@@ -343,7 +344,8 @@ def test_broken_line_and_mixed_models(tmp_path):
         f.write(json.dumps(good) + "\n{oops\n" + json.dumps(good) + "\n")
     with pytest.raises(RunDirError, match=r"line 2 is not valid JSON\. Fix: delete or repair"):
         plot_load(str(tmp_path))
-    _write_metrics(str(tmp_path), [good, {"kind": "train", "step": 2, "moe": {"tokens": [[1, 2, 3]]}}])
+    wider = {"kind": "train", "step": 2, "moe": {"tokens": [[1, 2, 3]]}}
+    _write_metrics(str(tmp_path), [good, wider])
     with pytest.raises(RunDirError, match=r"step 2 logs experts per layer \[3\] but step 1 logs "
                                           r"\[2\].*Fix: give each model its own train.out_dir"):
         plot_load(str(tmp_path))
