@@ -69,8 +69,9 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
     chunks = D.pipeline_chunks(model)
     if chunks is not None:
         from moeplug.parallel.schedules import forward_backward_pipeline
-        res = forward_backward_pipeline(chunks, batches, groups, forward_only=True,
-                                        autocast=lambda: precision.autocast("cpu"))
+        res = forward_backward_pipeline(
+            chunks, [D.local_sequence(t, y, groups) for t, y in batches], groups,
+            forward_only=True, autocast=lambda: precision.autocast("cpu"))
         model.train(was_training)
         return float(res.lm_loss)
     losses = []
@@ -120,8 +121,9 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     if chunks is not None:
         from moeplug.parallel.schedules import forward_backward_pipeline
         # The schedule accumulates grads of sum_m (lm_m + aux_m) / M over its micro-batches.
-        res = forward_backward_pipeline(chunks, micro_batches, groups,
-                                        autocast=lambda: precision.autocast("cpu"))
+        res = forward_backward_pipeline(
+            chunks, [D.local_sequence(t, y, groups) for t, y in micro_batches], groups,
+            autocast=lambda: precision.autocast("cpu"))
         sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss)]
         counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
     else:

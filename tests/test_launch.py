@@ -1,0 +1,173 @@
+"""Multi-process launch: `moeplug train --nproc N` under torchrun, end to end, and its errors.
+
+The end-to-end test runs the real command (torchrun, gloo, real data pipeline and plugins) at
+EP2 for 5 steps and compares the loss of every step in metrics.jsonl with a one-process run of
+the equivalent config (grad_accum_steps x DP, see moeplug.training.distributed).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from moeplug.config import ConfigError, load_config
+from moeplug.training.metrics import read_metrics
+
+STEPS = ["--steps", "5", "--set", "train.log_interval=1", "--set", "train.warmup_steps=1",
+         "--set", "train.eval_interval=0"]
+
+
+def _losses(out_dir: str) -> list[float]:
+    return [r["loss"] for r in read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+            if r["kind"] == "train"]
+
+
+def test_nproc2_ep2_equals_one_process_with_double_accumulation(run_cli, tiny_config_file,
+                                                                 tmp_path):
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    par, one = str(tmp_path / "ep2"), str(tmp_path / "one")
+    proc = run_cli("train", "--config", cfg, "--out", par, "--nproc", "2",
+                   "--set", "parallel.ep=2", *STEPS, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # rank 0 alone prints: one summary line, one metrics file
+    assert proc.stdout.count("done: 5 steps") == 1, proc.stdout
+    run = [r for r in read_metrics(os.path.join(par, "metrics.jsonl")) if r["kind"] == "run"]
+    assert len(run) == 1 and run[0]["parallel"]["ep"] == 2 and run[0]["parallel"]["dp"] == 2
+    ckpt = os.path.join(par, "step_000005")
+    assert sorted(f for f in os.listdir(ckpt) if f.startswith("model_rank")) == [
+        "model_rank0.safetensors", "model_rank1.safetensors"]
+
+    proc = run_cli("train", "--config", cfg, "--out", one, "--set", "train.grad_accum_steps=2",
+                   *STEPS, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _losses(par), _losses(one)
+    assert len(got) == len(want) == 5
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, (got, want)
+
+    # Resuming the 2-rank checkpoint in one process: a clear layout error, exit 2.
+    proc = run_cli("train", "--config", cfg, "--out", str(tmp_path / "r"), "--resume", ckpt,
+                   *STEPS, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "per-rank shards of a parallel run" in proc.stderr and "Fix:" in proc.stderr
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--nproc", "2", "--set", "parallel.ep=3"],
+     ["num_experts 4 not divisible by EP 3", "ParallelConfig.ep = 3", "Fix:"]),
+    (["--nproc", "3", "--set", "parallel.ep=2"],
+     ["ParallelConfig.ep = 2", "does not divide world size 3", "Fix:"]),
+    (["--set", "parallel.ep=2"],  # no --nproc: one process cannot hold EP2
+     ["does not divide world size 1", "Fix:"]),
+    (["--nproc", "0"], ["--nproc 0", "Fix:"]),
+])
+def test_layout_errors_exit_2_before_launching(run_cli, tiny_config_file, tmp_path, extra,
+                                               words):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = run_cli("train", "--config", tiny_config_file(str(out)), *extra, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    for w in words:
+        assert w in proc.stderr, proc.stderr
+    assert "torch.distributed.run" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists(), "nothing may run before the layout is validated"
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("override, words", [
+    ("parallel.distributed_optimizer=maybe", ["ParallelSection.distributed_optimizer", "'maybe'",
+                                            "Fix: write distributed_optimizer: true"]),
+    ("parallel.timeout_s=0", ["ParallelSection.timeout_s = 0.0", "Fix: set timeout_s"]),
+    ("parallel.tp=3", ["num_heads 8 not divisible by TP 3", "Fix:"]),
+    ("parallel.etp=5", ["ffn_hidden_size 384 not divisible by ETP 5", "Fix:"]),
+    ("parallel.pp=3", ["PipelineConfig.vpp", "num_layers 4", "Fix:"]),
+    ("parallel.cp=3", ["seq_len 128 not divisible by 2·CP", "Fix:"]),
+    ("parallel.order=tp-cp-dp-pp", ["ParallelConfig.order", "Fix:"]),
+])
+def test_parallel_section_errors_name_field_value_and_fix(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_model_dependent_pipeline_checks_run_at_load():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["parallel.pp=2", "parallel.vpp=2", "train.grad_accum_steps=3"])
+    assert "TrainConfig.grad_accum_steps = 3" in str(err.value) and "multiple of 2" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["parallel.pp=2", "parallel.num_layers_in_first_stage=5"])
+    assert "num_layers_in_first_stage = 5" in str(err.value) and "Fix:" in str(err.value)
+    # a valid layout loads and maps onto the parallel package's configs
+    cfg = load_config(None, ["parallel.pp=2", "parallel.vpp=2", "train.grad_accum_steps=2"])
+    assert cfg.parallel.layout().pp == 2 and cfg.parallel.pipeline().vpp == 2
+
+
+def test_world_size_from_env_and_launch_command(monkeypatch):
+    from moeplug.training.distributed import world_from_env
+    from moeplug.training.launch import strip_nproc, torchrun_command
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError) as err:
+        world_from_env()
+    assert "$WORLD_SIZE = 'two'" in str(err.value) and "Fix:" in str(err.value)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert world_from_env() == 4
+    argv = ["train", "--nproc", "2", "--set", "parallel.ep=2", "--nproc=2"]
+    assert strip_nproc(argv) == ["train", "--set", "parallel.ep=2"]
+    cmd = torchrun_command(2, argv)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert cmd[5:] == ["-m", "moeplug", "train", "--set", "parallel.ep=2"]
+
+
+def _sharded_ckpt_rank(rank: int, world: int, out_dir: str) -> str:
+    # Save a 2-rank checkpoint, then try to load it with another layout on the same ranks.
+    import torch
+
+    from moeplug.config import config_from_dict
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+    from moeplug.training.distributed import build_rank_model, layout_manifest
+    from moeplug.training.trainer import build_rank_optimizer
+
+    host = PluginHost.load()
+    cfgs = [config_from_dict({"model": {"hidden_size": 16, "num_layers": 2, "num_heads": 2,
+                                        "num_kv_heads": 2, "max_seq_len": 16,
+                                        "dense_ffn_hidden_size": 16,
+                                        "moe": {"num_experts": 4, "ffn_hidden_size": 8}},
+                              "train": {"seq_len": 8}, "parallel": par})
+            for par in ({"ep": 2}, {})]
+    handles = []
+    for cfg in cfgs:
+        groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+        torch.manual_seed(0)
+        model = build_rank_model(cfg, host, 32, groups)
+        handles.append((cfg, groups, model, build_rank_optimizer(model, cfg, groups)))
+    cfg, groups, model, opt = handles[0]
+    path = save_sharded_checkpoint(out_dir, 1, model, opt, {"metrics": {}}, groups,
+                                   layout_manifest(cfg, groups))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_sharded_checkpoint(path, model, opt, groups, layout_manifest(cfg, groups))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    cfg, groups, model, opt = handles[1]
+    try:
+        load_sharded_checkpoint(path, model, opt, groups, layout_manifest(cfg, groups))
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_sharded_checkpoint_round_trip_and_layout_mismatch(tmp_path):
+    from moeplug.testing.distributed import run_distributed
+    msgs = run_distributed(_sharded_ckpt_rank, 2, str(tmp_path), timeout=120)
+    for msg in msgs:
+        assert "was written with parallel layout" in msg, msg
+        assert "'ep': (2, 1)" in msg and "Fix: resume with the same parallel settings" in msg
+    assert sorted(os.listdir(tmp_path / "step_000001")) == [
+        "meta.json", "model_rank0.safetensors", "model_rank1.safetensors",
+        "optimizer_rank0.json", "optimizer_rank0.safetensors", "optimizer_rank1.json",
+        "optimizer_rank1.safetensors"]
