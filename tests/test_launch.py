@@ -171,3 +171,37 @@ def test_sharded_checkpoint_round_trip_and_layout_mismatch(tmp_path):
         "meta.json", "model_rank0.safetensors", "model_rank1.safetensors",
         "optimizer_rank0.json", "optimizer_rank0.safetensors", "optimizer_rank1.json",
         "optimizer_rank1.safetensors"]
+
+
+def _dead_peer_rank(rank: int, world: int) -> str:
+    # parallel.timeout_s reaches the groups init_distributed builds: rank 1 dies (os._exit, no
+    # goodbye), rank 0's next collective on the EP group must raise, not hang.
+    import os as _os
+
+    import torch
+    import torch.distributed as dist
+
+    from moeplug.config import load_config
+    from moeplug.training.distributed import init_distributed
+
+    _os.environ["WORLD_SIZE"] = str(world)
+    groups = init_distributed(load_config(None, ["parallel.ep=2", "parallel.timeout_s=3"]))
+    if rank == 1:
+        _os._exit(17)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4), group=groups.ep)
+    except Exception as e:  # gloo reports the timeout or the closed connection
+        return f"raised after {time.monotonic() - t0:.1f}s: {type(e).__name__}"
+    raise AssertionError("a collective with a dead peer returned normally")
+
+
+def test_a_dead_rank_makes_the_others_fail_instead_of_hanging():
+    from moeplug.testing.distributed import DistributedError, run_distributed
+    with pytest.raises(DistributedError) as err:
+        run_distributed(_dead_peer_rank, 2, timeout=60, grace=30)
+    failures = err.value.failures
+    assert "exited with code 17" in failures[1]
+    # rank 0's collective raised (it returned its message), it was neither killed by the
+    # harness after the grace period nor allowed to complete the collective
+    assert 0 not in failures, failures
