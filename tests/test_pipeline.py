@@ -279,30 +279,6 @@ def test_single_process_pipeline_step_is_gradient_accumulation():
     assert all(torch.equal(p.grad, before[k]) for c in chunks for k, p in c.named_parameters())
 
 
-def test_tied_embeddings_rejected_with_pipeline():
-    from moeplug.config import ConfigError
-    from moeplug.parallel.pipeline import PipelineConfig, _check_untied
-    with pytest.raises(ConfigError, match=r"ModelConfig.tie_embeddings = True with pipeline "
-                       r"parallelism \(pp = 2\).*Fix: set model.tie_embeddings=false"):
-        _check_untied(True, 2)
-    _check_untied(True, 1)  # one stage holds both: fine
-    cfg = _cfg(tie=True)
-    with pytest.raises(ConfigError, match=r"tie_embeddings = True with pipeline"):
-        _single_process_chunks(cfg, PipelineConfig(), 2, 0)
-
-
-def test_unsupported_combinations_are_rejected():
-    from moeplug.config import ConfigError
-    from moeplug.parallel.pipeline import check_composable
-    cfg = _cfg().model
-    check_composable(cfg, pp=1, tp=2, cp=2)  # no pipeline: the model's own forward runs
-    check_composable(cfg, pp=2, tp=1, cp=1)
-    with pytest.raises(ConfigError, match=r"ParallelConfig.tp = 2 with pp = 2: .*Fix: set tp = 1"):
-        check_composable(cfg, pp=2, tp=2, cp=1)
-    with pytest.raises(ConfigError, match=r"ParallelConfig.cp = 4 with pp = 2: .*Fix: set cp = 1"):
-        check_composable(cfg, pp=2, tp=1, cp=4)
-
-
 def test_load_pipeline_shard_errors():
     from moeplug.parallel.pipeline import PipelineConfig, load_pipeline_shard
     cfg = _cfg(num_layers=2)

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeplug.config import ModelConfig
@@ -19,10 +18,10 @@ from moeplug.modules.flops import flops_per_token
 from moeplug.modules.mla import MLAttention
 from moeplug.modules.mlp import SwiGLUMLP
 from moeplug.modules.moe import MoELayer, MoEOutput
-from moeplug.modules.mtp import MTPLayer, mtp_losses
+from moeplug.modules.mtp import MTPLayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
-from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
+from moeplug.modules.stages import ModelStages
 from moeplug.parallel import tensor_parallel as tpar
 
 
@@ -77,7 +76,7 @@ class TransformerBlock(nn.Module):
         return x_BSD + self.ffn(self.ffn_norm(x_BSD)), None, None
 
 
-class MoETransformer(nn.Module):
+class MoETransformer(ModelStages, nn.Module):
     """Layer i is MoE iff ``cfg.moe_layer_pattern[i]`` (moe.layer_freq, the first
     ``first_k_dense`` forced dense); MoE layers take ``moe_layers`` in order, the others a dense
     SwiGLU MLP."""
@@ -144,46 +143,19 @@ class MoETransformer(nn.Module):
             is_output = bool({"o_proj", "down_proj"} & {leaf, owner.rpartition(".")[2]})
             p.normal_(0.0, out_std if is_output else std)
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embed.weight if self.head is None else self.head.weight
-
     def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None) -> ModelOutput:
-        x_BSD = self.embed(tokens_BS)
-        aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
-        expert_counts: list[torch.Tensor] = []
-        router_losses: list[dict] = []
-        for block in self.blocks:
-            block_out = block(x_BSD)
-            x_BSD, layer_aux, counts_E = block_out
-            if counts_E is not None:
-                aux_loss = aux_loss + layer_aux.float()
-                expert_counts.append(counts_E)
-                router_losses.append(block_out.router_losses)
-        if self._cp_group is not None:  # grad x CP: sync_gradients averages over CP (cp_aux_loss)
-            aux_loss = cp_aux_loss(aux_loss, self._cp_group)
-        # TP: logits_BSV holds this rank's V/TP vocabulary columns; the full [B, S, V] is never built.
-        logits_BSV = F.linear(tpar.enter_for(self._groups, self.norm(x_BSD)), self.output_weight())
-        lm_loss = loss = None
-        if targets_BS is not None:
-            # fp32 cross-entropy: under bf16 autocast the log-softmax over V would lose precision.
-            if tpar.tp_of(self._groups)[0] is not None:
-                lm_loss = tpar.lm_loss(logits_BSV, targets_BS, self._groups)
-            else:
-                lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group) if (
-                self._cp_group is not None) else F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
-                                      targets_BS.reshape(-1))
-            loss = lm_loss + aux_loss
-        mtp_loss = None
-        if targets_BS is not None and len(self.mtp):
-            depth_losses, mtp_aux, mtp_counts = mtp_losses(
-                self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight)
-            mtp_loss = (self.cfg.mtp_loss_scaling_factor / len(self.mtp)) * sum(
-                depth_losses, torch.zeros((), device=x_BSD.device))
-            aux_loss = aux_loss + sum(mtp_aux, torch.zeros_like(aux_loss))
-            expert_counts += mtp_counts
-            router_losses += [{} for _ in mtp_counts]  # mtp_losses does not pass them on
+        # The stages (moeplug.modules.stages) are the ones pipeline chunks run, one code path.
+        blocks_out = self.run_blocks(self.embed_tokens(tokens_BS), self.blocks)
+        head_out = self.head_and_loss(blocks_out.x_BSD, tokens_BS, targets_BS)
+        lm_loss, aux_loss, mtp_loss = head_out.lm_loss, blocks_out.aux_loss, head_out.mtp_loss
+        loss = None if lm_loss is None else lm_loss + aux_loss
+        router_losses = list(blocks_out.router_losses)
+        if mtp_loss is not None:
+            aux_loss = aux_loss + head_out.mtp_aux_loss
+            router_losses += [{} for _ in head_out.mtp_counts]  # mtp_losses does not pass them on
             loss = lm_loss + aux_loss + mtp_loss
-        return ModelOutput(logits_BSV, loss, lm_loss, aux_loss, expert_counts, mtp_loss,
+        return ModelOutput(head_out.logits_BSV, loss, lm_loss, aux_loss,
+                           blocks_out.expert_counts + head_out.mtp_counts, mtp_loss,
                            router_losses=router_losses)
 
     def finalize_step(self, group=None) -> None:

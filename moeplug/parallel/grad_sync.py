@@ -86,7 +86,9 @@ def global_grad_norm(model: nn.Module, groups: Any) -> torch.Tensor:
     def sq(ps: list[nn.Parameter]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         for p in ps:
-            if p.grad is not None:
+            # A pipeline stage's twin of a parameter held by another stage (the last stage's
+            # embedding copy, moeplug.parallel.pipeline) holds the same grad: count it once.
+            if p.grad is not None and not getattr(p, "pipeline_copy", False):
                 total += p.grad.detach().double().pow(2).sum().cpu()
         return total
 

@@ -11,16 +11,19 @@ Partition (Megatron-Core semantics, ``get_num_layers_to_build`` / ``get_transfor
     ``v = c * P + r``, and virtual stages hold consecutive layer blocks in v order. E.g. N = 8,
     P = 2, C = 2: rank 0 holds layers {0,1} and {4,5}, rank 1 holds {2,3} and {6,7}.
   * The first virtual stage (rank 0, chunk 0) also holds the embedding; the last (rank P-1,
-    chunk C-1) holds the final norm, the output head and the loss.
+    chunk C-1) holds the final norm, the output head, the loss and the MTP layers.
+  * Tied embeddings or MTP: the last stage holds a copy of the embedding too, whose grads are
+    summed with the first stage's over the embedding group {first, last} after the backwards
+    (Megatron's embedding group and ``_allreduce_word_embedding_grads``).
 
 Chunks reuse the single-process model's submodules under the same names (``embed``,
 ``blocks.<global layer index>``, ``norm``, ``head``), so a chunk's state_dict keys are a subset
 of the full model's: :func:`load_pipeline_shard` loads a full checkpoint into any layout and
 checkpoints can be resharded by key.
 
-Tied embeddings are rejected with PP > 1 (the head would live on another rank than the
-embedding and would need a second copy whose gradients are all-reduced over an embedding group);
-set ``model.tie_embeddings=false`` to pipeline a model.
+Chunks run the model's own forward stages (embed_tokens / run_blocks / head_and_loss), so
+tensor/sequence, context and expert parallelism and MTP compose with PP without a second copy
+of the loss code.
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 
 from moeplug.config import ConfigError, RootConfig
 from moeplug.modules.moe import MoELayer
+from moeplug.modules.stages import ModelStages
 from moeplug.modules.transformer import MoETransformer
+from moeplug.parallel import comm
+from moeplug.parallel import tensor_parallel as tpar
+from moeplug.parallel.layout import layout_rank_groups
 
 
 def _fail(name: str, value: object, rule: str, fix: str) -> None:
@@ -119,80 +126,148 @@ class ChunkOutput:
 
     x_BSD: the activation for the next virtual stage (None on the last one).
     lm_loss: mean cross-entropy of the micro-batch (last virtual stage only, else None).
-    aux_loss: sum of this chunk's MoE routers' aux losses (already times their coefficient).
-    expert_counts: per MoE layer of the chunk, int64 [E] tokens routed to each expert.
+    aux_loss: sum of this chunk's MoE routers' aux losses (already times their coefficient),
+        MTP blocks' included on the last stage.
+    expert_counts: per MoE layer of the chunk (MTP blocks last), int64 [E] tokens per expert.
+    mtp_loss: the scaled multi-token-prediction loss (last stage with MTP layers, else None).
     """
 
     x_BSD: torch.Tensor | None
     lm_loss: torch.Tensor | None
     aux_loss: torch.Tensor
     expert_counts: list[torch.Tensor]
+    mtp_loss: torch.Tensor | None = None
 
 
-class PipelineChunk(nn.Module):
+def needs_embedding_copy(model_cfg: Any) -> bool:
+    """Whether the last stage needs the embedding too: a tied head is the embedding, and MTP
+    embeds the tokens k steps ahead (Megatron keeps the same copy on its last stage)."""
+    return bool(model_cfg.tie_embeddings or model_cfg.mtp_num_layers)
+
+
+class PipelineChunk(ModelStages, nn.Module):
     """A consecutive block of a :class:`MoETransformer`'s layers (plus its embedding on the first
-    virtual stage, its norm + head on the last), under the full model's parameter names."""
+    virtual stage, its norm + head + MTP layers on the last), under the full model's parameter
+    names. Runs the model's own stages (:class:`moeplug.modules.stages.ModelStages`), so TP/SP,
+    CP and MTP behave exactly as in ``MoETransformer.forward``.
 
-    def __init__(self, model: MoETransformer, layers: range, is_first: bool, is_last: bool) -> None:
+    The last stage also holds ``embed`` when :func:`needs_embedding_copy`: a second copy of the
+    first stage's parameter (same name, same initial value). Its grad is summed with the first
+    stage's over ``embedding_group`` by :func:`allreduce_embedding_grads` (the schedule calls
+    it), so both copies get the single-process grad and stay equal under the optimizer. The
+    copy carries ``pipeline_copy = True`` so the global grad norm counts the parameter once."""
+
+    def __init__(self, model: MoETransformer, layers: range, is_first: bool, is_last: bool,
+                 embedding_group: Any = None) -> None:
         super().__init__()
         self.is_first, self.is_last = is_first, is_last
         self.layers = layers
+        self.cfg, self._groups, self._cp_group = model.cfg, model._groups, model._cp_group
         self.hidden_size = model.cfg.hidden_size  # the [B, S, D] activation the stages exchange
-        if is_first:
+        # Set only on a stage whose embedding has a twin on another pipeline rank.
+        self.embedding_group = embedding_group
+        if is_first or (is_last and needs_embedding_copy(model.cfg)):
             self.embed = model.embed
+            if not is_first:
+                for p in self.embed.parameters():
+                    p.pipeline_copy = True
         # Keys are global layer indices, so parameter names match the full model's blocks.<i>.
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if is_last:
             self.norm = model.norm
             self.head = model.head
+            self.mtp = model.mtp
 
-    def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None) -> ChunkOutput:
+    def activation_shape(self, tokens_BS: torch.Tensor) -> tuple[int, int, int]:
+        """Shape of the [B, S, D] activation this chunk receives for ``tokens_BS`` (this rank's
+        CP shard): under SP each TP rank holds S / TP positions, as between any two blocks."""
+        B, S = tokens_BS.shape
+        tp, sp = tpar.tp_of(self._groups)
+        return (B, S // comm.group_size(tp) if sp else S, self.hidden_size)
+
+    def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None,
+                tokens_BS: torch.Tensor | None = None) -> ChunkOutput:
         """``x`` is tokens_BS on the first virtual stage, else the previous stage's x_BSD.
-        Mirrors MoETransformer.forward op for op, so a pipelined run is numerically the single
-        process's (tests/test_pipeline.py would catch a drift)."""
-        x_BSD = self.embed(x) if self.is_first else x
-        aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
-        expert_counts: list[torch.Tensor] = []
-        for block in self.blocks.values():
-            x_BSD, layer_aux, counts_E = block(x_BSD)
-            if counts_E is not None:
-                aux_loss = aux_loss + layer_aux.float()
-                expert_counts.append(counts_E)
+        ``targets_BS`` (and, for MTP, ``tokens_BS``) on the last virtual stage."""
+        if self.is_first:
+            tokens_BS = x
+            x = self.embed_tokens(x)
+        blocks_out = self.run_blocks(x, self.blocks.values())
         if not self.is_last:
-            return ChunkOutput(x_BSD, None, aux_loss, expert_counts)
-        logits_BSV = F.linear(self.norm(x_BSD), self.head.weight)
-        lm_loss = None
-        if targets_BS is not None:
-            lm_loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
-                                      targets_BS.reshape(-1))
-        return ChunkOutput(None, lm_loss, aux_loss, expert_counts)
+            return ChunkOutput(blocks_out.x_BSD, None, blocks_out.aux_loss,
+                               blocks_out.expert_counts)
+        head_out = self.head_and_loss(blocks_out.x_BSD, tokens_BS, targets_BS)
+        return ChunkOutput(None, head_out.lm_loss, blocks_out.aux_loss + head_out.mtp_aux_loss,
+                           blocks_out.expert_counts + head_out.mtp_counts, head_out.mtp_loss)
 
     def finalize_step(self, group: Any = None) -> None:
         """Per optimizer step, after ``optimizer.step()`` (see MoETransformer.finalize_step)."""
-        for block in self.blocks.values():
+        blocks = [*self.blocks.values(), *(layer.block for layer in getattr(self, "mtp", ()))]
+        for block in blocks:
             if isinstance(block.ffn, MoELayer):
                 block.ffn.router.finalize_step(group)
 
 
-def _check_untied(tie_embeddings: bool, pp: int) -> None:
-    if pp > 1 and tie_embeddings:
-        raise ConfigError(f"ModelConfig.tie_embeddings = True with pipeline parallelism (pp = "
-                          f"{pp}): the head would sit on another rank than the embedding it "
-                          "shares. Fix: set model.tie_embeddings=false, or pp = 1")
-
-
-def split_model(model: MoETransformer, pipe: PipelineConfig, pp: int,
-                pp_rank: int) -> list[PipelineChunk]:
+def split_model(model: MoETransformer, pipe: PipelineConfig, pp: int, pp_rank: int,
+                embedding_group: Any = None) -> list[PipelineChunk]:
     """The ``vpp`` chunks of pipeline rank ``pp_rank`` (references to ``model``'s submodules:
-    drop ``model`` afterwards and the other ranks' layers are freed)."""
+    drop ``model`` afterwards and the other ranks' layers are freed). ``embedding_group``: from
+    :func:`build_embedding_group` (None with one process, or when nothing is shared)."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank = {pp_rank} is outside [0, {pp}). Fix: pass "
                          "groups.rank_in('pp') and groups.size('pp')")
-    _check_untied(model.head is None, pp)
     ranges = pipe.chunk_layers(model.cfg.num_layers, pp)[pp_rank]
-    return [PipelineChunk(model, layers, is_first=(pp_rank == 0 and c == 0),
-                          is_last=(pp_rank == pp - 1 and c == pipe.vpp - 1))
-            for c, layers in enumerate(ranges)]
+    chunks = []
+    for c, layers in enumerate(ranges):
+        is_first, is_last = pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == pipe.vpp - 1
+        holds_twin = pp > 1 and (is_first or is_last) and needs_embedding_copy(model.cfg)
+        chunks.append(PipelineChunk(model, layers, is_first, is_last,
+                                    embedding_group if holds_twin else None))
+    return chunks
+
+
+def build_embedding_group(groups: Any, model_cfg: Any) -> Any:
+    """The process group {first, last pipeline rank} of this rank's pipeline, over which the two
+    embedding copies' grads are summed (Megatron's embedding group). None when no copy is needed
+    or pp = 1; the pipeline group itself when pp = 2. Collective: every rank of the world must
+    call it (``dist.new_group`` for each pipeline's pair, in the same order everywhere)."""
+    pp = groups.size("pp")
+    if pp == 1 or not needs_embedding_copy(model_cfg):
+        return None
+    if pp == 2:
+        return groups.pp
+    mine = None
+    for ranks in layout_rank_groups(groups.config)["pp"]:
+        pair = [ranks[0], ranks[-1]]
+        g = dist.new_group(ranks=pair)
+        if groups.rank in pair:
+            mine = g
+    return mine
+
+
+@torch.no_grad()
+def allreduce_embedding_grads(chunks: list[PipelineChunk],
+                              grads_before: dict[int, torch.Tensor | None]) -> None:
+    """Sum what this step added to the embedding copies' grads over their embedding group.
+
+    ``grads_before`` (:func:`embedding_grads_snapshot`, taken before the step's backwards) is
+    kept out of the sum, so grads accumulated over several calls are not added twice."""
+    for chunk in chunks:
+        if chunk.embedding_group is None:
+            continue
+        for p in chunk.embed.parameters():
+            before = grads_before.get(id(p))
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            delta = grad if before is None else grad - before
+            dist.all_reduce(delta, group=chunk.embedding_group)
+            p.grad = delta if before is None else before + delta
+
+
+def embedding_grads_snapshot(chunks: list[PipelineChunk]) -> dict[int, torch.Tensor | None]:
+    """The embedding copies' current grads (cloned), keyed by parameter id."""
+    return {id(p): None if p.grad is None else p.grad.clone()
+            for chunk in chunks if chunk.embedding_group is not None
+            for p in chunk.embed.parameters()}
 
 
 def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
@@ -200,39 +275,18 @@ def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any
     """Build this rank's model chunks for ``groups`` (a ParallelGroups).
 
     The full model is built with :func:`moeplug.modules.build_model` (so whatever the model
-    builder does for TP/EP applies unchanged) and then sliced. Cost: the whole model exists
+    builder does for TP/CP/EP applies unchanged) and then sliced. Cost: the whole model exists
     briefly on every rank; gain: with the same seed every rank's chunks hold exactly the
-    single-process initial weights, with no broadcast. Layout errors raise before building."""
+    single-process initial weights, with no broadcast. Layout errors raise before building.
+    Collective (the embedding group, see :func:`build_embedding_group`)."""
     from moeplug.modules import build_model
 
     pipe = pipe or PipelineConfig()
     pp, pp_rank = groups.size("pp"), groups.rank_in("pp")
     pipe.chunk_layers(cfg.model.num_layers, pp)  # validate before the (larger) build
-    _check_untied(cfg.model.tie_embeddings, pp)
-    check_composable(cfg.model, pp=pp, tp=groups.size("tp"), cp=groups.size("cp"))
+    embedding_group = build_embedding_group(groups, cfg.model)
     model = build_model(cfg, host, vocab_size, groups=groups)
-    return split_model(model, pipe, pp, pp_rank)
-
-
-def check_composable(model_cfg: Any, *, pp: int, tp: int, cp: int) -> None:
-    """Reject what pipeline chunks cannot run yet (raises ConfigError).
-
-    PipelineChunk.forward repeats MoETransformer.forward's plain path: embedding, blocks, norm,
-    head and F.cross_entropy. The TP (vocab-parallel head/loss), CP (cross-shard loss) and MTP
-    paths of the model's forward are not mirrored, so PP > 1 with any of them would silently
-    compute a different loss. Lifting this needs MoETransformer to expose its embedding and its
-    head + loss as methods the last chunk can call."""
-    if pp == 1:
-        return
-    for name, size in (("tp", tp), ("cp", cp)):
-        if size > 1:
-            raise ConfigError(f"ParallelConfig.{name} = {size} with pp = {pp}: pipeline stages do "
-                              f"not support {name.upper()} yet (the last stage's loss would skip "
-                              f"the {name.upper()} path). Fix: set {name} = 1 or pp = 1")
-    mtp = getattr(model_cfg, "mtp_num_layers", 0)
-    if mtp:
-        raise ConfigError(f"ModelConfig.mtp_num_layers = {mtp} with pp = {pp}: pipeline stages do "
-                          "not hold MTP layers yet. Fix: set mtp_num_layers = 0 or pp = 1")
+    return split_model(model, pipe, pp, pp_rank, embedding_group)
 
 
 def pipeline_state_dict(chunks: list[PipelineChunk]) -> dict[str, torch.Tensor]:

@@ -18,7 +18,8 @@ previous virtual stage (the first one embeds the tokens), every backward receive
 gradient from the next one, and both send their result on with a non-blocking tagged send
 (:mod:`moeplug.parallel.p2p`), so ranks wait only on real data dependencies.
 
-Objective: each micro-batch contributes ``(lm_loss + sum of every stage's aux losses) / M``,
+Objective: each micro-batch contributes ``(lm_loss + sum of every stage's aux losses
+(+ mtp_loss)) / M``,
 exactly what one process doing gradient accumulation over the same M micro-batches
 differentiates. A stage that is not last backpropagates the received gradient together with its
 own MoE layers' ``aux_loss / M``.
@@ -35,6 +36,8 @@ import torch.distributed as dist
 
 from moeplug.config import ConfigError
 from moeplug.parallel import p2p
+from moeplug.parallel.context_parallel import shard_sequence
+from moeplug.parallel.pipeline import allreduce_embedding_grads, embedding_grads_snapshot
 
 
 @dataclass(frozen=True, order=True)
@@ -115,15 +118,17 @@ def pipeline_schedule(pp: int, rank: int, num_microbatches: int, vpp: int = 1,
 class PipelineStepResult:
     """One pipelined step, the same on every rank of the pipeline group.
 
-    loss = lm_loss + aux_loss, each the mean over micro-batches (aux summed over all stages'
-    MoE layers), detached. expert_counts: per MoE layer of *this rank's* chunks (chunk order),
-    int64 [E] tokens routed to each expert, summed over the micro-batches.
+    loss = lm_loss + aux_loss (+ mtp_loss), each the mean over micro-batches (aux summed over
+    all stages' MoE layers, MTP blocks' included), detached. expert_counts: per MoE layer of
+    *this rank's* chunks (chunk order), int64 [E] tokens routed to each expert, summed over the
+    micro-batches. mtp_loss: None without MTP layers.
     """
 
     loss: torch.Tensor
     lm_loss: torch.Tensor
     aux_loss: torch.Tensor
     expert_counts: list[torch.Tensor]
+    mtp_loss: torch.Tensor | None = None
 
 
 def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -134,10 +139,14 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
     :func:`moeplug.parallel.pipeline.build_stage_modules`), leaving the gradients of
     ``sum_m (lm_loss_m + aux_loss_m) / M`` accumulated in the chunks' ``.grad``.
 
-    ``microbatches``: M pairs (tokens_BS, targets_BS), the same on every rank of the pipeline
-    group (middle stages only read their shapes: activations are [B, S, D]). ``groups``: a
-    ParallelGroups. ``autocast``: a factory of the precision's forward context, entered around
-    every chunk forward. Collective over the pipeline group (one all-reduce of the losses).
+    ``microbatches``: M pairs (tokens_BS, targets_BS) of whole sequences, the same on every
+    rank of the pipeline group (middle stages only read their shapes). Under context
+    parallelism each rank takes its CP shard here (``shard_sequence``), as the single-process
+    trainer does before ``model(...)``. ``groups``: a ParallelGroups. ``autocast``: a factory of
+    the precision's forward context, entered around every chunk forward. Collective over the
+    pipeline group (one all-reduce of the losses) and, when the last stage holds an embedding
+    copy (tied head or MTP), over the embedding group: the copies' grads are summed after the
+    backwards (Megatron does it in finalize_model_grads), so callers need no extra step.
     """
     pp, rank = groups.size("pp"), groups.rank_in("pp")
     vpp, num_mb = len(chunks), len(microbatches)
@@ -146,6 +155,11 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
     prev_rank, next_rank = members[(rank - 1) % pp], members[(rank + 1) % pp]
     last_stage = pp * vpp - 1
     autocast = autocast or contextlib.nullcontext
+    if groups.size("cp") > 1:
+        cp, cp_rank = groups.size("cp"), groups.rank_in("cp")
+        microbatches = [(shard_sequence(t, cp, cp_rank), shard_sequence(y, cp, cp_rank))
+                        for t, y in microbatches]
+    embedding_grads = None if forward_only else embedding_grads_snapshot(list(chunks))
 
     def tag(direction: int, stage: int, m: int) -> int:
         return p2p.message_tag(direction, stage, m, pp * vpp, num_mb)
@@ -154,6 +168,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
     sends: list[Any] = []
     lm_sum = torch.zeros((), dtype=torch.float64)
     aux_sum = torch.zeros((), dtype=torch.float64)
+    mtp_sum = torch.zeros((), dtype=torch.float64)
+    has_mtp = torch.zeros((), dtype=torch.float64)  # 1 on the last stage when MTP ran
     counts: dict[tuple[int, int], torch.Tensor] = {}
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
     with grad_mode:
@@ -165,18 +181,24 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
                 if v == 0:
                     x = tokens_BS
                 else:
-                    shape = (*tokens_BS.shape, chunks[c].hidden_size)
+                    shape = chunks[c].activation_shape(tokens_BS)  # S / TP under SP
                     x = p2p.recv(shape, activation_dtype, prev_rank, group,
                                  tag(p2p.FORWARD, v - 1, m))
                     x.requires_grad_(not forward_only)
                 with autocast():
-                    out = chunks[c](x, targets_BS if v == last_stage else None)
+                    out = (chunks[c](x, targets_BS, tokens_BS) if v == last_stage else
+                           chunks[c](x))
                 aux_sum += out.aux_loss.detach().double()
                 for i, counts_E in enumerate(out.expert_counts):
                     counts[(c, i)] = counts.get((c, i), 0) + counts_E
                 if v == last_stage:
                     lm_sum += out.lm_loss.detach().double()
-                    objective = (out.lm_loss + out.aux_loss) / num_mb
+                    objective = out.lm_loss + out.aux_loss
+                    if out.mtp_loss is not None:
+                        mtp_sum += out.mtp_loss.detach().double()
+                        has_mtp.fill_(1.0)
+                        objective = objective + out.mtp_loss
+                    objective = objective / num_mb
                 else:
                     if out.x_BSD.dtype != activation_dtype:
                         raise TypeError(f"pipeline stage {v} produced a {out.x_BSD.dtype} "
@@ -203,9 +225,14 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
             if v > 0:
                 sends.append(p2p.send_async(x.grad, prev_rank, group, tag(p2p.BACKWARD, v, m)))
     p2p.wait_all(sends)
-    # Every rank reports the whole pipeline's losses: the last stage has lm, every stage has aux.
-    losses = torch.stack([lm_sum, aux_sum]) / num_mb
+    if embedding_grads is not None:
+        allreduce_embedding_grads(list(chunks), embedding_grads)
+    # Every rank reports the whole pipeline's losses: the last stage has lm (and MTP), every
+    # stage has aux.
+    losses = torch.stack([lm_sum, aux_sum, mtp_sum, has_mtp * num_mb]) / num_mb
     if group is not None:
         dist.all_reduce(losses, group=group)
-    lm, aux = losses.float().unbind()
-    return PipelineStepResult(lm + aux, lm, aux, [counts[k] for k in sorted(counts)])
+    lm, aux, mtp, mtp_ran = losses.float().unbind()
+    mtp_loss = mtp if mtp_ran > 0 else None
+    loss = lm + aux if mtp_loss is None else lm + aux + mtp_loss
+    return PipelineStepResult(loss, lm, aux, [counts[k] for k in sorted(counts)], mtp_loss)

@@ -1,0 +1,114 @@
+"""The model's forward as three stages that a whole model and a pipeline chunk both run.
+
+Legend: B batch, S sequence (this rank's: S/CP under context parallelism, S/TP between blocks
+under sequence parallelism), D hidden, V vocabulary (V/TP under tensor parallelism).
+
+    embed_tokens(tokens_BS)                      -> x_BSD          first stage
+    run_blocks(x_BSD, blocks)                    -> BlocksOutput   any stage
+    head_and_loss(x_BSD, tokens_BS, targets_BS)  -> HeadOutput     last stage (+ MTP)
+
+:class:`ModelStages` is a mixin: :class:`moeplug.modules.transformer.MoETransformer` and
+:class:`moeplug.parallel.pipeline.PipelineChunk` both inherit it, so a pipelined run executes the
+very code of the single-process forward (TP: vocab-parallel embedding/head/CE and SP
+scatter/gather at the ends; CP: the CP group's token-mean loss and the aux-loss grad scale; MTP:
+the embedding and output head shared with the main model). It reads only these attributes of
+its host: ``cfg``, ``_groups``, ``_cp_group``, ``embed``, ``norm``, ``head`` (None when tied),
+``mtp``. A pipeline chunk holds the pieces of its stage under the model's names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from moeplug.modules.mtp import mtp_losses
+from moeplug.parallel import tensor_parallel as tpar
+from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
+
+
+@dataclass(frozen=True)
+class BlocksOutput:
+    """x_BSD after the blocks; aux_loss: their routers' aux losses summed (times coefficient,
+    grad scaled by CP); expert_counts / router_losses: per MoE block, in block order."""
+
+    x_BSD: torch.Tensor
+    aux_loss: torch.Tensor
+    expert_counts: list[torch.Tensor]
+    router_losses: list[dict]
+
+
+@dataclass(frozen=True)
+class HeadOutput:
+    """logits_BSV: this TP rank's vocabulary columns. lm_loss / mtp_loss: None without targets
+    (mtp_loss also None without MTP layers). mtp_aux_loss: the MTP MoE blocks' aux losses summed
+    (zero when none); mtp_counts: their expert counts, per MTP MoE block."""
+
+    logits_BSV: torch.Tensor
+    lm_loss: torch.Tensor | None
+    mtp_loss: torch.Tensor | None
+    mtp_aux_loss: torch.Tensor
+    mtp_counts: list[torch.Tensor]
+
+
+class ModelStages:
+    """Mixin: the stages of the forward over the host's ``embed`` / blocks / ``norm`` / head."""
+
+    def output_weight(self) -> torch.Tensor:
+        """The output head's [V, D] weight: the embedding's when tied."""
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def embed_tokens(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; under SP the vocab-parallel embedding's reduce-scatter already
+        leaves this rank's [B, S/TP, D] chunk. Positions need no input: attention applies RoPE
+        at each held token's global position (CP layout) itself."""
+        return self.embed(tokens_BS)
+
+    def run_blocks(self, x_BSD: torch.Tensor, blocks: Iterable[torch.nn.Module]) -> BlocksOutput:
+        aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
+        expert_counts: list[torch.Tensor] = []
+        router_losses: list[dict] = []
+        for block in blocks:
+            block_out = block(x_BSD)
+            x_BSD, layer_aux, counts_E = block_out
+            if counts_E is not None:
+                aux_loss = aux_loss + layer_aux.float()
+                expert_counts.append(counts_E)
+                router_losses.append(block_out.router_losses)
+        if self._cp_group is not None:  # grad x CP: sync_gradients averages over CP (cp_aux_loss)
+            # Linear, so applying it per pipeline chunk equals applying it to the model's sum.
+            aux_loss = cp_aux_loss(aux_loss, self._cp_group)
+        return BlocksOutput(x_BSD, aux_loss, expert_counts, router_losses)
+
+    def head_and_loss(self, x_BSD: torch.Tensor, tokens_BS: torch.Tensor | None,
+                      targets_BS: torch.Tensor | None) -> HeadOutput:
+        """Final norm, output head, LM loss and (with targets) the MTP losses. ``x_BSD`` is the
+        last block's output before the final norm (MTP depth 1 reads it); ``tokens_BS`` is
+        needed only by MTP."""
+        # TP: logits_BSV holds this rank's V/TP vocabulary columns; the full [B, S, V] is never built.
+        logits_BSV = F.linear(tpar.enter_for(self._groups, self.norm(x_BSD)), self.output_weight())
+        mtp_aux = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
+        if targets_BS is None:
+            return HeadOutput(logits_BSV, None, None, mtp_aux, [])
+        # fp32 cross-entropy: under bf16 autocast the log-softmax over V would lose precision.
+        if tpar.tp_of(self._groups)[0] is not None:
+            lm_loss = tpar.lm_loss(logits_BSV, targets_BS, self._groups)
+        elif self._cp_group is not None:
+            lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group)
+        else:
+            lm_loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
+                                      targets_BS.reshape(-1))
+        if not len(self.mtp):
+            return HeadOutput(logits_BSV, lm_loss, None, mtp_aux, [])
+        if tokens_BS is None:
+            raise ValueError("head_and_loss: ModelConfig.mtp_num_layers = "
+                             f"{len(self.mtp)} needs the input tokens (MTP embeds the tokens "
+                             "k steps ahead) but tokens_BS is None. Fix: pass the micro-batch's "
+                             "tokens to the last pipeline stage")
+        depth_losses, aux, mtp_counts = mtp_losses(
+            self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight)
+        mtp_loss = (self.cfg.mtp_loss_scaling_factor / len(self.mtp)) * sum(
+            depth_losses, torch.zeros((), device=x_BSD.device))
+        return HeadOutput(logits_BSV, lm_loss, mtp_loss, sum(aux, mtp_aux), mtp_counts)
