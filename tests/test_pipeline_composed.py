@@ -192,3 +192,27 @@ def test_mtp_last_stage_needs_tokens():
                        r"is None. Fix: pass the micro-batch's tokens"):
         last(x_BSD, targets)
     assert last(x_BSD, targets, tokens).mtp_loss is not None
+
+
+def _mtp_rejections(rank: int, world: int) -> dict[str, str]:
+    from moeplug.modules import build_model
+    from moeplug.parallel import ParallelConfig, ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    out = {}
+    for kind in ("tp", "cp"):
+        groups = ParallelGroups.build(ParallelConfig(**{kind: 2}), world, rank)
+        try:
+            build_model(_cfg({"mtp_num_layers": 1}), PluginHost.load(), V, groups=groups)
+        except ValueError as e:
+            out[kind] = str(e)
+    return out
+
+
+def test_mtp_with_tp_or_cp_is_rejected_by_the_model():
+    """What the model itself cannot run, pipelined or not: MTP under TP (full-vocabulary MTP
+    loss, unsharded MTP blocks) or CP (MTP shifts tokens across shards)."""
+    for errors in run_distributed(_mtp_rejections, 2, timeout=90):
+        assert "ModelConfig.mtp_num_layers = 1 does not support tensor parallelism yet (tp = 2)" \
+            in errors["tp"] and "Fix: set mtp_num_layers: 0 or parallel.tp: 1" in errors["tp"]
+        assert "does not support context parallelism" in errors["cp"]
+        assert "Fix: set mtp_num_layers: 0" in errors["cp"]

@@ -111,6 +111,13 @@ class MoETransformer(ModelStages, nn.Module):
         if cfg.mtp_num_layers and groups is not None and getattr(groups, "cp", None) is not None:
             raise ValueError("ModelConfig.mtp_num_layers > 0 does not support context parallelism "
                              "yet (MTP shifts tokens across shards). Fix: set mtp_num_layers: 0")
+        if cfg.mtp_num_layers and tpar.tp_of(groups)[0] is not None:
+            # mtp_losses takes full-vocabulary logits and the MTP blocks are built unsharded, so
+            # TP would crash (or, worse, silently count MTP expert grads TP times).
+            raise ValueError(f"ModelConfig.mtp_num_layers = {cfg.mtp_num_layers} does not support "
+                             f"tensor parallelism yet (tp = {groups.size('tp')}): the MTP blocks "
+                             "and their loss are not tensor/vocab-parallel. Fix: set "
+                             "mtp_num_layers: 0 or parallel.tp: 1")
         self.mtp = nn.ModuleList(
             MTPLayer(cfg, TransformerBlock(cfg, self.rope, next(moe_iter) if num_mtp_moe else
                                            SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size)))
