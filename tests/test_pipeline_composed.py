@@ -16,8 +16,8 @@ are active (so every stage's aux loss must reach the objective) and that expert 
 every routed token. Aux loss: Switch + per-sequence + z-loss, so TP/CP token-group reductions
 are exercised too.
 
-Layout names: ppN pipeline, tpN tensor parallel, sp sequence parallel, epN expert parallel
-(folded: it may span TP or DP ranks), cpN context parallel.
+Layout names: ppN pipeline (vppN: N chunks per rank), tpN tensor parallel, sp sequence parallel,
+epN expert parallel (folded: it may span TP or DP ranks), cpN context parallel.
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from moeplug.testing.distributed import run_distributed
 V, MB, SEQ, NUM_MB = 64, 2, 8, 2
 TOL = dict(rtol=2e-5, atol=2e-6)  # fp32: same ops, only the collectives' summation order differs
 
-# name -> (world size, ParallelConfig kwargs, model overrides)
+# name -> (world size, ParallelConfig kwargs, model overrides[, PipelineConfig kwargs])
 LAYOUTS = {
     "pp2_tp2": (4, dict(pp=2, tp=2), {}),
     "pp2_tp2_sp_tied": (4, dict(pp=2, tp=2, sequence_parallel=True),
                         {"tie_embeddings": True, "qk_norm": True}),
     "pp2_ep2_tp2_sp": (8, dict(pp=2, tp=2, ep=2, sequence_parallel=True), {}),
     "pp2_cp2": (4, dict(pp=2, cp=2), {}),
+    # interleaved 1F1B: SP-sharded activations cross 3 stage boundaries per micro-batch
+    "pp2_vpp2_tp2_sp": (4, dict(pp=2, tp=2, sequence_parallel=True), {}, {"vpp": 2}),
     "pp2_mtp2": (2, dict(pp=2), {"mtp_num_layers": 2}),
     "pp2_tied": (2, dict(pp=2), {"tie_embeddings": True}),
     # pp > 2: the embedding group {first, last} is a new process group, a middle stage between
@@ -86,12 +88,12 @@ def _rank(rank: int, world: int, name: str) -> dict:
 
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import global_grad_norm, sync_gradients
-    from moeplug.parallel.pipeline import build_stage_modules
+    from moeplug.parallel.pipeline import PipelineConfig, build_stage_modules
     from moeplug.parallel.schedules import forward_backward_pipeline
     from moeplug.parallel.tensor_parallel import load_parallel_shard, shard_state_dict
     from moeplug.plugin_host import PluginHost
 
-    _, pkw, overrides = LAYOUTS[name]
+    _, pkw, overrides, *pipe_kw = LAYOUTS[name]
     cfg, host = _cfg(overrides), PluginHost.load()
     groups = ParallelGroups.build(ParallelConfig(**pkw), world, rank)
     dp, dp_rank = groups.size("dp"), groups.rank_in("dp")
@@ -100,7 +102,7 @@ def _rank(rank: int, world: int, name: str) -> dict:
     ref_params = dict(ref.named_parameters())
 
     torch.manual_seed(1 + rank)  # other weights than the reference: the loader must do the work
-    chunks = build_stage_modules(cfg, host, V, groups)
+    chunks = build_stage_modules(cfg, host, V, groups, PipelineConfig(**(pipe_kw or [{}])[0]))
     for chunk in chunks:
         load_parallel_shard(chunk, ref.state_dict(), groups)
     res = forward_backward_pipeline(chunks, mbs[dp_rank * NUM_MB:(dp_rank + 1) * NUM_MB], groups)
@@ -136,7 +138,7 @@ def _one_thread():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_composed_pipeline_equals_one_process(name):
-    world, pkw, overrides = LAYOUTS[name]
+    world, pkw, overrides, *_ = LAYOUTS[name]
     results = run_distributed(_rank, world, name, timeout=150)
     from moeplug.modules import build_model
     from moeplug.plugin_host import PluginHost

@@ -87,7 +87,7 @@ class ModelStages:
         """Final norm, output head, LM loss and (with targets) the MTP losses. ``x_BSD`` is the
         last block's output before the final norm (MTP depth 1 reads it); ``tokens_BS`` is
         needed only by MTP."""
-        # TP: logits_BSV holds this rank's V/TP vocabulary columns; the full [B, S, V] is never built.
+        # TP: logits_BSV holds this rank's V/TP vocabulary columns; [B, S, V] is never built.
         logits_BSV = F.linear(tpar.enter_for(self._groups, self.norm(x_BSD)), self.output_weight())
         mtp_aux = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         if targets_BS is None:
