@@ -401,7 +401,6 @@ class RootConfig:
     def _check_parallel_fits_model(self) -> None:
         # Shards must split evenly (heads % TP, experts % EP, layers per pipeline stage, seq_len
         # per CP/SP shard). No world size needed, so this runs on every load.
-        from moeplug.parallel import pipeline
         from moeplug.parallel.layout import validate_model
         m, par = self.model, self.parallel
         # pp = 1 here: the layer split (even or uneven stages) is PipelineConfig's to check.
@@ -410,11 +409,6 @@ class RootConfig:
                        num_layers=m.num_layers, ffn_hidden_size=m.moe.ffn_hidden_size,
                        seq_len=self.train.seq_len)
         par.pipeline().rank_layer_counts(m.num_layers, par.pp)
-        # What pipeline stages cannot run (yet), where the pipeline module declares it.
-        if hasattr(pipeline, "_check_untied"):
-            pipeline._check_untied(m.tie_embeddings, par.pp)
-        if hasattr(pipeline, "check_composable"):
-            pipeline.check_composable(m, pp=par.pp, tp=par.tp, cp=par.cp)
         if par.pp > 1 and par.vpp > 1 and self.train.grad_accum_steps % par.pp:
             _fail(self.train, "grad_accum_steps", self.train.grad_accum_steps,
                   f"the interleaved pipeline schedule (parallel.vpp = {par.vpp}) needs a "
