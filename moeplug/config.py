@@ -409,6 +409,17 @@ class RootConfig:
                        num_layers=m.num_layers, ffn_hidden_size=m.moe.ffn_hidden_size,
                        seq_len=self.train.seq_len)
         par.pipeline().rank_layer_counts(m.num_layers, par.pp)
+        # The MTP blocks and their loss are built unsharded (not tensor/vocab-parallel) and MTP
+        # shifts tokens across CP shards, so the model build would refuse these layouts: say so
+        # here, before any rank starts, instead of as a traceback from build_model.
+        for degree in ("tp", "cp"):
+            if m.mtp_num_layers and getattr(par, degree) > 1:
+                _fail(m, "mtp_num_layers", m.mtp_num_layers,
+                      f"multi-token prediction does not support parallel.{degree} = "
+                      f"{getattr(par, degree)} yet ("
+                      + ("the MTP blocks and loss are not tensor/vocab-parallel" if degree == "tp"
+                         else "MTP shifts tokens across context-parallel shards") + ")",
+                      f"set model.mtp_num_layers: 0 or parallel.{degree}: 1")
         if par.pp > 1 and par.vpp > 1 and self.train.grad_accum_steps % par.pp:
             _fail(self.train, "grad_accum_steps", self.train.grad_accum_steps,
                   f"the interleaved pipeline schedule (parallel.vpp = {par.vpp}) needs a "

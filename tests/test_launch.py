@@ -61,6 +61,13 @@ def test_nproc2_ep2_equals_one_process_with_double_accumulation(run_cli, tiny_co
     (["--set", "parallel.ep=2"],  # no --nproc: one process cannot hold EP2
      ["does not divide world size 1", "Fix:"]),
     (["--nproc", "0"], ["--nproc 0", "Fix:"]),
+    # MTP under TP/CP: caught in the config, not as a traceback from the model build on a rank
+    (["--nproc", "2", "--set", "parallel.tp=2", "--set", "model.mtp_num_layers=1"],
+     ["ModelConfig.mtp_num_layers = 1", "parallel.tp = 2",
+      "Fix: set model.mtp_num_layers: 0 or parallel.tp: 1"]),
+    (["--nproc", "2", "--set", "parallel.cp=2", "--set", "model.mtp_num_layers=2"],
+     ["ModelConfig.mtp_num_layers = 2", "parallel.cp = 2",
+      "Fix: set model.mtp_num_layers: 0 or parallel.cp: 1"]),
 ])
 def test_layout_errors_exit_2_before_launching(run_cli, tiny_config_file, tmp_path, extra,
                                                words):
@@ -102,6 +109,9 @@ def test_model_dependent_pipeline_checks_run_at_load():
     # a valid layout loads and maps onto the parallel package's configs
     cfg = load_config(None, ["parallel.pp=2", "parallel.vpp=2", "train.grad_accum_steps=2"])
     assert cfg.parallel.layout().pp == 2 and cfg.parallel.pipeline().vpp == 2
+    # MTP is refused only with TP/CP (see test_layout_errors_exit_2_before_launching), not PP/EP
+    cfg = load_config(None, ["parallel.pp=2", "parallel.ep=2", "model.mtp_num_layers=1"])
+    assert cfg.model.mtp_num_layers == 1 and cfg.parallel.pp == 2
 
 
 def test_world_size_from_env_and_launch_command(monkeypatch):
