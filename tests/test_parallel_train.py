@@ -13,6 +13,9 @@ on (coefficient 0.05): slicing whole micro-batches keeps it identical.
 With the distributed optimizer the model's .grad hold the local, unreduced gradients (only the
 owned slices are reduced), so there loss, norm and parameters are compared.
 
+Pipelines cover tied embeddings (the last stage's embedding copy: its grad summed with the
+first stage's, counted once in the grad norm, also by the distributed optimizer).
+
 Not covered: PP2 x EP2 x TP2 - pipeline stages reject TP (moeplug.parallel.pipeline.
 check_composable), so the matrix has PP2 x EP2 instead.
 """
@@ -29,7 +32,8 @@ V = 64
 TOL = 2e-5       # fp32, 3 AdamW steps, absolute, on loss / grad norm / every grad and parameter
 GRAD_CLIP = 0.05  # below the tiny model's grad norm, so clipping always acts
 
-# name -> (parallel overrides, dispatcher, grad_accum_steps)
+# name -> (parallel overrides, dispatcher, grad_accum_steps[, model overrides])
+TIED = {"tie_embeddings": True}
 WORLD2 = {
     "ep2": ({"ep": 2}, "alltoall", 1),
     "ep2_allgather": ({"ep": 2}, "allgather", 1),
@@ -39,6 +43,8 @@ WORLD2 = {
     "cp2": ({"cp": 2}, "alltoall", 1),
     "pp2_1f1b": ({"pp": 2}, "alltoall", 2),
     "pp2_vpp2": ({"pp": 2, "vpp": 2}, "alltoall", 2),
+    "pp2_tied": ({"pp": 2}, "alltoall", 2, TIED),
+    "pp2_tied_distopt": ({"pp": 2, "distributed_optimizer": True}, "alltoall", 2, TIED),
     "dp2_distopt": ({"distributed_optimizer": True}, "alltoall", 1),
     "dp2_ep2_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
 }
@@ -55,14 +61,15 @@ WORLD4 = {
 }
 
 
-def _cfg(parallel: dict, dispatcher: str, grad_accum: int):
+def _cfg(parallel: dict, dispatcher: str, grad_accum: int, model: dict | None = None):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_hidden_size": 16,
                   "init_std": 0.1,
                   "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
-                          "aux_loss_coeff": 0.05}},
+                          "aux_loss_coeff": 0.05},
+                  **(model or {})},
         "plugins": {"dispatcher": dispatcher},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 8, "grad_accum_steps": grad_accum,
                   "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 1, "grad_clip": GRAD_CLIP,
@@ -112,8 +119,8 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(3).integers(0, V, 2048).astype(np.int64)
     report: dict[str, dict] = {}
-    for name, (parallel, dispatcher, accum) in layouts.items():
-        cfg = _cfg(parallel, dispatcher, accum)
+    for name, (parallel, dispatcher, accum, *model) in layouts.items():
+        cfg = _cfg(parallel, dispatcher, accum, *model)
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         ref_cfg = single_process_equivalent(cfg, groups.size("dp"))
         seed_everything(cfg.train.seed)
@@ -150,7 +157,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
 
 
 def _check(reports, name):
-    distopt = WORLD2.get(name, WORLD4.get(name))[0].get("distributed_optimizer", False)
+    distopt = {**WORLD2, **WORLD4}[name][0].get("distributed_optimizer", False)
     for rank, report in enumerate(reports):
         r = report[name]
         assert r["min_ref_norm"] > 2 * GRAD_CLIP, "clipping must act for the norm to be tested"

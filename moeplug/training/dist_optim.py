@@ -3,7 +3,8 @@
 Legend: N elements of a bucket (padded to a multiple of W), W ranks of the bucket's group,
 n = N / W elements owned by one rank.
 
-Parameters are grouped into buckets by (expert or dense, TP-sharded or not, weight decay, dtype).
+Parameters are grouped into buckets by (expert or dense, TP-sharded or not, pipeline copy or
+not, weight decay, dtype).
 A bucket's replicas live on the ranks of one group: ``dp_cp`` for dense parameters (DP and CP
 ranks hold the same ones), ``edp`` for expert parameters. Each rank owns the contiguous slice
 ``[r*n, (r+1)*n)`` of the bucket's flattened parameters and keeps the AdamW moments of that
@@ -14,7 +15,8 @@ slice only (Megatron's DistributedOptimizer layout). A step:
      scaling sync_gradients applies, so the owned slice equals the all-reduced grad's slice).
   2. ``clip_grad_norm``: the global norm from the owned slices: squares summed over the bucket's
      group (the slices tile the bucket), then over TP for TP-sharded dense buckets, over EP x ETP
-     for expert buckets, over PP for everything: the norm ``global_grad_norm`` computes.
+     for expert buckets, over PP for everything, pipeline-copy buckets (the last stage's
+     embedding twin) left out: the norm ``global_grad_norm`` computes.
   3. ``step``: AdamW on the owned slices (elementwise, so identical to AdamW on the whole
      tensors), then each bucket's slices are all-gathered and copied back into the parameters.
 
@@ -44,6 +46,7 @@ class _Bucket:
     group: Any            # the replicas' process group (None: this rank only)
     is_expert: bool
     tp_sharded: bool
+    pipeline_copy: bool   # a pipeline stage's twin of another stage's params: norm counts it once
     shard: torch.Tensor   # this rank's fp32 master slice [n], what AdamW updates
 
     @property
@@ -74,16 +77,18 @@ class DistributedAdamW:
         for pg in param_groups(model, cfg.weight_decay):
             keyed: dict[tuple, list[nn.Parameter]] = {}
             for p in pg["params"]:
-                key = (id(p) in expert_ids, hasattr(p, "partition_dim"), str(p.dtype))
+                key = (id(p) in expert_ids, hasattr(p, "partition_dim"),
+                       getattr(p, "pipeline_copy", False), str(p.dtype))
                 keyed.setdefault(key, []).append(p)
-            for (is_expert, tp_sharded, _), ps in sorted(keyed.items(), key=lambda kv: kv[0]):
+            for (is_expert, tp_sharded, copy, _), ps in sorted(keyed.items(),
+                                                               key=lambda kv: kv[0]):
                 group = groups.edp if is_expert else groups.dp_cp
                 W, r = group_size(group), group_rank(group)
                 n = math.ceil(sum(p.numel() for p in ps) / W)
                 with torch.no_grad():
                     flat = _flat([p.detach() for p in ps], n * W)
                 shard = flat[r * n:(r + 1) * n].clone().float().requires_grad_(True)
-                self.buckets.append(_Bucket(ps, group, is_expert, tp_sharded, shard))
+                self.buckets.append(_Bucket(ps, group, is_expert, tp_sharded, copy, shard))
                 inner_groups.append({"params": [shard], "weight_decay": pg["weight_decay"]})
         # lr is a placeholder: the trainer sets every group's lr from lr_at(step) each step.
         self.inner = torch.optim.AdamW(inner_groups, lr=lr_at(0, cfg),
@@ -123,6 +128,10 @@ class DistributedAdamW:
                  "tp": torch.zeros((), dtype=torch.float64),
                  "expert": torch.zeros((), dtype=torch.float64)}
         for b in self.buckets:
+            if b.pipeline_copy:
+                # The last stage's embedding copy (moeplug.parallel.pipeline) holds the same
+                # grad as the first stage's: summing over PP would count it twice.
+                continue
             kind = "expert" if b.is_expert else ("tp" if b.tp_sharded else "dense")
             parts[kind] += b.shard.grad.double().pow(2).sum()
         for kind, group in (("dense", g.dp_cp), ("tp", g.dp_cp), ("expert", g.edp)):
