@@ -14,10 +14,8 @@ With the distributed optimizer the model's .grad hold the local, unreduced gradi
 owned slices are reduced), so there loss, norm and parameters are compared.
 
 Pipelines cover tied embeddings (the last stage's embedding copy: its grad summed with the
-first stage's, counted once in the grad norm, also by the distributed optimizer).
-
-Not covered: PP2 x EP2 x TP2 - pipeline stages reject TP (moeplug.parallel.pipeline.
-check_composable), so the matrix has PP2 x EP2 instead.
+first stage's, counted once in the grad norm, also by the distributed optimizer) and, at world
+8, PP2 x EP2 x TP2 with sequence parallelism (one spawn of 8 ranks).
 """
 
 from __future__ import annotations
@@ -58,6 +56,9 @@ WORLD4 = {
     "pp2_ep2": ({"pp": 2, "ep": 2}, "alltoall", 2),
     "pp2_ep2_allgather": ({"pp": 2, "ep": 2}, "allgather", 2),
     "ep2_dp4_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
+}
+WORLD8 = {
+    "pp2_ep2_tp2_sp": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 2),
 }
 
 
@@ -157,7 +158,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
 
 
 def _check(reports, name):
-    distopt = {**WORLD2, **WORLD4}[name][0].get("distributed_optimizer", False)
+    distopt = {**WORLD2, **WORLD4, **WORLD8}[name][0].get("distributed_optimizer", False)
     for rank, report in enumerate(reports):
         r = report[name]
         assert r["min_ref_norm"] > 2 * GRAD_CLIP, "clipping must act for the norm to be tested"
@@ -176,6 +177,11 @@ def world4():
     return run_distributed(_run_layouts, 4, WORLD4, timeout=400)
 
 
+@pytest.fixture(scope="module")
+def world8():
+    return run_distributed(_run_layouts, 8, WORLD8, timeout=400)
+
+
 @pytest.mark.parametrize("name", list(WORLD2))
 def test_world2_layout_equals_single_process(world2, name):
     _check(world2, name)
@@ -184,6 +190,11 @@ def test_world2_layout_equals_single_process(world2, name):
 @pytest.mark.parametrize("name", list(WORLD4))
 def test_world4_layout_equals_single_process(world4, name):
     _check(world4, name)
+
+
+@pytest.mark.parametrize("name", list(WORLD8))
+def test_world8_layout_equals_single_process(world8, name):
+    _check(world8, name)
 
 
 @pytest.mark.parametrize("pair", [("ep2", "ep2_allgather")])
