@@ -59,3 +59,30 @@ def test_example_router_is_invisible_without_its_path_and_blockable(example_env)
     assert "hash" in _run(probe, example_env)
     assert "hash" not in _run(probe, {**example_env, "MOEPLUG_BLOCK_PLUGINS": "example_router"})
     assert "hash" not in _run(probe, {**example_env, "MOEPLUG_DISABLE_PLUGIN_AUTOLOAD": "1"})
+
+
+def test_moeplug_train_with_the_example_router_uses_it(example_env, run_cli, cli_env,
+                                                       tiny_config_file, tmp_path):
+    """`moeplug train --router hash` in a real subprocess trains with the third-party router.
+
+    The hash router sends token t to experts (t + k) mod E with weight 1/K, so with the tiny
+    config (4 experts, top-2, 8 sequences x 32 tokens = 256 tokens per micro-batch) every expert
+    receives exactly 256 * 2 / 4 = 128 rows per step: perfectly flat load that the learned
+    `topk` router would not produce, plus an aux loss of exactly zero.
+    """
+    out = str(tmp_path / "run")
+    env = {**cli_env, "PYTHONPATH": example_env["PYTHONPATH"]}
+    proc = run_cli("train", "--config", tiny_config_file(out), "--router", "hash",
+                   "--steps", "4", "--set", "train.log_interval=1", "--set", "train.warmup_steps=1",
+                   env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from moeplug.training.metrics import read_metrics
+    train = [r for r in read_metrics(f"{out}/metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    for r in train:
+        assert r["plugins"]["router"] == "hash"
+        assert r["aux_loss"] == 0.0
+        assert r["moe"]["tokens"] == [[128, 128, 128, 128]], r["moe"]["tokens"]
+    # Without the package on the path the same command is a config error naming the choices.
+    missing = run_cli("train", "--config", tiny_config_file(out), "--router", "hash", timeout=120)
+    assert missing.returncode == 2 and "hash" in missing.stderr and "topk" in missing.stderr
