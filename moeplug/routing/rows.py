@@ -7,7 +7,8 @@ ones, so a stable permute puts their rows last, where the dispatcher cuts them o
 appends zero rows in their place before the unpermute.
 
 Padding gives every local expert a fixed row count: exactly ``capacity * ep_size`` rows
-(pad-to-capacity, static shapes) or the next multiple of ``pad_multiple`` (quantised GEMMs need
+(pad-to-capacity, static shapes; the sum of the ranks' capacities when their token counts
+differ) or the next multiple of ``pad_multiple`` (quantised GEMMs need
 16/32-row tiles). Padded rows are zeros with routing weight 0, so the experts' outputs for them
 are discarded and the layer's output and gradients do not change.
 """
@@ -25,16 +26,22 @@ def sink_dropped(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, sink: in
 
 
 def padded_counts(counts_L: torch.Tensor, capacity: int | None, pad_multiple: int,
-                  ep_size: int = 1) -> torch.Tensor:
+                  ep_size: int = 1, capacity_W: list[int] | None = None) -> torch.Tensor:
     """Rows per local expert after padding (int64 CPU). Raises if an expert already holds more
-    rows than the capacity allows (the router did not drop as it promised)."""
+    rows than the capacity allows (the router did not drop as it promised).
+
+    Each EP rank computes its capacity from its own tokens (Megatron), so ranks with different
+    token counts have different capacities: pass every rank's in ``capacity_W`` and a local
+    expert gets their sum (the most rows the W ranks may send it), not this rank's C * W."""
     if capacity is not None:
-        limit = capacity * ep_size
+        limit = capacity * ep_size if capacity_W is None else sum(capacity_W)
         most = int(counts_L.max()) if counts_L.numel() else 0
         if most > limit:
+            how = (f"capacity * ep_size = {capacity} * {ep_size}" if capacity_W is None else
+                   f"the sum of the EP ranks' capacities {list(capacity_W)}")
             raise ValueError(f"padding to capacity: an expert received {most} rows but "
-                             f"capacity * ep_size = {capacity} * {ep_size} = {limit}. Fix: the router "
-                             f"must drop choices over capacity before setting RouterOutput.capacity")
+                             f"{how} = {limit}. Fix: the router must drop choices over "
+                             f"capacity before setting RouterOutput.capacity")
         return torch.full_like(counts_L, limit)
     if pad_multiple > 1:
         return (counts_L + pad_multiple - 1) // pad_multiple * pad_multiple

@@ -106,6 +106,13 @@ def gather_sizes(num_tokens: int, group: Any) -> list[int]:
     return sizes_W.tolist()
 
 
+def gather_capacities(capacity: int, group: Any) -> list[int]:
+    """Every EP rank's capacity. Each rank's C comes from its own token count (Megatron), so
+    they differ when the ranks hold different numbers of tokens; pad-to-capacity then gives a
+    local expert the sum, the most rows the ranks may send it (moeplug.routing.padded_counts)."""
+    return gather_sizes(capacity, group)
+
+
 def all_gather_tokens(t_T: torch.Tensor, sizes_W: list[int], group: Any) -> torch.Tensor:
     """[T, ...] -> [G, ...], every rank's tokens in rank order; backward reduce-scatters."""
     return comm.all_gather(t_T, group, sizes_W)

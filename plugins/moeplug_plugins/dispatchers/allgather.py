@@ -11,6 +11,8 @@ dispatch:
     3. permute      group the kept rows by local expert                       (moeplug.ops.permute)
     4. pad          prob-0 rows so each local expert holds capacity*ep_size rows or a multiple
                     of pad_multiple, when the routing asks for it          (moeplug.routing.rows)
+                    (capacity*ep_size is the sum of the EP ranks' capacities: each rank's C
+                    comes from its own token count, so they differ when those do)
 combine: unpad -> zero rows for the sink -> unpermute -> reduce-scatter back to this rank's T tokens.
 At one rank, gather and reduce-scatter are the identity and no choice goes to the sink.
 """
@@ -64,7 +66,8 @@ class AllGatherDispatcher(Dispatcher):
         S = x_RD.shape[0] - num_sink
         counts_L = counts[:L].to(torch.int64).cpu()
         # 4. pad
-        target_L = padded_counts(counts_L, routing.capacity, routing.pad_multiple, self.ep_size)
+        target_L = padded_counts(counts_L, routing.capacity, routing.pad_multiple, self.ep_size,
+                                 self._capacities(routing.capacity))
         x_SD, probs_S, pad_index_S = pad_rows(x_RD[:S], probs_R[:S], counts_L, target_L)
         return Dispatched(x_SD, probs_S, target_L,
                           AllGatherMeta(row_map_GK=row_map_GK, num_sink_rows=num_sink,
@@ -76,6 +79,11 @@ class AllGatherDispatcher(Dispatcher):
         return self._reduce_scatter(y_GD, meta.sizes_W)
 
     # ---- collectives (identity at one rank; see _ep_comm) ----------------------------------
+    def _capacities(self, capacity: int | None) -> list[int] | None:
+        if capacity is None or self.ep_size == 1:
+            return None
+        return _ep_comm.gather_capacities(capacity, self.group)
+
     def _gather_sizes(self, x_TD: torch.Tensor) -> tuple[int, ...]:
         if self.ep_size == 1:
             return (x_TD.shape[0],)

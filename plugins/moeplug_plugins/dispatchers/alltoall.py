@@ -9,6 +9,8 @@ dispatch:
     4. sort         received chunks are (source rank, local expert)-major: reorder expert-major
     5. pad          prob-0 rows so each local expert holds capacity*ep_size rows or a multiple
                     of pad_multiple, when the routing asks for it          (moeplug.routing.rows)
+                    (capacity*ep_size is the sum of the EP ranks' capacities: each rank's C
+                    comes from its own token count, so they differ when those do)
 combine runs the inverse: unpad -> unsort -> all-to-all back -> unpermute (plain sum: rows carry p).
 Choices dropped by capacity (``routing.dropped_TK``) are permuted to a sink expert E whose rows
 sort last and are cut off before step 2; combine puts zero rows back in their place.
@@ -61,7 +63,8 @@ class AlltoAllDispatcher(Dispatcher):
         x_SD = self._sort_by_local_expert(x_SD, plan)
         probs_S = self._sort_by_local_expert(probs_S, plan)
         # 5. pad
-        target_L = padded_counts(plan.counts_L, routing.capacity, routing.pad_multiple, self.ep_size)
+        target_L = padded_counts(plan.counts_L, routing.capacity, routing.pad_multiple,
+                                 self.ep_size, self._capacities(routing.capacity))
         x_SD, probs_S, pad_index_S = pad_rows(x_SD, probs_S, plan.counts_L, target_L)
         return Dispatched(x_SD, probs_S, target_L,
                           AlltoAllMeta(row_map_TK=row_map_TK, counts_E=counts_E, plan=plan,
@@ -74,6 +77,11 @@ class AlltoAllDispatcher(Dispatcher):
         return unpermute(append_sink_rows(y_SD, meta.num_sink_rows), meta.row_map_TK)
 
     # ---- collectives (identity at one rank; see _ep_comm) ----------------------------------
+    def _capacities(self, capacity: int | None) -> list[int] | None:
+        if capacity is None or self.ep_size == 1:
+            return None
+        return _ep_comm.gather_capacities(capacity, self.group)
+
     def _exchange_counts(self, counts_E: torch.Tensor) -> _ep_comm.A2APlan:
         return _ep_comm.exchange_counts(counts_E, self.group)
 
