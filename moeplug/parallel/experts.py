@@ -47,24 +47,10 @@ def load_expert_shard(model: nn.Module, full_state: Mapping[str, torch.Tensor], 
     Expert parameters take global experts ``ep_rank*L .. (ep_rank+1)*L - 1`` (rows of dim 0);
     every other parameter is copied whole. Buffers are left alone (they are derived, e.g. RoPE).
     """
-    expert_names = expert_param_names(model)
+    # The slicing rules live in one place; tensor_parallel imports this module, hence the late
+    # import.
+    from moeplug.parallel.tensor_parallel import shard_parameters
+
+    shards = shard_parameters(model, full_state, ep=(ep_rank, ep_size), caller="load_expert_shard")
     for name, p in model.named_parameters():
-        if name not in full_state:
-            raise KeyError(f"load_expert_shard: parameter '{name}' is missing from the source "
-                           "state dict. Fix: pass the state_dict of a model built from the same "
-                           "config at EP size 1")
-        src = full_state[name]
-        if name in expert_names:
-            L = p.shape[0]
-            ids = local_expert_ids(src.shape[0], ep_size, ep_rank)
-            if len(ids) != L:
-                raise ValueError(f"load_expert_shard: '{name}' holds {L} local experts here but "
-                                 f"the source has {src.shape[0]} experts / EP {ep_size} = "
-                                 f"{len(ids)}. Fix: build this model with ep_size {ep_size} and "
-                                 "the same num_experts as the source")
-            src = src[ids.start:ids.stop]
-        if src.shape != p.shape:
-            raise ValueError(f"load_expert_shard: '{name}' has shape {tuple(p.shape)} here but "
-                             f"{tuple(src.shape)} in the source. Fix: build both models from the "
-                             "same ModelConfig")
-        p.copy_(src)
+        p.copy_(shards[name])

@@ -348,36 +348,54 @@ def tp_slice(full: torch.Tensor, partition_dim: int, tp_rank: int, tp_size: int)
     return full.chunk(tp_size, dim=partition_dim)[tp_rank]
 
 
-def shard_state_dict(model: nn.Module, full_state: Mapping[str, torch.Tensor],
-                     groups: Any) -> dict[str, torch.Tensor]:
-    """This rank's shard of a single-process state dict, for ``model`` built with ``groups``.
+def shard_parameters(model: nn.Module, full_state: Mapping[str, torch.Tensor], *,
+                     ep: tuple[int, int] = (0, 1), etp: tuple[int, int] = (0, 1),
+                     tp: tuple[int, int] = (0, 1), caller: str = "shard_parameters"
+                     ) -> dict[str, torch.Tensor]:
+    """This rank's shard of a single-process state dict, for every parameter of ``model``.
 
-    Expert parameters: global experts of this EP rank (dim 0), then this ETP rank's F-slice
-    (:func:`moeplug.parallel.expert_tp.etp_slice`). Parameters with ``partition_dim``: this TP
-    rank's chunk. Everything else: whole. Works on grads too (pass a dict of reference grads).
+    ``ep``/``etp``/``tp`` are (rank, size) pairs. Expert parameters: global experts of this EP
+    rank (dim 0), then this ETP rank's F-slice (:func:`moeplug.parallel.expert_tp.etp_slice`).
+    Parameters with ``partition_dim``: this TP rank's chunk. Everything else: whole. Works on
+    grads too (pass a dict of reference grads). ``caller`` prefixes the error messages.
     """
     expert_names = expert_param_names(model)
-    ep_rank, ep_size = groups.rank_in("ep"), groups.size("ep")
-    etp_rank, etp_size = groups.rank_in("etp"), groups.size("etp")
-    tp_rank, tp_size = groups.rank_in("tp"), groups.size("tp")
+    (ep_rank, ep_size), (etp_rank, etp_size), (tp_rank, tp_size) = ep, etp, tp
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if name not in full_state:
-            raise KeyError(f"shard_state_dict: parameter '{name}' is missing from the source "
-                           "state dict. Fix: pass the state_dict of a model built from the same "
-                           "config on one process")
+            raise KeyError(f"{caller}: parameter '{name}' is missing from the source state "
+                           "dict. Fix: pass the state_dict of a model built from the same config "
+                           "on one process")
         src = full_state[name]
         if name in expert_names:
             ids = local_expert_ids(src.shape[0], ep_size, ep_rank)
+            if len(ids) != p.shape[0]:
+                raise ValueError(f"{caller}: '{name}' holds {p.shape[0]} local experts here but "
+                                 f"the source has {src.shape[0]} experts / EP {ep_size} = "
+                                 f"{len(ids)}. Fix: build this model with ep_size {ep_size} and "
+                                 "the same num_experts as the source")
             src = etp_slice(name, src[ids.start:ids.stop], full_state, etp_rank, etp_size)
         elif hasattr(p, "partition_dim"):
             src = tp_slice(src, p.partition_dim, tp_rank, tp_size)
         if src.shape != p.shape:
-            raise ValueError(f"shard_state_dict: '{name}' has shape {tuple(p.shape)} here but its "
-                             f"shard of the source is {tuple(src.shape)}. Fix: build both models "
-                             "from the same ModelConfig (and this one with these groups)")
+            raise ValueError(f"{caller}: '{name}' has shape {tuple(p.shape)} here but "
+                             f"{tuple(src.shape)} in the source (this rank's shard of it). Fix: "
+                             "build both models from the same ModelConfig (and this one with "
+                             "these groups)")
         out[name] = src
     return out
+
+
+def shard_state_dict(model: nn.Module, full_state: Mapping[str, torch.Tensor],
+                     groups: Any) -> dict[str, torch.Tensor]:
+    """This rank's shard of a single-process state dict, for ``model`` built with ``groups``
+    (:func:`shard_parameters` at this rank's EP, ETP and TP coordinates)."""
+    return shard_parameters(
+        model, full_state, caller="shard_state_dict",
+        ep=(groups.rank_in("ep"), groups.size("ep")),
+        etp=(groups.rank_in("etp"), groups.size("etp")),
+        tp=(groups.rank_in("tp"), groups.size("tp")))
 
 
 @torch.no_grad()
