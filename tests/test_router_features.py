@@ -204,6 +204,16 @@ def test_group_score_option_reaches_the_routing(host):
     assert not torch.equal(ids["topk_share"], ids["top2_sum"])
 
 
+def test_readme_documents_the_group_options_with_their_defaults():
+    import dataclasses
+    from pathlib import Path
+    from moeplug_plugins.routers import TopKOptions
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    defaults = {f.name: f.default for f in dataclasses.fields(TopKOptions)}
+    for name in ("num_groups", "group_topk", "group_score"):
+        assert f"| `router_options.{name}` | `{defaults[name]!r}` |" in readme, name
+
+
 def test_input_jitter_only_in_training(host):
     router = _router(host, {"input_jitter_eps": 0.5})
     x_TD = torch.randn(64, 16)
