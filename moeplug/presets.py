@@ -13,10 +13,12 @@ import copy
 
 from moeplug.config import ConfigError
 
-# DeepSeek-V3's router as our topk router's options (see moeplug.convert.deepseek_v3).
+# DeepSeek-V3's router as our topk router's options (see moeplug.convert.deepseek_v3); its
+# group score is HF/DeepSeek's top-2 sum, so it stays theirs if top_k or group_topk is changed.
 _DSV3_ROUTER = {"score_function": "sigmoid", "enable_expert_bias": True, "bias_update_rate": 1e-3,
                 "renormalize": True, "topk_scaling_factor": 2.5, "num_groups": 8, "group_topk": 4,
-                "load_balancing_type": "seq_aux_loss", "aux_loss_coeff": 1e-4}
+                "group_score": "top2_sum", "load_balancing_type": "seq_aux_loss",
+                "aux_loss_coeff": 1e-4}
 
 PRESETS: dict[str, dict] = {
     "mixtral": {  # Mixtral-8x7B

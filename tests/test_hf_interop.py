@@ -67,6 +67,10 @@ def deepseek_v3(**kw):
         max_position_embeddings=64, routed_scaling_factor=2.5), **kw}))
 
 
+# A valid DeepSeek-V3 layout where HF's group score (sum of a group's top 2) differs from
+# Megatron's (sum of its top num_experts_per_tok // topk_group = 6 // 2 = 3).
+SHARE3 = dict(n_routed_experts=16, num_experts_per_tok=6, n_group=4, topk_group=2)
+
 FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3}
 
 
@@ -102,10 +106,9 @@ def rebuilt_from_checkpoint(ckpt):
     return model.eval()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("tie", [False, True])
-def test_import_matches_transformers_and_export_round_trips(family, tie, tmp_path):
-    hf = randomised(FAMILIES[family](tie_word_embeddings=tie))
+def assert_import_parity_and_round_trip(hf, tmp_path):
+    """Import ``hf`` (saved to tmp_path/hf): logits and loss equal transformers'; export: the
+    reloaded HF model's equal too. Returns the checkpoint directory."""
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     x_BS = tokens()
     with torch.no_grad():
@@ -120,12 +123,33 @@ def test_import_matches_transformers_and_export_round_trips(family, tie, tmp_pat
 
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert not [p for p in os.listdir(tmp_path / "out") if p.endswith((".bin", ".pt"))]
-    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                attn_implementation="eager").eval()
     assert type(back) is type(hf)
     with torch.no_grad():
         again = back(input_ids=x_BS, labels=x_BS)
     torch.testing.assert_close(again.logits, ref.logits, rtol=0, atol=ATOL)
     torch.testing.assert_close(again.loss, ref.loss, rtol=0, atol=ATOL)
+    return ckpt
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("tie", [False, True])
+def test_import_matches_transformers_and_export_round_trips(family, tie, tmp_path):
+    assert_import_parity_and_round_trip(randomised(FAMILIES[family](tie_word_embeddings=tie)),
+                                        tmp_path)
+
+
+def test_deepseek_v3_group_share_other_than_two_imports_with_hf_group_score(tmp_path):
+    """Once refused: num_experts_per_tok // topk_group = 3. The importer picks group_score
+    top2_sum, so logits and loss match HF, and export writes the same routing back."""
+    ckpt = assert_import_parity_and_round_trip(randomised(deepseek_v3(**SHARE3)), tmp_path)
+    with open(os.path.join(ckpt, "meta.json"), encoding="utf-8") as f:
+        router = json.load(f)["config"]["plugins"]["router_options"]
+    assert (router["num_groups"], router["group_topk"], router["group_score"]) == (4, 2, "top2_sum")
+    with open(tmp_path / "out" / "config.json", encoding="utf-8") as f:
+        hf_cfg = json.load(f)
+    assert {k: hf_cfg[k] for k in SHARE3} == SHARE3
 
 
 def test_cli_import_export_and_train_resume_accepts_the_import(tmp_path, capsys):
@@ -150,22 +174,32 @@ def test_cli_import_export_and_train_resume_accepts_the_import(tmp_path, capsys)
     assert meta["step"] == 0 and meta["hf"]["model_type"] == "qwen3_moe"
 
 
-def test_router_matches_hf_routing_choices():
-    """DeepSeek-V3's gate (sigmoid, bias, groups, scaling) == our router, choice by choice."""
-    hf = randomised(deepseek_v3())
-    gate = hf.model.layers[1].mlp.gate
-    cfg = root_config_from_hf(hf.config.to_dict())
-    router = PluginHost.load().create("router", "topk", dict(cfg.plugins.router_options), cfg.model)
+def topk_router_from_gate(cfg, gate, **options):
+    router = PluginHost.load().create("router", "topk", dict(cfg.plugins.router_options, **options),
+                                      cfg.model)
     with torch.no_grad():
         router.weight.copy_(gate.weight)
         router.expert_bias.copy_(gate.e_score_correction_bias)
+    return router.eval()
+
+
+@pytest.mark.parametrize("hf_kw", [{}, SHARE3], ids=["share2", "share3"])
+def test_router_matches_hf_routing_choices(hf_kw):
+    """DeepSeek-V3's gate (sigmoid, bias, groups, scaling) == our router, choice by choice."""
+    hf = randomised(deepseek_v3(**hf_kw))
+    gate = hf.model.layers[1].mlp.gate
+    cfg = root_config_from_hf(hf.config.to_dict())
+    router = topk_router_from_gate(cfg, gate)
     x_TD = torch.randn(40, 32, generator=torch.Generator().manual_seed(3))
     _, w_TK, ids_TK = gate(x_TD)
-    out = router.eval()(x_TD)
+    out = router(x_TD)
     order, ref_order = out.ids_TK.sort(-1), ids_TK.sort(-1)
     assert torch.equal(order.values, ref_order.values)
     torch.testing.assert_close(out.probs_TK.gather(1, order.indices),
                                w_TK.gather(1, ref_order.indices), rtol=1e-6, atol=1e-6)
+    # Megatron's group score agrees with HF at share 2 only; at share 3 it picks other experts.
+    megatron = topk_router_from_gate(cfg, gate, group_score="topk_share")(x_TD).ids_TK.sort(-1)
+    assert torch.equal(megatron.values, ref_order.values) == (hf_kw != SHARE3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,7 +347,6 @@ def test_missing_config_and_unknown_family(tmp_path):
     ("mixtral", {"hidden_act": "gelu"}, r"MixtralConfig.hidden_act = 'gelu': .*Fix: moeplug experts are SwiGLU"),
     ("qwen3_moe", {"use_sliding_window": True}, r"Qwen3MoeConfig.use_sliding_window = True: .*Fix: set use_sliding_window=false"),
     ("qwen3_moe", {"mlp_only_layers": [0, 1, 2]}, r"Qwen3MoeConfig.mlp_only_layers = \[0, 1, 2\]: leaves no MoE layer"),
-    ("deepseek_v3", {"topk_group": 1}, r"DeepseekV3Config.topk_group = 1: .*4 // 1 = 4.*Fix: choose topk_group"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                          "original_max_position_embeddings": 16}},
      r"rope_parameters.rope_type = 'yarn': .*default RoPE.*Fix: import a model with rope_type 'default'"),
@@ -345,6 +378,32 @@ def test_export_refuses_what_the_family_cannot_express(tmp_path):
     with pytest.raises(ConvertError, match=r"DeepseekV3Config.model.attention = 'gqa': .*Fix: "
                                            r"export as mixtral or qwen3_moe"):
         export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), model_type="deepseek_v3")
+
+
+@pytest.mark.parametrize("top_k, group_score, refused", [
+    (6, "topk_share", True), (6, "top2_sum", False), (4, "topk_share", False)])
+def test_deepseek_v3_export_refuses_a_group_score_hf_would_not_compute(tmp_path, top_k,
+                                                                       group_score, refused):
+    """Megatron's rule exports only where it equals HF's (top_k // group_topk == 2)."""
+    base = preset("deepseek_v3_tiny")
+    base["model"]["moe"].update(num_experts=16, top_k=top_k)
+    base["plugins"]["router_options"].update(group_score=group_score)  # num_groups 4, topk 2
+    cfg = config_from_dict({**base, "train": {"seq_len": 16, "warmup_steps": 0}})
+    model = build_model(cfg, PluginHost.load(), V)
+    from moeplug.training.checkpoint import save_checkpoint
+    from moeplug.training.optim import build_optimizer
+    save_checkpoint(str(tmp_path / "run"), 1, model, build_optimizer(model, cfg.train),
+                    {"config": cfg.to_dict()})
+    if refused:
+        with pytest.raises(ConvertError, match=r"DeepseekV3Config.plugins.router_options."
+                           r"group_score = 'topk_share': .*top_k // group_topk = 6 // 2 = 3 "
+                           r"experts, HF by its top 2.*Fix: export a model trained with "
+                           r"group_score: top2_sum"):
+            export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+        return
+    export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+    hf_cfg, _ = read_hf_dir(str(tmp_path / "hf"))
+    assert (hf_cfg["num_experts_per_tok"], hf_cfg["n_group"], hf_cfg["topk_group"]) == (top_k, 4, 2)
 
 
 @pytest.mark.parametrize("override,pattern", [

@@ -37,6 +37,7 @@ def _router(host, options=None, **cfg):
     ({"num_groups": 2, "group_topk": 3}, {}, r"group_topk = 3: exceeds num_groups \(2\). Fix: set group_topk <= 2"),
     ({"num_groups": 4, "group_topk": 1}, {"num_experts": 8, "top_k": 4}, r"group_topk = 1: the 1 kept groups hold 2 experts, fewer than top_k \(4\).*Fix"),
     ({"num_groups": 4}, {}, r"group_topk = None: num_groups and group_topk go together. Fix: set both"),
+    ({"num_groups": 4, "group_topk": 2, "group_score": "top2_sum"}, {}, r"TopKOptions.group_score = 'top2_sum': sums each group's best 2 scores but a group holds 1 experts.*Fix: lower num_groups, or use group_score: topk_share"),
     ({"load_balancing_type": "sinkhorn"}, {}, r"load_balancing_type = 'sinkhorn': unknown type.*Fix: use 'none' or any of aux_loss"),
     ({"load_balancing_type": ["aux_loss", "seq_aux_loss"], "aux_loss_coeff": [0.1]}, {}, r"aux_loss_coeff = \[0.1\]: has 1 entries but load_balancing_type has 2.*Fix: give one"),
     ({"aux_loss_coeff": -1.0}, {}, r"aux_loss_coeff = -1.0: coefficients must be numbers >= 0. Fix"),
@@ -55,6 +56,19 @@ def test_options_validation_names_field_value_and_fix(host, options, cfg, patter
 def test_option_type_errors_come_from_the_host(host):
     with pytest.raises(PluginError, match=r"score_function = 'relu'.*must be one of 'softmax', 'sigmoid', 'sqrtsoftplus'"):
         _router(host, {"score_function": "relu"})
+    with pytest.raises(PluginError, match=r"plugins.router_options.group_score = 'top3' \(str\) must "
+                                          r"be one of 'topk_share', 'top2_sum'. Fix: set group_score"):
+        _router(host, {"num_groups": 2, "group_topk": 1, "group_score": "top3"})
+
+
+def test_bad_group_score_is_a_config_error_through_the_cli(run_cli, tiny_config_file):
+    proc = run_cli("train", "--config", tiny_config_file(), "--set",
+                   "plugins.router_options={num_groups: 2, group_topk: 1, group_score: top3}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    for fragment in ("moeplug: configuration error:", "plugins.router_options.group_score = "
+                     "'top3'", "must be one of 'topk_share', 'top2_sum'", "Fix: set group_score"):
+        assert fragment in proc.stderr, (fragment, proc.stderr)
 
 
 # ---- loss invariants -------------------------------------------------------------------------
@@ -170,6 +184,34 @@ def test_deepseek_v3_style_routing_matches_the_pure_functions(host):
     chosen = s.gather(1, ids_ref)
     torch.testing.assert_close(out.probs_TK, (2.5 * chosen / chosen.sum(-1, keepdim=True)).float())
     assert out.probs_TK.dtype == torch.float32 and out.logits_TE.dtype == torch.float32
+
+
+def test_group_score_option_reaches_the_routing(host):
+    # 16 experts, 4 groups, 2 kept, top-6: topk_share sums a group's top 3, top2_sum its top 2.
+    cfg = dict(num_experts=16, top_k=6)
+    opts = {"score_function": "sigmoid", "enable_expert_bias": True, "num_groups": 4,
+            "group_topk": 2, "dtype": "fp64"}
+    x_TD = torch.randn(41, 16, generator=torch.Generator().manual_seed(8))
+    ids = {}
+    for rule in ("topk_share", "top2_sum"):
+        torch.manual_seed(0)  # same gate weights for both routers
+        router = _router(host, {**opts, "group_score": rule}, **cfg)
+        router.expert_bias.copy_(torch.linspace(-0.2, 0.2, 16))
+        s = torch.sigmoid(x_TD.double() @ router.weight.detach().double().t())
+        ids[rule] = router(x_TD).ids_TK
+        ref = R.group_limited_topk(s + router.expert_bias.double(), 6, 4, 2, rule)[1]
+        assert torch.equal(ids[rule], ref), rule
+    assert not torch.equal(ids["topk_share"], ids["top2_sum"])
+
+
+def test_readme_documents_the_group_options_with_their_defaults():
+    import dataclasses
+    from pathlib import Path
+    from moeplug_plugins.routers import TopKOptions
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    defaults = {f.name: f.default for f in dataclasses.fields(TopKOptions)}
+    for name in ("num_groups", "group_topk", "group_score"):
+        assert f"| `router_options.{name}` | `{defaults[name]!r}` |" in readme, name
 
 
 def test_input_jitter_only_in_training(host):

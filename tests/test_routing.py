@@ -23,15 +23,17 @@ def _gen(seed=0):
 
 # ---- scores and top-k ------------------------------------------------------------------------
 
-def _brute_group_topk(scores_TE, k, G, kg):
-    """Per token: score every group by its top k//kg members, keep the kg best groups, then take
-    the k best experts among the kept groups (Python sorting, no torch.topk)."""
+def _brute_group_topk(scores_TE, k, G, kg, members=None):
+    """Per token: score every group by the sum of its top ``members`` scores (default k//kg),
+    keep the kg best groups, then take the k best experts among the kept groups (Python
+    sorting, no torch.topk)."""
     T, E = scores_TE.shape
     n = E // G
+    members = members or max(k // kg, 1)
     out = []
     for t in range(T):
         row = scores_TE[t].tolist()
-        group_score = [sum(sorted(row[g * n:(g + 1) * n], reverse=True)[:max(k // kg, 1)])
+        group_score = [sum(sorted(row[g * n:(g + 1) * n], reverse=True)[:members])
                        for g in range(G)]
         kept = sorted(range(G), key=lambda g: -group_score[g])[:kg]
         allowed = [e for g in kept for e in range(g * n, (g + 1) * n)]
@@ -46,6 +48,53 @@ def test_group_limited_topk_matches_brute_force(T, E, k, G, kg):
     top_TK, ids_TK = R.group_limited_topk(scores_TE, k, G, kg)
     assert torch.equal(ids_TK.sort(dim=1).values, _brute_group_topk(scores_TE, k, G, kg))
     torch.testing.assert_close(top_TK, scores_TE.gather(1, ids_TK))
+
+
+# (T, E, k, G, kg): k // kg = 3, 1, 4, 2 (where top2_sum equals topk_share) and 8 (256 experts).
+@pytest.mark.parametrize("T, E, k, G, kg", [(41, 16, 6, 4, 2), (23, 12, 2, 6, 2), (19, 32, 8, 8, 2),
+                                             (17, 16, 4, 4, 2), (11, 256, 8, 8, 1)])
+def test_top2_sum_group_score_matches_brute_force(T, E, k, G, kg):
+    scores_TE = torch.randn(T, E, generator=_gen(T * E))
+    top_TK, ids_TK = R.group_limited_topk(scores_TE, k, G, kg, "top2_sum")
+    assert torch.equal(ids_TK.sort(dim=1).values, _brute_group_topk(scores_TE, k, G, kg, 2))
+    torch.testing.assert_close(top_TK, scores_TE.gather(1, ids_TK))
+
+
+def test_group_score_rules_differ_unless_the_share_is_two():
+    # 16 experts in 4 groups of 4, 2 groups kept, top-6: topk_share sums each group's top 3.
+    # Group 0 has two strong experts (top-2 sum 1.9, top-3 sum 1.9), group 1 three good ones
+    # (1.6, 2.4), group 2 two fairly strong ones (1.8, 1.8), group 3 nothing.
+    scores_TE = torch.tensor([[1.0, 0.9, 0.0, 0.0, 0.8, 0.8, 0.8, 0.0,
+                               0.9, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    groups = lambda ids: sorted(set((ids[0] // 4).tolist()))  # noqa: E731
+    assert groups(R.group_limited_topk(scores_TE, 6, 4, 2, "top2_sum")[1]) == [0, 2]
+    assert groups(R.group_limited_topk(scores_TE, 6, 4, 2, "topk_share")[1]) == [0, 1]
+    # At k // kg == 2 both rules are the same computation.
+    scores_TE = torch.randn(53, 16, generator=_gen(5))
+    for k, kg in [(4, 2), (2, 1), (8, 4)]:
+        a = R.group_limited_topk(scores_TE, k, 4, kg, "top2_sum")
+        b = R.group_limited_topk(scores_TE, k, 4, kg, "topk_share")
+        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+def test_group_score_reaches_topk_routing_with_bias():
+    # Sigmoid scores + bias, share 3: topk_routing must select with the biased scores under the
+    # chosen group rule and weight with the unbiased ones (HF DeepseekV3TopkRouter's order).
+    logits_TE = torch.randn(31, 16, generator=_gen(6), dtype=torch.float64)
+    bias_E = 0.3 * torch.randn(16, generator=_gen(7), dtype=torch.float64)
+    probs, ids = R.topk_routing(logits_TE, 6, score_function="sigmoid", expert_bias_E=bias_E,
+                                num_groups=4, group_topk=2, group_score="top2_sum")
+    s_TE = torch.sigmoid(logits_TE)
+    ref_ids = _brute_group_topk(s_TE + bias_E, 6, 4, 2, 2)
+    assert torch.equal(ids.sort(dim=1).values, ref_ids)
+    chosen = s_TE.gather(1, ids)
+    torch.testing.assert_close(probs, chosen / (chosen.sum(-1, keepdim=True) + 1e-20))
+    default = R.topk_routing(logits_TE, 6, score_function="sigmoid", expert_bias_E=bias_E,
+                             num_groups=4, group_topk=2)[1]
+    assert not torch.equal(default.sort(dim=1).values, ref_ids)  # the rule matters here
+    with pytest.raises(ValueError, match=r"group_score = 'top3': unknown. Fix: use one of "
+                                         r"topk_share, top2_sum"):
+        R.topk_routing(logits_TE, 6, num_groups=4, group_topk=2, group_score="top3")
 
 
 def test_group_limits_change_the_choice_versus_plain_topk():

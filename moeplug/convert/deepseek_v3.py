@@ -6,8 +6,10 @@ DeepSeek-V3: multi-head latent attention with interleaved RoPE on the rope dims,
 top-k (``n_group``, ``topk_group``; a group scores by its top-2 experts), selection biased by
 ``e_score_correction_bias`` (our router's ``expert_bias``), weights renormalised when
 ``norm_topk_prob`` and scaled by ``routed_scaling_factor``. Router options map to our ``topk``
-router: score_function sigmoid, num_groups, group_topk, enable_expert_bias, renormalize,
-topk_scaling_factor; the balance loss is the paper's sequence-wise loss (alpha = 1e-4).
+router: score_function sigmoid, num_groups, group_topk, group_score top2_sum, enable_expert_bias,
+renormalize, topk_scaling_factor; the balance loss is the paper's sequence-wise loss
+(alpha = 1e-4). Megatron's group score (group_score topk_share, the sum of the top
+top_k // group_topk) equals HF's only when that share is 2, so export refuses it otherwise.
 
 Multi-token prediction: HF has no MTP forward and ``save_pretrained`` drops those weights; the
 original checkpoint stores MTP module k as decoder layer ``num_hidden_layers + k`` with extra
@@ -21,6 +23,7 @@ from typing import Any, Mapping
 
 import torch
 
+from moeplug import routing as R
 from moeplug.config import ModelConfig, RootConfig
 from moeplug.convert.common import (
     convert_model_weights, hf_fail, hf_rope, main_blocks, require, rope_theta, take, topk_options)
@@ -29,7 +32,7 @@ FAMILY = "DeepseekV3Config"
 MODEL_TYPE = "deepseek_v3"
 MOE_NAME = "mlp"
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
-GROUP_TOP = 2  # HF/DeepSeek score a group by the sum of its 2 best experts
+GROUP_SCORE = "top2_sum"  # HF/DeepSeek score a group by the sum of its 2 best experts
 SEQ_AUX_LOSS_COEFF = 1e-4  # DeepSeek-V3 paper, section 4.2 (alpha)
 
 
@@ -44,14 +47,7 @@ def config_from_hf(hf: Mapping[str, Any], hf_sd: Mapping[str, torch.Tensor] = ()
                     "topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
                     "load_balancing_type": "seq_aux_loss", "aux_loss_coeff": SEQ_AUX_LOSS_COEFF}
     if groups > 1:
-        # Megatron (and so our router) scores a group by its top (top_k // topk_group) experts;
-        # HF by its top 2. They agree exactly when top_k // topk_group == 2 (DeepSeek-V3: 8 // 4).
-        if K // group_topk != GROUP_TOP:
-            hf_fail(FAMILY, "topk_group", group_topk, f"num_experts_per_tok // topk_group = "
-                    f"{K} // {group_topk} = {K // group_topk}, but the group score must use the "
-                    f"top {GROUP_TOP} experts like HF", f"choose topk_group = num_experts_per_tok "
-                    f"/ {GROUP_TOP}, or n_group = 1")
-        router.update(num_groups=groups, group_topk=group_topk)
+        router.update(num_groups=groups, group_topk=group_topk, group_score=GROUP_SCORE)
     mtp = hf.get("num_nextn_predict_layers", 0) or 0
     if mtp and f"model.layers.{L}.eh_proj.weight" not in hf_sd:
         mtp = 0  # config promises MTP modules the weights do not hold (save_pretrained drops them)
@@ -100,10 +96,14 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
         hf_fail(FAMILY, "plugins.router_options", opts, "DeepSeek-V3 routes with sigmoid scores "
                 "and an expert bias", "set score_function: sigmoid, enable_expert_bias: true")
     groups, group_topk = opts.get("num_groups") or 1, opts.get("group_topk") or 1
-    if groups > 1 and moe.top_k // group_topk != GROUP_TOP:
-        hf_fail(FAMILY, "plugins.router_options.group_topk", group_topk,
-                f"HF scores groups by their top {GROUP_TOP}; top_k // group_topk = "
-                f"{moe.top_k // group_topk}", f"set group_topk = top_k / {GROUP_TOP}")
+    group_score = opts.get("group_score", "topk_share")
+    if groups > 1 and (R.group_members(moe.top_k, group_topk, group_score)
+                       != R.group_members(moe.top_k, group_topk, GROUP_SCORE)):
+        hf_fail(FAMILY, "plugins.router_options.group_score", group_score,
+                f"this router scores a group by its top top_k // group_topk = {moe.top_k} // "
+                f"{group_topk} = {moe.top_k // group_topk} experts, HF by its top 2, so HF "
+                f"would route differently", f"export a model trained with group_score: "
+                f"{GROUP_SCORE} (or with group_topk = top_k / 2, where the two agree)")
     renormalize = opts.get("renormalize")
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": MODEL_TYPE, "dtype": "float32",

@@ -18,14 +18,16 @@ from moeplug.routing.capacity import DROP_POLICIES, drop_over_capacity, expert_c
 from moeplug.routing.expert_bias import updated_expert_bias
 from moeplug.routing.gating import ROUTER_DTYPES, force_balanced_logits, input_jitter, router_logits
 from moeplug.routing.rows import append_sink_rows, pad_rows, padded_counts, sink_dropped, unpad_rows
-from moeplug.routing.scores import (NORM_EPS, SCORE_FUNCTIONS, aux_scores, group_limited_topk,
-                                    score, select_topk, topk_routing)
+from moeplug.routing.scores import (GROUP_SCORES, NORM_EPS, SCORE_FUNCTIONS, aux_scores,
+                                    group_limited_topk, group_members, score, select_topk,
+                                    topk_routing)
 
 __all__ = [
-    "AUX_LOSS_COUNTS", "AUX_LOSS_TYPES", "DROP_POLICIES", "NORM_EPS", "ROUTER_DTYPES",
-    "SCORE_FUNCTIONS", "append_sink_rows", "aux_scores", "counts_for_aux", "drop_over_capacity",
-    "expert_capacity", "expert_counts", "force_balanced_logits", "global_aux_loss",
-    "group_limited_topk", "input_jitter", "pad_rows", "padded_counts", "router_logits", "score",
-    "select_topk", "seq_aux_loss", "sink_dropped", "sum_over_group", "switch_aux_loss", "topk_routing",
-    "unpad_rows", "updated_expert_bias", "z_loss",
+    "AUX_LOSS_COUNTS", "AUX_LOSS_TYPES", "DROP_POLICIES", "GROUP_SCORES", "NORM_EPS",
+    "ROUTER_DTYPES", "SCORE_FUNCTIONS", "append_sink_rows", "aux_scores", "counts_for_aux",
+    "drop_over_capacity", "expert_capacity", "expert_counts", "force_balanced_logits",
+    "global_aux_loss", "group_limited_topk", "group_members", "input_jitter", "pad_rows",
+    "padded_counts", "router_logits", "score", "select_topk", "seq_aux_loss", "sink_dropped",
+    "sum_over_group", "switch_aux_loss", "topk_routing", "unpad_rows", "updated_expert_bias",
+    "z_loss",
 ]

@@ -7,7 +7,8 @@ forward(x_TD, num_sequences=B):
     1. jitter      x * U(1 - eps, 1 + eps)                      (training only, input_jitter_eps)
     2. gate        logits_TE = x_TD @ W_ED^T in fp32 or fp64     (dtype; autocast off)
                    replaced by seeded random logits when force_load_balancing (benchmarks)
-    3. route       scores, expert bias, group-limited top-k, scaling   (moeplug.routing.scores)
+    3. route       scores, expert bias, group-limited top-k (group_score rule), scaling
+                   (moeplug.routing.scores)
     4. drop        capacity C = ceil(T*K/E * capacity_factor); over-capacity choices get prob 0
                    and dropped_TK = True; pad_to_capacity asks the dispatcher for exactly C rows
     5. losses      sum over load_balancing_type of coeff * loss, plus z_loss_coeff * z-loss
@@ -54,8 +55,12 @@ class TopKOptions:
     topk_scaling_factor: float = 1.0
     # Group-limited routing: experts split into num_groups contiguous groups; each token picks
     # its group_topk best groups first (DeepSeek-V3: 8 groups, 4 kept). Both set or both None.
+    # A group scores the sum of its best top_k // group_topk selection scores ("topk_share",
+    # Megatron) or of its best 2 ("top2_sum", what HF and DeepSeek-V3's code compute); they
+    # differ unless top_k // group_topk == 2. DeepSeek-V3 import picks top2_sum.
     num_groups: int | None = None
     group_topk: int | None = None
+    group_score: Literal["topk_share", "top2_sum"] = "topk_share"
     # Aux-loss-free balancing: a bias for selection only, updated once per optimizer step.
     enable_expert_bias: bool = False
     bias_update_rate: float = 1e-3
@@ -161,6 +166,11 @@ def _check_against_model(model: ModelConfig, o: TopKOptions) -> None:
             _fail("group_topk", o.group_topk, f"the {o.group_topk} kept groups hold "
                   f"{o.group_topk * (E // o.num_groups)} experts, fewer than top_k ({K})",
                   "raise group_topk or lower num_groups")
+        members = R.group_members(K, o.group_topk, o.group_score)
+        if members > E // o.num_groups:
+            _fail("group_score", o.group_score, f"sums each group's best {members} scores but a "
+                  f"group holds {E // o.num_groups} experts (num_experts {E} / num_groups "
+                  f"{o.num_groups})", "lower num_groups, or use group_score: topk_share")
 
 
 class TopKRouter(Router):
@@ -212,7 +222,7 @@ class TopKRouter(Router):
         probs_TK, ids_TK = R.topk_routing(
             logits_TE, K, score_function=o.score_function, renormalize=self.renormalize,
             expert_bias_E=self.expert_bias, num_groups=o.num_groups, group_topk=o.group_topk,
-            scaling_factor=o.topk_scaling_factor)
+            group_score=o.group_score, scaling_factor=o.topk_scaling_factor)
         # 4. drop over capacity
         dropped_TK, capacity = None, None
         if o.capacity_factor is not None:
