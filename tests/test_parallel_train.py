@@ -7,7 +7,8 @@ steps, and so does a single-process reference built on the same rank from the sa
 micro-batches r*A..(r+1)*A-1 of each step). Compared after every step, on EVERY rank (rank 0
 logs its own values, so each rank's must be one process's): the logged loss terms
 (``StepStats.losses()``, the train record's loss / lm_loss / aux_loss: mean over micro-batches
-and DP), the global grad norm (clipping acts: the norm is above grad_clip), every gradient of
+and DP; without pipelines also its per-layer router losses and dropped fractions), the global
+grad norm (clipping acts: the norm is above grad_clip), every gradient of
 this rank against its shard of the reference gradient (TP/EP/ETP slices by shard_state_dict,
 pipeline chunks by name); after 3 steps every parameter and the logged validation loss
 (``evaluate`` on fixed batches, as the trainer's val record). The aux loss is on (coefficient
@@ -119,6 +120,16 @@ def _named(model, groups) -> dict[str, torch.Tensor]:
     return out
 
 
+def _moe_err(got: dict, want: dict) -> float:
+    """Largest difference of the train record's per-layer router losses and dropped fractions."""
+    assert got["router_losses"].keys() == want["router_losses"].keys() == {"aux_loss"}
+    pairs = [*zip(got["dropped_fraction"], want["dropped_fraction"])]
+    for k, values in got["router_losses"].items():
+        pairs += zip(values, want["router_losses"][k])
+    assert pairs and len(got["dropped_fraction"]) == len(want["dropped_fraction"])
+    return max(abs(a - b) for a, b in pairs)
+
+
 def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
     from moeplug.data import get_batch
     from moeplug.parallel import ParallelGroups
@@ -142,7 +153,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         ref = build_rank_model(ref_cfg, host, V, None)
         opt, ref_opt = build_rank_optimizer(model, cfg, groups), build_rank_optimizer(ref, ref_cfg)
         errs = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "val_loss": 0.0,
-                "grad_norm": 0.0, "grad": 0.0, "param": 0.0}
+                "router_losses": 0.0, "grad_norm": 0.0, "grad": 0.0, "param": 0.0}
         losses, min_ref_norm, num_grads = [], float("inf"), 0
         for step in range(3):
             for o in (opt, ref_opt):
@@ -156,6 +167,8 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
             assert got.losses().keys() == want.losses().keys() == {"loss", "lm_loss", "aux_loss"}
             for key, value in got.losses().items():  # as the train record logs them
                 errs[key] = max(errs[key], abs(value - want.losses()[key]))
+            if groups.size("pp") == 1:  # pipeline runs log no per-layer router losses
+                errs["router_losses"] = max(errs["router_losses"], _moe_err(got.moe, want.moe))
             errs["grad_norm"] = max(errs["grad_norm"], abs(got.grad_norm - want.grad_norm))
             min_ref_norm = min(min_ref_norm, want.grad_norm)
             if not cfg.parallel.distributed_optimizer:

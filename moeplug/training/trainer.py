@@ -165,9 +165,9 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     # Logging only: the DP ranks' losses averaged (TP/CP/PP ranks already agree), counts summed.
     sums = D.mean_over_dp(sums, groups)
     expert_counts = D.global_expert_counts(counts_per_layer, groups)
-    # Router losses: this rank's micro-batches (rank 0 logs them); counts: every rank's.
-    return StepStats(*sums, grad_norm=grad_norm, expert_counts=expert_counts,
-                     moe=moe_metrics(routing, counts=expert_counts))
+    # Router losses and dropped fractions: averaged over the stage's ranks; counts: summed.
+    moe = D.mean_router_metrics(moe_metrics(routing, counts=expert_counts), groups)
+    return StepStats(*sums, grad_norm=grad_norm, expert_counts=expert_counts, moe=moe)
 
 
 def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:
