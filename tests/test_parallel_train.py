@@ -261,3 +261,35 @@ def test_data_parallel_ranks_train_disjoint_micro_batches_in_one_process_order()
     assert len(parts) == len(one) == 6
     for (t1, y1), (t2, y2) in zip(parts, one):
         assert torch.equal(t1, t2) and torch.equal(y1, y2)
+
+
+def _logged(out_dir: str) -> tuple[list[float], list[float]]:
+    import os
+
+    from moeplug.training.metrics import read_metrics
+    records = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    return ([r["lm_loss"] for r in records if r["kind"] == "train"],
+            [r["val_loss"] for r in records if r["kind"] == "val"])
+
+
+@pytest.mark.slow
+def test_cli_tp2_cp2_logs_the_one_process_losses(run_cli, tiny_config_file, tmp_path):
+    # The reported bug: at TP2 x CP2 rank 0 logged its own CP chunk's lm_loss and val_loss (and
+    # printed them in the final lines). DP = 4 / (TP * CP) = 1: the same config in one process.
+    import re
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    common = ["--steps", "3", "--set", "train.log_interval=1", "--set", "train.warmup_steps=1",
+              "--set", "train.eval_interval=2"]
+    par, one = str(tmp_path / "tp2cp2"), str(tmp_path / "one")
+    proc = run_cli("train", "--config", cfg, "--out", par, "--nproc", "4", "--set",
+                   "parallel.tp=2", "--set", "parallel.cp=2", *common, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = run_cli("train", "--config", cfg, "--out", one, *common, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    (got_lm, got_val), (want_lm, want_val) = _logged(par), _logged(one)
+    assert len(got_lm) == len(want_lm) == 3 and len(got_val) == len(want_val) == 2
+    assert max(abs(a - b) for a, b in zip(got_lm + got_val, want_lm + want_val)) < 1e-4, (
+        got_lm, want_lm, got_val, want_val)
+    verdict = re.compile(r"validation loss (\S+) nats/token")  # the final lines rank 0 prints
+    (got,), (want,) = verdict.findall(proc.stdout), verdict.findall(ref.stdout)
+    assert abs(float(got) - float(want)) <= 2e-4, (got, want)
