@@ -3,6 +3,8 @@
 * layout: the load-balanced chunk assignment, its round trip and its equal attention work;
 * attention alone (world 4: CP4 and CP2 x DP2, both K/V exchanges): output and dq/dk/dv of every
   rank's shard equal the matching rows of torch SDPA (is_causal) on the full sequence;
+* the LM loss alone at TP2 x CP2 (same spawn): every rank's value is the whole sequences' mean
+  cross-entropy, and its logits' grad is CP times its share of that mean's;
 * the whole model (CP2 at world 2 with both exchanges, CP2 x EP2 at world 4): loss, every
   gradient after sync_gradients, and 3 AdamW steps with the global-norm clip equal one process
   running the unsharded batch.
@@ -110,7 +112,7 @@ def test_errors_name_the_field_the_value_and_the_fix():
 
 # --- attention alone, on real ranks -----------------------------------------------------------
 
-def _attention_vs_sdpa(rank: int, world: int) -> dict[str, float]:
+def _pieces_vs_one_process(rank: int, world: int) -> dict[str, float]:
     from moeplug.parallel import ParallelConfig, ParallelGroups
 
     B, H, G, N, Dh = 2, 4, 2, 16, 8
@@ -132,14 +134,43 @@ def _attention_vs_sdpa(rank: int, world: int) -> dict[str, float]:
                                       want):
                 diff = got - shard_sequence(ref, W, r, dim=2)
                 errs[f"cp{cp}/{comm}/{name}"] = diff.abs().max().item()
+    # The LM loss at TP2 x CP2: vocab-parallel logits of this rank's tokens, one ignored token.
+    logits_full = torch.randn(B, N, 12, generator=g).requires_grad_()
+    targets = torch.randint(0, 12, (B, N), generator=g)
+    targets[0, 1] = targets[1, N - 1] = -100  # one on each CP rank (chunks 0 and 3 of 4)
+    ref = F.cross_entropy(logits_full.reshape(-1, 12), targets.reshape(-1))
+    ref.backward()
+    groups = ParallelGroups.build(ParallelConfig(tp=2, cp=2), world, rank)
+    W, r, t = groups.size("cp"), groups.rank_in("cp"), groups.rank_in("tp")
+    cols = slice(6 * t, 6 * (t + 1))
+    local = shard_sequence(logits_full.detach(), W, r)[..., cols].requires_grad_()
+    loss = cp_cross_entropy(local, shard_sequence(targets, W, r), groups.cp, tp_group=groups.tp)
+    loss.backward()
+    errs["ce/loss"] = abs(loss.item() - ref.item())
+    # Each rank's grad is W times its share of the global mean's (sync_gradients averages).
+    want_grad = W * shard_sequence(logits_full.grad, W, r)[..., cols]
+    errs["ce/grad"] = (local.grad - want_grad).abs().max().item()
     return errs
 
 
-def test_attention_equals_sdpa_on_the_full_sequence_forward_and_backward():
-    for rank, errs in enumerate(run_distributed(_attention_vs_sdpa, 4, timeout=120)):
+@pytest.fixture(scope="module")
+def pieces_world4():
+    return run_distributed(_pieces_vs_one_process, 4, timeout=120)
+
+
+def test_attention_equals_sdpa_on_the_full_sequence_forward_and_backward(pieces_world4):
+    for rank, errs in enumerate(pieces_world4):
+        errs = {k: v for k, v in errs.items() if k.startswith("cp")}
         assert len(errs) == 16
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"rank {rank}: CP attention differs from SDPA by more than {TOL}: {bad}"
+
+
+def test_tp_cp_loss_is_the_whole_groups_token_mean(pieces_world4):
+    # Under TP x CP each rank's loss is the mean over every token of the CP group (what the
+    # trainer logs), not of its own chunk; ignored tokens leave the mean as in F.cross_entropy.
+    for rank, errs in enumerate(pieces_world4):
+        assert errs["ce/loss"] <= TOL and errs["ce/grad"] <= TOL, (rank, errs)
 
 
 # --- the whole model, on real ranks -------------------------------------------------------------

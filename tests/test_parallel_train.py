@@ -4,18 +4,24 @@ For each layout, every rank runs the REAL trainer pieces (moeplug.training.train
 step_batches, build_rank_optimizer; moeplug.training.distributed.build_rank_model) for 3 AdamW
 steps, and so does a single-process reference built on the same rank from the same seed with
 ``single_process_equivalent`` (parallel section reset, grad_accum_steps x DP: DP rank r trains
-micro-batches r*A..(r+1)*A-1 of each step). Compared after every step: the logged loss (mean over
-micro-batches and DP), the global grad norm (clipping acts: the norm is above grad_clip), every
-gradient of this rank against its shard of the reference gradient (TP/EP/ETP slices by
-shard_state_dict, pipeline chunks by name), and after 3 steps every parameter. The aux loss is
-on (coefficient 0.05): slicing whole micro-batches keeps it identical.
+micro-batches r*A..(r+1)*A-1 of each step). Compared after every step, on EVERY rank (rank 0
+logs its own values, so each rank's must be one process's): the logged loss terms
+(``StepStats.losses()``, the train record's loss / lm_loss / aux_loss: mean over micro-batches
+and DP; without pipelines also its per-layer router losses and dropped fractions), the global
+grad norm (clipping acts: the norm is above grad_clip), every gradient of
+this rank against its shard of the reference gradient (TP/EP/ETP slices by shard_state_dict,
+pipeline chunks by name); after 3 steps every parameter and the logged validation loss
+(``evaluate`` on fixed batches, as the trainer's val record). The aux loss is on (coefficient
+0.05): slicing whole micro-batches keeps it identical.
 
 With the distributed optimizer the model's .grad hold the local, unreduced gradients (only the
 owned slices are reduced), so there loss, norm and parameters are compared.
 
 Pipelines cover tied embeddings (the last stage's embedding copy: its grad summed with the
 first stage's, counted once in the grad norm, also by the distributed optimizer) and, at world
-8, PP2 x EP2 x TP2 with sequence parallelism (one spawn of 8 ranks).
+8, PP2 x EP2 x TP2 with sequence parallelism (one spawn of 8 ranks). CP composes with TP (with
+and without SP, both K/V exchanges) and with PP: there each CP rank holds other tokens, so a
+logged loss taken from one rank's chunk would differ from one process even with right grads.
 """
 
 from __future__ import annotations
@@ -55,6 +61,12 @@ WORLD4 = {
     "cp2_ep2_allgather": ({"cp": 2, "ep": 2}, "allgather", 1),
     "pp2_ep2": ({"pp": 2, "ep": 2}, "alltoall", 2),
     "pp2_ep2_allgather": ({"pp": 2, "ep": 2}, "allgather", 2),
+    "cp2_tp2": ({"cp": 2, "tp": 2}, "alltoall", 1),
+    "cp2_tp2_sp": ({"cp": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 1),
+    "cp2_tp2_ring": ({"cp": 2, "tp": 2, "cp_comm": "ring"}, "alltoall", 1),
+    "cp2_tp2_sp_ring": ({"cp": 2, "tp": 2, "sequence_parallel": True, "cp_comm": "ring"},
+                        "alltoall", 1),
+    "pp2_cp2": ({"pp": 2, "cp": 2}, "alltoall", 2),
     "ep2_dp4_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
 }
 WORLD8 = {
@@ -108,13 +120,24 @@ def _named(model, groups) -> dict[str, torch.Tensor]:
     return out
 
 
+def _moe_err(got: dict, want: dict) -> float:
+    """Largest difference of the train record's per-layer router losses and dropped fractions."""
+    assert got["router_losses"].keys() == want["router_losses"].keys() == {"aux_loss"}
+    pairs = [*zip(got["dropped_fraction"], want["dropped_fraction"])]
+    for k, values in got["router_losses"].items():
+        pairs += zip(values, want["router_losses"][k])
+    assert pairs and len(got["dropped_fraction"]) == len(want["dropped_fraction"])
+    return max(abs(a - b) for a, b in pairs)
+
+
 def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
+    from moeplug.data import get_batch
     from moeplug.parallel import ParallelGroups
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model, single_process_equivalent
     from moeplug.training.optim import lr_at
-    from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
-                                          train_step)
+    from moeplug.training.trainer import (build_rank_optimizer, evaluate, seed_everything,
+                                          step_batches, train_step)
 
     host = PluginHost.load()
     precision = host.create("precision", "fp32", {})
@@ -129,7 +152,8 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         seed_everything(cfg.train.seed)
         ref = build_rank_model(ref_cfg, host, V, None)
         opt, ref_opt = build_rank_optimizer(model, cfg, groups), build_rank_optimizer(ref, ref_cfg)
-        errs = {"loss": 0.0, "grad_norm": 0.0, "grad": 0.0, "param": 0.0}
+        errs = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "val_loss": 0.0,
+                "router_losses": 0.0, "grad_norm": 0.0, "grad": 0.0, "param": 0.0}
         losses, min_ref_norm, num_grads = [], float("inf"), 0
         for step in range(3):
             for o in (opt, ref_opt):
@@ -140,7 +164,11 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
             want = train_step(ref, ref_opt, step_batches(ids, ref_cfg.train, step), ref_cfg.train,
                               precision)
             losses.append(got.loss)
-            errs["loss"] = max(errs["loss"], abs(got.loss - want.loss))
+            assert got.losses().keys() == want.losses().keys() == {"loss", "lm_loss", "aux_loss"}
+            for key, value in got.losses().items():  # as the train record logs them
+                errs[key] = max(errs[key], abs(value - want.losses()[key]))
+            if groups.size("pp") == 1:  # pipeline runs log no per-layer router losses
+                errs["router_losses"] = max(errs["router_losses"], _moe_err(got.moe, want.moe))
             errs["grad_norm"] = max(errs["grad_norm"], abs(got.grad_norm - want.grad_norm))
             min_ref_norm = min(min_ref_norm, want.grad_norm)
             if not cfg.parallel.distributed_optimizer:
@@ -152,6 +180,11 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         for pname, expect in _ref_params(model, ref, groups).items():
             p = _named(model, groups)[pname]
             errs["param"] = max(errs["param"], (p.detach() - expect).abs().max().item())
+        # The val record's loss: whole sequences on every rank, as the trainer passes them.
+        gen = torch.Generator().manual_seed(11)
+        val = [get_batch(ids, cfg.train.micro_batch_size, cfg.train.seq_len, gen) for _ in "ab"]
+        errs["val_loss"] = abs(evaluate(model, val, precision, groups)
+                               - evaluate(ref, val, precision))
         report[name] = {"errs": errs, "losses": losses, "min_ref_norm": min_ref_norm,
                         "num_grads": num_grads, "dp": groups.size("dp")}
     return report
@@ -228,3 +261,35 @@ def test_data_parallel_ranks_train_disjoint_micro_batches_in_one_process_order()
     assert len(parts) == len(one) == 6
     for (t1, y1), (t2, y2) in zip(parts, one):
         assert torch.equal(t1, t2) and torch.equal(y1, y2)
+
+
+def _logged(out_dir: str) -> tuple[list[float], list[float]]:
+    import os
+
+    from moeplug.training.metrics import read_metrics
+    records = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    return ([r["lm_loss"] for r in records if r["kind"] == "train"],
+            [r["val_loss"] for r in records if r["kind"] == "val"])
+
+
+@pytest.mark.slow
+def test_cli_tp2_cp2_logs_the_one_process_losses(run_cli, tiny_config_file, tmp_path):
+    # The reported bug: at TP2 x CP2 rank 0 logged its own CP chunk's lm_loss and val_loss (and
+    # printed them in the final lines). DP = 4 / (TP * CP) = 1: the same config in one process.
+    import re
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    common = ["--steps", "3", "--set", "train.log_interval=1", "--set", "train.warmup_steps=1",
+              "--set", "train.eval_interval=2"]
+    par, one = str(tmp_path / "tp2cp2"), str(tmp_path / "one")
+    proc = run_cli("train", "--config", cfg, "--out", par, "--nproc", "4", "--set",
+                   "parallel.tp=2", "--set", "parallel.cp=2", *common, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = run_cli("train", "--config", cfg, "--out", one, *common, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    (got_lm, got_val), (want_lm, want_val) = _logged(par), _logged(one)
+    assert len(got_lm) == len(want_lm) == 3 and len(got_val) == len(want_val) == 2
+    assert max(abs(a - b) for a, b in zip(got_lm + got_val, want_lm + want_val)) < 1e-4, (
+        got_lm, want_lm, got_val, want_val)
+    verdict = re.compile(r"validation loss (\S+) nats/token")  # the final lines rank 0 prints
+    (got,), (want,) = verdict.findall(proc.stdout), verdict.findall(ref.stdout)
+    assert abs(float(got) - float(want)) <= 2e-4, (got, want)

@@ -93,10 +93,11 @@ class ModelStages:
         if targets_BS is None:
             return HeadOutput(logits_BSV, None, None, mtp_aux, [])
         # fp32 cross-entropy: under bf16 autocast the log-softmax over V would lose precision.
-        if tpar.tp_of(self._groups)[0] is not None:
+        tp_group = tpar.tp_of(self._groups)[0]
+        if self._cp_group is not None:  # CP first: under TP x CP too, the mean is the group's
+            lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group, tp_group=tp_group)
+        elif tp_group is not None:
             lm_loss = tpar.lm_loss(logits_BSV, targets_BS, self._groups)
-        elif self._cp_group is not None:
-            lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group)
         else:
             lm_loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
                                       targets_BS.reshape(-1))

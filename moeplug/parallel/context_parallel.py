@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from moeplug.parallel.comm import all_gather, all_reduce, group_rank, group_size
+from moeplug.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 CP_COMMS = ("allgather", "ring")
 
@@ -143,18 +144,29 @@ def cp_attention(q_BHSDh: torch.Tensor, k_BGSDh: torch.Tensor, v_BGSDh: torch.Te
 
 
 def cp_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, group: Any,
-                     ignore_index: int = -100) -> torch.Tensor:
+                     ignore_index: int = -100, tp_group: Any = None) -> torch.Tensor:
     """Mean cross-entropy over every token of the CP group (the same value on each CP rank).
+
+    ``tp_group``: under TP x CP the logits hold this TP rank's V/TP vocabulary columns, and
+    each token's loss is the vocab-parallel one (equal on the TP ranks). The CP mean must still
+    be taken: the TP loss alone is the mean of this rank's chunk only, which trains right
+    (sync_gradients averages over CP) but logs a different loss on each CP rank.
 
     The token sum goes through a differentiable all-reduce whose backward also all-reduces:
     each rank's grad is then W/N times the grad of its own token sum (plus what attention's
     KV exchange brings in), and averaging over CP in ``sync_gradients`` yields exactly the grad
     of the global mean. The token count is all-reduced as data (it has no grad).
     """
-    flat_V = logits_BSV.float().reshape(-1, logits_BSV.shape[-1])
-    sum_ = F.cross_entropy(flat_V, targets_BS.reshape(-1), ignore_index=ignore_index,
-                           reduction="sum")
-    count = (targets_BS != ignore_index).sum().to(sum_.dtype)
+    flat_NV, targets_N = logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1)
+    keep_N = targets_N != ignore_index
+    if tp_group is None:
+        sum_ = F.cross_entropy(flat_NV.float(), targets_N, ignore_index=ignore_index,
+                               reduction="sum")
+    else:  # ignored tokens: any in-range target, then their loss (and its grad) masked out
+        loss_N = vocab_parallel_cross_entropy(flat_NV, targets_N.masked_fill(~keep_N, 0),
+                                              tp_group)
+        sum_ = (loss_N * keep_N).sum()
+    count = keep_N.sum().to(sum_.dtype)
     if group_size(group) > 1:
         dist.all_reduce(count, group=group)
     return all_reduce(sum_, group) / count

@@ -24,6 +24,7 @@ data-parallel size DP and ``train.grad_accum_steps = A`` equals one process with
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from datetime import timedelta
 from typing import Any
@@ -139,11 +140,33 @@ def local_sequence(tokens_BS: torch.Tensor, targets_BS: torch.Tensor,
 def mean_over_dp(values: list[float], groups: Any) -> list[float]:
     """Average per-rank scalars over DP (every rank of a DP group computed its own batch's; TP
     and CP ranks already agree, pipeline ranks too after forward_backward_pipeline)."""
-    if groups is None or groups.dp is None:
+    return _mean_over(values, None if groups is None else groups.dp)
+
+
+def mean_router_metrics(moe: dict, groups: Any) -> dict:
+    """``moe`` (observability.moe_metrics) with each layer's dropped fraction and router losses
+    averaged over the ranks of this pipeline stage (tp_dp_cp). A rank reports its own
+    micro-batches (DP, EP) or its chunk of their tokens (CP, SP), and each value is a mean over
+    equally many tokens (aux losses: global expert counts times this rank's mean score), so the
+    ranks' mean is one process's value. Losses a layer did not report (None) stay None."""
+    group = None if groups is None else groups.tp_dp_cp
+    names = sorted(moe["router_losses"])
+    rows = [moe["dropped_fraction"], *(moe["router_losses"][k] for k in names)]
+    if group is None or not any(rows):
+        return moe
+    flat = _mean_over([math.nan if v is None else v for row in rows for v in row], group)
+    per_layer = len(rows[0])
+    rows = [[None if math.isnan(v) else v for v in flat[i:i + per_layer]]
+            for i in range(0, len(flat), per_layer)]
+    return {**moe, "dropped_fraction": rows[0], "router_losses": dict(zip(names, rows[1:]))}
+
+
+def _mean_over(values: list[float], group: Any) -> list[float]:
+    if group is None:
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=groups.dp)
-    return (t / groups.size("dp")).tolist()
+    dist.all_reduce(t, group=group)
+    return (t / dist.get_world_size(group)).tolist()
 
 
 def global_expert_counts(counts: list[torch.Tensor], groups: Any) -> list[torch.Tensor]:

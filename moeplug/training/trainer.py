@@ -69,9 +69,9 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
     chunks = D.pipeline_chunks(model)
     if chunks is not None:
         from moeplug.parallel.schedules import forward_backward_pipeline
-        res = forward_backward_pipeline(
-            chunks, [D.local_sequence(t, y, groups) for t, y in batches], groups,
-            forward_only=True, autocast=lambda: precision.autocast("cpu"))
+        # Whole sequences: the schedule takes each rank's CP shard itself.
+        res = forward_backward_pipeline(chunks, batches, groups, forward_only=True,
+                                        autocast=lambda: precision.autocast("cpu"))
         model.train(was_training)
         return float(res.lm_loss)
     losses = []
@@ -106,6 +106,10 @@ class StepStats:
     expert_counts: list
     moe: dict | None = None
 
+    def losses(self) -> dict[str, float]:
+        """The loss terms of this step's ``train`` record in metrics.jsonl."""
+        return {"loss": self.loss, "lm_loss": self.lm_loss, "aux_loss": self.aux_loss}
+
 
 def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: Any,
                precision: Any, groups: Any = None) -> StepStats:
@@ -120,10 +124,11 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     routing = None  # per-layer counts and router losses of this rank's micro-batches
     if chunks is not None:
         from moeplug.parallel.schedules import forward_backward_pipeline
-        # The schedule accumulates grads of sum_m (lm_m + aux_m) / M over its micro-batches.
-        res = forward_backward_pipeline(
-            chunks, [D.local_sequence(t, y, groups) for t, y in micro_batches], groups,
-            autocast=lambda: precision.autocast("cpu"))
+        # The schedule accumulates grads of sum_m (lm_m + aux_m) / M over its micro-batches;
+        # it takes whole sequences and CP-shards them itself (sharding here too would train
+        # on a shard of the shard).
+        res = forward_backward_pipeline(chunks, micro_batches, groups,
+                                        autocast=lambda: precision.autocast("cpu"))
         sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss)]
         counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
     else:
@@ -160,9 +165,9 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     # Logging only: the DP ranks' losses averaged (TP/CP/PP ranks already agree), counts summed.
     sums = D.mean_over_dp(sums, groups)
     expert_counts = D.global_expert_counts(counts_per_layer, groups)
-    # Router losses: this rank's micro-batches (rank 0 logs them); counts: every rank's.
-    return StepStats(*sums, grad_norm=grad_norm, expert_counts=expert_counts,
-                     moe=moe_metrics(routing, counts=expert_counts))
+    # Router losses and dropped fractions: averaged over the stage's ranks; counts: summed.
+    moe = D.mean_router_metrics(moe_metrics(routing, counts=expert_counts), groups)
+    return StepStats(*sums, grad_norm=grad_norm, expert_counts=expert_counts, moe=moe)
 
 
 def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:
@@ -244,7 +249,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 group["lr"] = lr
             stats = train_step(model, optimizer, step_batches(corpus.train_ids, tc, step, groups),
                                tc, precision, groups)
-            sums = {"loss": stats.loss, "lm_loss": stats.lm_loss, "aux_loss": stats.aux_loss}
+            sums = stats.losses()
             grad_norm, counts_per_layer = stats.grad_norm, stats.expert_counts
             done, loss_step = step + 1, sums["loss"]
             if not math.isfinite(loss_step):
