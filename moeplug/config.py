@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import yaml
+
+_log = logging.getLogger(__name__)  # notices; with no logging set up, Python prints them
 
 
 class ConfigError(ValueError):
@@ -523,15 +526,28 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     """Defaults ← ``base`` (a preset) ← YAML file ← dotted overrides, validated as one RootConfig."""
     data: dict = {}
     if path:
+        if os.path.isdir(path):
+            inside = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))
+            raise ConfigError(f"config file {path!r} is a directory, not a YAML file. Fix: pass "
+                              f"a file" + (f" (there: {', '.join(inside)})" if inside else ""))
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist. Fix: pass an existing YAML "
                               f"file to --config, or leave --config out to use the packaged default")
         try:
             with open(path, encoding="utf-8") as f:
-                loaded = yaml.safe_load(f) or {}
+                loaded = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r} is not valid YAML: "
                               f"{' '.join(str(e).split())}. Fix: correct the syntax there") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not UTF-8 text ({e}). Fix: pass the YAML "
+                              f"config file, not a binary one") from None
+        if loaded is None and not base:
+            # An empty file means the dataclass defaults (README "Config reference"), which
+            # differ from the packaged default.yaml that no --config would have used.
+            _log.warning(f"moeplug: note: config file {path!r} is empty: training the dataclass "
+                         f"defaults (README 'Config reference'), not the packaged default.yaml")
+        loaded = {} if loaded is None else loaded
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping. "
                               f"Fix: start with sections model:, plugins:, data:, train:")

@@ -307,6 +307,18 @@ def test_missing_config_and_unknown_family(tmp_path):
         import_hf(str(tmp_path), str(tmp_path / "ck"))
 
 
+def test_cli_imports_a_directory_whose_name_holds_glob_characters(tmp_path, run_cli):
+    # "hf[1]" as a glob pattern matches "hf1", not itself: the weights were reported missing.
+    hf_dir = tmp_path / "models[1]" / "hf[1]"
+    randomised(mixtral()).save_pretrained(hf_dir)
+    proc = run_cli("convert", "import", "--hf", str(hf_dir), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = rebuilt_from_checkpoint(str(tmp_path / "run" / "step_000000"))
+    ours = dict(model.state_dict())["embed.weight"]
+    theirs = read_hf_dir(str(hf_dir))[1]["model.embed_tokens.weight"]
+    assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize("family,kw,pattern", [
     ("mixtral", {"sliding_window": 8}, r"MixtralConfig.sliding_window = 8: .*Fix: set sliding_window=None"),
     ("mixtral", {"num_experts_per_tok": 1}, r"MixtralConfig.num_experts_per_tok = 1: .*Fix: use num_experts_per_tok >= 2"),
