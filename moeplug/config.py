@@ -433,6 +433,35 @@ class RootConfig:
         return dataclasses.asdict(self)
 
 
+# The fields that define a model's weights and the function they compute: a checkpoint resumed
+# under another value either mismatches shapes (num_experts, hidden_size, vocabulary) or
+# silently computes something else with the same tensors (top_k, activation, routing options).
+MODEL_DEFINING = ("model", "plugins.router", "plugins.router_options", "data.tokenizer",
+                  "data.vocab_size")
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def model_differences(saved: RootConfig, requested: RootConfig) -> list[tuple[str, Any, Any]]:
+    """(dotted field, saved value, requested value) for every MODEL_DEFINING field that
+    differs; "(not set)" stands for an option present on one side only."""
+    a, b = _flatten(saved.to_dict()), _flatten(requested.to_dict())
+    if saved.data.tokenizer == requested.data.tokenizer == "bytes":
+        a.pop("data.vocab_size"), b.pop("data.vocab_size")  # only BPE reads it
+    unset = "(not set)"
+    return [(k, a.get(k, unset), b.get(k, unset)) for k in {**b, **a}
+            if any(k == f or k.startswith(f + ".") for f in MODEL_DEFINING)
+            and a.get(k, unset) != b.get(k, unset)]
+
+
 # --------------------------------------------------------------------------------------------
 # Building from nested mappings (YAML, overrides, checkpoints)
 # --------------------------------------------------------------------------------------------
