@@ -123,8 +123,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     cfg = load_config(path, _overrides(args), base=base)
     host = _load_host(cfg)
     precision = check_plugins(host, cfg)
-    from moeplug.training.checkpoint import resolve_resume
-    resolve_resume(cfg.train.resume, cfg.train.out_dir)  # a bad train.resume fails here, not later
+    from moeplug.training.checkpoint import check_resume, resolve_resume
+    resume_from = resolve_resume(cfg.train.resume, cfg.train.out_dir)
     # Layout vs world size: checked here, before any process or process group exists.
     from moeplug.training import distributed as D
     from moeplug.training import launch
@@ -134,8 +134,16 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         raise ConfigError(f"--nproc {args.nproc}: must be >= 1 and, under torchrun, equal "
                           f"its world size ({world}). Fix: pass --nproc N >= 1, or leave it out "
                           "when launching with torchrun yourself")
+    layout = None
     if D.is_parallel(cfg, world):
-        D.resolve_layout(cfg, world)
+        layout = D.planned_layout_manifest(cfg, D.resolve_layout(cfg, world), world)
+    if resume_from:
+        # A checkpoint of another layout or model, or already at train.steps, fails here (once,
+        # before --nproc launches any rank), not after the model is built.
+        source = " + ".join([f"--preset {args.preset}"] * bool(args.preset)
+                            + [f"--config {args.config}"] * bool(args.config)) \
+            or f"the packaged {path}"
+        check_resume(resume_from, cfg, source, layout)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
     from moeplug.training.trainer import seed_everything, train

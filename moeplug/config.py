@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 import yaml
+
+_log = logging.getLogger(__name__)  # notices; with no logging set up, Python prints them
 
 
 class ConfigError(ValueError):
@@ -430,6 +433,35 @@ class RootConfig:
         return dataclasses.asdict(self)
 
 
+# The fields that define a model's weights and the function they compute: a checkpoint resumed
+# under another value either mismatches shapes (num_experts, hidden_size, vocabulary) or
+# silently computes something else with the same tensors (top_k, activation, routing options).
+MODEL_DEFINING = ("model", "plugins.router", "plugins.router_options", "data.tokenizer",
+                  "data.vocab_size")
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def model_differences(saved: RootConfig, requested: RootConfig) -> list[tuple[str, Any, Any]]:
+    """(dotted field, saved value, requested value) for every MODEL_DEFINING field that
+    differs; "(not set)" stands for an option present on one side only."""
+    a, b = _flatten(saved.to_dict()), _flatten(requested.to_dict())
+    if saved.data.tokenizer == requested.data.tokenizer == "bytes":
+        a.pop("data.vocab_size"), b.pop("data.vocab_size")  # only BPE reads it
+    unset = "(not set)"
+    return [(k, a.get(k, unset), b.get(k, unset)) for k in {**b, **a}
+            if any(k == f or k.startswith(f + ".") for f in MODEL_DEFINING)
+            and a.get(k, unset) != b.get(k, unset)]
+
+
 # --------------------------------------------------------------------------------------------
 # Building from nested mappings (YAML, overrides, checkpoints)
 # --------------------------------------------------------------------------------------------
@@ -523,15 +555,28 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     """Defaults ← ``base`` (a preset) ← YAML file ← dotted overrides, validated as one RootConfig."""
     data: dict = {}
     if path:
+        if os.path.isdir(path):
+            inside = sorted(f for f in os.listdir(path) if f.endswith((".yaml", ".yml")))
+            raise ConfigError(f"config file {path!r} is a directory, not a YAML file. Fix: pass "
+                              f"a file" + (f" (there: {', '.join(inside)})" if inside else ""))
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist. Fix: pass an existing YAML "
                               f"file to --config, or leave --config out to use the packaged default")
         try:
             with open(path, encoding="utf-8") as f:
-                loaded = yaml.safe_load(f) or {}
+                loaded = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r} is not valid YAML: "
                               f"{' '.join(str(e).split())}. Fix: correct the syntax there") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path!r} is not UTF-8 text ({e}). Fix: pass the YAML "
+                              f"config file, not a binary one") from None
+        if loaded is None and not base:
+            # An empty file means the dataclass defaults (README "Config reference"), which
+            # differ from the packaged default.yaml that no --config would have used.
+            _log.warning(f"moeplug: note: config file {path!r} is empty: training the dataclass "
+                         f"defaults (README 'Config reference'), not the packaged default.yaml")
+        loaded = {} if loaded is None else loaded
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping. "
                               f"Fix: start with sections model:, plugins:, data:, train:")

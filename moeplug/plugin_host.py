@@ -389,7 +389,8 @@ class PluginHost:
         avail = self.names(kind)
         unavailable = [f"{e.name} ({e.reason})" for e in self._entries[kind].values() if e.reason]
         close = difflib.get_close_matches(name, avail, n=1)
-        msg = (f"unknown {kind} '{name}'. Available {kind}s: {', '.join(avail) or '(none)'}")
+        plural = kind if kind.endswith("s") else kind + "s"  # "experts" is already plural
+        msg = f"unknown {kind} '{name}'. Available {plural}: {', '.join(avail) or '(none)'}"
         if unavailable:
             msg += f"; unavailable: {'; '.join(sorted(unavailable))}"
         if self.skipped:

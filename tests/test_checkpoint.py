@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -128,12 +129,26 @@ def test_loading_refuses_pickle_files(tmp_path):
             return (open, (str(marker), "w"))
     with open(os.path.join(path, "model.safetensors"), "wb") as f:
         pickle.dump(Boom(), f)
+    with pytest.raises(CheckpointError, match=r"model.safetensors' is damaged: its SHA-256"):
+        load_checkpoint(path, _Tied(), None, restore_rng=False)
+    # Without the recorded checksums (an older checkpoint) the safetensors parser refuses it.
+    _edit_meta(path, lambda meta: meta.pop("files"))
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(path, _Tied(), None, restore_rng=False)
     msg = str(err.value)
     assert "model.safetensors" in msg and "not a valid safetensors file" in msg
     assert "never unpickles" in msg and "Fix:" in msg
     assert not marker.exists()
+
+
+def _edit_meta(path: str, edit) -> None:
+    """Apply ``edit`` to checkpoint ``path``'s meta.json dict and write it back."""
+    meta_path = os.path.join(path, "meta.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    edit(meta)
+    with open(meta_path, "w") as f:
+        json.dump(meta, f)
 
 
 def test_loading_a_torch_save_directory_is_refused(tmp_path):
@@ -144,7 +159,10 @@ def test_loading_a_torch_save_directory_is_refused(tmp_path):
     with pytest.raises(CheckpointError) as err:
         resolve_resume(str(d), str(tmp_path))
     assert "no checkpoint there" in str(err.value)
-    (d / "meta.json").write_text('{"format": "moeplug-checkpoint-v1"}')
+    # Next to a real checkpoint's meta.json, the missing safetensors file is what is named.
+    opt = torch.optim.AdamW(model.parameters())
+    save_checkpoint(str(tmp_path / "real"), 1, model, opt, {})
+    (d / "meta.json").write_text((tmp_path / "real" / "step_000001" / "meta.json").read_text())
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(str(d), _Tied(), None, restore_rng=False)
     assert "model.safetensors" in str(err.value) and "is missing" in str(err.value)
@@ -259,3 +277,213 @@ def test_optimizer_state_that_does_not_fit_is_reported(tmp_path):
         load_checkpoint(path, other, opt2)
     msg = str(err.value)
     assert "optimizer state does not fit" in msg and "Fix:" in msg
+
+
+def test_shape_mismatch_is_a_checkpoint_error_not_a_traceback(tmp_path):
+    model, opt = _trained()
+    path = save_checkpoint(str(tmp_path), 1, model, opt, {})
+
+    class Wider(_Tied):
+        def __init__(self):
+            super().__init__()
+            self.mid = nn.Linear(6, 6, bias=False)
+            self.mid.weight = nn.Parameter(torch.zeros(7, 6))
+    with pytest.raises(CheckpointError, match=r"does not match the model's shapes: size "
+                                              r"mismatch for mid.weight.*Fix: resume with the same"):
+        load_checkpoint(path, Wider(), None, restore_rng=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Damaged checkpoints and mismatched resumes through the real CLI: exit 2, one paragraph naming
+# the file, the field and the fix, no traceback
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run4(tiny_corpus, tmp_path_factory):
+    """(config file, run directory): the tiny model trained in-process to its step-4 checkpoint.
+    Tests copy the directory before damaging it."""
+    import yaml
+    from conftest import tiny_config_dict
+
+    from moeplug.cli import main
+    d = tmp_path_factory.mktemp("run4")
+    cache = str(tmp_path_factory.getbasetemp() / "moeplug_cache")
+    cfg_file = d / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump(tiny_config_dict(tiny_corpus, str(d / "run"), cache)))
+    assert main(["train", "--config", str(cfg_file), "--steps", "4",
+                 "--set", "train.warmup_steps=1"]) == 0
+    return str(cfg_file), str(d / "run")
+
+
+def _copy_run(run4, tmp_path) -> str:
+    import shutil
+    dst = str(tmp_path / "run")
+    shutil.copytree(run4[1], dst)
+    return dst
+
+
+def _resume(run_cli, run4, run: str, *extra: str, steps: str = "6"):
+    return run_cli("train", "--config", run4[0], "--out", run, "--resume", run, "--steps", steps,
+                   "--set", "train.warmup_steps=1", *extra)
+
+
+def _assert_exit_2(proc, *fragments: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("moeplug: configuration error:") == 1, proc.stderr[-3000:]
+    for fragment in fragments + ("Fix:",):
+        assert fragment in proc.stderr, (fragment, proc.stderr[-3000:])
+
+
+def test_resume_refuses_flipped_bytes_in_the_weights(run4, tmp_path, run_cli):
+    run = _copy_run(run4, tmp_path)
+    weights = os.path.join(run, "step_000004", "model.safetensors")
+    data = bytearray(open(weights, "rb").read())
+    mid = len(data) // 2  # tensor data: the header is a few kB at the start
+    data[mid:mid + 16] = bytes(b ^ 0xFF for b in data[mid:mid + 16])
+    open(weights, "wb").write(bytes(data))
+    _assert_exit_2(_resume(run_cli, run4, run), f"checkpoint file '{weights}' is damaged",
+                   "its SHA-256 is", "recorded", "resume from another checkpoint")
+
+
+def _flip_betas(meta):
+    meta["optimizer"]["param_groups"][0]["betas"] = "ab"
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    (b"\x89PNG\r\n\x1a\n\x00\xff", ["is unreadable", "utf-8"]),
+    (b"[1, 2]", ["field '(top level)' = [1, 2] is a JSON list"]),
+    (lambda m: m.update(step="two"), ["field 'step' = 'two' must be an integer >= 0"]),
+    (lambda m: m.update(rng="garbage"), ["field 'rng' = 'garbage' must be an object"]),
+    (lambda m: m["rng"].update(torch=[1, 2, 3]), ["field 'rng.torch' = [1, 2, 3] is not a "
+                                                  "torch RNG state", "size 5056"]),
+    (lambda m: m["rng"].update(numpy=["MT19937", [-1], 0, 0, 0.0]),
+     ["field 'rng.numpy'", "integers in [0, 4294967296)"]),
+    (lambda m: m["metrics"].update(tokens_seen="many"),
+     ["field 'metrics.tokens_seen' = 'many' must be an integer >= 0"]),
+    (_flip_betas, ["field 'optimizer.param_groups[0].betas' = 'ab' is not the kind of value "
+                   "this optimizer holds there"]),
+    (lambda m: m["config"]["model"].update(hidden_size=-1),
+     ["field 'config' is not a valid moeplug config (ModelConfig.hidden_size = -1",
+      "start a new run"]),
+], ids=["binary", "list", "step", "rng", "rng.torch", "rng.numpy", "metrics", "betas", "config"])
+def test_resume_refuses_a_damaged_meta_json_naming_the_field(run4, tmp_path, run_cli, damage,
+                                                             fragments):
+    run = _copy_run(run4, tmp_path)
+    meta_path = os.path.join(run, "step_000004", "meta.json")
+    if isinstance(damage, bytes):
+        open(meta_path, "wb").write(damage)
+    else:
+        _edit_meta(os.path.dirname(meta_path), damage)
+    _assert_exit_2(_resume(run_cli, run4, run), meta_path, *fragments)
+
+
+def test_resume_refuses_a_binary_latest_pointer(run4, tmp_path, run_cli):
+    run = _copy_run(run4, tmp_path)
+    with open(os.path.join(run, "latest"), "wb") as f:
+        f.write(b"\x00\x9f\x92\x96 step")
+    _assert_exit_2(_resume(run_cli, run4, run), f"'{run}/latest' should hold the name of the "
+                   "newest checkpoint directory", "write the right step_* name into it, or "
+                   "delete it")
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    (["--set", "model.moe.top_k=1"], ["model.moe.top_k: checkpoint 2, requested 1"]),
+    (["--set", "model.moe.num_experts=8", "--set", "model.hidden_size=64"],
+     ["model.hidden_size: checkpoint 32, requested 64",
+      "model.moe.num_experts: checkpoint 4, requested 8"]),
+    (["--set", "plugins.router_options.score_function=sigmoid"],
+     ["plugins.router_options.score_function: checkpoint '(not set)', requested 'sigmoid'"]),
+    # Refused by the launching process: once, before any rank or process group exists.
+    (["--nproc", "2", "--set", "parallel.ep=2", "--set", "model.moe.activation=gelu"],
+     ["model.moe.activation: checkpoint 'swiglu', requested 'gelu'"]),
+], ids=["top_k", "shapes", "router_options", "nproc2"])
+def test_resume_with_another_model_names_each_differing_field(run4, tmp_path, run_cli, extra,
+                                                               fragments):
+    run = _copy_run(run4, tmp_path)
+    proc = _resume(run_cli, run4, run, *extra)
+    _assert_exit_2(proc, "holds a different model than the one requested (from --config "
+                   f"{run4[0]}", *fragments, "start a new run in another --out")
+    assert "load_state_dict" not in proc.stderr and "rank" not in proc.stderr.lower()
+
+
+def test_resume_under_another_layout_is_refused_once_before_launching(run4, tmp_path, run_cli):
+    run = _copy_run(run4, tmp_path)
+    proc = _resume(run_cli, run4, run, "--nproc", "2", "--set", "parallel.ep=2")
+    _assert_exit_2(proc, "was written with parallel layout single-process", "'ep': 2",
+                   "resume with the same parallel settings")
+
+
+@pytest.mark.parametrize("steps", ["3", "4"])
+def test_resume_with_nothing_left_to_train_exits_2(run4, tmp_path, run_cli, steps):
+    run = _copy_run(run4, tmp_path)
+    metrics = open(os.path.join(run, "metrics.jsonl")).read()
+    proc = _resume(run_cli, run4, run, steps=steps)
+    _assert_exit_2(proc, f"TrainConfig.steps = {steps}", "is already at step 4",
+                   "train.steps is the run's total", "pass --steps N with N > 4")
+    assert open(os.path.join(run, "metrics.jsonl")).read() == metrics  # no val record written
+
+
+def test_older_checkpoint_without_checksums_or_config_resumes_with_notices(run4, tmp_path,
+                                                                         run_cli):
+    run = _copy_run(run4, tmp_path)
+    step4 = os.path.join(run, "step_000004")
+    _edit_meta(step4, lambda m: (m.pop("files"), m.pop("config")))
+    proc = _resume(run_cli, run4, run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"checkpoint '{step4}' predates per-file checksums" in proc.stderr
+    assert f"checkpoint '{step4}' stores no config in meta.json; resuming with the model " \
+           f"from --config {run4[0]}" in proc.stderr
+    with open(os.path.join(run, "step_000006", "meta.json")) as f:
+        files = json.load(f)["files"]
+    assert sorted(files) == ["model.safetensors", "optimizer.safetensors"]
+    assert files["model.safetensors"]["sha256"] == ck.file_sha256(
+        os.path.join(run, "step_000006", "model.safetensors"))
+
+
+def _sharded_rank(rank: int, world: int, out_dir: str, save: bool) -> str:
+    # EP2 over 2 ranks: each rank's shard differs. save=True writes step 1; save=False loads it.
+    from moeplug.config import config_from_dict
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+    from moeplug.training.distributed import build_rank_model, layout_manifest
+    from moeplug.training.trainer import build_rank_optimizer
+
+    cfg = config_from_dict({"model": {"hidden_size": 16, "num_layers": 2, "num_heads": 2,
+                                      "num_kv_heads": 2, "max_seq_len": 16,
+                                      "dense_ffn_hidden_size": 16,
+                                      "moe": {"num_experts": 4, "ffn_hidden_size": 8}},
+                            "train": {"seq_len": 8}, "parallel": {"ep": 2}})
+    groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+    torch.manual_seed(0)
+    model = build_rank_model(cfg, PluginHost.load(), 32, groups)
+    opt = build_rank_optimizer(model, cfg, groups)
+    if save:
+        save_sharded_checkpoint(out_dir, 1, model, opt, {"metrics": {}}, groups,
+                                layout_manifest(cfg, groups))
+        return "saved"
+    try:
+        load_sharded_checkpoint(os.path.join(out_dir, "step_000001"), model, opt, groups,
+                                layout_manifest(cfg, groups))
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_sharded_checkpoint_records_every_rank_file_and_refuses_a_damaged_shard(tmp_path):
+    from moeplug.testing.distributed import run_distributed
+    assert run_distributed(_sharded_rank, 2, str(tmp_path), True) == ["saved", "saved"]
+    step = tmp_path / "step_000001"
+    files = json.loads((step / "meta.json").read_text())["files"]
+    assert sorted(files) == sorted(p for p in os.listdir(step) if p != "meta.json")
+    for name, record in files.items():
+        assert record == {"sha256": ck.file_sha256(str(step / name)),
+                          "bytes": os.path.getsize(step / name)}, name
+    damaged = step / "model_rank1.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-16:] = bytes(b ^ 0xFF for b in data[-16:])  # the last tensor's last bytes
+    damaged.write_bytes(bytes(data))
+    ok, refused = run_distributed(_sharded_rank, 2, str(tmp_path), False)
+    assert ok == "loaded"  # rank 0's own files are intact
+    assert f"checkpoint file '{damaged}' is damaged" in refused and "Fix:" in refused

@@ -73,3 +73,41 @@ def test_small_corpus_config_trains(run_cli, small_corpus_config):
     """The same config with a fitting seq_len runs, so the failures above are the errors'."""
     proc = run_cli("train", "--config", small_corpus_config(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------
+# Message slips: each says what the problem really is
+# --------------------------------------------------------------------------------------------
+
+def test_config_that_is_a_directory_says_so(run_cli, tmp_path):
+    (tmp_path / "run.yaml").write_text("train: {steps: 2}\n")
+    proc = run_cli("train", "--config", str(tmp_path))
+    assert_config_error(proc, f"config file '{tmp_path}' is a directory, not a YAML file",
+                        "Fix: pass a file (there: run.yaml)")
+    assert "does not exist" not in proc.stderr
+
+
+def test_binary_config_file_is_not_a_traceback(run_cli, tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(b"\xff\xfe\x00model")
+    proc = run_cli("train", "--config", str(path))
+    assert_config_error(proc, f"config file '{path}' is not UTF-8 text", "Fix:")
+
+
+def test_empty_config_file_says_it_trains_the_dataclass_defaults(run_cli, tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing yet\n")
+    # A later error stops the run before any data or model work; the note comes first.
+    proc = run_cli("train", "--config", str(path), "--set", "model.moe.top_k=99")
+    assert_config_error(proc, "MoEConfig.top_k = 99")
+    assert f"config file '{path}' is empty: training the dataclass defaults" in proc.stderr
+    assert "not the packaged default.yaml" in proc.stderr
+    proc = run_cli("train", "--set", "model.moe.top_k=99")  # no --config: no such note
+    assert_config_error(proc, "MoEConfig.top_k = 99")
+    assert "is empty" not in proc.stderr
+
+
+def test_unknown_experts_plugin_lists_the_available_experts(run_cli):
+    proc = run_cli("train", "--experts", "nope")
+    assert_config_error(proc, "unknown experts 'nope'. Available experts: ")
+    assert "expertss" not in proc.stderr

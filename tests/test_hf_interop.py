@@ -341,6 +341,37 @@ def test_missing_config_and_unknown_family(tmp_path):
         import_hf(str(tmp_path), str(tmp_path / "ck"))
 
 
+def test_cli_imports_a_directory_whose_name_holds_glob_characters(tmp_path, run_cli):
+    # "hf[1]" as a glob pattern matches "hf1", not itself: the weights were reported missing.
+    hf_dir = tmp_path / "models[1]" / "hf[1]"
+    randomised(mixtral()).save_pretrained(hf_dir)
+    proc = run_cli("convert", "import", "--hf", str(hf_dir), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = rebuilt_from_checkpoint(str(tmp_path / "run" / "step_000000"))
+    ours = dict(model.state_dict())["embed.weight"]
+    theirs = read_hf_dir(str(hf_dir))[1]["model.embed_tokens.weight"]
+    assert torch.equal(ours, theirs)
+
+
+def test_cli_export_of_a_damaged_meta_json_exits_2_naming_it(tmp_path, run_cli):
+    hf = randomised(mixtral())
+    hf.save_pretrained(tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "run"))
+    meta = tmp_path / "run" / "step_000000" / "meta.json"
+    saved = json.loads(meta.read_text())
+    meta.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")  # binary, not JSON
+    proc = run_cli("convert", "export", "--ckpt", str(tmp_path / "run"), "--out",
+                   str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert str(meta) in proc.stderr and "unreadable" in proc.stderr and "Fix:" in proc.stderr
+    del saved["config"]
+    meta.write_text(json.dumps(saved))
+    proc = run_cli("convert", "export", "--ckpt", str(tmp_path / "run"), "--out",
+                   str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "stores no 'config'" in proc.stderr and "Fix:" in proc.stderr
+
+
 @pytest.mark.parametrize("family,kw,pattern", [
     ("mixtral", {"sliding_window": 8}, r"MixtralConfig.sliding_window = 8: .*Fix: set sliding_window=None"),
     ("mixtral", {"num_experts_per_tok": 1}, r"MixtralConfig.num_experts_per_tok = 1: .*Fix: use num_experts_per_tok >= 2"),

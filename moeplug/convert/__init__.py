@@ -12,7 +12,6 @@ moeplug.convert.common. Only safetensors and JSON are ever read.
 
 from __future__ import annotations
 
-import json
 import os
 from types import ModuleType
 
@@ -101,16 +100,16 @@ def guess_model_type(cfg: RootConfig) -> str:
 
 def export_hf(ckpt: str, out_dir: str, model_type: str | None = None) -> str:
     """Write ``ckpt`` (a step directory, or a run directory: its newest) as an HF directory."""
-    from moeplug.training.checkpoint import CheckpointError, META_FILE, load_checkpoint, resolve_resume
+    from moeplug.training.checkpoint import (CheckpointError, META_FILE, load_checkpoint,
+                                             read_meta, resolve_resume, saved_config)
     path = resolve_resume(ckpt, "")
-    try:
-        with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"--ckpt {ckpt!r}: unreadable {META_FILE} ({e}). Fix: pass a "
-                              f"complete moeplug checkpoint") from None
-    cfg = config_from_dict(meta["config"])
-    model_type = model_type or meta.get("hf", {}).get("model_type") or guess_model_type(cfg)
+    meta = read_meta(path)
+    cfg = saved_config(path, meta)
+    if cfg is None:
+        raise CheckpointError(f"--ckpt {ckpt!r}: {META_FILE} stores no 'config', so the model "
+                              f"cannot be rebuilt for export. Fix: export a checkpoint written by "
+                              f"moeplug train or moeplug convert import")
+    model_type = model_type or (meta.get("hf") or {}).get("model_type") or guess_model_type(cfg)
     fam = family(model_type)
     vocab = _vocab_size(path)
     hf_config = fam.config_to_hf(cfg, vocab)  # refuses what the family cannot express, early

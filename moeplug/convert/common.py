@@ -12,7 +12,6 @@ transformers 5 fuses them at load time into the same layout as ours (which we al
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any, Mapping
@@ -60,7 +59,8 @@ def read_hf_config(path: str) -> dict:
 
 
 def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    # A listing, not glob: a user's directory name may hold glob characters ("hf[1]").
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         pickles = sorted(os.path.basename(p) for p in os.listdir(path)
                          if p.endswith(PICKLE_SUFFIXES))

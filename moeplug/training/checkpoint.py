@@ -21,14 +21,24 @@ every file and the directory are fsynced, and only then is it renamed to ``step_
 any point leaves either the old or the new checkpoint complete; leftover ``.tmp-*`` directories
 are never read.
 
+Integrity: ``meta.json`` records every other file's size and SHA-256 under ``files``; loading
+recomputes each file's digest before reading it and refuses a mismatch, naming the file (a
+flipped byte would otherwise resume silently with different weights). Checkpoints written
+before the digests existed still load, with a notice that they are not verified. ``meta.json``
+itself is checked field by field (:func:`read_meta`), so a damaged one is a CheckpointError
+naming the field, never a traceback later.
+
 Loading never unpickles: only ``safetensors`` and ``json`` parsers touch the files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
+import re
 import shutil
 from typing import Any
 
@@ -37,13 +47,16 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from moeplug.config import ConfigError
+from moeplug.config import ConfigError, RootConfig, config_from_dict, model_differences
 
 FORMAT = "moeplug-checkpoint-v1"
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 META_FILE = "meta.json"
 LATEST = "latest"
+FILES = "files"  # meta.json entry: {file name: {"sha256": hex digest, "bytes": size}}
+
+_log = logging.getLogger(__name__)  # notices; with no logging set up, Python prints them
 
 
 class CheckpointError(ConfigError):
@@ -68,12 +81,57 @@ def rng_state() -> dict:
     }
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    version, internal, gauss_py = state["python"]
-    random.setstate((version, tuple(internal), gauss_py))
+def _uint_list(v: Any, bound: int) -> list:
+    # np.asarray / torch.tensor would silently truncate floats or wrap large values.
+    if not isinstance(v, list) or not all(type(x) is int and 0 <= x < bound for x in v):
+        raise ValueError(f"expected a list of integers in [0, {bound})")
+    return v
+
+
+def _torch_rng(v: Any) -> torch.Tensor:
+    state = torch.tensor(_uint_list(v, 256), dtype=torch.uint8)
+    torch.Generator().set_state(state)  # a private generator checks it; the global is untouched
+    return state
+
+
+def _numpy_rng(v: Any) -> tuple:
+    name, keys, pos, has_gauss, gauss = v
+    state = (name, np.asarray(_uint_list(keys, 2**32), dtype=np.uint32), pos, has_gauss, gauss)
+    np.random.RandomState().set_state(state)
+    return state
+
+
+def _python_rng(v: Any) -> tuple:
+    version, internal, gauss = v
+    state = (version, tuple(internal), gauss)
+    random.Random().setstate(state)
+    return state
+
+
+_RNG_PARSERS = {"torch": _torch_rng, "numpy": _numpy_rng, "python": _python_rng}
+
+
+def _parse_rng(state: Any, meta_path: str) -> dict:
+    """The saved RNG states as the objects torch / numpy / random take, each tried on a private
+    generator first so that a bad one is a CheckpointError naming it, not a traceback."""
+    if not isinstance(state, dict) or not set(_RNG_PARSERS) <= set(state):
+        raise _meta_error(meta_path, "rng", state, "must be an object with the 'torch', "
+                          "'numpy' and 'python' RNG states")
+    out = {}
+    for kind, parse in _RNG_PARSERS.items():
+        try:
+            out[kind] = parse(state[kind])
+        except (TypeError, ValueError, RuntimeError, OverflowError, IndexError) as e:
+            raise _meta_error(meta_path, f"rng.{kind}", state[kind],
+                              f"is not a {kind} RNG state ({e})") from None
+    return out
+
+
+def set_rng_state(state: dict, meta_path: str = META_FILE) -> None:
+    parsed = _parse_rng(state, meta_path)
+    torch.set_rng_state(parsed["torch"])
+    np.random.set_state(parsed["numpy"])
+    random.setstate(parsed["python"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,6 +178,20 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def file_sha256(path: str) -> str:
+    """SHA-256 of a file, read in 1 MiB pieces (hashlib's SHA-256 runs at GB/s)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def _file_records(directory: str, names: tuple[str, ...]) -> dict:
+    return {n: {"sha256": file_sha256(os.path.join(directory, n)),
+                "bytes": os.path.getsize(os.path.join(directory, n))} for n in names}
+
+
 def _write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f)
@@ -147,7 +219,8 @@ def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
     _fsync_path(os.path.join(tmp, MODEL_FILE))
     _fsync_path(os.path.join(tmp, OPTIM_FILE))
     full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(),
-                     optimizer={"param_groups": param_groups})
+                     optimizer={"param_groups": param_groups},
+                     files=_file_records(tmp, (MODEL_FILE, OPTIM_FILE)))
     _write_json(os.path.join(tmp, META_FILE), full_meta)  # last: its presence marks completeness
     _fsync_path(tmp)
     _publish(out_dir, name, tmp, final)
@@ -188,9 +261,13 @@ def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, opt
     _write_json(os.path.join(tmp, groups_file), param_groups)
     for f in (model_file, optim_file):
         _fsync_path(os.path.join(tmp, f))
-    dist.barrier()  # sync point: every shard is on disk before meta.json marks completeness
+    records = [None] * dist.get_world_size()
+    # sync point: every shard is on disk (and hashed by its rank) before meta.json is written
+    dist.all_gather_object(records, _file_records(tmp, _rank_files(rank)))
     if rank == 0:
-        full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(), parallel=layout)
+        files = {name: rec for per_rank in records for name, rec in per_rank.items()}
+        full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(), parallel=layout,
+                         files=files)
         _write_json(os.path.join(tmp, META_FILE), full_meta)
         _fsync_path(tmp)
         _publish(out_dir, name, tmp, final)
@@ -202,29 +279,40 @@ def load_sharded_checkpoint(path: str, model: torch.nn.Module, optimizer: Any, g
                             layout: dict) -> dict:
     """Load this rank's shard of a checkpoint written by :func:`save_sharded_checkpoint` with
     the same ``layout``; return its meta. Raises CheckpointError on any other layout."""
-    meta = _read_meta(path)
-    saved = meta.get("parallel")
-    if saved != layout:
-        diff = {k: (saved.get(k), v) for k, v in layout.items()
-                if saved.get(k) != v} if saved else None
-        raise CheckpointError(
-            f"checkpoint {path!r} was written with parallel layout {saved or 'single-process'} "
-            f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}). "
-            f"Fix: resume with the same parallel settings and number of processes, or start a "
-            f"fresh run (train.resume='')")
+    meta = read_meta(path)
+    _check_layout(path, meta, layout)
+    _note_if_unverified(path, meta)
     model_file, optim_file, groups_file = _rank_files(groups.rank)
-    model_sd = _load_safetensors(os.path.join(path, model_file))
-    _load_model_state(path, model, model_sd)
-    tensors = _load_safetensors(os.path.join(path, optim_file))
+    _load_model_state(path, model, _load_safetensors(path, meta, model_file))
+    tensors = _load_safetensors(path, meta, optim_file)
+    groups_path = _verified_file(path, meta, groups_file)
     try:
-        with open(os.path.join(path, groups_file), encoding="utf-8") as f:
+        with open(groups_path, encoding="utf-8") as f:
             param_groups = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise CheckpointError(f"checkpoint {path!r}: {groups_file} is unreadable ({e}). Fix: "
                               "resume from a complete checkpoint") from None
-    _load_optimizer_state(path, optimizer, tensors, param_groups)
-    set_rng_state(meta["rng"])
+    _load_optimizer_state(path, optimizer, tensors, param_groups, groups_path)
+    set_rng_state(meta["rng"], os.path.join(path, META_FILE))
     return meta
+
+
+def _check_layout(path: str, meta: dict, layout: dict | None) -> None:
+    """Refuse a checkpoint written under another parallel layout (None: one process)."""
+    saved = meta.get("parallel")
+    if (saved or None) == layout:
+        return
+    if layout is None:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds per-rank shards of a parallel run (layout {saved}); "
+            f"this is a single-process run. Fix: resume with the same parallel settings and "
+            f"number of processes (--nproc / torchrun), or start fresh (train.resume='')")
+    diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v} if saved else None
+    raise CheckpointError(
+        f"checkpoint {path!r} was written with parallel layout {saved or 'single-process'} "
+        f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}). "
+        f"Fix: resume with the same parallel settings and number of processes, or start a "
+        f"fresh run (train.resume='')")
 
 
 def _publish(out_dir: str, name: str, tmp: str, final: str) -> None:
@@ -256,8 +344,7 @@ def find_latest(out_dir: str) -> str | None:
     ``step_*`` directory (covers a crash between the rename and the ``latest`` update)."""
     pointer = os.path.join(out_dir, LATEST)
     if os.path.isfile(pointer):
-        with open(pointer, encoding="utf-8") as f:
-            candidate = os.path.join(out_dir, f.read().strip())
+        candidate = os.path.join(out_dir, _read_latest(pointer))
         if _is_checkpoint(candidate):
             return candidate
     if not os.path.isdir(out_dir):
@@ -265,6 +352,23 @@ def find_latest(out_dir: str) -> str | None:
     steps = sorted(d for d in os.listdir(out_dir)
                    if d.startswith("step_") and _is_checkpoint(os.path.join(out_dir, d)))
     return os.path.join(out_dir, steps[-1]) if steps else None
+
+
+def _read_latest(pointer: str) -> str:
+    # moeplug writes it atomically, so anything but a step directory's name is damage or an
+    # edit, not a torn write: refuse it instead of guessing.
+    with open(pointer, "rb") as f:
+        raw = f.read(4096)
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name is None or not re.fullmatch(r"step_\d+", name):
+        raise CheckpointError(
+            f"{pointer!r} should hold the name of the newest checkpoint directory (e.g. "
+            f"step_000600) but holds {raw[:40]!r}. Fix: write the right step_* name into it, or "
+            f"delete it (moeplug then resumes from the highest complete step_* directory)")
+    return name
 
 
 def resolve_resume(resume: str, out_dir: str) -> str | None:
@@ -289,36 +393,170 @@ def resolve_resume(resume: str, out_dir: str) -> str | None:
         f"start fresh")
 
 
-def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
-    if not path.endswith(".safetensors") or not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path!r} is missing. Fix: point train.resume at a "
-                              f"directory written by moeplug (model/optimizer .safetensors + "
-                              f"{META_FILE})")
+def _verified_file(path: str, meta: dict, name: str) -> str:
+    """``path/name`` after checking its SHA-256 against meta.json (unverified if meta.json
+    records none: a checkpoint older than the checksums)."""
+    file_path = os.path.join(path, name)
+    if not os.path.isfile(file_path):
+        raise CheckpointError(f"checkpoint file {file_path!r} is missing. Fix: point "
+                              f"train.resume at a directory written by moeplug (model/optimizer "
+                              f".safetensors + {META_FILE})")
+    if meta.get(FILES) is None:
+        return file_path
+    record = meta[FILES].get(name)
+    if record is None:
+        raise CheckpointError(
+            f"checkpoint {path!r}: {META_FILE} records no checksum for {name} (field "
+            f"'{FILES}' lists {sorted(meta[FILES])}). Fix: resume from a checkpoint written "
+            f"whole by moeplug (another step_* directory), or start fresh (train.resume='')")
+    actual = file_sha256(file_path)
+    if actual != record["sha256"]:
+        raise CheckpointError(
+            f"checkpoint file {file_path!r} is damaged: its SHA-256 is {actual[:16]}... but "
+            f"{META_FILE} recorded {record['sha256'][:16]}... when it was saved ({record['bytes']}"
+            f" bytes; now {os.path.getsize(file_path)}). It changed after saving (disk or copy "
+            f"error, or an edit). Fix: restore it from a copy, or resume from another checkpoint "
+            f"(an earlier step_* directory of the run)")
+    return file_path
+
+
+def _note_if_unverified(path: str, meta: dict) -> None:
+    if meta.get(FILES) is None:
+        _log.warning(f"moeplug: note: checkpoint {path!r} predates per-file checksums "
+                     f"({META_FILE} has no '{FILES}'), so its files are loaded unverified; "
+                     f"the next checkpoint this run saves has them")
+
+
+def _load_safetensors(path: str, meta: dict, name: str) -> dict[str, torch.Tensor]:
+    file_path = _verified_file(path, meta, name)
     try:
-        return load_file(path)
+        return load_file(file_path)
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(
-            f"checkpoint file {path!r} is not a valid safetensors file ({e}). moeplug never "
+            f"checkpoint file {file_path!r} is not a valid safetensors file ({e}). moeplug never "
             f"unpickles checkpoints (pickle files can run code). Fix: re-save it with moeplug, "
             f"or convert it to safetensors with a tool you trust") from None
 
 
-def _read_meta(path: str) -> dict:
+def _meta_error(meta_path: str, field: str, value: Any, rule: str) -> CheckpointError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return CheckpointError(
+        f"checkpoint metadata {meta_path!r}: field '{field}' = {shown} {rule}. Fix: restore this "
+        f"{META_FILE} from a copy, resume from another checkpoint (another step_* directory of "
+        f"the run), or start fresh (train.resume='')")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# Optional meta.json entries and what each must be when present (None counts as absent).
+_OPTIONAL_OBJECTS = ("metrics", "optimizer", "parallel", "config", "plugins", "scheduler", "hf",
+                     FILES)
+
+
+def read_meta(path: str) -> dict:
+    """The meta.json of checkpoint directory ``path``, checked field by field: anything the
+    loaders use has the right type afterwards (CheckpointError naming the field otherwise)."""
     meta_path = os.path.join(path, META_FILE)
     try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 (binary)
         raise CheckpointError(f"checkpoint metadata {meta_path!r} is unreadable ({e}). Fix: use "
                               f"a complete checkpoint directory (see 'latest' in the run dir)") from None
+    if not isinstance(meta, dict):
+        raise _meta_error(meta_path, "(top level)", meta, f"is a JSON {type(meta).__name__}, "
+                          f"not the JSON object moeplug writes")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path!r}: format = {meta.get('format')!r}, expected "
                               f"{FORMAT!r}. Fix: use a checkpoint written by this moeplug version")
+    if not _is_int(meta.get("step")) or meta["step"] < 0:
+        raise _meta_error(meta_path, "step", meta.get("step"), "must be an integer >= 0")
+    _parse_rng(meta.get("rng"), meta_path)
+    for key in _OPTIONAL_OBJECTS:
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise _meta_error(meta_path, key, meta[key], "must be a JSON object")
+    for key, ok, rule in (("tokens_seen", _is_int, "an integer"),
+                          ("train_seconds", _is_number, "a number")):
+        value = (meta.get("metrics") or {}).get(key, 0)
+        if not ok(value) or value < 0:
+            raise _meta_error(meta_path, f"metrics.{key}", value, f"must be {rule} >= 0")
+    for name, record in (meta.get(FILES) or {}).items():
+        if not (isinstance(record, dict) and isinstance(record.get("sha256"), str)
+                and _is_int(record.get("bytes"))):
+            raise _meta_error(meta_path, f"{FILES}.{name}", record,
+                              "must be {\"sha256\": hex digest, \"bytes\": size}")
+    return meta
+
+
+def saved_config(path: str, meta: dict) -> RootConfig | None:
+    """The RootConfig stored in a checkpoint's meta.json (None if it stores none). An invalid
+    one is a CheckpointError: a run cannot be checked against a config nobody can read."""
+    if meta.get("config") is None:
+        return None
+    try:
+        return config_from_dict(meta["config"])
+    except ConfigError as e:
+        raise CheckpointError(
+            f"checkpoint metadata {os.path.join(path, META_FILE)!r}: field 'config' is not a "
+            f"valid moeplug config ({e}). Fix: restore this {META_FILE} from a copy, or start a "
+            f"new run (another --out) instead of resuming") from None
+
+
+def nothing_to_train(path: str, step: int, steps: int) -> CheckpointError:
+    return CheckpointError(
+        f"TrainConfig.steps = {steps}: checkpoint {path!r} is already at step {step}, so this "
+        f"resume has nothing to train (train.steps is the run's total, not steps to add). Fix: "
+        f"pass --steps N with N > {step} to train on, or resume from an earlier checkpoint")
+
+
+def check_resume(path: str, cfg: RootConfig, config_source: str, layout: dict | None) -> dict:
+    """Before anything is built: can checkpoint ``path`` continue a run configured as ``cfg``?
+
+    Its meta.json must be sound; its config must define the same model: every field that
+    changes the weights' shapes or what they compute (all of ``model``, the router and its
+    options, the tokenizer) is compared and each difference named; its parallel layout must be
+    ``layout`` (None: one process) and its step below ``train.steps``. ``config_source`` says
+    where ``cfg`` came from, for the messages. Returns the meta.
+    """
+    meta = read_meta(path)
+    saved = saved_config(path, meta)
+    if saved is None:
+        _log.warning(f"moeplug: note: checkpoint {path!r} stores no config in {META_FILE}; "
+                     f"resuming with the model from {config_source}, checked against the "
+                     f"saved tensors' shapes only")
+    else:
+        diffs = model_differences(saved, cfg)
+        if diffs:
+            listed = "; ".join(f"{k}: checkpoint {a!r}, requested {b!r}" for k, a, b in diffs)
+            raise CheckpointError(
+                f"checkpoint {path!r} holds a different model than the one requested (from "
+                f"{config_source} and the --set/flag overrides): {listed}. Fix: resume with the "
+                f"model config the checkpoint was trained with (drop the overrides of these "
+                f"fields; it is stored in {META_FILE} under 'config'), or start a new run in "
+                f"another --out without --resume")
+    _check_layout(path, meta, layout)
+    if meta["step"] >= cfg.train.steps:
+        raise nothing_to_train(path, meta["step"], cfg.train.steps)
     return meta
 
 
 def _load_model_state(path: str, model: torch.nn.Module, model_sd: dict) -> None:
-    missing, unexpected = model.load_state_dict(model_sd, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(model_sd, strict=False)
+    except RuntimeError as e:  # shape mismatches: torch lists every one, keep the first few
+        lines = [ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln]
+        raise CheckpointError(
+            f"checkpoint {path!r} does not match the model's shapes: {' '.join(lines[:3])}"
+            f"{f' (+{len(lines) - 3} more)' if len(lines) > 3 else ''}. Fix: resume with the "
+            f"same model config the checkpoint was trained with (it is stored in {META_FILE} "
+            f"under 'config')") from None
     # Tied duplicates were stored once; a "missing" key is fine only if it shares storage with
     # a loaded one, which load_state_dict already filled through the shared Parameter.
     stored = set(model_sd)
@@ -330,7 +568,46 @@ def _load_model_state(path: str, model: torch.nn.Module, model_sd: dict) -> None
             f"checkpoint was trained with (it is stored in {META_FILE} under 'config')")
 
 
-def _load_optimizer_state(path: str, optimizer: Any, tensors: dict, param_groups: list) -> None:
+def _value_kind(v: Any) -> Any:
+    if v is None or isinstance(v, bool):
+        return type(v)
+    if _is_number(v):
+        return "number"
+    if isinstance(v, (list, tuple)):
+        return ("sequence", len(v), tuple(_value_kind(x) for x in v))
+    return type(v)
+
+
+def _check_param_groups(optimizer: Any, param_groups: Any, source: str, prefix: str) -> list:
+    """The saved param groups, refused (naming the group and field) unless each hyper-parameter
+    has the kind of value this optimizer holds: JSON cannot carry a wrong-typed value in
+    silently, only for it to fail at the first optimizer step. ``source``: the JSON file they
+    came from; ``prefix``: their place in it."""
+    def fail(field: str, value: Any, rule: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint file {source!r}: field '{prefix}{field}' = {value!r} {rule}. Fix: resume "
+            f"with the same optimizer config, or from another checkpoint (another step_* "
+            f"directory of the run)")
+    if not isinstance(param_groups, list):  # a count that differs: load_state_dict says so
+        raise fail("param_groups", param_groups, "must be a list of parameter groups")
+    for i, (saved, now) in enumerate(zip(param_groups, optimizer.param_groups)):
+        if not isinstance(saved, dict):
+            raise fail(f"param_groups[{i}]", saved, "must be a JSON object")
+        params = saved.get("params")
+        if not isinstance(params, list) or not all(_is_int(p) and p >= 0 for p in params):
+            raise fail(f"param_groups[{i}].params", params, "must be a list of indices")
+        for key, value in now.items():
+            if key == "params" or value is None or saved.get(key) is None:
+                continue  # None: an unset option (foreach, fused), free to differ
+            if _value_kind(saved[key]) != _value_kind(value):
+                raise fail(f"param_groups[{i}].{key}", saved[key],
+                           f"is not the kind of value this optimizer holds there ({value!r})")
+    return param_groups
+
+
+def _load_optimizer_state(path: str, optimizer: Any, tensors: dict, param_groups: Any,
+                          source: str, prefix: str = "") -> None:
+    param_groups = _check_param_groups(optimizer, param_groups, source, prefix)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         _, idx, name = key.split(".", 2)
@@ -347,20 +624,18 @@ def _load_optimizer_state(path: str, optimizer: Any, tensors: dict, param_groups
 
 def load_checkpoint(path: str, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict:
-    """Load model (and optimizer) state in place from a checkpoint directory; return its meta."""
-    meta = _read_meta(path)
-    if meta.get("parallel"):
-        raise CheckpointError(
-            f"checkpoint {path!r} holds per-rank shards of a parallel run (layout "
-            f"{meta['parallel']}); this is a single-process run. Fix: resume with the same "
-            f"parallel settings and number of processes (--nproc / torchrun), or start fresh "
-            f"(train.resume='')")
-    _load_model_state(path, model, _load_safetensors(os.path.join(path, MODEL_FILE)))
+    """Load model (and optimizer) state in place from a checkpoint directory; return its meta.
+    Every file is checked against its checksum in meta.json before it is read."""
+    meta = read_meta(path)
+    _check_layout(path, meta, None)
+    _note_if_unverified(path, meta)
+    _load_model_state(path, model, _load_safetensors(path, meta, MODEL_FILE))
     if optimizer is not None:
-        _load_optimizer_state(path, optimizer, _load_safetensors(os.path.join(path, OPTIM_FILE)),
-                              meta["optimizer"]["param_groups"])
+        saved_groups = (meta.get("optimizer") or {}).get("param_groups")
+        _load_optimizer_state(path, optimizer, _load_safetensors(path, meta, OPTIM_FILE),
+                              saved_groups, os.path.join(path, META_FILE), "optimizer.")
     if restore_rng:
-        set_rng_state(meta["rng"])
+        set_rng_state(meta["rng"], os.path.join(path, META_FILE))
     return meta
 
 

@@ -59,8 +59,13 @@ def resolve_layout(cfg: RootConfig, world_size: int) -> Any:
 
 def layout_manifest(cfg: RootConfig, groups: Any) -> dict:
     """The layout a checkpoint shard depends on; resume needs exactly the same one."""
-    pc = groups.config
-    return {"world_size": groups.world_size, "tp": pc.tp, "cp": pc.cp, "dp": pc.dp, "pp": pc.pp,
+    return planned_layout_manifest(cfg, groups.config, groups.world_size)
+
+
+def planned_layout_manifest(cfg: RootConfig, pc: Any, world_size: int) -> dict:
+    """:func:`layout_manifest` from the resolved ParallelConfig (:func:`resolve_layout`), before
+    any process group exists: the CLI checks a checkpoint against it before launching ranks."""
+    return {"world_size": world_size, "tp": pc.tp, "cp": pc.cp, "dp": pc.dp, "pp": pc.pp,
             "ep": pc.ep, "etp": pc.etp, "edp": pc.edp, "sequence_parallel": pc.sequence_parallel,
             "order": pc.order, "vpp": cfg.parallel.vpp,
             "num_layers_in_first_stage": cfg.parallel.num_layers_in_first_stage,

@@ -26,8 +26,9 @@ from moeplug.data import get_batch
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.training import distributed as D
-from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoint, resolve_resume,
-                                         save_checkpoint, save_sharded_checkpoint)
+from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoint,
+                                         nothing_to_train, resolve_resume, save_checkpoint,
+                                         save_sharded_checkpoint)
 from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load
 from moeplug.training.optim import build_optimizer, lr_at
@@ -201,7 +202,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         meta = (load_checkpoint(resume_from, model, optimizer) if groups is None else
                 load_sharded_checkpoint(resume_from, model, optimizer, groups,
                                         D.layout_manifest(cfg, groups)))
-        start_step, metrics_state = meta["step"], meta["metrics"]
+        start_step, metrics_state = meta["step"], meta.get("metrics") or metrics_state
+        if start_step >= tc.steps:
+            raise nothing_to_train(resume_from, start_step, tc.steps)
         log(f"resumed from {resume_from} at step {start_step}")
 
     dp = 1 if groups is None else groups.size("dp")
@@ -238,7 +241,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
 
     model.train()
     loss_step = float("nan")
-    val_loss, last_val_step, ckpt_path = float("nan"), -1, ""
+    val_loss, ckpt_path = float("nan"), ""
     window_tokens, window_seconds, run_tokens, run_seconds = 0, 0.0, 0, 0.0
     try:
         for step in range(start_step, tc.steps):
@@ -274,16 +277,11 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             progress.step(record)
 
             if (tc.eval_interval and done % tc.eval_interval == 0) or done == tc.steps:
-                val_loss, last_val_step = evaluate(model, val_batches, precision, groups), done
+                val_loss = evaluate(model, val_batches, precision, groups)
                 write({"kind": "val", "step": done, "val_loss": val_loss})
                 progress.message(f"step {done:>6} | val loss {val_loss:.4f}")
             if (tc.ckpt_interval and done % tc.ckpt_interval == 0) or done == tc.steps:
                 ckpt_path = checkpoint(done)
-
-        if last_val_step != tc.steps:  # resumed at/after the end: nothing trained, still report
-            val_loss = evaluate(model, val_batches, precision, groups)
-            write({"kind": "val", "step": tc.steps, "val_loss": val_loss})
-            ckpt_path = ckpt_path or (resume_from or "")
     finally:
         progress.close()
         if writer is not None:
