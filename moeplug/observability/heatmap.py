@@ -107,6 +107,7 @@ def load_figure(history: LoadHistory, title: str = "") -> Any:
         ax.axhline(bounds[-1] - b, color="white", linewidth=2)
     ax.set_yticks(bounds[-1] - (bounds[:-1] + bounds[1:]) / 2,
                   [f"MoE layer {i}\n({e} experts)" for i, e in enumerate(experts)])
+    ax.set_yticks(bounds[-1] - np.arange(len(share_YR)) - 0.5, minor=True)  # one per expert
     ax.set_xlabel("training step")
     ax.set_ylabel("MoE layer × expert (expert 0 at the top of each layer)")
     ax.set_title(title or "Expert load: each expert's share of its layer's routed tokens")

@@ -16,9 +16,9 @@ stages: embedding, norms, dense MLPs, shared experts, loss, router state updates
 Only the outermost open stage counts, so the stages never overlap and never sum past ``step``.
 Nothing is kept on a module: the seconds go to the clock that :func:`measure_stages` set in a
 ContextVar for the duration of its block (per call, per thread; autograd's device threads see
-none). Without an active clock a stage costs one ContextVar lookup; under ``torch.compile``
-tracing it is a ``nullcontext``, so compiled graphs stay whole (their time then falls in the
-enclosing stage, or ``other``).
+none). Without an active clock a stage costs a compile check and a ContextVar lookup (well
+under a microsecond); under ``torch.compile`` tracing it is a ``nullcontext``, so compiled graphs
+stay whole (their time then falls in the enclosing stage, or ``other``).
 
 Wall clock is right on CPU, where every op has finished when it returns. On CUDA, kernels run
 asynchronously and the clock would measure launches, so the trainer measures only CPU runs
@@ -70,7 +70,7 @@ class _Timed:
 def stage(name: str) -> contextlib.AbstractContextManager:
     """``with stage("router"): ...`` adds the block's wall time to ``name`` of the active clock;
     a no-op when none is active, when another stage is already open, or under compile tracing."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace a ContextVar read
         return _NOTHING
     clock = _ACTIVE.get()
     if clock is None or clock.open:
