@@ -164,8 +164,8 @@ def test_real_model_carries_each_layers_router_losses(tiny_cfg):
 
 @pytest.fixture
 def trained_run(tiny_cfg, tmp_path):
-    """3 steps of 2 micro-batches, logged every step, validated at steps 2 and 3; z-loss on so
-    two loss types appear; TensorBoard on."""
+    """3 steps of 2 micro-batches, logged every step, validated and checkpointed at steps 2 and
+    3; z-loss on so two loss types appear; TensorBoard on."""
     from moeplug.cli import check_plugins
     from moeplug.data import prepare_corpus
     from moeplug.modules import build_model
@@ -173,7 +173,7 @@ def trained_run(tiny_cfg, tmp_path):
     out_dir = str(tmp_path / "run")
     cfg = tiny_cfg("train.steps=3", "train.warmup_steps=0", "train.micro_batch_size=4",
                    "train.grad_accum_steps=2", "train.log_interval=1", "train.eval_batches=1",
-                   "train.eval_interval=2", "train.tensorboard=true",
+                   "train.eval_interval=2", "train.tensorboard=true", "train.ckpt_interval=2",
                    "plugins.router_options={z_loss_coeff: 0.01}", out_dir=out_dir)
     precision = check_plugins(HOST, cfg)
     corpus = prepare_corpus(cfg.data)
@@ -501,6 +501,27 @@ def test_tensorboard_events_mirror_the_records(trained_run):
         assert len(img.convert("RGB").getcolors(maxcolors=1 << 24)) > 50
 
 
+def test_resumed_run_replaces_the_tensorboard_steps_it_logs_again(trained_run):
+    """Resuming from step 2 logs step 3 again: TensorBoard shows each step once, the new one."""
+    from moeplug.config import apply_overrides, config_from_dict
+    from moeplug.data import prepare_corpus
+    from moeplug.modules import build_model
+    from moeplug.training.trainer import seed_everything, train
+    cfg, out_dir = trained_run
+    cfg = config_from_dict(apply_overrides(cfg.to_dict(), [
+        f"train.resume={os.path.join(out_dir, 'step_000002')}"]))
+    corpus = prepare_corpus(cfg.data)
+    seed_everything(cfg.train.seed)
+    resumed_at = time.time()
+    train(cfg, build_model(cfg, HOST, corpus.vocab_size), corpus, HOST.create("precision",
+          "fp32", {}), {}, log=lambda _: None, use_bar=False)
+    acc = _events(os.path.join(out_dir, "tb"))
+    events = acc.Scalars("loss/train")
+    assert [e.step for e in events] == [1, 2, 3]
+    assert events[1].wall_time < resumed_at <= events[2].wall_time
+    assert [e.step for e in acc.Images("moe/expert_load")] == [2, 3]
+
+
 def _train_two_ranks(rank: int, world: int, cfg_dict: dict) -> int:
     from moeplug.config import config_from_dict
     from moeplug.data import prepare_corpus
@@ -518,12 +539,13 @@ def _train_two_ranks(rank: int, world: int, cfg_dict: dict) -> int:
 
 
 def test_only_rank_0_writes_tensorboard_events(tiny_cfg, tmp_path):
+    """PP2: rank 0 holds the dense first layer, rank 1 the MoE layer and the head."""
     from moeplug.data import prepare_corpus
     from moeplug.testing.distributed import run_distributed
-    out_dir = str(tmp_path / "ep2")
+    out_dir = str(tmp_path / "pp2")
     cfg = tiny_cfg("train.steps=2", "train.warmup_steps=0", "train.log_interval=1",
-                   "train.eval_batches=1", "train.tensorboard=true", "parallel.ep=2",
-                   out_dir=out_dir)
+                   "train.eval_batches=1", "train.tensorboard=true", "parallel.pp=2",
+                   "train.grad_accum_steps=2", out_dir=out_dir)
     prepare_corpus(cfg.data)
     pids = run_distributed(_train_two_ranks, 2, cfg.to_dict(), timeout=300)
     files = os.listdir(os.path.join(out_dir, "tb"))
@@ -531,8 +553,11 @@ def test_only_rank_0_writes_tensorboard_events(tiny_cfg, tmp_path):
     assert files[0].split(".")[-2] == str(pids[0])  # the name ends in .<pid>.<index>
     acc = _events(os.path.join(out_dir, "tb"))
     assert [e.step for e in acc.Scalars("loss/train")] == [1, 2]
-    # EP2 x DP2 syncs gradients: the breakdown sees the rank wait on its peer
-    assert all(e.value > 0 for e in acc.Scalars("time/comm_wait"))
+    # rank 0's own stages through the pipeline schedule: its attention and backward, and the
+    # waits for rank 1's gradients; the MoE stages run on rank 1
+    for stage_name, ran in (("attention", True), ("backward", True), ("comm_wait", True),
+                            ("router", False), ("experts", False)):
+        assert all((e.value > 0) == ran for e in acc.Scalars(f"time/{stage_name}")), stage_name
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,10 +45,11 @@ class TensorBoardWriter:
 
     def __init__(self, run_dir: str, start_step: int = 0) -> None:
         self.run_dir = run_dir
-        # A resumed run starts a new event file; purge_step hides the old file's events from
-        # start_step on, which the resumed run logs again.
+        # A resumed run starts a new event file. Steps after the checkpoint (start_step) that
+        # a crashed run had logged are logged again, so readers drop the old file's events
+        # from start_step + 1 on (purge_step).
         self._tb = summary_writer_class()(os.path.join(run_dir, "tb"),
-                                          purge_step=start_step or None)
+                                          purge_step=start_step + 1 if start_step else None)
 
     def write(self, record: dict) -> None:
         step = record.get("step")
