@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
 from benchmarks.conftest import interleave
 from moeplug.observability.timing import STAGES, measure_stages, stage
@@ -39,6 +40,7 @@ def _setup():
         "train": {"steps": 100, "micro_batch_size": 4, "seq_len": 128, "warmup_steps": 1,
                   "grad_accum_steps": MICRO},
     })
+    torch.set_num_threads(1)  # a shared machine: more threads only add scheduling noise
     host = PluginHost.load()
     precision = host.create("precision", "fp32", {})
     seed_everything(0)
@@ -60,7 +62,7 @@ def _setup():
 
 def test_time_breakdown_overhead(report):
     step, last = _setup()
-    times = interleave({"off": step(False), "on": step(True)}, repeats=31, warmup=3)
+    times = interleave({"off": step(False), "on": step(True)}, repeats=21, warmup=3)
     ratio = times["off"] / times["on"]
     shares = ", ".join(f"{s} {last[s] / last['step']:.0%}" for s in (*STAGES, "other"))
     print(f"\nstep {times['off'] * 1e3:.1f} ms off, {times['on'] * 1e3:.1f} ms on "
@@ -87,6 +89,6 @@ def test_marker_cost_per_step(report):
     share = MARKERS_PER_STEP * on_s / step_s
     print(f"\nmarker {on_s * 1e9:.0f} ns on, {off_s * 1e9:.0f} ns off; {MARKERS_PER_STEP} per "
           f"{step_s * 1e3:.1f} ms step = {share:.2e} of the step")
-    report.row("time breakdown", "marker time / step time", share, unit="",
+    report.row("time breakdown", "marker time / step time", 100 * share, unit="%",
                note=f"{MARKERS_PER_STEP} markers x {on_s * 1e9:.0f} ns per step")
     assert share < 0.01
