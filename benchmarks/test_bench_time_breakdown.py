@@ -2,9 +2,10 @@
 
 One process runs the real ``train_step`` of a small MoE model with the breakdown on
 (``measure_stages(True)``: every stage marker reads the clock twice) and off
-(``measure_stages(False)``: a marker is a compile check and a ContextVar lookup), interleaved round-robin in one
-run so machine drift hits both alike. Reported: off / on median step time (1.0 = free) and the
-breakdown itself, so the figure and what it measures come from the same steps.
+(``measure_stages(False)``: a marker is a compile check and a ContextVar lookup), interleaved
+round-robin in one run so machine drift hits both alike. Reported: off / on median step time
+(1.0 = free) and the breakdown itself, so the figure and what it measures come from the same
+steps.
 
 On a shared machine the step ratio's noise (a few %) dwarfs the markers' cost, so a second row
 bounds it precisely: one marker's measured cost times the markers one step passes through, as
