@@ -350,6 +350,7 @@ def test_heat_map_labels_and_data(synthetic_run, tmp_path):
     assert ax.get_ylabel() == "MoE layer × expert (expert 0 at the top of each layer)"
     assert [t.get_text() for t in ax.get_yticklabels()] == ["MoE layer 0\n(3 experts)",
                                                             "MoE layer 1\n(3 experts)"]
+    assert len(ax.get_yticks(minor=True)) == 6  # a tick per expert row
     assert bar_ax.get_ylabel() == "share of the layer's routed tokens (red: balanced, 1/3)"
     assert [line.get_ydata()[0] for line in bar_ax.lines] == [pytest.approx(1 / 3)]
     # cells span halfway between logged steps; one separator line between the two layers
@@ -366,6 +367,16 @@ def test_heat_map_labels_and_data(synthetic_run, tmp_path):
     assert mesh.get_clim() == (0.0, pytest.approx(10 / 12))
     (w, h), colours = _decoded(plot.path)
     assert w >= 900 and h >= 300 and colours > 50
+
+
+def test_heat_map_labels_of_a_deep_model_do_not_pile_up():
+    from moeplug.observability.heatmap import LoadHistory, load_figure
+    history = LoadHistory(steps=[1, 2], tokens=[[[1] * 10 for _ in range(50)]] * 2)
+    ax = load_figure(history).axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == [f"MoE layer {i}" for i in range(0, 50, 3)]  # every 3rd: <= 24 labels
+    assert len(ax.get_yticks(minor=True)) == 0  # 500 expert rows: no per-expert ticks
+    assert len(ax.lines) == 49  # still a separator between every two layers
 
 
 def test_loss_mfu_and_maxvio_figures(synthetic_run, tmp_path):

@@ -105,9 +105,15 @@ def load_figure(history: LoadHistory, title: str = "") -> Any:
                          share_YR[::-1], cmap="viridis", vmin=0.0, vmax=vmax)
     for b in bounds[1:-1]:  # white separators between layers
         ax.axhline(bounds[-1] - b, color="white", linewidth=2)
-    ax.set_yticks(bounds[-1] - (bounds[:-1] + bounds[1:]) / 2,
-                  [f"MoE layer {i}\n({e} experts)" for i, e in enumerate(experts)])
-    ax.set_yticks(bounds[-1] - np.arange(len(share_YR)) - 0.5, minor=True)  # one per expert
+    # Layer labels at the layers' centres; deep models get short labels on every k-th layer
+    # (at most ~24) so they never overlap, and per-expert minor ticks only while they fit.
+    every = -(-len(experts) // 24)
+    shown = range(0, len(experts), every)
+    ax.set_yticks(bounds[-1] - (bounds[:-1] + bounds[1:])[::every] / 2,
+                  [f"MoE layer {i}\n({experts[i]} experts)" if len(experts) <= 8
+                   else f"MoE layer {i}" for i in shown])
+    if len(share_YR) <= 256:
+        ax.set_yticks(bounds[-1] - np.arange(len(share_YR)) - 0.5, minor=True)
     ax.set_xlabel("training step")
     ax.set_ylabel("MoE layer × expert (expert 0 at the top of each layer)")
     ax.set_title(title or "Expert load: each expert's share of its layer's routed tokens")
