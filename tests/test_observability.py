@@ -350,7 +350,7 @@ def test_heat_map_labels_and_data(synthetic_run, tmp_path):
     assert ax.get_ylabel() == "MoE layer × expert (expert 0 at the top of each layer)"
     assert [t.get_text() for t in ax.get_yticklabels()] == ["MoE layer 0\n(3 experts)",
                                                             "MoE layer 1\n(3 experts)"]
-    assert len(ax.get_yticks(minor=True)) == 6  # a tick per expert row
+    assert len(ax.yaxis.get_minor_locator()()) == 6  # a tick per expert row
     assert bar_ax.get_ylabel() == "share of the layer's routed tokens (red: balanced, 1/3)"
     assert [line.get_ydata()[0] for line in bar_ax.lines] == [pytest.approx(1 / 3)]
     # cells span halfway between logged steps; one separator line between the two layers
@@ -375,7 +375,7 @@ def test_heat_map_labels_of_a_deep_model_do_not_pile_up():
     ax = load_figure(history).axes[0]
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert labels == [f"MoE layer {i}" for i in range(0, 50, 3)]  # every 3rd: <= 24 labels
-    assert len(ax.get_yticks(minor=True)) == 0  # 500 expert rows: no per-expert ticks
+    assert len(ax.yaxis.get_minor_locator()()) == 0  # 500 expert rows: no per-expert ticks
     assert len(ax.lines) == 49  # still a separator between every two layers
 
 
