@@ -40,12 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, help="train.steps")
     t.add_argument("--out", metavar="DIR", help="train.out_dir (checkpoints + metrics.jsonl)")
     t.add_argument("--resume", metavar="DIR|auto", help="train.resume")
+    t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events "
+                   "to OUT_DIR/tb (train.tensorboard)")
     t.add_argument("--nproc", type=int, metavar="N", help="run on N processes: re-executes this "
                    "command under torchrun (layout: the parallel.* config section)")
     from moeplug.convert.cli import add_convert_parser
     add_convert_parser(sub)
-    from moeplug.observability.cli import add_plot_load_parser
-    add_plot_load_parser(sub)
+    from moeplug.observability.cli import add_plot_parsers
+    add_plot_parsers(sub)
     return p
 
 
@@ -61,6 +63,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"train.out_dir={args.out}")
     if args.resume is not None:
         out.append(f"train.resume={args.resume}")
+    if args.tensorboard:
+        out.append("train.tensorboard=true")
     return out
 
 
@@ -125,6 +129,9 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     precision = check_plugins(host, cfg)
     from moeplug.training.checkpoint import check_resume, resolve_resume
     resume_from = resolve_resume(cfg.train.resume, cfg.train.out_dir)
+    if cfg.train.tensorboard:  # a missing optional package fails here too
+        from moeplug.observability.tensorboard import summary_writer_class
+        summary_writer_class()
     # Layout vs world size: checked here, before any process or process group exists.
     from moeplug.training import distributed as D
     from moeplug.training import launch
@@ -188,9 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "convert":
             from moeplug.convert.cli import cmd_convert
             return cmd_convert(args)
-        if args.command == "plot-load":
-            from moeplug.observability.cli import cmd_plot_load
-            return cmd_plot_load(args)
+        if args.command in ("plot", "plot-load"):
+            from moeplug.observability.cli import cmd_plot
+            return cmd_plot(args)
     except ConfigError as e:
         print(f"moeplug: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG

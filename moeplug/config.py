@@ -315,6 +315,8 @@ class TrainConfig:
     out_dir: str = "runs/default"
     resume: str = ""  # path to a checkpoint directory, or "auto" for the latest in out_dir
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    tensorboard: bool = False  # also write TensorBoard events to out_dir/tb (rank 0)
+    time_breakdown: bool = True  # per-stage seconds in train records (CPU runs)
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
@@ -330,6 +332,9 @@ class TrainConfig:
             v = getattr(self, n)
             if not 0.0 <= v < 1.0:
                 _fail(self, n, v, "must be in [0, 1)", f"set {n} to e.g. 0.9")
+        for n in ("tensorboard", "time_breakdown"):
+            if not isinstance(getattr(self, n), bool):
+                _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,8 +1,10 @@
-"""Per-layer MoE metrics (moeplug.observability.layer_stats) and the load heat map (heatmap, png).
+"""Per-layer MoE metrics (layer_stats), the per-stage time breakdown (timing), the plots
+(heatmap, curves: matplotlib) and the TensorBoard mirror of a run.
 
-Legend: T tokens, K top-k, E experts, D hidden, R logged steps (rows), C map columns.
-References are computed by hand or with plain torch/zlib next to each check; the PNG is parsed
-back here with zlib + struct, independently of the encoder.
+Legend: T tokens, K top-k, E experts, D hidden, R logged steps, Y layer x expert rows.
+References are computed by hand or with plain torch next to each check. Figures are checked as
+objects (titles, labels, the drawn data); written images are decoded with Pillow (which
+matplotlib installs); TensorBoard files are read back with TensorBoard's own reader.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
-import zlib
-from pathlib import Path
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -20,8 +22,9 @@ import torch
 from moeplug.config import ConfigError, ModelConfig, MoEConfig
 from moeplug.interfaces import Router, RouterOutput
 from moeplug.modules import MoELayer
-from moeplug.observability import RunDirError, add_micro_batch, encode_png, moe_metrics, plot_load
+from moeplug.observability import RunDirError, add_micro_batch, moe_metrics, plot_load
 from moeplug.observability.layer_stats import load_stats
+from moeplug.observability.timing import STAGES, add_times, measure_stages, stage
 from moeplug.plugin_host import PluginHost
 
 HOST = PluginHost.load()
@@ -161,7 +164,8 @@ def test_real_model_carries_each_layers_router_losses(tiny_cfg):
 
 @pytest.fixture
 def trained_run(tiny_cfg, tmp_path):
-    """3 steps of 2 micro-batches, logged every step; z-loss on so two loss types appear."""
+    """3 steps of 2 micro-batches, logged every step, validated and checkpointed at steps 2 and
+    3; z-loss on so two loss types appear; TensorBoard on."""
     from moeplug.cli import check_plugins
     from moeplug.data import prepare_corpus
     from moeplug.modules import build_model
@@ -169,6 +173,7 @@ def trained_run(tiny_cfg, tmp_path):
     out_dir = str(tmp_path / "run")
     cfg = tiny_cfg("train.steps=3", "train.warmup_steps=0", "train.micro_batch_size=4",
                    "train.grad_accum_steps=2", "train.log_interval=1", "train.eval_batches=1",
+                   "train.eval_interval=2", "train.tensorboard=true", "train.ckpt_interval=2",
                    "plugins.router_options={z_loss_coeff: 0.01}", out_dir=out_dir)
     precision = check_plugins(HOST, cfg)
     corpus = prepare_corpus(cfg.data)
@@ -207,32 +212,97 @@ def test_training_run_logs_per_layer_metrics(trained_run):
 
 
 # --------------------------------------------------------------------------------------------
-# The PNG, parsed back independently
+# Per-stage time breakdown (moeplug.observability.timing)
 # --------------------------------------------------------------------------------------------
 
-def _decode_png(data: bytes) -> tuple[int, int, list[list[tuple[int, int, int]]]]:
-    """(width, height, rows of RGB pixels) of an 8-bit RGB, filter-0 PNG; checks every CRC."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, []
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF, kind
-        chunks.append((kind, body))
-        pos += 12 + length
-    assert [k for k, _ in chunks][0] == b"IHDR" and chunks[-1][0] == b"IEND"
-    w, h, depth, colour, comp, filt, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, colour, comp, filt, interlace) == (8, 2, 0, 0, 0)
-    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
-    assert len(raw) == h * (1 + 3 * w)
-    rows = []
-    for y in range(h):
-        line = raw[y * (1 + 3 * w):(y + 1) * (1 + 3 * w)]
-        assert line[0] == 0  # filter type 0 (none)
-        rows.append([tuple(line[1 + 3 * x:4 + 3 * x]) for x in range(w)])
-    return w, h, rows
+def test_stages_count_once_and_only_inside_a_measured_block():
+    with stage("router"):  # no active clock: a no-op, nothing to report to
+        pass
+    with measure_stages() as times:
+        assert times == {}  # filled when the block exits
+        with stage("router"):
+            time.sleep(0.02)
+            with stage("dispatch"):  # nested: its time belongs to the open outer stage
+                time.sleep(0.01)
+        with stage("optimizer"):
+            time.sleep(0.01)
+        time.sleep(0.01)  # no stage: "other"
+    assert set(times) == {*STAGES, "step", "other"}
+    assert times["router"] >= 0.03 and times["optimizer"] >= 0.01 and times["other"] >= 0.01
+    assert times["dispatch"] == 0.0 and times["attention"] == 0.0
+    assert sum(times[s] for s in STAGES) + times["other"] == pytest.approx(times["step"])
+    with measure_stages(enabled=False) as off:
+        with stage("router"):
+            pass
+    assert off == {}
+    assert add_times({"a": 1.0, "b": 2.0}, {"b": 0.5, "c": 3.0}) == {"a": 1.0, "b": 2.5, "c": 3.0}
 
+
+def test_stage_markers_keep_torch_compile_graphs_whole():
+    """A block (its attention is a marked stage) compiles with fullgraph=True, i.e. without a
+    graph break, inside a measured step, and gives eager's output and gradients."""
+    from moeplug.modules.mlp import SwiGLUMLP
+    from moeplug.modules.rope import RotaryEmbedding
+    from moeplug.modules.transformer import TransformerBlock
+    cfg = ModelConfig(hidden_size=16, num_heads=2, num_kv_heads=2, max_seq_len=8,
+                      moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=8))
+    torch.manual_seed(0)
+    block = TransformerBlock(cfg, RotaryEmbedding(cfg.head_dim, 8, cfg.rope_theta),
+                             SwiGLUMLP(16, 32))
+    x_BSD = torch.randn(2, 8, 16)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    grads = []
+    for fn in (block, compiled):
+        block.zero_grad()
+        with measure_stages() as times:
+            y_BSD = fn(x_BSD)[0]
+            y_BSD.square().sum().backward()
+        grads.append([p.grad.clone() for p in block.parameters()])
+        assert times["step"] > 0
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_training_run_logs_a_time_breakdown(trained_run):
+    cfg, out_dir = trained_run
+    tokens_per_step = cfg.train.micro_batch_size * cfg.train.seq_len * cfg.train.grad_accum_steps
+    with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        train = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    for r in train:
+        t = r["time_breakdown"]
+        assert list(t) == [*STAGES, "step", "other"]
+        assert all(v >= 0 for v in t.values()), t
+        assert sum(t[s] for s in STAGES) + t["other"] == pytest.approx(t["step"])
+        # every stage of a one-process MoE step ran; nothing waited on another rank
+        for s in ("attention", "router", "dispatch", "experts", "combine", "backward",
+                  "optimizer"):
+            assert t[s] > 0, (s, t)
+        assert t["comm_wait"] < 0.01 * t["step"]
+        # the measured step is train_step; the throughput's step also samples the batch
+        assert t["step"] <= tokens_per_step / r["tokens_per_s"] * (1 + 1e-6)
+
+
+def test_time_breakdown_can_be_switched_off(tiny_cfg, tmp_path):
+    from moeplug.data import prepare_corpus
+    from moeplug.modules import build_model
+    from moeplug.training.trainer import train
+    cfg = tiny_cfg("train.steps=2", "train.warmup_steps=0", "train.log_interval=1",
+                   "train.eval_batches=1", "train.time_breakdown=false",
+                   out_dir=str(tmp_path / "off"))
+    corpus = prepare_corpus(cfg.data)
+    model = build_model(cfg, HOST, corpus.vocab_size)
+    train(cfg, model, corpus, HOST.create("precision", "fp32", {}), {}, log=lambda _: None,
+          use_bar=False)
+    with open(tmp_path / "off" / "metrics.jsonl", encoding="utf-8") as f:
+        train_records = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    assert len(train_records) == 2 and all("time_breakdown" not in r for r in train_records)
+    with pytest.raises(ConfigError, match=r"TrainConfig.time_breakdown = 'yes': must be a "
+                                          r"boolean\. Fix: write time_breakdown: true or false"):
+        tiny_cfg("train.time_breakdown='yes'")
+
+
+# --------------------------------------------------------------------------------------------
+# Plots (matplotlib): the figure objects carry the labels and the data; the files decode
+# --------------------------------------------------------------------------------------------
 
 def _write_metrics(run_dir, records) -> None:
     os.makedirs(run_dir, exist_ok=True)
@@ -241,76 +311,264 @@ def _write_metrics(run_dir, records) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-def test_encoder_round_trip_by_hand():
-    rgb = bytes([255, 0, 0, 0, 255, 0, 0, 0, 255, 10, 20, 30, 40, 50, 60, 70, 80, 90])
-    w, h, rows = _decode_png(encode_png(3, 2, rgb))
-    assert (w, h) == (3, 2)
-    assert rows == [[(255, 0, 0), (0, 255, 0), (0, 0, 255)],
-                    [(10, 20, 30), (40, 50, 60), (70, 80, 90)]]
+def _decoded(path) -> tuple[tuple[int, int], int]:
+    """(width, height) and the number of distinct colours of the image at ``path``."""
+    from PIL import Image
+    with Image.open(path) as img:
+        rgb = img.convert("RGB")
+        return rgb.size, len(rgb.getcolors(maxcolors=1 << 24))
 
 
-def test_encoder_rejects_a_wrong_pixel_count():
-    with pytest.raises(ValueError, match=r"got 5 bytes.*2x1 RGB image needs .* = 6\. Fix: pass 3"):
-        encode_png(2, 1, b"\x00" * 5)
-    with pytest.raises(ValueError, match=r"0x3 must be at least 1x1\. Fix:"):
-        encode_png(0, 3, b"")
+# 2 layers x 3 experts, 3 logged steps; a resumed run logged step 20 twice (the later wins).
+LOADS = {10: [[6, 3, 3], [4, 4, 4]], 20: [[2, 2, 8], [0, 0, 0]], 30: [[1, 10, 1], [3, 6, 3]]}
 
 
-def test_heat_map_pixels_follow_the_loads(tmp_path):
-    # 2 layers x 3 experts, 3 logged steps; a resumed run logged step 20 twice (the later wins).
-    loads = {10: [[6, 3, 3], [4, 4, 4]], 20: [[2, 2, 8], [0, 0, 0]], 30: [[1, 10, 1], [3, 6, 3]]}
-    run = str(tmp_path / "run")
-    _write_metrics(run, [{"kind": "run"},
-                         {"kind": "train", "step": 20, "moe": {"tokens": [[12, 0, 0], [1, 1, 1]]}},
-                         *({"kind": "train", "step": s, "moe": {"tokens": t}}
-                           for s, t in sorted(loads.items())),
-                         {"kind": "val", "step": 30, "val_loss": 1.0}])
+@pytest.fixture
+def synthetic_run(tmp_path) -> str:
+    run = str(tmp_path / "synthetic")
+    _write_metrics(run, [
+        {"kind": "run"},
+        {"kind": "train", "step": 20, "loss": 9.0, "mfu": 0.9,
+         "moe": {"tokens": [[12, 0, 0], [1, 1, 1]], "max_violation": [9.0, 9.0]}},
+        *({"kind": "train", "step": s, "loss": 5.0 - s / 10, "mfu": s / 1000,
+           "moe": {"tokens": t, "max_violation": [max(n) / (sum(n) / 3) - 1 if sum(n) else 0
+                                                  for n in t]}}
+          for s, t in sorted(LOADS.items())),
+        {"kind": "val", "step": 30, "val_loss": 2.5}])
     with open(os.path.join(run, "metrics.jsonl"), "a", encoding="utf-8") as f:
         f.write('{"kind": "train", "step": 40, "mo')  # a crash mid-write: the line is skipped
-    out = str(tmp_path / "maps" / "load.png")
-    plot = plot_load(run, out, cell_width=5, cell_height=4)
-    w, h, rows = _decode_png(Path(out).read_bytes())
-    # C = 3 + 1 gap + 3 columns of 5 px; R = 3 rows of 4 px.
-    assert (w, h) == (plot.width, plot.height) == (7 * 5, 3 * 4)
+    return run
+
+
+def test_heat_map_labels_and_data(synthetic_run, tmp_path):
+    plot = plot_load(synthetic_run, str(tmp_path / "maps" / "load.png"))
     assert plot.steps == [10, 20, 30] and plot.experts_per_layer == [3, 3]
-
-    def cell(r: int, c: int) -> tuple[int, int, int]:
-        return rows[r * 4 + 2][c * 5 + 2]
-
-    shares = {}
-    for r, s in enumerate(sorted(loads)):
-        for li, n_E in enumerate(loads[s]):
+    assert plot.max_share == pytest.approx(10 / 12)
+    ax, bar_ax = plot.figure.axes
+    assert "Expert load" in ax.get_title() and synthetic_run in ax.get_title()
+    assert ax.get_xlabel() == "training step"
+    assert ax.get_ylabel() == "MoE layer × expert (expert 0 at the top of each layer)"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["MoE layer 0\n(3 experts)",
+                                                            "MoE layer 1\n(3 experts)"]
+    assert len(ax.yaxis.get_minor_locator()()) == 6  # a tick per expert row
+    assert bar_ax.get_ylabel() == "share of the layer's routed tokens (red: balanced, 1/3)"
+    assert [line.get_ydata()[0] for line in bar_ax.lines] == [pytest.approx(1 / 3)]
+    # cells span halfway between logged steps; one separator line between the two layers
+    assert ax.get_xlim() == (5.0, 35.0)
+    assert [tuple(line.get_ydata()) for line in ax.lines] == [(3, 3)]
+    # the drawn values: rows top to bottom = layer 0 experts 0..2, layer 1 experts 0..2
+    [mesh] = ax.collections
+    drawn_YR = mesh.get_array().reshape(6, 3)[::-1]
+    for r, s in enumerate(sorted(LOADS)):
+        for li, n_E in enumerate(LOADS[s]):
             for e, n in enumerate(n_E):
-                shares[(r, li * 4 + e)] = n / sum(n_E) if sum(n_E) else 0.0
-        assert cell(r, 3) == (255, 255, 255)  # gap column between the layers
-    hottest = max(shares, key=shares.get)
-    assert hottest == (2, 1) and plot.max_share == pytest.approx(10 / 12)
-    assert cell(*hottest) == (253, 231, 37)  # the top of the viridis scale
-    assert cell(1, 4) == (68, 1, 84)  # a layer with no tokens: share 0, the bottom of the scale
-    # Brightness rises with the share (viridis is monotonic in lightness): sort by share.
-    ordered = sorted(shares, key=shares.get)
-    for a, b in zip(ordered, ordered[1:]):
-        if shares[b] > shares[a] + 1e-9:
-            assert sum(cell(*b)) > sum(cell(*a)), (a, b)
-        else:
-            assert cell(*a) == cell(*b)
-    # Every pixel of a cell has the cell's colour.
-    assert all(rows[y][x] == cell(0, 0) for y in range(4) for x in range(5))
+                want = n / sum(n_E) if sum(n_E) else 0.0  # a layer with no tokens: share 0
+                assert drawn_YR[li * 3 + e, r] == pytest.approx(want)
+    assert mesh.get_clim() == (0.0, pytest.approx(10 / 12))
+    (w, h), colours = _decoded(plot.path)
+    assert w >= 900 and h >= 300 and colours > 50
 
 
-def test_plot_load_cli_on_a_real_run(trained_run, run_cli, tmp_path):
+def test_heat_map_labels_of_a_deep_model_do_not_pile_up():
+    from moeplug.observability.heatmap import LoadHistory, load_figure
+    history = LoadHistory(steps=[1, 2], tokens=[[[1] * 10 for _ in range(50)]] * 2)
+    ax = load_figure(history).axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == [f"MoE layer {i}" for i in range(0, 50, 3)]  # every 3rd: <= 24 labels
+    assert len(ax.yaxis.get_minor_locator()()) == 0  # 500 expert rows: no per-expert ticks
+    assert len(ax.lines) == 49  # still a separator between every two layers
+
+
+def test_loss_mfu_and_maxvio_figures(synthetic_run, tmp_path):
+    from moeplug.observability.curves import plot_curves
+    other = str(tmp_path / "other")
+    _write_metrics(other, [{"kind": "train", "step": 5, "loss": 4.0, "mfu": 0.25},
+                           {"kind": "train", "step": 15, "loss": 3.0, "mfu": 0.5}])
+    loss = plot_curves("loss", [synthetic_run, other], str(tmp_path / "loss.png")).figure
+    [ax] = loss.axes
+    assert ax.get_xlabel() == "training step" and ax.get_ylabel() == "loss (nats/token)"
+    assert ax.get_title() == "Loss (train: solid, validation: dashed)"
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {f"{synthetic_run} train", f"{synthetic_run} val", f"{other} train"}
+    assert list(lines[f"{synthetic_run} train"].get_xdata()) == [10, 20, 30]
+    assert list(lines[f"{synthetic_run} train"].get_ydata()) == pytest.approx([4.0, 3.0, 2.0])
+    assert list(lines[f"{synthetic_run} val"].get_ydata()) == [2.5]
+    assert lines[f"{synthetic_run} val"].get_linestyle() == "--"
+    assert lines[f"{synthetic_run} val"].get_color() == lines[f"{synthetic_run} train"].get_color()
+    assert lines[f"{other} train"].get_color() != lines[f"{synthetic_run} train"].get_color()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(lines)
+
+    [ax] = plot_curves("mfu", [synthetic_run, other], str(tmp_path / "mfu.png")).figure.axes
+    assert ax.get_ylabel() == "MFU (% of the measured dense-GEMM peak)"
+    assert list(ax.get_lines()[1].get_ydata()) == pytest.approx([25.0, 50.0])
+
+    plot = plot_curves("maxvio", [synthetic_run])
+    assert plot.path == os.path.join(synthetic_run, "maxvio.png")
+    [ax] = plot.figure.axes
+    assert "MaxVio" in ax.get_ylabel() and synthetic_run in ax.get_title()
+    assert [line.get_label() for line in ax.get_lines()] == ["MoE layer 0", "MoE layer 1"]
+    assert list(ax.get_lines()[0].get_ydata()) == pytest.approx([0.5, 1.0, 1.5])
+    for name in ("loss.png", "mfu.png"):
+        (w, h), colours = _decoded(tmp_path / name)
+        assert w >= 800 and h >= 400 and colours > 20
+    _write_metrics(str(tmp_path / "empty"), [{"kind": "run"}])
+    with pytest.raises(RunDirError, match=r"has no train record with 'mfu'\. Fix: train past"):
+        plot_curves("mfu", [str(tmp_path / "empty")])
+    with pytest.raises(RunDirError, match=r"maxvio draws one run, got 2.*Fix: pass one RUN_DIR"):
+        plot_curves("maxvio", [synthetic_run, other])
+
+
+@pytest.mark.parametrize("argv", [["plot", "load"], ["plot-load"]])
+def test_plot_load_cli_on_a_real_run(trained_run, run_cli, tmp_path, argv):
     _, out_dir = trained_run
     out = str(tmp_path / "load.png")
-    proc = run_cli("plot-load", out_dir, "--out", out, "--cell", "3", timeout=120)
+    proc = run_cli(*argv, out_dir, "--out", out, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "rows = 3 logged steps 1..3" in proc.stdout
-    w, h, rows = _decode_png(Path(out).read_bytes())
-    assert w == 4 * 3 and h % 3 == 0 and h >= 3  # 4 experts x 3 px; 3 steps of equal height
+    assert proc.stdout.startswith(f"wrote {out}: x = 3 logged steps 1..3, y = experts of 1 MoE "
+                                  f"layers [4]; colour = share of the layer's routed tokens")
+    (w, h), colours = _decoded(out)
+    assert w >= 900 and h >= 300 and colours > 50
+
+
+def test_plot_curves_cli_on_real_runs(trained_run, run_cli, tmp_path):
+    _, out_dir = trained_run
+    for argv in (["loss", out_dir, out_dir], ["mfu", out_dir], ["maxvio", out_dir]):
+        out = str(tmp_path / f"{argv[0]}.svg")  # the format follows the extension
+        proc = run_cli("plot", *argv, "--out", out, timeout=120)
+        assert proc.returncode == 0 and proc.stdout == f"wrote {out}\n", proc.stderr[-2000:]
+        with open(out, encoding="utf-8") as f:
+            assert "training step" in f.read()
+    proc = run_cli("plot", "maxvio", out_dir, out_dir, timeout=120)
+    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+
+
+_WITHOUT = ("import sys; sys.modules[{name!r}] = None; from moeplug.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+
+
+def test_missing_matplotlib_names_the_extra(trained_run, cli_env, tmp_path):
+    _, out_dir = trained_run
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT.format(name="matplotlib"), "plot",
+                           "load", out_dir, "--out", str(tmp_path / "x.png")],
+                          capture_output=True, text=True, timeout=120, env=cli_env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("moeplug: configuration error: plotting needs matplotlib")
+    assert 'Fix: pip install "moeplug[plot]"' in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "x.png").exists()
+
+
+def test_missing_tensorboard_names_the_extra_before_any_work(tiny_config_file, cli_env,
+                                                             tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT.format(name="tensorboard"), "train",
+                           "--config", tiny_config_file(str(out)), "--tensorboard"],
+                          capture_output=True, text=True, timeout=120, env=cli_env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "train.tensorboard = True needs the tensorboard and matplotlib packages" in proc.stderr
+    assert 'Fix: pip install "moeplug[tensorboard]"' in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# TensorBoard: read back with TensorBoard's own reader
+# --------------------------------------------------------------------------------------------
+
+def _events(tb_dir: str):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(tb_dir, size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_events_mirror_the_records(trained_run):
+    _, out_dir = trained_run
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        last = [r for r in map(json.loads, f) if r["kind"] == "train"][-1]["moe"]["tokens"][0]
-    row = rows[h - 1]  # the last step's cells: the busiest expert is the brightest
-    brightness = [sum(row[e * 3 + 1]) for e in range(4)]
-    assert brightness.index(max(brightness)) == last.index(max(last))
+        records = list(map(json.loads, f))
+    train = [r for r in records if r["kind"] == "train"]
+    acc = _events(os.path.join(out_dir, "tb"))
+    scalars = set(acc.Tags()["scalars"])
+    for key, tag in (("loss", "loss/train"), ("lm_loss", "loss/lm"), ("aux_loss", "loss/aux"),
+                     ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                     ("tokens_per_s", "perf/tokens_per_s"), ("tflops", "perf/tflops"),
+                     ("mfu", "perf/mfu")):
+        events = acc.Scalars(tag)
+        assert [e.step for e in events] == [1, 2, 3], tag
+        assert [e.value for e in events] == pytest.approx([r[key] for r in train], rel=1e-6)
+    z = [e.value for e in acc.Scalars("loss/z")]
+    assert z == pytest.approx([r["moe"]["router_losses"]["z_loss"][0] for r in train], rel=1e-6)
+    for name in ("max_violation", "dropped_fraction"):
+        got = [e.value for e in acc.Scalars(f"moe/{name}/layer_0")]
+        assert got == pytest.approx([r["moe"][name][0] for r in train], rel=1e-6, abs=1e-12)
+    assert {f"time/{s}" for s in (*STAGES, "step", "other")} <= scalars
+    val = acc.Scalars("loss/val")
+    assert [(e.step, e.value) for e in val] == [
+        (r["step"], pytest.approx(r["val_loss"], rel=1e-6)) for r in records if r["kind"] == "val"]
+    images = acc.Images("moe/expert_load")
+    assert [e.step for e in images] == [2, 3]
+    from io import BytesIO
+    from PIL import Image
+    with Image.open(BytesIO(images[-1].encoded_image_string)) as img:
+        assert img.size == (images[-1].width, images[-1].height) and img.size[0] >= 900
+        assert len(img.convert("RGB").getcolors(maxcolors=1 << 24)) > 50
+
+
+def test_resumed_run_replaces_the_tensorboard_steps_it_logs_again(trained_run):
+    """Resuming from step 2 logs step 3 again: TensorBoard shows each step once, the new one."""
+    from moeplug.config import apply_overrides, config_from_dict
+    from moeplug.data import prepare_corpus
+    from moeplug.modules import build_model
+    from moeplug.training.trainer import seed_everything, train
+    cfg, out_dir = trained_run
+    cfg = config_from_dict(apply_overrides(cfg.to_dict(), [
+        f"train.resume={os.path.join(out_dir, 'step_000002')}"]))
+    corpus = prepare_corpus(cfg.data)
+    seed_everything(cfg.train.seed)
+    resumed_at = time.time()
+    train(cfg, build_model(cfg, HOST, corpus.vocab_size), corpus, HOST.create("precision",
+          "fp32", {}), {}, log=lambda _: None, use_bar=False)
+    acc = _events(os.path.join(out_dir, "tb"))
+    events = acc.Scalars("loss/train")
+    assert [e.step for e in events] == [1, 2, 3]
+    assert events[1].wall_time < resumed_at <= events[2].wall_time
+    assert [e.step for e in acc.Images("moe/expert_load")] == [2, 3]
+
+
+def _train_two_ranks(rank: int, world: int, cfg_dict: dict) -> int:
+    from moeplug.config import config_from_dict
+    from moeplug.data import prepare_corpus
+    from moeplug.parallel import ParallelGroups
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import seed_everything, train
+    cfg = config_from_dict(cfg_dict)
+    groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+    corpus = prepare_corpus(cfg.data)  # the parent prepared the cache: read only
+    seed_everything(cfg.train.seed)
+    model = build_rank_model(cfg, HOST, corpus.vocab_size, groups)
+    train(cfg, model, corpus, HOST.create("precision", "fp32", {}), {}, log=lambda _: None,
+          use_bar=False, groups=groups)
+    return os.getpid()
+
+
+def test_only_rank_0_writes_tensorboard_events(tiny_cfg, tmp_path):
+    """PP2: rank 0 holds the dense first layer, rank 1 the MoE layer and the head."""
+    from moeplug.data import prepare_corpus
+    from moeplug.testing.distributed import run_distributed
+    out_dir = str(tmp_path / "pp2")
+    cfg = tiny_cfg("train.steps=2", "train.warmup_steps=0", "train.log_interval=1",
+                   "train.eval_batches=1", "train.tensorboard=true", "parallel.pp=2",
+                   "train.grad_accum_steps=2", out_dir=out_dir)
+    prepare_corpus(cfg.data)
+    pids = run_distributed(_train_two_ranks, 2, cfg.to_dict(), timeout=300)
+    files = os.listdir(os.path.join(out_dir, "tb"))
+    assert len(files) == 1 and files[0].startswith("events.out.tfevents.")
+    assert files[0].split(".")[-2] == str(pids[0])  # the name ends in .<pid>.<index>
+    acc = _events(os.path.join(out_dir, "tb"))
+    assert [e.step for e in acc.Scalars("loss/train")] == [1, 2]
+    # rank 0's own stages through the pipeline schedule: its attention and backward, and the
+    # waits for rank 1's gradients; the MoE stages run on rank 1
+    for stage_name, ran in (("attention", True), ("backward", True), ("comm_wait", True),
+                            ("router", False), ("experts", False)):
+        assert all((e.value > 0) == ran for e in acc.Scalars(f"time/{stage_name}")), stage_name
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,14 +609,8 @@ def test_broken_line_and_mixed_models(tmp_path):
         plot_load(str(tmp_path))
 
 
-def test_bad_cell_size(tmp_path):
-    with pytest.raises(RunDirError, match=r"cell_width = 0 must be a whole number of pixels >= 1"
-                                          r"\. Fix: pass e.g. cell_width=8"):
-        plot_load(str(tmp_path), cell_width=0)
-
-
 def test_cli_reports_a_missing_run_dir_with_exit_2(run_cli, tmp_path):
-    proc = run_cli("plot-load", str(tmp_path / "nope"), timeout=120)
+    proc = run_cli("plot", "loss", str(tmp_path / "nope"), timeout=120)
     assert proc.returncode == 2
     assert "does not exist. Fix: pass the train.out_dir" in proc.stderr
     assert "Traceback" not in proc.stderr

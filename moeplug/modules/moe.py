@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moeplug.interfaces import Dispatcher, Experts, Router
+from moeplug.observability.timing import stage
 from moeplug.parallel.tensor_parallel import average_over_token_group
 
 
@@ -77,10 +78,14 @@ class MoELayer(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
-        routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
-        d = self.dispatcher.dispatch(x_TD, routing)                   # 2. dispatch
-        y_SD = self._experts(d)                                       # 3. experts
-        y_TD = self.dispatcher.combine(y_SD, d.meta)                  # 4. combine
+        with stage("router"):
+            routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
+        with stage("dispatch"):
+            d = self.dispatcher.dispatch(x_TD, routing)               # 2. dispatch
+        with stage("experts"):
+            y_SD = self._experts(d)                                   # 3. experts
+        with stage("combine"):
+            y_TD = self.dispatcher.combine(y_SD, d.meta)              # 4. combine
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)                           # 5. shared, 6. sum
         y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum

@@ -22,6 +22,7 @@ from moeplug.modules.mtp import MTPLayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.modules.stages import ModelStages
+from moeplug.observability.timing import stage
 from moeplug.parallel import tensor_parallel as tpar
 
 
@@ -66,7 +67,8 @@ class TransformerBlock(nn.Module):
         self._groups = groups
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+        with stage("attention"):
+            x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
         if isinstance(self.ffn, MoELayer):
             # TP: the MoE layer routes only this rank's sequence chunk (tpar.moe_tokens_in).
             moe_out = self.ffn(tpar.moe_tokens_in(self.ffn_norm(x_BSD), self._groups))

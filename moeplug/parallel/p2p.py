@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeplug.observability.timing import stage
+
 FORWARD, BACKWARD = 0, 1  # message directions: activations downstream, gradients upstream
 
 
@@ -47,12 +49,14 @@ def send_async(x: torch.Tensor, dst: int, group: Any, tag: int) -> Any:
 def recv(shape: tuple[int, ...], dtype: torch.dtype, src: int, group: Any, tag: int) -> torch.Tensor:
     """Block until the message tagged ``tag`` from global rank ``src`` arrives; return it."""
     buf = torch.empty(shape, dtype=dtype)
-    dist.recv(buf, src=src, group=group, tag=tag)
+    with stage("comm_wait"):
+        dist.recv(buf, src=src, group=group, tag=tag)
     return buf
 
 
 def wait_all(works: list[Any]) -> None:
     """Wait for every posted send, so buffers are free and no message outlives the step."""
-    for w in works:
-        w.wait()
+    with stage("comm_wait"):
+        for w in works:
+            w.wait()
     works.clear()

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from moeplug.config import ConfigError
+from moeplug.observability.timing import stage
 from moeplug.parallel import p2p
 from moeplug.parallel.context_parallel import shard_sequence
 from moeplug.parallel.pipeline import allreduce_embedding_grads, embedding_grads_snapshot
@@ -213,7 +214,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
             # Backward of micro-batch m through chunk c.
             x, y_BSD, objective = saved.pop((c, m))
             if v == last_stage:
-                torch.autograd.backward(objective)
+                with stage("backward"):
+                    torch.autograd.backward(objective)
             else:
                 grad_BSD = p2p.recv(tuple(y_BSD.shape), y_BSD.dtype, next_rank, group,
                                     tag(p2p.BACKWARD, v + 1, m))
@@ -221,7 +223,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
                 if objective.requires_grad:  # this chunk's aux losses join the objective here
                     tensors.append(objective)
                     grads.append(torch.ones_like(objective))
-                torch.autograd.backward(tensors, grads)
+                with stage("backward"):
+                    torch.autograd.backward(tensors, grads)
             if v > 0:
                 sends.append(p2p.send_async(x.grad, prev_rank, group, tag(p2p.BACKWARD, v, m)))
     p2p.wait_all(sends)

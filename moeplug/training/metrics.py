@@ -9,6 +9,7 @@ JSONL records (one JSON object per line, ``metrics.jsonl`` in the run directory)
                               "tokens_max", "max_violation", "cv", "dropped_fraction": [per layer],
                               "router_losses": {type: [per layer]}}}   every ``log_interval`` steps
                       (``moe``: see moeplug.observability.layer_stats for the definitions)
+                      "time_breakdown": {stage: mean seconds per step}   (observability.timing)
     {"kind": "val",   "step", "val_loss"}                     every ``eval_interval`` steps + at the end
 ``step`` counts completed optimizer steps (1 after the first update).
 """

@@ -25,6 +25,7 @@ from moeplug.config import RootConfig
 from moeplug.data import get_batch
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
+from moeplug.observability.timing import add_times, measure_stages, stage
 from moeplug.training import distributed as D
 from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoint,
                                          nothing_to_train, resolve_resume, save_checkpoint,
@@ -139,7 +140,8 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
             with precision.autocast("cpu"):  # the precision plugin picks the compute dtype
                 out = model(tokens_BS, targets_BS)
             # Grad accumulation: divide so the summed grads equal the micro-batch mean.
-            (out.loss / num_micro).backward()
+            with stage("backward"):
+                (out.loss / num_micro).backward()
             for i, v in enumerate((out.loss, out.lm_loss, out.aux_loss)):
                 sums[i] += float(v.detach()) / num_micro
             micro_counts = [c.detach().cpu() for c in out.expert_counts]
@@ -150,24 +152,33 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     # (0 disables it; the norm is still computed for logging).
     if groups is None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or math.inf))
+        with stage("optimizer"):
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or math.inf))
     elif hasattr(optimizer, "reduce_gradients"):  # ZeRO-1: reduce-scatter into owned slices
-        optimizer.reduce_gradients()
-        grad_norm = float(optimizer.clip_grad_norm(tc.grad_clip))
+        with stage("comm_wait"):
+            optimizer.reduce_gradients()
+        with stage("optimizer"):
+            grad_norm = float(optimizer.clip_grad_norm(tc.grad_clip))
     else:  # sync point: grads averaged over DP x CP (experts: summed over expert-DP, / DP x CP)
         from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
-        sync_gradients(model, groups)
-        grad_norm = float(clip_grad_norm(model, groups, tc.grad_clip))
-    optimizer.step()
+        with stage("comm_wait"):
+            sync_gradients(model, groups)
+        with stage("optimizer"):
+            grad_norm = float(clip_grad_norm(model, groups, tc.grad_clip))
+    with stage("optimizer"):
+        optimizer.step()
     # Per-step router state (expert-bias update, global aux counts) over every rank of a stage.
     group = None if groups is None else groups.tp_dp_cp
     for m in (chunks or [model]):
         m.finalize_step(group)
     # Logging only: the DP ranks' losses averaged (TP/CP/PP ranks already agree), counts summed.
-    sums = D.mean_over_dp(sums, groups)
-    expert_counts = D.global_expert_counts(counts_per_layer, groups)
-    # Router losses and dropped fractions: averaged over the stage's ranks; counts: summed.
-    moe = D.mean_router_metrics(moe_metrics(routing, counts=expert_counts), groups)
+    with stage("comm_wait"):
+        sums = D.mean_over_dp(sums, groups)
+        expert_counts = D.global_expert_counts(counts_per_layer, groups)
+    moe = moe_metrics(routing, counts=expert_counts)
+    with stage("comm_wait"):
+        # Router losses and dropped fractions: averaged over the stage's ranks; counts: summed.
+        moe = D.mean_router_metrics(moe, groups)
     return StepStats(*sums, grad_norm=grad_norm, expert_counts=expert_counts, moe=moe)
 
 
@@ -218,10 +229,18 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                    for _ in range(tc.eval_batches)]
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     writer = MetricsWriter(metrics_path, append=bool(resume_from)) if main_rank else None
+    tensorboard = None
+    if main_rank and tc.tensorboard:
+        from moeplug.observability.tensorboard import TensorBoardWriter
+        tensorboard = TensorBoardWriter(tc.out_dir, start_step)
+    # Wall-clock stage times are only meaningful where ops finish before they return (CPU).
+    timed = tc.time_breakdown and all(p.device.type == "cpu" for p in model.parameters())
 
     def write(record: dict) -> None:
         if writer is not None:
             writer.write(record)
+        if tensorboard is not None:
+            tensorboard.write(record)
 
     layout = None if groups is None else D.layout_manifest(cfg, groups)
     write({"kind": "run", "start_step": start_step, "resumed_from": resume_from,
@@ -243,6 +262,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     loss_step = float("nan")
     val_loss, ckpt_path = float("nan"), ""
     window_tokens, window_seconds, run_tokens, run_seconds = 0, 0.0, 0, 0.0
+    window_times: dict = {}  # per-stage seconds summed over the logging window
     try:
         for step in range(start_step, tc.steps):
             t0 = time.perf_counter()
@@ -250,8 +270,10 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            stats = train_step(model, optimizer, step_batches(corpus.train_ids, tc, step, groups),
-                               tc, precision, groups)
+            batches = step_batches(corpus.train_ids, tc, step, groups)
+            with measure_stages(timed) as times:
+                stats = train_step(model, optimizer, batches, tc, precision, groups)
+            window_times = add_times(window_times, times)
             sums = stats.losses()
             grad_norm, counts_per_layer = stats.grad_norm, stats.expert_counts
             done, loss_step = step + 1, sums["loss"]
@@ -272,8 +294,11 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                           "tokens_per_s": window_tokens / window_seconds, "tflops": tflops,
                           "mfu": mfu(tflops, peak), "expert_load": expert_load(counts_per_layer),
                           "plugins": plugin_names, "moe": stats.moe}
+                if window_times:  # mean seconds per step over the window
+                    n = window_tokens // tokens_per_step
+                    record["time_breakdown"] = {k: v / n for k, v in window_times.items()}
                 write(record)
-                window_tokens, window_seconds = 0, 0.0
+                window_tokens, window_seconds, window_times = 0, 0.0, {}
             progress.step(record)
 
             if (tc.eval_interval and done % tc.eval_interval == 0) or done == tc.steps:
@@ -286,6 +311,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         progress.close()
         if writer is not None:
             writer.close()
+        if tensorboard is not None:
+            tensorboard.close()
     return TrainSummary(steps=tc.steps, final_train_loss=loss_step, val_loss=val_loss,
                         unigram_entropy=float(corpus.unigram_entropy()),
                         tokens_per_s=run_tokens / run_seconds if run_seconds else 0.0,
