@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
     from moeplug.observability.cli import add_plot_load_parser
     add_plot_load_parser(sub)
+    from moeplug.generate import add_generate_parser
+    add_generate_parser(sub)
     return p
 
 
@@ -136,6 +138,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                           "when launching with torchrun yourself")
     if D.is_parallel(cfg, world):
         D.resolve_layout(cfg, world)
+    device = D.resolve_device(cfg)  # train.device=cuda without a GPU fails here, not later
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
     from moeplug.training.trainer import seed_everything, train
@@ -151,7 +154,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         if D.is_main_rank(groups):
             D.barrier(groups)
         seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
-        model = D.build_rank_model(cfg, host, corpus.vocab_size, groups)
+        model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, device)
         plugin_names = {k: getattr(cfg.plugins, k) for k in ("router", "dispatcher", "experts", "precision")}
         summary = train(cfg, model, corpus, precision, plugin_names, groups=groups)
     finally:
@@ -183,6 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plot-load":
             from moeplug.observability.cli import cmd_plot_load
             return cmd_plot_load(args)
+        if args.command == "generate":
+            from moeplug.generate import cmd_generate
+            return cmd_generate(args)
     except ConfigError as e:
         print(f"moeplug: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG

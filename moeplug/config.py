@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -312,6 +313,9 @@ class TrainConfig:
     out_dir: str = "runs/default"
     resume: str = ""  # path to a checkpoint directory, or "auto" for the latest in out_dir
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    # "auto": cuda when torch sees a GPU, else cpu. Availability is checked by the CLI
+    # (moeplug.training.distributed.resolve_device), not here: a config stays machine-free.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
@@ -327,6 +331,10 @@ class TrainConfig:
             v = getattr(self, n)
             if not 0.0 <= v < 1.0:
                 _fail(self, n, v, "must be in [0, 1)", f"set {n} to e.g. 0.9")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",
+                                                                self.device):
+            _fail(self, "device", self.device, "must be auto, cpu, cuda or cuda:N",
+                  "set device to auto (GPU when present), cpu, cuda or e.g. cuda:0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -66,17 +66,18 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
     ranks take their shard, pipeline ranks run the forward-only schedule."""
     was_training = model.training
     model.eval()
+    device_type = batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
     if chunks is not None:
         from moeplug.parallel.schedules import forward_backward_pipeline
         res = forward_backward_pipeline(
             chunks, [D.local_sequence(t, y, groups) for t, y in batches], groups,
-            forward_only=True, autocast=lambda: precision.autocast("cpu"))
+            forward_only=True, autocast=lambda: precision.autocast(device_type))
         model.train(was_training)
         return float(res.lm_loss)
     losses = []
     for tokens_BS, targets_BS in batches:
-        with precision.autocast("cpu"):
+        with precision.autocast(device_type):
             losses.append(float(model(*D.local_sequence(tokens_BS, targets_BS, groups)).lm_loss))
     model.train(was_training)
     return sum(losses) / len(losses)
@@ -116,6 +117,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     """
     optimizer.zero_grad(set_to_none=True)
     num_micro = len(micro_batches)
+    device_type = micro_batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
     routing = None  # per-layer counts and router losses of this rank's micro-batches
     if chunks is not None:
@@ -123,14 +125,14 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
         # The schedule accumulates grads of sum_m (lm_m + aux_m) / M over its micro-batches.
         res = forward_backward_pipeline(
             chunks, [D.local_sequence(t, y, groups) for t, y in micro_batches], groups,
-            autocast=lambda: precision.autocast("cpu"))
+            autocast=lambda: precision.autocast(device_type))
         sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss)]
         counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
     else:
         sums, counts_per_layer = [0.0, 0.0, 0.0], []
         for tokens_BS, targets_BS in micro_batches:
             tokens_BS, targets_BS = D.local_sequence(tokens_BS, targets_BS, groups)  # CP shard
-            with precision.autocast("cpu"):  # the precision plugin picks the compute dtype
+            with precision.autocast(device_type):  # the precision plugin picks the dtype
                 out = model(tokens_BS, targets_BS)
             # Grad accumulation: divide so the summed grads equal the micro-batch mean.
             (out.loss / num_micro).backward()
@@ -204,10 +206,11 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     tokens_per_step = dp * tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps  # all ranks
     vocab_size = cfg.model.vocab_size or corpus.vocab_size
     flops_per_token = float(model_flops_per_token(cfg.model, vocab_size, tc.seq_len))
-    peak = world * measure_peak_tflops(getattr(precision, "compute_dtype", torch.float32))
+    device = D.model_device(model)  # the CLI put it on train.device; batches follow it
+    peak = world * measure_peak_tflops(getattr(precision, "compute_dtype", torch.float32), device)
     gen = batch_generator(tc.seed, 0, _VAL_STREAM)
-    val_batches = [get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
-                   for _ in range(tc.eval_batches)]
+    val_batches = D.to_device([get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
+                               for _ in range(tc.eval_batches)], device)
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     writer = MetricsWriter(metrics_path, append=bool(resume_from)) if main_rank else None
 
@@ -226,7 +229,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
 
     def checkpoint(step: int) -> str:
         meta = {"config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
-                "scheduler": {"step": step, "lr": lr_at(step, tc)}}
+                "scheduler": {"step": step, "lr": lr_at(step, tc)},
+                "tokenizer": corpus.tokenizer.fingerprint()}  # moeplug generate checks it
         if groups is None:
             return save_checkpoint(tc.out_dir, step, model, optimizer, meta)
         return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups, layout)
@@ -242,8 +246,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            stats = train_step(model, optimizer, step_batches(corpus.train_ids, tc, step, groups),
-                               tc, precision, groups)
+            batches = D.to_device(step_batches(corpus.train_ids, tc, step, groups), device)
+            stats = train_step(model, optimizer, batches, tc, precision, groups)
             sums = {"loss": stats.loss, "lm_loss": stats.lm_loss, "aux_loss": stats.aux_loss}
             grad_norm, counts_per_layer = stats.grad_norm, stats.expert_counts
             done, loss_step = step + 1, sums["loss"]
