@@ -202,7 +202,7 @@ def load_sharded_checkpoint(path: str, model: torch.nn.Module, optimizer: Any, g
                             layout: dict) -> dict:
     """Load this rank's shard of a checkpoint written by :func:`save_sharded_checkpoint` with
     the same ``layout``; return its meta. Raises CheckpointError on any other layout."""
-    meta = _read_meta(path)
+    meta = read_meta(path)
     saved = meta.get("parallel")
     if saved != layout:
         diff = {k: (saved.get(k), v) for k, v in layout.items()
@@ -267,6 +267,14 @@ def find_latest(out_dir: str) -> str | None:
     return os.path.join(out_dir, steps[-1]) if steps else None
 
 
+def find_checkpoint(path: str) -> str | None:
+    """``path`` itself if it is a checkpoint, else the newest one in the run directory ``path``
+    (None: neither)."""
+    if _is_checkpoint(path):
+        return path
+    return find_latest(path) if os.path.isdir(path) else None
+
+
 def resolve_resume(resume: str, out_dir: str) -> str | None:
     """Map ``train.resume`` to a checkpoint directory (None: start fresh).
 
@@ -277,9 +285,7 @@ def resolve_resume(resume: str, out_dir: str) -> str | None:
         return None
     if resume == "auto":
         return find_latest(out_dir)
-    if _is_checkpoint(resume):
-        return resume
-    found = find_latest(resume) if os.path.isdir(resume) else None
+    found = find_checkpoint(resume)
     if found:
         return found
     raise CheckpointError(
@@ -303,7 +309,7 @@ def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
             f"or convert it to safetensors with a tool you trust") from None
 
 
-def _read_meta(path: str) -> dict:
+def read_meta(path: str) -> dict:
     meta_path = os.path.join(path, META_FILE)
     try:
         with open(meta_path, encoding="utf-8") as f:
@@ -348,7 +354,7 @@ def _load_optimizer_state(path: str, optimizer: Any, tensors: dict, param_groups
 def load_checkpoint(path: str, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict:
     """Load model (and optimizer) state in place from a checkpoint directory; return its meta."""
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if meta.get("parallel"):
         raise CheckpointError(
             f"checkpoint {path!r} holds per-rank shards of a parallel run (layout "
