@@ -154,7 +154,7 @@ def test_generate_logits_on_cuda_equal_the_cpu(run_cli, tiny_config_file, tmp_pa
 
 
 @needs_cuda
-def test_cuda_device_follows_local_rank_and_refuses_cuda_n_under_torchrun(tiny_cfg, monkeypatch):
+def test_cuda_device_follows_local_rank_and_refuses_what_cannot_run(tiny_cfg, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert D.resolve_device(tiny_cfg("train.device=cuda")) == torch.device("cuda", 0)
     monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
@@ -163,3 +163,6 @@ def test_cuda_device_follows_local_rank_and_refuses_cuda_n_under_torchrun(tiny_c
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="cuda:LOCAL_RANK"):
         D.resolve_device(tiny_cfg("train.device=cuda:0"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(ConfigError, match="parallel.pp = 2"):
+        D.resolve_device(tiny_cfg("train.device=cuda", "parallel.pp=2"))

@@ -72,6 +72,10 @@ def resolve_device(cfg: RootConfig) -> torch.device:
         raise ConfigError(f"{field}: cuda:{index} does not exist, torch sees {count} GPU(s). "
                           f"Fix: pick cuda:0 .. cuda:{count - 1}, or run at most {count} "
                           "processes per node (torchrun --nproc-per-node)")
+    if cfg.parallel.pp > 1:  # its p2p receive buffers and loss sums are CPU tensors
+        raise ConfigError(f"{field} with parallel.pp = {cfg.parallel.pp}: pipeline parallelism "
+                          "runs on the CPU only so far. Fix: --set train.device=cpu, or "
+                          "parallel.pp=1 (tp/ep/dp/cp for the GPUs)")
     return torch.device("cuda", index)
 
 
