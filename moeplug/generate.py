@@ -6,7 +6,9 @@
 What is loaded is what the run trained: the model is rebuilt from the config stored in the
 checkpoint's meta.json and filled from its safetensors (never unpickled); the tokenizer is the
 run's, found (or rebuilt) by :func:`moeplug.data.prepare_corpus` from the same data config, and
-checked against the fingerprint the trainer stored in the checkpoint. One process only.
+checked against the fingerprint the trainer stored in the checkpoint. One process: checkpoints
+of data-parallel runs load (every rank saved the whole model), ones that split the model
+(tp/cp/pp/ep/etp > 1) are refused.
 
 Decoding: greedy (temperature 0) takes the argmax token; sampling divides the logits by the
 temperature, keeps the ``top_k`` largest (0: all) and draws from their softmax with a CPU
@@ -76,7 +78,8 @@ def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
     from moeplug.modules import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training import distributed as D
-    from moeplug.training.checkpoint import find_checkpoint, load_checkpoint, read_meta
+    from moeplug.training.checkpoint import (find_checkpoint, load_model_weights, read_meta,
+                                             whole_model_file)
 
     path = find_checkpoint(ckpt)
     if path is None:
@@ -85,11 +88,7 @@ def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
             f"meta.json, or a run directory with 'latest' or step_* checkpoints). Fix: pass "
             f"the --out / train.out_dir of a finished 'moeplug train' run")
     meta = read_meta(path)
-    if meta.get("parallel"):
-        raise CheckpointError(
-            f"--ckpt {path!r} holds per-rank shards of a {meta['parallel'].get('world_size')}-"
-            f"process run; generate runs in one process and does not merge shards. Fix: "
-            f"generate from a checkpoint of a one-process run (moeplug train without --nproc)")
+    whole_model_file(path, meta)  # shards that split the model: refused before any work
     if "hf" in meta:
         raise CheckpointError(
             f"--ckpt {path!r} was imported from Hugging Face ({meta['hf'].get('source')}): "
@@ -111,7 +110,7 @@ def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
             f"so its ids would decode to the wrong text. Fix: restore the corpus files the run "
             f"trained on (data.corpus)")
     model = build_model(cfg, PluginHost.load(block=cfg.plugins.block), corpus.vocab_size)
-    load_checkpoint(path, model, optimizer=None, restore_rng=False)
+    load_model_weights(path, model)
     return LoadedModel(model.to(target).eval(), corpus.tokenizer, cfg, path, int(meta["step"]))
 
 

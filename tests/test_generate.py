@@ -32,10 +32,12 @@ def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 def _train(env: dict, root, corpus: str, steps: int, *overrides: str) -> str:
-    """A finished `moeplug train` run of the tiny config; returns its run directory."""
+    """A finished `moeplug train` run of the tiny config; returns its run directory.
+    ``overrides``: ``key=value`` for --set, or a flag such as ``--nproc=2``."""
+    root.mkdir(parents=True, exist_ok=True)
     out, cfg = str(root / "run"), root / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config_dict(corpus, out, str(root / "cache"))))
-    sets = [a for o in overrides for a in ("--set", o)]
+    sets = [a for o in overrides for a in ((o,) if o.startswith("--") else ("--set", o))]
     proc = _cli(env, "train", "--config", str(cfg), "--steps", str(steps),
                 "--set", "train.warmup_steps=2", *sets)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -137,15 +139,25 @@ def test_bad_input_exits_2_with_the_fix(env, run_dir, tmp_path, args, parts):
         assert part.format(**fill) in proc.stderr, proc.stderr
 
 
-def test_checkpoint_of_a_parallel_run_is_refused(env, run_dir, tmp_path):
-    # The meta.json of a 2-rank run (save_sharded_checkpoint writes the layout there).
-    step = shutil.copytree(os.path.join(run_dir, "step_000150"), tmp_path / "step_000150")
-    meta = json.loads((step / "meta.json").read_text())
-    meta["parallel"] = {"world_size": 2, "tp": 1, "dp": 2}
-    (step / "meta.json").write_text(json.dumps(meta))
-    proc = _generate(env, str(step))
+def test_data_parallel_checkpoint_loads_and_split_models_are_refused(env, tiny_corpus,
+                                                                       tmp_path):
+    from safetensors.torch import load_file
+    from moeplug.generate import load_checkpoint_model
+
+    # Data parallel: every rank saved the whole model; generate reads rank 0's.
+    dp2 = _train(env, tmp_path / "dp2", tiny_corpus, 3, "parallel.dp=2", "--nproc=2")
+    assert _text(_generate(env, dp2, "--prompt", PROMPT, "--max-new-tokens", "5")
+                 ).startswith(PROMPT)
+    loaded = load_checkpoint_model(dp2, "cpu").model.state_dict()
+    replica = load_file(os.path.join(dp2, "step_000003", "model_rank1.safetensors"))
+    assert replica.keys() <= loaded.keys()
+    for name, t in replica.items():
+        assert torch.equal(loaded[name], t), name
+    # Expert parallel: each rank holds half the experts; not merged, refused with the reason.
+    ep2 = _train(env, tmp_path / "ep2", tiny_corpus, 3, "parallel.ep=2", "--nproc=2")
+    proc = _generate(env, ep2)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "2-process run" in proc.stderr and "does not merge shards" in proc.stderr
+    assert "2-process run whose model is split (ep=2)" in proc.stderr and "Fix:" in proc.stderr
 
 
 def test_bpe_tokenizer_is_found_rebuilt_and_checked(env, tiny_corpus, tmp_path):

@@ -370,6 +370,30 @@ def load_checkpoint(path: str, model: torch.nn.Module,
     return meta
 
 
+def whole_model_file(path: str, meta: dict) -> str:
+    """The file of checkpoint ``path`` (with ``meta``) that holds the whole model. A
+    multi-process checkpoint has one when no degree splits the model (pure data parallelism,
+    with or without the distributed optimizer, which shards only optimizer state): every rank
+    saved the whole model, rank 0's is taken. Otherwise a CheckpointError."""
+    layout = meta.get("parallel") or {}
+    split = {k: layout[k] for k in ("tp", "cp", "pp", "ep", "etp") if layout.get(k, 1) != 1}
+    if split:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds per-rank shards of a {layout.get('world_size')}-process "
+            f"run whose model is split ({', '.join(f'{k}={v}' for k, v in split.items())}); one "
+            f"process cannot load it and moeplug does not merge such shards. Fix: use a "
+            f"checkpoint of a one-process or data-parallel-only run")
+    return os.path.join(path, _rank_files(0)[0] if layout else MODEL_FILE)
+
+
+def load_model_weights(path: str, model: torch.nn.Module) -> dict:
+    """Load only the model weights of checkpoint ``path`` into a one-process ``model`` (for
+    inference; see :func:`whole_model_file`); return its meta."""
+    meta = read_meta(path)
+    _load_model_state(path, model, _load_safetensors(whole_model_file(path, meta)))
+    return meta
+
+
 def _shares_storage_with(model: torch.nn.Module, key: str, stored: set[str]) -> bool:
     sd = model.state_dict()
     alias = _alias_key(sd[key])
