@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from moeplug.config import ConfigError, RootConfig, config_from_dict
+from moeplug.config import ConfigError, RootConfig, TrainConfig, config_from_dict
 from moeplug.training.checkpoint import CheckpointError
 
 
@@ -66,14 +66,19 @@ def _check_args(args: argparse.Namespace) -> None:
                           "Fix: 0 for greedy decoding, e.g. 0.8 to sample")
     if args.top_k < 0:
         raise ConfigError(f"--top-k {args.top_k}: must be >= 0. Fix: 0 keeps every token")
+    try:
+        TrainConfig(device=args.device)  # train.device's own rule
+    except ConfigError as e:
+        raise ConfigError(f"--device {args.device}: {e}") from None
     if args.top_k and args.temperature == 0:
         raise ConfigError(f"--top-k {args.top_k}: applies to sampling, but --temperature is 0 "
                           "(greedy). Fix: add --temperature 0.8 (for example), or drop --top-k")
 
 
 def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
-    """The model and tokenizer of a single-process checkpoint (or a run directory's newest),
-    on ``device`` (a ``train.device`` value). CheckpointError/ConfigError with the fix."""
+    """The model and tokenizer of a checkpoint (or a run directory's newest) of a one-process or
+    data-parallel run, on ``device`` (a ``train.device`` value). CheckpointError/ConfigError
+    with the fix otherwise."""
     from moeplug.data import prepare_corpus
     from moeplug.modules import build_model
     from moeplug.plugin_host import PluginHost
@@ -119,8 +124,8 @@ def next_token_logits(model: torch.nn.Module, ids: list[int], context_len: int,
                       vocab_size: int) -> torch.Tensor:
     """Float32 logits [V] of the token after ``ids`` (the last ``context_len`` of them). Rows
     past the tokenizer's vocabulary (``model.vocab_size`` padding) are never generated."""
-    device = next(model.parameters()).device
-    tokens_BS = torch.tensor([ids[-context_len:]], dtype=torch.int64, device=device)
+    from moeplug.training.distributed import model_device
+    tokens_BS = torch.tensor([ids[-context_len:]], dtype=torch.int64, device=model_device(model))
     return model(tokens_BS).logits_BSV[0, -1, :vocab_size].float()
 
 
