@@ -176,3 +176,18 @@ def test_bpe_tokenizer_is_found_rebuilt_and_checked(env, tiny_corpus, tmp_path):
     proc = _generate(env, run, *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "differs from the one it trained with" in proc.stderr and "Fix:" in proc.stderr
+
+
+def test_hugging_face_import_is_refused_with_the_reason(env, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64))
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    run = str(tmp_path / "run")
+    imported = _cli(env, "convert", "import", "--hf", str(tmp_path / "hf"), "--out", run)
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    proc = _generate(env, run)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "imported from Hugging Face" in proc.stderr and "Fix:" in proc.stderr
