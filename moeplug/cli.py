@@ -138,7 +138,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                           "when launching with torchrun yourself")
     if D.is_parallel(cfg, world):
         D.resolve_layout(cfg, world)
-    device = D.resolve_device(cfg)  # train.device=cuda without a GPU fails here, not later
+    # train.device=cuda without (enough) GPUs fails here, before --nproc starts any rank.
+    device = D.resolve_device(cfg, None if launch.under_torchrun() else world)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
     from moeplug.training.trainer import seed_everything, train

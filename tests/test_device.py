@@ -155,14 +155,17 @@ def test_generate_logits_on_cuda_equal_the_cpu(run_cli, tiny_config_file, tmp_pa
 
 @needs_cuda
 def test_cuda_device_follows_local_rank_and_refuses_what_cannot_run(tiny_cfg, monkeypatch):
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    assert D.resolve_device(tiny_cfg("train.device=cuda")) == torch.device("cuda", 0)
-    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    count = torch.cuda.device_count()
+    monkeypatch.setenv("LOCAL_RANK", str(count - 1))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(count))
+    assert D.resolve_device(tiny_cfg("train.device=cuda")) == torch.device("cuda", count - 1)
+    with pytest.raises(ConfigError, match=f"{count + 1} processes on this node"):
+        D.resolve_device(tiny_cfg("train.device=auto"), num_local=count + 1)
+    if count > 1:
+        with pytest.raises(ConfigError, match="cuda:LOCAL_RANK"):
+            D.resolve_device(tiny_cfg("train.device=cuda:0"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="does not exist"):
-        D.resolve_device(tiny_cfg("train.device=cuda"))
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="cuda:LOCAL_RANK"):
-        D.resolve_device(tiny_cfg("train.device=cuda:0"))
-    monkeypatch.setenv("LOCAL_RANK", "0")
+        D.resolve_device(tiny_cfg(f"train.device=cuda:{count}"))
     with pytest.raises(ConfigError, match="parallel.pp = 2"):
         D.resolve_device(tiny_cfg("train.device=cuda", "parallel.pp=2"))

@@ -38,20 +38,25 @@ from torch import nn
 from moeplug.config import ConfigError, RootConfig
 
 
-def world_from_env() -> int:
-    """The number of processes torchrun started (1 when not launched by torchrun)."""
-    raw = os.environ.get("WORLD_SIZE", "1")
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
     try:
         return int(raw)
     except ValueError:
-        raise ConfigError(f"$WORLD_SIZE = {raw!r} is not an integer. Fix: launch with torchrun "
-                          "(it sets WORLD_SIZE) or unset it") from None
+        raise ConfigError(f"${name} = {raw!r} is not an integer. Fix: launch with torchrun "
+                          f"(it sets {name}) or unset it") from None
 
 
-def resolve_device(cfg: RootConfig) -> torch.device:
+def world_from_env() -> int:
+    """The number of processes torchrun started (1 when not launched by torchrun)."""
+    return _env_int("WORLD_SIZE", 1)
+
+
+def resolve_device(cfg: RootConfig, num_local: int | None = None) -> torch.device:
     """This process's device from ``train.device``: ``auto`` is cuda when torch sees a GPU, else
-    cpu; ``cuda`` is ``cuda:LOCAL_RANK`` (one GPU per rank; 0 outside torchrun). Raises
-    ConfigError when the GPU asked for does not exist: the CLI calls it before any work."""
+    cpu; ``cuda`` is ``cuda:LOCAL_RANK`` (one GPU per rank; 0 outside torchrun). ``num_local``:
+    the processes on this node (default: torchrun's $LOCAL_WORLD_SIZE, else 1). Raises
+    ConfigError when the GPUs asked for do not exist: the CLI calls it before any work."""
     want = cfg.train.device
     if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -60,18 +65,19 @@ def resolve_device(cfg: RootConfig) -> torch.device:
         raise ConfigError(f"{field}: torch {torch.__version__} sees no CUDA device (CUDA build: "
                           f"{torch.version.cuda or 'no'}). Fix: --set train.device=cpu, or "
                           "install torch's CUDA build for your driver (README, 'GPU')")
-    if ":" in want and world_from_env() > 1:
-        raise ConfigError(f"{field}: with {world_from_env()} processes every rank uses "
+    num_local = num_local or _env_int("LOCAL_WORLD_SIZE", 1)
+    count = torch.cuda.device_count()
+    if ":" in want and num_local > 1:
+        raise ConfigError(f"{field}: with {num_local} processes on this node each one uses "
                           "cuda:LOCAL_RANK. Fix: set train.device to cuda or auto")
-    raw = want.partition(":")[2] or os.environ.get("LOCAL_RANK", "0")
-    if not raw.isdigit():
-        raise ConfigError(f"$LOCAL_RANK = {raw!r} is not an integer. Fix: launch with torchrun "
-                          "(it sets LOCAL_RANK) or unset it")
-    index, count = int(raw), torch.cuda.device_count()
+    if num_local > count:
+        raise ConfigError(f"{field}: {num_local} processes on this node but torch sees {count} "
+                          f"GPU(s), one per process. Fix: run at most {count} processes per "
+                          "node (--nproc / torchrun --nproc-per-node), or --set train.device=cpu")
+    index = int(want.partition(":")[2] or _env_int("LOCAL_RANK", 0))
     if index >= count:
         raise ConfigError(f"{field}: cuda:{index} does not exist, torch sees {count} GPU(s). "
-                          f"Fix: pick cuda:0 .. cuda:{count - 1}, or run at most {count} "
-                          "processes per node (torchrun --nproc-per-node)")
+                          f"Fix: pick one of cuda:0 .. cuda:{count - 1}")
     if cfg.parallel.pp > 1:  # its p2p receive buffers and loss sums are CPU tensors
         raise ConfigError(f"{field} with parallel.pp = {cfg.parallel.pp}: pipeline parallelism "
                           "runs on the CPU only so far. Fix: --set train.device=cpu, or "
