@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     add_convert_parser(sub)
     from moeplug.observability.cli import add_plot_parsers
     add_plot_parsers(sub)
+    from moeplug.generate import add_generate_parser
+    add_generate_parser(sub)
     return p
 
 
@@ -151,6 +153,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                             + [f"--config {args.config}"] * bool(args.config)) \
             or f"the packaged {path}"
         check_resume(resume_from, cfg, source, layout)
+    # train.device=cuda without (enough) GPUs fails here, before --nproc starts any rank.
+    device = D.resolve_device(cfg, None if launch.under_torchrun() else world)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
     from moeplug.training.trainer import seed_everything, train
@@ -166,7 +170,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         if D.is_main_rank(groups):
             D.barrier(groups)
         seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
-        model = D.build_rank_model(cfg, host, corpus.vocab_size, groups)
+        model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, device)
         plugin_names = {k: getattr(cfg.plugins, k) for k in ("router", "dispatcher", "experts", "precision")}
         summary = train(cfg, model, corpus, precision, plugin_names, groups=groups)
     finally:
@@ -198,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("plot", "plot-load"):
             from moeplug.observability.cli import cmd_plot
             return cmd_plot(args)
+        if args.command == "generate":
+            from moeplug.generate import cmd_generate
+            return cmd_generate(args)
     except ConfigError as e:
         print(f"moeplug: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG

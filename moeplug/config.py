@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import logging
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -317,6 +318,9 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     tensorboard: bool = False  # also write TensorBoard events to out_dir/tb (rank 0)
     time_breakdown: bool = True  # per-stage seconds in train records (CPU runs)
+    # "auto": cuda when torch sees a GPU, else cpu. Availability is checked by the CLI
+    # (moeplug.training.distributed.resolve_device), not here: a config stays machine-free.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
@@ -335,6 +339,10 @@ class TrainConfig:
         for n in ("tensorboard", "time_breakdown"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",
+                                                                self.device):
+            _fail(self, "device", self.device, "must be auto, cpu, cuda or cuda:N",
+                  "set device to auto (GPU when present), cpu, cuda or e.g. cuda:0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,10 +1,13 @@
 """Tokenizers: byte-level BPE trained locally on the train split, or raw UTF-8 bytes.
 
-Both expose ``encode(str) -> list[int]``, ``decode(list[int]) -> str`` and ``vocab_size``.
+Both expose ``encode(str) -> list[int]``, ``decode(list[int]) -> str``, ``vocab_size`` and
+``fingerprint()`` (equal fingerprints: the same ids for the same text; checkpoints record it so
+``moeplug generate`` can prove it decodes with the tokenizer the run trained with).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Iterable, Protocol
 
@@ -18,6 +21,8 @@ class TextTokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def fingerprint(self) -> str: ...
+
 
 class ByteTokenizer:
     """Token id = UTF-8 byte value; no training, no file."""
@@ -29,6 +34,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        return "bytes"
 
 
 class BPETokenizer:
@@ -66,3 +74,7 @@ class BPETokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids))
+
+    def fingerprint(self) -> str:
+        """sha256 of the serialised tokenizer (vocabulary, merges, pre-tokenizer, decoder)."""
+        return "bpe-sha256:" + hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()

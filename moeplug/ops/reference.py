@@ -14,8 +14,8 @@ def permute(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     T, K = ids_TK.shape
     order_S = torch.argsort(ids_TK.reshape(-1), stable=True)  # (t, k) order inside each expert
-    row_map_TK = torch.empty(T * K, dtype=torch.int64)
-    row_map_TK[order_S] = torch.arange(T * K)
+    row_map_TK = torch.empty_like(order_S)  # on the input's device, like every result
+    row_map_TK[order_S] = torch.arange(T * K, device=order_S.device)
     counts_E = torch.bincount(ids_TK.reshape(-1), minlength=num_experts)
     return x_TD[order_S // K], row_map_TK.view(T, K), counts_E
 

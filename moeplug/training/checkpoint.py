@@ -369,6 +369,12 @@ def _read_latest(pointer: str) -> str:
             f"step_000600) but holds {raw[:40]!r}. Fix: write the right step_* name into it, or "
             f"delete it (moeplug then resumes from the highest complete step_* directory)")
     return name
+def find_checkpoint(path: str) -> str | None:
+    """``path`` itself if it is a checkpoint, else the newest one in the run directory ``path``
+    (None: neither)."""
+    if _is_checkpoint(path):
+        return path
+    return find_latest(path) if os.path.isdir(path) else None
 
 
 def resolve_resume(resume: str, out_dir: str) -> str | None:
@@ -381,9 +387,7 @@ def resolve_resume(resume: str, out_dir: str) -> str | None:
         return None
     if resume == "auto":
         return find_latest(out_dir)
-    if _is_checkpoint(resume):
-        return resume
-    found = find_latest(resume) if os.path.isdir(resume) else None
+    found = find_checkpoint(resume)
     if found:
         return found
     raise CheckpointError(
@@ -636,6 +640,31 @@ def load_checkpoint(path: str, model: torch.nn.Module,
                               saved_groups, os.path.join(path, META_FILE), "optimizer.")
     if restore_rng:
         set_rng_state(meta["rng"], os.path.join(path, META_FILE))
+    return meta
+
+
+def whole_model_file(path: str, meta: dict) -> str:
+    """The name of the file of checkpoint ``path`` (with ``meta``) that holds the whole model. A
+    multi-process checkpoint has one when no degree splits the model (pure data parallelism,
+    with or without the distributed optimizer, which shards only optimizer state): every rank
+    saved the whole model, rank 0's is taken. Otherwise a CheckpointError."""
+    layout = meta.get("parallel") or {}
+    split = {k: layout[k] for k in ("tp", "cp", "pp", "ep", "etp") if layout.get(k, 1) != 1}
+    if split:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds per-rank shards of a {layout.get('world_size')}-process "
+            f"run whose model is split ({', '.join(f'{k}={v}' for k, v in split.items())}); one "
+            f"process cannot load it and moeplug does not merge such shards. Fix: use a "
+            f"checkpoint of a one-process or data-parallel-only run")
+    return _rank_files(0)[0] if layout else MODEL_FILE
+
+
+def load_model_weights(path: str, model: torch.nn.Module) -> dict:
+    """Load only the model weights of checkpoint ``path`` into a one-process ``model`` (for
+    inference; see :func:`whole_model_file`); return its meta."""
+    meta = read_meta(path)
+    _note_if_unverified(path, meta)
+    _load_model_state(path, model, _load_safetensors(path, meta, whole_model_file(path, meta)))
     return meta
 
 

@@ -1,9 +1,12 @@
 """Multi-process training setup: process group, layout, this rank's model and its data slice.
 
 Launch: ``torchrun --nproc-per-node N -m moeplug train ...`` (or ``moeplug train --nproc N``,
-which re-executes itself under torchrun). torchrun sets WORLD_SIZE/RANK/MASTER_ADDR/PORT; one
-process with every degree 1 never creates a process group and takes the unchanged
+which re-executes itself under torchrun). torchrun sets WORLD_SIZE/RANK/LOCAL_RANK/MASTER_ADDR/
+PORT; one process with every degree 1 never creates a process group and takes the unchanged
 single-process path.
+
+Device (:func:`resolve_device`): ``train.device`` auto/cuda puts rank r of a node on
+``cuda:LOCAL_RANK``; CPU tensors then go over gloo and CUDA tensors over NCCL.
 
 Equivalence contract (tests/test_parallel_train.py proves it per layout): a run with
 data-parallel size DP and ``train.grad_accum_steps = A`` equals one process with
@@ -36,14 +39,63 @@ from torch import nn
 from moeplug.config import ConfigError, RootConfig
 
 
-def world_from_env() -> int:
-    """The number of processes torchrun started (1 when not launched by torchrun)."""
-    raw = os.environ.get("WORLD_SIZE", "1")
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
     try:
         return int(raw)
     except ValueError:
-        raise ConfigError(f"$WORLD_SIZE = {raw!r} is not an integer. Fix: launch with torchrun "
-                          "(it sets WORLD_SIZE) or unset it") from None
+        raise ConfigError(f"${name} = {raw!r} is not an integer. Fix: launch with torchrun "
+                          f"(it sets {name}) or unset it") from None
+
+
+def world_from_env() -> int:
+    """The number of processes torchrun started (1 when not launched by torchrun)."""
+    return _env_int("WORLD_SIZE", 1)
+
+
+def resolve_device(cfg: RootConfig, num_local: int | None = None) -> torch.device:
+    """This process's device from ``train.device``: ``auto`` is cuda when torch sees a GPU, else
+    cpu; ``cuda`` is ``cuda:LOCAL_RANK`` (one GPU per rank; 0 outside torchrun). ``num_local``:
+    the processes on this node (default: torchrun's $LOCAL_WORLD_SIZE, else 1). Raises
+    ConfigError when the GPUs asked for do not exist: the CLI calls it before any work."""
+    want = cfg.train.device
+    if want == "cpu" or (want == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    field = f"TrainConfig.device = {want!r}"
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{field}: torch {torch.__version__} sees no CUDA device (CUDA build: "
+                          f"{torch.version.cuda or 'no'}). Fix: --set train.device=cpu, or "
+                          "install torch's CUDA build for your driver (README, 'GPU')")
+    num_local = num_local or _env_int("LOCAL_WORLD_SIZE", 1)
+    count = torch.cuda.device_count()
+    if ":" in want and num_local > 1:
+        raise ConfigError(f"{field}: with {num_local} processes on this node each one uses "
+                          "cuda:LOCAL_RANK. Fix: set train.device to cuda or auto")
+    if num_local > count:
+        raise ConfigError(f"{field}: {num_local} processes on this node but torch sees {count} "
+                          f"GPU(s), one per process. Fix: run at most {count} processes per "
+                          "node (--nproc / torchrun --nproc-per-node), or --set train.device=cpu")
+    index = int(want.partition(":")[2] or _env_int("LOCAL_RANK", 0))
+    if index >= count:
+        raise ConfigError(f"{field}: cuda:{index} does not exist, torch sees {count} GPU(s). "
+                          f"Fix: pick one of cuda:0 .. cuda:{count - 1}")
+    if cfg.parallel.pp > 1:  # its p2p receive buffers and loss sums are CPU tensors
+        raise ConfigError(f"{field} with parallel.pp = {cfg.parallel.pp}: pipeline parallelism "
+                          "runs on the CPU only so far. Fix: --set train.device=cpu, or "
+                          "parallel.pp=1 (tp/ep/dp/cp for the GPUs)")
+    return torch.device("cuda", index)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model`` (a model or a pipeline rank's ModuleList of chunks) lives."""
+    return next(model.parameters()).device
+
+
+def to_device(batches: list, device: torch.device) -> list:
+    """(tokens, targets) micro-batches moved to ``device``. They are drawn on the CPU from the
+    CPU generator, so every device sees the same batches for the same seed."""
+    return [(t.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            for t, y in batches]
 
 
 def is_parallel(cfg: RootConfig, world_size: int) -> bool:
@@ -84,8 +136,11 @@ def init_distributed(cfg: RootConfig) -> Any:
     resolve_layout(cfg, world)
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     if not dist.is_initialized():
-        # CPU tensors go over gloo; with CUDA present, CUDA tensors over NCCL.
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        # CPU tensors go over gloo; on GPUs, CUDA tensors over NCCL, each rank on its own GPU.
+        device = resolve_device(cfg)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timeout)  # env:// rendezvous set by torchrun
     return ParallelGroups.build(cfg.parallel.layout(), dist.get_world_size(), dist.get_rank(),
                                 timeout=timeout)
@@ -95,10 +150,17 @@ def is_main_rank(groups: Any) -> bool:
     return groups is None or groups.rank == 0
 
 
-def build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any) -> nn.Module:
+def build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
+                     device: torch.device | str = "cpu") -> nn.Module:
     """This rank's model: the MoETransformer, or ``nn.ModuleList`` of its pipeline chunks when
-    pp > 1, initialised with its shard of the single-process model (see the module docstring).
-    Call after seeding the RNG; ``groups=None`` is exactly ``build_model(cfg, host, vocab)``."""
+    pp > 1, initialised with its shard of the single-process model (see the module docstring),
+    on ``device``. Call after seeding the RNG; ``groups=None`` is exactly
+    ``build_model(cfg, host, vocab).to(device)``. Initialised on the CPU whatever the device, so
+    the initial weights of a seed are the same on every device."""
+    return _build_rank_model(cfg, host, vocab_size, groups).to(device)
+
+
+def _build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any) -> nn.Module:
     from moeplug.modules import build_model
     from moeplug.parallel.pipeline import build_stage_modules
     from moeplug.parallel.tensor_parallel import load_parallel_shard

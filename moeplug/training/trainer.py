@@ -68,17 +68,18 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
     ranks take their shard, pipeline ranks run the forward-only schedule."""
     was_training = model.training
     model.eval()
+    device_type = batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
     if chunks is not None:
         from moeplug.parallel.schedules import forward_backward_pipeline
         # Whole sequences: the schedule takes each rank's CP shard itself.
         res = forward_backward_pipeline(chunks, batches, groups, forward_only=True,
-                                        autocast=lambda: precision.autocast("cpu"))
+                                        autocast=lambda: precision.autocast(device_type))
         model.train(was_training)
         return float(res.lm_loss)
     losses = []
     for tokens_BS, targets_BS in batches:
-        with precision.autocast("cpu"):
+        with precision.autocast(device_type):
             losses.append(float(model(*D.local_sequence(tokens_BS, targets_BS, groups)).lm_loss))
     model.train(was_training)
     return sum(losses) / len(losses)
@@ -122,6 +123,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     """
     optimizer.zero_grad(set_to_none=True)
     num_micro = len(micro_batches)
+    device_type = micro_batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
     routing = None  # per-layer counts and router losses of this rank's micro-batches
     if chunks is not None:
@@ -130,14 +132,14 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
         # it takes whole sequences and CP-shards them itself (sharding here too would train
         # on a shard of the shard).
         res = forward_backward_pipeline(chunks, micro_batches, groups,
-                                        autocast=lambda: precision.autocast("cpu"))
+                                        autocast=lambda: precision.autocast(device_type))
         sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss)]
         counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
     else:
         sums, counts_per_layer = [0.0, 0.0, 0.0], []
         for tokens_BS, targets_BS in micro_batches:
             tokens_BS, targets_BS = D.local_sequence(tokens_BS, targets_BS, groups)  # CP shard
-            with precision.autocast("cpu"):  # the precision plugin picks the compute dtype
+            with precision.autocast(device_type):  # the precision plugin picks the dtype
                 out = model(tokens_BS, targets_BS)
             # Grad accumulation: divide so the summed grads equal the micro-batch mean.
             with stage("backward"):
@@ -223,10 +225,11 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     tokens_per_step = dp * tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps  # all ranks
     vocab_size = cfg.model.vocab_size or corpus.vocab_size
     flops_per_token = float(model_flops_per_token(cfg.model, vocab_size, tc.seq_len))
-    peak = world * measure_peak_tflops(getattr(precision, "compute_dtype", torch.float32))
+    device = D.model_device(model)  # the CLI put it on train.device; batches follow it
+    peak = world * measure_peak_tflops(getattr(precision, "compute_dtype", torch.float32), device)
     gen = batch_generator(tc.seed, 0, _VAL_STREAM)
-    val_batches = [get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
-                   for _ in range(tc.eval_batches)]
+    val_batches = D.to_device([get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
+                               for _ in range(tc.eval_batches)], device)
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     writer = MetricsWriter(metrics_path, append=bool(resume_from)) if main_rank else None
     tensorboard = None
@@ -245,15 +248,17 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     layout = None if groups is None else D.layout_manifest(cfg, groups)
     write({"kind": "run", "start_step": start_step, "resumed_from": resume_from,
            "plugins": plugin_names, "peak_tflops": peak, "flops_per_token": flops_per_token,
-           "num_params": num_params, "parallel": layout, "config": cfg.to_dict()})
+           "num_params": num_params, "parallel": layout, "config": cfg.to_dict(),
+           "device": str(device)})
     log(f"{num_params / 1e6:.2f}M parameters{' on rank 0' if groups else ''}, "
-        f"{tokens_per_step} tokens/step, measured GEMM peak {peak:.3f} TFLOP/s"
+        f"{tokens_per_step} tokens/step on {device}, measured GEMM peak {peak:.3f} TFLOP/s"
         f"{f' over {world} ranks' if groups else ''}; plugins {plugin_names}")
     progress = Progress(tc.steps, start_step, log, use_bar)
 
     def checkpoint(step: int) -> str:
         meta = {"config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
-                "scheduler": {"step": step, "lr": lr_at(step, tc)}}
+                "scheduler": {"step": step, "lr": lr_at(step, tc)},
+                "tokenizer": corpus.tokenizer.fingerprint()}  # moeplug generate checks it
         if groups is None:
             return save_checkpoint(tc.out_dir, step, model, optimizer, meta)
         return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups, layout)
@@ -270,7 +275,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = step_batches(corpus.train_ids, tc, step, groups)
+            batches = D.to_device(step_batches(corpus.train_ids, tc, step, groups), device)
             with measure_stages(timed) as times:
                 stats = train_step(model, optimizer, batches, tc, precision, groups)
             window_times = add_times(window_times, times)
