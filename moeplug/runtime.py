@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import importlib.util
 import sys
 import threading
 from types import ModuleType
@@ -18,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 REBUILD_COMMAND = "pip install -e . --no-build-isolation   (or: pip install -e .)"
+CUDA_BUILD_COMMAND = "pip install -e . -Ccmake.define.MOEPLUG_WITH_CUDA=ON   (needs nvcc)"
 
 # dtype codes understood by the C++ kernels (runtime_cpp/include/moeplug/dtype.h).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -65,13 +67,61 @@ def runtime_available() -> bool:
 
 
 def runtime_info() -> dict[str, Any]:
-    """What ``moeplug --version`` prints about the runtime core."""
+    """What ``moeplug --version`` prints about the runtime core and its CUDA extension."""
     try:
         info = dict(get_runtime().build_info())
     except RuntimeMissingError as exc:
         return {"available": False, "error": str(exc)}
     info["available"] = True
+    info["cuda_extension"] = cuda_runtime_status()
     return info
+
+
+# ---- the CUDA extension -------------------------------------------------------------------
+# moeplug._runtime_cuda (runtime_cpp/cuda/) is a separate extension, built only with
+# MOEPLUG_WITH_CUDA=ON and imported only when torch sees a GPU: on a CPU machine it is never
+# loaded, so a CPU-only box never needs the CUDA driver.
+_cuda: ModuleType | None = None
+
+
+def cuda_extension_built() -> bool:
+    """Whether moeplug._runtime_cuda is installed (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec("moeplug._runtime_cuda") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def get_cuda_runtime() -> ModuleType:
+    """The imported ``moeplug._runtime_cuda``; RuntimeMissingError says why it is not loaded."""
+    global _cuda
+    if _cuda is not None:
+        return _cuda
+    built = cuda_extension_built()
+    if not torch.cuda.is_available():
+        raise RuntimeMissingError(
+            f"moeplug._runtime_cuda is not loaded: torch sees no GPU "
+            f"(torch.cuda.is_available() is False; extension {'built' if built else 'not built'})")
+    if not built:
+        raise RuntimeMissingError(
+            f"moeplug._runtime_cuda is not built (the default pip build is CPU-only). "
+            f"Fix: `{CUDA_BUILD_COMMAND}`")
+    try:
+        _cuda = importlib.import_module("moeplug._runtime_cuda")
+    except ImportError as exc:
+        raise RuntimeMissingError(f"moeplug._runtime_cuda is built but does not import: {exc}. "
+                                  f"Fix: rebuild it with `{CUDA_BUILD_COMMAND}`") from exc
+    return _cuda
+
+
+def cuda_runtime_status() -> str:
+    """One line for ``moeplug --version``: loaded (with its build) or not loaded and why."""
+    try:
+        info = get_cuda_runtime().build_info()
+    except RuntimeMissingError as exc:
+        return str(exc)
+    return (f"loaded (CUDA runtime {info['cuda_runtime']}, "
+            f"architectures {info['cuda_architectures']})")
 
 
 def dtype_code(t: torch.Tensor, op: str, name: str) -> int:
@@ -209,4 +259,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["RuntimeMissingError", "REBUILD_COMMAND", "get_runtime", "runtime_available",
-           "runtime_info", "dtype_code", "Stream", "stream", "current_stream", "launch"]
+           "runtime_info", "dtype_code", "CUDA_BUILD_COMMAND", "cuda_extension_built",
+           "get_cuda_runtime", "cuda_runtime_status", "Stream", "stream", "current_stream", "launch"]
