@@ -117,6 +117,13 @@ def test_python_callable_error_names_the_callable():
         s.synchronize()
 
 
+def test_synchronizing_a_stream_from_its_own_kernel_fails_instead_of_hanging():
+    s = rt.stream("t.a")
+    s.call(s.synchronize, name="self_sync")
+    with pytest.raises(rt.KernelError, match="kernel 'self_sync' failed: .*wait for itself"):
+        s.synchronize()
+
+
 def test_with_stream_queues_launches_and_outside_they_run_inline():
     s = rt.stream("t.a")
     h = torch.randn(5, 8)

@@ -70,6 +70,12 @@ void Stream::wait(EventPtr event) {
 }
 
 void Stream::synchronize() {
+  if (std::this_thread::get_id() == worker_.get_id()) {
+    // A kernel waiting for its own queue to drain would wait forever.
+    throw std::logic_error("stream '" + name_ + "': synchronize() called from a kernel running "
+                           "on this stream; it would wait for itself. Fix: record() an event "
+                           "and synchronize it from another thread");
+  }
   auto event = std::make_shared<Event>();
   push(Item{Kind::kRecord, "synchronize", nullptr, event, /*clear_error=*/true});
   event->synchronize();

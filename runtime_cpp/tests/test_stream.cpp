@@ -7,19 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "moeplug/permute.h"
 #include "moeplug/stream.h"
 
 namespace {
 
-int g_failures = 0;
-
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
-    ++g_failures;
-  }
-}
+using moeplug_test::check;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -106,10 +100,5 @@ int main() {
     std::fprintf(stderr, "FAIL: unexpected exception: %s\n", e.what());
     return 1;
   }
-  if (g_failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", g_failures);
-    return 1;
-  }
-  std::printf("moeplug streams: all checks passed\n");
-  return 0;
+  return moeplug_test::report("moeplug streams");
 }
