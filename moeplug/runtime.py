@@ -260,4 +260,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["RuntimeMissingError", "REBUILD_COMMAND", "get_runtime", "runtime_available",
            "runtime_info", "dtype_code", "CUDA_BUILD_COMMAND", "cuda_extension_built",
-           "get_cuda_runtime", "cuda_runtime_status", "Stream", "stream", "current_stream", "launch"]
+           "get_cuda_runtime", "cuda_runtime_status", "Stream", "stream", "current_stream",
+           "launch"]

@@ -16,7 +16,7 @@ void register_stream(py::module_& m) {
       .def("query", &Event::query, "True once complete (never blocks, never raises).");
 
   py::class_<Stream, std::shared_ptr<Stream>>(m, "Stream",
-                                              "A runtime-owned FIFO work queue with its own thread.")
+                                              "A runtime-owned FIFO work queue + its own thread.")
       .def_property_readonly("name", &Stream::name)
       .def("record", &Stream::record, "An Event that completes once everything queued so far ran.")
       .def("wait", &Stream::wait, py::arg("event"),
