@@ -1,4 +1,5 @@
-"""Loads the C++ runtime core (``moeplug._runtime_core``) and says how to rebuild it when missing.
+"""Loads the C++ runtime core (``moeplug._runtime_core``) and says how to rebuild it when missing;
+the runtime's execution streams and events.
 
 Importing moeplug never needs the extension; the first op that does calls :func:`get_runtime`.
 There is deliberately no slow pure-Python fallback: a broken build should fail loudly, once,
@@ -7,14 +8,18 @@ with the command that fixes it, rather than silently train 10x slower.
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import importlib.util
+import sys
 import threading
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 REBUILD_COMMAND = "pip install -e . --no-build-isolation   (or: pip install -e .)"
+CUDA_BUILD_COMMAND = "pip install -e . -Ccmake.define.MOEPLUG_WITH_CUDA=ON   (needs nvcc)"
 
 # dtype codes understood by the C++ kernels (runtime_cpp/include/moeplug/dtype.h).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -62,13 +67,61 @@ def runtime_available() -> bool:
 
 
 def runtime_info() -> dict[str, Any]:
-    """What ``moeplug --version`` prints about the runtime core."""
+    """What ``moeplug --version`` prints about the runtime core and its CUDA extension."""
     try:
         info = dict(get_runtime().build_info())
     except RuntimeMissingError as exc:
         return {"available": False, "error": str(exc)}
     info["available"] = True
+    info["cuda_extension"] = cuda_runtime_status()
     return info
+
+
+# ---- the CUDA extension -------------------------------------------------------------------
+# moeplug._runtime_cuda (runtime_cpp/cuda/) is a separate extension, built only with
+# MOEPLUG_WITH_CUDA=ON and imported only when torch sees a GPU: on a CPU machine it is never
+# loaded, so a CPU-only box never needs the CUDA driver.
+_cuda: ModuleType | None = None
+
+
+def cuda_extension_built() -> bool:
+    """Whether moeplug._runtime_cuda is installed (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec("moeplug._runtime_cuda") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def get_cuda_runtime() -> ModuleType:
+    """The imported ``moeplug._runtime_cuda``; RuntimeMissingError says why it is not loaded."""
+    global _cuda
+    if _cuda is not None:
+        return _cuda
+    built = cuda_extension_built()
+    if not torch.cuda.is_available():
+        raise RuntimeMissingError(
+            f"moeplug._runtime_cuda is not loaded: torch sees no GPU "
+            f"(torch.cuda.is_available() is False; extension {'built' if built else 'not built'})")
+    if not built:
+        raise RuntimeMissingError(
+            f"moeplug._runtime_cuda is not built (the default pip build is CPU-only). "
+            f"Fix: `{CUDA_BUILD_COMMAND}`")
+    try:
+        _cuda = importlib.import_module("moeplug._runtime_cuda")
+    except ImportError as exc:
+        raise RuntimeMissingError(f"moeplug._runtime_cuda is built but does not import: {exc}. "
+                                  f"Fix: rebuild it with `{CUDA_BUILD_COMMAND}`") from exc
+    return _cuda
+
+
+def cuda_runtime_status() -> str:
+    """One line for ``moeplug --version``: loaded (with its build) or not loaded and why."""
+    try:
+        info = get_cuda_runtime().build_info()
+    except RuntimeMissingError as exc:
+        return str(exc)
+    return (f"loaded (CUDA runtime {info['cuda_runtime']}, "
+            f"architectures {info['cuda_architectures']})")
 
 
 def dtype_code(t: torch.Tensor, op: str, name: str) -> int:
@@ -80,5 +133,132 @@ def dtype_code(t: torch.Tensor, op: str, name: str) -> int:
     return code
 
 
+# ---- streams and events -------------------------------------------------------------------
+# A runtime stream is a FIFO work queue with its own C++ worker thread (runtime_cpp/.../stream.h):
+# kernels on two streams run at the same time, kernels on one stream run in order, and
+# `other.wait(stream.record())` orders work across streams. Kernels run without the GIL.
+#
+#     comm = stream("comm")
+#     comm.launch("permute", x, ids, x_SD, row_map, counts, x=x.data_ptr(), ...)  # async
+#     done = comm.record()
+#     stream("compute").wait(done)   # compute's later work starts after the permute
+#     done.synchronize()             # blocks; raises KernelError naming the failed kernel
+#     with comm:                     # launch(...) below goes to comm instead of running inline
+#         launch("swiglu_forward", h, a, h=h.data_ptr(), ...)
+#
+# Launches take the kernel's raw-pointer arguments (the ones get_runtime().<kernel> takes) plus
+# the tensors behind those pointers as positional `keep` arguments: the stream holds them until
+# the kernel has run, so a caller cannot free memory a queued kernel still reads. Reading the
+# outputs is the caller's business: wait on an event first, as with CUDA streams.
+# moeplug.ops calls its kernels inline on the calling thread; it does not consult the current
+# stream yet, and `moeplug train` does not use streams yet.
+
+_streams: dict[str, "Stream"] = {}
+_streams_lock = threading.Lock()  # not _lock: stream() calls get_runtime(), which takes _lock
+_current = threading.local()  # .stack: the streams entered with `with stream:` on this thread
+
+
+class Stream:
+    """A named runtime-owned execution queue; get one with :func:`stream`."""
+
+    def __init__(self, core_stream: Any):
+        self._core = core_stream
+
+    @property
+    def name(self) -> str:
+        return self._core.name
+
+    def __repr__(self) -> str:
+        return f"moeplug.runtime.Stream({self.name!r})"
+
+    def launch(self, kernel: str, *keep: torch.Tensor, **args: Any) -> None:
+        """Queue runtime kernel ``kernel`` (e.g. "permute") with its raw-pointer ``args``;
+        ``keep`` (the tensors behind the pointers) stays alive until it has run."""
+        enqueue = getattr(self._core, f"enqueue_{kernel}", None)
+        if enqueue is None:
+            known = sorted(n[len("enqueue_"):] for n in dir(self._core) if n.startswith("enqueue_"))
+            raise ValueError(f"Stream.launch: kernel {kernel!r} is not a runtime kernel. "
+                             f"Fix: use one of {', '.join(known)}")
+        enqueue(**args, keep=keep)
+
+    def call(self, fn: Callable[[], Any], name: str = "") -> None:
+        """Queue the Python callable ``fn()`` (it runs on the stream's thread, holding the GIL)."""
+        self._core.call(fn, name)
+
+    def record(self) -> Any:
+        """An event that completes once everything queued so far has run."""
+        return self._core.record()
+
+    def wait(self, event: Any) -> None:
+        """Work queued after this call starts only once ``event`` (from any stream) completed."""
+        self._core.wait(event)
+
+    def synchronize(self) -> None:
+        """Block until the queue is empty; raise the stream's KernelError (and clear it)."""
+        self._core.synchronize()
+
+    def __enter__(self) -> "Stream":
+        stack = getattr(_current, "stack", None)
+        if stack is None:
+            stack = _current.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _current.stack.pop()
+
+
+def stream(name: str) -> Stream:
+    """The runtime stream called ``name`` (same name -> same stream), created on first use."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"stream: name must be a non-empty string, got {name!r}. "
+                         f"Fix: pass e.g. stream('comm')")
+    with _streams_lock:
+        s = _streams.get(name)
+        if s is None:
+            if not _streams:
+                atexit.register(_drain_streams)
+            s = _streams[name] = Stream(get_runtime().stream(name))
+        return s
+
+
+def current_stream() -> Stream | None:
+    """The innermost stream entered with ``with stream:`` on this thread (None: run inline)."""
+    stack = getattr(_current, "stack", None)
+    return stack[-1] if stack else None
+
+
+def launch(kernel: str, *keep: torch.Tensor, **args: Any) -> None:
+    """Run runtime kernel ``kernel`` on the current stream (queued) or, outside any
+    ``with stream:``, right now on the calling thread."""
+    s = current_stream()
+    if s is not None:
+        s.launch(kernel, *keep, **args)
+        return
+    fn = getattr(get_runtime(), kernel, None)
+    if fn is None or not hasattr(get_runtime().Stream, f"enqueue_{kernel}"):
+        raise ValueError(f"launch: kernel {kernel!r} is not a runtime kernel. "
+                         f"Fix: use one of the Stream.enqueue_* names without the prefix")
+    fn(**args)
+
+
+def _drain_streams() -> None:
+    # Queued Python callables must not run while the interpreter shuts down.
+    for s in list(_streams.values()):
+        try:
+            s.synchronize()
+        except RuntimeError as exc:  # an error nobody synchronized on: say so, don't lose it
+            print(f"moeplug: unreported runtime stream error at exit: {exc}", file=sys.stderr)
+
+
+def __getattr__(name: str) -> Any:
+    # KernelError and Event live in the extension, which is loaded on first use.
+    if name in ("KernelError", "Event"):
+        return getattr(get_runtime(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["RuntimeMissingError", "REBUILD_COMMAND", "get_runtime", "runtime_available",
-           "runtime_info", "dtype_code"]
+           "runtime_info", "dtype_code", "CUDA_BUILD_COMMAND", "cuda_extension_built",
+           "get_cuda_runtime", "cuda_runtime_status", "Stream", "stream", "current_stream",
+           "launch"]

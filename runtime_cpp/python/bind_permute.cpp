@@ -7,35 +7,34 @@ using std::uintptr_t;
 namespace moeplug::py_bind {
 
 void register_permute(py::module_& m) {
-  m.def(
-      "permute",
-      [](uintptr_t x, uintptr_t ids, uintptr_t x_out, uintptr_t row_map, uintptr_t counts,
-         int64_t num_tokens, int64_t top_k, int64_t hidden, int64_t num_experts, int dtype) {
+  def_kernel(
+      m, "permute",
+      +[](uintptr_t x, uintptr_t ids, uintptr_t x_out, uintptr_t row_map, uintptr_t counts,
+          int64_t num_tokens, int64_t top_k, int64_t hidden, int64_t num_experts, int dtype) {
         permute(ptr<const void>(x), ptr<const int64_t>(ids), num_tokens, top_k, hidden,
                 num_experts, dtype_from_code(dtype, "permute"), ptr<void>(x_out),
                 ptr<int64_t>(row_map), ptr<int64_t>(counts));
       },
       py::arg("x"), py::arg("ids"), py::arg("x_out"), py::arg("row_map"), py::arg("counts"),
       py::arg("num_tokens"), py::arg("top_k"), py::arg("hidden"), py::arg("num_experts"),
-      py::arg("dtype"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("dtype"),
       "Group x [T, D] rows by expert into x_out [T*K, D]; fill row_map [T, K] and counts [E].");
-  m.def(
-      "unpermute",
-      [](uintptr_t y, uintptr_t row_map, uintptr_t probs, uintptr_t y_out, int64_t num_tokens,
-         int64_t top_k, int64_t hidden, int64_t num_rows, int dtype) {
+  def_kernel(
+      m, "unpermute",
+      +[](uintptr_t y, uintptr_t row_map, uintptr_t probs, uintptr_t y_out, int64_t num_tokens,
+          int64_t top_k, int64_t hidden, int64_t num_rows, int dtype) {
         unpermute(ptr<const void>(y), ptr<const int64_t>(row_map), ptr<const float>(probs),
                   num_tokens, top_k, hidden, num_rows, dtype_from_code(dtype, "unpermute"),
                   ptr<void>(y_out));
       },
       py::arg("y"), py::arg("row_map"), py::arg("probs"), py::arg("y_out"), py::arg("num_tokens"),
       py::arg("top_k"), py::arg("hidden"), py::arg("num_rows"), py::arg("dtype"),
-      py::call_guard<py::gil_scoped_release>(),
       "y_out[t] = sum_k probs[t, k] * y[row_map[t, k]] (probs = 0: plain sum).");
-  m.def(
-      "unpermute_backward",
-      [](uintptr_t grad, uintptr_t y, uintptr_t row_map, uintptr_t probs, uintptr_t grad_y,
-         uintptr_t grad_probs, int64_t num_tokens, int64_t top_k, int64_t hidden,
-         int64_t num_rows, int dtype) {
+  def_kernel(
+      m, "unpermute_backward",
+      +[](uintptr_t grad, uintptr_t y, uintptr_t row_map, uintptr_t probs, uintptr_t grad_y,
+          uintptr_t grad_probs, int64_t num_tokens, int64_t top_k, int64_t hidden,
+          int64_t num_rows, int dtype) {
         unpermute_backward(ptr<const void>(grad), ptr<const void>(y), ptr<const int64_t>(row_map),
                            ptr<const float>(probs), num_tokens, top_k, hidden, num_rows,
                            dtype_from_code(dtype, "unpermute_backward"), ptr<void>(grad_y),
@@ -43,7 +42,7 @@ void register_permute(py::module_& m) {
       },
       py::arg("grad"), py::arg("y"), py::arg("row_map"), py::arg("probs"), py::arg("grad_y"),
       py::arg("grad_probs"), py::arg("num_tokens"), py::arg("top_k"), py::arg("hidden"),
-      py::arg("num_rows"), py::arg("dtype"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("num_rows"), py::arg("dtype"),
       "grad_y[row_map[t, k]] = probs[t, k] * grad[t]; grad_probs[t, k] = <grad[t], y[row]>.");
 }
 

@@ -3,8 +3,10 @@
 #include "register.h"
 
 PYBIND11_MODULE(_runtime_core, m) {
-  m.doc() = "moeplug C++ runtime core: thread pool, permute/unpermute, fused SwiGLU";
+  m.doc() = "moeplug C++ runtime core: thread pool, streams/events, permute/unpermute, "
+          "fused SwiGLU";
   moeplug::py_bind::register_runtime(m);
+  moeplug::py_bind::register_stream(m);  // before the kernels: they add Stream.enqueue_*
   moeplug::py_bind::register_permute(m);
   moeplug::py_bind::register_swiglu(m);
 }

@@ -4,10 +4,15 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moeplug/stream.h"
 
 namespace moeplug::py_bind {
 
 void register_runtime(pybind11::module_& m);
+void register_stream(pybind11::module_& m);
 void register_permute(pybind11::module_& m);
 void register_swiglu(pybind11::module_& m);
 
@@ -15,6 +20,35 @@ void register_swiglu(pybind11::module_& m);
 template <class T>
 inline T* ptr(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
+}
+
+// Keeps a Python object alive inside a C++ closure; the last owner (a stream's worker thread,
+// once the kernel ran) takes the GIL to drop it. None holds nothing.
+inline std::shared_ptr<void> hold(pybind11::object obj) {
+  if (obj.is_none()) return nullptr;
+  return std::shared_ptr<void>(new pybind11::object(std::move(obj)), [](void* p) {
+    pybind11::gil_scoped_acquire gil;
+    delete static_cast<pybind11::object*>(p);
+  });
+}
+
+// Binds a kernel twice, from one definition: `name(...)` runs it now on the calling thread,
+// and `Stream.enqueue_<name>(..., keep=None)` queues it on a runtime stream. Both run without
+// the GIL. `keep` (e.g. the tensors whose pointers were passed) stays alive until it has run.
+// `extra` is the py::arg list of `fn`'s parameters and the docstring.
+template <class... A, class... Extra>
+void def_kernel(pybind11::module_& m, const char* name, void (*fn)(A...),
+                const Extra&... extra) {
+  namespace py = pybind11;
+  m.def(name, fn, extra..., py::call_guard<py::gil_scoped_release>());
+  py::class_<Stream, std::shared_ptr<Stream>> stream_cls = m.attr("Stream");
+  const std::string kernel = name;
+  stream_cls.def(
+      ("enqueue_" + kernel).c_str(),
+      [fn, kernel](Stream& stream, A... args, py::object keep) {
+        stream.enqueue(kernel, [fn, args..., held = hold(std::move(keep))] { fn(args...); });
+      },
+      extra..., py::arg("keep") = py::none());
 }
 
 }  // namespace moeplug::py_bind

@@ -10,20 +10,14 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "moeplug/permute.h"
 #include "moeplug/swiglu.h"
 #include "moeplug/thread_pool.h"
 
 namespace {
 
-int g_failures = 0;
-
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
-    ++g_failures;
-  }
-}
+using moeplug_test::check;
 
 void test_parallel_for_covers_range_once() {
   for (int threads : {1, 2, 3}) {
@@ -111,10 +105,5 @@ int main() {
   test_parallel_for_covers_range_once();
   test_permute_matches_naive();
   test_swiglu_matches_naive();
-  if (g_failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", g_failures);
-    return 1;
-  }
-  std::printf("moeplug core: all checks passed\n");
-  return 0;
+  return moeplug_test::report("moeplug core");
 }

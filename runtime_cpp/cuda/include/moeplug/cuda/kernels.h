@@ -1,0 +1,91 @@
+// CUDA versions of the runtime kernels plus runtime-owned CUDA streams and events.
+//
+// Plain C++ declarations (no CUDA headers): device pointers and cudaStream_t/cudaEvent_t
+// cross as integers, so the bindings and torch interop (torch.cuda.current_stream().cuda_stream)
+// need neither nvcc nor libtorch. Every kernel runs asynchronously on `stream` (0: the legacy
+// default stream) and throws std::runtime_error naming the kernel when the launch fails.
+//
+// Shape legend: T tokens, K top-k, D hidden, E experts, S routed rows, F expert FFN size.
+// x/y/h/a/grad rows are fp32 or bf16 (DType); ids and row_map int64; probs fp32. Semantics are
+// those of the CPU kernels (moeplug/permute.h, moeplug/swiglu.h) and of
+// moeplug.routing.scores.topk_routing for topk_route.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "moeplug/dtype.h"
+
+namespace moeplug::cuda {
+
+using StreamHandle = std::uintptr_t;  // a cudaStream_t
+using EventHandle = std::uintptr_t;   // a cudaEvent_t
+
+// x_SD[row_map[t, k]] = x_TD[t]  (row_map as the CPU permute returns it).
+void permute(const void* x_TD, const int64_t* row_map_TK, int64_t T, int64_t K, int64_t D,
+             DType dtype, void* x_SD, StreamHandle stream);
+
+// y_TD[t] = sum_k p[t, k] * y_SD[row_map[t, k]] (plain sum when probs_TK is null), fp32 sums.
+void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_TK, int64_t T,
+               int64_t K, int64_t D, DType dtype, void* y_TD, StreamHandle stream);
+
+// a_SF = silu(h[:, :F]) * h[:, F:] * p  (p = 1 when probs_S is null).
+void swiglu_forward(const void* h_S2F, const float* probs_S, int64_t S, int64_t F, DType dtype,
+                    void* a_SF, StreamHandle stream);
+
+// grad_h_S2F, and grad_probs_S[s] = sum_f grad_a * silu(g) * u when grad_probs_S is non-null.
+void swiglu_backward(const void* grad_a_SF, const void* h_S2F, const float* probs_S, int64_t S,
+                     int64_t F, DType dtype, void* grad_h_S2F, float* grad_probs_S,
+                     StreamHandle stream);
+
+enum class ScoreFunction : int { kSoftmax = 0, kSigmoid = 1 };
+constexpr int64_t kMaxRouteExperts = 256;
+
+// Top-k routing of logits_TE (E <= 256): ids_TK in descending selection score, probs_TK fp32.
+// softmax + renormalize: softmax over the K chosen logits; softmax alone: chosen softmax(z);
+// sigmoid: chosen sigmoid(z) (selected by sigmoid(z) + bias_E when bias_E is non-null),
+// divided by (their sum + 1e-20) when renormalize and K > 1. Then probs *= scaling_factor.
+void topk_route(const void* logits_TE, const float* bias_E, int64_t T, int64_t E, int64_t K,
+                ScoreFunction score, bool renormalize, float scaling_factor, DType dtype,
+                float* probs_TK, int64_t* ids_TK, StreamHandle stream);
+
+// A cudaEvent_t owned by the runtime (timing disabled: it only orders work).
+class Event {
+ public:
+  Event();
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  EventHandle handle() const { return handle_; }
+  void record(StreamHandle stream);  // any stream, e.g. torch's current one
+  void synchronize();
+  bool query();
+
+ private:
+  EventHandle handle_ = 0;
+};
+
+// A non-blocking cudaStream_t owned by the runtime; torch can run on it through
+// torch.cuda.ExternalStream(stream.handle()).
+class Stream {
+ public:
+  explicit Stream(int priority = 0);
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  StreamHandle handle() const { return handle_; }
+  std::shared_ptr<Event> record();
+  void wait(const Event& event);
+  // Orders this stream after everything queued so far on `other` (e.g. torch's current stream).
+  void wait_stream(StreamHandle other);
+  void synchronize();
+
+ private:
+  StreamHandle handle_ = 0;
+};
+
+// The CUDA runtime's version and the number of visible devices (0 when none or no driver).
+int runtime_version();
+int device_count();
+
+}  // namespace moeplug::cuda

@@ -1,0 +1,128 @@
+// moeplug._runtime_cuda: CUDA kernels and runtime-owned CUDA streams/events. Like
+// _runtime_core it does not link libtorch: device pointers (tensor.data_ptr()) and streams
+// (torch.cuda.current_stream().cuda_stream, or a runtime Stream's .handle) cross as integers.
+// Kernel launches are asynchronous on `stream`; they only release the GIL.
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "../../python/register.h"  // ptr<T>
+#include "moeplug/cuda/kernels.h"
+
+namespace py = pybind11;
+using std::uintptr_t;
+
+namespace moeplug::cuda {
+namespace {
+
+std::shared_ptr<Stream> named_stream(const std::string& name) {
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<Stream>> streams;
+  if (name.empty()) throw std::invalid_argument("stream: name is empty; pass e.g. \"comm\"");
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = streams[name];
+  if (!slot) slot = std::make_shared<Stream>();
+  return slot;
+}
+
+void register_streams(py::module_& m) {
+  py::class_<Event, std::shared_ptr<Event>>(m, "Event", "A runtime-owned cudaEvent_t.")
+      .def(py::init<>())
+      .def_property_readonly("handle", &Event::handle)
+      .def("record", &Event::record, py::arg("stream"),
+           "Record on a raw cudaStream_t (e.g. torch.cuda.current_stream().cuda_stream).")
+      .def("synchronize", &Event::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("query", &Event::query);
+  py::class_<Stream, std::shared_ptr<Stream>>(m, "Stream", "A runtime-owned cudaStream_t.")
+      .def_property_readonly("handle", &Stream::handle,
+                             "The raw cudaStream_t: torch.cuda.ExternalStream(handle) runs on it.")
+      .def("record", &Stream::record, "A new Event recorded on this stream.")
+      .def("wait", &Stream::wait, py::arg("event"))
+      .def("wait_stream", &Stream::wait_stream, py::arg("stream"),
+           "Order this stream after the work queued so far on a raw cudaStream_t.")
+      .def("synchronize", &Stream::synchronize, py::call_guard<py::gil_scoped_release>());
+  m.def("stream", &named_stream, py::arg("name"),
+        "The process-wide runtime CUDA stream called `name` (same name -> same stream).");
+}
+
+void register_kernels(py::module_& m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def(
+      "permute",
+      [](uintptr_t x, uintptr_t row_map, uintptr_t x_out, int64_t num_tokens, int64_t top_k,
+         int64_t hidden, int dtype, uintptr_t stream) {
+        permute(py_bind::ptr<const void>(x), py_bind::ptr<const int64_t>(row_map), num_tokens,
+                top_k, hidden, dtype_from_code(dtype, "cuda permute"),
+                py_bind::ptr<void>(x_out), stream);
+      },
+      py::arg("x"), py::arg("row_map"), py::arg("x_out"), py::arg("num_tokens"),
+      py::arg("top_k"), py::arg("hidden"), py::arg("dtype"), py::arg("stream") = 0, nogil,
+      "x_out[row_map[t, k]] = x[t].");
+  m.def(
+      "unpermute",
+      [](uintptr_t y, uintptr_t row_map, uintptr_t probs, uintptr_t y_out, int64_t num_tokens,
+         int64_t top_k, int64_t hidden, int dtype, uintptr_t stream) {
+        unpermute(py_bind::ptr<const void>(y), py_bind::ptr<const int64_t>(row_map),
+                  py_bind::ptr<const float>(probs), num_tokens, top_k, hidden,
+                  dtype_from_code(dtype, "cuda unpermute"), py_bind::ptr<void>(y_out), stream);
+      },
+      py::arg("y"), py::arg("row_map"), py::arg("probs"), py::arg("y_out"), py::arg("num_tokens"),
+      py::arg("top_k"), py::arg("hidden"), py::arg("dtype"), py::arg("stream") = 0, nogil,
+      "y_out[t] = sum_k probs[t, k] * y[row_map[t, k]] (probs = 0: plain sum).");
+  m.def(
+      "swiglu_forward",
+      [](uintptr_t h, uintptr_t probs, uintptr_t a, int64_t num_rows, int64_t ffn_hidden,
+         int dtype, uintptr_t stream) {
+        swiglu_forward(py_bind::ptr<const void>(h), py_bind::ptr<const float>(probs), num_rows,
+                       ffn_hidden, dtype_from_code(dtype, "cuda swiglu_forward"),
+                       py_bind::ptr<void>(a), stream);
+      },
+      py::arg("h"), py::arg("probs"), py::arg("a"), py::arg("num_rows"), py::arg("ffn_hidden"),
+      py::arg("dtype"), py::arg("stream") = 0, nogil,
+      "a [S, F] = silu(h[:, :F]) * h[:, F:] * probs (probs = 0: no weighting).");
+  m.def(
+      "swiglu_backward",
+      [](uintptr_t grad_a, uintptr_t h, uintptr_t probs, uintptr_t grad_h, uintptr_t grad_probs,
+         int64_t num_rows, int64_t ffn_hidden, int dtype, uintptr_t stream) {
+        swiglu_backward(py_bind::ptr<const void>(grad_a), py_bind::ptr<const void>(h),
+                        py_bind::ptr<const float>(probs), num_rows, ffn_hidden,
+                        dtype_from_code(dtype, "cuda swiglu_backward"),
+                        py_bind::ptr<void>(grad_h), py_bind::ptr<float>(grad_probs), stream);
+      },
+      py::arg("grad_a"), py::arg("h"), py::arg("probs"), py::arg("grad_h"), py::arg("grad_probs"),
+      py::arg("num_rows"), py::arg("ffn_hidden"), py::arg("dtype"), py::arg("stream") = 0, nogil,
+      "Backward of swiglu_forward: grad_h [S, 2F] and (if grad_probs != 0) grad_probs [S].");
+  m.def(
+      "topk_route",
+      [](uintptr_t logits, uintptr_t bias, uintptr_t probs, uintptr_t ids, int64_t num_tokens,
+         int64_t num_experts, int64_t top_k, int score, bool renormalize, float scaling_factor,
+         int dtype, uintptr_t stream) {
+        topk_route(py_bind::ptr<const void>(logits), py_bind::ptr<const float>(bias), num_tokens,
+                   num_experts, top_k, static_cast<ScoreFunction>(score), renormalize,
+                   scaling_factor, dtype_from_code(dtype, "cuda topk_route"),
+                   py_bind::ptr<float>(probs), py_bind::ptr<int64_t>(ids), stream);
+      },
+      py::arg("logits"), py::arg("bias"), py::arg("probs"), py::arg("ids"), py::arg("num_tokens"),
+      py::arg("num_experts"), py::arg("top_k"), py::arg("score"), py::arg("renormalize"),
+      py::arg("scaling_factor"), py::arg("dtype"), py::arg("stream") = 0, nogil,
+      "Fused top-k routing over E <= 256 (score 0 softmax, 1 sigmoid): probs [T, K] fp32, "
+      "ids [T, K] int64.");
+}
+
+}  // namespace
+}  // namespace moeplug::cuda
+
+PYBIND11_MODULE(_runtime_cuda, m) {
+  m.doc() = "moeplug CUDA runtime: permute/unpermute, fused SwiGLU, top-k routing, streams";
+  m.attr("__version__") = MOEPLUG_VERSION;
+  m.def("build_info", [] {
+    py::dict d;
+    d["version"] = MOEPLUG_VERSION;
+    d["cuda_runtime"] = moeplug::cuda::runtime_version();
+    d["cuda_architectures"] = MOEPLUG_CUDA_ARCHITECTURES;
+    return d;
+  });
+  m.def("device_count", &moeplug::cuda::device_count);
+  moeplug::cuda::register_streams(m);
+  moeplug::cuda::register_kernels(m);
+}

@@ -1,0 +1,165 @@
+"""CUDA kernels of moeplug._runtime_cuda against the plain-torch references.
+
+Marked `cuda`: they need a GPU and the extension built with MOEPLUG_WITH_CUDA=ON, and skip with
+the reason otherwise. CI (.ci/run) compiles and links the extension on every run without a GPU.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moeplug.runtime as rt
+from moeplug.ops import reference
+from moeplug.routing.scores import topk_routing
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(scope="module")
+def cu():
+    try:
+        return rt.get_cuda_runtime()
+    except rt.RuntimeMissingError as exc:
+        pytest.skip(str(exc))
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _routed(T=37, K=3, D=24, E=8, dtype=torch.float32):
+    torch.manual_seed(0)
+    x = torch.randn(T, D).to(dtype)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    x_SD, row_map, _ = reference.permute(x, ids, E)
+    return x, ids, x_SD, row_map
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_permute_matches_reference(cu, dtype):
+    x, _, want_SD, row_map = _routed(dtype=dtype)
+    T, K = row_map.shape
+    x_d, rm_d = x.cuda(), row_map.cuda()
+    out = torch.empty(T * K, x.shape[1], dtype=dtype, device="cuda")
+    cu.permute(x=x_d.data_ptr(), row_map=rm_d.data_ptr(), x_out=out.data_ptr(), num_tokens=T,
+               top_k=K, hidden=x.shape[1], dtype=rt.DTYPE_CODES[dtype], stream=_stream())
+    assert torch.equal(out.cpu(), want_SD)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_unpermute_matches_reference(cu, dtype, weighted):
+    _, _, y_SD, row_map = _routed(dtype=dtype)
+    T, K = row_map.shape
+    probs = torch.rand(T, K) if weighted else None
+    want = reference.unpermute(y_SD, row_map, probs)
+    y_d, rm_d = y_SD.cuda(), row_map.cuda()
+    p_d = probs.cuda() if weighted else None
+    out = torch.empty(T, y_SD.shape[1], dtype=dtype, device="cuda")
+    cu.unpermute(y=y_d.data_ptr(), row_map=rm_d.data_ptr(), probs=p_d.data_ptr() if weighted else 0,
+                 y_out=out.data_ptr(), num_tokens=T, top_k=K, hidden=y_SD.shape[1],
+                 dtype=rt.DTYPE_CODES[dtype], stream=_stream())
+    torch.testing.assert_close(out.cpu(), want, **TOL[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swiglu_forward_and_backward_match_reference(cu, dtype, weighted):
+    S, F = 29, 40
+    h = (torch.randn(S, 2 * F) * 3).to(dtype).requires_grad_()
+    probs = torch.rand(S, requires_grad=True) if weighted else None
+    want = reference.swiglu(h, probs)
+    grad_a = torch.randn(S, F).to(dtype)
+    want.backward(grad_a)
+
+    h_d, g_d = h.detach().cuda(), grad_a.cuda()
+    p_d = probs.detach().cuda() if weighted else None
+    a = torch.empty(S, F, dtype=dtype, device="cuda")
+    code, s = rt.DTYPE_CODES[dtype], _stream()
+    p_ptr = p_d.data_ptr() if weighted else 0
+    cu.swiglu_forward(h=h_d.data_ptr(), probs=p_ptr, a=a.data_ptr(), num_rows=S, ffn_hidden=F,
+                      dtype=code, stream=s)
+    grad_h = torch.empty_like(h_d)
+    grad_p = torch.empty(S, device="cuda") if weighted else None
+    cu.swiglu_backward(grad_a=g_d.data_ptr(), h=h_d.data_ptr(), probs=p_ptr,
+                       grad_h=grad_h.data_ptr(), grad_probs=grad_p.data_ptr() if weighted else 0,
+                       num_rows=S, ffn_hidden=F, dtype=code, stream=s)
+    torch.testing.assert_close(a.cpu(), want.detach(), **TOL[dtype])
+    torch.testing.assert_close(grad_h.cpu(), h.grad, **TOL[dtype])
+    if weighted:
+        torch.testing.assert_close(grad_p.cpu(), probs.grad, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("score,renormalize,bias", [("softmax", True, False),
+                                                    ("softmax", False, False),
+                                                    ("sigmoid", True, True),
+                                                    ("sigmoid", False, False)])
+@pytest.mark.parametrize("E,K", [(8, 2), (256, 8)])
+def test_topk_route_matches_topk_routing(cu, dtype, score, renormalize, bias, E, K):
+    T = 53
+    torch.manual_seed(0)
+    # Distinct logits, exact in bf16 (multiples of 1/32 below 8): no ties for top-k to break.
+    logits = ((torch.stack([torch.randperm(E) for _ in range(T)]) - E / 2) / 32).to(dtype)
+    bias_E = torch.randn(E) * 0.1 if bias else None
+    want_p, want_ids = topk_routing(logits.float(), K, score_function=score,
+                                    renormalize=renormalize, expert_bias_E=bias_E,
+                                    scaling_factor=2.5)
+    l_d = logits.cuda()
+    b_d = bias_E.cuda() if bias else None
+    probs = torch.empty(T, K, device="cuda")
+    ids = torch.empty(T, K, dtype=torch.int64, device="cuda")
+    cu.topk_route(logits=l_d.data_ptr(), bias=b_d.data_ptr() if bias else 0,
+                  probs=probs.data_ptr(), ids=ids.data_ptr(), num_tokens=T, num_experts=E,
+                  top_k=K, score=0 if score == "softmax" else 1, renormalize=renormalize,
+                  scaling_factor=2.5, dtype=rt.DTYPE_CODES[dtype], stream=_stream())
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(probs.cpu(), want_p, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_topk_route_rejects_too_many_experts(cu):
+    with pytest.raises(ValueError, match="num_experts <= 256.*num_experts=300"):
+        cu.topk_route(logits=0, bias=0, probs=0, ids=0, num_tokens=1, num_experts=300, top_k=2,
+                      score=0, renormalize=True, scaling_factor=1.0, dtype=0)
+
+
+@pytest.mark.cuda
+def test_runtime_cuda_stream_orders_work_with_torchs_stream(cu):
+    # torch writes h on its stream; the runtime stream waits for it, runs SwiGLU, and torch's
+    # stream waits on the runtime's event before reading a.
+    side = cu.stream("test.compute")
+    assert cu.stream("test.compute") is side
+    S, F = 4096, 512
+    h = torch.empty(S, 2 * F, device="cuda")
+    torch.cuda._sleep(50_000_000)  # keep torch's stream busy so a missing wait would race
+    h.normal_()
+    a = torch.zeros(S, F, device="cuda")
+    side.wait_stream(_stream())
+    cu.swiglu_forward(h=h.data_ptr(), probs=0, a=a.data_ptr(), num_rows=S, ffn_hidden=F,
+                      dtype=0, stream=side.handle)
+    done = side.record()
+    torch.cuda.current_stream().wait_stream(torch.cuda.ExternalStream(side.handle))
+    done.synchronize()
+    torch.testing.assert_close(a, reference.swiglu(h), atol=1e-5, rtol=1e-5)
+
+
+def test_version_reports_the_cuda_extension_state():
+    # No GPU needed: `moeplug --version` says whether _runtime_cuda is loaded, and why not.
+    out = subprocess.run([sys.executable, "-m", "moeplug.cli", "--version"], capture_output=True,
+                         text=True, check=True).stdout
+    if torch.cuda.is_available() and rt.cuda_extension_built():
+        assert "cuda_extension=loaded (CUDA runtime" in out
+    elif torch.cuda.is_available():
+        assert "cuda_extension=moeplug._runtime_cuda is not built" in out
+    else:
+        assert "cuda_extension=moeplug._runtime_cuda is not loaded: torch sees no GPU" in out
