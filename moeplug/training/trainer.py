@@ -38,7 +38,7 @@ _TRAIN_STREAM, _VAL_STREAM = 0, 1
 @dataclass(frozen=True)
 class TrainSummary:
     steps: int                # completed optimizer steps
-    final_train_loss: float   # mean loss of the last step's micro-batches (lm + aux)
+    final_train_loss: float   # mean loss of the last step's micro-batches (lm + aux + mtp)
     val_loss: float           # mean lm loss over the fixed validation batches at the end
     unigram_entropy: float    # corpus unigram entropy (nats/token): the no-context baseline
     tokens_per_s: float       # training tokens per second over this process's steps
@@ -96,12 +96,14 @@ def step_batches(ids: Any, tc: Any, step: int, groups: Any = None) -> list:
 @dataclass(frozen=True)
 class StepStats:
     """One optimizer step, the same on every rank: losses averaged over the step's micro-batches
-    and DP ranks, the global grad norm (before clipping), per-layer expert counts; ``moe``:
-    the per-layer load statistics and router losses (moeplug.observability.moe_metrics)."""
+    and DP ranks (loss = lm_loss + aux_loss + mtp_loss; mtp_loss 0 without MTP layers), the
+    global grad norm (before clipping), per-layer expert counts; ``moe``: the per-layer load
+    statistics and router losses (moeplug.observability.moe_metrics)."""
 
     loss: float
     lm_loss: float
     aux_loss: float
+    mtp_loss: float
     grad_norm: float
     expert_counts: list
     moe: dict | None = None
@@ -124,17 +126,19 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
         res = forward_backward_pipeline(
             chunks, [D.local_sequence(t, y, groups) for t, y in micro_batches], groups,
             autocast=lambda: precision.autocast("cpu"))
-        sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss)]
+        sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss),
+                float(0.0 if res.mtp_loss is None else res.mtp_loss)]
         counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
     else:
-        sums, counts_per_layer = [0.0, 0.0, 0.0], []
+        sums, counts_per_layer = [0.0, 0.0, 0.0, 0.0], []
         for tokens_BS, targets_BS in micro_batches:
             tokens_BS, targets_BS = D.local_sequence(tokens_BS, targets_BS, groups)  # CP shard
             with precision.autocast("cpu"):  # the precision plugin picks the compute dtype
                 out = model(tokens_BS, targets_BS)
             # Grad accumulation: divide so the summed grads equal the micro-batch mean.
             (out.loss / num_micro).backward()
-            for i, v in enumerate((out.loss, out.lm_loss, out.aux_loss)):
+            mtp = out.lm_loss.new_zeros(()) if out.mtp_loss is None else out.mtp_loss
+            for i, v in enumerate((out.loss, out.lm_loss, out.aux_loss, mtp)):
                 sums[i] += float(v.detach()) / num_micro
             micro_counts = [c.detach().cpu() for c in out.expert_counts]
             counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
@@ -209,7 +213,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     val_batches = [get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
                    for _ in range(tc.eval_batches)]
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
-    writer = MetricsWriter(metrics_path, append=bool(resume_from)) if main_rank else None
+    # Append, never truncate: the CLI refuses a used run directory unless told to resume it
+    # (the records continue) or to overwrite it (it clears the old run first).
+    writer = MetricsWriter(metrics_path, append=True) if main_rank else None
 
     def write(record: dict) -> None:
         if writer is not None:
@@ -222,6 +228,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     log(f"{num_params / 1e6:.2f}M parameters{' on rank 0' if groups else ''}, "
         f"{tokens_per_step} tokens/step, measured GEMM peak {peak:.3f} TFLOP/s"
         f"{f' over {world} ranks' if groups else ''}; plugins {plugin_names}")
+    if tc.effective_warmup_steps < tc.warmup_steps:
+        log(f"note: train.warmup_steps = {tc.warmup_steps} exceeds train.steps = {tc.steps}; "
+            f"warming up over all {tc.steps} steps")
     progress = Progress(tc.steps, start_step, log, use_bar)
 
     def checkpoint(step: int) -> str:
@@ -245,6 +254,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             stats = train_step(model, optimizer, step_batches(corpus.train_ids, tc, step, groups),
                                tc, precision, groups)
             sums = {"loss": stats.loss, "lm_loss": stats.lm_loss, "aux_loss": stats.aux_loss}
+            if cfg.model.mtp_num_layers:  # every term of the loss is logged
+                sums["mtp_loss"] = stats.mtp_loss
             grad_norm, counts_per_layer = stats.grad_norm, stats.expert_counts
             done, loss_step = step + 1, sums["loss"]
             if not math.isfinite(loss_step):
