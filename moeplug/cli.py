@@ -133,7 +133,7 @@ class _Problems:
         try:
             yield
         except ConfigError as e:
-            self.errors.extend(e.errors)
+            self.errors.extend(e.errors or [str(e)])
 
 
 def _world_size(cfg: RootConfig, nproc: int | None) -> int:
