@@ -6,8 +6,8 @@ process group exists. ``RootConfig`` cross-checks fields that span components.
 
 Loading: :func:`load_config` merges, in order, the dataclass defaults, a YAML file, and dotted
 overrides (``model.moe.num_experts=8``); unknown keys are errors (with the closest valid name).
-A loaded config reports every problem at once: the checks of each section keep going after a
-failure, and every section is built, so one command shows all its mistakes (``ConfigError.errors``).
+A loaded config reports every problem at once (``ConfigError.errors``): each section's checks
+keep going after a failure, and the cross-section checks still run over such sections.
 """
 
 from __future__ import annotations
