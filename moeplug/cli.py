@@ -1,14 +1,18 @@
-"""Command line: ``moeplug train | plugins`` and ``moeplug --version``.
+"""Command line: ``moeplug train | plugins | convert | plot-load`` and ``moeplug --version``.
 
-``train`` validates everything cheap first — config, plugin names, availability and options —
-and only then prepares data, builds the model and trains, so a typo costs a second, not a run.
-Every configuration problem (``ConfigError``, which ``PluginError`` and ``CheckpointError``
-subclass) exits with status 2 and one paragraph naming the field, the value and the fix.
+``train`` validates everything cheap first — config, plugin names, availability and options,
+resume target, run directory, process count and layout — and only then prepares data, builds
+the model and trains, so a typo costs a second, not a run. Every configuration problem
+(``ConfigError``, which ``PluginError`` and ``CheckpointError`` subclass) exits with status 2
+and one line per problem naming the field, the value and the fix, all problems of the command
+at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from importlib import resources
 from typing import Sequence
@@ -17,6 +21,9 @@ import moeplug
 from moeplug.config import ConfigError, RootConfig, load_config
 
 EXIT_CONFIG = 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `cat`/`yes` report when the reader went away
+DESCRIPTION = ("Train Mixture-of-Experts language models. Commands: train, plugins, convert, "
+               "plot-load; `moeplug COMMAND --help` lists a command's options.")
 
 
 def default_config_path() -> str:
@@ -24,7 +31,7 @@ def default_config_path() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moeplug", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="moeplug", description=DESCRIPTION)
     p.add_argument("--version", action="store_true", help="print versions and build flags")
     sub = p.add_subparsers(dest="command")
     sub.add_parser("plugins", help="list plugins per kind with their package and availability")
@@ -42,8 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="DIR|auto", help="train.resume")
     t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events "
                    "to OUT_DIR/tb (train.tensorboard)")
+    t.add_argument("--overwrite", action="store_true", help="replace the run already in --out "
+                   "(its metrics.jsonl, checkpoints and latest are deleted first)")
     t.add_argument("--nproc", type=int, metavar="N", help="run on N processes: re-executes this "
-                   "command under torchrun (layout: the parallel.* config section)")
+                   "command under torchrun (layout: the parallel.* config section); data "
+                   "parallelism multiplies the global batch")
     from moeplug.convert.cli import add_convert_parser
     add_convert_parser(sub)
     from moeplug.observability.cli import add_plot_parsers
@@ -118,8 +128,49 @@ def cmd_plugins() -> int:
     return 0
 
 
+class _Problems:
+    """Collects the ConfigErrors of independent checks so one command reports them all."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self):
+        try:
+            yield
+        except ConfigError as e:
+            self.errors.extend(e.errors or [str(e)])
+
+
+def _world_size(cfg: RootConfig, nproc: int | None) -> int:
+    """Processes the command runs on; ConfigError for a bad ``--nproc`` or a layout that needs
+    more processes than one when ``--nproc`` is missing."""
+    from moeplug.training import distributed as D
+    from moeplug.training import launch
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: must be >= 1. Fix: pass --nproc N with N >= 1, or "
+                          "leave it out to train in this one process")
+    if launch.under_torchrun():
+        world = D.world_from_env()
+        if nproc is not None and nproc != world:
+            raise ConfigError(f"--nproc {nproc}: torchrun started {world} processes. Fix: leave "
+                              f"--nproc out when launching with torchrun yourself, or pass "
+                              f"--nproc {world}")
+        return world
+    needed = 1 if nproc is not None else cfg.parallel.layout().min_world_size()
+    if needed > 1:
+        p = cfg.parallel
+        degrees = ", ".join(f"parallel.{n} = {getattr(p, n)}"
+                            for n in ("tp", "cp", "dp", "pp", "ep", "etp") if getattr(p, n) > 1)
+        raise ConfigError(f"{degrees}: needs {needed} processes, but without --nproc this "
+                          f"command runs one. Fix: add --nproc {needed} (or launch with "
+                          "torchrun), or set the parallel degrees to 1")
+    return nproc or 1
+
+
 def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    # 1. config, 2. plugins (checked, nothing built) — all cheap and all before any heavy work.
+    # 1. config, 2. plugins, resume, run directory, layout (checked, nothing built) — all cheap
+    # and all before any heavy work or process; every problem found is reported together.
     base = None
     if args.preset:
         from moeplug.presets import preset
@@ -127,41 +178,49 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     # A preset replaces the packaged default.yaml (whose model would override the preset's).
     path = args.config or (None if base else default_config_path())
     cfg = load_config(path, _overrides(args), base=base)
-    host = _load_host(cfg)
-    precision = check_plugins(host, cfg)
-    from moeplug.training.checkpoint import check_resume, resolve_resume
-    resume_from = resolve_resume(cfg.train.resume, cfg.train.out_dir)
-    if cfg.train.tensorboard:  # a missing optional package fails here too
-        from moeplug.observability.tensorboard import summary_writer_class
-        summary_writer_class()
-    # Layout vs world size: checked here, before any process or process group exists.
     from moeplug.training import distributed as D
     from moeplug.training import launch
-    world = D.world_from_env() if launch.under_torchrun() else (args.nproc or 1)
-    if args.nproc is not None and (args.nproc < 1 or (launch.under_torchrun()
-                                                      and args.nproc != world)):
-        raise ConfigError(f"--nproc {args.nproc}: must be >= 1 and, under torchrun, equal "
-                          f"its world size ({world}). Fix: pass --nproc N >= 1, or leave it out "
-                          "when launching with torchrun yourself")
-    layout = None
-    if D.is_parallel(cfg, world):
-        layout = D.planned_layout_manifest(cfg, D.resolve_layout(cfg, world), world)
-    if resume_from:
-        # A checkpoint of another layout or model, or already at train.steps, fails here (once,
-        # before --nproc launches any rank), not after the model is built.
-        source = " + ".join([f"--preset {args.preset}"] * bool(args.preset)
-                            + [f"--config {args.config}"] * bool(args.config)) \
-            or f"the packaged {path}"
-        check_resume(resume_from, cfg, source, layout)
-    # train.device=cuda without (enough) GPUs fails here, before --nproc starts any rank.
-    device = D.resolve_device(cfg, None if launch.under_torchrun() else world)
+    from moeplug.training.checkpoint import check_resume, resolve_resume
+    from moeplug.training.run_dir import check_run_dir, clear_run
+    problems = _Problems()
+    with problems.check():
+        host = _load_host(cfg)
+        precision = check_plugins(host, cfg)
+    if cfg.train.tensorboard:
+        with problems.check():  # a missing optional package fails here too
+            from moeplug.observability.tensorboard import summary_writer_class
+            summary_writer_class()
+    resume_from = None
+    with problems.check():  # a bad train.resume fails here, not later
+        resume_from = resolve_resume(cfg.train.resume, cfg.train.out_dir)
+        check_run_dir(cfg.train.out_dir, cfg.train.resume, resume_from, args.overwrite)
+    world, layout = None, None
+    with problems.check():  # layout vs world size: before any process or process group exists
+        world = _world_size(cfg, args.nproc)
+        if D.is_parallel(cfg, world):
+            layout = D.planned_layout_manifest(cfg, D.resolve_layout(cfg, world), world)
+    if resume_from and world is not None and not problems.errors:
+        with problems.check():
+            # A checkpoint of another layout or model, or already at train.steps, fails here
+            # (once, before --nproc launches any rank), not after the model is built.
+            source = " + ".join([f"--preset {args.preset}"] * bool(args.preset)
+                                + [f"--config {args.config}"] * bool(args.config)) \
+                or f"the packaged {path}"
+            check_resume(resume_from, cfg, source, layout)
+    if world is not None:
+        with problems.check():  # train.device=cuda without (enough) GPUs, before any rank starts
+            device = D.resolve_device(cfg, None if launch.under_torchrun() else world)
+    if problems.errors:
+        raise ConfigError(*problems.errors)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
     from moeplug.training.trainer import seed_everything, train
 
     if world > 1 and not launch.under_torchrun():
         prepare_corpus(cfg.data)  # once, here: the ranks then only read the cache
-        return launch.relaunch(world, argv)
+        if args.overwrite:
+            clear_run(cfg.train.out_dir)
+        return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
     try:
         if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
@@ -172,6 +231,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
         model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, device)
         plugin_names = {k: getattr(cfg.plugins, k) for k in ("router", "dispatcher", "experts", "precision")}
+        if args.overwrite and D.is_main_rank(groups):  # the last moment: data and model built
+            clear_run(cfg.train.out_dir)
         summary = train(cfg, model, corpus, precision, plugin_names, groups=groups)
     finally:
         D.shutdown(groups)
@@ -187,7 +248,17 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _run(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # here, so a closed pipe is caught below and not at interpreter exit
+        return status
+    except BrokenPipeError:  # `moeplug --version | head -1`: the reader has all it wants
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.version:
@@ -206,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from moeplug.generate import cmd_generate
             return cmd_generate(args)
     except ConfigError as e:
-        print(f"moeplug: configuration error: {e}", file=sys.stderr)
+        for error in e.errors or [str(e)]:  # one line each, all of this command's problems
+            print(f"moeplug: configuration error: {error}", file=sys.stderr)
         return EXIT_CONFIG
     _parser().print_help()
     return EXIT_CONFIG

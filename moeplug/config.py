@@ -6,6 +6,8 @@ process group exists. ``RootConfig`` cross-checks fields that span components.
 
 Loading: :func:`load_config` merges, in order, the dataclass defaults, a YAML file, and dotted
 overrides (``model.moe.num_experts=8``); unknown keys are errors (with the closest valid name).
+A loaded config reports every problem at once (``ConfigError.errors``): each section's checks
+keep going after a failure, and the cross-section checks still run over such sections.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import difflib
 import logging
 import os
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -24,11 +27,28 @@ _log = logging.getLogger(__name__)  # notices; with no logging set up, Python pr
 
 
 class ConfigError(ValueError):
-    """A config value is invalid. The message names the field, the value and the fix."""
+    """A config value is invalid. The message names the field, the value and the fix.
+
+    ``errors``: one such message per problem; several when a config has several mistakes (the
+    message then holds them one per line).
+    """
+
+    def __init__(self, *errors: str) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = list(errors)
+
+
+# While config_from_dict builds a config, _fail records here instead of raising, so the
+# remaining checks still run and report their own problems (None: raise at once).
+_found: ContextVar[list[str] | None] = ContextVar("moeplug_config_errors", default=None)
 
 
 def _fail(obj: Any, name: str, value: Any, rule: str, fix: str) -> None:
-    raise ConfigError(f"{type(obj).__name__}.{name} = {value!r}: {rule}. Fix: {fix}")
+    message = f"{type(obj).__name__}.{name} = {value!r}: {rule}. Fix: {fix}"
+    found = _found.get()
+    if found is None:
+        raise ConfigError(message)
+    found.append(message)
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -322,6 +342,12 @@ class TrainConfig:
     # (moeplug.training.distributed.resolve_device), not here: a config stays machine-free.
     device: str = "auto"
 
+    @property
+    def effective_warmup_steps(self) -> int:
+        """Warmup steps the schedule uses: ``warmup_steps``, clamped to ``steps`` so a short
+        trial run (``--steps 10``) warms up over the whole run instead of being refused."""
+        return min(self.warmup_steps, self.steps)
+
     def __post_init__(self) -> None:
         _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
                   "log_interval")
@@ -329,9 +355,6 @@ class TrainConfig:
                       "eval_interval", "ckpt_interval", "threads")
         if self.min_lr > self.lr:
             _fail(self, "min_lr", self.min_lr, f"exceeds lr ({self.lr})", "set min_lr <= lr")
-        if self.warmup_steps > self.steps:
-            _fail(self, "warmup_steps", self.warmup_steps, f"exceeds steps ({self.steps})",
-                  f"set warmup_steps <= {self.steps}")
         for n in ("beta1", "beta2"):
             v = getattr(self, n)
             if not 0.0 <= v < 1.0:
@@ -479,24 +502,51 @@ def model_differences(saved: RootConfig, requested: RootConfig) -> list[tuple[st
 # Building from nested mappings (YAML, overrides, checkpoints)
 # --------------------------------------------------------------------------------------------
 
+class _Unbuilt(Exception):
+    """A section could not be built at all; its problems are already recorded in ``_found``."""
+
+
 def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    """``cls`` from a nested mapping, recording every problem (unknown keys, failed checks) in
+    the collector that :func:`config_from_dict` set. A section whose checks failed is still
+    passed up, so the cross-section checks run too; one that could not be built stops its
+    parents (``_Unbuilt``)."""
+    found = _found.get()
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path or cls.__name__} = {data!r}: must be a mapping. "
-                          f"Fix: write it as `key: value` lines")
+        found.append(f"{path or cls.__name__} = {data!r}: must be a mapping. "
+                     f"Fix: write it as `key: value` lines")
+        raise _Unbuilt
     known = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
+    complete = True
     for key, value in data.items():
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1)
             hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(known)}"
-            raise ConfigError(f"{cls.__name__}: unknown field '{path + key}'. Fix: {hint}")
+            found.append(f"{cls.__name__}: unknown field '{path + key}'. Fix: {hint}")
+            continue
         sub = _SUBCONFIGS.get((cls, key))
         if sub:
-            value = _build(sub, value, f"{path}{key}.")
+            try:
+                value = _build(sub, value, f"{path}{key}.")
+            except _Unbuilt:
+                complete = False
+                continue
         elif known[key].type == "float":
             value = _as_float(value)
         kwargs[key] = value
-    return cls(**kwargs)
+    if not complete:
+        raise _Unbuilt
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # raised, not recorded (e.g. by moeplug.parallel.layout)
+        found.extend(e.errors)
+    except (TypeError, ArithmeticError):
+        # A later check tripped over a value an earlier one already reported (a string where a
+        # number belongs, a zero divisor): that report stands. With none, it is a real bug.
+        if not found:
+            raise
+    raise _Unbuilt
 
 
 def _as_float(value: Any) -> Any:
@@ -524,7 +574,18 @@ _SUBCONFIGS: dict[tuple[type, str], type] = {
 
 
 def config_from_dict(data: Mapping[str, Any]) -> RootConfig:
-    return _build(RootConfig, data, "")
+    """A validated RootConfig; one ConfigError listing every problem in ``data`` otherwise."""
+    found: list[str] = []
+    token = _found.set(found)
+    try:
+        cfg = _build(RootConfig, data, "")
+    except _Unbuilt:
+        pass
+    finally:
+        _found.reset(token)
+    if found:
+        raise ConfigError(*found)
+    return cfg
 
 
 def _parse_scalar(text: str) -> Any:

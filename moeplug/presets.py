@@ -1,8 +1,9 @@
 """Named model presets: Mixtral, Qwen3-MoE and DeepSeek-V3 at full size, plus ``*_tiny``
 variants (a few M parameters) with the same architecture that train on one CPU core.
 
-A preset is a RootConfig-shaped dict (``model`` and ``plugins`` sections) merged *under* the
-user's config: dataclass defaults <- preset <- ``--config`` YAML <- ``--set`` / flags.
+A preset is a RootConfig-shaped dict (``model`` and ``plugins`` sections, plus its own run
+directory ``train.out_dir = runs/<name>``, so runs of different presets never share one) merged
+*under* the user's config: dataclass defaults <- preset <- ``--config`` YAML <- ``--set`` / flags.
 Full-size dimensions are the published ones (Mixtral-8x7B, Qwen3-30B-A3B, DeepSeek-V3 671B with
 its default-RoPE 4K context); their ``vocab_size`` pads the local tokenizer's vocabulary.
 """
@@ -77,8 +78,9 @@ PRESETS: dict[str, dict] = {
 
 
 def preset(name: str) -> dict:
-    """A fresh copy of preset ``name`` (callers may merge into it)."""
+    """A fresh copy of preset ``name`` with its default run directory (callers may merge into
+    it)."""
     if name not in PRESETS:
         raise ConfigError(f"--preset {name!r}: unknown preset. Fix: use one of "
                           f"{', '.join(sorted(PRESETS))}")
-    return copy.deepcopy(PRESETS[name])
+    return {**copy.deepcopy(PRESETS[name]), "train": {"out_dir": f"runs/{name}"}}

@@ -122,6 +122,101 @@ def test_no_command_prints_help_and_exits_2(run_cli):
     assert proc.returncode == 2 and "train" in proc.stdout and "plugins" in proc.stdout
 
 
+def test_help_is_plain_text_and_names_every_command(run_cli):
+    proc = run_cli("--help", timeout=120)
+    assert proc.returncode == 0
+    description = proc.stdout.split("positional arguments")[0]
+    assert "``" not in proc.stdout, proc.stdout
+    for command in ("train", "plugins", "convert", "plot-load"):
+        assert command in description, description
+
+
+def test_version_into_a_closed_pipe_exits_quietly(cli_env):
+    # `moeplug --version | head -1`: the reader is gone before moeplug writes.
+    import subprocess
+    proc = subprocess.Popen([sys.executable, "-m", "moeplug", "--version"], env=cli_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, stderr  # 128 + SIGPIPE, as `cat` would report
+    assert "BrokenPipeError" not in stderr and "Traceback" not in stderr, stderr
+
+
+@pytest.fixture
+def preset_config_file(tiny_corpus, cache_dir, tmp_path):
+    """A YAML with data and a small batch but no train.out_dir, for `--preset NAME` runs."""
+    import yaml
+    path = tmp_path / "data.yaml"
+    path.write_text(yaml.safe_dump({
+        "data": {"corpus": tiny_corpus, "tokenizer": "bytes", "val_works": ["val_text"],
+                 "cache_dir": cache_dir},
+        "train": {"micro_batch_size": 4, "seq_len": 32, "eval_batches": 1, "log_interval": 1,
+                  "threads": 1}}))
+    return str(path)
+
+
+def test_mtp_loss_is_logged_and_the_loss_is_the_sum_of_the_printed_terms(
+        run_cli, preset_config_file, tmp_path):
+    proc = run_cli("train", "--preset", "deepseek_v3_tiny", "--config", preset_config_file,
+                   "--steps", "3", cwd=str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # also: --steps 3 under the default 30 warmup steps trains, warming up over the 3 steps
+    assert "warmup_steps = 30 exceeds train.steps = 3" in proc.stdout
+    train = _records(str(tmp_path / "runs" / "deepseek_v3_tiny"), "train")
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert [r["lr"] for r in train] == pytest.approx([1e-3, 2e-3, 3e-3])
+    for r in train:
+        # 1 MTP module scaled by 0.1: a cross-entropy of a few nats makes it ~0.1-1
+        assert 0.05 < r["mtp_loss"] < 1.0, r
+        assert r["loss"] == pytest.approx(r["lm_loss"] + r["aux_loss"] + r["mtp_loss"],
+                                          rel=1e-6)
+        line = next(l for l in proc.stdout.splitlines() if l.startswith(f"step {r['step']:>6} |"))
+        assert (f"loss {r['loss']:.4f} (lm {r['lm_loss']:.4f}, aux {r['aux_loss']:.4f}, "
+                f"mtp {r['mtp_loss']:.4f})") in line, line
+
+
+def test_runs_never_mix_in_one_directory(run_cli, preset_config_file, tmp_path):
+    """Presets default to their own directory; a used directory is refused (exit 2, nothing
+    touched) unless the command resumes it or says --overwrite, which leaves only the new run."""
+    cwd = str(tmp_path)
+
+    def train(*args: str):
+        return run_cli("train", "--config", preset_config_file, "--steps", "2", *args, cwd=cwd,
+                       timeout=600)
+
+    for name in ("mixtral_tiny", "qwen3_moe_tiny"):
+        proc = train("--preset", name)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = tmp_path / "runs"
+    assert sorted(os.listdir(runs)) == ["mixtral_tiny", "qwen3_moe_tiny"]
+    old = runs / "mixtral_tiny"
+    metrics_before = (old / "metrics.jsonl").read_bytes()
+
+    proc = train("--preset", "qwen3_moe_tiny", "--out", str(old))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"train.out_dir = '{old}' already holds a run (latest, metrics.jsonl, step_000002)" \
+        in proc.stderr
+    assert "--resume auto" in proc.stderr and "--overwrite" in proc.stderr
+    assert "torch.distributed.run" not in proc.stderr
+    assert (old / "metrics.jsonl").read_bytes() == metrics_before
+    # refused before any process is launched, too
+    proc = train("--preset", "qwen3_moe_tiny", "--out", str(old), "--nproc", "2",
+                 "--set", "parallel.ep=2")
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert "launching" not in proc.stdout and (old / "metrics.jsonl").read_bytes() == metrics_before
+
+    proc = train("--preset", "qwen3_moe_tiny", "--out", str(old), "--steps", "1", "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(old)) == ["latest", "metrics.jsonl", "step_000001"]
+    [run] = _records(str(old), "run")
+    assert run["config"]["model"]["qk_norm"] is True  # the qwen3 model, alone
+
+    proc = train("--preset", "qwen3_moe_tiny", "--out", str(old), "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["start_step"] for r in _records(str(old), "run")] == [0, 1]
+    assert [r["step"] for r in _records(str(old), "train")] == [1, 2]
+
+
 @pytest.mark.slow
 def test_default_train_beats_unigram_entropy_within_10_minutes(run_cli, cli_env, tmp_path):
     """The README's promise: `moeplug train` with no arguments, on the bundled Shakespeare corpus,
@@ -142,6 +237,10 @@ def test_default_train_beats_unigram_entropy_within_10_minutes(run_cli, cli_env,
     val = _records(str(tmp_path / "runs" / "default"), "val")
     assert val[-1]["val_loss"] == pytest.approx(val_loss, abs=1e-4)
     assert val_loss < unigram - 1.0, (val_loss, unigram)
-    print(f"default run: {elapsed:.0f} s, val loss {val_loss:.3f} vs unigram {unigram:.3f}")
+    # The README quotes these figures with the machine and torch's thread count (all cores).
+    import torch
+    speed = re.search(r"done: \d+ steps, (\d+) tokens/s", proc.stdout).group(1)
+    print(f"default run on {os.cpu_count()} cores, {torch.get_num_threads()} torch threads: "
+          f"{elapsed:.0f} s, {speed} tokens/s, val loss {val_loss:.3f} vs unigram {unigram:.3f}")
     if os.environ.get("CI"):  # dev machines are shared and slower; CI has the cores to itself
         assert elapsed < 600, f"default training took {elapsed:.0f} s (limit 600 s)"

@@ -35,7 +35,6 @@ def assert_names(err: pytest.ExceptionInfo, *parts: str) -> None:
     (ModelConfig, {"num_layers": 2, "first_k_dense": 3}, ["first_k_dense", "3", "num_layers (2)"]),
     (ModelConfig, {"hidden_size": "big"}, ["hidden_size", "'big'", "integer"]),
     (TrainConfig, {"lr": 1e-3, "min_lr": 1e-2}, ["min_lr", "0.01", "lr (0.001)", "min_lr <= lr"]),
-    (TrainConfig, {"steps": 10, "warmup_steps": 20}, ["warmup_steps", "20", "steps (10)"]),
     (TrainConfig, {"beta2": 1.0}, ["beta2", "1.0", "[0, 1)"]),
     (TrainConfig, {"micro_batch_size": 0}, ["micro_batch_size", "0", "positive integer"]),
     (TrainConfig, {"grad_clip": -1}, ["grad_clip", "-1", ">= 0"]),
@@ -50,6 +49,32 @@ def test_field_errors_name_field_value_and_fix(cls, kwargs, parts):
     with pytest.raises(ConfigError) as err:
         cls(**kwargs)
     assert_names(err, cls.__name__, *parts)
+
+
+def test_warmup_longer_than_a_short_run_is_clamped_not_refused():
+    # `--steps 10` with the default 30 warmup steps: the run warms up over its 10 steps.
+    from moeplug.training.optim import lr_at
+    cfg = TrainConfig(steps=10, warmup_steps=30, lr=1e-3, min_lr=1e-4)
+    assert cfg.warmup_steps == 30 and cfg.effective_warmup_steps == 10
+    assert [lr_at(s, cfg) for s in (0, 4, 9)] == pytest.approx([1e-4, 5e-4, 1e-3])
+    assert TrainConfig(steps=100, warmup_steps=30).effective_warmup_steps == 30
+
+
+def test_every_problem_of_a_config_is_reported_at_once():
+    # Two fields of one section, another section, an unknown key and a cross-section check
+    # (heads vs TP): one ConfigError holding each message, not just the first.
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.min_lr=1", "train.beta1=2", "model.moe.top_k=99",
+                           "model.hidden_sise=64", "parallel.tp=3", "train.steps=5"])
+    assert len(err.value.errors) == 5, err.value.errors
+    for part in ["TrainConfig.min_lr = 1.0", "TrainConfig.beta1 = 2.0", "MoEConfig.top_k = 99",
+                 "did you mean 'hidden_size'", "num_heads 8 not divisible by TP 3"]:
+        assert part in str(err.value), str(err.value)
+    # A value that breaks later checks (a string, a zero) is reported, not a traceback.
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.num_heads=0", "train.steps=abc", "data.tokenizer=x"])
+    assert sorted(e.split(" = ")[0] for e in err.value.errors) == [
+        "DataConfig.tokenizer", "ModelConfig.num_heads", "TrainConfig.steps"]
 
 
 def test_seq_len_longer_than_model_context_is_a_cross_check():
@@ -175,6 +200,30 @@ def test_cli_config_errors_exit_2_before_any_work(run_cli, cli_env, tmp_path, ar
     assert not os.path.exists(cache_dir) or not os.listdir(cache_dir)
     assert not (tmp_path / "run").exists()
     assert elapsed < 60
+
+
+def test_cli_reports_all_problems_of_one_command(run_cli, cli_env, tmp_path):
+    """`--steps 10` (under the default 30 warmup steps) is no longer an error, and every other
+    mistake of the command, config and plugins alike, comes out in one go, a line each."""
+    cache_dir = tmp_path / "cache"
+    proc = run_cli("train", "--out", str(tmp_path / "run"), "--steps", "10",
+                   "--set", "model.moe.top_k=9", "--set", "train.min_lr=1",
+                   "--set", "parallel.tp=3", timeout=120,
+                   env=dict(cli_env, MOEPLUG_CACHE=str(cache_dir)))
+    assert proc.returncode == 2, proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert all(l.startswith("moeplug: configuration error: ") and "Fix:" in l for l in lines)
+    for part, line in zip(["MoEConfig.top_k = 9", "TrainConfig.min_lr = 1.0",
+                           "not divisible by TP 3"], lines):
+        assert part in line, lines
+    proc = run_cli("train", "--out", str(tmp_path / "run"), "--router", "topkk",
+                   "--resume", str(tmp_path / "nothing"), timeout=120,
+                   env=dict(cli_env, MOEPLUG_CACHE=str(cache_dir)))
+    assert proc.returncode == 2
+    assert "unknown router 'topkk'" in proc.stderr and "TrainConfig.resume" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 2, proc.stderr
+    assert not os.path.exists(cache_dir) and not (tmp_path / "run").exists()
 
 
 # --------------------------------------------------------------------------------------------

@@ -58,9 +58,12 @@ def test_nproc2_ep2_equals_one_process_with_double_accumulation(run_cli, tiny_co
      ["num_experts 4 not divisible by EP 3", "ParallelConfig.ep = 3", "Fix:"]),
     (["--nproc", "3", "--set", "parallel.ep=2"],
      ["ParallelConfig.ep = 2", "does not divide world size 3", "Fix:"]),
-    (["--set", "parallel.ep=2"],  # no --nproc: one process cannot hold EP2
-     ["does not divide world size 1", "Fix:"]),
-    (["--nproc", "0"], ["--nproc 0", "Fix:"]),
+    # no --nproc: one process cannot hold EP2; say which --nproc it needs
+    (["--set", "parallel.ep=2"], ["parallel.ep = 2: needs 2 processes", "Fix: add --nproc 2"]),
+    (["--set", "parallel.tp=2", "--set", "parallel.ep=4",
+      "--set", "parallel.sequence_parallel=true"],
+     ["parallel.tp = 2, parallel.ep = 4: needs 4 processes", "Fix: add --nproc 4"]),
+    (["--nproc", "0"], ["--nproc 0: must be >= 1", "Fix:"]),
     # MTP under TP/CP: caught in the config, not as a traceback from the model build on a rank
     (["--nproc", "2", "--set", "parallel.tp=2", "--set", "model.mtp_num_layers=1"],
      ["ModelConfig.mtp_num_layers = 1", "parallel.tp = 2",
@@ -78,8 +81,41 @@ def test_layout_errors_exit_2_before_launching(run_cli, tiny_config_file, tmp_pa
     for w in words:
         assert w in proc.stderr, proc.stderr
     assert "torch.distributed.run" not in proc.stderr and "Traceback" not in proc.stderr
+    if extra == ["--nproc", "0"]:  # no torchrun is involved: the message must not say there is
+        assert "torchrun" not in proc.stderr, proc.stderr
     assert not out.exists(), "nothing may run before the layout is validated"
     assert time.monotonic() - t0 < 60
+
+
+def test_launch_line_states_global_batch_and_oversubscription(tiny_config_file, cli_env,
+                                                              tmp_path):
+    """`--nproc 2` on one core: the launch line gives the global batch the two DP ranks make
+    (the same tokens/step the trainer then reports) and warns that 2 ranks share 1 core."""
+    import re
+    import subprocess
+    import sys
+    out = str(tmp_path / "run")
+    proc = subprocess.run(
+        [sys.executable, "-m", "moeplug", "train", "--config", tiny_config_file(out),
+         "--nproc", "2", "--set", "parallel.ep=2", "--steps", "1"],
+        env=cli_env, capture_output=True, text=True, timeout=600,
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == ("launching 2 ranks under torchrun, 1 thread(s) each; global batch = "
+                        "micro_batch_size 8 x grad_accum_steps 1 x DP 2 = 16 sequences "
+                        "(512 tokens) per step"), lines[:3]
+    assert lines[1].startswith("warning: 2 ranks x 1 thread(s) on 1 CPU core(s) oversubscribe")
+    assert re.search(r"\b512 tokens/step", proc.stdout), proc.stdout
+
+
+def test_launch_line_without_oversubscription():
+    from moeplug.training.launch import launch_line
+    cfg = load_config(None, ["parallel.ep=2", "train.grad_accum_steps=3"])
+    line = launch_line(cfg, 4, threads=2, cores=8)
+    assert "x grad_accum_steps 3 x DP 4 = 192 sequences (24576 tokens)" in line
+    assert "warning" not in line
+    assert "4 ranks x 2 thread(s) on 7 CPU core(s)" in launch_line(cfg, 4, threads=2, cores=7)
 
 
 @pytest.mark.parametrize("override, words", [

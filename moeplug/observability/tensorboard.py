@@ -22,7 +22,8 @@ from moeplug.observability import mpl
 from moeplug.observability.heatmap import load_figure, load_history
 from moeplug.observability.runlog import read_records
 
-_TAGS = {"loss": "loss/train", "lm_loss": "loss/lm", "aux_loss": "loss/aux", "lr": "train/lr",
+_TAGS = {"loss": "loss/train", "lm_loss": "loss/lm", "aux_loss": "loss/aux",
+         "mtp_loss": "loss/mtp", "lr": "train/lr",
          "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
          "tflops": "perf/tflops", "mfu": "perf/mfu"}
 

@@ -98,6 +98,12 @@ class ParallelConfig:
         """TP·CP·DP·PP; only meaningful after :meth:`resolve`."""
         return self.tp * self.cp * self.dp * self.pp
 
+    def min_world_size(self) -> int:
+        """The fewest processes these degrees fit: TP·CP·DP·PP when dp is set, else the least
+        common multiple of TP·CP·PP and ETP·EP·PP (both must divide the world in resolve)."""
+        dense = self.tp * self.cp * self.pp * max(self.dp, 1)
+        return dense if self.dp else math.lcm(dense, self.etp * self.ep * self.pp)
+
     def resolve(self, world_size: int) -> "ParallelConfig":
         """Return a copy with ``dp`` and ``edp`` filled for ``world_size``; raise ConfigError if
         the degrees do not tile the world or the two grids disagree on the pipeline groups."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def under_torchrun() -> bool:
@@ -38,10 +38,37 @@ def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
             f"--nproc-per-node={nproc}", "-m", "moeplug", *strip_nproc(argv)]
 
 
-def relaunch(nproc: int, argv: Sequence[str]) -> int:
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else the machine's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def launch_line(cfg: Any, nproc: int, threads: int, cores: int) -> str:
+    """What ``--nproc`` says before starting the ranks: the global batch, which data
+    parallelism multiplies (DP ranks each train their own micro-batches), and a warning when
+    ``nproc`` ranks of ``threads`` threads each oversubscribe ``cores``."""
+    tc, dp = cfg.train, cfg.parallel.layout().resolve(nproc).dp
+    seqs = tc.micro_batch_size * tc.grad_accum_steps * dp
+    line = (f"launching {nproc} ranks under torchrun, {threads} thread(s) each; global batch = "
+            f"micro_batch_size {tc.micro_batch_size} x grad_accum_steps {tc.grad_accum_steps} x "
+            f"DP {dp} = {seqs} sequences ({seqs * tc.seq_len} tokens) per step")
+    if nproc * threads > cores:
+        line += (f"\nwarning: {nproc} ranks x {threads} thread(s) on {cores} CPU core(s) "
+                 "oversubscribe them: the ranks take turns, so each step is slower than with "
+                 "fewer ranks (fine for trying a layout, not for speed)")
+    return line
+
+
+def relaunch(cfg: Any, nproc: int, argv: Sequence[str]) -> int:
     """Run the command on ``nproc`` ranks under torchrun; its exit status (0 = every rank ok)."""
     env = dict(os.environ)
     # One intra-op thread per rank unless the user chose otherwise: N ranks of multi-threaded
     # torch on the same cores only fight (torchrun sets the same default, with a warning).
     env.setdefault("OMP_NUM_THREADS", "1")
+    # train.threads > 0 overrides OMP_NUM_THREADS in every rank (torch.set_num_threads).
+    omp = env["OMP_NUM_THREADS"]
+    threads = cfg.train.threads or (int(omp) if omp.isdigit() and int(omp) > 0 else 1)
+    print(launch_line(cfg, nproc, threads, usable_cores()), flush=True)
     return subprocess.call(torchrun_command(nproc, argv), env=env)

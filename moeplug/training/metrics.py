@@ -2,8 +2,9 @@
 
 JSONL records (one JSON object per line, ``metrics.jsonl`` in the run directory):
     {"kind": "run",   ...}   once per start/resume: plugins, peak TFLOP/s, FLOPs per token, config
-    {"kind": "train", "step", "loss", "lm_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s",
-                      "tflops", "mfu", "expert_load": [{"layer", "max", "mean", "max_over_mean"}],
+    {"kind": "train", "step", "loss", "lm_loss", "aux_loss", ["mtp_loss",] "lr", "grad_norm",
+                      "tokens_per_s", "tflops", "mfu",
+                      "expert_load": [{"layer", "max", "mean", "max_over_mean"}],
                       "plugins": {"router": ..., ...},
                       "moe": {"tokens": [[per expert] per layer], "tokens_min", "tokens_mean",
                               "tokens_max", "max_violation", "cv", "dropped_fraction": [per layer],
@@ -11,7 +12,9 @@ JSONL records (one JSON object per line, ``metrics.jsonl`` in the run directory)
                       (``moe``: see moeplug.observability.layer_stats for the definitions)
                       "time_breakdown": {stage: mean seconds per step}   (observability.timing)
     {"kind": "val",   "step", "val_loss"}                     every ``eval_interval`` steps + at the end
-``step`` counts completed optimizer steps (1 after the first update).
+``step`` counts completed optimizer steps (1 after the first update). ``loss`` is the sum of
+its terms: ``lm_loss + aux_loss`` (the routers' load-balancing and z losses times their
+coefficients) ``+ mtp_loss`` (present only with multi-token prediction, already scaled).
 """
 
 from __future__ import annotations
@@ -65,10 +68,12 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def format_train_line(record: dict) -> str:
+    # Every term of the loss, so the printed loss is visibly their sum.
+    mtp = f", mtp {record['mtp_loss']:.4f}" if "mtp_loss" in record else ""
     return (f"step {record['step']:>6} | loss {record['loss']:.4f} (lm {record['lm_loss']:.4f}, "
-            f"aux {record['aux_loss']:.4f}) | lr {record['lr']:.2e} | grad {record['grad_norm']:.3f} "
-            f"| {record['tokens_per_s']:.0f} tok/s | {record['tflops']:.4f} TFLOP/s "
-            f"| MFU {100 * record['mfu']:.1f}%")
+            f"aux {record['aux_loss']:.4f}{mtp}) | lr {record['lr']:.2e} "
+            f"| grad {record['grad_norm']:.3f} | {record['tokens_per_s']:.0f} tok/s "
+            f"| {record['tflops']:.4f} TFLOP/s | MFU {100 * record['mfu']:.1f}%")
 
 
 class Progress:

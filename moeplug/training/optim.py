@@ -20,14 +20,16 @@ from moeplug.config import TrainConfig
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr.
 
-    Warmup reaches ``lr`` at the end of step ``warmup_steps - 1`` (step 0 uses lr/warmup, never 0,
-    so the first update is not wasted). After warmup, a half cosine from ``lr`` down to ``min_lr``
-    at ``steps``; steps past the end stay at ``min_lr``.
+    Warmup reaches ``lr`` at the end of step ``warmup - 1`` (step 0 uses lr/warmup, never 0,
+    so the first update is not wasted; warmup = ``cfg.effective_warmup_steps``, at most
+    ``steps``). After warmup, a half cosine from ``lr`` down to ``min_lr`` at ``steps``; steps
+    past the end stay at ``min_lr``.
     """
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    warmup = cfg.effective_warmup_steps
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    decay_steps = max(1, cfg.steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 

@@ -40,7 +40,7 @@ _TRAIN_STREAM, _VAL_STREAM = 0, 1
 @dataclass(frozen=True)
 class TrainSummary:
     steps: int                # completed optimizer steps
-    final_train_loss: float   # mean loss of the last step's micro-batches (lm + aux)
+    final_train_loss: float   # mean loss of the last step's micro-batches (lm + aux + mtp)
     val_loss: float           # mean lm loss over the fixed validation batches at the end
     unigram_entropy: float    # corpus unigram entropy (nats/token): the no-context baseline
     tokens_per_s: float       # training tokens per second over this process's steps
@@ -99,19 +99,24 @@ def step_batches(ids: Any, tc: Any, step: int, groups: Any = None) -> list:
 @dataclass(frozen=True)
 class StepStats:
     """One optimizer step, the same on every rank: losses averaged over the step's micro-batches
-    and DP ranks, the global grad norm (before clipping), per-layer expert counts; ``moe``:
-    the per-layer load statistics and router losses (moeplug.observability.moe_metrics)."""
+    and DP ranks (loss = lm_loss + aux_loss + mtp_loss; mtp_loss None without MTP layers), the
+    global grad norm (before clipping), per-layer expert counts; ``moe``: the per-layer load
+    statistics and router losses (moeplug.observability.moe_metrics)."""
 
     loss: float
     lm_loss: float
     aux_loss: float
+    mtp_loss: float | None
     grad_norm: float
     expert_counts: list
     moe: dict | None = None
 
     def losses(self) -> dict[str, float]:
         """The loss terms of this step's ``train`` record in metrics.jsonl."""
-        return {"loss": self.loss, "lm_loss": self.lm_loss, "aux_loss": self.aux_loss}
+        terms = {"loss": self.loss, "lm_loss": self.lm_loss, "aux_loss": self.aux_loss}
+        if self.mtp_loss is not None:  # every term of the loss is logged
+            terms["mtp_loss"] = self.mtp_loss
+        return terms
 
 
 def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: Any,
@@ -133,10 +138,12 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
         # on a shard of the shard).
         res = forward_backward_pipeline(chunks, micro_batches, groups,
                                         autocast=lambda: precision.autocast(device_type))
-        sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss)]
+        has_mtp = res.mtp_loss is not None
+        sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss),
+                float(0.0 if res.mtp_loss is None else res.mtp_loss)]
         counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
     else:
-        sums, counts_per_layer = [0.0, 0.0, 0.0], []
+        sums, counts_per_layer = [0.0, 0.0, 0.0, 0.0], []
         for tokens_BS, targets_BS in micro_batches:
             tokens_BS, targets_BS = D.local_sequence(tokens_BS, targets_BS, groups)  # CP shard
             with precision.autocast(device_type):  # the precision plugin picks the dtype
@@ -144,7 +151,9 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
             # Grad accumulation: divide so the summed grads equal the micro-batch mean.
             with stage("backward"):
                 (out.loss / num_micro).backward()
-            for i, v in enumerate((out.loss, out.lm_loss, out.aux_loss)):
+            has_mtp = out.mtp_loss is not None
+            mtp = out.lm_loss.new_zeros(()) if out.mtp_loss is None else out.mtp_loss
+            for i, v in enumerate((out.loss, out.lm_loss, out.aux_loss, mtp)):
                 sums[i] += float(v.detach()) / num_micro
             micro_counts = [c.detach().cpu() for c in out.expert_counts]
             counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
@@ -181,7 +190,8 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     with stage("comm_wait"):
         # Router losses and dropped fractions: averaged over the stage's ranks; counts: summed.
         moe = D.mean_router_metrics(moe, groups)
-    return StepStats(*sums, grad_norm=grad_norm, expert_counts=expert_counts, moe=moe)
+    return StepStats(*sums[:3], sums[3] if has_mtp else None, grad_norm=grad_norm,
+                     expert_counts=expert_counts, moe=moe)
 
 
 def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:
@@ -231,7 +241,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     val_batches = D.to_device([get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
                                for _ in range(tc.eval_batches)], device)
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
-    writer = MetricsWriter(metrics_path, append=bool(resume_from)) if main_rank else None
+    # Append, never truncate: the CLI refuses a used run directory unless told to resume it
+    # (the records continue) or to overwrite it (it clears the old run first).
+    writer = MetricsWriter(metrics_path, append=True) if main_rank else None
     tensorboard = None
     if main_rank and tc.tensorboard:
         from moeplug.observability.tensorboard import TensorBoardWriter
@@ -253,6 +265,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     log(f"{num_params / 1e6:.2f}M parameters{' on rank 0' if groups else ''}, "
         f"{tokens_per_step} tokens/step on {device}, measured GEMM peak {peak:.3f} TFLOP/s"
         f"{f' over {world} ranks' if groups else ''}; plugins {plugin_names}")
+    if tc.effective_warmup_steps < tc.warmup_steps:
+        log(f"note: train.warmup_steps = {tc.warmup_steps} exceeds train.steps = {tc.steps}; "
+            f"warming up over all {tc.steps} steps")
     progress = Progress(tc.steps, start_step, log, use_bar)
 
     def checkpoint(step: int) -> str:
