@@ -85,6 +85,7 @@ class Options:
     offload: tuple = ()
     a2a_overlap: bool = False
     dispatcher: str = "flex"          # "flex" (token-based DeepEP/HybridEP) or "alltoall"
+    route_groups: int = 0            # group-limited routing: expert groups per token (0: top_k)
     distributed_optimizer: bool = True
     bf16_moments: bool = False
     param_bytes: int = 2             # weights as trained (fp32 CPU runs: 4)

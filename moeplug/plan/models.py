@@ -56,6 +56,13 @@ def model_config(name: str) -> ModelConfig:
                       f"{', '.join(model_names())}")
 
 
+def route_groups(name: str) -> int:
+    """Expert groups a token may use (DeepSeek's group-limited routing), 0 when unlimited."""
+    from moeplug.presets import PRESETS
+    opts = PRESETS.get(name, {}).get("plugins", {}).get("router_options", {})
+    return int(opts.get("group_topk", 0)) if opts.get("num_groups") else 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Row:
     """One published throughput row: model, system, mapping, switches and the target."""
