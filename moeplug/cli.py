@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     add_plot_parsers(sub)
     from moeplug.generate import add_generate_parser
     add_generate_parser(sub)
+    from moeplug.plan.cli import add_plan_parser
+    add_plan_parser(sub)
     return p
 
 
@@ -205,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             from moeplug.generate import cmd_generate
             return cmd_generate(args)
+        if args.command == "plan":
+            from moeplug.plan.cli import cmd_plan
+            return cmd_plan(args)
     except ConfigError as e:
         print(f"moeplug: configuration error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -248,10 +248,11 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int) -> Memo
     acts: dict[str, float] = {}
     held = inflight(mp, rank)
     layers = stage_layers(cfg, mp.pp)[rank]
-    for moe in layers:
-        for k, v in layer_activations(cfg, moe, mp, opt).items():
+    for moe in (False, True):
+        count = sum(1 for x in layers if x == moe)
+        for k, v in (layer_activations(cfg, moe, mp, opt).items() if count else ()):
             # Offloaded tensors stay on the device for the layer being computed only.
-            mult = 1.0 / max(len(layers), 1) if k in opt.offload else held
+            mult = count / len(layers) if k in opt.offload else count * held
             acts[k] = acts.get(k, 0.0) + v * mult
     tok = mp.mbs * mp.seq / mp.cp
     if rank == mp.pp - 1:  # fp32 logits saved by the cross-entropy, one micro-batch at a time

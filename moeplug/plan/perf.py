@@ -142,19 +142,23 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
     tok = mp.mbs * mp.seq / mp.cp
     rc = set(opt.recompute)
     gemm = core = mem = a2a = tp = 0.0
-    for moe in stage_layers(cfg, mp.pp)[rank]:
+    layers = stage_layers(cfg, mp.pp)[rank]
+    for moe in (False, True):  # each layer kind once, times how many the stage holds
+        count = sum(1 for x in layers if x == moe)
+        if not count:
+            continue
         lin, core_macs, ffn = _layer_macs(cfg, moe)
         extra, rerun_moe = _recompute_macs(cfg, moe, rc)
-        gemm += 2 * tok * (3 * lin + extra + 3 * ffn) / mp.tp
-        core += 2 * tok * mp.seq * core_macs / mp.tp  # forward FLOPs; backward is twice
+        gemm += count * 2 * tok * (3 * lin + extra + 3 * ffn) / mp.tp
+        core += count * 2 * tok * mp.seq * core_macs / mp.tp  # forward; backward is twice
         saved = sum(layer_activations(cfg, moe, mp, opt).values())
-        mem += MEMORY_PASSES * saved / (c.hbm_tbps * 1e12)
+        mem += count * MEMORY_PASSES * saved / (c.hbm_tbps * 1e12)
         if moe:
-            a2a += (4 + 2 * rerun_moe) * a2a_seconds(cfg, mp, opt, c)
+            a2a += count * (4 + 2 * rerun_moe) * a2a_seconds(cfg, mp, opt, c)
         if mp.tp > 1:
             nbytes = tok * cfg.hidden_size * opt.act_bytes * (mp.tp - 1) / mp.tp
-            tp += _collective(4 * nbytes * (1 if moe else 2), 4 * (1 if moe else 2),
-                              c.nvlink_gbps, c)
+            calls = 4 * (1 if moe else 2)
+            tp += count * _collective(calls * nbytes, calls, c.nvlink_gbps, c)
     h, V = cfg.hidden_size, cfg.vocab_size
     if rank == mp.pp - 1:
         gemm += 2 * 3 * tok * (h * V * (1 + cfg.mtp_num_layers)
@@ -175,7 +179,7 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
         pp = _collective(2 * mp.vpp * tok / mp.tp * h * opt.act_bytes, 2 * mp.vpp,
                          c.inter_gbps if c.gpus_per_node < mp.tp * mp.cp * 2 else c.nvlink_gbps,
                          c)
-    launch = overhead * len(stage_layers(cfg, mp.pp)[rank])
+    launch = overhead * len(layers)
     return {"gemm": gemm_s, "attention": attn, "memory_bound": mem, "overhead": launch,
             "all_to_all": a2a, "tp_comm": tp, "pp_comm": pp}
 
