@@ -45,7 +45,7 @@ def loss(rows, constants: dict) -> float:
     return sum(math.log(predict(r, constants).tflops_per_gpu / target(r)) ** 2 for r in rows)
 
 
-def fit(rows, start: dict | None = None, sweeps: int = 4) -> dict:
+def fit(rows, start: dict | None = None, sweeps: int = 15) -> dict:
     k = dict(start or perf.CONSTANTS)
     for _ in range(sweeps):
         for name, (lo, hi) in BOUNDS.items():

@@ -63,6 +63,9 @@ def _inputs(args: argparse.Namespace):
         from moeplug.config import load_config
         root = load_config(args.config)
         par, tr = root.parallel, root.train
+        if tr.threads:  # "this CPU" is measured with the threads the run would use
+            import torch
+            torch.set_num_threads(tr.threads)
         world = par.tp * par.cp * par.pp * (par.dp or 1)
         fields = dict(tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, etp=par.etp, vpp=par.vpp,
                       mbs=tr.micro_batch_size, seq=tr.seq_len,
@@ -73,7 +76,7 @@ def _inputs(args: argparse.Namespace):
                     else "alltoall", param_bytes=4 if prec == "fp32" else 2)
         cfg = root.model
         if not cfg.vocab_size:
-            from moeplug.data.corpus import prepare_corpus
+            from moeplug.data import prepare_corpus
             cfg = _with_vocab(cfg, prepare_corpus(root.data).vocab_size)
         return cfg, fields, opts, world
     return model_config(args.preset or "deepseek_v3"), {}, {}, None

@@ -10,14 +10,15 @@ from moeplug.plan.search import Candidate
 
 
 def memory_text(mem: MemoryBreakdown, limit_gb: float) -> str:
-    lines = [f"per-rank memory (pipeline stage {mem.rank}, the largest), GB:",
-             f"  weights + grads      {mem.weights_grads / GB:8.1f}",
-             f"  optimizer            {mem.optimizer / GB:8.1f}",
-             f"  activations          {mem.activations_total / GB:8.1f}"]
+    unit, div = ("GB", GB) if mem.total >= GB else ("MB", 1e6)
+    lines = [f"per-rank memory (pipeline stage {mem.rank}, the largest), {unit}:",
+             f"  weights + grads      {mem.weights_grads / div:8.1f}",
+             f"  optimizer            {mem.optimizer / div:8.1f}",
+             f"  activations          {mem.activations_total / div:8.1f}"]
     for k, v in sorted(mem.activations.items(), key=lambda kv: -kv[1]):
-        lines.append(f"    {k:<18} {v / GB:8.1f}")
-    lines += [f"  comm buffers         {mem.comm_buffers / GB:8.1f}",
-              f"  total                {mem.total / GB:8.1f}  (device {limit_gb:.0f} GB)"]
+        lines.append(f"    {k:<18} {v / div:8.1f}")
+    lines += [f"  comm buffers         {mem.comm_buffers / div:8.1f}",
+              f"  total                {mem.total / div:8.1f}  (device {limit_gb:.0f} GB)"]
     return "\n".join(lines)
 
 
