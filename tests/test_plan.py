@@ -150,3 +150,70 @@ def test_cli_bad_input_exits_2_naming_the_field_and_fix(run_cli, args, field):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert field in r.stderr and "Fix:" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ moeplug's own CPU runs
+
+CPU_MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
+             "max_seq_len": 256, "first_k_dense": 1, "dense_ffn_hidden_size": 512,
+             "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 256}}
+# name -> (ranks, parallel section, micro-batch). moeplug has no recompute or activation
+# offload to switch, so the matrix varies batch and layout.
+CPU_MATRIX = {"single_mbs8": (1, {}, 8), "single_mbs16": (1, {}, 16),
+              "ep2_gloo": (2, {"ep": 2}, 8), "tp2_gloo": (2, {"tp": 2}, 8)}
+
+
+def _cpu_prediction(path: str, world: int):
+    from moeplug.plan.cli import config_inputs
+    from moeplug.plan.cluster import cpu_cluster
+    cfg, fields, opts, _ = config_inputs(path)
+    seq, per_dp = fields.pop("seq"), fields.pop("gbs_per_dp")
+    mp = Mapping(world=world, seq=seq, **fields)
+    mp = Mapping(world=world, seq=seq, gbs=per_dp * mp.dp, **fields)
+    import torch
+    torch.set_num_threads(1)  # what each rank runs with (train.threads / OMP_NUM_THREADS=1)
+    c = cpu_cluster(world)
+    o = Options(**opts)
+    return peak_memory(cfg, mp, o).total, perf.step_time(cfg, mp, o, c).total
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "the plan misses moeplug's eager CPU runs (2026-11-23, shared 2-core machine, predicted/"
+    "measured memory 0.64 / 0.57 / 0.24 / 0.47 and step time 0.67 / 0.43 / 0.23 / 0.23 for "
+    "single mbs8 / single mbs16 / EP2 gloo / TP2 gloo): eager PyTorch saves more than the "
+    "fused-kernel accounting (unfused norms, RoPE copies, the unpermute's expert rows: "
+    "~1.2x by saved-tensor count), backward temporaries add to the peak, small GEMMs run "
+    "below the 512^2 matmul peak, and gloo over loopback is far slower than its constant. "
+    "Kept at the issue's tolerances (strict: it fails once it holds)"))
+def test_cpu_runs_match_the_plan(tiny_corpus, cache_dir, tmp_path, cli_env):
+    """Predicted step time within 20 % and peak memory within 10 % of measured moeplug CPU runs
+    (moeplug.plan.measure: RSS delta around the run, the trainer's own step time), the "cpu"
+    cluster calibrated in this same test. Prints every ratio."""
+    import yaml
+    ratios, failures = {}, []
+    for name, (world, par, mbs) in CPU_MATRIX.items():
+        out = tmp_path / name
+        cfg = {"model": CPU_MODEL, "data": {"corpus": tiny_corpus, "tokenizer": "bytes",
+                                            "val_works": ["val_text"], "cache_dir": cache_dir},
+               "train": {"steps": 8, "micro_batch_size": mbs, "seq_len": 256,
+                         "warmup_steps": 2, "eval_interval": 0, "log_interval": 4,
+                         "out_dir": str(out), "threads": 1, "time_breakdown": False},
+               "parallel": par}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={world}"] if world > 1 else [sys.executable]
+        env = dict(cli_env, OMP_NUM_THREADS="1")
+        r = subprocess.run([*head, "-m", "moeplug.plan.measure", str(path)], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = [json.loads((out / f"measured_rank{k}.json").read_text()) for k in range(world)]
+        mem, step = _cpu_prediction(str(path), world)
+        ratios[name] = (mem / max(g["rss_delta"] for g in got),
+                        step / max(g["step_s"] for g in got))
+        print(f"{name}: predicted/measured memory {ratios[name][0]:.2f}, "
+              f"step time {ratios[name][1]:.2f}")
+        if abs(ratios[name][0] - 1) > 0.10 or abs(ratios[name][1] - 1) > 0.20:
+            failures.append(name)
+    assert not failures, f"outside 10 % memory / 20 % time: {failures}; ratios {ratios}"

@@ -60,31 +60,34 @@ def _inputs(args: argparse.Namespace):
     """(model config, mapping fields from the config or {}, options overrides, world)."""
     from moeplug.plan.models import model_config
     if args.config:
-        from moeplug.config import load_config
-        root = load_config(args.config)
-        par, tr = root.parallel, root.train
-        if tr.threads:  # "this CPU" is measured with the threads the run would use
-            import torch
-            torch.set_num_threads(tr.threads)
-        world = par.tp * par.cp * par.pp * (par.dp or 1)
-        fields = dict(tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, etp=par.etp, vpp=par.vpp,
-                      mbs=tr.micro_batch_size, seq=tr.seq_len,
-                      gbs=tr.micro_batch_size * tr.grad_accum_steps * (par.dp or 1))
-        prec = "fp32" if root.plugins.precision == "fp32" else "bf16"
-        opts = dict(precision=prec, distributed_optimizer=par.distributed_optimizer,
-                    dispatcher="allgather" if root.plugins.dispatcher == "allgather"
-                    else "alltoall", param_bytes=4 if prec == "fp32" else 2)
-        cfg = root.model
-        if not cfg.vocab_size:
-            from moeplug.data import prepare_corpus
-            cfg = _with_vocab(cfg, prepare_corpus(root.data).vocab_size)
-        return cfg, fields, opts, world
+        return config_inputs(args.config)
     return model_config(args.preset or "deepseek_v3"), {}, {}, None
 
 
-def _with_vocab(cfg, vocab: int):
-    import dataclasses
-    return dataclasses.replace(cfg, vocab_size=vocab)
+def config_inputs(path: str):
+    """What a YAML config says for the planner: (model config with its vocabulary, mapping
+    fields, Options fields, world size or None when its dp is derived)."""
+    from moeplug.config import load_config
+    root = load_config(path)
+    par, tr = root.parallel, root.train
+    if tr.threads:  # "this CPU" is measured with the threads the run would use
+        import torch
+        torch.set_num_threads(tr.threads)
+    world = par.tp * par.cp * par.pp * par.dp if par.dp else None
+    fields = dict(tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, etp=par.etp, vpp=par.vpp,
+                  mbs=tr.micro_batch_size, seq=tr.seq_len,
+                  gbs_per_dp=tr.micro_batch_size * tr.grad_accum_steps)
+    prec = "fp32" if root.plugins.precision == "fp32" else "bf16"
+    opts = dict(precision=prec, distributed_optimizer=par.distributed_optimizer,
+                dispatcher="allgather" if root.plugins.dispatcher == "allgather" else "alltoall",
+                param_bytes=4 if prec == "fp32" else 2)
+    cfg = root.model
+    if not cfg.vocab_size:  # the tokenizer's vocabulary, as build_model sizes it
+        import dataclasses
+
+        from moeplug.data import prepare_corpus
+        cfg = dataclasses.replace(cfg, vocab_size=prepare_corpus(root.data).vocab_size)
+    return cfg, fields, opts, world
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -97,6 +100,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg, fields, opts, world = _inputs(args)
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: must be >= 1. Fix: pass the device count")
+    if not (args.gpus or world) and fields:  # the config's layout on its smallest world
+        world = max(fields["tp"] * fields["cp"], fields["ep"] * fields["etp"]) * fields["pp"]
     cluster = get_cluster(args.cluster, args.gpus or world or
                           (1 if args.cluster == "cpu" else None))
     split = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
@@ -119,8 +124,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.mapping or not args.search:
         fields.update(_parse_mapping(args.mapping or ""))
         tp, cp, pp = (fields.get(k, 1) for k in ("tp", "cp", "pp"))
-        gbs = args.gbs or fields.pop("gbs", 0) or 8 * max(1, world // (tp * cp * pp))
-        fields.pop("gbs", None)
+        dp = max(1, world // (tp * cp * pp))
+        gbs = args.gbs or fields.pop("gbs_per_dp", 8) * dp
+        fields.pop("gbs_per_dp", None)
         mp = Mapping(world=world, seq=seq, gbs=gbs, **fields)
         cand = evaluate(cfg, mp, opt, cluster)
         print(f"mapping {mp.short()}  DP{mp.dp} EDP{mp.edp}  GBS {mp.gbs} "

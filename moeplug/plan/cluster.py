@@ -8,7 +8,7 @@ Datasheet numbers (dense, no sparsity), per GPU:
                72-GPU NVLink domain (NVL72), 4 GPUs per node, 400 Gb/s per GPU off the rack
     GB300      same BF16/FP8 peaks as GB200, 288 GB HBM3e 8 TB/s
 "cpu" is this machine: its peak is a measured fp32 matmul (moeplug.training.flops), its
-"links" are loopback gloo (a measured-order-of-magnitude constant, see CPU_LINK_GBPS).
+"links" are loopback gloo (an order-of-magnitude constant, see CPU_LINK_GBPS).
 
 The efficiency constants live in :mod:`moeplug.plan.perf`, not here: hardware entries stay
 datasheet facts.
@@ -66,21 +66,36 @@ CPU_LATENCY_US = 200.0
 
 def cpu_cluster(num_procs: int = 1, peak_tflops: float | None = None,
                 mem_gb: float | None = None) -> Cluster:
-    """"This CPU", calibrated by a short fp32 matmul (:func:`measure_peak_tflops`).
-
-    ``peak_tflops`` is the whole machine's; with N processes sharing it each gets 1/N.
-    """
+    """"This CPU", calibrated by a short fp32 matmul (:func:`measure_peak_tflops`) with the
+    intra-op threads torch has now, i.e. one process's peak (each rank of a run brings its
+    own threads: ``train.threads``, or OMP_NUM_THREADS=1 under ``--nproc``)."""
     if peak_tflops is None:
         from moeplug.training.flops import measure_peak_tflops
         peak_tflops = measure_peak_tflops(budget_s=0.3)
     if mem_gb is None:
         import os
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    per = peak_tflops / num_procs
+    per = peak_tflops
     return Cluster(name="cpu", peak_tflops={"fp32": per, "bf16": per}, hbm_gb=mem_gb / num_procs,
-                   hbm_tbps=0.01, nvlink_gbps=CPU_LINK_GBPS, inter_gbps=CPU_LINK_GBPS,
+                   hbm_tbps=measure_copy_tbps(), nvlink_gbps=CPU_LINK_GBPS, inter_gbps=CPU_LINK_GBPS,
                    nvlink_domain=max(num_procs, 1), gpus_per_node=max(num_procs, 1),
                    num_gpus=num_procs, latency_us=CPU_LATENCY_US, generation="cpu")
+
+
+def measure_copy_tbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Best-of-``repeats`` TB/s of a ``nbytes`` tensor copy (read + write) with torch's threads:
+    the bandwidth the bandwidth-bound ops of a CPU run see."""
+    import time
+
+    import torch
+    a = torch.ones(nbytes // 4)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best / 1e12
 
 
 def get_cluster(name: str, num_gpus: int | None = None) -> Cluster:
