@@ -4,10 +4,8 @@ and against moeplug's own measured CPU runs (slow)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -168,8 +166,8 @@ def _cpu_prediction(path: str, world: int):
     from moeplug.plan.cluster import cpu_cluster
     cfg, fields, opts, _ = config_inputs(path)
     seq, per_dp = fields.pop("seq"), fields.pop("gbs_per_dp")
-    mp = Mapping(world=world, seq=seq, **fields)
-    mp = Mapping(world=world, seq=seq, gbs=per_dp * mp.dp, **fields)
+    dp = world // (fields["tp"] * fields["cp"] * fields["pp"])
+    mp = Mapping(world=world, seq=seq, gbs=per_dp * dp, **fields)
     import torch
     torch.set_num_threads(1)  # what each rank runs with (train.threads / OMP_NUM_THREADS=1)
     c = cpu_cluster(world)

@@ -77,7 +77,8 @@ def cpu_cluster(num_procs: int = 1, peak_tflops: float | None = None,
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     per = peak_tflops
     return Cluster(name="cpu", peak_tflops={"fp32": per, "bf16": per}, hbm_gb=mem_gb / num_procs,
-                   hbm_tbps=measure_copy_tbps(), nvlink_gbps=CPU_LINK_GBPS, inter_gbps=CPU_LINK_GBPS,
+                   hbm_tbps=measure_copy_tbps(), nvlink_gbps=CPU_LINK_GBPS,
+                   inter_gbps=CPU_LINK_GBPS,
                    nvlink_domain=max(num_procs, 1), gpus_per_node=max(num_procs, 1),
                    num_gpus=num_procs, latency_us=CPU_LATENCY_US, generation="cpu")
 

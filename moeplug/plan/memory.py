@@ -16,7 +16,6 @@ offloaded tensors stay on the device for one layer only.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from moeplug.config import GATED_ACTIVATIONS, ConfigError, ModelConfig
@@ -281,6 +280,6 @@ def check_model(cfg: ModelConfig, mp: Mapping) -> None:
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                    num_layers=mp.pp * mp.vpp, vpp=mp.vpp, ffn_hidden_size=cfg.moe.ffn_hidden_size,
                    seq_len=mp.seq)
-    if math.ceil(cfg.num_layers / (mp.pp * mp.vpp)) < 1 or cfg.num_layers < mp.pp * mp.vpp:
+    if cfg.num_layers < mp.pp * mp.vpp:
         raise ConfigError(f"mapping pp·vpp = {mp.pp * mp.vpp} exceeds num_layers "
                           f"{cfg.num_layers}. Fix: lower pp or vpp")
