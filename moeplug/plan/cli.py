@@ -81,6 +81,9 @@ def config_inputs(path: str):
     opts = dict(precision=prec, distributed_optimizer=par.distributed_optimizer,
                 dispatcher="allgather" if root.plugins.dispatcher == "allgather" else "alltoall",
                 param_bytes=4 if prec == "fp32" else 2)
+    router = root.plugins.router_options
+    if router.get("num_groups"):  # group-limited routing bounds the nodes a token reaches
+        opts["route_groups"] = int(router.get("group_topk", 0))
     cfg = root.model
     if not cfg.vocab_size:  # the tokenizer's vocabulary, as build_model sizes it
         import dataclasses
@@ -111,9 +114,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     opts.setdefault("dispatcher", args.dispatcher)
     if cluster.name == "cpu":
         opts.setdefault("param_bytes", 4)
+    opts.setdefault("route_groups", route_groups(args.preset or ""))
     opt = Options(precision=precision, recompute=split(args.recompute),
-                  offload=split(args.offload), a2a_overlap=args.a2a_overlap,
-                  route_groups=route_groups(args.preset or ""), **opts)
+                  offload=split(args.offload), a2a_overlap=args.a2a_overlap, **opts)
     cluster.peak(precision)  # a precision this cluster has no peak for fails here
     seq = args.seq or fields.pop("seq", 4096)
     fields.pop("seq", None)
