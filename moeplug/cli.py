@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     add_plot_parsers(sub)
     from moeplug.generate import add_generate_parser
     add_generate_parser(sub)
+    from moeplug.plan.cli import add_plan_parser
+    add_plan_parser(sub)
     return p
 
 
@@ -276,6 +278,9 @@ def _run(argv: list[str]) -> int:
         if args.command == "generate":
             from moeplug.generate import cmd_generate
             return cmd_generate(args)
+        if args.command == "plan":
+            from moeplug.plan.cli import cmd_plan
+            return cmd_plan(args)
     except ConfigError as e:
         for error in e.errors or [str(e)]:  # one line each, all of this command's problems
             print(f"moeplug: configuration error: {error}", file=sys.stderr)

@@ -1,0 +1,63 @@
+"""The published rows as planner inputs, and the one global fit of perf.CONSTANTS.
+
+``fit`` minimises the summed squared log error of predicted vs published TFLOP/s over *all*
+rows at once (coordinate descent, golden-section per constant, within physical bounds), so no
+row gets a constant of its own; rows that still miss are reported, not tuned away.
+"""
+
+from __future__ import annotations
+
+import math
+
+from moeplug.plan import perf
+from moeplug.plan.cluster import get_cluster
+from moeplug.plan.memory import Mapping, Options
+from moeplug.plan.models import Row, model_config, route_groups
+
+# Physical bounds of each constant (GEMM efficiency of BF16 peak, FP8 speed-up over BF16,
+# microseconds per layer and micro-batch).
+BOUNDS = {"eff_hopper": (0.3, 0.9), "eff_blackwell": (0.3, 0.9), "fp8_speedup": (1.0, 2.0),
+          "layer_overhead_us": (0.0, 3000.0)}
+
+
+def row_inputs(row: Row):
+    """(model config, mapping, options, cluster) of a published row."""
+    cfg = model_config(row.model)
+    mp = Mapping(world=row.gpus, tp=row.tp, cp=row.cp, pp=row.pp, ep=row.ep, vpp=row.vpp,
+                 mbs=row.mbs, gbs=row.gbs, seq=row.seq)
+    opt = Options(precision=row.precision, recompute=row.recompute, offload=row.offload,
+                  a2a_overlap=row.a2a_overlap, dispatcher=row.dispatcher,
+                  route_groups=route_groups(row.model))
+    return cfg, mp, opt, get_cluster(row.cluster, row.gpus)
+
+
+def target(row: Row) -> float:
+    """Published TFLOP/s per GPU (an MFU row times its BF16 peak)."""
+    return row.tflops or row.mfu * get_cluster(row.cluster).peak("bf16")
+
+
+def predict(row: Row, constants: dict | None = None) -> perf.StepTime:
+    cfg, mp, opt, c = row_inputs(row)
+    return perf.step_time(cfg, mp, opt, c, constants)
+
+
+def loss(rows, constants: dict) -> float:
+    return sum(math.log(predict(r, constants).tflops_per_gpu / target(r)) ** 2 for r in rows)
+
+
+def fit(rows, start: dict | None = None, sweeps: int = 15) -> dict:
+    k = dict(start or perf.CONSTANTS)
+    for _ in range(sweeps):
+        for name, (lo, hi) in BOUNDS.items():
+            def f(x: float) -> float:
+                return loss(rows, {**k, name: x})
+            a, b = lo, hi
+            g = (math.sqrt(5) - 1) / 2
+            for _ in range(30):
+                c, d = b - g * (b - a), a + g * (b - a)
+                if f(c) < f(d):
+                    b = d
+                else:
+                    a = c
+            k[name] = (a + b) / 2
+    return k

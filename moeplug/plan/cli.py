@@ -1,0 +1,152 @@
+"""``moeplug plan``: per-rank memory, step time and TFLOP/s of a mapping, or the best mappings.
+
+    moeplug plan --preset deepseek_v3 --cluster gb200 --gpus 256 --mapping tp=1,ep=64,pp=4,vpp=4
+    moeplug plan --preset qwen3_235b --cluster h100 --gpus 256 --search --out search.png
+    moeplug plan --config run.yaml --cluster cpu      # the config's model, parallel and batch
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from moeplug.config import ConfigError
+
+MAPPING_KEYS = ("tp", "cp", "pp", "ep", "etp", "vpp", "mbs")
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="predict per-rank memory and step time of a parallel "
+                       "mapping, or search the mappings that fit")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", metavar="NAME", help="model: a preset or a planner model "
+                     "(qwen3_235b, mixtral_8x22b, qwen2_57b)")
+    src.add_argument("--config", metavar="FILE", help="YAML config: its model, and (without "
+                     "--mapping) its parallel section and batch")
+    p.add_argument("--cluster", default="h100", help="h100, h200, gb200, gb300 or cpu "
+                   "(this machine, measured now); default h100")
+    p.add_argument("--gpus", type=int, metavar="N", help="device count (default: one node, "
+                   "or the config's world)")
+    p.add_argument("--mapping", metavar="K=V,..", help=f"keys {', '.join(MAPPING_KEYS)}; "
+                   "e.g. tp=2,ep=8,pp=4,vpp=2")
+    p.add_argument("--search", action="store_true", help="rank every valid mapping")
+    p.add_argument("--gbs", type=int, metavar="N", help="global batch in sequences "
+                   "(default: 8 per data-parallel rank ... the config's)")
+    p.add_argument("--seq", type=int, metavar="N", help="sequence length (default 4096)")
+    p.add_argument("--precision", default=None, help="GEMM precision: bf16 (default on GPUs), "
+                   "fp8, fp32 (default on cpu)")
+    p.add_argument("--recompute", default="", metavar="M,..", help="recomputed modules "
+                   "(Megatron recompute_modules: layernorm, mla_up_proj, moe_act, mlp, moe, ...)")
+    p.add_argument("--offload", default="", metavar="M,..", help="offloaded activations "
+                   "(expert_fc1, moe_act, ...)")
+    p.add_argument("--dispatcher", default="flex", help="flex (DeepEP/HybridEP) or alltoall")
+    p.add_argument("--a2a-overlap", action="store_true", help="combined-1F1B EP overlap")
+    p.add_argument("--out", metavar="PNG", help="with --search: plot of the search")
+
+
+def _parse_mapping(text: str) -> dict:
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in MAPPING_KEYS or not value.strip().isdigit():
+            raise ConfigError(f"--mapping {text!r}: bad item {item!r}. Fix: write "
+                              f"key=integer pairs with keys {', '.join(MAPPING_KEYS)}, "
+                              "e.g. --mapping tp=2,ep=8,pp=4")
+        out[key] = int(value)
+    return out
+
+
+def _inputs(args: argparse.Namespace):
+    """(model config, mapping fields from the config or {}, options overrides, world)."""
+    from moeplug.plan.models import model_config
+    if args.config:
+        return config_inputs(args.config)
+    return model_config(args.preset or "deepseek_v3"), {}, {}, None
+
+
+def config_inputs(path: str):
+    """What a YAML config says for the planner: (model config with its vocabulary, mapping
+    fields, Options fields, world size or None when its dp is derived)."""
+    from moeplug.config import load_config
+    root = load_config(path)
+    par, tr = root.parallel, root.train
+    if tr.threads:  # "this CPU" is measured with the threads the run would use
+        import torch
+        torch.set_num_threads(tr.threads)
+    world = par.tp * par.cp * par.pp * par.dp if par.dp else None
+    fields = dict(tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, etp=par.etp, vpp=par.vpp,
+                  mbs=tr.micro_batch_size, seq=tr.seq_len,
+                  gbs_per_dp=tr.micro_batch_size * tr.grad_accum_steps)
+    prec = "fp32" if root.plugins.precision == "fp32" else "bf16"
+    opts = dict(precision=prec, distributed_optimizer=par.distributed_optimizer,
+                dispatcher="allgather" if root.plugins.dispatcher == "allgather" else "alltoall",
+                param_bytes=4 if prec == "fp32" else 2)
+    router = root.plugins.router_options
+    if router.get("num_groups"):  # group-limited routing bounds the nodes a token reaches
+        opts["route_groups"] = int(router.get("group_topk", 0))
+    cfg = root.model
+    if not cfg.vocab_size:  # the tokenizer's vocabulary, as build_model sizes it
+        import dataclasses
+
+        from moeplug.data import prepare_corpus
+        cfg = dataclasses.replace(cfg, vocab_size=prepare_corpus(root.data).vocab_size)
+    return cfg, fields, opts, world
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from moeplug.plan import report
+    from moeplug.plan.cluster import get_cluster
+    from moeplug.plan.memory import GB, Mapping, Options
+    from moeplug.plan.models import route_groups
+    from moeplug.plan.search import evaluate, search
+
+    cfg, fields, opts, world = _inputs(args)
+    if args.gpus is not None and args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: must be >= 1. Fix: pass the device count")
+    if not (args.gpus or world) and fields:  # the config's layout on its smallest world
+        world = max(fields["tp"] * fields["cp"], fields["ep"] * fields["etp"]) * fields["pp"]
+    cluster = get_cluster(args.cluster, args.gpus or world or
+                          (1 if args.cluster == "cpu" else None))
+    split = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
+    precision = args.precision or opts.pop("precision", None) or \
+        ("fp32" if cluster.name == "cpu" else "bf16")
+    opts.pop("precision", None)
+    opts.setdefault("dispatcher", args.dispatcher)
+    if cluster.name == "cpu":
+        opts.setdefault("param_bytes", 4)
+    opts.setdefault("route_groups", route_groups(args.preset or ""))
+    opt = Options(precision=precision, recompute=split(args.recompute),
+                  offload=split(args.offload), a2a_overlap=args.a2a_overlap, **opts)
+    cluster.peak(precision)  # a precision this cluster has no peak for fails here
+    seq = args.seq or fields.pop("seq", 4096)
+    fields.pop("seq", None)
+    world = cluster.num_gpus
+    name = args.preset or args.config
+    print(f"moeplug plan: {name} on {world} x {cluster.name} ({cluster.hbm_gb:.0f} GB, "
+          f"{precision}), seq {seq}")
+    if args.mapping or not args.search:
+        fields.update(_parse_mapping(args.mapping or ""))
+        tp, cp, pp = (fields.get(k, 1) for k in ("tp", "cp", "pp"))
+        dp = max(1, world // (tp * cp * pp))
+        gbs = args.gbs or fields.pop("gbs_per_dp", 8) * dp
+        fields.pop("gbs_per_dp", None)
+        mp = Mapping(world=world, seq=seq, gbs=gbs, **fields)
+        cand = evaluate(cfg, mp, opt, cluster)
+        print(f"mapping {mp.short()}  DP{mp.dp} EDP{mp.edp}  GBS {mp.gbs} "
+              f"({mp.microbatches} micro-batches per DP rank)")
+        print(report.memory_text(cand.memory, cluster.hbm_gb))
+        print(report.step_text(cand.step))
+        if not cand.fits:
+            print(f"does NOT fit: {cand.memory.total / GB:.1f} GB > {cand.limit / GB:.1f} GB "
+                  "(90 % of the device)")
+    if args.search:
+        gbs = args.gbs or 8 * world
+        cands = search(cfg, opt, cluster, gbs=gbs, seq=seq)
+        print(f"search: GBS {gbs}, memory limit {cluster.hbm_gb * 0.9:.0f} GB per rank")
+        print(report.search_table(cands))
+        if args.out and report.search_png(cands, args.out, f"{name} on {world} x "
+                                          f"{cluster.name}, GBS {gbs}"):
+            print(f"plot: {args.out}")
+    elif args.out:
+        raise ConfigError(f"--out {args.out}: the PNG plots a search. Fix: add --search")
+    return 0

@@ -1,0 +1,285 @@
+"""Per-rank memory: weights, gradients, optimizer state, activations per module, comm buffers.
+
+Conventions (Megatron-Core with the distributed optimizer, what P26 Table 3 assumes):
+    weights BF16 (2 B) + main gradients FP32 (4 B) = 6 B per parameter on its rank;
+    FP32 master weights + Adam moments = 12 B per parameter (8 with BF16 moments), sharded
+    ZeRO-1 style over DP x CP (dense parameters) and over EDP (expert parameters).
+Activations are the tensors autograd saves for backward, per transformer layer and per token
+(:func:`layer_activations`), in BF16 (2 B; FP8 runs keep linear-layer inputs in 1 B), with the
+routing weights applied inside the activation (Megatron's memory-efficient permutation and
+moeplug's fused weighted SwiGLU), so expert outputs are not saved. A pipeline stage holds the
+activations of its in-flight micro-batches: ``pp - rank`` of them under 1F1B, Megatron's
+interleaved warm-up ``((pp - rank - 1) * 2 + (vpp - 1) * pp + 1) / vpp`` stage-equivalents
+with VPP. Recompute drops the tensors of the named modules (Megatron ``recompute_modules``);
+offloaded tensors stay on the device for one layer only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeplug.config import GATED_ACTIVATIONS, ConfigError, ModelConfig
+from moeplug.modules.flops import attention_macs
+
+GB = 1e9
+RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "core_attn", "moe_act", "mlp", "moe",
+                     "shared_experts")
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
+                   "expert_fc1", "moe_act")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mapping:
+    """A parallel mapping and the batch it trains (``dp``/``edp`` derive from ``world``)."""
+    world: int
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: int = 1
+    mbs: int = 1
+    gbs: int = 0      # 0: one micro-batch per DP rank
+    seq: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("world", "tp", "cp", "pp", "ep", "etp", "vpp", "mbs", "seq"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"mapping {name}={v!r}: must be a positive integer. "
+                                  f"Fix: write e.g. --mapping tp=1,ep=8,pp=2")
+        if self.world % (self.tp * self.cp * self.pp):
+            raise ConfigError(f"mapping tp·cp·pp = {self.tp * self.cp * self.pp} does not divide "
+                              f"{self.world} GPUs. Fix: choose degrees whose product divides "
+                              "--gpus")
+        if self.world % (self.etp * self.ep * self.pp):
+            raise ConfigError(f"mapping ep={self.ep}: etp·ep·pp = {self.etp * self.ep * self.pp} "
+                              f"does not divide {self.world} GPUs. Fix: choose ep dividing "
+                              f"{self.world // self.pp}")
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        return self.world // (self.etp * self.ep * self.pp)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per DP rank per step."""
+        return max(1, (self.gbs or self.dp * self.mbs) // (self.dp * self.mbs))
+
+    def short(self) -> str:
+        s = f"TP{self.tp} EP{self.ep} PP{self.pp}"
+        return s + (f" CP{self.cp}" if self.cp > 1 else "") + \
+            (f" VPP{self.vpp}" if self.vpp > 1 else "") + \
+            (f" ETP{self.etp}" if self.etp > 1 else "") + f" MBS{self.mbs}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    precision: str = "bf16"          # GEMM precision: bf16, fp8 or fp32 (CPU runs)
+    recompute: tuple = ()
+    offload: tuple = ()
+    a2a_overlap: bool = False
+    dispatcher: str = "flex"          # "flex" (token-based DeepEP/HybridEP) or "alltoall"
+    route_groups: int = 0            # group-limited routing: expert groups per token (0: top_k)
+    distributed_optimizer: bool = True
+    bf16_moments: bool = False
+    param_bytes: int = 2             # weights as trained (fp32 CPU runs: 4)
+    grad_bytes: int = 4              # main gradients
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("bf16", "fp8", "fp32"):
+            raise ConfigError(f"--precision {self.precision!r}: unknown. Fix: use bf16, fp8 or "
+                              "fp32")
+        for name, allowed in (("recompute", RECOMPUTE_MODULES), ("offload", OFFLOAD_MODULES)):
+            bad = [m for m in getattr(self, name) if m not in allowed]
+            if bad:
+                raise ConfigError(f"--{name} {','.join(bad)}: unknown module. Fix: use any of "
+                                  f"{', '.join(allowed)}")
+        if self.dispatcher not in ("flex", "alltoall", "allgather"):
+            raise ConfigError(f"--dispatcher {self.dispatcher!r}: unknown. Fix: use flex, "
+                              "alltoall or allgather")
+
+    @property
+    def act_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+# ---------------------------------------------------------------- parameters
+
+def _gated(cfg: ModelConfig) -> int:
+    return 3 if cfg.moe.activation in GATED_ACTIVATIONS else 2
+
+
+def layer_params(cfg: ModelConfig, moe: bool) -> tuple[float, float]:
+    """(dense, expert) parameters of one layer. Attention projections are reused from the
+    FLOPs count: per token, each projection weight is one multiply-add."""
+    h = cfg.hidden_size
+    attn = attention_macs(cfg)[0] + 2 * h  # projections + the two norms
+    if not moe:
+        return attn + 3 * h * cfg.dense_ffn_hidden_size, 0.0
+    m = cfg.moe
+    g = _gated(cfg)
+    shared = g * h * m.shared_expert_ffn_hidden_size + (h if m.shared_expert_gate else 0)
+    return attn + shared + m.num_experts * h, float(m.num_experts * g * h * m.ffn_hidden_size)
+
+
+def stage_layers(cfg: ModelConfig, pp: int) -> list[list[bool]]:
+    """Per pipeline stage, its layers' MoE flags: as even as possible, earlier stages take the
+    remainder (Megatron-style uneven split; MTP layers ride on the last stage)."""
+    pattern = list(cfg.moe_layer_pattern)
+    base, extra = divmod(len(pattern), pp)
+    out, i = [], 0
+    for r in range(pp):
+        n = base + (1 if r < extra else 0)
+        out.append(pattern[i:i + n])
+        i += n
+    out[-1] = out[-1] + [bool(pattern[-1])] * cfg.mtp_num_layers
+    return out
+
+
+def stage_params(cfg: ModelConfig, mp: Mapping, rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one rank of pipeline stage ``rank``."""
+    h, V = cfg.hidden_size, cfg.vocab_size
+    dense = expert = 0.0
+    for moe in stage_layers(cfg, mp.pp)[rank]:
+        d, e = layer_params(cfg, moe)
+        dense, expert = dense + d, expert + e
+    if rank == 0:
+        dense += V * h                                   # embedding
+    if rank == mp.pp - 1:
+        dense += h + (0 if cfg.tie_embeddings else V * h)  # final norm + output head
+        dense += cfg.mtp_num_layers * (2 * h * h + 3 * h)  # MTP eh_proj + norms
+    return dense / mp.tp, expert / (mp.ep * mp.etp)
+
+
+# ---------------------------------------------------------------- activations
+
+def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options) -> dict:
+    """Bytes one rank saves for backward in one layer for one micro-batch, per module."""
+    h, b = cfg.hidden_size, opt.act_bytes
+    lin = 1 if opt.precision == "fp8" else b      # FP8 keeps linear-layer inputs in one byte
+    tok = mp.mbs * mp.seq / mp.cp                 # tokens of this rank's micro-batch
+    sp = tok / mp.tp                              # sequence-parallel shard (norms, residual)
+    rc = set(opt.recompute)
+    out: dict[str, float] = {}
+
+    def put(name: str, elems_per_token: float, tokens: float, nbytes: int, drop: bool = False):
+        if not drop:
+            out[name] = out.get(name, 0.0) + elems_per_token * tokens * nbytes
+
+    put("attn_norm", h, sp, b)                                  # residual / norm input
+    put("layernorm", h, tok, lin, "layernorm" in rc)            # norm out = QKV input
+    n = cfg.num_heads
+    if cfg.attention == "mla":
+        a = cfg.mla
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        down = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
+        put("mla_down", down + (a.q_lora_rank or 0) + a.kv_lora_rank, tok, lin)
+        put("mla_up_proj", n * (2 * qk + a.v_head_dim) / mp.tp, tok, b, "mla_up_proj" in rc)
+        v = a.v_head_dim
+    else:
+        d = cfg.head_dim
+        put("qkv_linear", (n + 2 * cfg.num_kv_heads) * d / mp.tp, tok, b)
+        v = d
+    put("core_attn", n * v / mp.tp, tok, lin, "core_attn" in rc)  # output = o_proj input
+    put("mlp_norm", h, sp, b)
+    put("layernorm", h, sp if moe else tok, lin, "layernorm" in rc)
+    if not moe:
+        f = cfg.dense_ffn_hidden_size / mp.tp
+        put("mlp", 3 * f, tok, b, "mlp" in rc)                  # fc1 out (2f) + act out (f)
+        return out
+    m = cfg.moe
+    gated = 2 if m.activation in GATED_ACTIVATIONS else 1
+    routed = sp * m.top_k                                       # rows this rank computes
+    drop_moe = "moe" in rc
+    put("router", 2 * m.num_experts, sp, 4, drop_moe)            # fp32 logits + scores
+    put("expert_fc1", h, routed, lin, drop_moe)                  # permuted tokens
+    put("moe_fc1_out", gated * m.ffn_hidden_size / mp.etp, routed, b, drop_moe)
+    put("moe_act", m.ffn_hidden_size / mp.etp, routed, lin, drop_moe or "moe_act" in rc)
+    fs = m.shared_expert_ffn_hidden_size
+    if fs:
+        drop = drop_moe or "shared_experts" in rc
+        put("shared_experts", (gated + 1) * fs, sp, b, drop)
+    return out
+
+
+def inflight(mp: Mapping, rank: int) -> float:
+    """Micro-batches whose activations stage ``rank`` holds at its peak (in whole-stage units)."""
+    m = mp.microbatches
+    if mp.vpp == 1:
+        return float(min(mp.pp - rank, m))
+    chunks = (mp.pp - rank - 1) * 2 + (mp.vpp - 1) * mp.pp + 1
+    return min(chunks, m * mp.vpp) / mp.vpp
+
+
+@dataclass
+class MemoryBreakdown:
+    """One rank's bytes, by part; ``activations`` maps module -> bytes."""
+    rank: int
+    weights_grads: float
+    optimizer: float
+    activations: dict = field(default_factory=dict)
+    comm_buffers: float = 0.0
+
+    @property
+    def activations_total(self) -> float:
+        return sum(self.activations.values())
+
+    @property
+    def total(self) -> float:
+        return self.weights_grads + self.optimizer + self.activations_total + self.comm_buffers
+
+
+def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int) -> MemoryBreakdown:
+    dense, expert = stage_params(cfg, mp, rank)
+    wg = (dense + expert) * (opt.param_bytes + opt.grad_bytes)
+    state = 4 + (4 if opt.bf16_moments else 8)     # master weights + two moments
+    if opt.distributed_optimizer:
+        optim = state * (dense / (mp.dp * mp.cp) + expert / mp.edp)
+    else:
+        optim = state * (dense + expert)
+    if opt.param_bytes == 4:                       # fp32 training: the weights are the master
+        optim -= 4 * (dense + expert) / ((mp.dp * mp.cp) if opt.distributed_optimizer else 1)
+    acts: dict[str, float] = {}
+    held = inflight(mp, rank)
+    layers = stage_layers(cfg, mp.pp)[rank]
+    for moe in (False, True):
+        count = sum(1 for x in layers if x == moe)
+        for k, v in (layer_activations(cfg, moe, mp, opt).items() if count else ()):
+            # Offloaded tensors stay on the device for the layer being computed only.
+            mult = count / len(layers) if k in opt.offload else count * held
+            acts[k] = acts.get(k, 0.0) + v * mult
+    tok = mp.mbs * mp.seq / mp.cp
+    if rank == mp.pp - 1:  # fp32 logits saved by the cross-entropy, one micro-batch at a time
+        acts["logits"] = tok * cfg.vocab_size / mp.tp * 4 * (1 + cfg.mtp_num_layers)
+    comm = 0.0
+    if cfg.moe.num_experts and mp.ep > 1 and any(layers):
+        # Dispatch + combine buffers of one layer's worth of routed rows (double-buffered).
+        comm = 2 * tok / mp.tp * cfg.moe.top_k * cfg.hidden_size * opt.act_bytes
+    return MemoryBreakdown(rank=rank, weights_grads=wg, optimizer=optim, activations=acts,
+                           comm_buffers=comm)
+
+
+def peak_memory(cfg: ModelConfig, mp: Mapping, opt: Options) -> MemoryBreakdown:
+    """The pipeline stage with the most bytes (the one that decides whether a mapping fits)."""
+    return max((stage_memory(cfg, mp, opt, r) for r in range(mp.pp)), key=lambda m: m.total)
+
+
+def check_model(cfg: ModelConfig, mp: Mapping) -> None:
+    """Shards must split evenly (heads over TP, experts over EP, layers over PP·VPP chunks)."""
+    from moeplug.parallel.layout import ParallelConfig, validate_model
+    # Layers need not divide PP·VPP (Megatron's uneven layouts; moeplug's num_layers_in_first/
+    # last_stage): the planner splits them itself, so validate_model sees a divisible count.
+    pc = ParallelConfig(tp=mp.tp, cp=mp.cp, pp=mp.pp, ep=mp.ep, etp=mp.etp,
+                        sequence_parallel=mp.tp > 1)
+    validate_model(pc.resolve(mp.world), num_experts=cfg.moe.num_experts,
+                   num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                   num_layers=mp.pp * mp.vpp, vpp=mp.vpp, ffn_hidden_size=cfg.moe.ffn_hidden_size,
+                   seq_len=mp.seq)
+    if cfg.num_layers < mp.pp * mp.vpp:
+        raise ConfigError(f"mapping pp·vpp = {mp.pp * mp.vpp} exceeds num_layers "
+                          f"{cfg.num_layers}. Fix: lower pp or vpp")

@@ -1,0 +1,73 @@
+"""The plan as text (memory and step-time breakdowns, the search table) and as a PNG."""
+
+from __future__ import annotations
+
+import sys
+
+from moeplug.plan.memory import GB, MemoryBreakdown
+from moeplug.plan.perf import StepTime
+from moeplug.plan.search import Candidate
+
+
+def memory_text(mem: MemoryBreakdown, limit_gb: float) -> str:
+    unit, div = ("GB", GB) if mem.total >= GB else ("MB", 1e6)
+    lines = [f"per-rank memory (pipeline stage {mem.rank}, the largest), {unit}:",
+             f"  weights + grads      {mem.weights_grads / div:8.1f}",
+             f"  optimizer            {mem.optimizer / div:8.1f}",
+             f"  activations          {mem.activations_total / div:8.1f}"]
+    for k, v in sorted(mem.activations.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {k:<18} {v / div:8.1f}")
+    lines += [f"  comm buffers         {mem.comm_buffers / div:8.1f}",
+              f"  total                {mem.total / div:8.1f}  (device {limit_gb:.0f} GB)"]
+    return "\n".join(lines)
+
+
+def step_text(st: StepTime) -> str:
+    lines = [f"step time {st.total:.3f} s:"]
+    lines += [f"  {k:<14} {v:9.4f} s" for k, v in st.parts.items() if v > 0]
+    lines.append(f"TFLOP/s per GPU {st.tflops_per_gpu:.1f}   MFU {st.mfu:.1%}   "
+                 f"tokens/s per GPU {st.tokens_per_s_per_gpu:,.0f}")
+    return "\n".join(lines)
+
+
+def search_table(cands: list[Candidate], top: int = 10) -> str:
+    fit = [k for k in cands if k.fits]
+    head = f"{'mapping':<34} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7}  fits"
+    rows = [head, "-" * len(head)]
+    for k in (fit or cands)[:top]:
+        rows.append(f"{k.mapping.short():<34} {k.step.tflops_per_gpu:8.1f} {k.step.mfu:6.1%} "
+                    f"{k.memory.total / GB:7.1f}  {'yes' if k.fits else 'no'}")
+    rows.append(f"{len(fit)} of {len(cands)} valid mappings fit the memory limit")
+    return "\n".join(rows)
+
+
+def search_png(cands: list[Candidate], path: str, title: str) -> bool:
+    """Predicted TFLOP/s against per-rank memory, one point per mapping, the limit as a line.
+    Returns False (after saying why) when matplotlib, an optional extra, is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"moeplug plan: --out {path} skipped: the PNG needs matplotlib. Fix: "
+              'pip install "moeplug[plot]"', file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for fits, colour, label in ((True, "tab:blue", "fits"), (False, "tab:gray", "over limit")):
+        pts = [k for k in cands if k.fits == fits]
+        ax.scatter([k.memory.total / GB for k in pts], [k.step.tflops_per_gpu for k in pts],
+                   s=14, c=colour, label=f"{label} ({len(pts)})")
+    if cands:
+        ax.axvline(cands[0].limit / GB, color="tab:red", ls="--", label="memory limit")
+        best = next((k for k in cands if k.fits), None)
+        if best:
+            ax.annotate(best.mapping.short(), (best.memory.total / GB, best.step.tflops_per_gpu),
+                        fontsize=8)
+    ax.set_xlabel("predicted peak memory per rank (GB)")
+    ax.set_ylabel("predicted TFLOP/s per GPU")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,218 @@
+"""moeplug plan: the performance and memory model against published rows, its search, its CLI,
+and against moeplug's own measured CPU runs (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moeplug.modules.flops import flops_per_token
+from moeplug.plan import perf
+from moeplug.plan.calibrate import BOUNDS, fit, predict, row_inputs, target
+from moeplug.plan.cluster import get_cluster
+from moeplug.plan.memory import GB, Mapping, Options, check_model, peak_memory, stage_memory
+from moeplug.plan.models import (DSV3_MEMORY_GB, DSV3_MEMORY_ROW, P26_ROWS, PF_ROWS,
+                                 model_config)
+from moeplug.plan.search import search
+
+# Rows the model misses by more than 15 % with the one global fit, and why (README "Planning a
+# run" repeats this). The test below fails if one of them starts to hold, so the list stays true.
+KNOWN_MISSES = {
+    # GB300 has GB200's datasheet peaks; its extra speed (higher clocks/power, no recompute
+    # or offload needed in 288 GB, CUDA graphs over more scopes) is not in the model.
+    "deepseek_v3 GB300 256 fp8 TP1 PP4 EP64 VPP4",
+    # Qwen3 on GB200 is over-predicted: its recompute (moe_act, layernorm) and offloading cost
+    # bandwidth-bound time we do not charge, and its 94 thin layers (hidden 4096) are more
+    # host-bound than one per-layer constant fitted mostly on DeepSeek-V3 captures.
+    "qwen3_235b GB200 256 fp8 TP1 PP4 EP64 VPP6",
+    "qwen3_235b GB200 256 bf16 TP1 PP4 EP32 VPP12",
+    # PF's Qwen2-57B mapping is not in our sources; the planner's best mapping (GBS 256
+    # assumed) is compared, and fine-grained expert GEMMs run below the fitted efficiency.
+    "qwen2_57b H100 64 bf16 TP1 PP1 EP1 VPP1",
+}
+
+
+def predicted_tflops(row) -> float:
+    if "not published" in row.note:  # compare the planner's best mapping
+        cfg, mp, opt, c = row_inputs(row)
+        return search(cfg, opt, c, gbs=row.gbs, seq=row.seq)[0].step.tflops_per_gpu
+    return predict(row).tflops_per_gpu
+
+
+@pytest.mark.parametrize("row", P26_ROWS + PF_ROWS, ids=lambda r: r.label)
+def test_published_row_within_15_percent_unless_a_stated_miss(row):
+    err = predicted_tflops(row) / target(row) - 1
+    if row.label in KNOWN_MISSES:
+        assert abs(err) > 0.15, f"{row.label} now holds ({err:+.1%}): drop it from KNOWN_MISSES"
+    else:
+        assert abs(err) <= 0.15, f"{row.label}: predicted {err:+.1%} vs published"
+
+
+def test_most_headline_rows_hold():
+    assert sum(r.label not in KNOWN_MISSES for r in P26_ROWS) >= 5
+
+
+def test_stored_constants_are_one_global_fit_over_all_rows():
+    # Refit from the middle of every bound: the stored constants are what the fit over all
+    # rows together gives (no per-row constants, no hand tuning after the fit).
+    start = {k: (lo + hi) / 2 for k, (lo, hi) in BOUNDS.items()}
+    got = fit(P26_ROWS + PF_ROWS[:1], start=start)
+    for name, value in perf.CONSTANTS.items():
+        assert got[name] == pytest.approx(value, rel=0.05), name
+
+
+@pytest.mark.parametrize("name,gflops", [("qwen3_235b", 148.0), ("mixtral_8x22b", 242.2),
+                                         ("qwen2_57b", 84.7), ("deepseek_v3", 260.0)])
+def test_planner_models_have_the_reference_flops(name, gflops):
+    cfg = model_config(name)
+    assert flops_per_token(cfg, cfg.vocab_size, 4096) / 1e9 == pytest.approx(gflops, abs=0.05)
+
+
+def test_deepseek_v3_memory_breakdown_within_10_percent_per_part():
+    cfg, mp, opt, _ = row_inputs(DSV3_MEMORY_ROW)
+    # Table 3's weights (36.4 GB) are those of a stage holding only MoE layers: stage 1 of
+    # PP4 (15 layers), not stage 0 (embedding + 3 dense + 13 MoE).
+    mem = stage_memory(cfg, mp, opt, 1)
+    got = {"weights_grads": mem.weights_grads / GB, "optimizer": mem.optimizer / GB,
+           "activations": mem.activations_total / GB}
+    for part, want in DSV3_MEMORY_GB.items():
+        assert got[part] == pytest.approx(want, rel=0.10), (part, got[part])
+
+
+def test_recompute_offload_and_sharding_move_the_right_bytes():
+    cfg = model_config("deepseek_v3")
+    mp = Mapping(world=256, pp=4, ep=64, vpp=4, gbs=8192)
+    base = stage_memory(cfg, mp, Options(), 1)
+    rc = stage_memory(cfg, mp, Options(recompute=("mla_up_proj",)), 1)
+    assert "mla_up_proj" not in rc.activations
+    assert base.activations_total - rc.activations_total == \
+        pytest.approx(base.activations["mla_up_proj"])
+    off = stage_memory(cfg, mp, Options(offload=("expert_fc1",)), 1)
+    assert off.activations["expert_fc1"] < base.activations["expert_fc1"] / 10
+    # ZeRO-1: twice the expert-DP degree halves the expert optimizer state.
+    wide = Mapping(world=512, pp=4, ep=64, vpp=4, gbs=8192)
+    assert stage_memory(cfg, wide, Options(), 1).optimizer < 0.6 * base.optimizer
+    # FP8 keeps linear-layer inputs in one byte.
+    assert stage_memory(cfg, mp, Options(precision="fp8"), 1).activations_total < \
+        base.activations_total
+
+
+def test_search_returns_valid_mappings_best_first_under_the_memory_limit():
+    cfg, c = model_config("qwen3_235b"), get_cluster("h100", 256)
+    cands = search(cfg, Options(), c, gbs=2048, seq=4096)
+    fitting = [k for k in cands if k.fits]
+    assert fitting and cands[0] is fitting[0]
+    assert fitting[0].step.tflops_per_gpu == max(k.step.tflops_per_gpu for k in fitting)
+    for k in cands:
+        check_model(cfg, k.mapping)  # moeplug's own layout rules accept every candidate
+        assert k.fits == (peak_memory(cfg, k.mapping, Options()).total <= 0.9 * 80 * GB)
+    assert any(not k.fits for k in cands)  # the limit really filters
+
+
+def test_cli_search_prints_the_table_and_writes_the_png(run_cli, tmp_path):
+    png = tmp_path / "search.png"
+    r = run_cli("plan", "--preset", "qwen3_235b", "--cluster", "h100", "--gpus", "256",
+                "--gbs", "2048", "--search", "--out", str(png))
+    assert r.returncode == 0, r.stderr
+    assert "valid mappings fit the memory limit" in r.stdout
+    assert "TFLOP/s" in r.stdout and png.stat().st_size > 10_000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_mapping_prints_memory_and_step_breakdown(run_cli):
+    r = run_cli("plan", "--preset", "deepseek_v3", "--cluster", "gb300", "--gpus", "256",
+                "--mapping", "tp=1,ep=64,pp=4,vpp=4", "--gbs", "8192", "--precision", "fp8",
+                "--a2a-overlap")
+    assert r.returncode == 0, r.stderr
+    for word in ("weights + grads", "optimizer", "activations", "mla_up_proj", "all_to_all",
+                 "pp_bubble", "TFLOP/s per GPU", "MFU"):
+        assert word in r.stdout, word
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--cluster", "tpu"], "--cluster 'tpu'"),
+    (["--mapping", "tp=two"], "--mapping"),
+    (["--mapping", "tp=3"], "tp·cp·pp = 3"),
+    (["--mapping", "ep=3"], "ep=3"),
+    (["--preset", "nope"], "--preset 'nope'"),
+    (["--recompute", "everything"], "--recompute everything"),
+    (["--gpus", "0"], "--gpus 0"),
+    (["--out", "x.png"], "--out x.png"),
+    (["--precision", "fp4"], "--precision 'fp4'"),
+])
+def test_cli_bad_input_exits_2_naming_the_field_and_fix(run_cli, args, field):
+    r = run_cli("plan", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert field in r.stderr and "Fix:" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ moeplug's own CPU runs
+
+CPU_MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
+             "max_seq_len": 256, "first_k_dense": 1, "dense_ffn_hidden_size": 512,
+             "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 256}}
+# name -> (ranks, parallel section, micro-batch). moeplug has no recompute or activation
+# offload to switch, so the matrix varies batch and layout.
+CPU_MATRIX = {"single_mbs8": (1, {}, 8), "single_mbs16": (1, {}, 16),
+              "ep2_gloo": (2, {"ep": 2}, 8), "tp2_gloo": (2, {"tp": 2}, 8)}
+
+
+def _cpu_prediction(path: str, world: int):
+    from moeplug.plan.cli import config_inputs
+    from moeplug.plan.cluster import cpu_cluster
+    cfg, fields, opts, _ = config_inputs(path)
+    seq, per_dp = fields.pop("seq"), fields.pop("gbs_per_dp")
+    dp = world // (fields["tp"] * fields["cp"] * fields["pp"])
+    mp = Mapping(world=world, seq=seq, gbs=per_dp * dp, **fields)
+    import torch
+    torch.set_num_threads(1)  # what each rank runs with (train.threads / OMP_NUM_THREADS=1)
+    c = cpu_cluster(world)
+    o = Options(**opts)
+    return peak_memory(cfg, mp, o).total, perf.step_time(cfg, mp, o, c).total
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "the plan misses moeplug's eager CPU runs (2026-11-23, shared 2-core machine, two runs; "
+    "predicted/measured peak-RSS delta 0.64-0.65 / 0.57-0.58 / 0.24-0.25 / 0.47-0.48 and step "
+    "time 0.34-0.67 / 0.43-0.52 / 0.19-0.23 / 0.23-0.24 for single mbs8 / single mbs16 / EP2 "
+    "gloo / TP2 gloo; time moves with the other engineers' load): eager PyTorch saves more "
+    "than the fused-kernel accounting (the unpermute keeps the expert rows, unfused norms and "
+    "router: ~1.2x by saved-tensor count), backward and AdamW temporaries add ~100 MB to the "
+    "peak, small GEMMs run below the 512^2 matmul peak, and gloo over loopback is far slower "
+    "than its constant. ""Kept at the issue's tolerances (strict: it fails once it holds)"))
+def test_cpu_runs_match_the_plan(tiny_corpus, cache_dir, tmp_path, cli_env):
+    """Predicted step time within 20 % and peak memory within 10 % of measured moeplug CPU runs
+    (moeplug.plan.measure: RSS delta around the run, the trainer's own step time), the "cpu"
+    cluster calibrated in this same test. Prints every ratio."""
+    import yaml
+    ratios, failures = {}, []
+    for name, (world, par, mbs) in CPU_MATRIX.items():
+        out = tmp_path / name
+        cfg = {"model": CPU_MODEL, "data": {"corpus": tiny_corpus, "tokenizer": "bytes",
+                                            "val_works": ["val_text"], "cache_dir": cache_dir},
+               "train": {"steps": 8, "micro_batch_size": mbs, "seq_len": 256,
+                         "warmup_steps": 2, "eval_interval": 0, "log_interval": 4,
+                         "out_dir": str(out), "threads": 1, "time_breakdown": False},
+               "parallel": par}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={world}"] if world > 1 else [sys.executable]
+        env = dict(cli_env, OMP_NUM_THREADS="1")
+        r = subprocess.run([*head, "-m", "moeplug.plan.measure", str(path)], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got = [json.loads((out / f"measured_rank{k}.json").read_text()) for k in range(world)]
+        mem, step = _cpu_prediction(str(path), world)
+        ratios[name] = (mem / max(g["rss_delta"] for g in got),
+                        step / max(g["step_s"] for g in got))
+        print(f"{name}: predicted/measured memory {ratios[name][0]:.2f}, "
+              f"step time {ratios[name][1]:.2f}")
+        if abs(ratios[name][0] - 1) > 0.10 or abs(ratios[name][1] - 1) > 0.20:
+            failures.append(name)
+    assert not failures, f"outside 10 % memory / 20 % time: {failures}; ratios {ratios}"
