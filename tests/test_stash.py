@@ -157,7 +157,7 @@ def test_runtime_config_errors_name_field_value_and_fix(override, names):
 def test_cli_run_records_registration_and_stash_stats(tiny_config_file, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "moeplug", "train", "--config", tiny_config_file(),
-           "--out", str(out), "--steps", "4", "--set", "runtime.stash=true",
+           "--out", str(out), "--steps", "6", "--set", "runtime.stash=true",
            "--set", "train.log_interval=2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -168,3 +168,10 @@ def test_cli_run_records_registration_and_stash_stats(tiny_config_file, tmp_path
     train = [r for r in records if r["kind"] == "train"]
     assert train and all(r["stash"]["overflows"] == 0 and r["stash"]["high_water"] > 0
                          for r in train)
+
+
+def test_version_lists_the_runtime_stash_resources():
+    res = subprocess.run([sys.executable, "-m", "moeplug", "--version"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "stash_pool=paged, contiguous page runs" in res.stdout
