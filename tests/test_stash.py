@@ -175,3 +175,44 @@ def test_version_lists_the_runtime_stash_resources():
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "stash_pool=paged, contiguous page runs" in res.stdout
+
+
+def _ep2_rank(rank: int, world: int) -> dict:
+    from moeplug.parallel import ParallelGroups
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything
+    host = PluginHost.load()
+    precision = host.create("precision", "fp32", {})
+    out = {}
+    for name, runtime in (("off", {}), ("on", {"stash": True}),
+                          ("rerun", {"stash": True, "stash_pages": 1,
+                                     "stash_page_bytes": 4096})):
+        cfg = _cfg(**runtime)
+        cfg.parallel.ep = 2
+        groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+        seed_everything(0)
+        model = build_rank_model(cfg, host, VOCAB, groups)
+        opt = build_rank_optimizer(model, cfg, groups)
+        gen = torch.Generator().manual_seed(5 + rank)  # each DP rank its own batches
+        losses, stash = [], []
+        for _ in range(2):
+            batches = [(torch.randint(0, VOCAB, (4, 16), generator=gen),
+                        torch.randint(0, VOCAB, (4, 16), generator=gen)) for _ in range(2)]
+            stats = train_step(model, opt, batches, cfg.train, precision, groups)
+            losses.append(stats.losses())
+            stash.append(stats.stash)
+        out[name] = {"losses": losses, "stash": stash,
+                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+@pytest.mark.slow
+def test_ep2_stash_on_off_and_rerun_are_bitwise_identical():
+    from moeplug.testing.distributed import run_distributed
+    for res in run_distributed(_ep2_rank, 2, timeout=300):
+        for name in ("on", "rerun"):
+            assert res[name]["losses"] == res["off"]["losses"], name
+            for n, p in res["off"]["params"].items():
+                assert torch.equal(res[name]["params"][n], p), (name, n)
+        assert all(s["high_water"] > 0 and s["overflows"] == 0 for s in res["on"]["stash"])
+        assert all(s["reruns"] == 1 for s in res["rerun"]["stash"])
