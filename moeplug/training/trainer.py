@@ -313,11 +313,11 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             tensorboard.write(record)
 
     layout = None if groups is None else D.layout_manifest(cfg, groups)
+    runtime = stash_runtime(model)  # what the model registered with the runtime at build
     write({"kind": "run", "start_step": start_step, "resumed_from": resume_from,
            "plugins": plugin_names, "peak_tflops": peak, "flops_per_token": flops_per_token,
            "num_params": num_params, "parallel": layout, "config": cfg.to_dict(),
-           "device": str(device),
-           "runtime": None if stash_runtime(model) is None else stash_runtime(model).record()})
+           "device": str(device), "runtime": None if runtime is None else runtime.record()})
     log(f"{num_params / 1e6:.2f}M parameters{' on rank 0' if groups else ''}, "
         f"{tokens_per_step} tokens/step on {device}, measured GEMM peak {peak:.3f} TFLOP/s"
         f"{f' over {world} ranks' if groups else ''}; plugins {plugin_names}")
