@@ -34,15 +34,16 @@ def _cfg(**runtime) -> RootConfig:
         "runtime": runtime})
 
 
-def _train(cfg: RootConfig, steps: int = 3):
+def _train(cfg: RootConfig, steps: int = 3, device: str = "cpu"):
     torch.manual_seed(0)
-    model = build_model(cfg, PluginHost.load(), VOCAB)
+    model = build_model(cfg, PluginHost.load(), VOCAB).to(device)
     opt = build_optimizer(model, cfg.train)
     gen = torch.Generator().manual_seed(1)
     history = []
     for _ in range(steps):
-        batches = [(torch.randint(0, VOCAB, (4, 16), generator=gen),
-                    torch.randint(0, VOCAB, (4, 16), generator=gen)) for _ in range(2)]
+        batches = [(torch.randint(0, VOCAB, (4, 16), generator=gen).to(device),
+                    torch.randint(0, VOCAB, (4, 16), generator=gen).to(device))
+                   for _ in range(2)]
         stats = train_step(model, opt, batches, cfg.train, PluginHost.load().create(
             "precision", "fp32", {}), None)
         history.append((stats, {n: p.grad.clone() for n, p in model.named_parameters()
@@ -85,6 +86,16 @@ def test_stash_on_and_off_train_bitwise_identically():
     assert all(s["pages_in_use"] == 0 and s["overflows"] == 0 for s in stats)
     assert stats[0]["high_water"] > 0  # the experts' activations did go to the pool
     assert [s.stash for s, _ in off[1]] == [None] * 3 and rt.stash_active
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")
+def test_stash_on_a_gpu_uses_one_device_buffer_and_matches_off():
+    off = _train(_cfg(stash=False), steps=2, device="cuda")
+    on = _train(_cfg(stash=True), steps=2, device="cuda")
+    _assert_same_training(on, off)
+    rt = stash_runtime(on[0])
+    assert rt._bytes.device.type == "cuda" and rt.pool.stats()["high_water"] > 0
 
 
 def test_steady_state_steps_allocate_no_new_pool_memory():
