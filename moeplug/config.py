@@ -421,6 +421,33 @@ class ParallelSection:
 
 
 @dataclass(kw_only=True, slots=True)
+class RuntimeSection:
+    """The ``runtime:`` section: the paged stash of the routed experts' saved activations
+    (moeplug.stash). Off by default: on the CPU the copy into the pool costs step time and
+    saves no memory the pool does not itself hold (see README "Paged stash")."""
+
+    stash: bool = False
+    stash_page_bytes: int = 65536  # a multiple of 64: every dtype stays aligned
+    stash_pages: int = 0  # 0: the sum of the registered layers' reservations
+    stash_overflow: str = "rerun"  # rerun (once, without stash) | fail | keep
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stash, bool):
+            _fail(self, "stash", self.stash, "must be a boolean", "write stash: true or false")
+        _positive(self, "stash_page_bytes")
+        if self.stash_page_bytes % 64:
+            _fail(self, "stash_page_bytes", self.stash_page_bytes, "must be a multiple of 64",
+                  f"set stash_page_bytes to {-(-self.stash_page_bytes // 64) * 64}")
+        _non_negative(self, "stash_pages")
+        if isinstance(self.stash_pages, float):
+            _fail(self, "stash_pages", self.stash_pages, "must be an integer",
+                  "set stash_pages to a whole number of pages (0: sized from the model)")
+        if self.stash_overflow not in ("rerun", "fail", "keep"):
+            _fail(self, "stash_overflow", self.stash_overflow, "must be rerun, fail or keep",
+                  "set stash_overflow: rerun (Megatron's behaviour), fail or keep")
+
+
+@dataclass(kw_only=True, slots=True)
 class RootConfig:
     """The whole run. Cross-component checks live here."""
 
@@ -429,6 +456,7 @@ class RootConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
 
     def __post_init__(self) -> None:
         if self.train.seq_len > self.model.max_seq_len:
@@ -568,6 +596,7 @@ _SUBCONFIGS: dict[tuple[type, str], type] = {
     (RootConfig, "data"): DataConfig,
     (RootConfig, "train"): TrainConfig,
     (RootConfig, "parallel"): ParallelSection,
+    (RootConfig, "runtime"): RuntimeSection,
     (ModelConfig, "moe"): MoEConfig,
     (ModelConfig, "mla"): MLAConfig,
 }

@@ -73,6 +73,11 @@ def runtime_info() -> dict[str, Any]:
     except RuntimeMissingError as exc:
         return {"available": False, "error": str(exc)}
     info["available"] = True
+    # The stash resources a run gets (moeplug.stash): what the core offers, sized per model.
+    from moeplug.config import RuntimeSection
+    info["stash_pool"] = (f"paged, contiguous page runs in one 4096-aligned allocation, page "
+                          f"{RuntimeSection().stash_page_bytes} B by default "
+                          f"(runtime.stash_page_bytes), sized from the registered MoE layers")
     info["cuda_extension"] = cuda_runtime_status()
     return info
 

@@ -9,7 +9,9 @@ from moeplug.modules.moe import MoELayer
 from moeplug.modules.shared_experts import SharedExperts
 from moeplug.modules.transformer import MoETransformer
 from moeplug.parallel.context_parallel import moe_token_group
+from moeplug.ops.activations import fc1_rows
 from moeplug.parallel.expert_tp import etp_dispatcher, etp_experts_config
+from moeplug.stash import ModelRuntime, layer_stash_bytes
 
 
 def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = None,
@@ -33,6 +35,7 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
     if groups is not None and ep_group is None:
         ep_group = groups.ep
     moe_layers = []
+    runtime = ModelRuntime(cfg.runtime)  # every MoE layer registers once, here
     # The transformer places them by the pattern; MTP blocks follow the last layer's kind.
     num_mtp_moe = m.mtp_num_layers if m.moe_layer_pattern[-1] else 0
     for _ in range(sum(m.moe_layer_pattern) + num_mtp_moe):
@@ -46,5 +49,29 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
                   else None)
         moe_layers.append(MoELayer(router, dispatcher, experts, shared,
                                    apply_probs_on_input=m.moe.apply_probs_on_input,
-                                   token_group=moe_token_group(groups)))
-    return MoETransformer(m, m.vocab_size or vocab_size, moe_layers, groups=groups)
+                                   token_group=moe_token_group(groups),
+                                   runtime=register_moe_layer(runtime, cfg, len(moe_layers),
+                                                              dispatcher.num_local_experts)))
+    runtime.finalize()
+    model = MoETransformer(m, m.vocab_size or vocab_size, moe_layers, groups=groups)
+    model.runtime = runtime
+    return model
+
+
+def register_moe_layer(runtime: ModelRuntime, cfg: RootConfig, index: int,
+                       num_local_experts: int) -> Any:
+    """Registers MoE layer ``index`` with the runtime; its reservation is the stash of one
+    micro-batch at average routing (T*K rows on every rank)."""
+    m, tc = cfg.model, cfg.train
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(cfg.plugins.precision,
+                                                        cfg.plugins.precision)
+    itemsize = 2 if dtype == "bfloat16" else 4
+    rows = tc.micro_batch_size * tc.seq_len * m.moe.top_k
+    F = m.moe.ffn_hidden_size
+    fc1 = fc1_rows(m.moe.activation, F)
+    return runtime.register_layer(
+        index=index, num_experts=m.moe.num_experts, top_k=m.moe.top_k, hidden=m.hidden_size,
+        ffn_hidden=F, num_local_experts=num_local_experts, dtype=dtype,
+        activation=m.moe.activation,
+        stash_bytes=layer_stash_bytes(rows, m.hidden_size, fc1, F, itemsize,
+                                      cfg.runtime.stash_page_bytes))

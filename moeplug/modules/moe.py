@@ -6,6 +6,7 @@ S routed rows held by the local experts, L local experts.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, router: Router, dispatcher: Dispatcher, experts: Experts,
                  shared: nn.Module | None = None, apply_probs_on_input: bool = False,
-                 token_group: Any = None) -> None:
+                 token_group: Any = None, runtime: Any = None) -> None:
         super().__init__()
         if apply_probs_on_input and router.top_k != 1:
             raise ValueError(
@@ -75,6 +76,9 @@ class MoELayer(nn.Module):
         # over the whole group; the aux loss is then averaged over it, which equals the loss of
         # the unsplit batch, with each rank's grad that of its own tokens.
         self.token_group = token_group
+        # The moeplug.stash.LayerHandle this layer got when the model registered with the
+        # runtime (None: built outside build_model); its stash_scope wraps the experts stage.
+        self.runtime = runtime
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
@@ -82,7 +86,7 @@ class MoELayer(nn.Module):
             routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
         with stage("dispatch"):
             d = self.dispatcher.dispatch(x_TD, routing)               # 2. dispatch
-        with stage("experts"):
+        with stage("experts"), self._stash_scope():
             y_SD = self._experts(d)                                   # 3. experts
         with stage("combine"):
             y_TD = self.dispatcher.combine(y_SD, d.meta)              # 4. combine
@@ -97,6 +101,12 @@ class MoELayer(nn.Module):
         counts_E = torch.bincount(ids.cpu(), minlength=self.router.num_experts)
         return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
                          counts_E, dict(routing.losses))
+
+    def _stash_scope(self):
+        # What the routed experts save for backward goes to the runtime's paged stash.
+        if self.runtime is None:
+            return contextlib.nullcontext()
+        return self.runtime.stash_scope(self.experts.parameters())
 
     def _experts(self, d) -> torch.Tensor:
         if not self.apply_probs_on_input:

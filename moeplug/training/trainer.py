@@ -26,6 +26,7 @@ from moeplug.data import get_batch
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.observability.timing import add_times, measure_stages, stage
+from moeplug.stash import StashOverflowError
 from moeplug.training import distributed as D
 from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoint,
                                          nothing_to_train, resolve_resume, save_checkpoint,
@@ -110,6 +111,7 @@ class StepStats:
     grad_norm: float
     expert_counts: list
     moe: dict | None = None
+    stash: dict | None = None  # paged stash pool stats (runtime.stash), else None
 
     def losses(self) -> dict[str, float]:
         """The loss terms of this step's ``train`` record in metrics.jsonl."""
@@ -119,17 +121,10 @@ class StepStats:
         return terms
 
 
-def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: Any,
-               precision: Any, groups: Any = None) -> StepStats:
-    """Forward + backward of this rank's micro-batches, gradient sync, clip, optimizer step.
-
-    ``model``: a MoETransformer, or a pipeline rank's ``nn.ModuleList`` of chunks. ``groups``:
-    a ParallelGroups (None = one process). ``optimizer``: AdamW, or a DistributedAdamW.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    num_micro = len(micro_batches)
-    device_type = micro_batches[0][0].device.type  # autocast where the data (and model) live
-    chunks = D.pipeline_chunks(model)
+def _forward_backward(model, chunks, micro_batches, num_micro, device_type, precision,
+                      groups) -> tuple[list, list, Any]:
+    """Forward + backward of this rank's micro-batches: (loss sums, counts, routing); the sums
+    are loss, lm_loss, aux_loss and, only for a model with MTP layers, mtp_loss."""
     routing = None  # per-layer counts and router losses of this rank's micro-batches
     if chunks is not None:
         from moeplug.parallel.schedules import forward_backward_pipeline
@@ -159,6 +154,77 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
             counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
                                 if counts_per_layer else micro_counts)
             routing = add_micro_batch(routing, out.expert_counts, out.router_losses)
+    return (sums if has_mtp else sums[:3]), counts_per_layer, routing
+
+
+def stash_runtime(model: torch.nn.Module) -> Any:
+    """The moeplug.stash.ModelRuntime the model's MoE layers registered with (None: none)."""
+    for m in model.modules():
+        handle = getattr(m, "runtime", None)
+        if handle is not None and hasattr(handle, "stash_scope"):
+            return handle.runtime
+    return None
+
+
+def _stashed_step(model, rt, forward_backward, groups) -> tuple:
+    """Forward + backward with the paged stash; on an overflow on any rank, applies
+    ``runtime.stash_overflow``: rerun once without the stash from the same RNG and buffer
+    state (Megatron's paged-stash runner), fail, or keep (pack kept the tensors: exact)."""
+    policy = rt.cfg.stash_overflow
+    before = rt.stats()["overflows"] if rt.stats() else 0
+    rng = torch.get_rng_state()
+    buffers = ({k: b.detach().clone() for k, b in model.named_buffers()}
+               if policy == "rerun" else None)
+    result = forward_backward()
+    overflows = (rt.stats() or {}).get("overflows", 0) - before
+    # Sync point: every rank must take the same branch (a rerun runs collectives).
+    if groups is not None:
+        t = torch.tensor([overflows], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        overflows = int(t)
+    reruns = 0
+    if overflows and policy == "fail":
+        raise StashOverflowError(
+            f"runtime.stash_overflow = 'fail': the stash pool ({rt.pool.num_pages} pages of "
+            f"{rt.pool.page_bytes} bytes) overflowed {overflows} time(s) this step. Fix: raise "
+            f"runtime.stash_pages, or set runtime.stash_overflow: rerun")
+    if overflows and policy == "rerun":
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+        with rt.stash_disabled():
+            result = forward_backward()
+        reruns = 1
+    stats = rt.stats() or {}
+    return (*result, {"pages_in_use": stats.get("pages_in_use", 0),
+                      "high_water": stats.get("high_water", 0),
+                      "overflows": overflows, "reruns": reruns})
+
+
+def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: Any,
+               precision: Any, groups: Any = None) -> StepStats:
+    """Forward + backward of this rank's micro-batches, gradient sync, clip, optimizer step.
+
+    ``model``: a MoETransformer, or a pipeline rank's ``nn.ModuleList`` of chunks. ``groups``:
+    a ParallelGroups (None = one process). ``optimizer``: AdamW, or a DistributedAdamW.
+    """
+    num_micro = len(micro_batches)
+    device_type = micro_batches[0][0].device.type  # autocast where the data (and model) live
+    chunks = D.pipeline_chunks(model)
+
+    def forward_backward() -> tuple[list, list, Any]:
+        optimizer.zero_grad(set_to_none=True)
+        return _forward_backward(model, chunks, micro_batches, num_micro, device_type,
+                                 precision, groups)
+
+    rt = stash_runtime(model)
+    if rt is None or not rt.stash_active:
+        sums, counts_per_layer, routing = forward_backward()
+        stash = None
+    else:
+        sums, counts_per_layer, routing, stash = _stashed_step(model, rt, forward_backward,
+                                                               groups)
     # Clipping: rescale all grads together so their global L2 norm is <= grad_clip
     # (0 disables it; the norm is still computed for logging).
     if groups is None:
@@ -190,8 +256,9 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     with stage("comm_wait"):
         # Router losses and dropped fractions: averaged over the stage's ranks; counts: summed.
         moe = D.mean_router_metrics(moe, groups)
-    return StepStats(*sums[:3], sums[3] if has_mtp else None, grad_norm=grad_norm,
-                     expert_counts=expert_counts, moe=moe)
+    # sums: loss, lm_loss, aux_loss and, with MTP layers only, mtp_loss
+    return StepStats(*sums[:3], sums[3] if len(sums) > 3 else None, grad_norm=grad_norm,
+                     expert_counts=expert_counts, moe=moe, stash=stash)
 
 
 def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:
@@ -258,10 +325,11 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             tensorboard.write(record)
 
     layout = None if groups is None else D.layout_manifest(cfg, groups)
+    runtime = stash_runtime(model)  # what the model registered with the runtime at build
     write({"kind": "run", "start_step": start_step, "resumed_from": resume_from,
            "plugins": plugin_names, "peak_tflops": peak, "flops_per_token": flops_per_token,
            "num_params": num_params, "parallel": layout, "config": cfg.to_dict(),
-           "device": str(device)})
+           "device": str(device), "runtime": None if runtime is None else runtime.record()})
     log(f"{num_params / 1e6:.2f}M parameters{' on rank 0' if groups else ''}, "
         f"{tokens_per_step} tokens/step on {device}, measured GEMM peak {peak:.3f} TFLOP/s"
         f"{f' over {world} ranks' if groups else ''}; plugins {plugin_names}")
@@ -314,6 +382,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                           "tokens_per_s": window_tokens / window_seconds, "tflops": tflops,
                           "mfu": mfu(tflops, peak), "expert_load": expert_load(counts_per_layer),
                           "plugins": plugin_names, "moe": stats.moe}
+                if stats.stash is not None:  # this step's pool stats (moeplug.stash)
+                    record["stash"] = stats.stash
                 if window_times:  # mean seconds per step over the window
                     n = window_tokens // tokens_per_step
                     record["time_breakdown"] = {k: v / n for k, v in window_times.items()}
