@@ -6,8 +6,8 @@ Scale (spec section 6.3, the "minimally supported" conversion):
                                                  15 for E5M2
 read straight off amax's fp32 exponent bits, clamped to E8M0's range [-127, 127]; a block holding
 a NaN gets the E8M0 NaN code 0xFF. Elements ``x / X`` are cast with saturation. An all-zero
-block gets X = 2^-127 (floored to fp32's smallest normal for the division, as torchao does).
-``rceil`` is the cuBLAS/Blackwell variant: X = 2^ceil(log2(amax / max_elem)).
+block gets X = 2^-127 (floored to fp32's smallest normal for the division, as torchao does);
+in a NaN block the divisor is +Inf, so its finite elements become 0 and the scale carries the NaN.
 """
 
 from __future__ import annotations
@@ -29,27 +29,21 @@ def e8m0_to_float(scale_u8: torch.Tensor) -> torch.Tensor:
     return torch.where(scale_u8 == E8M0_NAN, torch.full_like(s, float("nan")), s)
 
 
-def _scale_floor(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _scale_code(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     exp = ((amax.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2) of a normal amax
-    return (exp - EMAX[dtype]).clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS
+    code = (exp - EMAX[dtype]).clamp(-E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS
+    return torch.where(torch.isnan(amax), torch.full_like(code, E8M0_NAN), code).to(torch.uint8)
 
 
-def _scale_rceil(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    descale = amax / fp8_max(dtype)
-    exp = torch.ceil(torch.log2(descale)).nan_to_num(nan=0.0, neginf=-127.0)
-    return exp.clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32) + E8M0_BIAS
-
-
-def quantize_mx(x: torch.Tensor, axis: int = -1, dtype: torch.dtype = E4M3,
-                scale_mode: str = "floor"):
+def quantize_mx(x: torch.Tensor, axis: int = -1, dtype: torch.dtype = E4M3):
     """Returns (q fp8 shaped like x, scales uint8 E8M0 codes [..., n_blocks]); ``axis`` is
     zero-padded to a multiple of 32 for the block split (padding never raises an amax)."""
     n = x.shape[axis]
     xb = to_blocks(x.float(), axis, BLOCK)
     amax = xb.abs().amax(-1)
-    code = (_scale_floor if scale_mode == "floor" else _scale_rceil)(amax, dtype)
-    code = torch.where(torch.isnan(amax), torch.full_like(code, E8M0_NAN), code).to(torch.uint8)
-    scale = e8m0_to_float(code).clamp(min=F32_MIN_NORMAL)
+    code = _scale_code(amax, dtype)
+    # The divisor is the code's bits read as an fp32 exponent (0xFF -> +Inf).
+    scale = (code.to(torch.int32) << 23).view(torch.float32).clamp(min=F32_MIN_NORMAL)
     qb = cast_saturate(xb / scale.unsqueeze(-1), dtype)
     return from_blocks(qb, axis, n), code
 

@@ -107,11 +107,8 @@ class Blockwise(Recipe):
 class MXFP8(Recipe):
     name = "mxfp8"
 
-    def __init__(self, scale_mode: str = "floor"):
-        self.scale_mode = scale_mode
-
     def fake(self, t, role, axis, key=None, record=True):
-        q, code = mx.quantize_mx(t, axis, fp8.E4M3, self.scale_mode)
+        q, code = mx.quantize_mx(t, axis, fp8.E4M3)
         return mx.dequantize_mx(q, code, axis)
 
 
