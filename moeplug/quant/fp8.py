@@ -101,6 +101,8 @@ class DelayedScaler:
     def quantize(self, x: torch.Tensor):
         scale = self.last_scale = self.scale()
         q = quantize_with_scale(x, scale, self.dtype)
+        if not x.numel():
+            return q, scale
         amax = x.detach().abs().amax().float().reshape(1).cpu()
         self.history = torch.cat([self.history, amax])[-self.history_len:]
         return q, scale

@@ -7,9 +7,12 @@ the dequantized values in fp32 (exact emulation: the only error is the quantizat
 T is the recipe's weight-gradient transform (NVFP4's random Hadamard; identity otherwise).
 Shape legend: M rows, K input features, N output features.
 
-``recipe_scope(recipe)`` makes a recipe active on this thread: every ``F.linear`` inside goes
-through ``QuantLinear`` (attention, dense MLP, shared experts, output head) and the experts
-backends ask ``active_recipe()`` for their grouped GEMMs.
+A precision plugin's ``autocast`` enters ``recipe_plan(recipe, bf16_first, bf16_last)``; the
+model's ``run_blocks`` enters ``block_scope(i, n)`` around transformer block i of n, which makes
+the recipe active for that block (unless it is one of the first/last kept in bf16). While a
+recipe is active on this thread every ``F.linear`` goes through ``QuantLinear`` (attention,
+dense MLP, shared experts) and the experts backends and dispatchers ask ``active_recipe()``.
+Embedding, router, output head and MTP blocks stay in the autocast dtype, as in Megatron-Core.
 """
 
 from __future__ import annotations
@@ -75,10 +78,14 @@ def quant_expert_mlp(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation, recipe
     act = activation_fn(activation)
     ys, start = [], 0
     for e, n in enumerate(counts_L.tolist()):
-        x_nD, p_n = x_SD[start:start + n], probs_S[start:start + n]
-        start += n
+        if n == 0:  # no rows: no GEMM (and no amax of an empty tensor)
+            continue
+        x_nD = x_SD[start:start + n]
         h_nX = quant_linear(x_nD, w1_LXD[e], None, recipe, (id(w1_LXD), e))
-        a_nF = act(h_nX) * p_n.unsqueeze(-1).to(h_nX.dtype)  # Megatron weighted activation
+        a_nF = act(h_nX)
+        if probs_S is not None:  # Megatron weighted activation
+            a_nF = a_nF * probs_S[start:start + n].unsqueeze(-1).to(h_nX.dtype)
+        start += n
         ys.append(quant_linear(a_nF, w2_LDF[e], None, recipe, (id(w2_LDF), e)))
     return torch.cat(ys, dim=0) if ys else x_SD.new_zeros(0, w2_LDF.shape[1])
 
@@ -110,3 +117,25 @@ def recipe_scope(recipe):
                 yield
     finally:
         _state.recipe = prev
+
+
+@contextlib.contextmanager
+def recipe_plan(recipe, bf16_first_layers: int = 0, bf16_last_layers: int = 0):
+    """Make ``recipe`` the plan for the transformer blocks run inside (see ``block_scope``)."""
+    prev = getattr(_state, "plan", None)
+    _state.plan = (recipe, bf16_first_layers, bf16_last_layers)
+    try:
+        yield
+    finally:
+        _state.plan = prev
+
+
+def block_scope(index: int, num_blocks: int):
+    """The recipe scope for block ``index`` of the ``num_blocks`` being run (a pipeline chunk
+    counts its own blocks); a no-op without a plan."""
+    plan = getattr(_state, "plan", None)
+    if plan is None:
+        return contextlib.nullcontext()
+    recipe, first, last = plan
+    keep_bf16 = index < first or index >= num_blocks - last
+    return recipe_scope(None if keep_bf16 else recipe)

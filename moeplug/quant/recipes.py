@@ -18,6 +18,7 @@ FORMATS = {"e4m3": (fp8.E4M3, fp8.E4M3), "hybrid": (fp8.E4M3, fp8.E5M2)}  # (fwd
 
 class Recipe:
     name = "recipe"
+    quantize_dispatch = True  # dispatchers send rows with quantize_rows (the plugin's option)
 
     def fake(self, t: torch.Tensor, role: str, axis: int, key=None,
              record: bool = True) -> torch.Tensor:
