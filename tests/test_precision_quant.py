@@ -117,3 +117,23 @@ def test_short_training_under_each_recipe_tracks_bf16(tiny_cfg, host, tmp_path):
 def _corpus(cfg):
     from moeplug.data import prepare_corpus
     return prepare_corpus(cfg.data)
+
+
+@pytest.mark.parametrize("name, multiple", [("fp8_tensorwise", 16), ("mxfp8", 32), ("nvfp4", 32)])
+def test_router_pads_expert_rows_to_the_recipe_alignment(tiny_cfg, host, name, multiple):
+    """The topk router's padding for quantization follows the recipe unless set explicitly."""
+    seen = []
+
+    def grab(module, args):
+        seen.append(args[2].tolist())
+
+    for setting, want in [(None, multiple), (8, 8)]:
+        extra = [] if setting is None else [f"plugins.router_options.padding_for_quantization="
+                                            f"{setting}"]
+        model, precision = _model(tiny_cfg, host, f"plugins.precision={name}", *extra)
+        seen.clear()
+        [moe] = [m for m in model.modules() if hasattr(m, "dispatcher")]
+        moe.experts.register_forward_pre_hook(grab)
+        _loss(model, precision)
+        assert seen and all(n % want == 0 for n in seen[0]), seen
+        assert setting is not None or sum(seen[0]) > 64, seen  # 64 real rows, padded

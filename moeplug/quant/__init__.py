@@ -3,8 +3,8 @@
 turns them into per-GEMM quantization rules and ``linear`` applies them to a model's GEMMs."""
 
 from moeplug.quant.linear import (active_recipe, block_scope, quant_expert_mlp, quant_linear,
-                                  recipe_plan, recipe_scope)
+                                  recipe_plan, recipe_scope, row_alignment)
 from moeplug.quant.recipes import MXFP8, NVFP4, Blockwise, Delayed, Recipe, Tensorwise
 
-__all__ = ["active_recipe", "block_scope", "recipe_plan", "quant_expert_mlp", "quant_linear", "recipe_scope", "Recipe",
+__all__ = ["active_recipe", "block_scope", "recipe_plan", "quant_expert_mlp", "quant_linear", "recipe_scope", "row_alignment", "Recipe",
            "Tensorwise", "Delayed", "Blockwise", "MXFP8", "NVFP4"]

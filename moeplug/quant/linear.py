@@ -34,6 +34,13 @@ def active_recipe():
     return getattr(_state, "recipe", None)
 
 
+def row_alignment(configured: int = 1) -> int:
+    """Rows-per-expert multiple for the routing: ``configured`` when set (> 1), else the active
+    recipe's alignment (16 FP8, 32 MXFP8/NVFP4), else 1."""
+    recipe = active_recipe()
+    return configured if configured > 1 or recipe is None else recipe.row_alignment
+
+
 class QuantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_NK, recipe, key, out_dtype):

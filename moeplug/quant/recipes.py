@@ -19,6 +19,9 @@ FORMATS = {"e4m3": (fp8.E4M3, fp8.E4M3), "hybrid": (fp8.E4M3, fp8.E5M2)}  # (fwd
 class Recipe:
     name = "recipe"
     quantize_dispatch = True  # dispatchers send rows with quantize_rows (the plugin's option)
+    # Rows per expert must be a multiple of this for the real grouped low-precision GEMMs
+    # (Megatron-Core: 16 for FP8, 32 for MXFP8/NVFP4); routers pad to it (row_alignment()).
+    row_alignment = 16
 
     def fake(self, t: torch.Tensor, role: str, axis: int, key=None,
              record: bool = True) -> torch.Tensor:
@@ -107,6 +110,7 @@ class Blockwise(Recipe):
 
 class MXFP8(Recipe):
     name = "mxfp8"
+    row_alignment = 32
 
     def fake(self, t, role, axis, key=None, record=True):
         q, code = mx.quantize_mx(t, axis, fp8.E4M3)
@@ -115,6 +119,7 @@ class MXFP8(Recipe):
 
 class NVFP4(Recipe):
     name = "nvfp4"
+    row_alignment = 32
 
     def __init__(self, weight_2d: bool = True, rht: bool = True, stochastic_rounding: bool = True,
                  seed: int = 0):

@@ -121,9 +121,7 @@ class QuantizedPrecision(Precision):
     def __init__(self, name: str, recipe, options: QuantOptions):
         self.name, self.recipe, self.options = name, recipe, options
         recipe.quantize_dispatch = options.quantize_dispatch  # read by the dispatchers
-        # Rows per expert must be a multiple of this for the real grouped FP8/FP4 GEMMs
-        # (Megatron: 16 for FP8, 32 for MXFP8/NVFP4); the router pads to it.
-        self.row_alignment = 32 if name in ("mxfp8", "nvfp4") else 16
+        self.row_alignment = recipe.row_alignment  # the topk router pads experts' rows to it
 
     def autocast(self, device_type: str) -> ContextManager:
         return _quantized_autocast(device_type, self.recipe, self.options)
