@@ -137,3 +137,53 @@ def test_router_pads_expert_rows_to_the_recipe_alignment(tiny_cfg, host, name, m
         _loss(model, precision)
         assert seen and all(n % want == 0 for n in seen[0]), seen
         assert setting is not None or sum(seen[0]) > 64, seen  # 64 real rows, padded
+
+
+def _ep2_mxfp8(rank: int, world: int) -> dict:
+    """EP2 MoE layer under MXFP8 (rows sent as FP8 + E8M0 scales) vs one process: MXFP8 scales
+    are per row (and per expert along M), so the two layouts quantize identical blocks."""
+    import torch.distributed as dist
+
+    from moeplug.modules.moe import MoELayer
+    from moeplug.parallel.experts import load_expert_shard
+    from moeplug.quant import MXFP8, recipe_scope
+    from moeplug.testing._common import tiny_model_config
+
+    host = PluginHost.load()
+    cfg = tiny_model_config(num_experts=4, top_k=2, hidden_size=64, ffn_hidden_size=32)
+
+    def layer(group):
+        d = host.create("dispatcher", "alltoall", {}, cfg, group)
+        return MoELayer(host.create("router", "topk", {}, cfg), d,
+                        host.create("experts", "grouped", {}, cfg, d.num_local_experts))
+
+    gen = torch.Generator().manual_seed(7)
+    x_TD, w_TD = torch.randn(24, 64, generator=gen), torch.randn(24, 64, generator=gen)
+    recipe = MXFP8()
+    torch.manual_seed(0)
+    ref = layer(None)
+    xr = x_TD.clone().requires_grad_()
+    with recipe_scope(recipe):
+        y_ref = ref(xr)[0]
+    (y_ref * w_TD).sum().backward()
+    ep = layer(dist.group.WORLD)
+    load_expert_shard(ep, ref.state_dict(), rank, world)
+    lo, hi = rank * 12, rank * 12 + 12
+    x = x_TD[lo:hi].clone().requires_grad_()
+    reset_wire()
+    with recipe_scope(recipe):
+        y = ep(x)[0]
+    (y * w_TD[lo:hi]).sum().backward()
+    return {"output": (y - y_ref[lo:hi]).abs().max().item(),
+            "input_grad": (x.grad - xr.grad[lo:hi]).abs().max().item(),
+            "quantized": (y_ref - ref(xr)[0]).abs().max().item(),  # the recipe changed y
+            "wire": dict(WIRE)}
+
+
+def test_ep2_quantized_dispatch_matches_one_process_and_sends_fp8_bytes():
+    from moeplug.testing.distributed import run_distributed
+    for r in run_distributed(_ep2_mxfp8, 2, timeout=180):
+        assert r["output"] < 1e-5 and r["input_grad"] < 1e-5, r
+        assert r["quantized"] > 1e-4, r
+        # 12 tokens x top-2 rows, each 64 FP8 bytes + 2 E8M0 scales (vs 256 bytes in fp32)
+        assert r["wire"] == {"rows": 24, "bytes": 24 * 66}, r
