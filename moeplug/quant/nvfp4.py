@@ -26,10 +26,10 @@ from moeplug.quant.fp8 import E4M3, fp8_max
 BLOCK = 16
 E2M1_MAX = 6.0
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-# Midpoints between neighbouring grid values; a tie goes to the even code (RNE): down at the
-# midpoints marked True, up at the others.
-_MIDS = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False),
-         (5.0, True))
+# Midpoints between neighbouring grid values; a tie goes to the even code (RNE): down at most,
+# up at 0.75 (-> 1.0), 1.75 (-> 2.0) and 3.5 (-> 4.0).
+_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_TIES_UP = torch.tensor([0.75, 1.75, 3.5])
 E4M3_TINY = torch.finfo(E4M3).tiny
 
 
@@ -37,10 +37,8 @@ def e2m1_round(a: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """|x| (already clamped to [0, 6]) -> magnitude code 0..7. ``generator``: stochastic
     rounding (round up with probability equal to the distance from the lower grid value)."""
     if generator is None:
-        code = torch.zeros_like(a, dtype=torch.uint8)
-        for mid, tie_down in _MIDS:
-            code += (a > mid) if tie_down else (a >= mid)
-        return code
+        code = torch.bucketize(a, _MIDS.to(a.device))  # midpoints strictly below: ties go down
+        return (code + torch.isin(a, _TIES_UP.to(a.device))).to(torch.uint8)
     grid = E2M1_GRID.to(a.device)
     lo = (torch.searchsorted(grid, a.contiguous(), right=True) - 1).clamp(0, 6)
     frac = (a - grid[lo]) / (grid[lo + 1] - grid[lo])
