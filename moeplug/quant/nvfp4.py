@@ -42,7 +42,7 @@ def e2m1_round(a: torch.Tensor, generator: torch.Generator | None = None) -> tor
     grid = E2M1_GRID.to(a.device)
     lo = (torch.searchsorted(grid, a.contiguous(), right=True) - 1).clamp(0, 6)
     frac = (a - grid[lo]) / (grid[lo + 1] - grid[lo])
-    u = torch.rand(a.shape, generator=generator, device=a.device)
+    u = torch.rand(a.shape, generator=generator).to(a.device)  # a CPU stream on every device
     return (lo + (u < frac).long()).to(torch.uint8)
 
 
@@ -114,5 +114,5 @@ def rht(x: torch.Tensor, axis: int, transform: torch.Tensor) -> torch.Tensor:
     its contraction axis it leaves the exact product unchanged while spreading outliers before
     quantization. ``axis`` is zero-padded to a multiple of 16 and stays padded (the transform
     moves mass into the padding, so cutting it off would change the product)."""
-    xb = to_blocks(x.float(), axis, transform.shape[0]) @ transform.t()
+    xb = to_blocks(x.float(), axis, transform.shape[0]) @ transform.t().to(x.device)
     return xb.reshape(*xb.shape[:-2], -1).movedim(-1, axis)
