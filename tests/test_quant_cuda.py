@@ -18,7 +18,8 @@ def _fp8_gemm_ok() -> bool:
     return HAS_CUDA and torch.cuda.get_device_capability() >= (8, 9)  # Ada / Hopper and newer
 
 
-@pytest.mark.skipif(not _fp8_gemm_ok(), reason="needs a GPU of compute capability >= 8.9 (FP8 GEMMs)")
+@pytest.mark.skipif(not _fp8_gemm_ok(),
+                    reason="needs a GPU of compute capability >= 8.9 (FP8 GEMMs)")
 def test_scaled_mm_tensorwise_equals_the_emulation():
     torch.manual_seed(0)
     x, w = torch.randn(256, 512), torch.randn(128, 512)

@@ -1,5 +1,6 @@
 """FP8 (E4M3 / E5M2) quantizers: tensorwise current scaling, delayed scaling, and blockwise
-(1 x 128 activation/gradient blocks, 128 x 128 weight tiles, as DeepSeek-V3 / TE Float8BlockScaling).
+(1 x 128 activation/gradient blocks, 128 x 128 weight tiles, as DeepSeek-V3 and TE's
+Float8BlockScaling).
 
 Every quantizer returns the FP8 payload (a real ``torch.float8_*`` tensor) and the fp32 *scale*
 that multiplied the input (``q = fp8(x * scale)``, ``x ~= q / scale``), the Transformer Engine /
