@@ -61,3 +61,36 @@ def test_emulated_recipes_step_time_and_wire_bytes(report):
         assert WIRE["rows"] == T * K
         report.row("precision", f"{n} alltoall bytes/token", per_token, unit="B",
                    note=f"bf16: {bf16_bytes} B ({bf16_bytes / per_token:.2f}x more)")
+
+
+# ---- 300 steps of the default model per recipe, against bf16 ---------------------------------
+# Final validation loss within these nats of bf16's (measured on 2 shared cores: see README).
+VAL_TOLERANCE = {"fp8_tensorwise": 0.05, "fp8_delayed": 0.05, "fp8_blockwise": 0.05,
+                 "mxfp8": 0.05, "nvfp4": 0.15}
+
+
+def test_default_model_300_steps_per_recipe_tracks_bf16(tmp_path, report):
+    """`moeplug train` (the default config, 300 steps) once per recipe and once in bf16, then
+    `moeplug plot loss` draws the curves (loss.png in the bf16 run). About 40 minutes."""
+    import subprocess
+    import sys
+
+    from moeplug.training.metrics import read_metrics
+
+    runs = {}
+    for name in ("bf16",) + RECIPES:
+        runs[name] = out = tmp_path / name
+        subprocess.run([sys.executable, "-m", "moeplug", "train", "--precision", name,
+                        "--set", "train.steps=300", "--out", str(out)], check=True,
+                       capture_output=True)
+    png = tmp_path / "loss.png"
+    subprocess.run([sys.executable, "-m", "moeplug", "plot", "loss", "--out", str(png),
+                    *map(str, runs.values())], check=True, capture_output=True)
+    assert png.stat().st_size > 0
+    val = {n: [r for r in read_metrics(str(d / "metrics.jsonl")) if r["kind"] == "val"][-1]
+           ["val_loss"] for n, d in runs.items()}
+    for name in RECIPES:
+        gap = val[name] - val["bf16"]
+        report.row("precision", f"{name} 300-step val loss - bf16", gap, unit="",
+                   note=f"{val[name]:.4f} vs {val['bf16']:.4f}")
+        assert abs(gap) < VAL_TOLERANCE[name], val
