@@ -65,7 +65,7 @@ def test_emulated_recipes_step_time_and_wire_bytes(report):
 
 # ---- 300 steps of the default model per recipe, against bf16 ---------------------------------
 # Final validation loss within these nats of bf16's (measured on 2 shared cores: see README).
-VAL_TOLERANCE = {"fp8_tensorwise": 0.05, "fp8_delayed": 0.05, "fp8_blockwise": 0.05,
+VAL_TOLERANCE = {"fp8_tensorwise": 0.05, "fp8_delayed": 0.1, "fp8_blockwise": 0.05,
                  "mxfp8": 0.05, "nvfp4": 0.15}
 
 
