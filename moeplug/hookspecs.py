@@ -77,7 +77,8 @@ def moeplug_register_precisions(registry: "ComponentRegistry") -> None:
     """Add precision recipes with ``registry.add(...)``.
 
     Called once per plugin while ``PluginHost.load`` runs. ``factory(options)`` must return a
-    :class:`moeplug.interfaces.Precision`. Return value: ignored.
+    :class:`moeplug.interfaces.Precision` (optional ``row_alignment``; a low-precision recipe
+    enters ``moeplug.quant.recipe_plan`` in its ``autocast``). Return value: ignored.
     """
 
 

@@ -154,11 +154,17 @@ class Precision(abc.ABC):
 
     Parameters and optimizer state stay fp32 (master weights); ``autocast`` wraps the forward.
     Experts backends read ``torch.is_autocast_enabled(device)`` / ``torch.get_autocast_dtype``
-    to pick their GEMM dtype.
+    to pick their GEMM dtype. A low-precision recipe also enters
+    ``moeplug.quant.recipe_plan(recipe, ...)`` in ``autocast``: the model then runs each
+    transformer block's GEMMs through the recipe (``moeplug.quant.active_recipe()``).
+
+    ``row_alignment`` (optional, default 1): rows per expert must be a multiple of it for the
+    recipe's grouped GEMMs (16 FP8, 32 MXFP8/NVFP4); the ``topk`` router pads to it.
     """
 
     name: str
     compute_dtype: torch.dtype
+    row_alignment: int = 1
 
     def autocast(self, device_type: str) -> ContextManager:
         return contextlib.nullcontext()

@@ -36,6 +36,8 @@ BUILTINS = {
     ("precision", "fp32"): "builtin_precisions",
     ("precision", "bf16"): "builtin_precisions",
     ("precision", "te_fp8"): "builtin_precisions",
+    **{("precision", n): "builtin_precisions"
+       for n in ("fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4")},
 }
 
 

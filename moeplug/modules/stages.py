@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from moeplug.modules.mtp import mtp_losses
 from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
+from moeplug.quant.linear import block_scope
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,10 @@ class ModelStages:
         aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         expert_counts: list[torch.Tensor] = []
         router_losses: list[dict] = []
-        for block in blocks:
-            block_out = block(x_BSD)
+        blocks = list(blocks)
+        for i, block in enumerate(blocks):
+            with block_scope(i, len(blocks)):  # the precision's low-precision recipe, if any
+                block_out = block(x_BSD)
             x_BSD, layer_aux, counts_E = block_out
             if counts_E is not None:
                 aux_loss = aux_loss + layer_aux.float()

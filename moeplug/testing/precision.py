@@ -1,5 +1,7 @@
 """Precision contract: a name and a compute dtype, an ``autocast`` that computes in that dtype, is
-re-enterable and restores the previous state, while parameters and their grads stay fp32."""
+re-enterable and restores the previous state, while parameters and their grads stay fp32 — also
+inside a transformer block, where a low-precision recipe (``moeplug.quant``) takes the GEMMs;
+``row_alignment`` a positive int."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 from torch import nn
 
 from moeplug.interfaces import Precision
+from moeplug.quant import block_scope
 from moeplug.testing._common import build, expect
 
 
@@ -21,11 +24,14 @@ def check_precision(source: Any, name: str | None = None, *, options: Any = None
     expect(isinstance(prec.compute_dtype, torch.dtype) and prec.compute_dtype.is_floating_point, label,
            f"compute_dtype must be a floating torch.dtype, got {prec.compute_dtype!r}")
 
+    align = getattr(prec, "row_alignment", 1)
+    expect(isinstance(align, int) and not isinstance(align, bool) and align >= 1, label,
+           f"row_alignment must be a positive int, got {align!r}")
     layer = nn.Linear(8, 8).to(device_type)
     x = torch.randn(4, 8, device=device_type)
     was_enabled = torch.is_autocast_enabled(device_type)
     for attempt in ("first", "second"):  # one Precision object wraps every step
-        with prec.autocast(device_type):
+        with prec.autocast(device_type), block_scope(0, 1):  # as the model runs a block
             y = layer(x)
         expect(y.dtype == prec.compute_dtype, label,
                f"{attempt} use: a Linear under autocast produced {y.dtype}, expected {prec.compute_dtype}")

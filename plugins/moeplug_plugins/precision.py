@@ -1,4 +1,6 @@
-"""Built-in precision recipes: ``fp32``, ``bf16``, and ``te_fp8`` (needs Transformer Engine).
+"""Built-in precision recipes: ``fp32``, ``bf16``, ``te_fp8`` (needs Transformer Engine), and
+the emulated low-precision recipes ``fp8_tensorwise``, ``fp8_delayed``, ``fp8_blockwise``,
+``mxfp8`` and ``nvfp4`` (``moeplug.quant``).
 
 Parameters and optimizer state stay fp32 in every recipe; only the forward's compute dtype changes.
 """
@@ -6,12 +8,15 @@ Parameters and optimizer state stay fp32 in every recipe; only the forward's com
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from dataclasses import dataclass
+from typing import ContextManager, Literal
 
 import torch
 
 from moeplug import hookimpl
+from moeplug.config import ConfigError
 from moeplug.interfaces import Precision
+from moeplug.quant import MXFP8, NVFP4, Blockwise, Delayed, Tensorwise, recipe_plan
 
 
 class FP32(Precision):
@@ -43,6 +48,128 @@ def make_te_fp8(options):
     return TEFP8()
 
 
+# ---- low-precision recipes (moeplug.quant): exact emulation on any device ---------------------
+
+def _fail(cls: str, name: str, value, rule: str, fix: str) -> None:
+    raise ConfigError(f"{cls}.{name} = {value!r}: {rule}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    """Shared by every low-precision recipe. The first/last ``bf16_*_layers`` transformer blocks
+    (of the model, or of each pipeline chunk) keep bf16 GEMMs; ``quantize_dispatch`` sends
+    dispatched token rows in FP8 (the recipe's row format) and dequantizes them on receipt."""
+
+    bf16_first_layers: int = 0
+    bf16_last_layers: int = 0
+    quantize_dispatch: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("bf16_first_layers", "bf16_last_layers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                _fail(type(self).__name__, name, v, "must be an integer >= 0",
+                      "give how many blocks to keep in bf16, e.g. 1")
+
+
+@dataclass(frozen=True)
+class FP8TensorwiseOptions(QuantOptions):
+    # hybrid: E4M3 forward, E5M2 gradients (TE's default); e4m3: E4M3 everywhere.
+    format: Literal["hybrid", "e4m3"] = "hybrid"
+    power_of_2_scales: bool = False
+
+
+@dataclass(frozen=True)
+class FP8DelayedOptions(QuantOptions):
+    format: Literal["hybrid", "e4m3"] = "hybrid"
+    amax_history_len: int = 1024
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        v = self.amax_history_len
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            _fail(type(self).__name__, "amax_history_len", v, "must be an integer >= 1",
+                  "use e.g. 1024 (TE's default) or 1 (the last step only)")
+
+
+@dataclass(frozen=True)
+class FP8BlockwiseOptions(QuantOptions):
+    power_of_2_scales: bool = True
+
+
+@dataclass(frozen=True)
+class MXFP8Options(QuantOptions):
+    pass
+
+
+@dataclass(frozen=True)
+class NVFP4Options(QuantOptions):
+    weight_2d: bool = True           # 16 x 16 weight tiles (else 1 x 16 like activations)
+    random_hadamard: bool = True     # RHT on the weight-gradient GEMM's inputs
+    stochastic_rounding: bool = True  # gradients round stochastically
+    seed: int = 0                    # RHT signs and stochastic-rounding stream
+
+
+class QuantizedPrecision(Precision):
+    """bf16 autocast with every transformer block's GEMMs through a ``moeplug.quant`` recipe
+    (quantize -> dequantize, then the GEMM): the numerics of the low-precision recipe, on any
+    device. Parameters, gradients and optimizer state stay fp32."""
+
+    compute_dtype = torch.bfloat16
+
+    def __init__(self, name: str, recipe, options: QuantOptions):
+        self.name, self.recipe, self.options = name, recipe, options
+        recipe.quantize_dispatch = options.quantize_dispatch  # read by the dispatchers
+        self.row_alignment = recipe.row_alignment  # the topk router pads experts' rows to it
+
+    def autocast(self, device_type: str) -> ContextManager:
+        return _quantized_autocast(device_type, self.recipe, self.options)
+
+
+@contextlib.contextmanager
+def _quantized_autocast(device_type: str, recipe, o: QuantOptions):
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16), \
+            recipe_plan(recipe, o.bf16_first_layers, o.bf16_last_layers):
+        yield
+
+
+def make_fp8_tensorwise(o: FP8TensorwiseOptions) -> QuantizedPrecision:
+    return QuantizedPrecision("fp8_tensorwise", Tensorwise(o.format, o.power_of_2_scales), o)
+
+
+def make_fp8_delayed(o: FP8DelayedOptions) -> QuantizedPrecision:
+    return QuantizedPrecision("fp8_delayed",
+                              Delayed(o.format, o.amax_history_len, o.amax_compute_algo), o)
+
+
+def make_fp8_blockwise(o: FP8BlockwiseOptions) -> QuantizedPrecision:
+    return QuantizedPrecision("fp8_blockwise", Blockwise(o.power_of_2_scales), o)
+
+
+def make_mxfp8(o: MXFP8Options) -> QuantizedPrecision:
+    return QuantizedPrecision("mxfp8", MXFP8(), o)
+
+
+def make_nvfp4(o: NVFP4Options) -> QuantizedPrecision:
+    return QuantizedPrecision("nvfp4", NVFP4(o.weight_2d, o.random_hadamard,
+                                             o.stochastic_rounding, o.seed), o)
+
+
+QUANTIZED = {
+    "fp8_tensorwise": (make_fp8_tensorwise, FP8TensorwiseOptions,
+                       "FP8 current (per-tensor) scaling, E4M3 fwd / E5M2 grads (emulated)"),
+    "fp8_delayed": (make_fp8_delayed, FP8DelayedOptions,
+                    "FP8 delayed scaling from an amax history (emulated)"),
+    "fp8_blockwise": (make_fp8_blockwise, FP8BlockwiseOptions,
+                      "FP8 1x128 activation / 128x128 weight blocks, DeepSeek-V3 (emulated)"),
+    "mxfp8": (make_mxfp8, MXFP8Options,
+              "MXFP8: 32-element blocks, E8M0 scales, OCP MX v1.0 (emulated)"),
+    "nvfp4": (make_nvfp4, NVFP4Options,
+              "NVFP4: E2M1 x 16 blocks, E4M3 + fp32 scales, 16x16 weights, RHT, SR (emulated)"),
+}
+
+
 @hookimpl
 def moeplug_register_precisions(registry) -> None:
     registry.add("fp32", make_fp32, description="plain fp32 (no autocast)")
@@ -50,3 +177,5 @@ def moeplug_register_precisions(registry) -> None:
     registry.add("te_fp8", make_te_fp8, requires=("transformer_engine",),
                  install_hint="pip install transformer-engine[pytorch] (needs an NVIDIA GPU)",
                  description="FP8 GEMMs through Transformer Engine's fp8_autocast (GPU only)")
+    for name, (factory, options_cls, description) in QUANTIZED.items():
+        registry.add(name, factory, options_cls=options_cls, description=description)

@@ -35,6 +35,7 @@ from moeplug import hookimpl
 from moeplug.config import ConfigError, ModelConfig
 from moeplug.interfaces import Router, RouterOutput
 from moeplug import routing as R
+from moeplug.quant import row_alignment
 
 
 def _fail(name: str, value, rule: str, fix: str) -> None:
@@ -79,7 +80,8 @@ class TopKOptions:
     capacity_factor: float | None = None
     token_drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
-    # Pad each expert's rows to a multiple of this (16 FP8, 32 MXFP8/NVFP4); 1 = off.
+    # Pad each expert's rows to a multiple of this (16 FP8, 32 MXFP8/NVFP4); 1 = the low-
+    # precision recipe's alignment when one is active (moeplug.quant.row_alignment), else off.
     padding_for_quantization: int = 1
     # Benchmarks: random (seeded, hence repeatable) logits, so the load is balanced.
     force_load_balancing: bool = False
@@ -246,7 +248,7 @@ class TopKRouter(Router):
         return RouterOutput(probs_TK=probs_TK.float(), ids_TK=ids_TK, aux_loss=aux_loss.float(),
                             logits_TE=logits_TE.float(), losses=losses, dropped_TK=dropped_TK,
                             capacity=capacity if o.pad_to_capacity else None,
-                            pad_multiple=o.padding_for_quantization)
+                            pad_multiple=row_alignment(o.padding_for_quantization))
 
     def _aux_losses(self, logits_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int,
                     counting: bool, losses: dict, token_group=None) -> torch.Tensor:

@@ -5,7 +5,8 @@ Legend: T local tokens, K top-k, D hidden, E experts (global), L local experts, 
 dispatch:
     1. permute      group this rank's T*K token copies by global expert   (moeplug.ops.permute)
     2. counts       exchange per-expert row counts with every EP rank
-    3. all-to-all   send each expert's rows to the rank that owns it
+    3. all-to-all   send each expert's rows to the rank that owns it (in FP8 + scales when a
+                    low-precision recipe with quantize_dispatch is active: moeplug.quant.wire)
     4. sort         received chunks are (source rank, local expert)-major: reorder expert-major
     5. pad          prob-0 rows so each local expert holds capacity*ep_size rows or a multiple
                     of pad_multiple, when the routing asks for it          (moeplug.routing.rows)
@@ -26,6 +27,8 @@ import torch
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
 from moeplug.ops import permute, unpermute
+from moeplug.quant import active_recipe
+from moeplug.quant.wire import quantized_exchange
 from moeplug.routing import append_sink_rows, pad_rows, padded_counts, sink_dropped, unpad_rows
 from moeplug_plugins.dispatchers import _ep_comm
 from moeplug_plugins.dispatchers._group import ep_layout
@@ -59,7 +62,7 @@ class AlltoAllDispatcher(Dispatcher):
         x_SD, probs_S, counts_E = x_RD[:S], probs_R[:S], counts[:E]
         # 2. counts  3. all-to-all  4. sort by local expert
         plan = self._exchange_counts(counts_E)
-        x_SD, probs_S = self._all_to_all(x_SD, plan), self._all_to_all(probs_S, plan)
+        x_SD, probs_S = self._send_rows(x_SD, plan), self._all_to_all(probs_S, plan)
         x_SD = self._sort_by_local_expert(x_SD, plan)
         probs_S = self._sort_by_local_expert(probs_S, plan)
         # 5. pad
@@ -84,6 +87,14 @@ class AlltoAllDispatcher(Dispatcher):
 
     def _exchange_counts(self, counts_E: torch.Tensor) -> _ep_comm.A2APlan:
         return _ep_comm.exchange_counts(counts_E, self.group)
+
+    def _send_rows(self, x_SD: torch.Tensor, plan: _ep_comm.A2APlan) -> torch.Tensor:
+        recipe = active_recipe()
+        if recipe is None or not recipe.quantize_dispatch:
+            return self._all_to_all(x_SD, plan)
+        # Quantized at one rank too, so a single process sees the same numerics.
+        return quantized_exchange(x_SD, recipe, lambda t: self._all_to_all(t, plan),
+                                  lambda g: self._all_to_all_back(g, plan))
 
     def _all_to_all(self, rows: torch.Tensor, plan: _ep_comm.A2APlan) -> torch.Tensor:
         return rows if self.ep_size == 1 else _ep_comm.all_to_all_there(rows, plan, self.group)

@@ -10,11 +10,16 @@ import torch
 
 from moeplug.ops import expert_mlp
 from moeplug.ops.grouped_mlp import grouped_mlp
+from moeplug.quant import active_recipe, quant_expert_mlp
 from moeplug_plugins.experts._params import ExpertParams
 
 
 class GroupedExperts(ExpertParams):
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        recipe = active_recipe()  # a low-precision precision plugin's recipe (emulated GEMMs)
+        if recipe is not None:
+            return quant_expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
+                                    self.activation, recipe)
         if self.activation == "swiglu":  # the fused C++ SwiGLU kernel
             return expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj)
         return grouped_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,

@@ -9,11 +9,16 @@ from __future__ import annotations
 import torch
 
 from moeplug.ops.activations import activation_fn
+from moeplug.quant import active_recipe, quant_expert_mlp
 from moeplug_plugins.experts._params import ExpertParams
 
 
 class SequentialExperts(ExpertParams):
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        recipe = active_recipe()  # a low-precision precision plugin's recipe (emulated GEMMs)
+        if recipe is not None:
+            return quant_expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
+                                    self.activation, recipe)
         act = activation_fn(self.activation)
         ys = []
         start = 0

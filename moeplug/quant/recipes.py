@@ -1,0 +1,140 @@
+"""The five low-precision recipes as emulations: ``fake(t, role, axis)`` returns what the GEMM
+would see, i.e. quantize -> dequantize in fp32, with the block axis along the GEMM's contraction
+``axis``. Roles: ``x`` activations, ``w`` weights, ``g`` output gradients.
+
+Dispatch (``quantize_rows`` / ``dequantize_rows``) sends token rows as the recipe's forward
+activation format, blocks along the hidden axis; NVFP4 rows travel as MXFP8 (an FP4 wire format
+would need its own all-to-all packing), so its dispatch matches the ``mxfp8`` recipe's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moeplug.quant import fp8, mx, nvfp4
+
+FORMATS = {"e4m3": (fp8.E4M3, fp8.E4M3), "hybrid": (fp8.E4M3, fp8.E5M2)}  # (fwd, grad)
+
+
+class Recipe:
+    name = "recipe"
+    quantize_dispatch = True  # dispatchers send rows with quantize_rows (the plugin's option)
+    # Rows per expert must be a multiple of this for the real grouped low-precision GEMMs
+    # (Megatron-Core: 16 for FP8, 32 for MXFP8/NVFP4); routers pad to it (row_alignment()).
+    row_alignment = 16
+
+    def fake(self, t: torch.Tensor, role: str, axis: int, key=None,
+             record: bool = True) -> torch.Tensor:
+        raise NotImplementedError
+
+    def wgrad_inputs(self, g_MN: torch.Tensor, x_MK: torch.Tensor):
+        """Transform both inputs of dW = g^T x along M before quantizing (NVFP4: RHT)."""
+        return g_MN, x_MK
+
+    def quantize_rows(self, x_SD: torch.Tensor):
+        """(payload fp8 [S, D], scales fp32 [S, n]) for the wire: MXFP8 blocks of 32."""
+        q, code = mx.quantize_mx(x_SD, -1)
+        return q, code
+
+    def dequantize_rows(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return mx.dequantize_mx(q, scales, -1)
+
+
+class Tensorwise(Recipe):
+    name = "fp8_tensorwise"
+
+    def __init__(self, fmt: str = "hybrid", power_of_2_scales: bool = False):
+        self.fwd, self.bwd = FORMATS[fmt]
+        self.pow2 = power_of_2_scales
+
+    def dtype(self, role: str) -> torch.dtype:
+        return self.bwd if role == "g" else self.fwd
+
+    def fake(self, t, role, axis, key=None, record=True):
+        q, scale = fp8.quantize_tensorwise(t, self.dtype(role), self.pow2)
+        return q.float() / scale
+
+    def quantize_rows(self, x_SD):
+        q, scale = fp8.quantize_blockwise(x_SD, -1, x_SD.shape[-1] or 1, self.fwd, self.pow2)
+        return q, scale  # one scale per row: a row is self-contained on the wire
+
+    def dequantize_rows(self, q, scales):
+        return fp8.dequantize_blockwise(q, scales, -1, q.shape[-1] or 1)
+
+
+class Delayed(Tensorwise):
+    """Tensorwise FP8 whose scale comes from an amax history (one per GEMM operand)."""
+    name = "fp8_delayed"
+
+    def __init__(self, fmt: str = "hybrid", amax_history_len: int = 16,
+                 amax_compute_algo: str = "max"):
+        super().__init__(fmt)
+        self.history_len, self.algo = amax_history_len, amax_compute_algo
+        self.scalers: dict = {}
+
+    def scaler(self, key, role) -> fp8.DelayedScaler:
+        k = (key, role)
+        if k not in self.scalers:
+            self.scalers[k] = fp8.DelayedScaler(self.history_len, self.algo, self.dtype(role))
+        return self.scalers[k]
+
+    def fake(self, t, role, axis, key=None, record=True):
+        s = self.scaler(key, role)
+        if record:
+            q, scale = s.quantize(t)
+        else:
+            scale = s.last_scale
+            q = fp8.quantize_with_scale(t, scale, s.dtype)
+        return q.float() / scale
+
+
+class Blockwise(Recipe):
+    name = "fp8_blockwise"
+
+    def __init__(self, power_of_2_scales: bool = True):
+        self.pow2 = power_of_2_scales
+
+    def fake(self, t, role, axis, key=None, record=True):
+        if role == "w" and t.dim() == 2:
+            q, s = fp8.quantize_tiles(t, 128, fp8.E4M3, self.pow2)
+            return fp8.dequantize_tiles(q, s, 128)
+        q, s = fp8.quantize_blockwise(t, axis, 128, fp8.E4M3, self.pow2)
+        return fp8.dequantize_blockwise(q, s, axis, 128)
+
+    def quantize_rows(self, x_SD):
+        return fp8.quantize_blockwise(x_SD, -1, 128, fp8.E4M3, self.pow2)
+
+    def dequantize_rows(self, q, scales):
+        return fp8.dequantize_blockwise(q, scales, -1, 128)
+
+
+class MXFP8(Recipe):
+    name = "mxfp8"
+    row_alignment = 32
+
+    def fake(self, t, role, axis, key=None, record=True):
+        q, code = mx.quantize_mx(t, axis, fp8.E4M3)
+        return mx.dequantize_mx(q, code, axis)
+
+
+class NVFP4(Recipe):
+    name = "nvfp4"
+    row_alignment = 32
+
+    def __init__(self, weight_2d: bool = True, rht: bool = True, stochastic_rounding: bool = True,
+                 seed: int = 0):
+        self.weight_2d, self.use_rht, self.sr = weight_2d, rht, stochastic_rounding
+        self.generator = torch.Generator().manual_seed(seed)
+        signs = torch.randint(0, 2, (nvfp4.BLOCK,), generator=self.generator) * 2 - 1
+        self.transform = nvfp4.random_hadamard(signs)
+
+    def fake(self, t, role, axis, key=None, record=True):
+        if role == "w" and self.weight_2d and t.dim() == 2:
+            return nvfp4.dequantize_nvfp4_tiles(*nvfp4.quantize_nvfp4_tiles(t))
+        gen = self.generator if (role == "g" and self.sr) else None
+        return nvfp4.dequantize_nvfp4(*nvfp4.quantize_nvfp4(t, axis, gen), axis=axis)
+
+    def wgrad_inputs(self, g_MN, x_MK):
+        if not self.use_rht:
+            return g_MN, x_MK
+        return nvfp4.rht(g_MN, 0, self.transform), nvfp4.rht(x_MK, 0, self.transform)

@@ -1,0 +1,43 @@
+"""The emulated recipes against real FP8 GEMMs on a GPU (``torch._scaled_mm``), and the recipes
+running on CUDA tensors. Marked ``cuda``: skipped with the reason where torch sees no GPU (not
+yet run on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeplug.quant import MXFP8, NVFP4, Blockwise, Delayed, Tensorwise, fp8, quant_linear
+
+HAS_CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not HAS_CUDA, reason="torch sees no CUDA GPU on this machine")]
+
+
+def _fp8_gemm_ok() -> bool:
+    return HAS_CUDA and torch.cuda.get_device_capability() >= (8, 9)  # Ada / Hopper and newer
+
+
+@pytest.mark.skipif(not _fp8_gemm_ok(),
+                    reason="needs a GPU of compute capability >= 8.9 (FP8 GEMMs)")
+def test_scaled_mm_tensorwise_equals_the_emulation():
+    torch.manual_seed(0)
+    x, w = torch.randn(256, 512), torch.randn(128, 512)
+    xq, sx = fp8.quantize_tensorwise(x)
+    wq, sw = fp8.quantize_tensorwise(w)
+    emulated = (xq.float() / sx) @ (wq.float() / sw).t()
+    real = torch._scaled_mm(xq.cuda(), wq.cuda().t(), scale_a=(1 / sx).cuda(),
+                            scale_b=(1 / sw).cuda(), out_dtype=torch.float32)
+    # FP8 products are exact in fp32: only the summation order differs.
+    assert torch.allclose(real.cpu(), emulated, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("recipe", [Tensorwise(), Delayed(), Blockwise(), MXFP8(), NVFP4()],
+                         ids=lambda r: r.name)
+def test_recipes_run_on_cuda_tensors_as_on_the_cpu(recipe):
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 256), torch.randn(96, 256)
+    cpu = recipe.fake(x, "x", 1, key="k") @ recipe.fake(w, "w", 1, key="k").t()
+    gpu = quant_linear(x.cuda(), w.cuda(), None, recipe, key="k2")
+    if not isinstance(recipe, Delayed):  # delayed: the GPU call starts a fresh history
+        assert torch.allclose(gpu.cpu(), cpu, rtol=1e-4, atol=1e-3)
