@@ -222,6 +222,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
+    from moeplug.training.faults import EXIT_FAULT, TrainingFault, rank_failure_line
     try:
         if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
             D.barrier(groups)
@@ -234,6 +235,12 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         if args.overwrite and D.is_main_rank(groups):  # the last moment: data and model built
             clear_run(cfg.train.out_dir)
         summary = train(cfg, model, corpus, precision, plugin_names, groups=groups)
+    except TrainingFault as e:  # a non-finite step under train.nonfinite=stop, ...
+        print(f"moeplug: {e}", file=sys.stderr)
+        return EXIT_FAULT
+    except D.PeerFailure as e:  # a collective failed: a peer rank died or hung
+        print(rank_failure_line(e, groups.rank, D.heartbeat(groups)), file=sys.stderr)
+        os._exit(EXIT_FAULT)  # skip teardown: it would wait on the failed peer again
     finally:
         D.shutdown(groups)
     if not D.is_main_rank(groups):

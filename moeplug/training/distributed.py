@@ -146,6 +146,20 @@ def init_distributed(cfg: RootConfig) -> Any:
                                 timeout=timeout)
 
 
+# What a collective raises when a peer died (connection closed) or hung (timeout).
+PeerFailure = (dist.DistError, RuntimeError)
+
+
+def heartbeat(groups: Any) -> Any:
+    """This rank's moeplug.training.faults.Heartbeat in the rendezvous store (None: one process
+    or no store)."""
+    from moeplug.training.faults import Heartbeat
+    if groups is None or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    return Heartbeat(store, groups.rank, groups.world_size)
+
+
 def is_main_rank(groups: Any) -> bool:
     return groups is None or groups.rank == 0
 

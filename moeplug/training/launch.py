@@ -34,8 +34,27 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
 
 
 def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    # torchrun through agent_main below: its own failure report is a traceback.
+    return [sys.executable, "-m", "moeplug.training.launch", "--standalone",
             f"--nproc-per-node={nproc}", "-m", "moeplug", *strip_nproc(argv)]
+
+
+def agent_main(argv: Sequence[str]) -> int:
+    """torchrun (``torch.distributed.run``) with ``argv``. With max_restarts 0, when one rank
+    exits non-zero or is killed the agent SIGTERMs the others and waits for them (no orphans);
+    its report becomes one line naming the rank that failed first, not a traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+    try:
+        run(parse_args(list(argv)))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
+               else f"exit status {failure.exitcode}")
+        print(f"moeplug: rank {rank} failed ({how}, pid {failure.pid}); torchrun stopped the "
+              "other ranks", file=sys.stderr)
+        return 1
+    return 0
 
 
 def usable_cores() -> int:
@@ -72,3 +91,7 @@ def relaunch(cfg: Any, nproc: int, argv: Sequence[str]) -> int:
     threads = cfg.train.threads or (int(omp) if omp.isdigit() and int(omp) > 0 else 1)
     print(launch_line(cfg, nproc, threads, usable_cores()), flush=True)
     return subprocess.call(torchrun_command(nproc, argv), env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main(sys.argv[1:]))

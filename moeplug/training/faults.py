@@ -1,0 +1,172 @@
+"""Faults during training: non-finite steps, failed ranks, and a test-only fault injector.
+
+Non-finite steps (``train.nonfinite``): :func:`train_step` never applies an update whose loss
+or global grad norm is NaN/Inf (one NaN update poisons every weight for good); the trainer
+then stops (``stop``) or counts the step as skipped and goes on (``skip``), at most
+``train.max_skipped_steps`` in a row. The decision uses values every rank shares (the DP-mean
+loss, the all-reduced grad norm), so all ranks skip or stop together. :class:`NonFiniteWatch`
+names where it started: the first block whose output was non-finite in this rank's forward,
+else the deepest parameter whose grad is (backward runs from the output, so that one is where
+the NaN entered).
+
+Failed ranks: a rank that dies makes torchrun stop the others; a rank that hangs makes its
+peers' next collective time out after ``parallel.timeout_s``. Either way every rank that sees
+the failure prints one line ``moeplug: rank R failed (...); this rank (r) stops`` and exits
+non-zero (:func:`rank_failure_line`). Each rank stores its last completed step in the
+rendezvous store (a heartbeat, :class:`Heartbeat`), so a timed-out rank can name the peer that
+is behind.
+
+``MOEPLUG_TEST_FAULT`` (tests only, :class:`TestFault`) injects a fault at optimizer step N
+(1-based, as logged): ``kill:rank=R:step=N`` (SIGKILL itself), ``hang:rank=R:step=N`` (sleep
+forever), ``nan:layer=L:step=N`` (block L's output becomes NaN, on every rank).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import time
+from typing import Any
+
+import torch
+
+TEST_FAULT_ENV = "MOEPLUG_TEST_FAULT"
+EXIT_FAULT = 3  # training stopped by a fault (config errors exit 2)
+
+
+class TrainingFault(RuntimeError):
+    """Training cannot go on; the message is one line for the user (the CLI prints it)."""
+
+
+def is_finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+class NonFiniteWatch:
+    """Forward hooks on the model's transformer blocks recording, per step, whether each
+    block's output was finite (one reduction per block, kept as a tensor: no device sync)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.flags: list[tuple[str, torch.Tensor]] = []
+        for name, module in model.named_modules():
+            if re.search(r"(^|\.)(blocks|mtp)\.\d+$", name):
+                module.register_forward_hook(self._hook(name))
+
+    def _hook(self, name: str):
+        def record(_module, _inputs, out):
+            x = out[0] if isinstance(out, tuple) else out
+            self.flags.append((name, torch.isfinite(x.detach()).all()))
+        return record
+
+    def reset(self) -> None:
+        self.flags = []
+
+    def locate(self) -> str:
+        """Where this step's non-finite values started on this rank ('' if unknown)."""
+        for name, ok in self.flags:
+            if not bool(ok):
+                return f"output of {name}"
+        bad = [n for n, p in self.model.named_parameters()
+               if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        return f"grad of {bad[-1]}" if bad else ""
+
+
+def nonfinite_message(step: int, loss: float, grad_norm: float, where: str) -> str:
+    return (f"non-finite step {step}: loss {loss}, grad norm {grad_norm}"
+            + (f", first at the {where}" if where else ""))
+
+
+class Heartbeat:
+    """Each rank's last completed step in the rendezvous store, read when a collective fails
+    to name the rank that fell behind (or whose heartbeat stopped)."""
+
+    def __init__(self, store: Any, rank: int, world: int) -> None:
+        self.store, self.rank, self.world = store, rank, world
+
+    def beat(self, step: int) -> None:
+        self.store.set(f"moeplug/heartbeat/{self.rank}", f"{step} {time.time():.3f}")
+
+    def laggard(self) -> int | None:
+        """The peer with the oldest step (then the oldest beat); None if unreadable."""
+        try:
+            self.store.set_timeout(__import__("datetime").timedelta(seconds=5))
+            beats = []
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                key = f"moeplug/heartbeat/{r}"
+                if not self.store.check([key]):
+                    beats.append((-1, 0.0, r))
+                    continue
+                step, when = self.store.get(key).decode().split()
+                beats.append((int(step), float(when), r))
+            return min(beats)[2] if beats else None
+        except Exception:  # the store lives in the agent; if it is gone we cannot tell
+            return None
+
+
+_PEER_IN_ERROR = re.compile(r"\brank[ :=]+(\d+)", re.IGNORECASE)
+
+
+def rank_failure_line(error: BaseException, rank: int, heartbeat: Heartbeat | None) -> str:
+    """The one line a rank prints when a collective failed because a peer died or hung."""
+    text = " ".join(str(error).split())
+    peer = heartbeat.laggard() if heartbeat is not None else None
+    if peer is None:
+        found = [int(m) for m in _PEER_IN_ERROR.findall(text) if int(m) != rank]
+        peer = found[0] if found else None
+    who = f"rank {peer}" if peer is not None else "a peer rank"
+    reason = "timed out" if "timeout" in text.lower() or "timed out" in text.lower() \
+        else "connection lost"
+    return (f"moeplug: {who} failed (collective {reason}: {text[:160]}); this rank ({rank}) "
+            f"stops. Fix: see that rank's output above; parallel.timeout_s bounds the wait")
+
+
+class TestFault:
+    """The parsed ``MOEPLUG_TEST_FAULT`` (see the module docstring); None when unset."""
+
+    def __init__(self, spec: str) -> None:
+        kind, *fields = spec.split(":")
+        try:
+            kv = dict(f.split("=", 1) for f in fields)
+            self.kind, self.step = kind, int(kv["step"])
+            self.rank, self.layer = int(kv.get("rank", -1)), int(kv.get("layer", 0))
+        except (ValueError, KeyError):
+            raise TrainingFault(f"${TEST_FAULT_ENV} = {spec!r}: expected kill|hang:rank=R:step=N "
+                                f"or nan:layer=L:step=N. Fix: unset it (tests only)") from None
+        self.current = 0
+
+    @classmethod
+    def from_env(cls) -> "TestFault | None":
+        spec = os.environ.get(TEST_FAULT_ENV, "")
+        return cls(spec) if spec else None
+
+    def install(self, model: torch.nn.Module) -> None:
+        if self.kind != "nan":
+            return
+        blocks = [m for n, m in model.named_modules() if re.search(r"blocks\.\d+$", n)]
+
+        def poison(_module, _inputs, out):
+            if self.current != self.step:
+                return None
+            x = out[0] if isinstance(out, tuple) else out
+            if not isinstance(out, tuple):
+                return out * float("nan")
+            return out._replace(**{out._fields[0]: out[0] * float("nan")}) \
+                if hasattr(out, "_fields") else (out[0] * float("nan"), *out[1:])
+        if self.layer < len(blocks):
+            blocks[self.layer].register_forward_hook(poison)
+
+    def before_step(self, step: int, rank: int) -> None:
+        """Called at the start of optimizer step ``step`` (1-based)."""
+        self.current = step
+        if step != self.step or rank != self.rank:
+            return
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "hang":
+            while True:
+                time.sleep(3600)

@@ -1,0 +1,98 @@
+"""Faults through the real CLI: a rank that dies or hangs, NaN/Inf steps (skip or stop).
+
+Faults are injected with the test-only ``MOEPLUG_TEST_FAULT`` hook
+(moeplug.training.faults.TestFault): ``kill:rank=1:step=3`` makes rank 1 SIGKILL itself at
+step 3, ``hang:rank=1:step=3`` makes it sleep forever, ``nan:layer=1:step=2`` turns block 1's
+output into NaN at step 2 on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from moeplug.training.metrics import read_metrics
+
+TIMEOUT_S = 10  # parallel.timeout_s in these tests: a hang is noticed after this long
+STEPS = ["--steps", "4", "--set", "train.log_interval=1", "--set", "train.warmup_steps=1",
+         "--set", "train.eval_interval=0"]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process under ``pid`` (a /proc scan: ppid links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _run_train(cli_env, args, fault: str, timeout: float = 300):
+    """Run `moeplug train ...` in its own session with MOEPLUG_TEST_FAULT set; returns
+    (returncode, stdout, stderr, seconds, processes of the run still alive afterwards)."""
+    env = dict(cli_env, MOEPLUG_TEST_FAULT=fault)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "moeplug", "train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"the run hung past {timeout}s:\n{err[-3000:]}") from None
+    elapsed = time.monotonic() - t0
+    time.sleep(1)  # what would be left behind has had time to exit
+    left = [p for p in _session_processes(proc.pid)]
+    for p in left:  # do not leak them into the rest of the suite
+        os.kill(p, signal.SIGKILL)
+    return proc.returncode, out, err, elapsed, left
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid``: ranks re-parented to init keep it."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("kind", ["kill", "hang"])
+def test_a_failed_rank_stops_every_rank_in_bounded_time(cli_env, tiny_config_file, tmp_path,
+                                                        kind):
+    out = str(tmp_path / "run")
+    rc, stdout, err, elapsed, left = _run_train(
+        cli_env, ["--config", tiny_config_file(out), "--nproc", "2", "--set", "parallel.ep=2",
+                  "--set", f"parallel.timeout_s={TIMEOUT_S}", *STEPS],
+        f"{kind}:rank=1:step=3")
+    print(f"{kind}: aborted after {elapsed:.1f}s")
+    assert rc != 0, (stdout[-2000:], err[-3000:])
+    assert "moeplug: rank 1 failed" in err and "this rank (0) stops" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not left, f"processes of the run still alive: {left}"
+    # setup (data, model, two steps) + the timeout, with margin for a loaded 2-core machine
+    assert elapsed < 60 + TIMEOUT_S, elapsed
