@@ -401,8 +401,10 @@ class ParallelSection:
     num_layers_in_last_stage: int | None = None
     # ZeRO-1: AdamW state sharded over DP (dense params) / expert-DP (expert params).
     distributed_optimizer: bool = False
-    # Process-group timeout: a rank waiting this long on a dead peer raises instead of hanging.
-    timeout_s: float = 300.0
+    # Process-group timeout: a rank waiting this long on a dead or hung peer stops instead of
+    # hanging (moeplug.training.faults). 90 s keeps a CPU run's abort under 2 minutes; raise it
+    # when one rank may legitimately work alone longer (e.g. a slow checkpoint save).
+    timeout_s: float = 90.0
 
     def __post_init__(self) -> None:
         self.layout()  # ParallelConfig's own checks

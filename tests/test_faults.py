@@ -89,10 +89,74 @@ def test_a_failed_rank_stops_every_rank_in_bounded_time(cli_env, tiny_config_fil
         cli_env, ["--config", tiny_config_file(out), "--nproc", "2", "--set", "parallel.ep=2",
                   "--set", f"parallel.timeout_s={TIMEOUT_S}", *STEPS],
         f"{kind}:rank=1:step=3")
-    print(f"{kind}: aborted after {elapsed:.1f}s")
+    print(f"{kind}: aborted after {elapsed:.1f}s\n{err}")
     assert rc != 0, (stdout[-2000:], err[-3000:])
     assert "moeplug: rank 1 failed" in err and "this rank (0) stops" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert not left, f"processes of the run still alive: {left}"
     # setup (data, model, two steps) + the timeout, with margin for a loaded 2-core machine
     assert elapsed < 60 + TIMEOUT_S, elapsed
+
+
+def _params(ckpt_dir: str) -> dict:
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(os.listdir(ckpt_dir)) if f.startswith("model")
+            for k, v in load_file(os.path.join(ckpt_dir, f)).items()}
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_nan_step_is_skipped_and_named(cli_env, tiny_config_file, tmp_path, nproc):
+    """Block 1 outputs NaN at step 3 only: skip mode drops that update (the weights after step
+    3 equal those after step 2), counts it and names the block; at EP2 x DP2 too."""
+    par = ["--nproc", "2", "--set", "parallel.ep=2"] if nproc == 2 else []
+    out = str(tmp_path / "run")
+    rc, stdout, err, _, left = _run_train(
+        cli_env, ["--config", tiny_config_file(out), *par, *STEPS, "--set", "train.nonfinite=skip",
+                  "--set", "train.ckpt_interval=1"], "nan:layer=1:step=3")
+    assert rc == 0, err[-3000:]
+    assert not left
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    skips = [r for r in records if r["kind"] == "skip"]
+    assert [(r["step"], r["where"], r["skipped_steps"]) for r in skips] == [
+        (3, "output of blocks.1", 1)], skips
+    train = {r["step"]: r for r in records if r["kind"] == "train"}
+    assert [train[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    assert "non-finite step 3" in stdout and "blocks.1" in stdout, stdout
+    before, after = (_params(os.path.join(out, f"step_{s:06d}")) for s in (2, 3))
+    assert before.keys() == after.keys()
+    import torch
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    last = _params(os.path.join(out, "step_000004"))
+    assert any(not torch.equal(after[k], last[k]) for k in after)  # step 4 trained again
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_nan_step_stops_naming_step_and_layer(cli_env, tiny_config_file, tmp_path, nproc):
+    par = ["--nproc", "2", "--set", "parallel.ep=2"] if nproc == 2 else []
+    rc, _, err, _, left = _run_train(
+        cli_env, ["--config", tiny_config_file(str(tmp_path / "run")), *par, *STEPS],
+        "nan:layer=1:step=2")
+    assert rc != 0 and not left
+    assert "moeplug: non-finite step 2: loss nan" in err, err[-3000:]
+    assert "first at the output of blocks.1" in err and "train.nonfinite = stop" in err
+    assert "Traceback" not in err, err[-3000:]
+
+
+def test_skips_in_a_row_stop_at_the_limit(cli_env, tiny_config_file, tmp_path):
+    """NaN at steps 2 and 3: one skip in a row is allowed, the second stops the run."""
+    rc, stdout, err, _, _ = _run_train(
+        cli_env, ["--config", tiny_config_file(str(tmp_path / "run")), *STEPS,
+                  "--set", "train.nonfinite=skip", "--set", "train.max_skipped_steps=1"],
+        "nan:layer=0:step=2-3")
+    assert rc != 0
+    assert "non-finite step 2" in stdout and "update skipped" in stdout, stdout
+    assert "moeplug: non-finite step 3" in err, err[-3000:]
+    assert "2 steps in a row, train.max_skipped_steps = 1" in err, err[-3000:]
+
+
+def test_nonfinite_config_is_validated(run_cli, tiny_config_file, tmp_path):
+    proc = run_cli("train", "--config", tiny_config_file(str(tmp_path / "run")),
+                   "--set", "train.nonfinite=ignore", timeout=120)
+    assert proc.returncode == 2
+    assert "TrainConfig.nonfinite = 'ignore'" in proc.stderr and "Fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -18,7 +18,7 @@ is behind.
 
 ``MOEPLUG_TEST_FAULT`` (tests only, :class:`TestFault`) injects a fault at optimizer step N
 (1-based, as logged): ``kill:rank=R:step=N`` (SIGKILL itself), ``hang:rank=R:step=N`` (sleep
-forever), ``nan:layer=L:step=N`` (block L's output becomes NaN, on every rank).
+forever), ``nan:layer=L:step=N`` or ``step=N-M`` (block L's output becomes NaN, every rank).
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ class TestFault:
         kind, *fields = spec.split(":")
         try:
             kv = dict(f.split("=", 1) for f in fields)
-            self.kind, self.step = kind, int(kv["step"])
+            first, _, last = kv["step"].partition("-")
+            self.kind, self.steps = kind, range(int(first), int(last or first) + 1)
             self.rank, self.layer = int(kv.get("rank", -1)), int(kv.get("layer", 0))
         except (ValueError, KeyError):
             raise TrainingFault(f"${TEST_FAULT_ENV} = {spec!r}: expected kill|hang:rank=R:step=N "
@@ -150,20 +151,15 @@ class TestFault:
         blocks = [m for n, m in model.named_modules() if re.search(r"blocks\.\d+$", n)]
 
         def poison(_module, _inputs, out):
-            if self.current != self.step:
-                return None
-            x = out[0] if isinstance(out, tuple) else out
-            if not isinstance(out, tuple):
-                return out * float("nan")
-            return out._replace(**{out._fields[0]: out[0] * float("nan")}) \
-                if hasattr(out, "_fields") else (out[0] * float("nan"), *out[1:])
+            if self.current in self.steps:  # in place: keeps the block's output type
+                (out[0] if isinstance(out, tuple) else out).mul_(float("nan"))
         if self.layer < len(blocks):
             blocks[self.layer].register_forward_hook(poison)
 
     def before_step(self, step: int, rank: int) -> None:
         """Called at the start of optimizer step ``step`` (1-based)."""
         self.current = step
-        if step != self.step or rank != self.rank:
+        if step not in self.steps or rank != self.rank:
             return
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

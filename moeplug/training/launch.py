@@ -1,7 +1,7 @@
 """``moeplug train --nproc N``: re-execute the same command under torchrun.
 
-No launcher or rendezvous of our own: the parent runs
-``python -m torch.distributed.run --standalone --nproc-per-node N -m moeplug <argv minus --nproc>``
+No launcher or rendezvous of our own: the parent runs torchrun (``torch.distributed.run
+--standalone --nproc-per-node N -m moeplug <argv minus --nproc>``, through :func:`agent_main`)
 and returns its exit status. torchrun starts the ranks, sets WORLD_SIZE/RANK/MASTER_ADDR/PORT,
 and tears every rank down when one fails; the ranks then see a normal ``moeplug train``
 under torchrun (moeplug.training.distributed.init_distributed joins the process group).
@@ -51,8 +51,10 @@ def agent_main(argv: Sequence[str]) -> int:
         rank, failure = e.get_first_failure()
         how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
                else f"exit status {failure.exitcode}")
-        print(f"moeplug: rank {rank} failed ({how}, pid {failure.pid}); torchrun stopped the "
-              "other ranks", file=sys.stderr)
+        # The first to exit is not always the culprit (a hung rank's peers time out first):
+        # the ranks' own lines above say which peer failed.
+        print(f"moeplug: rank {rank} exited first ({how}, pid {failure.pid}); torchrun stopped "
+              "the other ranks", file=sys.stderr)
         return 1
     return 0
 

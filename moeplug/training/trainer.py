@@ -293,9 +293,10 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     window_times: dict = {}  # per-stage seconds summed over the logging window
     # Non-finite steps: skipped in a row / in this run (moeplug.training.faults).
     skipped = skipped_total = 0
-    watch, test_fault = NonFiniteWatch(model), TestFault.from_env()
-    if test_fault is not None:
+    test_fault = TestFault.from_env()
+    if test_fault is not None:  # first: its NaN counts as the block's own output
         test_fault.install(model)
+    watch = NonFiniteWatch(model)
     rank = 0 if groups is None else groups.rank
     heartbeat = D.heartbeat(groups)
     try:
