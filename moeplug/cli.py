@@ -222,7 +222,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
-    from moeplug.training.faults import EXIT_FAULT, TrainingFault, rank_failure_line
+    from moeplug.training.faults import (EXIT_FAULT, TrainingFault, is_peer_failure,
+                                         rank_failure_line)
     try:
         if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
             D.barrier(groups)
@@ -238,8 +239,11 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     except TrainingFault as e:  # a non-finite step under train.nonfinite=stop, ...
         print(f"moeplug: {e}", file=sys.stderr)
         return EXIT_FAULT
-    except D.PeerFailure as e:  # a collective failed: a peer rank died or hung
+    except RuntimeError as e:  # gloo/NCCL: a collective failed because a peer died or hung
+        if groups is None or not is_peer_failure(e):
+            raise
         print(rank_failure_line(e, groups.rank, D.heartbeat(groups)), file=sys.stderr)
+        sys.stdout.flush()
         os._exit(EXIT_FAULT)  # skip teardown: it would wait on the failed peer again
     finally:
         D.shutdown(groups)

@@ -23,29 +23,10 @@ STEPS = ["--steps", "4", "--set", "train.log_interval=1", "--set", "train.warmup
          "--set", "train.eval_interval=0"]
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process under ``pid`` (a /proc scan: ppid links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _run_train(cli_env, args, fault: str, timeout: float = 300):
     """Run `moeplug train ...` in its own session with MOEPLUG_TEST_FAULT set; returns
-    (returncode, stdout, stderr, seconds, processes of the run still alive afterwards)."""
+    (returncode, stdout, stderr, seconds, processes of the run still alive afterwards); the
+    wall-clock time of the exit is in ``_run_train.end``."""
     env = dict(cli_env, MOEPLUG_TEST_FAULT=fault)
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "moeplug", "train", *args], env=env,
@@ -58,8 +39,9 @@ def _run_train(cli_env, args, fault: str, timeout: float = 300):
         out, err = proc.communicate()
         raise AssertionError(f"the run hung past {timeout}s:\n{err[-3000:]}") from None
     elapsed = time.monotonic() - t0
+    _run_train.end = time.time()
     time.sleep(1)  # what would be left behind has had time to exit
-    left = [p for p in _session_processes(proc.pid)]
+    left = _session_processes(proc.pid)
     for p in left:  # do not leak them into the rest of the suite
         os.kill(p, signal.SIGKILL)
     return proc.returncode, out, err, elapsed, left
@@ -89,12 +71,21 @@ def test_a_failed_rank_stops_every_rank_in_bounded_time(cli_env, tiny_config_fil
         cli_env, ["--config", tiny_config_file(out), "--nproc", "2", "--set", "parallel.ep=2",
                   "--set", f"parallel.timeout_s={TIMEOUT_S}", *STEPS],
         f"{kind}:rank=1:step=3")
-    print(f"{kind}: aborted after {elapsed:.1f}s\n{err}")
+    # From rank 0's last record (step 2, just before step 3 starts) to the command's exit.
+    after_fault = _run_train.end - os.path.getmtime(os.path.join(out, "metrics.jsonl"))
+    print(f"{kind}: exit {elapsed:.1f}s after start, {after_fault:.1f}s after the fault\n{err}")
     assert rc != 0, (stdout[-2000:], err[-3000:])
     assert "moeplug: rank 1 failed" in err and "this rank (0) stops" in err, err[-3000:]
+    if kind == "kill":  # the launcher's line puts the killed rank first
+        assert "moeplug: failed: rank 1 (killed by SIGKILL)" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert not left, f"processes of the run still alive: {left}"
-    # setup (data, model, two steps) + the timeout, with margin for a loaded 2-core machine
+    # a death is seen at once (torchrun, closed sockets), a hang after parallel.timeout_s;
+    # margins for a loaded 2-core machine
+    if kind == "kill":
+        assert after_fault < 20, after_fault
+    else:
+        assert TIMEOUT_S - 1 < after_fault < TIMEOUT_S + 20, after_fault
     assert elapsed < 60 + TIMEOUT_S, elapsed
 
 
@@ -160,3 +151,30 @@ def test_nonfinite_config_is_validated(run_cli, tiny_config_file, tmp_path):
     assert proc.returncode == 2
     assert "TrainConfig.nonfinite = 'ignore'" in proc.stderr and "Fix:" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_heartbeat_names_the_ranks_behind_and_the_line_says_so():
+    """Four ranks' progress in a real TCPStore: rank 2 never started step 3 while the others
+    did, so a timed-out rank names rank 2; all level: the error text decides, else 'a peer'."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from moeplug.testing.distributed import free_port
+    from moeplug.training.faults import Heartbeat, is_peer_failure, rank_failure_line
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timedelta(seconds=10))
+    beats = [Heartbeat(store, r, 4) for r in range(4)]
+    for r, hb in enumerate(beats):
+        hb.beat(4 if r == 2 else 5)
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms "
+                           "for recv operation to complete")
+    assert is_peer_failure(timeout) and not is_peer_failure(RuntimeError("shape mismatch"))
+    line = rank_failure_line(timeout, 0, beats[0])
+    assert line.startswith("moeplug: rank 2 failed (collective timed out: ") and \
+        "this rank (0) stops" in line, line
+    beats[2].beat(5)
+    assert "a peer rank failed" in rank_failure_line(timeout, 0, beats[0])
+    beats[1].beat(4)
+    beats[3].beat(4)
+    assert "ranks 1, 3 failed" in rank_failure_line(timeout, 0, beats[0])

@@ -146,10 +146,6 @@ def init_distributed(cfg: RootConfig) -> Any:
                                 timeout=timeout)
 
 
-# What a collective raises when a peer died (connection closed) or hung (timeout).
-PeerFailure = (dist.DistError, RuntimeError)
-
-
 def heartbeat(groups: Any) -> Any:
     """This rank's moeplug.training.faults.Heartbeat in the rendezvous store (None: one process
     or no store)."""

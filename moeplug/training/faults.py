@@ -12,9 +12,9 @@ the NaN entered).
 Failed ranks: a rank that dies makes torchrun stop the others; a rank that hangs makes its
 peers' next collective time out after ``parallel.timeout_s``. Either way every rank that sees
 the failure prints one line ``moeplug: rank R failed (...); this rank (r) stops`` and exits
-non-zero (:func:`rank_failure_line`). Each rank stores its last completed step in the
-rendezvous store (a heartbeat, :class:`Heartbeat`), so a timed-out rank can name the peer that
-is behind.
+non-zero (:func:`rank_failure_line`). Each rank records its progress in the rendezvous store
+(:class:`Heartbeat`), so a timed-out rank can name the peer that is behind; a rank stuck inside
+a step (all ranks started it) is named only if the error text names it ("a peer rank" else).
 
 ``MOEPLUG_TEST_FAULT`` (tests only, :class:`TestFault`) injects a fault at optimizer step N
 (1-based, as logged): ``kill:rank=R:step=N`` (SIGKILL itself), ``hang:rank=R:step=N`` (sleep
@@ -28,6 +28,7 @@ import os
 import re
 import signal
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -80,32 +81,35 @@ def nonfinite_message(step: int, loss: float, grad_norm: float, where: str) -> s
 
 
 class Heartbeat:
-    """Each rank's last completed step in the rendezvous store, read when a collective fails
-    to name the rank that fell behind (or whose heartbeat stopped)."""
+    """Each rank's progress in the rendezvous store: 2N-1 once it starts optimizer step N, 2N
+    once it finished it. When a collective fails, the ranks behind the others are the ones that
+    did not arrive (one TCP store write per beat, two beats a step)."""
 
     def __init__(self, store: Any, rank: int, world: int) -> None:
         self.store, self.rank, self.world = store, rank, world
 
-    def beat(self, step: int) -> None:
-        self.store.set(f"moeplug/heartbeat/{self.rank}", f"{step} {time.time():.3f}")
+    def beat(self, progress: int) -> None:
+        self.store.set(f"moeplug/progress/{self.rank}", str(progress))
 
-    def laggard(self) -> int | None:
-        """The peer with the oldest step (then the oldest beat); None if unreadable."""
+    def laggards(self) -> list[int]:
+        """Ranks behind the most advanced one ([] when all are level or the store is gone)."""
         try:
-            self.store.set_timeout(__import__("datetime").timedelta(seconds=5))
-            beats = []
-            for r in range(self.world):
-                if r == self.rank:
-                    continue
-                key = f"moeplug/heartbeat/{r}"
-                if not self.store.check([key]):
-                    beats.append((-1, 0.0, r))
-                    continue
-                step, when = self.store.get(key).decode().split()
-                beats.append((int(step), float(when), r))
-            return min(beats)[2] if beats else None
-        except Exception:  # the store lives in the agent; if it is gone we cannot tell
-            return None
+            self.store.set_timeout(timedelta(seconds=5))
+            keys = [f"moeplug/progress/{r}" for r in range(self.world)]
+            progress = [int(self.store.get(k)) if self.store.check([k]) else 0 for k in keys]
+        except Exception:  # the store lives in torchrun's agent; if it is gone we cannot tell
+            return []
+        return [r for r, p in enumerate(progress) if p < max(progress)]
+
+
+_COMM_ERROR = re.compile(r"gloo|nccl|timed out|timeout|connection (reset|closed|refused)|"
+                         r"broken pipe|socket", re.IGNORECASE)
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing on a lost peer, not a bug of this rank (gloo
+    raises plain RuntimeErrors, so the text decides)."""
+    return isinstance(error, torch.distributed.DistError) or bool(_COMM_ERROR.search(str(error)))
 
 
 _PEER_IN_ERROR = re.compile(r"\brank[ :=]+(\d+)", re.IGNORECASE)
@@ -114,15 +118,16 @@ _PEER_IN_ERROR = re.compile(r"\brank[ :=]+(\d+)", re.IGNORECASE)
 def rank_failure_line(error: BaseException, rank: int, heartbeat: Heartbeat | None) -> str:
     """The one line a rank prints when a collective failed because a peer died or hung."""
     text = " ".join(str(error).split())
-    peer = heartbeat.laggard() if heartbeat is not None else None
-    if peer is None:
-        found = [int(m) for m in _PEER_IN_ERROR.findall(text) if int(m) != rank]
-        peer = found[0] if found else None
-    who = f"rank {peer}" if peer is not None else "a peer rank"
+    peers = heartbeat.laggards() if heartbeat is not None else []
+    if not peers:  # every rank reached the same point: trust the error text, if it names one
+        peers = sorted({int(m) for m in _PEER_IN_ERROR.findall(text)} - {rank})[:1]
+    who = (f"rank {peers[0]}" if len(peers) == 1 else
+           f"ranks {', '.join(map(str, peers))}" if peers else "a peer rank")
     reason = "timed out" if "timeout" in text.lower() or "timed out" in text.lower() \
         else "connection lost"
     return (f"moeplug: {who} failed (collective {reason}: {text[:160]}); this rank ({rank}) "
-            f"stops. Fix: see that rank's output above; parallel.timeout_s bounds the wait")
+            f"stops. Fix: find why that rank died or stalled (its output, the launcher's line); "
+            "parallel.timeout_s bounds the wait for a stalled one")
 
 
 class TestFault:

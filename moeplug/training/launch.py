@@ -10,6 +10,7 @@ under torchrun (moeplug.training.distributed.init_distributed joins the process 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Any, Sequence
@@ -39,22 +40,30 @@ def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
             f"--nproc-per-node={nproc}", "-m", "moeplug", *strip_nproc(argv)]
 
 
+def _how(failure: Any) -> str:
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    return f"exit status {failure.exitcode}"
+
+
 def agent_main(argv: Sequence[str]) -> int:
     """torchrun (``torch.distributed.run``) with ``argv``. With max_restarts 0, when one rank
     exits non-zero or is killed the agent SIGTERMs the others and waits for them (no orphans);
-    its report becomes one line naming the rank that failed first, not a traceback."""
+    its report becomes one line naming every rank that failed and how, not a traceback."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
     try:
         run(parse_args(list(argv)))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
-               else f"exit status {failure.exitcode}")
-        # The first to exit is not always the culprit (a hung rank's peers time out first):
-        # the ranks' own lines above say which peer failed.
-        print(f"moeplug: rank {rank} exited first ({how}, pid {failure.pid}); torchrun stopped "
-              "the other ranks", file=sys.stderr)
+        # Who exited first is not always the culprit (a hung rank's peers time out first, a
+        # killed rank's peer may be seen first): list every failed rank, killed ones first,
+        # SIGTERM (the agent stopping the rest) last; the ranks' own lines say which peer failed.
+        def order(kv: tuple) -> tuple:
+            code = kv[1].exitcode
+            return (2 if code == -signal.SIGTERM else 0 if code < 0 else 1, kv[0])
+        failures = sorted(e.failures.items(), key=order)
+        what = ", ".join(f"rank {r} ({_how(f)})" for r, f in failures)
+        print(f"moeplug: failed: {what}; torchrun stopped the other ranks", file=sys.stderr)
         return 1
     return 0
 

@@ -311,6 +311,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             watch.reset()
             if test_fault is not None:
                 test_fault.before_step(done, rank)
+            if heartbeat is not None:  # progress for naming a rank that fails (faults.py)
+                heartbeat.beat(2 * done - 1)
             with measure_stages(timed) as times:
                 stats = train_step(model, optimizer, batches, tc, precision, groups)
             window_times = add_times(window_times, times)
@@ -318,7 +320,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             grad_norm, counts_per_layer = stats.grad_norm, stats.expert_counts
             loss_step = sums["loss"]
             if heartbeat is not None:
-                heartbeat.beat(done)
+                heartbeat.beat(2 * done)
             if not stats.finite:  # every rank got the same verdict (see train_step)
                 skipped, where = skipped + 1, watch.locate()
                 line = nonfinite_message(done, loss_step, grad_norm, where)
