@@ -178,3 +178,18 @@ def test_heartbeat_names_the_ranks_behind_and_the_line_says_so():
     beats[1].beat(4)
     beats[3].beat(4)
     assert "ranks 1, 3 failed" in rank_failure_line(timeout, 0, beats[0])
+
+
+def test_nan_gradient_with_a_finite_loss_is_skipped_and_named(cli_env, tiny_config_file,
+                                                              tmp_path):
+    """The loss is finite but the gradient into block 1's output is NaN at step 2: the step is
+    skipped and named by the deepest parameter whose grad is NaN, one inside block 1."""
+    out = str(tmp_path / "run")
+    rc, _, err, _, _ = _run_train(
+        cli_env, ["--config", tiny_config_file(out), *STEPS, "--set", "train.nonfinite=skip"],
+        "nan_grad:layer=1:step=2")
+    assert rc == 0, err[-3000:]
+    skips = [r for r in read_metrics(os.path.join(out, "metrics.jsonl")) if r["kind"] == "skip"]
+    assert len(skips) == 1 and skips[0]["step"] == 2, skips
+    assert skips[0]["loss"] == skips[0]["loss"] and skips[0]["grad_norm"] != skips[0]["grad_norm"]
+    assert skips[0]["where"].startswith("grad of blocks.1."), skips

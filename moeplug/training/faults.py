@@ -18,7 +18,8 @@ a step (all ranks started it) is named only if the error text names it ("a peer 
 
 ``MOEPLUG_TEST_FAULT`` (tests only, :class:`TestFault`) injects a fault at optimizer step N
 (1-based, as logged): ``kill:rank=R:step=N`` (SIGKILL itself), ``hang:rank=R:step=N`` (sleep
-forever), ``nan:layer=L:step=N`` or ``step=N-M`` (block L's output becomes NaN, every rank).
+forever), ``nan:layer=L:step=N`` or ``step=N-M`` (block L's output becomes NaN, every rank),
+``nan_grad:layer=L:step=N`` (the gradient into block L's output becomes NaN).
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ class TestFault:
             self.rank, self.layer = int(kv.get("rank", -1)), int(kv.get("layer", 0))
         except (ValueError, KeyError):
             raise TrainingFault(f"${TEST_FAULT_ENV} = {spec!r}: expected kill|hang:rank=R:step=N "
-                                f"or nan:layer=L:step=N. Fix: unset it (tests only)") from None
+                                f"or nan|nan_grad:layer=L:step=N. Fix: unset it (tests only)") \
+                from None
         self.current = 0
 
     @classmethod
@@ -151,13 +153,18 @@ class TestFault:
         return cls(spec) if spec else None
 
     def install(self, model: torch.nn.Module) -> None:
-        if self.kind != "nan":
+        if self.kind not in ("nan", "nan_grad"):
             return
         blocks = [m for n, m in model.named_modules() if re.search(r"blocks\.\d+$", n)]
 
         def poison(_module, _inputs, out):
-            if self.current in self.steps:  # in place: keeps the block's output type
-                (out[0] if isinstance(out, tuple) else out).mul_(float("nan"))
+            x = out[0] if isinstance(out, tuple) else out
+            if self.current not in self.steps or not torch.is_grad_enabled():
+                return
+            if self.kind == "nan":  # in place: keeps the block's output type
+                x.mul_(float("nan"))
+            else:  # the forward stays finite, the gradient into this block's output is NaN
+                x.register_hook(lambda g: g * float("nan"))
         if self.layer < len(blocks):
             blocks[self.layer].register_forward_hook(poison)
 

@@ -167,7 +167,12 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     if groups is None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         with stage("optimizer"):
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or math.inf))
+            # clip_grad_norm_'s two halves: with a NaN/Inf norm it would scale every grad to
+            # NaN, and faults.NonFiniteWatch could no longer tell where the NaN began.
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            grad_norm = float(norm)
+            if tc.grad_clip and math.isfinite(grad_norm):
+                torch.nn.utils.clip_grads_with_norm_(params, tc.grad_clip, norm)
     elif hasattr(optimizer, "reduce_gradients"):  # ZeRO-1: reduce-scatter into owned slices
         with stage("comm_wait"):
             optimizer.reduce_gradients()
