@@ -137,6 +137,8 @@ class TestFault:
     def __init__(self, spec: str) -> None:
         kind, *fields = spec.split(":")
         try:
+            if kind not in ("kill", "hang", "nan", "nan_grad"):
+                raise ValueError(kind)
             kv = dict(f.split("=", 1) for f in fields)
             first, _, last = kv["step"].partition("-")
             self.kind, self.steps = kind, range(int(first), int(last or first) + 1)

@@ -64,7 +64,8 @@ def agent_main(argv: Sequence[str]) -> int:
         failures = sorted(e.failures.items(), key=order)
         what = ", ".join(f"rank {r} ({_how(f)})" for r, f in failures)
         print(f"moeplug: failed: {what}; torchrun stopped the other ranks", file=sys.stderr)
-        return 1
+        # The ranks' own status (e.g. 3: a fault stopped training) when one exited with one.
+        return next((f.exitcode for _, f in failures if f.exitcode > 0), 1)
     return 0
 
 
