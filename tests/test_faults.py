@@ -95,11 +95,15 @@ def _params(ckpt_dir: str) -> dict:
             for k, v in load_file(os.path.join(ckpt_dir, f)).items()}
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_nan_step_is_skipped_and_named(cli_env, tiny_config_file, tmp_path, nproc):
+LAYOUTS = {"one_process": [], "ep2_dp2": ["--nproc", "2", "--set", "parallel.ep=2"],
+           "dp2_zero1": ["--nproc", "2", "--set", "parallel.distributed_optimizer=true"]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nan_step_is_skipped_and_named(cli_env, tiny_config_file, tmp_path, layout):
     """Block 1 outputs NaN at step 3 only: skip mode drops that update (the weights after step
-    3 equal those after step 2), counts it and names the block; at EP2 x DP2 too."""
-    par = ["--nproc", "2", "--set", "parallel.ep=2"] if nproc == 2 else []
+    3 equal those after step 2), counts it and names the block; in parallel layouts too."""
+    par = LAYOUTS[layout]
     out = str(tmp_path / "run")
     rc, stdout, err, _, left = _run_train(
         cli_env, ["--config", tiny_config_file(out), *par, *STEPS, "--set", "train.nonfinite=skip",
