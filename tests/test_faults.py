@@ -96,7 +96,9 @@ def _params(ckpt_dir: str) -> dict:
 
 
 LAYOUTS = {"one_process": [], "ep2_dp2": ["--nproc", "2", "--set", "parallel.ep=2"],
-           "dp2_zero1": ["--nproc", "2", "--set", "parallel.distributed_optimizer=true"]}
+           "dp2_zero1": ["--nproc", "2", "--set", "parallel.distributed_optimizer=true"],
+           # block 1 runs on rank 1 (stage 1), whose pipeline chunk 0 holds it: rank 0 reports it
+           "pp2": ["--nproc", "2", "--set", "parallel.pp=2"]}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -112,8 +114,9 @@ def test_nan_step_is_skipped_and_named(cli_env, tiny_config_file, tmp_path, layo
     assert not left
     records = read_metrics(os.path.join(out, "metrics.jsonl"))
     skips = [r for r in records if r["kind"] == "skip"]
+    where = "output of 0.blocks.1" if layout == "pp2" else "output of blocks.1"
     assert [(r["step"], r["where"], r["skipped_steps"]) for r in skips] == [
-        (3, "output of blocks.1", 1)], skips
+        (3, where, 1)], skips
     train = {r["step"]: r for r in records if r["kind"] == "train"}
     assert [train[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
     assert "non-finite step 3" in stdout and "blocks.1" in stdout, stdout

@@ -157,7 +157,9 @@ class TestFault:
     def install(self, model: torch.nn.Module) -> None:
         if self.kind not in ("nan", "nan_grad"):
             return
-        blocks = [m for n, m in model.named_modules() if re.search(r"blocks\.\d+$", n)]
+        # By name: a pipeline rank holds only some blocks, under the full model's names.
+        blocks = [m for n, m in model.named_modules()
+                  if re.search(rf"(^|\.)blocks\.{self.layer}$", n)]
 
         def poison(_module, _inputs, out):
             x = out[0] if isinstance(out, tuple) else out
@@ -167,8 +169,8 @@ class TestFault:
                 x.mul_(float("nan"))
             else:  # the forward stays finite, the gradient into this block's output is NaN
                 x.register_hook(lambda g: g * float("nan"))
-        if self.layer < len(blocks):
-            blocks[self.layer].register_forward_hook(poison)
+        for block in blocks:
+            block.register_forward_hook(poison)
 
     def before_step(self, step: int, rank: int) -> None:
         """Called at the start of optimizer step ``step`` (1-based)."""

@@ -327,7 +327,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             if heartbeat is not None:
                 heartbeat.beat(2 * done)
             if not stats.finite:  # every rank got the same verdict (see train_step)
-                skipped, where = skipped + 1, watch.locate()
+                skipped, where = skipped + 1, D.first_located(watch.locate(), groups)
                 line = nonfinite_message(done, loss_step, grad_norm, where)
                 if tc.nonfinite == "stop" or skipped > tc.max_skipped_steps:
                     why = ("train.nonfinite = stop" if tc.nonfinite == "stop" else
