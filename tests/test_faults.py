@@ -200,3 +200,34 @@ def test_nan_gradient_with_a_finite_loss_is_skipped_and_named(cli_env, tiny_conf
     assert len(skips) == 1 and skips[0]["step"] == 2, skips
     assert skips[0]["loss"] == skips[0]["loss"] and skips[0]["grad_norm"] != skips[0]["grad_norm"]
     assert skips[0]["where"].startswith("grad of blocks.1."), skips
+
+
+def test_a_rank_stopped_by_sigterm_names_the_rank_behind(tmp_path):
+    """torchrun may SIGTERM a rank before its own collective noticed the failure: the rank
+    still names the rank behind from the heartbeats, and exits 128 + 15."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from moeplug.testing.distributed import free_port
+    from moeplug.training.faults import Heartbeat
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=30),
+                          wait_for_workers=False)
+    Heartbeat(store, 1, 2).beat(4)  # rank 1 finished step 2 and never started step 3
+    script = (
+        "import sys, time, torch.distributed as dist\n"
+        "from datetime import timedelta\n"
+        "from moeplug.training.faults import Heartbeat, exit_on_sigterm\n"
+        f"s = dist.TCPStore('127.0.0.1', {port}, 2, False, timedelta(seconds=30))\n"
+        "hb = Heartbeat(s, 0, 2); hb.beat(5); exit_on_sigterm(hb, 0)\n"
+        "print('ready', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip() == ("moeplug: rank 1 failed (the launcher stopped this rank); this rank "
+                           "(0) stops"), err

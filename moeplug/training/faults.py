@@ -28,6 +28,7 @@ import math
 import os
 import re
 import signal
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -122,13 +123,29 @@ def rank_failure_line(error: BaseException, rank: int, heartbeat: Heartbeat | No
     peers = heartbeat.laggards() if heartbeat is not None else []
     if not peers:  # every rank reached the same point: trust the error text, if it names one
         peers = sorted({int(m) for m in _PEER_IN_ERROR.findall(text)} - {rank})[:1]
-    who = (f"rank {peers[0]}" if len(peers) == 1 else
-           f"ranks {', '.join(map(str, peers))}" if peers else "a peer rank")
+    who = _who(peers)
     reason = "timed out" if "timeout" in text.lower() or "timed out" in text.lower() \
         else "connection lost"
     return (f"moeplug: {who} failed (collective {reason}: {text[:160]}); this rank ({rank}) "
             f"stops. Fix: find why that rank died or stalled (its output, the launcher's line); "
             "parallel.timeout_s bounds the wait for a stalled one")
+
+
+def _who(peers: list[int]) -> str:
+    return (f"rank {peers[0]}" if len(peers) == 1 else
+            f"ranks {', '.join(map(str, peers))}" if peers else "a peer rank")
+
+
+def exit_on_sigterm(heartbeat: Heartbeat, rank: int) -> None:
+    """When one rank fails torchrun SIGTERMs the others, possibly before their own collective
+    noticed: such a rank still names the rank behind (if the heartbeats tell) and exits."""
+    def stop(signum: int, _frame: Any) -> None:
+        peers = [r for r in heartbeat.laggards() if r != rank]
+        if peers:
+            print(f"moeplug: {_who(peers)} failed (the launcher stopped this rank); this rank "
+                  f"({rank}) stops", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
 
 
 class TestFault:

@@ -40,7 +40,14 @@ def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
             f"--nproc-per-node={nproc}", "-m", "moeplug", *strip_nproc(argv)]
 
 
+def _stopped(code: int) -> bool:
+    """SIGTERM, raw or through the ranks' handler (128 + 15): torchrun stopping the rest."""
+    return code in (-signal.SIGTERM, 128 + signal.SIGTERM)
+
+
 def _how(failure: Any) -> str:
+    if _stopped(failure.exitcode):
+        return "stopped by SIGTERM"
     if failure.exitcode < 0:
         return f"killed by {failure.signal_name()}"
     return f"exit status {failure.exitcode}"
@@ -60,12 +67,13 @@ def agent_main(argv: Sequence[str]) -> int:
         # SIGTERM (the agent stopping the rest) last; the ranks' own lines say which peer failed.
         def order(kv: tuple) -> tuple:
             code = kv[1].exitcode
-            return (2 if code == -signal.SIGTERM else 0 if code < 0 else 1, kv[0])
+            return (2 if _stopped(code) else 0 if code < 0 else 1, kv[0])
         failures = sorted(e.failures.items(), key=order)
         what = ", ".join(f"rank {r} ({_how(f)})" for r, f in failures)
         print(f"moeplug: failed: {what}; torchrun stopped the other ranks", file=sys.stderr)
         # The ranks' own status (e.g. 3: a fault stopped training) when one exited with one.
-        return next((f.exitcode for _, f in failures if f.exitcode > 0), 1)
+        return next((f.exitcode for _, f in failures
+                     if f.exitcode > 0 and not _stopped(f.exitcode)), 1)
     return 0
 
 
