@@ -5,7 +5,8 @@ resume target, run directory, process count and layout — and only then prepare
 the model and trains, so a typo costs a second, not a run. Every configuration problem
 (``ConfigError``, which ``PluginError`` and ``CheckpointError`` subclass) exits with status 2
 and one line per problem naming the field, the value and the fix, all problems of the command
-at once.
+at once. A fault during training (a non-finite step under ``train.nonfinite: stop``, a peer
+rank that died or hung) exits with status 3 and one line (moeplug.training.faults).
 """
 
 from __future__ import annotations

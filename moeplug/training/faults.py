@@ -15,6 +15,8 @@ the failure prints one line ``moeplug: rank R failed (...); this rank (r) stops`
 non-zero (:func:`rank_failure_line`). Each rank records its progress in the rendezvous store
 (:class:`Heartbeat`), so a timed-out rank can name the peer that is behind; a rank stuck inside
 a step (all ranks started it) is named only if the error text names it ("a peer rank" else).
+A rank that torchrun SIGTERMs before its own collective failed names it too
+(:func:`exit_on_sigterm`).
 
 ``MOEPLUG_TEST_FAULT`` (tests only, :class:`TestFault`) injects a fault at optimizer step N
 (1-based, as logged): ``kill:rank=R:step=N`` (SIGKILL itself), ``hang:rank=R:step=N`` (sleep
