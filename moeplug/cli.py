@@ -5,7 +5,8 @@ resume target, run directory, process count and layout — and only then prepare
 the model and trains, so a typo costs a second, not a run. Every configuration problem
 (``ConfigError``, which ``PluginError`` and ``CheckpointError`` subclass) exits with status 2
 and one line per problem naming the field, the value and the fix, all problems of the command
-at once.
+at once. A fault during training (a non-finite step under ``train.nonfinite: stop``, a peer
+rank that died or hung) exits with status 3 and one line (moeplug.training.faults).
 """
 
 from __future__ import annotations
@@ -224,6 +225,10 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
+    from moeplug.training.faults import (EXIT_FAULT, TrainingFault, exit_on_sigterm,
+                                         is_peer_failure, rank_failure_line)
+    if groups is not None:
+        exit_on_sigterm(D.heartbeat(groups), groups.rank)
     try:
         if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
             D.barrier(groups)
@@ -236,6 +241,15 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         if args.overwrite and D.is_main_rank(groups):  # the last moment: data and model built
             clear_run(cfg.train.out_dir)
         summary = train(cfg, model, corpus, precision, plugin_names, groups=groups)
+    except TrainingFault as e:  # a non-finite step under train.nonfinite=stop, ...
+        print(f"moeplug: {e}", file=sys.stderr)
+        return EXIT_FAULT
+    except RuntimeError as e:  # gloo/NCCL: a collective failed because a peer died or hung
+        if groups is None or not is_peer_failure(e):
+            raise
+        print(rank_failure_line(e, groups.rank, D.heartbeat(groups)), file=sys.stderr)
+        sys.stdout.flush()
+        os._exit(EXIT_FAULT)  # skip teardown: it would wait on the failed peer again
     finally:
         D.shutdown(groups)
     if not D.is_main_rank(groups):

@@ -341,6 +341,11 @@ class TrainConfig:
     # "auto": cuda when torch sees a GPU, else cpu. Availability is checked by the CLI
     # (moeplug.training.distributed.resolve_device), not here: a config stays machine-free.
     device: str = "auto"
+    # A step whose loss or grad norm is NaN/Inf is never applied: "stop" ends the run with the
+    # step and layer named; "skip" drops the update and goes on, at most max_skipped_steps in a
+    # row (moeplug.training.faults).
+    nonfinite: str = "stop"
+    max_skipped_steps: int = 10
 
     @property
     def effective_warmup_steps(self) -> int:
@@ -362,6 +367,10 @@ class TrainConfig:
         for n in ("tensorboard", "time_breakdown"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
+        if self.nonfinite not in ("stop", "skip"):
+            _fail(self, "nonfinite", self.nonfinite, "must be stop or skip",
+                  "set nonfinite to stop (end the run) or skip (drop the update, go on)")
+        _non_negative(self, "max_skipped_steps")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",
                                                                 self.device):
             _fail(self, "device", self.device, "must be auto, cpu, cuda or cuda:N",
@@ -392,8 +401,10 @@ class ParallelSection:
     num_layers_in_last_stage: int | None = None
     # ZeRO-1: AdamW state sharded over DP (dense params) / expert-DP (expert params).
     distributed_optimizer: bool = False
-    # Process-group timeout: a rank waiting this long on a dead peer raises instead of hanging.
-    timeout_s: float = 300.0
+    # Process-group timeout: a rank waiting this long on a dead or hung peer stops instead of
+    # hanging (moeplug.training.faults). 90 s keeps a CPU run's abort under 2 minutes; raise it
+    # when one rank may legitimately work alone longer (e.g. a slow checkpoint save).
+    timeout_s: float = 90.0
 
     def __post_init__(self) -> None:
         self.layout()  # ParallelConfig's own checks

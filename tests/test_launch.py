@@ -162,7 +162,7 @@ def test_world_size_from_env_and_launch_command(monkeypatch):
     argv = ["train", "--nproc", "2", "--set", "parallel.ep=2", "--nproc=2"]
     assert strip_nproc(argv) == ["train", "--set", "parallel.ep=2"]
     cmd = torchrun_command(2, argv)
-    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert cmd[1:5] == ["-m", "moeplug.training.launch", "--standalone", "--nproc-per-node=2"]
     assert cmd[5:] == ["-m", "moeplug", "train", "--set", "parallel.ep=2"]
 
 

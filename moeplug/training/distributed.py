@@ -146,6 +146,27 @@ def init_distributed(cfg: RootConfig) -> Any:
                                 timeout=timeout)
 
 
+def heartbeat(groups: Any) -> Any:
+    """This rank's moeplug.training.faults.Heartbeat in the rendezvous store (None: one process
+    or no store)."""
+    from moeplug.training.faults import Heartbeat
+    if groups is None or not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    return Heartbeat(store, groups.rank, groups.world_size)
+
+
+def first_located(where: str, groups: Any) -> str:
+    """The non-finite location to report (moeplug.training.faults.NonFiniteWatch): the lowest
+    rank's ``output of`` a block (a pipeline's first stages have the lowest ranks), else this
+    rank's own. A collective: call it on every rank, only on a non-finite step."""
+    if groups is None:
+        return where
+    found: list[Any] = [None] * groups.world_size
+    dist.all_gather_object(found, where)
+    return next((w for w in found if w.startswith("output of")), where)
+
+
 def is_main_rank(groups: Any) -> bool:
     return groups is None or groups.rank == 0
 

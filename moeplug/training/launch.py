@@ -1,7 +1,7 @@
 """``moeplug train --nproc N``: re-execute the same command under torchrun.
 
-No launcher or rendezvous of our own: the parent runs
-``python -m torch.distributed.run --standalone --nproc-per-node N -m moeplug <argv minus --nproc>``
+No launcher or rendezvous of our own: the parent runs torchrun (``torch.distributed.run
+--standalone --nproc-per-node N -m moeplug <argv minus --nproc>``, through :func:`agent_main`)
 and returns its exit status. torchrun starts the ranks, sets WORLD_SIZE/RANK/MASTER_ADDR/PORT,
 and tears every rank down when one fails; the ranks then see a normal ``moeplug train``
 under torchrun (moeplug.training.distributed.init_distributed joins the process group).
@@ -10,6 +10,7 @@ under torchrun (moeplug.training.distributed.init_distributed joins the process 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Any, Sequence
@@ -34,8 +35,46 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
 
 
 def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    # torchrun through agent_main below: its own failure report is a traceback.
+    return [sys.executable, "-m", "moeplug.training.launch", "--standalone",
             f"--nproc-per-node={nproc}", "-m", "moeplug", *strip_nproc(argv)]
+
+
+def _stopped(code: int) -> bool:
+    """SIGTERM, raw or through the ranks' handler (128 + 15): torchrun stopping the rest."""
+    return code in (-signal.SIGTERM, 128 + signal.SIGTERM)
+
+
+def _how(failure: Any) -> str:
+    if _stopped(failure.exitcode):
+        return "stopped by SIGTERM"
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()}"
+    return f"exit status {failure.exitcode}"
+
+
+def agent_main(argv: Sequence[str]) -> int:
+    """torchrun (``torch.distributed.run``) with ``argv``. With max_restarts 0, when one rank
+    exits non-zero or is killed the agent SIGTERMs the others and waits for them (no orphans);
+    its report becomes one line naming every rank that failed and how, not a traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+    try:
+        run(parse_args(list(argv)))
+    except ChildFailedError as e:
+        # Who exited first is not always the culprit (a hung rank's peers time out first, a
+        # killed rank's peer may be seen first): list every failed rank, killed ones first,
+        # SIGTERM (the agent stopping the rest) last; the ranks' own lines say which peer failed.
+        def order(kv: tuple) -> tuple:
+            code = kv[1].exitcode
+            return (2 if _stopped(code) else 0 if code < 0 else 1, kv[0])
+        failures = sorted(e.failures.items(), key=order)
+        what = ", ".join(f"rank {r} ({_how(f)})" for r, f in failures)
+        print(f"moeplug: failed: {what}; torchrun stopped the other ranks", file=sys.stderr)
+        # The ranks' own status (e.g. 3: a fault stopped training) when one exited with one.
+        return next((f.exitcode for _, f in failures
+                     if f.exitcode > 0 and not _stopped(f.exitcode)), 1)
+    return 0
 
 
 def usable_cores() -> int:
@@ -72,3 +111,7 @@ def relaunch(cfg: Any, nproc: int, argv: Sequence[str]) -> int:
     threads = cfg.train.threads or (int(omp) if omp.isdigit() and int(omp) > 0 else 1)
     print(launch_line(cfg, nproc, threads, usable_cores()), flush=True)
     return subprocess.call(torchrun_command(nproc, argv), env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(agent_main(sys.argv[1:]))

@@ -12,6 +12,8 @@ JSONL records (one JSON object per line, ``metrics.jsonl`` in the run directory)
                       (``moe``: see moeplug.observability.layer_stats for the definitions)
                       "time_breakdown": {stage: mean seconds per step}   (observability.timing)
     {"kind": "val",   "step", "val_loss"}                     every ``eval_interval`` steps + at the end
+    {"kind": "skip",  "step", "loss", "grad_norm", "where", "skipped_steps"}   a non-finite step
+                      not applied (train.nonfinite = skip; moeplug.training.faults)
 ``step`` counts completed optimizer steps (1 after the first update). ``loss`` is the sum of
 its terms: ``lm_loss + aux_loss`` (the routers' load-balancing and z losses times their
 coefficients) ``+ mtp_loss`` (present only with multi-token prediction, already scaled).

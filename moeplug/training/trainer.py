@@ -31,6 +31,8 @@ from moeplug.training import distributed as D
 from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoint,
                                          nothing_to_train, resolve_resume, save_checkpoint,
                                          save_sharded_checkpoint)
+from moeplug.training.faults import (NonFiniteWatch, TestFault, TrainingFault, is_finite,
+                                     nonfinite_message)
 from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load
 from moeplug.training.optim import build_optimizer, lr_at
@@ -112,6 +114,7 @@ class StepStats:
     expert_counts: list
     moe: dict | None = None
     stash: dict | None = None  # paged stash pool stats (runtime.stash), else None
+    finite: bool = True  # False: loss or grad norm NaN/Inf, the optimizer step was not taken
 
     def losses(self) -> dict[str, float]:
         """The loss terms of this step's ``train`` record in metrics.jsonl."""
@@ -230,7 +233,12 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     if groups is None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         with stage("optimizer"):
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip or math.inf))
+            # clip_grad_norm_'s two halves: with a NaN/Inf norm it would scale every grad to
+            # NaN, and faults.NonFiniteWatch could no longer tell where the NaN began.
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            grad_norm = float(norm)
+            if tc.grad_clip and math.isfinite(grad_norm):
+                torch.nn.utils.clip_grads_with_norm_(params, tc.grad_clip, norm)
     elif hasattr(optimizer, "reduce_gradients"):  # ZeRO-1: reduce-scatter into owned slices
         with stage("comm_wait"):
             optimizer.reduce_gradients()
@@ -242,15 +250,20 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
             sync_gradients(model, groups)
         with stage("optimizer"):
             grad_norm = float(clip_grad_norm(model, groups, tc.grad_clip))
-    with stage("optimizer"):
-        optimizer.step()
-    # Per-step router state (expert-bias update, global aux counts) over every rank of a stage.
+    # The DP ranks' losses averaged (TP/CP/PP ranks already agree): with the global grad norm,
+    # values every rank shares, so all ranks take the same update-or-skip decision.
+    with stage("comm_wait"):
+        sums = D.mean_over_dp(sums, groups)
+    finite = is_finite(sums[0], grad_norm)
+    if finite:  # a NaN/Inf update would poison every weight; the caller skips or stops
+        with stage("optimizer"):
+            optimizer.step()
+    # Per-step router state (expert-bias update, global aux counts) over every rank of a stage;
+    # also on a skipped step, which must reset the step's counts.
     group = None if groups is None else groups.tp_dp_cp
     for m in (chunks or [model]):
         m.finalize_step(group)
-    # Logging only: the DP ranks' losses averaged (TP/CP/PP ranks already agree), counts summed.
-    with stage("comm_wait"):
-        sums = D.mean_over_dp(sums, groups)
+    with stage("comm_wait"):  # logging only: counts summed
         expert_counts = D.global_expert_counts(counts_per_layer, groups)
     moe = moe_metrics(routing, counts=expert_counts)
     with stage("comm_wait"):
@@ -258,7 +271,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
         moe = D.mean_router_metrics(moe, groups)
     # sums: loss, lm_loss, aux_loss and, with MTP layers only, mtp_loss
     return StepStats(*sums[:3], sums[3] if len(sums) > 3 else None, grad_norm=grad_norm,
-                     expert_counts=expert_counts, moe=moe, stash=stash)
+                     expert_counts=expert_counts, moe=moe, stash=stash, finite=finite)
 
 
 def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:
@@ -351,6 +364,14 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     val_loss, ckpt_path = float("nan"), ""
     window_tokens, window_seconds, run_tokens, run_seconds = 0, 0.0, 0, 0.0
     window_times: dict = {}  # per-stage seconds summed over the logging window
+    # Non-finite steps: skipped in a row / in this run (moeplug.training.faults).
+    skipped = skipped_total = 0
+    test_fault = TestFault.from_env()
+    if test_fault is not None:  # first: its NaN counts as the block's own output
+        test_fault.install(model)
+    watch = NonFiniteWatch(model)
+    rank = 0 if groups is None else groups.rank
+    heartbeat = D.heartbeat(groups)
     try:
         for step in range(start_step, tc.steps):
             t0 = time.perf_counter()
@@ -359,16 +380,36 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batches = D.to_device(step_batches(corpus.train_ids, tc, step, groups), device)
+            done = step + 1
+            watch.reset()
+            if test_fault is not None:
+                test_fault.before_step(done, rank)
+            if heartbeat is not None:  # progress for naming a rank that fails (faults.py)
+                heartbeat.beat(2 * done - 1)
             with measure_stages(timed) as times:
                 stats = train_step(model, optimizer, batches, tc, precision, groups)
             window_times = add_times(window_times, times)
             sums = stats.losses()
             grad_norm, counts_per_layer = stats.grad_norm, stats.expert_counts
-            done, loss_step = step + 1, sums["loss"]
-            if not math.isfinite(loss_step):
-                raise FloatingPointError(
-                    f"loss became {loss_step} at step {done}. Fix: lower train.lr (now {tc.lr}) "
-                    f"or raise train.warmup_steps (now {tc.warmup_steps})")
+            loss_step = sums["loss"]
+            if heartbeat is not None:
+                heartbeat.beat(2 * done)
+            if not stats.finite:  # every rank got the same verdict (see train_step)
+                skipped, where = skipped + 1, D.first_located(watch.locate(), groups)
+                line = nonfinite_message(done, loss_step, grad_norm, where)
+                if tc.nonfinite == "stop" or skipped > tc.max_skipped_steps:
+                    why = ("train.nonfinite = stop" if tc.nonfinite == "stop" else
+                           f"{skipped} steps in a row, train.max_skipped_steps = "
+                           f"{tc.max_skipped_steps}")
+                    raise TrainingFault(
+                        f"{line}; stopped ({why}). Fix: lower train.lr (now {tc.lr}), raise "
+                        f"train.warmup_steps (now {tc.warmup_steps}) or lower train.grad_clip")
+                skipped_total += 1
+                write({"kind": "skip", "step": done, "loss": loss_step, "grad_norm": grad_norm,
+                       "where": where, "skipped_steps": skipped_total})
+                progress.message(f"{line}; update skipped ({skipped_total} so far)")
+            else:
+                skipped = 0
             dt = time.perf_counter() - t0  # train time only: eval and checkpoints excluded
             window_tokens, window_seconds = window_tokens + tokens_per_step, window_seconds + dt
             run_tokens, run_seconds = run_tokens + tokens_per_step, run_seconds + dt
@@ -381,7 +422,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 record = {"kind": "train", "step": done, **sums, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": window_tokens / window_seconds, "tflops": tflops,
                           "mfu": mfu(tflops, peak), "expert_load": expert_load(counts_per_layer),
-                          "plugins": plugin_names, "moe": stats.moe}
+                          "plugins": plugin_names, "moe": stats.moe,
+                          "skipped_steps": skipped_total}
                 if stats.stash is not None:  # this step's pool stats (moeplug.stash)
                     record["stash"] = stats.stash
                 if window_times:  # mean seconds per step over the window
