@@ -45,20 +45,34 @@ _found: ContextVar[list[str] | None] = ContextVar("moeplug_config_errors", defau
 
 
 def _fail(obj: Any, name: str, value: Any, rule: str, fix: str) -> None:
-    message = f"{type(obj).__name__}.{name} = {value!r}: {rule}. Fix: {fix}"
+    head = f"{type(obj).__name__}.{name} = {value!r}: "
     found = _found.get()
     if found is None:
-        raise ConfigError(message)
-    found.append(message)
+        raise ConfigError(f"{head}{rule}. Fix: {fix}")
+    if not any(m.startswith(head) for m in found):  # one line per problem: the first rule wins
+        found.append(f"{head}{rule}. Fix: {fix}")
 
 
-def _finite(obj: Any) -> None:
-    """Every float field of ``obj`` (found from the dataclass annotations, so a new field is
-    covered without listing it) must be a finite number: nan and inf pass every ``<``/``>``
-    rule silently and then poison the run."""
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list,),
+          "dict": (dict,), "None": (type(None),)}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean (true or false)",
+               "list": "a list", "dict": "a mapping", "None": "null"}
+
+
+def _check_fields(obj: Any) -> None:
+    """The rules every field has from its annotation alone (so a new field is covered without
+    listing it): the annotated type (bool is not a number), and a float must be finite (nan
+    and inf pass every ``<``/``>`` rule silently and then poison the run). Runs first in each
+    section's ``__post_init__``; the section's own value rules follow."""
     for f in fields(obj):
-        v = getattr(obj, f.name)
-        if "float" in str(f.type) and isinstance(v, float) and not math.isfinite(v):
+        v, names = getattr(obj, f.name), str(f.type).split(" | ")
+        if not all(n in _TYPES for n in names):
+            continue  # a sub-section: checked by its own class
+        if not any(isinstance(v, _TYPES[n]) and not (isinstance(v, bool) and n != "bool")
+                   for n in names):
+            want = " or ".join(_TYPE_WORDS[n] for n in names)
+            _fail(obj, f.name, v, f"must be {want}", f"set {f.name} to {want}")
+        elif isinstance(v, float) and not math.isfinite(v):
             _fail(obj, f.name, v, "must be a finite number", f"set {f.name} to a real value")
 
 
@@ -112,7 +126,7 @@ class MoEConfig:
     layer_freq: int | list = 1
 
     def __post_init__(self) -> None:
-        _finite(self)
+        _check_fields(self)
         _positive(self, "num_experts", "top_k", "ffn_hidden_size")
         _non_negative(self, "aux_loss_coeff", "shared_expert_ffn_hidden_size")
         if self.top_k > self.num_experts:
@@ -170,7 +184,7 @@ class MLAConfig:
     rope_interleave: bool = True
 
     def __post_init__(self) -> None:
-        _finite(self)
+        _check_fields(self)
         _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         _non_negative(self, "q_lora_rank")
         if self.qk_rope_head_dim % 2:
@@ -211,7 +225,7 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
-        _finite(self)
+        _check_fields(self)
         _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len",
                   "dense_ffn_hidden_size")
         _non_negative(self, "vocab_size", "first_k_dense", "kv_channels", "mtp_num_layers",
@@ -301,7 +315,9 @@ class PluginsConfig:
     block: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _finite(self)
+        if isinstance(self.block, str):  # "a,b" from an override or the environment
+            self.block = [s for s in self.block.split(",") if s]
+        _check_fields(self)
         for n in ("router", "dispatcher", "experts", "precision"):
             v = getattr(self, n)
             if not isinstance(v, str) or not v:
@@ -309,8 +325,6 @@ class PluginsConfig:
         for n in ("router_options", "dispatcher_options", "experts_options", "precision_options"):
             if not isinstance(getattr(self, n), dict):
                 _fail(self, n, getattr(self, n), "must be a mapping", f"write {n}: {{key: value}}")
-        if isinstance(self.block, str):
-            self.block = [s for s in self.block.split(",") if s]
         if not isinstance(self.block, list):
             _fail(self, "block", self.block, "must be a list of plugin names", "write block: [name, ...]")
 
@@ -327,7 +341,7 @@ class DataConfig:
     cache_dir: str = ""  # empty: $MOEPLUG_CACHE or ~/.cache/moeplug
 
     def __post_init__(self) -> None:
-        _finite(self)
+        _check_fields(self)
         if self.tokenizer not in ("bpe", "bytes"):
             _fail(self, "tokenizer", self.tokenizer, "unknown tokenizer", "use 'bpe' or 'bytes'")
         if self.tokenizer == "bpe" and not (256 < self.vocab_size <= 65536):
@@ -378,7 +392,7 @@ class TrainConfig:
         return min(self.warmup_steps, self.steps)
 
     def __post_init__(self) -> None:
-        _finite(self)
+        _check_fields(self)
         _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
                   "log_interval")
         _non_negative(self, "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip",
@@ -440,7 +454,7 @@ class ParallelConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _finite(self)
+        _check_fields(self)
         for n in ("tp", "cp", "pp", "ep", "etp", "vpp"):
             v = getattr(self, n)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -639,7 +653,7 @@ class RootConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        _finite(self)
+        _check_fields(self)
         if self.train.seq_len > self.model.max_seq_len:
             _fail(self.train, "seq_len", self.train.seq_len,
                   f"exceeds model.max_seq_len ({self.model.max_seq_len})",
@@ -843,12 +857,18 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
             raise ConfigError(f"config file {path!r} does not exist. Fix: pass an existing YAML "
                               f"file to --config, or leave --config out to use the packaged default")
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:  # -sig: a UTF-8 BOM is fine
                 loaded = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r} is not valid YAML: "
                               f"{' '.join(str(e).split())}. Fix: correct the syntax there") from None
         except UnicodeDecodeError as e:
+            with open(path, "rb") as f:
+                head = f.read(4)
+            # A UTF-16/32 byte-order mark: text an editor saved in another encoding.
+            if head[:2] in (b"\xff\xfe", b"\xfe\xff") or head in (b"\0\0\xfe\xff",):
+                raise ConfigError(f"config file {path!r} is UTF-16/32 text, not UTF-8. Fix: "
+                                  f"save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)") from None
             raise ConfigError(f"config file {path!r} is not UTF-8 text ({e}). Fix: pass the YAML "
                               f"config file, not a binary one") from None
         if loaded is None and not base:

@@ -43,7 +43,7 @@ def assert_names(err: pytest.ExceptionInfo, *parts: str) -> None:
     (DataConfig, {"corpus": "/no/such/dir"}, ["corpus", "'/no/such/dir'", "folder of text files"]),
     (PluginsConfig, {"router": ""}, ["router", "''", "moeplug plugins"]),
     (PluginsConfig, {"router_options": [1]}, ["router_options", "[1]", "mapping"]),
-    (PluginsConfig, {"block": 3}, ["block", "3", "list of plugin names"]),
+    (PluginsConfig, {"block": 3}, ["block", "3", "must be a list"]),
 ])
 def test_field_errors_name_field_value_and_fix(cls, kwargs, parts):
     with pytest.raises(ConfigError) as err:
