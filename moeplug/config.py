@@ -537,13 +537,14 @@ class ParallelConfig:
                   "which needs sequence parallelism",
                   "set sequence_parallel: true (or tp = 1 / ep = 1)")
         out = dataclasses.replace(self, dp=dp)
-        # Both grids number ranks with one order; their pipeline groups agree iff the sizes of
-        # the names before 'pp' multiply to the same stride (dense: ep = 1; expert: cp = 1,
-        # tp = ETP, dp = EDP).
+        # Both grids number ranks with one order; with pp > 1 their pipeline groups agree iff
+        # the sizes of the names before 'pp' multiply to the same stride (dense: ep = 1;
+        # expert: cp = 1, tp = ETP, dp = EDP). tests/test_config.py checks this rule against
+        # the rank tables of moeplug.parallel.layout.
         before = self.order.split("-")[:self.order.split("-").index("pp")]
         dense = {"tp": tp, "cp": cp, "ep": 1, "dp": dp}
         expert = {"tp": etp, "cp": 1, "ep": ep, "dp": out.edp}
-        if math.prod(dense[n] for n in before) != math.prod(expert[n] for n in before):
+        if pp > 1 and math.prod(dense[n] for n in before) != math.prod(expert[n] for n in before):
             _fail(self, "order", out.order, f"the dense grid (DP = {dp}) and the expert grid "
                   f"(EDP = {out.edp}) give different pipeline groups, so a pipeline stage would "
                   "hold attention and experts of different layers",
