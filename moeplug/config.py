@@ -12,6 +12,7 @@ keep going after a failure, and the cross-section checks still run over such sec
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import logging
@@ -71,7 +72,9 @@ def _check_fields(obj: Any) -> None:
         if not any(isinstance(v, _TYPES[n]) and not (isinstance(v, bool) and n != "bool")
                    for n in names):
             want = " or ".join(_TYPE_WORDS[n] for n in names)
-            _fail(obj, f.name, v, f"must be {want}", f"set {f.name} to {want}")
+            fix = f"write {f.name}: true or false" if names == ["bool"] else \
+                f"set {f.name} to {want}"
+            _fail(obj, f.name, v, f"must be {want}", fix)
         elif isinstance(v, float) and not math.isfinite(v):
             _fail(obj, f.name, v, "must be a finite number", f"set {f.name} to a real value")
 
@@ -845,6 +848,21 @@ def merge_config_dicts(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict:
     return out
 
 
+def _utf16_or_32(path: str) -> bool:
+    """Text an editor saved as UTF-16/32: a byte-order mark and printable text behind it."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    for codec in ("utf-32", "utf-16"):  # utf-32 first: its little-endian BOM starts with utf-16's
+        try:
+            text = raw.decode(codec)
+        except UnicodeDecodeError:
+            continue
+        if raw[:4] in (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE) or \
+                raw[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+            return all(c.isprintable() or c in "\t\r\n" for c in text)
+    return False
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None,
                 base: Mapping[str, Any] | None = None) -> RootConfig:
     """Defaults ← ``base`` (a preset) ← YAML file ← dotted overrides, validated as one RootConfig."""
@@ -864,12 +882,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
             raise ConfigError(f"config file {path!r} is not valid YAML: "
                               f"{' '.join(str(e).split())}. Fix: correct the syntax there") from None
         except UnicodeDecodeError as e:
-            with open(path, "rb") as f:
-                head = f.read(4)
-            # A UTF-16/32 byte-order mark: text an editor saved in another encoding.
-            if head[:2] in (b"\xff\xfe", b"\xfe\xff") or head in (b"\0\0\xfe\xff",):
-                raise ConfigError(f"config file {path!r} is UTF-16/32 text, not UTF-8. Fix: "
-                                  f"save it as UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)") from None
+            if _utf16_or_32(path):
+                raise ConfigError(f"config file {path!r} is not UTF-8 text (it starts with a "
+                                  f"UTF-16/32 byte-order mark). Fix: save it as UTF-8 "
+                                  f"(e.g. iconv -f UTF-16 -t UTF-8)") from None
             raise ConfigError(f"config file {path!r} is not UTF-8 text ({e}). Fix: pass the YAML "
                               f"config file, not a binary one") from None
         if loaded is None and not base:

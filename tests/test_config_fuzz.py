@@ -150,9 +150,12 @@ def test_real_cli_refuses_bad_values_in_one_line(args, words, tmp_path):
         assert "needs at least" in problem[0] and "available" in problem[0], problem
 
 
+_BOM = "not UTF-8 text (it starts with a UTF-16/32 byte-order mark)"
+
+
 @pytest.mark.parametrize("name, data, words", [
-    ("utf16.yaml", "model:\n  hidden_size: 64\n".encode("utf-16"), "UTF-16/32 text, not UTF-8"),
-    ("utf32.yaml", "model:\n  hidden_size: 64\n".encode("utf-32"), "UTF-16/32 text, not UTF-8"),
+    ("utf16.yaml", "model:\n  hidden_size: 64\n".encode("utf-16"), _BOM),
+    ("utf32.yaml", "model:\n  hidden_size: 64\n".encode("utf-32"), _BOM),
     ("latin1.yaml", "# café\nmodel:\n  hidden_size: 64\n".encode("latin-1"), "not UTF-8 text"),
     ("binary.yaml", bytes(range(256)), "not UTF-8 text"),
 ])
