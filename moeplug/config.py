@@ -56,7 +56,8 @@ def _fail(obj: Any, name: str, value: Any, rule: str, fix: str) -> None:
 
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list,),
           "dict": (dict,), "None": (type(None),)}
-_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean (true or false)",
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
+               "bool": "a boolean (true or false)",
                "list": "a list", "dict": "a mapping", "None": "null"}
 
 
@@ -526,8 +527,8 @@ class ParallelConfig:
         else:
             dp = self.dp
             if tp * cp * dp * pp != world_size:
-                _fail(self, "dp", dp, f"TP·CP·DP·PP = {tp}·{cp}·{dp}·{pp} = {tp * cp * dp * pp} "
-                      f"≠ world size {world_size}",
+                _fail(self, "dp", dp, f"TP·CP·DP·PP = {tp}·{cp}·{dp}·{pp} = "
+                      f"{tp * cp * dp * pp} ≠ world size {world_size}",
                       "set dp = 0 to derive it, or change the degrees or the number of processes")
         if world_size % (etp * ep * pp):
             _fail(self, "ep", ep, f"ETP·EP·PP = {etp}·{ep}·{pp} = {etp * ep * pp} does not "
