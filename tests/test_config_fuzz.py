@@ -158,7 +158,7 @@ _BOM = "not UTF-8 text (it starts with a UTF-16/32 byte-order mark)"
     ("utf32.yaml", "model:\n  hidden_size: 64\n".encode("utf-32"), _BOM),
     ("latin1.yaml", "# café\nmodel:\n  hidden_size: 64\n".encode("latin-1"), "not UTF-8 text"),
     ("binary.yaml", bytes(range(256)), "not UTF-8 text"),
-])
+], ids=["utf16", "utf32", "latin1", "binary"])
 def test_real_cli_refuses_non_utf8_config_files(name, data, words, tmp_path):
     path = tmp_path / name
     path.write_bytes(data)
