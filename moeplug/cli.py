@@ -185,6 +185,9 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     from moeplug.training import launch
     from moeplug.training.checkpoint import check_resume, resolve_resume
     from moeplug.training.run_dir import check_run_dir, clear_run
+    # A model that cannot fit is refused first: the plugin check below already allocates.
+    from moeplug.memory import check_fits
+    check_fits(cfg, 1 if launch.under_torchrun() else args.nproc or 1)
     problems = _Problems()
     with problems.check():
         host = _load_host(cfg)

@@ -12,9 +12,11 @@ keep going after a failure, and the cross-section checks still run over such sec
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import re
 from contextvars import ContextVar
@@ -44,11 +46,46 @@ _found: ContextVar[list[str] | None] = ContextVar("moeplug_config_errors", defau
 
 
 def _fail(obj: Any, name: str, value: Any, rule: str, fix: str) -> None:
-    message = f"{type(obj).__name__}.{name} = {value!r}: {rule}. Fix: {fix}"
+    head = f"{type(obj).__name__}.{name} = {value!r}: "
     found = _found.get()
     if found is None:
-        raise ConfigError(message)
-    found.append(message)
+        raise ConfigError(f"{head}{rule}. Fix: {fix}")
+    if not any(m.startswith(head) for m in found):  # one line per problem: the first rule wins
+        found.append(f"{head}{rule}. Fix: {fix}")
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list,),
+          "dict": (dict,), "None": (type(None),)}
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
+               "bool": "a boolean (true or false)",
+               "list": "a list", "dict": "a mapping", "None": "null"}
+
+
+def _check_fields(obj: Any) -> None:
+    """The rules every field has from its annotation alone (so a new field is covered without
+    listing it): the annotated type (bool is not a number), and a float must be finite (nan
+    and inf pass every ``<``/``>`` rule silently and then poison the run). Runs first in each
+    section's ``__post_init__``; the section's own value rules follow."""
+    for f in fields(obj):
+        v, names = getattr(obj, f.name), str(f.type).split(" | ")
+        if not all(n in _TYPES for n in names):
+            continue  # a sub-section: checked by its own class
+        if not any(isinstance(v, _TYPES[n]) and not (isinstance(v, bool) and n != "bool")
+                   for n in names):
+            want = " or ".join(_TYPE_WORDS[n] for n in names)
+            fix = f"write {f.name}: true or false" if names == ["bool"] else \
+                f"set {f.name} to {want}"
+            _fail(obj, f.name, v, f"must be {want}", fix)
+        elif isinstance(v, float) and not math.isfinite(v):
+            _fail(obj, f.name, v, "must be a finite number", f"set {f.name} to a real value")
+
+
+def _above_zero(obj: Any, *names: str) -> None:
+    # Physical scales (a RoPE base, a norm epsilon, a std): zero or negative means nothing.
+    for n in names:
+        v = getattr(obj, n)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 0:
+            _fail(obj, n, v, "must be > 0", f"set {n} to a positive number")
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -93,6 +130,7 @@ class MoEConfig:
     layer_freq: int | list = 1
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive(self, "num_experts", "top_k", "ffn_hidden_size")
         _non_negative(self, "aux_loss_coeff", "shared_expert_ffn_hidden_size")
         if self.top_k > self.num_experts:
@@ -150,6 +188,7 @@ class MLAConfig:
     rope_interleave: bool = True
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         _non_negative(self, "q_lora_rank")
         if self.qk_rope_head_dim % 2:
@@ -190,10 +229,16 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len",
                   "dense_ffn_hidden_size")
         _non_negative(self, "vocab_size", "first_k_dense", "kv_channels", "mtp_num_layers",
                       "mtp_loss_scaling_factor")
+        _above_zero(self, "rope_theta", "norm_eps", "init_std")
+        for n in ("rope_theta", "norm_eps", "init_std"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                _fail(self, n, v, "must be a number", f"set {n} to a positive number")
         self._check_attention()
         if self.first_k_dense > self.num_layers:
             _fail(self, "first_k_dense", self.first_k_dense,
@@ -274,6 +319,9 @@ class PluginsConfig:
     block: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if isinstance(self.block, str):  # "a,b" from an override or the environment
+            self.block = [s for s in self.block.split(",") if s]
+        _check_fields(self)
         for n in ("router", "dispatcher", "experts", "precision"):
             v = getattr(self, n)
             if not isinstance(v, str) or not v:
@@ -281,8 +329,6 @@ class PluginsConfig:
         for n in ("router_options", "dispatcher_options", "experts_options", "precision_options"):
             if not isinstance(getattr(self, n), dict):
                 _fail(self, n, getattr(self, n), "must be a mapping", f"write {n}: {{key: value}}")
-        if isinstance(self.block, str):
-            self.block = [s for s in self.block.split(",") if s]
         if not isinstance(self.block, list):
             _fail(self, "block", self.block, "must be a list of plugin names", "write block: [name, ...]")
 
@@ -299,6 +345,7 @@ class DataConfig:
     cache_dir: str = ""  # empty: $MOEPLUG_CACHE or ~/.cache/moeplug
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.tokenizer not in ("bpe", "bytes"):
             _fail(self, "tokenizer", self.tokenizer, "unknown tokenizer", "use 'bpe' or 'bytes'")
         if self.tokenizer == "bpe" and not (256 < self.vocab_size <= 65536):
@@ -354,6 +401,7 @@ class TrainConfig:
         return min(self.warmup_steps, self.steps)
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
                   "log_interval")
         _non_negative(self, "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip",
@@ -377,14 +425,24 @@ class TrainConfig:
                   "set device to auto (GPU when present), cpu, cuda or e.g. cuda:0")
 
 
-@dataclass(kw_only=True, slots=True)
-class ParallelSection:
-    """The ``parallel:`` section: degrees and layout (moeplug.parallel.layout.ParallelConfig),
-    pipeline split (moeplug.parallel.pipeline.PipelineConfig), distributed optimizer, timeout.
+# Parallel dimension names of ParallelConfig.order (first name fastest in the rank numbering).
+DIM_NAMES = ("tp", "cp", "ep", "dp", "pp")
 
-    The degree fields are checked by ParallelConfig / PipelineConfig themselves (one rule, one
-    place); model-dependent checks run in RootConfig; checks that need the world size run in
-    moeplug.training.distributed.resolve_layout (the CLI calls it before launching any rank).
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """The ``parallel:`` section, every parallel field declared once: degrees, rank order,
+    pipeline split, distributed optimizer, timeout. ``dp = 0``: derived in :meth:`resolve`.
+
+    tp: tensor parallel (attention / dense MLP)    etp: tensor parallel inside each expert
+    cp: context parallel (sequence split)           ep:  expert parallel (experts split)
+    dp: data parallel of the dense grid             edp: data parallel of the expert grid (derived)
+    pp: pipeline parallel (shared by both grids)    vpp: model chunks per pipeline rank
+    sequence_parallel: shard activations outside TP regions along the sequence (tp > 1).
+
+    Only arithmetic lives here (this module imports nothing of moeplug); the rank tables and
+    process groups are moeplug.parallel's. Model-dependent checks run in RootConfig; checks
+    that need the world size in :meth:`resolve` (the CLI calls it before launching any rank).
     """
 
     tp: int = 1
@@ -395,7 +453,11 @@ class ParallelSection:
     etp: int = 1
     sequence_parallel: bool = False
     order: str = "tp-cp-ep-dp-pp"
+    # How CP ranks exchange K/V (moeplug.parallel.context_parallel): "allgather" (one collective
+    # per layer; the default because gloo pays per message) or "ring" (send/recv per step).
     cp_comm: str = "allgather"
+    # Pipeline split: vpp model chunks per rank (interleaved 1F1B when > 1); layers on pipeline
+    # rank 0 / P-1 (None: an even share), useful as those also carry the embedding / the head.
     vpp: int = 1
     num_layers_in_first_stage: int | None = None
     num_layers_in_last_stage: int | None = None
@@ -407,28 +469,193 @@ class ParallelSection:
     timeout_s: float = 90.0
 
     def __post_init__(self) -> None:
-        self.layout()  # ParallelConfig's own checks
-        self.pipeline()
-        if not isinstance(self.distributed_optimizer, bool):
-            _fail(self, "distributed_optimizer", self.distributed_optimizer, "must be a boolean",
-                  "write distributed_optimizer: true or false")
+        _check_fields(self)
+        for n in ("tp", "cp", "pp", "ep", "etp", "vpp"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                _fail(self, n, v, "must be a positive integer", f"set {n} to an integer >= 1")
+        if not isinstance(self.dp, int) or isinstance(self.dp, bool) or self.dp < 0:
+            _fail(self, "dp", self.dp, "must be an integer >= 0",
+                  "set dp to 0 (derive from the world size) or to the data-parallel degree")
+        for n in ("num_layers_in_first_stage", "num_layers_in_last_stage"):
+            v = getattr(self, n)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                _fail(self, n, v, "must be null or an integer >= 0",
+                      f"leave {n} unset for an even split, or give a layer count")
+        for n in ("sequence_parallel", "distributed_optimizer"):
+            if not isinstance(getattr(self, n), bool):
+                _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
+        if self.cp_comm not in ("allgather", "ring"):
+            _fail(self, "cp_comm", self.cp_comm, "is not a context-parallel K/V exchange",
+                  "use 'allgather' or 'ring'")
+        names = self.order.split("-") if isinstance(self.order, str) else None
+        if names is None or sorted(names) != sorted(DIM_NAMES):
+            _fail(self, "order", self.order, f"must name each of {'-'.join(DIM_NAMES)} exactly "
+                  "once, joined by '-'", "use e.g. 'tp-cp-ep-dp-pp' (Megatron's default)")
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not self.timeout_s > 0:
             _fail(self, "timeout_s", self.timeout_s, "must be a number of seconds > 0",
                   "set timeout_s to e.g. 300")
 
-    def layout(self) -> Any:
-        """The degrees as a (not yet resolved) moeplug.parallel.ParallelConfig."""
-        from moeplug.parallel.layout import ParallelConfig
-        return ParallelConfig(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep,
-                              etp=self.etp, sequence_parallel=self.sequence_parallel,
-                              order=self.order, cp_comm=self.cp_comm)
+    def layout(self) -> "ParallelConfig":
+        """This section (the degrees); kept so ``cfg.parallel.layout()`` reads as before."""
+        return self
 
-    def pipeline(self) -> Any:
-        """The layer split as a moeplug.parallel.pipeline.PipelineConfig."""
-        from moeplug.parallel.pipeline import PipelineConfig
-        return PipelineConfig(vpp=self.vpp, num_layers_in_first_stage=self.num_layers_in_first_stage,
-                              num_layers_in_last_stage=self.num_layers_in_last_stage)
+    def pipeline(self) -> "ParallelConfig":
+        """This section (the layer split); kept so ``cfg.parallel.pipeline()`` reads as before."""
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """TP·CP·DP·PP; only meaningful after :meth:`resolve`."""
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Data parallel of the expert grid: world / (ETP·EP·PP); 0 while dp is unresolved."""
+        return self.world_size // (self.etp * self.ep * self.pp)
+
+    def min_world_size(self) -> int:
+        """The fewest processes these degrees fit: TP·CP·DP·PP when dp is set, else the least
+        common multiple of TP·CP·PP and ETP·EP·PP (both must divide the world in resolve)."""
+        dense = self.tp * self.cp * self.pp * max(self.dp, 1)
+        return dense if self.dp else math.lcm(dense, self.etp * self.ep * self.pp)
+
+    def resolve(self, world_size: int) -> "ParallelConfig":
+        """Return a copy with ``dp`` (hence ``edp``) filled for ``world_size``; raise ConfigError
+        if the degrees do not tile the world or the two grids disagree on the pipeline groups."""
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world size {world_size!r} must be a positive integer. "
+                              "Fix: launch at least one process")
+        tp, cp, pp, ep, etp = self.tp, self.cp, self.pp, self.ep, self.etp
+        if self.dp == 0:
+            if world_size % (tp * cp * pp):
+                _fail(self, "dp", 0, f"cannot derive dp: TP·CP·PP = {tp}·{cp}·{pp} = "
+                      f"{tp * cp * pp} does not divide world size {world_size}",
+                      f"choose tp, cp, pp whose product divides {world_size}, or change the "
+                      "number of processes")
+            dp = world_size // (tp * cp * pp)
+        else:
+            dp = self.dp
+            if tp * cp * dp * pp != world_size:
+                _fail(self, "dp", dp, f"TP·CP·DP·PP = {tp}·{cp}·{dp}·{pp} = "
+                      f"{tp * cp * dp * pp} ≠ world size {world_size}",
+                      "set dp = 0 to derive it, or change the degrees or the number of processes")
+        if world_size % (etp * ep * pp):
+            _fail(self, "ep", ep, f"ETP·EP·PP = {etp}·{ep}·{pp} = {etp * ep * pp} does not "
+                  f"divide world size {world_size}",
+                  f"choose etp, ep, pp whose product divides {world_size}")
+        if tp > 1 and ep > 1 and not self.sequence_parallel:
+            # Megatron's rule: with TP and EP together the token dispatcher expects activations
+            # already split along the sequence across TP ranks, or each TP rank routes duplicates.
+            _fail(self, "sequence_parallel", False, f"tp = {tp} and ep = {ep} are both > 1, "
+                  "which needs sequence parallelism",
+                  "set sequence_parallel: true (or tp = 1 / ep = 1)")
+        out = dataclasses.replace(self, dp=dp)
+        # Both grids number ranks with one order; with pp > 1 their pipeline groups agree iff
+        # the sizes of the names before 'pp' multiply to the same stride (dense: ep = 1;
+        # expert: cp = 1, tp = ETP, dp = EDP). tests/test_config.py checks this rule against
+        # the rank tables of moeplug.parallel.layout.
+        before = self.order.split("-")[:self.order.split("-").index("pp")]
+        dense = {"tp": tp, "cp": cp, "ep": 1, "dp": dp}
+        expert = {"tp": etp, "cp": 1, "ep": ep, "dp": out.edp}
+        if pp > 1 and math.prod(dense[n] for n in before) != math.prod(expert[n] for n in before):
+            _fail(self, "order", out.order, f"the dense grid (DP = {dp}) and the expert grid "
+                  f"(EDP = {out.edp}) give different pipeline groups, so a pipeline stage would "
+                  "hold attention and experts of different layers",
+                  "put 'pp' last in order (e.g. 'tp-cp-ep-dp-pp') or make EDP equal DP")
+        return out
+
+    def rank_layer_counts(self, num_layers: int, pp: int | None = None) -> list[int]:
+        """Layers held by each of the ``pp`` (default self.pp) pipeline ranks; raises
+        ConfigError when they cannot tile num_layers."""
+        pp = self.pp if pp is None else pp
+        first, last = self.num_layers_in_first_stage, self.num_layers_in_last_stage
+        if pp == 1:
+            if self.vpp != 1:
+                _fail(self, "vpp", self.vpp, "virtual stages need pipeline parallelism (pp = 1)",
+                      "set vpp = 1, or pp > 1")
+            if first is not None or last is not None:
+                name = "num_layers_in_first_stage" if first is not None else \
+                    "num_layers_in_last_stage"
+                _fail(self, name, getattr(self, name), "uneven stages need pp > 1", f"unset {name}")
+            return [num_layers]
+        if first is None and last is None:
+            if num_layers % (pp * self.vpp):
+                _fail(self, "vpp", self.vpp, f"num_layers {num_layers} is not divisible by "
+                      f"PP·VPP = {pp}·{self.vpp} = {pp * self.vpp}", "choose pp and vpp whose "
+                      "product divides num_layers, or set num_layers_in_first_stage / _last_stage")
+            return [num_layers // pp] * pp
+        fixed = {r: n for r, n in {0: first, pp - 1: last}.items() if n is not None}
+        rest, middle = num_layers - sum(fixed.values()), pp - len(fixed)
+        name = "num_layers_in_first_stage" if first is not None else "num_layers_in_last_stage"
+        if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
+            _fail(self, name, fixed.get(0, fixed.get(pp - 1)),
+                  f"with first = {first}, last = {last} the other {middle} stage(s) get "
+                  f"{rest} of num_layers {num_layers} layers, which does not split evenly",
+                  f"choose first/last so that num_layers - first - last is a multiple of the "
+                  f"{middle} middle stage(s)" if middle else
+                  f"make num_layers_in_first_stage + num_layers_in_last_stage = {num_layers}")
+        counts = [fixed.get(r, rest // middle if middle else 0) for r in range(pp)]
+        for r, n in enumerate(counts):
+            if n % self.vpp:
+                _fail(self, "vpp", self.vpp, f"pipeline rank {r} holds {n} layers (per-rank "
+                      f"counts {counts}), not divisible into {self.vpp} chunks",
+                      "choose stage layer counts that are multiples of vpp")
+        return counts
+
+    def chunk_layers(self, num_layers: int, pp: int | None = None) -> list[list[range]]:
+        """``[rank][chunk]`` -> the global layer indices of that model chunk."""
+        pp = self.pp if pp is None else pp
+        counts = self.rank_layer_counts(num_layers, pp)
+        sizes = [n // self.vpp for n in counts]  # layers per chunk on each rank
+        out: list[list[range]] = [[] for _ in range(pp)]
+        start = 0
+        for c in range(self.vpp):  # virtual stage v = c * pp + r, in increasing v
+            for r in range(pp):
+                out[r].append(range(start, start + sizes[r]))
+                start += sizes[r]
+        return out
+
+
+# Earlier names of the same section (the layer split and the YAML section had their own classes).
+ParallelSection = PipelineConfig = ParallelConfig
+
+
+def validate_model(pcfg: ParallelConfig, *, num_experts: int, num_heads: int, num_kv_heads: int,
+                   num_layers: int | None, vpp: int = 1, ffn_hidden_size: int | None = None,
+                   seq_len: int | None = None) -> None:
+    """Model-dependent checks of a layout: shards must split evenly. Raises ConfigError.
+    ``num_layers=None`` leaves the layer split to :meth:`ParallelConfig.rank_layer_counts`."""
+
+    def need(value: int, what: str, degree: int, label: str, field_name: str, fix: str) -> None:
+        if value % degree:
+            raise ConfigError(f"{what} {value} not divisible by {label} {degree} "
+                              f"(ParallelConfig.{field_name} = {degree}). Fix: {fix}")
+
+    need(num_heads, "num_heads", pcfg.tp, "TP", "tp",
+         "choose tp dividing num_heads, or change num_heads")
+    need(num_kv_heads, "num_kv_heads", pcfg.tp, "TP", "tp",
+         "choose tp dividing num_kv_heads (each TP rank needs whole KV heads)")
+    need(num_experts, "num_experts", pcfg.ep, "EP", "ep",
+         "choose ep dividing num_experts, or change num_experts")
+    if not isinstance(vpp, int) or vpp < 1:
+        raise ConfigError(f"vpp {vpp!r} must be a positive integer. Fix: use 1 for no "
+                          "interleaving")
+    if num_layers is not None:
+        need(num_layers, "num_layers", pcfg.pp * vpp, f"PP·VPP = {pcfg.pp}·{vpp} =", "pp",
+             "choose pp (and vpp) so every virtual stage gets the same number of layers")
+    if ffn_hidden_size is not None:
+        need(ffn_hidden_size, "ffn_hidden_size", pcfg.etp, "ETP", "etp",
+             "choose etp dividing the expert ffn_hidden_size")
+    if seq_len is not None:
+        # Context parallel splits each sequence into 2·CP chunks (load-balanced causal attention);
+        # sequence parallel then splits each CP shard across TP ranks.
+        tp_sp = pcfg.tp if pcfg.sequence_parallel else 1
+        cp_chunks = 2 * pcfg.cp if pcfg.cp > 1 else 1
+        need(seq_len, "seq_len", cp_chunks * tp_sp,
+             f"{'2·CP' if pcfg.cp > 1 else 'CP'}{'·TP' if tp_sp > 1 else ''} =", "cp",
+             "choose seq_len a multiple of that product")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -443,6 +670,7 @@ class RuntimeSection:
     stash_overflow: str = "rerun"  # rerun (once, without stash) | fail | keep
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if not isinstance(self.stash, bool):
             _fail(self, "stash", self.stash, "must be a boolean", "write stash: true or false")
         _positive(self, "stash_page_bytes")
@@ -466,10 +694,11 @@ class RootConfig:
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    parallel: ParallelSection = field(default_factory=ParallelSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         if self.train.seq_len > self.model.max_seq_len:
             _fail(self.train, "seq_len", self.train.seq_len,
                   f"exceeds model.max_seq_len ({self.model.max_seq_len})",
@@ -479,14 +708,11 @@ class RootConfig:
     def _check_parallel_fits_model(self) -> None:
         # Shards must split evenly (heads % TP, experts % EP, layers per pipeline stage, seq_len
         # per CP/SP shard). No world size needed, so this runs on every load.
-        from moeplug.parallel.layout import validate_model
         m, par = self.model, self.parallel
-        # pp = 1 here: the layer split (even or uneven stages) is PipelineConfig's to check.
-        validate_model(dataclasses.replace(par.layout(), pp=1), num_experts=m.moe.num_experts,
-                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
-                       num_layers=m.num_layers, ffn_hidden_size=m.moe.ffn_hidden_size,
-                       seq_len=self.train.seq_len)
-        par.pipeline().rank_layer_counts(m.num_layers, par.pp)
+        validate_model(par, num_experts=m.moe.num_experts, num_heads=m.num_heads,
+                       num_kv_heads=m.num_kv_heads, num_layers=None,
+                       ffn_hidden_size=m.moe.ffn_hidden_size, seq_len=self.train.seq_len)
+        par.rank_layer_counts(m.num_layers)
         # The MTP blocks and their loss are built unsharded (not tensor/vocab-parallel) and MTP
         # shifts tokens across CP shards, so the model build would refuse these layouts: say so
         # here, before any rank starts, instead of as a traceback from build_model.
@@ -578,7 +804,7 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
         raise _Unbuilt
     try:
         return cls(**kwargs)
-    except ConfigError as e:  # raised, not recorded (e.g. by moeplug.parallel.layout)
+    except ConfigError as e:  # raised, not recorded (e.g. by validate_model)
         found.extend(e.errors)
     except (TypeError, ArithmeticError):
         # A later check tripped over a value an earlier one already reported (a string where a
@@ -606,7 +832,7 @@ _SUBCONFIGS: dict[tuple[type, str], type] = {
     (RootConfig, "plugins"): PluginsConfig,
     (RootConfig, "data"): DataConfig,
     (RootConfig, "train"): TrainConfig,
-    (RootConfig, "parallel"): ParallelSection,
+    (RootConfig, "parallel"): ParallelConfig,
     (RootConfig, "runtime"): RuntimeSection,
     (ModelConfig, "moe"): MoEConfig,
     (ModelConfig, "mla"): MLAConfig,
@@ -664,6 +890,21 @@ def merge_config_dicts(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict:
     return out
 
 
+def _utf16_or_32(path: str) -> bool:
+    """Text an editor saved as UTF-16/32: a byte-order mark and printable text behind it."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    for codec in ("utf-32", "utf-16"):  # utf-32 first: its little-endian BOM starts with utf-16's
+        try:
+            text = raw.decode(codec)
+        except UnicodeDecodeError:
+            continue
+        if raw[:4] in (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE) or \
+                raw[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+            return all(c.isprintable() or c in "\t\r\n" for c in text)
+    return False
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None,
                 base: Mapping[str, Any] | None = None) -> RootConfig:
     """Defaults ← ``base`` (a preset) ← YAML file ← dotted overrides, validated as one RootConfig."""
@@ -677,12 +918,16 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
             raise ConfigError(f"config file {path!r} does not exist. Fix: pass an existing YAML "
                               f"file to --config, or leave --config out to use the packaged default")
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:  # -sig: a UTF-8 BOM is fine
                 loaded = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r} is not valid YAML: "
                               f"{' '.join(str(e).split())}. Fix: correct the syntax there") from None
         except UnicodeDecodeError as e:
+            if _utf16_or_32(path):
+                raise ConfigError(f"config file {path!r} is not UTF-8 text (it starts with a "
+                                  f"UTF-16/32 byte-order mark). Fix: save it as UTF-8 "
+                                  f"(e.g. iconv -f UTF-16 -t UTF-8)") from None
             raise ConfigError(f"config file {path!r} is not UTF-8 text ({e}). Fix: pass the YAML "
                               f"config file, not a binary one") from None
         if loaded is None and not base:

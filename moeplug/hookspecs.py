@@ -23,18 +23,26 @@ What the factories receive is documented at the bottom of :mod:`moeplug.interfac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Iterable, Protocol
 
 import pluggy
-
-if TYPE_CHECKING:  # the registry lives in plugin_host; importing it here would be circular
-    from moeplug.plugin_host import ComponentRegistry
 
 PROJECT_NAME = "moeplug"
 ENTRY_POINT_GROUP = "moeplug"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class ComponentRegistry(Protocol):
+    """What a register hook receives: moeplug.plugin_host.ComponentRegistry implements it.
+    Declared here as a contract so the specs import nothing of the host (no import circle)."""
+
+    kind: str
+
+    def add(self, name: str, factory: Callable[..., Any], options_cls: type | None = None,
+            requires: Iterable[str] = (), description: str = "",
+            install_hint: str = "") -> None: ...
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,12 +119,12 @@ def test_launch_line_without_oversubscription():
 
 
 @pytest.mark.parametrize("override, words", [
-    ("parallel.distributed_optimizer=maybe", ["ParallelSection.distributed_optimizer", "'maybe'",
+    ("parallel.distributed_optimizer=maybe", ["ParallelConfig.distributed_optimizer", "'maybe'",
                                             "Fix: write distributed_optimizer: true"]),
-    ("parallel.timeout_s=0", ["ParallelSection.timeout_s = 0.0", "Fix: set timeout_s"]),
+    ("parallel.timeout_s=0", ["ParallelConfig.timeout_s = 0.0", "Fix: set timeout_s"]),
     ("parallel.tp=3", ["num_heads 8 not divisible by TP 3", "Fix:"]),
     ("parallel.etp=5", ["ffn_hidden_size 384 not divisible by ETP 5", "Fix:"]),
-    ("parallel.pp=3", ["PipelineConfig.vpp", "num_layers 4", "Fix:"]),
+    ("parallel.pp=3", ["ParallelConfig.vpp", "num_layers 4", "Fix:"]),
     ("parallel.cp=3", ["seq_len 128 not divisible by 2·CP", "Fix:"]),
     ("parallel.order=tp-cp-dp-pp", ["ParallelConfig.order", "Fix:"]),
 ])

@@ -193,7 +193,7 @@ def test_partition_even_interleaved_and_uneven():
 
 
 @pytest.mark.parametrize("pipe_kwargs,num_layers,pp,match", [
-    ({"vpp": 2}, 6, 2, r"PipelineConfig.vpp = 2: num_layers 6 is not divisible by PP·VPP = "
+    ({"vpp": 2}, 6, 2, r"ParallelConfig.vpp = 2: num_layers 6 is not divisible by PP·VPP = "
                        r"2·2 = 4. Fix: choose pp and vpp"),
     ({}, 3, 2, r"num_layers 3 is not divisible by PP·VPP = 2·1 = 2.*num_layers_in_first_stage"),
     ({"num_layers_in_first_stage": 1}, 4, 3, r"num_layers_in_first_stage = 1: .*other 2 stage\(s\) "
@@ -202,10 +202,10 @@ def test_partition_even_interleaved_and_uneven():
      r"Fix: make num_layers_in_first_stage \+ num_layers_in_last_stage = 3"),
     ({"num_layers_in_first_stage": 5}, 4, 2, r"num_layers_in_first_stage = 5: .*get -1"),
     ({"vpp": 2, "num_layers_in_first_stage": 1}, 5, 2,
-     r"PipelineConfig.vpp = 2: pipeline rank 0 holds 1 layers .*Fix: choose stage layer counts"),
-    ({"vpp": 2}, 4, 1, r"PipelineConfig.vpp = 2: virtual stages need pipeline parallelism.*Fix"),
+     r"ParallelConfig.vpp = 2: pipeline rank 0 holds 1 layers .*Fix: choose stage layer counts"),
+    ({"vpp": 2}, 4, 1, r"ParallelConfig.vpp = 2: virtual stages need pipeline parallelism.*Fix"),
     ({"num_layers_in_last_stage": 1}, 4, 1,
-     r"PipelineConfig.num_layers_in_last_stage = 1: uneven stages need pp > 1. Fix: unset"),
+     r"ParallelConfig.num_layers_in_last_stage = 1: uneven stages need pp > 1. Fix: unset"),
 ])
 def test_partition_errors_name_field_value_and_fix(pipe_kwargs, num_layers, pp, match):
     from moeplug.config import ConfigError
@@ -215,9 +215,9 @@ def test_partition_errors_name_field_value_and_fix(pipe_kwargs, num_layers, pp, 
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"vpp": 0}, r"PipelineConfig.vpp = 0: must be a positive integer. Fix"),
+    ({"vpp": 0}, r"ParallelConfig.vpp = 0: must be a positive integer. Fix"),
     ({"num_layers_in_first_stage": -1},
-     r"PipelineConfig.num_layers_in_first_stage = -1: must be null or an integer >= 0. Fix"),
+     r"ParallelConfig.num_layers_in_first_stage = -1: must be null or an integer >= 0. Fix"),
     ({"num_layers_in_last_stage": 1.5}, r"num_layers_in_last_stage = 1.5: .*Fix"),
 ])
 def test_pipeline_config_field_errors(kwargs, match):

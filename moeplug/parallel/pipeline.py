@@ -35,89 +35,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeplug.config import ConfigError, RootConfig
+from moeplug.config import PipelineConfig, RootConfig  # noqa: F401 (PipelineConfig: re-export)
 from moeplug.modules.moe import MoELayer
 from moeplug.modules.stages import ModelStages
 from moeplug.modules.transformer import MoETransformer
 from moeplug.parallel import comm
 from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.layout import layout_rank_groups
-
-
-def _fail(name: str, value: object, rule: str, fix: str) -> None:
-    raise ConfigError(f"PipelineConfig.{name} = {value!r}: {rule}. Fix: {fix}")
-
-
-@dataclass(kw_only=True, slots=True)
-class PipelineConfig:
-    """How layers are split over the pipeline ranks (the PP degree itself is ParallelConfig.pp).
-
-    vpp: model chunks per rank (virtual pipeline stages; interleaved 1F1B when > 1).
-    num_layers_in_first_stage / num_layers_in_last_stage: layers on pipeline rank 0 / P-1
-        (None: an even share). Useful because those ranks also carry the embedding / the head.
-    """
-
-    vpp: int = 1
-    num_layers_in_first_stage: int | None = None
-    num_layers_in_last_stage: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.vpp, int) or isinstance(self.vpp, bool) or self.vpp < 1:
-            _fail("vpp", self.vpp, "must be a positive integer", "set vpp to 1 (no interleaving) "
-                  "or to the number of model chunks per pipeline rank")
-        for n in ("num_layers_in_first_stage", "num_layers_in_last_stage"):
-            v = getattr(self, n)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                _fail(n, v, "must be null or an integer >= 0",
-                      f"leave {n} unset for an even split, or give a layer count")
-
-    def rank_layer_counts(self, num_layers: int, pp: int) -> list[int]:
-        """Layers held by each pipeline rank; raises ConfigError when they cannot tile N."""
-        first, last = self.num_layers_in_first_stage, self.num_layers_in_last_stage
-        if pp == 1:
-            if self.vpp != 1:
-                _fail("vpp", self.vpp, "virtual stages need pipeline parallelism (pp = 1)",
-                      "set vpp = 1, or pp > 1")
-            if first is not None or last is not None:
-                name = "num_layers_in_first_stage" if first is not None else "num_layers_in_last_stage"
-                _fail(name, getattr(self, name), "uneven stages need pp > 1", f"unset {name}")
-            return [num_layers]
-        if first is None and last is None:
-            if num_layers % (pp * self.vpp):
-                _fail("vpp", self.vpp, f"num_layers {num_layers} is not divisible by PP·VPP = "
-                      f"{pp}·{self.vpp} = {pp * self.vpp}", "choose pp and vpp whose product "
-                      "divides num_layers, or set num_layers_in_first_stage / _last_stage")
-            return [num_layers // pp] * pp
-        fixed = {0: first, pp - 1: last}
-        fixed = {r: n for r, n in fixed.items() if n is not None}
-        rest, middle = num_layers - sum(fixed.values()), pp - len(fixed)
-        name = "num_layers_in_first_stage" if first is not None else "num_layers_in_last_stage"
-        if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
-            _fail(name, fixed.get(0, fixed.get(pp - 1)),
-                  f"with first = {first}, last = {last} the other {middle} stage(s) get "
-                  f"{rest} of num_layers {num_layers} layers, which does not split evenly",
-                  f"choose first/last so that num_layers - first - last is a multiple of the "
-                  f"{middle} middle stage(s)" if middle else
-                  f"make num_layers_in_first_stage + num_layers_in_last_stage = {num_layers}")
-        counts = [fixed.get(r, rest // middle if middle else 0) for r in range(pp)]
-        for r, n in enumerate(counts):
-            if n % self.vpp:
-                _fail("vpp", self.vpp, f"pipeline rank {r} holds {n} layers (per-rank counts "
-                      f"{counts}), not divisible into {self.vpp} chunks",
-                      "choose stage layer counts that are multiples of vpp")
-        return counts
-
-    def chunk_layers(self, num_layers: int, pp: int) -> list[list[range]]:
-        """``[rank][chunk]`` -> the global layer indices of that model chunk."""
-        counts = self.rank_layer_counts(num_layers, pp)
-        sizes = [n // self.vpp for n in counts]  # layers per chunk on each rank
-        out: list[list[range]] = [[] for _ in range(pp)]
-        start = 0
-        for c in range(self.vpp):  # virtual stage v = c * pp + r, in increasing v
-            for r in range(pp):
-                out[r].append(range(start, start + sizes[r]))
-                start += sizes[r]
-        return out
 
 
 @dataclass(frozen=True)

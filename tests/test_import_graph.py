@@ -1,0 +1,112 @@
+"""The import graph of the moeplug package is a tree over a ground floor: config imports nothing
+of moeplug, and no module imports itself back through others (no import circle).
+
+Built from the source with ``ast`` (every import statement, inside functions and TYPE_CHECKING
+blocks too: a circle that only works because an import is deferred is still a circle).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "moeplug"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(name: str, modules: set[str]) -> str | None:
+    # "moeplug.parallel.comm" may name a module or (for "from pkg import name") an attribute.
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the moeplug modules it imports (a package import also runs its __init__)."""
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    anchor = anchor[:len(anchor) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for t in targets:
+                hit = _resolve(t, set(files))
+                # A module's parent packages are imported before it anyway (not an edge).
+                if hit and hit != mod and not mod.startswith(hit + "."):
+                    edges.add(hit)
+        graph[mod] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_find_cycles_sees_a_circle():
+    # The detector itself: a three-module circle and a self-contained tree.
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_config_is_the_ground_floor():
+    graph = import_graph()
+    assert graph["moeplug.config"] == set(), (
+        f"moeplug/config.py imports {sorted(graph['moeplug.config'])}: the config must import "
+        "nothing of moeplug, so every module can import it")
+
+
+def test_hookspecs_and_plugin_host_do_not_import_each_other():
+    graph = import_graph()
+    assert "moeplug.plugin_host" not in graph["moeplug.hookspecs"]
+
+
+# The issue's circle ran config -> parallel -> modules -> interfaces -> config (19 files) and
+# hookspecs <-> plugin_host: none of these may sit on any circle.
+CORE = ("moeplug.config", "moeplug.hookspecs", "moeplug.plugin_host", "moeplug.interfaces")
+
+
+def test_no_import_circle_through_the_core():
+    cycles = [c for c in find_cycles(import_graph()) if set(c) & set(CORE)]
+    assert cycles == [], "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
