@@ -200,8 +200,9 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, meta: dict) -> str:
-    """Write ``out_dir/step_XXXXXX`` atomically, then point ``latest`` at it. Returns its path.
+                    optimizer: torch.optim.Optimizer, meta: dict, keep_last: int = 0) -> str:
+    """Write ``out_dir/step_XXXXXX`` atomically, then point ``latest`` at it and keep only the
+    newest ``keep_last`` checkpoints (0: all; :func:`prune_checkpoints`). Returns its path.
 
     ``meta`` holds the JSON-side state (config dict, plugin names, metrics state...); step, RNG
     states and optimizer param groups are added here.
@@ -221,9 +222,11 @@ def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
     full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(),
                      optimizer={"param_groups": param_groups},
                      files=_file_records(tmp, (MODEL_FILE, OPTIM_FILE)))
+    _test_pause_in_save()
     _write_json(os.path.join(tmp, META_FILE), full_meta)  # last: its presence marks completeness
     _fsync_path(tmp)
     _publish(out_dir, name, tmp, final)
+    prune_checkpoints(out_dir, keep_last)
     return final
 
 
@@ -237,10 +240,10 @@ def _rank_files(rank: int) -> tuple[str, str, str]:
 
 
 def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, optimizer: Any,
-                            meta: dict, groups: Any, layout: dict) -> str:
+                            meta: dict, groups: Any, layout: dict, keep_last: int = 0) -> str:
     """Every rank writes its shard into one temporary directory; rank 0 then writes meta.json
-    (with ``parallel = layout``), renames the directory and updates ``latest`` exactly as
-    :func:`save_checkpoint` does. Collective over all ranks; returns the final path."""
+    (with ``parallel = layout``), renames the directory, updates ``latest`` and prunes exactly
+    as :func:`save_checkpoint` does. Collective over all ranks; returns the final path."""
     import torch.distributed as dist
 
     rank = groups.rank
@@ -268,9 +271,11 @@ def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, opt
         files = {name: rec for per_rank in records for name, rec in per_rank.items()}
         full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(), parallel=layout,
                          files=files)
+        _test_pause_in_save()
         _write_json(os.path.join(tmp, META_FILE), full_meta)
         _fsync_path(tmp)
         _publish(out_dir, name, tmp, final)
+        prune_checkpoints(out_dir, keep_last)
     dist.barrier()  # nobody starts the next step (or a resume) before the rename
     return final
 
@@ -333,6 +338,34 @@ def _publish(out_dir: str, name: str, tmp: str, final: str) -> None:
         os.fsync(f.fileno())
     os.replace(latest_tmp, os.path.join(out_dir, LATEST))
     _fsync_path(out_dir)
+
+
+def prune_checkpoints(out_dir: str, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` ``step_*`` checkpoints of ``out_dir`` (0: keep
+    all), and the temporary directories of saves that a crash interrupted. Called only after
+    ``latest`` moved, so the checkpoint it names is never among the deleted."""
+    own = f"-{os.getpid()}"
+    for d in os.listdir(out_dir):
+        # another process's .tmp-step_*: a save killed midway (the CLI refuses two live runs
+        # in one out_dir), never read, only taking space
+        if d.startswith(".tmp-step_") and not d.endswith(own):
+            shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+    if keep_last <= 0:
+        return
+    newest = _read_latest(os.path.join(out_dir, LATEST))
+    steps = sorted((d for d in os.listdir(out_dir) if re.fullmatch(r"step_\d+", d)),
+                   key=lambda d: int(d[5:]))
+    for d in steps[:-keep_last]:
+        if d != newest:  # resumed from an earlier step: the one just saved is not the highest
+            shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+
+
+def _test_pause_in_save() -> None:
+    # Tests only: widen the window in which a SIGKILL lands mid-save (tests/test_resume_kill.py)
+    pause = os.environ.get("MOEPLUG_TEST_SAVE_PAUSE")
+    if pause:
+        import time
+        time.sleep(float(pause))
 
 
 def _is_checkpoint(path: str) -> bool:
