@@ -411,7 +411,8 @@ def test_resume_under_another_layout_is_refused_once_before_launching(run4, tmp_
     run = _copy_run(run4, tmp_path)
     proc = _resume(run_cli, run4, run, "--nproc", "2", "--set", "parallel.ep=2")
     _assert_exit_2(proc, "was written with parallel layout single-process", "'ep': 2",
-                   "resume with the same parallel settings")
+                   "only layouts that keep the model whole", "resume with the same parallel "
+                   "settings")
 
 
 @pytest.mark.parametrize("steps", ["3", "4"])

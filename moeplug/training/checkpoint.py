@@ -13,7 +13,9 @@ Layout of one run directory::
 A multi-process run (:func:`save_sharded_checkpoint`) writes per-rank shards instead of the two
 safetensors files: ``model_rank{r}.safetensors``, ``optimizer_rank{r}.safetensors`` and
 ``optimizer_rank{r}.json`` (that rank's param groups), plus ``meta.json`` whose ``parallel``
-entry is the layout manifest. Resume needs exactly the same layout (checked, clear error).
+entry is the layout manifest. Resume needs the same layout (checked, clear error), except
+between layouts that keep the model whole (one process, data parallelism with or without the
+distributed optimizer): those reshard (moeplug.training.reshard).
 
 Atomicity: a checkpoint is written into ``.tmp-step_XXXXXX-<pid>`` next to its final place,
 every file and the directory are fsynced, and only then is it renamed to ``step_XXXXXX``
@@ -286,6 +288,8 @@ def load_sharded_checkpoint(path: str, model: torch.nn.Module, optimizer: Any, g
     the same ``layout``; return its meta. Raises CheckpointError on any other layout."""
     meta = read_meta(path)
     _check_layout(path, meta, layout)
+    if meta.get("parallel") != layout:
+        return _load_resharded(path, meta, model, optimizer)
     _note_if_unverified(path, meta)
     model_file, optim_file, groups_file = _rank_files(groups.rank)
     _load_model_state(path, model, _load_safetensors(path, meta, model_file))
@@ -304,18 +308,22 @@ def load_sharded_checkpoint(path: str, model: torch.nn.Module, optimizer: Any, g
 
 def _check_layout(path: str, meta: dict, layout: dict | None) -> None:
     """Refuse a checkpoint written under another parallel layout (None: one process)."""
+    from moeplug.training.reshard import model_is_whole
     saved = meta.get("parallel")
-    if (saved or None) == layout:
-        return
+    if (saved or None) == layout or (model_is_whole(saved) and model_is_whole(layout)):
+        return  # the same layout, or one that reshards (moeplug.training.reshard)
     if layout is None:
         raise CheckpointError(
-            f"checkpoint {path!r} holds per-rank shards of a parallel run (layout {saved}); "
-            f"this is a single-process run. Fix: resume with the same parallel settings and "
-            f"number of processes (--nproc / torchrun), or start fresh (train.resume='')")
+            f"checkpoint {path!r} holds per-rank shards of a parallel run that splits the model "
+            f"(layout {saved}); this is a single-process run, and only layouts that keep the "
+            f"model whole (data parallelism) reshard. Fix: resume with the same parallel "
+            f"settings and number of processes (--nproc / torchrun), or start fresh "
+            f"(train.resume='')")
     diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v} if saved else None
     raise CheckpointError(
         f"checkpoint {path!r} was written with parallel layout {saved or 'single-process'} "
-        f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}). "
+        f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}); "
+        f"only layouts that keep the model whole (tp = cp = pp = ep = etp = 1) reshard. "
         f"Fix: resume with the same parallel settings and number of processes, or start a "
         f"fresh run (train.resume='')")
 
@@ -665,12 +673,42 @@ def load_checkpoint(path: str, model: torch.nn.Module,
     Every file is checked against its checksum in meta.json before it is read."""
     meta = read_meta(path)
     _check_layout(path, meta, None)
+    if meta.get("parallel"):
+        return _load_resharded(path, meta, model, optimizer, restore_rng)
     _note_if_unverified(path, meta)
     _load_model_state(path, model, _load_safetensors(path, meta, MODEL_FILE))
     if optimizer is not None:
         saved_groups = (meta.get("optimizer") or {}).get("param_groups")
         _load_optimizer_state(path, optimizer, _load_safetensors(path, meta, OPTIM_FILE),
                               saved_groups, os.path.join(path, META_FILE), "optimizer.")
+    if restore_rng:
+        set_rng_state(meta["rng"], os.path.join(path, META_FILE))
+    return meta
+
+
+def _load_resharded(path: str, meta: dict, model: torch.nn.Module, optimizer: Any,
+                    restore_rng: bool = True) -> dict:
+    """Load a checkpoint written under another layout that also keeps the model whole
+    (moeplug.training.reshard); return its meta."""
+    from moeplug.training import reshard
+    _note_if_unverified(path, meta)
+    _load_model_state(path, model, _load_safetensors(path, meta, whole_model_file(path, meta)))
+    if optimizer is not None:
+        layout = meta.get("parallel")
+        world = layout.get("world_size") if layout else 1
+        if not _is_int(world) or world < 1:
+            raise _meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
+                              "must be an integer >= 1")
+        files = [_rank_files(r)[1] for r in range(world)] if layout else [OPTIM_FILE]
+        try:
+            state = reshard.global_optimizer_state(
+                layout, model, files, lambda name: _load_safetensors(path, meta, name))
+            reshard.load_global_optimizer_state(optimizer, model, state)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"checkpoint {path!r}: its optimizer state does not fit this model under the "
+                f"new layout (missing or misshapen: {e}). Fix: resume with the model and "
+                f"optimizer config it was trained with") from None
     if restore_rng:
         set_rng_state(meta["rng"], os.path.join(path, META_FILE))
     return meta
