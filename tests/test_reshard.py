@@ -58,3 +58,22 @@ def test_dp2_distributed_optimizer_reshards_to_one_process_and_back(run_cli, tin
     _close(_train(run_cli, cfg, dp2, 8, *DP2, "--resume", os.path.join(one, "step_000006")),
            reference, range(7, 9))
 
+
+
+def test_ep2_reshards_to_one_process_and_back_to_ep2_with_the_distributed_optimizer(
+        run_cli, tiny_config_file, tmp_path):
+    # EP2 on 2 ranks is also DP2 of the dense grid: the same global batch as grad_accum 2.
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    ep2 = str(tmp_path / "ep2")
+    reference = _train(run_cli, cfg, ep2, 8, *DP2, "--set", "parallel.ep=2")
+
+    # EP2 -> one process: experts 0-1 from rank 0's files, 2-3 from rank 1's (weights, moments)
+    one = str(tmp_path / "one")
+    _close(_train(run_cli, cfg, one, 8, *ONE_PROCESS_OF_DP2,
+                  "--resume", os.path.join(ep2, "step_000003")), reference, range(4, 9))
+
+    # one process -> EP2 with ZeRO-1: each rank cuts its experts, then its bucket slices
+    back = str(tmp_path / "ep2_zero1")
+    _close(_train(run_cli, cfg, back, 8, *DP2, "--set", "parallel.ep=2",
+                  "--set", "parallel.distributed_optimizer=true",
+                  "--resume", os.path.join(one, "step_000006")), reference, range(7, 9))

@@ -14,8 +14,8 @@ A multi-process run (:func:`save_sharded_checkpoint`) writes per-rank shards ins
 safetensors files: ``model_rank{r}.safetensors``, ``optimizer_rank{r}.safetensors`` and
 ``optimizer_rank{r}.json`` (that rank's param groups), plus ``meta.json`` whose ``parallel``
 entry is the layout manifest. Resume needs the same layout (checked, clear error), except
-between layouts that keep the model whole (one process, data parallelism with or without the
-distributed optimizer): those reshard (moeplug.training.reshard).
+between layouts with tp = cp = pp = etp = 1 (one process, data and expert parallelism):
+those reshard (moeplug.training.reshard).
 
 Atomicity: a checkpoint is written into ``.tmp-step_XXXXXX-<pid>`` next to its final place,
 every file and the directory are fsynced, and only then is it renamed to ``step_XXXXXX``
@@ -289,7 +289,7 @@ def load_sharded_checkpoint(path: str, model: torch.nn.Module, optimizer: Any, g
     meta = read_meta(path)
     _check_layout(path, meta, layout)
     if meta.get("parallel") != layout:
-        return _load_resharded(path, meta, model, optimizer)
+        return _load_resharded(path, meta, model, optimizer, groups=groups)
     _note_if_unverified(path, meta)
     model_file, optim_file, groups_file = _rank_files(groups.rank)
     _load_model_state(path, model, _load_safetensors(path, meta, model_file))
@@ -308,22 +308,23 @@ def load_sharded_checkpoint(path: str, model: torch.nn.Module, optimizer: Any, g
 
 def _check_layout(path: str, meta: dict, layout: dict | None) -> None:
     """Refuse a checkpoint written under another parallel layout (None: one process)."""
-    from moeplug.training.reshard import model_is_whole
+    from moeplug.training.reshard import can_reshard
     saved = meta.get("parallel")
-    if (saved or None) == layout or (model_is_whole(saved) and model_is_whole(layout)):
+    if (saved or None) == layout or can_reshard(saved, layout):
         return  # the same layout, or one that reshards (moeplug.training.reshard)
     if layout is None:
         raise CheckpointError(
             f"checkpoint {path!r} holds per-rank shards of a parallel run that splits the model "
-            f"(layout {saved}); this is a single-process run, and only layouts that keep the "
-            f"model whole (data parallelism) reshard. Fix: resume with the same parallel "
-            f"settings and number of processes (--nproc / torchrun), or start fresh "
+            f"(layout {saved}); this is a single-process run, and only layouts with tp = cp "
+            f"= pp = etp = 1 reshard (data and expert parallelism). Fix: resume with the same "
+            f"parallel settings and number of processes (--nproc / torchrun), or start fresh "
             f"(train.resume='')")
     diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v} if saved else None
     raise CheckpointError(
         f"checkpoint {path!r} was written with parallel layout {saved or 'single-process'} "
         f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}); "
-        f"only layouts that keep the model whole (tp = cp = pp = ep = etp = 1) reshard. "
+        f"only layouts with tp = cp = pp = etp = 1 reshard (data and expert parallelism; a "
+        f"saved EP layout only without the distributed optimizer). "
         f"Fix: resume with the same parallel settings and number of processes, or start a "
         f"fresh run (train.resume='')")
 
@@ -687,23 +688,32 @@ def load_checkpoint(path: str, model: torch.nn.Module,
 
 
 def _load_resharded(path: str, meta: dict, model: torch.nn.Module, optimizer: Any,
-                    restore_rng: bool = True) -> dict:
-    """Load a checkpoint written under another layout that also keeps the model whole
-    (moeplug.training.reshard); return its meta."""
+                    restore_rng: bool = True, groups: Any = None) -> dict:
+    """Load a checkpoint written under another layout that reshards into this rank's
+    (``groups``; None: one process) — see moeplug.training.reshard; return its meta."""
     from moeplug.training import reshard
     _note_if_unverified(path, meta)
-    _load_model_state(path, model, _load_safetensors(path, meta, whole_model_file(path, meta)))
+    layout = meta.get("parallel")
+    world = layout.get("world_size") if layout else 1
+    if not _is_int(world) or world < 1:
+        raise _meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
+                          "must be an integer >= 1")
+    ranks = range(world) if layout else ()
+    load = lambda name: _load_safetensors(path, meta, name)  # noqa: E731
+    try:
+        full = reshard.global_model_state(
+            layout, model, [_rank_files(r)[0] for r in ranks] or [MODEL_FILE], load)
+        local = reshard.local_model_state(model, full, groups)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"checkpoint {path!r}: its model does not fit this model under the new layout "
+            f"({e}). Fix: resume with the model config it was trained with") from None
+    _load_model_state(path, model, local)
     if optimizer is not None:
-        layout = meta.get("parallel")
-        world = layout.get("world_size") if layout else 1
-        if not _is_int(world) or world < 1:
-            raise _meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
-                              "must be an integer >= 1")
-        files = [_rank_files(r)[1] for r in range(world)] if layout else [OPTIM_FILE]
+        files = [_rank_files(r)[1] for r in ranks] or [OPTIM_FILE]
         try:
-            state = reshard.global_optimizer_state(
-                layout, model, files, lambda name: _load_safetensors(path, meta, name))
-            reshard.load_global_optimizer_state(optimizer, model, state)
+            state = reshard.global_optimizer_state(layout, model, files, load)
+            reshard.load_global_optimizer_state(optimizer, model, state, groups)
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(
                 f"checkpoint {path!r}: its optimizer state does not fit this model under the "

@@ -1,8 +1,9 @@
-"""Resuming a checkpoint under another parallel layout (resharding), where both keep the model
-whole: one process, or pure data parallelism (tp = cp = pp = ep = etp = 1), with or without the
-distributed optimizer, any number of replicas.
+"""Resuming a checkpoint under another parallel layout (resharding): one process, data
+parallelism with or without the distributed optimizer, and expert parallelism (EP4 -> EP2 ->
+one process...), in any combination; tp = cp = pp = etp = 1 on both sides.
 
-Every rank of such a run saved the whole model, so rank 0's model file is taken. The optimizer
+The checkpoint is first turned into the one-process state: rank 0's model file, each expert
+parameter concatenated over the EP ranks' files (experts by global index). The optimizer
 state is turned into a layout-free form first — AdamW's ``step``, ``exp_avg`` and
 ``exp_avg_sq`` per parameter *name*, at the parameter's full shape — and then cut for the new
 layout:
@@ -13,7 +14,10 @@ layout:
   ``r`` (every rank is in the one replica group here, in rank order): the slices of all ranks
   concatenated are the flat moments, which split back into the parameters in bucket order.
 
-Layouts that split the model (TP, PP, EP, ETP, CP) are still refused under another layout.
+Then each rank cuts its shard with the rules the model was built with
+(moeplug.parallel.tensor_parallel.shard_state_dict). A saved EP layout with the distributed
+optimizer, and layouts that split the model otherwise (TP, CP, PP, ETP), still load only
+under the same layout.
 """
 
 from __future__ import annotations
@@ -25,17 +29,51 @@ from torch import nn
 
 from moeplug.training.optim import param_groups
 
-SPLITTING = ("tp", "cp", "pp", "ep", "etp")
+SPLITTING = ("tp", "cp", "pp", "etp")  # split the model in ways not reassembled here
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def model_is_whole(layout: dict | None) -> bool:
-    """True when every rank of ``layout`` (None: one process) holds the whole model."""
-    return all((layout or {}).get(k, 1) == 1 for k in SPLITTING)
+def can_reshard(saved: dict | None, now: dict | None) -> bool:
+    """True when a checkpoint written under layout ``saved`` loads under ``now`` (None: one
+    process): neither splits the model except by experts (EP), and a saved EP layout used the
+    plain optimizer (its ZeRO-1 buckets hold local experts, not reassembled here)."""
+    def ok(layout: dict | None) -> bool:
+        return all((layout or {}).get(k, 1) == 1 for k in SPLITTING)
+    saved_ep_zero = (saved or {}).get("ep", 1) > 1 and (saved or {}).get("distributed_optimizer")
+    return ok(saved) and ok(now) and not saved_ep_zero
+
+
+def _ep_ranks(layout: dict) -> list[int]:
+    """Global ranks holding EP ranks 0..ep-1 (the EP group of rank 0, in EP order)."""
+    from moeplug.parallel.layout import ParallelConfig, layout_rank_groups
+    pc = ParallelConfig(tp=layout["tp"], cp=layout["cp"], dp=layout["dp"], pp=layout["pp"],
+                        ep=layout["ep"], etp=layout["etp"], order=layout["order"])
+    return layout_rank_groups(pc.resolve(layout["world_size"]))["ep"][0]
 
 
 def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
+
+
+def _with_all_experts(layout: dict | None, model: nn.Module, files: list[str],
+                      load: Callable[[str], dict], key: Callable[[str], list[str]]) -> dict:
+    """Rank 0's tensors, with each expert tensor (keys ``key(name)`` of expert parameter
+    ``name``) concatenated along dim 0 over the EP ranks' files: all experts by global index."""
+    from moeplug.parallel.experts import expert_param_names
+    out = dict(load(files[0]))
+    if layout and layout.get("ep", 1) > 1:
+        per_ep = [load(files[r]) for r in _ep_ranks(layout)]
+        for name in expert_param_names(model):
+            for k in key(name):
+                out[k] = torch.cat([t[k] for t in per_ep])
+    return out
+
+
+def global_model_state(layout: dict | None, model: nn.Module, files: list[str],
+                       load: Callable[[str], dict]) -> dict[str, torch.Tensor]:
+    """The one-process state dict (all experts) of a checkpoint written under ``layout``
+    (``files[r]``: rank r's model file; ``load`` reads a verified file)."""
+    return _with_all_experts(layout, model, files, load, lambda name: [name])
 
 
 def global_optimizer_state(layout: dict | None, model: nn.Module, optim_files: list[str],
@@ -57,22 +95,40 @@ def global_optimizer_state(layout: dict | None, model: nn.Module, optim_files: l
                     k: flat[k][offset:offset + p.numel()].view_as(p) for k in MOMENTS}}
                 offset += p.numel()
         return out
-    tensors = load(optim_files[0])  # plain AdamW: every replica holds the same whole state
+    # plain AdamW: state keyed by the index in param_groups order, the same on every rank;
+    # replicas hold the same state, EP ranks their own experts'
     params = [p for g in param_groups(model, 0.0) for p in g["params"]]
-    for i, p in enumerate(params):
-        out[names[id(p)]] = {k: tensors[f"state.{i}.{k}"] for k in ("step", *MOMENTS)}
+    index = {names[id(p)]: i for i, p in enumerate(params)}
+    tensors = _with_all_experts(layout, model, optim_files, load,
+                                lambda name: [f"state.{index[name]}.{k}" for k in MOMENTS])
+    for name, i in index.items():
+        out[name] = {k: tensors[f"state.{i}.{k}"] for k in ("step", *MOMENTS)}
     return out
 
 
+def local_model_state(model: nn.Module, full: dict[str, torch.Tensor],
+                      groups: Any) -> dict[str, torch.Tensor]:
+    """``full`` (:func:`global_model_state`) with each parameter cut to this rank's shard."""
+    from moeplug.parallel.tensor_parallel import shard_state_dict
+    return full if groups is None else {**full, **shard_state_dict(model, full, groups)}
+
+
 def load_global_optimizer_state(optimizer: Any, model: nn.Module,
-                                state: dict[str, dict[str, torch.Tensor]]) -> None:
+                                state: dict[str, dict[str, torch.Tensor]], groups: Any) -> None:
     """Cut ``state`` (:func:`global_optimizer_state`) for this rank's ``optimizer`` — a torch
-    AdamW or a DistributedAdamW over ``model`` — and load it. Load the model first: the
-    distributed optimizer re-reads its fp32 master slices from the parameters."""
+    AdamW or a DistributedAdamW over ``model`` built with ``groups`` (None: one process) — and
+    load it. Load the model first: the distributed optimizer re-reads its fp32 master slices
+    from the parameters."""
     from moeplug.parallel.comm import group_rank, group_size
     from moeplug.training.dist_optim import DistributedAdamW, _flat
 
     names = _names(model)
+    if groups is not None:  # this rank's experts (and any other shard) of every moment
+        from moeplug.parallel.tensor_parallel import shard_state_dict
+        cut = {k: shard_state_dict(model, {n: v[k] for n, v in state.items()}, groups)
+               for k in MOMENTS}
+        state = {n: {"step": v["step"], **{k: cut[k][n] for k in MOMENTS}}
+                 for n, v in state.items()}
     if isinstance(optimizer, DistributedAdamW):
         per_bucket = {}
         for b, bucket in enumerate(optimizer.buckets):
@@ -80,8 +136,8 @@ def load_global_optimizer_state(optimizer: Any, model: nn.Module,
             mine = {k: _flat([state[names[id(p)]][k].float() for p in bucket.params],
                              n * W)[r * n:(r + 1) * n].clone() for k in MOMENTS}
             per_bucket[b] = {"step": state[names[id(bucket.params[0])]]["step"].clone(), **mine}
-        groups = optimizer.inner.state_dict()["param_groups"]
-        optimizer.load_state_dict({"state": per_bucket, "param_groups": groups})
+        inner_groups = optimizer.inner.state_dict()["param_groups"]
+        optimizer.load_state_dict({"state": per_bucket, "param_groups": inner_groups})
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     per_param = {i: {k: v.clone() for k, v in state[names[id(p)]].items()}
