@@ -77,3 +77,18 @@ def test_ep2_reshards_to_one_process_and_back_to_ep2_with_the_distributed_optimi
     _close(_train(run_cli, cfg, back, 8, *DP2, "--set", "parallel.ep=2",
                   "--set", "parallel.distributed_optimizer=true",
                   "--resume", os.path.join(one, "step_000006")), reference, range(7, 9))
+
+
+def test_grouped_and_sequential_experts_resume_each_others_checkpoints(run_cli,
+                                                                      tiny_config_file, tmp_path):
+    # Both backends hold the same parameters (gate_up_proj [L, 2F, D], down_proj [L, D, F]):
+    # the experts plugin may change on resume; only the kernels' summation order differs.
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    grouped = str(tmp_path / "grouped")
+    reference = _train(run_cli, cfg, grouped, 8, "--set", "plugins.experts=grouped")
+    sequential = str(tmp_path / "sequential")
+    _close(_train(run_cli, cfg, sequential, 8, "--set", "plugins.experts=sequential",
+                  "--resume", os.path.join(grouped, "step_000003")), reference, range(4, 9))
+    back = str(tmp_path / "back")
+    _close(_train(run_cli, cfg, back, 8, "--set", "plugins.experts=grouped",
+                  "--resume", os.path.join(sequential, "step_000006")), reference, range(7, 9))
