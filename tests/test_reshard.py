@@ -92,3 +92,18 @@ def test_grouped_and_sequential_experts_resume_each_others_checkpoints(run_cli,
     back = str(tmp_path / "back")
     _close(_train(run_cli, cfg, back, 8, "--set", "plugins.experts=grouped",
                   "--resume", os.path.join(sequential, "step_000006")), reference, range(7, 9))
+
+
+def test_tp2_reshards_to_one_process_and_back(run_cli, tiny_config_file, tmp_path):
+    # TP2 on 2 ranks: DP 1, so the one-process run takes the same batch with no accumulation.
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    tp2 = str(tmp_path / "tp2")
+    reference = _train(run_cli, cfg, tp2, 8, *DP2, "--set", "parallel.tp=2")
+    # TP2 -> one process: column/row/vocab shards joined along the dims meta.json records
+    one = str(tmp_path / "one")
+    _close(_train(run_cli, cfg, one, 8, "--resume", os.path.join(tp2, "step_000003")),
+           reference, range(4, 9))
+    # one process -> TP2: each rank cuts its chunks of weights and moments
+    back = str(tmp_path / "tp2_again")
+    _close(_train(run_cli, cfg, back, 8, *DP2, "--set", "parallel.tp=2",
+                  "--resume", os.path.join(one, "step_000006")), reference, range(7, 9))

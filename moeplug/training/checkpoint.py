@@ -14,7 +14,7 @@ A multi-process run (:func:`save_sharded_checkpoint`) writes per-rank shards ins
 safetensors files: ``model_rank{r}.safetensors``, ``optimizer_rank{r}.safetensors`` and
 ``optimizer_rank{r}.json`` (that rank's param groups), plus ``meta.json`` whose ``parallel``
 entry is the layout manifest. Resume needs the same layout (checked, clear error), except
-between layouts with tp = cp = pp = etp = 1 (one process, data and expert parallelism):
+between layouts with cp = pp = etp = 1 (one process, data, expert and tensor parallelism):
 those reshard (moeplug.training.reshard).
 
 Atomicity: a checkpoint is written into ``.tmp-step_XXXXXX-<pid>`` next to its final place,
@@ -271,8 +271,9 @@ def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, opt
     dist.all_gather_object(records, _file_records(tmp, _rank_files(rank)))
     if rank == 0:
         files = {name: rec for per_rank in records for name, rec in per_rank.items()}
+        from moeplug.training.reshard import TP_DIMS, tp_dims_of
         full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(), parallel=layout,
-                         files=files)
+                         files=files, **{TP_DIMS: tp_dims_of(model)})
         _test_pause_in_save()
         _write_json(os.path.join(tmp, META_FILE), full_meta)
         _fsync_path(tmp)
@@ -310,21 +311,21 @@ def _check_layout(path: str, meta: dict, layout: dict | None) -> None:
     """Refuse a checkpoint written under another parallel layout (None: one process)."""
     from moeplug.training.reshard import can_reshard
     saved = meta.get("parallel")
-    if (saved or None) == layout or can_reshard(saved, layout):
+    if (saved or None) == layout or can_reshard(saved, layout, meta.get("tp_dims")):
         return  # the same layout, or one that reshards (moeplug.training.reshard)
     if layout is None:
         raise CheckpointError(
             f"checkpoint {path!r} holds per-rank shards of a parallel run that splits the model "
-            f"(layout {saved}); this is a single-process run, and only layouts with tp = cp "
-            f"= pp = etp = 1 reshard (data and expert parallelism). Fix: resume with the same "
-            f"parallel settings and number of processes (--nproc / torchrun), or start fresh "
+            f"(layout {saved}); this is a single-process run, and only layouts with cp = pp "
+            f"= etp = 1 reshard (data, expert and tensor parallelism). Fix: resume with the "
+            f"same parallel settings and number of processes (--nproc / torchrun), or start fresh "
             f"(train.resume='')")
     diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v} if saved else None
     raise CheckpointError(
         f"checkpoint {path!r} was written with parallel layout {saved or 'single-process'} "
         f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}); "
-        f"only layouts with tp = cp = pp = etp = 1 reshard (data and expert parallelism; a "
-        f"saved EP layout only without the distributed optimizer). "
+        f"only layouts with cp = pp = etp = 1 reshard (data, expert and tensor parallelism; a "
+        f"saved EP or TP layout only without the distributed optimizer). "
         f"Fix: resume with the same parallel settings and number of processes, or start a "
         f"fresh run (train.resume='')")
 
@@ -503,7 +504,7 @@ def _is_number(v: Any) -> bool:
 
 # Optional meta.json entries and what each must be when present (None counts as absent).
 _OPTIONAL_OBJECTS = ("metrics", "optimizer", "parallel", "config", "plugins", "scheduler", "hf",
-                     FILES)
+                     FILES, "tp_dims")
 
 
 def read_meta(path: str) -> dict:
@@ -699,10 +700,11 @@ def _load_resharded(path: str, meta: dict, model: torch.nn.Module, optimizer: An
         raise _meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
                           "must be an integer >= 1")
     ranks = range(world) if layout else ()
+    tp_dims = meta.get("tp_dims")
     load = lambda name: _load_safetensors(path, meta, name)  # noqa: E731
     try:
         full = reshard.global_model_state(
-            layout, model, [_rank_files(r)[0] for r in ranks] or [MODEL_FILE], load)
+            layout, model, [_rank_files(r)[0] for r in ranks] or [MODEL_FILE], load, tp_dims)
         local = reshard.local_model_state(model, full, groups)
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(
@@ -712,7 +714,7 @@ def _load_resharded(path: str, meta: dict, model: torch.nn.Module, optimizer: An
     if optimizer is not None:
         files = [_rank_files(r)[1] for r in ranks] or [OPTIM_FILE]
         try:
-            state = reshard.global_optimizer_state(layout, model, files, load)
+            state = reshard.global_optimizer_state(layout, model, files, load, tp_dims)
             reshard.load_global_optimizer_state(optimizer, model, state, groups)
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(

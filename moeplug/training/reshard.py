@@ -1,9 +1,10 @@
 """Resuming a checkpoint under another parallel layout (resharding): one process, data
-parallelism with or without the distributed optimizer, and expert parallelism (EP4 -> EP2 ->
-one process...), in any combination; tp = cp = pp = etp = 1 on both sides.
+parallelism with or without the distributed optimizer, expert and tensor parallelism
+(TP2 x EP2 -> EP2 -> one process...), in any combination; cp = pp = etp = 1 on both sides.
 
 The checkpoint is first turned into the one-process state: rank 0's model file, each expert
-parameter concatenated over the EP ranks' files (experts by global index). The optimizer
+parameter concatenated over the EP ranks' files (experts by global index), each TP-split one
+over the TP ranks' files along the dim meta.json's ``tp_dims`` records. The optimizer
 state is turned into a layout-free form first — AdamW's ``step``, ``exp_avg`` and
 ``exp_avg_sq`` per parameter *name*, at the parameter's full shape — and then cut for the new
 layout:
@@ -15,9 +16,8 @@ layout:
   concatenated are the flat moments, which split back into the parameters in bucket order.
 
 Then each rank cuts its shard with the rules the model was built with
-(moeplug.parallel.tensor_parallel.shard_state_dict). A saved EP layout with the distributed
-optimizer, and layouts that split the model otherwise (TP, CP, PP, ETP), still load only
-under the same layout.
+(moeplug.parallel.tensor_parallel.shard_state_dict). A saved TP or EP layout with the
+distributed optimizer, and CP, PP or ETP layouts, still load only under the same layout.
 """
 
 from __future__ import annotations
@@ -29,55 +29,71 @@ from torch import nn
 
 from moeplug.training.optim import param_groups
 
-SPLITTING = ("tp", "cp", "pp", "etp")  # split the model in ways not reassembled here
+SPLITTING = ("cp", "pp", "etp")  # degrees not resharded here
 MOMENTS = ("exp_avg", "exp_avg_sq")
+TP_DIMS = "tp_dims"  # meta.json: {parameter name: the dim TP split it along} of a TP run
 
 
-def can_reshard(saved: dict | None, now: dict | None) -> bool:
-    """True when a checkpoint written under layout ``saved`` loads under ``now`` (None: one
-    process): neither splits the model except by experts (EP), and a saved EP layout used the
-    plain optimizer (its ZeRO-1 buckets hold local experts, not reassembled here)."""
+def can_reshard(saved: dict | None, now: dict | None, tp_dims: dict | None = None) -> bool:
+    """True when a checkpoint written under layout ``saved`` (with meta.json's ``tp_dims``)
+    loads under ``now`` (None: one process): neither uses CP, PP or ETP; a saved TP layout
+    recorded its split dims; a saved TP or EP layout used the plain optimizer (its ZeRO-1
+    buckets hold local shards, not reassembled here)."""
     def ok(layout: dict | None) -> bool:
         return all((layout or {}).get(k, 1) == 1 for k in SPLITTING)
-    saved_ep_zero = (saved or {}).get("ep", 1) > 1 and (saved or {}).get("distributed_optimizer")
-    return ok(saved) and ok(now) and not saved_ep_zero
+    saved = saved or {}
+    split = saved.get("ep", 1) > 1 or saved.get("tp", 1) > 1
+    return (ok(saved) and ok(now) and not (split and saved.get("distributed_optimizer"))
+            and (saved.get("tp", 1) == 1 or isinstance(tp_dims, dict)))
 
 
-def _ep_ranks(layout: dict) -> list[int]:
-    """Global ranks holding EP ranks 0..ep-1 (the EP group of rank 0, in EP order)."""
+def _group_of_rank0(layout: dict, kind: str) -> list[int]:
+    """Global ranks of rank 0's ``kind`` group ("ep", "tp") under ``layout``, in group order."""
     from moeplug.parallel.layout import ParallelConfig, layout_rank_groups
     pc = ParallelConfig(tp=layout["tp"], cp=layout["cp"], dp=layout["dp"], pp=layout["pp"],
                         ep=layout["ep"], etp=layout["etp"], order=layout["order"])
-    return layout_rank_groups(pc.resolve(layout["world_size"]))["ep"][0]
+    return layout_rank_groups(pc.resolve(layout["world_size"]))[kind][0]
 
 
 def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _with_all_experts(layout: dict | None, model: nn.Module, files: list[str],
-                      load: Callable[[str], dict], key: Callable[[str], list[str]]) -> dict:
+def _unsplit(layout: dict | None, model: nn.Module, files: list[str],
+             load: Callable[[str], dict], key: Callable[[str], list[str]],
+             tp_dims: dict | None) -> dict:
     """Rank 0's tensors, with each expert tensor (keys ``key(name)`` of expert parameter
-    ``name``) concatenated along dim 0 over the EP ranks' files: all experts by global index."""
+    ``name``) concatenated along dim 0 over the EP ranks' files (all experts by global index)
+    and each TP-split one along its ``tp_dims`` dim over the TP ranks' files."""
     from moeplug.parallel.experts import expert_param_names
     out = dict(load(files[0]))
-    if layout and layout.get("ep", 1) > 1:
-        per_ep = [load(files[r]) for r in _ep_ranks(layout)]
-        for name in expert_param_names(model):
-            for k in key(name):
-                out[k] = torch.cat([t[k] for t in per_ep])
+    for kind, names in (("ep", {n: 0 for n in expert_param_names(model)}),
+                        ("tp", tp_dims or {})):
+        if layout and layout.get(kind, 1) > 1:
+            per_rank = [load(files[r]) for r in _group_of_rank0(layout, kind)]
+            for name, dim in names.items():
+                for k in key(name):
+                    out[k] = torch.cat([t[k] for t in per_rank], dim=dim)
     return out
 
 
 def global_model_state(layout: dict | None, model: nn.Module, files: list[str],
-                       load: Callable[[str], dict]) -> dict[str, torch.Tensor]:
+                       load: Callable[[str], dict],
+                       tp_dims: dict | None = None) -> dict[str, torch.Tensor]:
     """The one-process state dict (all experts) of a checkpoint written under ``layout``
     (``files[r]``: rank r's model file; ``load`` reads a verified file)."""
-    return _with_all_experts(layout, model, files, load, lambda name: [name])
+    return _unsplit(layout, model, files, load, lambda name: [name], tp_dims)
+
+
+def tp_dims_of(model: nn.Module) -> dict[str, int]:
+    """{name: partition_dim} of this rank's TP-split parameters (saved as meta ``tp_dims``)."""
+    return {n: p.partition_dim for n, p in model.named_parameters()
+            if hasattr(p, "partition_dim")}
 
 
 def global_optimizer_state(layout: dict | None, model: nn.Module, optim_files: list[str],
-                           load: Callable[[str], dict]) -> dict[str, dict[str, torch.Tensor]]:
+                           load: Callable[[str], dict], tp_dims: dict | None = None
+                           ) -> dict[str, dict[str, torch.Tensor]]:
     """AdamW state per parameter name at full shape, from the optimizer files of a checkpoint
     written under ``layout`` (``optim_files[r]``: rank r's; ``load`` reads a verified file).
     Raises KeyError naming a missing tensor when the files do not hold this model's state."""
@@ -99,8 +115,8 @@ def global_optimizer_state(layout: dict | None, model: nn.Module, optim_files: l
     # replicas hold the same state, EP ranks their own experts'
     params = [p for g in param_groups(model, 0.0) for p in g["params"]]
     index = {names[id(p)]: i for i, p in enumerate(params)}
-    tensors = _with_all_experts(layout, model, optim_files, load,
-                                lambda name: [f"state.{index[name]}.{k}" for k in MOMENTS])
+    tensors = _unsplit(layout, model, optim_files, load,
+                       lambda name: [f"state.{index[name]}.{k}" for k in MOMENTS], tp_dims)
     for name, i in index.items():
         out[name] = {k: tensors[f"state.{i}.{k}"] for k in ("step", *MOMENTS)}
     return out
