@@ -107,3 +107,14 @@ def test_tp2_reshards_to_one_process_and_back(run_cli, tiny_config_file, tmp_pat
     back = str(tmp_path / "tp2_again")
     _close(_train(run_cli, cfg, back, 8, *DP2, "--set", "parallel.tp=2",
                   "--resume", os.path.join(one, "step_000006")), reference, range(7, 9))
+
+
+def test_tp2_x_ep2_reshards_to_one_process(run_cli, tiny_config_file, tmp_path):
+    # 4 ranks, TP2 x EP2 (DP 2 of the dense grid): TP shards and EP experts joined at once.
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    tp2ep2 = str(tmp_path / "tp2ep2")
+    reference = _train(run_cli, cfg, tp2ep2, 8, "--nproc", "4", "--set", "parallel.tp=2",
+                       "--set", "parallel.ep=2", "--set", "parallel.sequence_parallel=true")
+    one = str(tmp_path / "one")
+    _close(_train(run_cli, cfg, one, 8, *ONE_PROCESS_OF_DP2,
+                  "--resume", os.path.join(tp2ep2, "step_000003")), reference, range(4, 9))

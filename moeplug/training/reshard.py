@@ -51,7 +51,8 @@ def _group_of_rank0(layout: dict, kind: str) -> list[int]:
     """Global ranks of rank 0's ``kind`` group ("ep", "tp") under ``layout``, in group order."""
     from moeplug.parallel.layout import ParallelConfig, layout_rank_groups
     pc = ParallelConfig(tp=layout["tp"], cp=layout["cp"], dp=layout["dp"], pp=layout["pp"],
-                        ep=layout["ep"], etp=layout["etp"], order=layout["order"])
+                        ep=layout["ep"], etp=layout["etp"], order=layout["order"],
+                        sequence_parallel=layout.get("sequence_parallel", False))
     return layout_rank_groups(pc.resolve(layout["world_size"]))[kind][0]
 
 
