@@ -379,6 +379,7 @@ class TrainConfig:
     eval_interval: int = 100
     eval_batches: int = 8
     ckpt_interval: int = 0  # 0: only at the end
+    keep_last: int = 0  # keep the newest N step_* checkpoints of out_dir, delete older; 0: all
     log_interval: int = 10
     out_dir: str = "runs/default"
     resume: str = ""  # path to a checkpoint directory, or "auto" for the latest in out_dir
@@ -405,7 +406,7 @@ class TrainConfig:
         _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
                   "log_interval")
         _non_negative(self, "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip",
-                      "eval_interval", "ckpt_interval", "threads")
+                      "eval_interval", "ckpt_interval", "keep_last", "threads")
         if self.min_lr > self.lr:
             _fail(self, "min_lr", self.min_lr, f"exceeds lr ({self.lr})", "set min_lr <= lr")
         for n in ("beta1", "beta2"):

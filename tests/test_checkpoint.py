@@ -409,9 +409,10 @@ def test_resume_with_another_model_names_each_differing_field(run4, tmp_path, ru
 
 def test_resume_under_another_layout_is_refused_once_before_launching(run4, tmp_path, run_cli):
     run = _copy_run(run4, tmp_path)
-    proc = _resume(run_cli, run4, run, "--nproc", "2", "--set", "parallel.ep=2")
-    _assert_exit_2(proc, "was written with parallel layout single-process", "'ep': 2",
-                   "resume with the same parallel settings")
+    proc = _resume(run_cli, run4, run, "--nproc", "2", "--set", "parallel.pp=2")
+    _assert_exit_2(proc, "was written with parallel layout single-process", "'pp': 2",
+                   "only layouts with cp = pp = etp = 1 reshard", "resume with the same "
+                   "parallel settings")
 
 
 @pytest.mark.parametrize("steps", ["3", "4"])

@@ -13,7 +13,9 @@ Layout of one run directory::
 A multi-process run (:func:`save_sharded_checkpoint`) writes per-rank shards instead of the two
 safetensors files: ``model_rank{r}.safetensors``, ``optimizer_rank{r}.safetensors`` and
 ``optimizer_rank{r}.json`` (that rank's param groups), plus ``meta.json`` whose ``parallel``
-entry is the layout manifest. Resume needs exactly the same layout (checked, clear error).
+entry is the layout manifest. Resume needs the same layout (checked, clear error), except
+between layouts with cp = pp = etp = 1 (one process, data, expert and tensor parallelism):
+those reshard (moeplug.training.reshard).
 
 Atomicity: a checkpoint is written into ``.tmp-step_XXXXXX-<pid>`` next to its final place,
 every file and the directory are fsynced, and only then is it renamed to ``step_XXXXXX``
@@ -200,8 +202,9 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, meta: dict) -> str:
-    """Write ``out_dir/step_XXXXXX`` atomically, then point ``latest`` at it. Returns its path.
+                    optimizer: torch.optim.Optimizer, meta: dict, keep_last: int = 0) -> str:
+    """Write ``out_dir/step_XXXXXX`` atomically, then point ``latest`` at it and keep only the
+    newest ``keep_last`` checkpoints (0: all; :func:`prune_checkpoints`). Returns its path.
 
     ``meta`` holds the JSON-side state (config dict, plugin names, metrics state...); step, RNG
     states and optimizer param groups are added here.
@@ -221,9 +224,11 @@ def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
     full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(),
                      optimizer={"param_groups": param_groups},
                      files=_file_records(tmp, (MODEL_FILE, OPTIM_FILE)))
+    _test_pause_in_save()
     _write_json(os.path.join(tmp, META_FILE), full_meta)  # last: its presence marks completeness
     _fsync_path(tmp)
     _publish(out_dir, name, tmp, final)
+    prune_checkpoints(out_dir, keep_last)
     return final
 
 
@@ -237,10 +242,10 @@ def _rank_files(rank: int) -> tuple[str, str, str]:
 
 
 def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, optimizer: Any,
-                            meta: dict, groups: Any, layout: dict) -> str:
+                            meta: dict, groups: Any, layout: dict, keep_last: int = 0) -> str:
     """Every rank writes its shard into one temporary directory; rank 0 then writes meta.json
-    (with ``parallel = layout``), renames the directory and updates ``latest`` exactly as
-    :func:`save_checkpoint` does. Collective over all ranks; returns the final path."""
+    (with ``parallel = layout``), renames the directory, updates ``latest`` and prunes exactly
+    as :func:`save_checkpoint` does. Collective over all ranks; returns the final path."""
     import torch.distributed as dist
 
     rank = groups.rank
@@ -266,11 +271,14 @@ def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, opt
     dist.all_gather_object(records, _file_records(tmp, _rank_files(rank)))
     if rank == 0:
         files = {name: rec for per_rank in records for name, rec in per_rank.items()}
+        from moeplug.training.reshard import TP_DIMS, tp_dims_of
         full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(), parallel=layout,
-                         files=files)
+                         files=files, **{TP_DIMS: tp_dims_of(model)})
+        _test_pause_in_save()
         _write_json(os.path.join(tmp, META_FILE), full_meta)
         _fsync_path(tmp)
         _publish(out_dir, name, tmp, final)
+        prune_checkpoints(out_dir, keep_last)
     dist.barrier()  # nobody starts the next step (or a resume) before the rename
     return final
 
@@ -281,6 +289,8 @@ def load_sharded_checkpoint(path: str, model: torch.nn.Module, optimizer: Any, g
     the same ``layout``; return its meta. Raises CheckpointError on any other layout."""
     meta = read_meta(path)
     _check_layout(path, meta, layout)
+    if meta.get("parallel") != layout:
+        return _load_resharded(path, meta, model, optimizer, groups=groups)
     _note_if_unverified(path, meta)
     model_file, optim_file, groups_file = _rank_files(groups.rank)
     _load_model_state(path, model, _load_safetensors(path, meta, model_file))
@@ -299,18 +309,23 @@ def load_sharded_checkpoint(path: str, model: torch.nn.Module, optimizer: Any, g
 
 def _check_layout(path: str, meta: dict, layout: dict | None) -> None:
     """Refuse a checkpoint written under another parallel layout (None: one process)."""
+    from moeplug.training.reshard import can_reshard
     saved = meta.get("parallel")
-    if (saved or None) == layout:
-        return
+    if (saved or None) == layout or can_reshard(saved, layout, meta.get("tp_dims")):
+        return  # the same layout, or one that reshards (moeplug.training.reshard)
     if layout is None:
         raise CheckpointError(
-            f"checkpoint {path!r} holds per-rank shards of a parallel run (layout {saved}); "
-            f"this is a single-process run. Fix: resume with the same parallel settings and "
-            f"number of processes (--nproc / torchrun), or start fresh (train.resume='')")
+            f"checkpoint {path!r} holds per-rank shards of a parallel run that splits the model "
+            f"(layout {saved}); this is a single-process run, and only layouts with cp = pp "
+            f"= etp = 1 reshard (data, expert and tensor parallelism). Fix: resume with the "
+            f"same parallel settings and number of processes (--nproc / torchrun), or start fresh "
+            f"(train.resume='')")
     diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v} if saved else None
     raise CheckpointError(
         f"checkpoint {path!r} was written with parallel layout {saved or 'single-process'} "
-        f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}). "
+        f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}); "
+        f"only layouts with cp = pp = etp = 1 reshard (data, expert and tensor parallelism; a "
+        f"saved EP or TP layout only without the distributed optimizer). "
         f"Fix: resume with the same parallel settings and number of processes, or start a "
         f"fresh run (train.resume='')")
 
@@ -333,6 +348,34 @@ def _publish(out_dir: str, name: str, tmp: str, final: str) -> None:
         os.fsync(f.fileno())
     os.replace(latest_tmp, os.path.join(out_dir, LATEST))
     _fsync_path(out_dir)
+
+
+def prune_checkpoints(out_dir: str, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` ``step_*`` checkpoints of ``out_dir`` (0: keep
+    all), and the temporary directories of saves that a crash interrupted. Called only after
+    ``latest`` moved, so the checkpoint it names is never among the deleted."""
+    own = f"-{os.getpid()}"
+    for d in os.listdir(out_dir):
+        # another process's .tmp-step_*: a save killed midway (the CLI refuses two live runs
+        # in one out_dir), never read, only taking space
+        if d.startswith(".tmp-step_") and not d.endswith(own):
+            shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+    if keep_last <= 0:
+        return
+    newest = _read_latest(os.path.join(out_dir, LATEST))
+    steps = sorted((d for d in os.listdir(out_dir) if re.fullmatch(r"step_\d+", d)),
+                   key=lambda d: int(d[5:]))
+    for d in steps[:-keep_last]:
+        if d != newest:  # resumed from an earlier step: the one just saved is not the highest
+            shutil.rmtree(os.path.join(out_dir, d), ignore_errors=True)
+
+
+def _test_pause_in_save() -> None:
+    # Tests only: widen the window in which a SIGKILL lands mid-save (tests/test_resume_kill.py)
+    pause = os.environ.get("MOEPLUG_TEST_SAVE_PAUSE")
+    if pause:
+        import time
+        time.sleep(float(pause))
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -461,7 +504,7 @@ def _is_number(v: Any) -> bool:
 
 # Optional meta.json entries and what each must be when present (None counts as absent).
 _OPTIONAL_OBJECTS = ("metrics", "optimizer", "parallel", "config", "plugins", "scheduler", "hf",
-                     FILES)
+                     FILES, "tp_dims")
 
 
 def read_meta(path: str) -> dict:
@@ -632,12 +675,52 @@ def load_checkpoint(path: str, model: torch.nn.Module,
     Every file is checked against its checksum in meta.json before it is read."""
     meta = read_meta(path)
     _check_layout(path, meta, None)
+    if meta.get("parallel"):
+        return _load_resharded(path, meta, model, optimizer, restore_rng)
     _note_if_unverified(path, meta)
     _load_model_state(path, model, _load_safetensors(path, meta, MODEL_FILE))
     if optimizer is not None:
         saved_groups = (meta.get("optimizer") or {}).get("param_groups")
         _load_optimizer_state(path, optimizer, _load_safetensors(path, meta, OPTIM_FILE),
                               saved_groups, os.path.join(path, META_FILE), "optimizer.")
+    if restore_rng:
+        set_rng_state(meta["rng"], os.path.join(path, META_FILE))
+    return meta
+
+
+def _load_resharded(path: str, meta: dict, model: torch.nn.Module, optimizer: Any,
+                    restore_rng: bool = True, groups: Any = None) -> dict:
+    """Load a checkpoint written under another layout that reshards into this rank's
+    (``groups``; None: one process) — see moeplug.training.reshard; return its meta."""
+    from moeplug.training import reshard
+    _note_if_unverified(path, meta)
+    layout = meta.get("parallel")
+    world = layout.get("world_size") if layout else 1
+    if not _is_int(world) or world < 1:
+        raise _meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
+                          "must be an integer >= 1")
+    ranks = range(world) if layout else ()
+    tp_dims = meta.get("tp_dims")
+    load = lambda name: _load_safetensors(path, meta, name)  # noqa: E731
+    try:
+        full = reshard.global_model_state(
+            layout, model, [_rank_files(r)[0] for r in ranks] or [MODEL_FILE], load, tp_dims)
+        local = reshard.local_model_state(model, full, groups)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"checkpoint {path!r}: its model does not fit this model under the new layout "
+            f"({e}). Fix: resume with the model config it was trained with") from None
+    _load_model_state(path, model, local)
+    if optimizer is not None:
+        files = [_rank_files(r)[1] for r in ranks] or [OPTIM_FILE]
+        try:
+            state = reshard.global_optimizer_state(layout, model, files, load, tp_dims)
+            reshard.load_global_optimizer_state(optimizer, model, state, groups)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"checkpoint {path!r}: its optimizer state does not fit this model under the "
+                f"new layout (missing or misshapen: {e}). Fix: resume with the model and "
+                f"optimizer config it was trained with") from None
     if restore_rng:
         set_rng_state(meta["rng"], os.path.join(path, META_FILE))
     return meta

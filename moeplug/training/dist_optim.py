@@ -63,6 +63,22 @@ def _flat(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(padded - flat.numel())]) if padded > flat.numel() else flat
 
 
+def bucket_plan(model: nn.Module, weight_decay: float) -> list[tuple[tuple, list, float]]:
+    """The buckets, in order, as (key, parameters, weight decay): the order of the inner
+    optimizer's state, which a checkpoint's resharding (moeplug.training.reshard) replays."""
+    expert_ids = {id(p) for n, p in model.named_parameters() if n in expert_param_names(model)}
+    plan = []
+    for pg in param_groups(model, weight_decay):
+        keyed: dict[tuple, list[nn.Parameter]] = {}
+        for p in pg["params"]:
+            key = (id(p) in expert_ids, hasattr(p, "partition_dim"),
+                   getattr(p, "pipeline_copy", False), str(p.dtype))
+            keyed.setdefault(key, []).append(p)
+        plan += [(key, ps, pg["weight_decay"]) for key, ps in sorted(keyed.items(),
+                                                                   key=lambda kv: kv[0])]
+    return plan
+
+
 class DistributedAdamW:
     """AdamW whose state is sharded over each parameter's data-parallel replicas (see module
     docstring). Exposes ``param_groups`` (the trainer sets ``lr`` there), ``zero_grad``,
@@ -71,25 +87,18 @@ class DistributedAdamW:
     def __init__(self, model: nn.Module, cfg: TrainConfig, groups: Any) -> None:
         self.model, self.groups = model, groups
         self._dense_scale = 1.0 / groups.size("dp_cp")
-        expert_ids = {id(p) for n, p in model.named_parameters() if n in expert_param_names(model)}
         self.buckets: list[_Bucket] = []
         inner_groups = []
-        for pg in param_groups(model, cfg.weight_decay):
-            keyed: dict[tuple, list[nn.Parameter]] = {}
-            for p in pg["params"]:
-                key = (id(p) in expert_ids, hasattr(p, "partition_dim"),
-                       getattr(p, "pipeline_copy", False), str(p.dtype))
-                keyed.setdefault(key, []).append(p)
-            for (is_expert, tp_sharded, copy, _), ps in sorted(keyed.items(),
-                                                               key=lambda kv: kv[0]):
-                group = groups.edp if is_expert else groups.dp_cp
-                W, r = group_size(group), group_rank(group)
-                n = math.ceil(sum(p.numel() for p in ps) / W)
-                with torch.no_grad():
-                    flat = _flat([p.detach() for p in ps], n * W)
-                shard = flat[r * n:(r + 1) * n].clone().float().requires_grad_(True)
-                self.buckets.append(_Bucket(ps, group, is_expert, tp_sharded, copy, shard))
-                inner_groups.append({"params": [shard], "weight_decay": pg["weight_decay"]})
+        for (is_expert, tp_sharded, copy, _), ps, weight_decay in bucket_plan(model,
+                                                                             cfg.weight_decay):
+            group = groups.edp if is_expert else groups.dp_cp
+            W, r = group_size(group), group_rank(group)
+            n = math.ceil(sum(p.numel() for p in ps) / W)
+            with torch.no_grad():
+                flat = _flat([p.detach() for p in ps], n * W)
+            shard = flat[r * n:(r + 1) * n].clone().float().requires_grad_(True)
+            self.buckets.append(_Bucket(ps, group, is_expert, tp_sharded, copy, shard))
+            inner_groups.append({"params": [shard], "weight_decay": weight_decay})
         # lr is a placeholder: the trainer sets every group's lr from lr_at(step) each step.
         self.inner = torch.optim.AdamW(inner_groups, lr=lr_at(0, cfg),
                                        betas=(cfg.beta1, cfg.beta2), eps=1e-8)

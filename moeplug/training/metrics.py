@@ -54,6 +54,8 @@ class MetricsWriter:
     def __init__(self, path: str, append: bool) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
+        if append:
+            _drop_torn_record(path)
         self._file = open(path, "a" if append else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -62,6 +64,17 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _drop_torn_record(path: str) -> None:
+    """Cut a last line without its newline: a record half-written when the previous run was
+    killed (a long one is more than one write). Appending after it would corrupt both."""
+    if not os.path.isfile(path) or not os.path.getsize(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -356,8 +356,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 "scheduler": {"step": step, "lr": lr_at(step, tc)},
                 "tokenizer": corpus.tokenizer.fingerprint()}  # moeplug generate checks it
         if groups is None:
-            return save_checkpoint(tc.out_dir, step, model, optimizer, meta)
-        return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups, layout)
+            return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last)
+        return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups, layout,
+                                       tc.keep_last)
 
     model.train()
     loss_step = float("nan")
