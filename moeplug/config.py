@@ -160,6 +160,45 @@ class MLAConfig:
                   "write rope_interleave: true (DeepSeek checkpoints) or false")
 
 
+# Activation recompute (moeplug.modules.recompute): Megatron's --recompute-modules names.
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "moe",
+                     "shared_experts")
+
+
+@dataclass(kw_only=True, slots=True)
+class RecomputeConfig:
+    """What the backward recomputes instead of keeping (``model.recompute``).
+
+    ``granularity: selective`` checkpoints the named ``modules`` in every layer; ``full``
+    checkpoints whole transformer blocks: ``method: uniform`` groups each stage's blocks into
+    chunks of ``num_layers`` (each chunk keeps only its input), ``block`` checkpoints the first
+    ``num_layers`` blocks of each stage one by one. ``none`` keeps everything (the default).
+    """
+
+    granularity: str = "none"
+    modules: list = field(default_factory=list)
+    method: str = "uniform"
+    num_layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("none", "selective", "full"):
+            _fail(self, "granularity", self.granularity, "unknown granularity",
+                  "use none, selective or full")
+        if not isinstance(self.modules, list):
+            _fail(self, "modules", self.modules, "must be a list", "write e.g. [core_attn, moe_act]")
+        else:
+            bad = [m for m in self.modules if m not in RECOMPUTE_MODULES]
+            if bad:
+                _fail(self, "modules", self.modules, f"unknown module name(s) {bad}",
+                      f"use names from {', '.join(RECOMPUTE_MODULES)}")
+            if self.modules and self.granularity != "selective":
+                _fail(self, "modules", self.modules, f"needs granularity selective (got "
+                      f"{self.granularity!r})", "set granularity: selective or drop modules")
+        if self.method not in ("uniform", "block"):
+            _fail(self, "method", self.method, "unknown method", "use uniform or block")
+        _positive(self, "num_layers")
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Decoder-only transformer. ``vocab_size = 0`` means: take it from the tokenizer."""
@@ -188,6 +227,7 @@ class ModelConfig:
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
     moe: MoEConfig = field(default_factory=MoEConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
     def __post_init__(self) -> None:
         _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len",
@@ -327,6 +367,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    # Precision-aware optimizer (Megatron --exp-avg-dtype / --main-params-dtype): AdamW moments
+    # stored in bf16 (the update math stays fp32); master weights in bf16 (halves their bytes,
+    # only where the parameters are fp32 masters: the distributed optimizer's owned slices).
+    optimizer_dtype: str = "fp32"
+    master_weights: str = "fp32"
     grad_clip: float = 1.0
     seed: int = 1234
     eval_interval: int = 100
@@ -338,6 +383,9 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     tensorboard: bool = False  # also write TensorBoard events to out_dir/tb (rank 0)
     time_breakdown: bool = True  # per-stage seconds in train records (CPU runs)
+    # Per-rank memory (weights, grads, optimizer state, peak saved activations, peak RSS) in
+    # train records (moeplug.training.memory).
+    memory_stats: bool = True
     # "auto": cuda when torch sees a GPU, else cpu. Availability is checked by the CLI
     # (moeplug.training.distributed.resolve_device), not here: a config stays machine-free.
     device: str = "auto"
@@ -359,7 +407,10 @@ class TrainConfig:
             v = getattr(self, n)
             if not 0.0 <= v < 1.0:
                 _fail(self, n, v, "must be in [0, 1)", f"set {n} to e.g. 0.9")
-        for n in ("tensorboard", "time_breakdown"):
+        for n in ("optimizer_dtype", "master_weights"):
+            if getattr(self, n) not in ("fp32", "bf16"):
+                _fail(self, n, getattr(self, n), "must be fp32 or bf16", f"write {n}: fp32")
+        for n in ("tensorboard", "time_breakdown", "memory_stats"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?",
@@ -570,6 +621,7 @@ _SUBCONFIGS: dict[tuple[type, str], type] = {
     (RootConfig, "parallel"): ParallelSection,
     (ModelConfig, "moe"): MoEConfig,
     (ModelConfig, "mla"): MLAConfig,
+    (ModelConfig, "recompute"): RecomputeConfig,
 }
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moeplug.modules.mtp import mtp_losses
+from moeplug.modules.recompute import block_chunks, chunk_is_checkpointed, run_chunk
 from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
 
@@ -70,9 +71,13 @@ class ModelStages:
         aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         expert_counts: list[torch.Tensor] = []
         router_losses: list[dict] = []
-        for block in blocks:
-            block_out = block(x_BSD)
-            x_BSD, layer_aux, counts_E = block_out
+        rc = self.cfg.recompute  # full recompute: chunks of blocks keep only their input
+        block_outs = []
+        for i, chunk in enumerate(block_chunks(list(blocks), rc)):
+            block_outs += run_chunk(chunk, x_BSD, chunk_is_checkpointed(i, rc))
+            x_BSD = block_outs[-1][0]
+        for block_out in block_outs:
+            _, layer_aux, counts_E = block_out
             if counts_E is not None:
                 aux_loss = aux_loss + layer_aux.float()
                 expert_counts.append(counts_E)

@@ -11,6 +11,7 @@ would.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -31,6 +32,8 @@ from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoin
                                          nothing_to_train, resolve_resume, save_checkpoint,
                                          save_sharded_checkpoint)
 from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu
+from moeplug.training.memory import (ActivationMeter, gather_ranks, memory_record,
+                                     reset_process_peak)
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load
 from moeplug.training.optim import build_optimizer, lr_at
 
@@ -291,7 +294,11 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batches = D.to_device(step_batches(corpus.train_ids, tc, step, groups), device)
-            with measure_stages(timed) as times:
+            meter = ActivationMeter(model)
+            if tc.memory_stats:
+                reset_process_peak(device)
+            with measure_stages(timed) as times, (meter.active() if tc.memory_stats
+                                                  else contextlib.nullcontext()):
                 stats = train_step(model, optimizer, batches, tc, precision, groups)
             window_times = add_times(window_times, times)
             sums = stats.losses()
@@ -314,6 +321,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                           "tokens_per_s": window_tokens / window_seconds, "tflops": tflops,
                           "mfu": mfu(tflops, peak), "expert_load": expert_load(counts_per_layer),
                           "plugins": plugin_names, "moe": stats.moe}
+                if tc.memory_stats:  # this step's, every rank's (one small all-gather)
+                    record["memory"] = gather_ranks(memory_record(model, optimizer, meter,
+                                                                  device))
                 if window_times:  # mean seconds per step over the window
                     n = window_tokens // tokens_per_step
                     record["time_breakdown"] = {k: v / n for k, v in window_times.items()}
