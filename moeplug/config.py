@@ -367,11 +367,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    # Precision-aware optimizer (Megatron --exp-avg-dtype / --main-params-dtype): AdamW moments
-    # stored in bf16 (the update math stays fp32); master weights in bf16 (halves their bytes,
-    # only where the parameters are fp32 masters: the distributed optimizer's owned slices).
+    # Precision-aware optimizer (Megatron --exp-avg-dtype / --exp-avg-sq-dtype): "bf16" stores
+    # the AdamW moments in bf16 (half their bytes); the update math stays fp32.
     optimizer_dtype: str = "fp32"
-    master_weights: str = "fp32"
     grad_clip: float = 1.0
     seed: int = 1234
     eval_interval: int = 100
@@ -407,9 +405,9 @@ class TrainConfig:
             v = getattr(self, n)
             if not 0.0 <= v < 1.0:
                 _fail(self, n, v, "must be in [0, 1)", f"set {n} to e.g. 0.9")
-        for n in ("optimizer_dtype", "master_weights"):
-            if getattr(self, n) not in ("fp32", "bf16"):
-                _fail(self, n, getattr(self, n), "must be fp32 or bf16", f"write {n}: fp32")
+        if self.optimizer_dtype not in ("fp32", "bf16"):
+            _fail(self, "optimizer_dtype", self.optimizer_dtype, "must be fp32 or bf16",
+                  "write optimizer_dtype: fp32 (default) or bf16 (bf16 AdamW moments)")
         for n in ("tensorboard", "time_breakdown", "memory_stats"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
