@@ -185,7 +185,8 @@ class RecomputeConfig:
             _fail(self, "granularity", self.granularity, "unknown granularity",
                   "use none, selective or full")
         if not isinstance(self.modules, list):
-            _fail(self, "modules", self.modules, "must be a list", "write e.g. [core_attn, moe_act]")
+            _fail(self, "modules", self.modules, "must be a list",
+                  "write e.g. [core_attn, moe_act]")
         else:
             bad = [m for m in self.modules if m not in RECOMPUTE_MODULES]
             if bad:

@@ -89,3 +89,42 @@ def test_default_model_loss_tracks_fp32_adamw_over_200_steps(run_cli, tmp_path):
     assert len(curves["fp32"]) == len(curves["bf16"]) == 4
     gap = max(abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"]))
     assert gap < 0.05, curves
+
+
+def _distopt_vs_one_process(rank: int, world: int) -> float:
+    """DP2 with the distributed optimizer and bf16 moments vs one process with the same
+    optimizer: both ranks train on the same batch, so the reduced grad is the one process's."""
+    import numpy as np
+
+    from moeplug.config import config_from_dict
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
+    cfg = config_from_dict({
+        "model": {"hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 16, "dense_ffn_hidden_size": 16,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8}},
+        "train": {"micro_batch_size": 2, "seq_len": 8, "warmup_steps": 0, "lr": 1e-2,
+                  "optimizer_dtype": "bf16"},
+        "parallel": {"distributed_optimizer": True}})
+    host = PluginHost.load()
+    precision = host.create("precision", "fp32", {})
+    groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+    seed_everything(0)
+    model = build_rank_model(cfg, host, 32, groups)
+    seed_everything(0)
+    ref = build_rank_model(cfg, host, 32, None)
+    opt, ref_opt = build_rank_optimizer(model, cfg, groups), build_rank_optimizer(ref, cfg)
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 32, (2, 9)))
+    batch = [(ids[:, :-1], ids[:, 1:])]
+    for _ in range(3):
+        train_step(model, opt, batch, cfg.train, precision, groups)
+        train_step(ref, ref_opt, batch, cfg.train, precision)
+    assert {s["exp_avg"].dtype for s in opt.inner.state.values()} == {torch.bfloat16}
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_distributed_optimizer_bf16_moments_equal_one_process():
+    from moeplug.testing.distributed import run_distributed
+    assert max(run_distributed(_distopt_vs_one_process, 2, timeout=300)) < 1e-6

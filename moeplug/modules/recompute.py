@@ -114,8 +114,9 @@ def _selective_targets(block: nn.Module, name: str) -> list[nn.Module]:
         a = block.attn
         if not isinstance(a, MLAttention):
             return []
-        return [m for m in (a.q_b_proj if a.q_proj is None else None,
-                            getattr(a, "q_a_norm", None), a.kv_b_proj, a.kv_a_norm) if m is not None]
+        parts = (a.q_b_proj if a.q_proj is None else None, getattr(a, "q_a_norm", None),
+                 a.kv_b_proj, a.kv_a_norm)
+        return [m for m in parts if m is not None]
     if name == "layernorm":
         return [m for m in block.modules() if isinstance(m, RMSNorm)]
     if name == "mlp":
