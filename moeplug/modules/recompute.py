@@ -148,6 +148,16 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
                 mark(m)
 
 
+def remove_recompute(model: nn.Module) -> None:
+    """Undo apply_recompute's selective marks (benchmarks switch levers on one model)."""
+    marked = set(_SUBCLASSES.values())
+    for m in model.modules():
+        if type(m) in marked:
+            m.__class__ = type(m).__bases__[0]
+        if getattr(m, "recompute_activation", False):
+            m.recompute_activation = False
+
+
 def block_chunks(blocks: list[nn.Module], cfg: RecomputeConfig | None) -> list[list[nn.Module]]:
     """The stage's blocks in run order, grouped into the chunks run_chunk runs (full uniform:
     ``num_layers`` blocks per chunk; otherwise one block each)."""
