@@ -382,9 +382,9 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     tensorboard: bool = False  # also write TensorBoard events to out_dir/tb (rank 0)
     time_breakdown: bool = True  # per-stage seconds in train records (CPU runs)
-    # Per-rank memory (weights, grads, optimizer state, peak saved activations, peak RSS) in
-    # train records (moeplug.training.memory).
-    memory_stats: bool = True
+    # Also the peak bytes held for backward in the train records' per-rank memory (a
+    # saved-tensor meter, ~17% of a default-model step; moeplug.training.memory).
+    memory_stats: bool = False
     # "auto": cuda when torch sees a GPU, else cpu. Availability is checked by the CLI
     # (moeplug.training.distributed.resolve_device), not here: a config stays machine-free.
     device: str = "auto"

@@ -60,7 +60,8 @@ def test_meter_counts_storage_once_and_frees_after_backward():
 def test_train_records_carry_each_ranks_measured_memory(run_cli, tiny_config_file, tmp_path):
     out = str(tmp_path / "run")
     proc = run_cli("train", "--config", tiny_config_file(out), "--steps", "5",
-                   "--set", "train.optimizer_dtype=bf16", timeout=600)
+                   "--set", "train.optimizer_dtype=bf16", "--set", "train.memory_stats=true",
+                   timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = list(read_metrics(os.path.join(out, "metrics.jsonl")))
     num_params = next(r for r in records if r["kind"] == "run")["num_params"]

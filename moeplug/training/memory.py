@@ -119,17 +119,18 @@ def process_peak(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def memory_record(model: nn.Module, optimizer: Any, meter: ActivationMeter,
+def memory_record(model: nn.Module, optimizer: Any, meter: ActivationMeter | None,
                   device: torch.device) -> dict[str, int]:
-    """This rank's ``memory`` entry of a train record (bytes)."""
+    """This rank's ``memory`` entry of a train record (bytes); ``activations_peak`` only when
+    a meter ran (train.memory_stats)."""
     params = list(model.parameters())
-    return {"weights": tensor_bytes(params),
-            "grads": tensor_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": tensor_bytes(optimizer_tensors(optimizer)),
-            "activations_peak": meter.peak, "rss_peak": process_peak(device)}
-
-
-MEMORY_FIELDS = ("weights", "grads", "optimizer", "activations_peak", "rss_peak")
+    record = {"weights": tensor_bytes(params),
+              "grads": tensor_bytes(p.grad for p in params if p.grad is not None),
+              "optimizer": tensor_bytes(optimizer_tensors(optimizer)),
+              "rss_peak": process_peak(device)}
+    if meter is not None:
+        record["activations_peak"] = meter.peak
+    return record
 
 
 def gather_ranks(record: dict[str, int], group: Any = None) -> list[dict[str, int]]:
@@ -137,7 +138,8 @@ def gather_ranks(record: dict[str, int], group: Any = None) -> list[dict[str, in
     import torch.distributed as dist
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return [record]
-    mine = torch.tensor([record[k] for k in MEMORY_FIELDS], dtype=torch.int64)
+    keys = list(record)  # the same on every rank (one config)
+    mine = torch.tensor([record[k] for k in keys], dtype=torch.int64)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
-    return [dict(zip(MEMORY_FIELDS, (int(v) for v in t))) for t in out]
+    return [dict(zip(keys, (int(v) for v in t))) for t in out]
