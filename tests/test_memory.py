@@ -71,3 +71,14 @@ def test_train_records_carry_each_ranks_measured_memory(run_cli, tiny_config_fil
     assert mem["grads"] == mem["weights"]
     assert mem["optimizer"] == 2 * 2 * num_params  # two bf16 moments per parameter
     assert 0 < mem["activations_peak"] < mem["rss_peak"]
+
+
+def test_memory_record_without_memory_stats_has_no_meter(run_cli, tiny_config_file, tmp_path):
+    out = str(tmp_path / "run")
+    proc = run_cli("train", "--config", tiny_config_file(out), "--steps", "5", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = list(read_metrics(os.path.join(out, "metrics.jsonl")))
+    num_params = next(r for r in records if r["kind"] == "run")["num_params"]
+    [mem] = [r for r in records if r["kind"] == "train"][-1]["memory"]
+    assert mem.keys() == {"weights", "grads", "optimizer", "rss_peak"}
+    assert mem["optimizer"] == 2 * 4 * num_params  # two fp32 AdamW moments
