@@ -82,3 +82,14 @@ def test_memory_record_without_memory_stats_has_no_meter(run_cli, tiny_config_fi
     [mem] = [r for r in records if r["kind"] == "train"][-1]["memory"]
     assert mem.keys() == {"weights", "grads", "optimizer", "rss_peak"}
     assert mem["optimizer"] == 2 * 4 * num_params  # two fp32 AdamW moments
+
+
+def test_two_ranks_each_report_their_memory(run_cli, tiny_config_file, tmp_path):
+    """EP2: each rank holds half the experts, so the two entries are each rank's own."""
+    out = str(tmp_path / "run")
+    proc = run_cli("train", "--config", tiny_config_file(out), "--steps", "2", "--nproc", "2",
+                   "--set", "parallel.ep=2", "--set", "train.log_interval=1", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = list(read_metrics(os.path.join(out, "metrics.jsonl")))
+    mems = [r for r in records if r["kind"] == "train"][-1]["memory"]
+    assert len(mems) == 2 and all(m["weights"] > 0 and m["rss_peak"] > 0 for m in mems)
