@@ -199,6 +199,46 @@ class MLAConfig:
                   "write rope_interleave: true (DeepSeek checkpoints) or false")
 
 
+# Activation recompute (moeplug.modules.recompute): Megatron's --recompute-modules names.
+RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "moe_act", "mlp", "moe",
+                     "shared_experts")
+
+
+@dataclass(kw_only=True, slots=True)
+class RecomputeConfig:
+    """What the backward recomputes instead of keeping (``model.recompute``).
+
+    ``granularity: selective`` checkpoints the named ``modules`` in every layer; ``full``
+    checkpoints whole transformer blocks: ``method: uniform`` groups each stage's blocks into
+    chunks of ``num_layers`` (each chunk keeps only its input), ``block`` checkpoints the first
+    ``num_layers`` blocks of each stage one by one. ``none`` keeps everything (the default).
+    """
+
+    granularity: str = "none"
+    modules: list = field(default_factory=list)
+    method: str = "uniform"
+    num_layers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("none", "selective", "full"):
+            _fail(self, "granularity", self.granularity, "unknown granularity",
+                  "use none, selective or full")
+        if not isinstance(self.modules, list):
+            _fail(self, "modules", self.modules, "must be a list",
+                  "write e.g. [core_attn, moe_act]")
+        else:
+            bad = [m for m in self.modules if m not in RECOMPUTE_MODULES]
+            if bad:
+                _fail(self, "modules", self.modules, f"unknown module name(s) {bad}",
+                      f"use names from {', '.join(RECOMPUTE_MODULES)}")
+            if self.modules and self.granularity != "selective":
+                _fail(self, "modules", self.modules, f"needs granularity selective (got "
+                      f"{self.granularity!r})", "set granularity: selective or drop modules")
+        if self.method not in ("uniform", "block"):
+            _fail(self, "method", self.method, "unknown method", "use uniform or block")
+        _positive(self, "num_layers")
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Decoder-only transformer. ``vocab_size = 0`` means: take it from the tokenizer."""
@@ -227,6 +267,7 @@ class ModelConfig:
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
     moe: MoEConfig = field(default_factory=MoEConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -374,6 +415,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    # Precision-aware optimizer (Megatron --exp-avg-dtype / --exp-avg-sq-dtype): "bf16" stores
+    # the AdamW moments in bf16 (half their bytes); the update math stays fp32.
+    optimizer_dtype: str = "fp32"
     grad_clip: float = 1.0
     seed: int = 1234
     eval_interval: int = 100
@@ -386,6 +430,9 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     tensorboard: bool = False  # also write TensorBoard events to out_dir/tb (rank 0)
     time_breakdown: bool = True  # per-stage seconds in train records (CPU runs)
+    # Also the peak bytes held for backward in the train records' per-rank memory (a
+    # saved-tensor meter, ~17% of a default-model step; moeplug.training.memory).
+    memory_stats: bool = False
     # "auto": cuda when torch sees a GPU, else cpu. Availability is checked by the CLI
     # (moeplug.training.distributed.resolve_device), not here: a config stays machine-free.
     device: str = "auto"
@@ -413,7 +460,10 @@ class TrainConfig:
             v = getattr(self, n)
             if not 0.0 <= v < 1.0:
                 _fail(self, n, v, "must be in [0, 1)", f"set {n} to e.g. 0.9")
-        for n in ("tensorboard", "time_breakdown"):
+        if self.optimizer_dtype not in ("fp32", "bf16"):
+            _fail(self, "optimizer_dtype", self.optimizer_dtype, "must be fp32 or bf16",
+                  "write optimizer_dtype: fp32 (default) or bf16 (bf16 AdamW moments)")
+        for n in ("tensorboard", "time_breakdown", "memory_stats"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
         if self.nonfinite not in ("stop", "skip"):
@@ -837,6 +887,7 @@ _SUBCONFIGS: dict[tuple[type, str], type] = {
     (RootConfig, "runtime"): RuntimeSection,
     (ModelConfig, "moe"): MoEConfig,
     (ModelConfig, "mla"): MLAConfig,
+    (ModelConfig, "recompute"): RecomputeConfig,
 }
 
 

@@ -19,6 +19,18 @@ from moeplug.parallel.context_parallel import cp_attention_for
 from moeplug.parallel.tensor_parallel import enter_for, parallelize_attention
 
 
+class CoreAttention(nn.Module):
+    """Causal softmax(q k^T / sqrt(Dh)) v on SDPA: Megatron's ``core_attn``, a module of its
+    own so that recompute (model.recompute.modules: [core_attn]) can checkpoint just it."""
+
+    def forward(self, q_BHSDh: torch.Tensor, k_BGSDh: torch.Tensor,
+                v_BGSDh: torch.Tensor) -> torch.Tensor:
+        # enable_gqa lets SDPA broadcast the G kv heads over H query heads without
+        # materialising repeated K/V.
+        return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
+                                              enable_gqa=k_BGSDh.shape[1] != q_BHSDh.shape[1])
+
+
 class Attention(nn.Module):
     """q/k/v/o projections without bias, RoPE on q and k, causal SDPA with shared kv heads."""
 
@@ -41,6 +53,7 @@ class Attention(nn.Module):
         # One RoPE table shared by every layer; held in a list so it is not registered (and
         # counted, moved, saved) once per layer.
         self._rope = [rope]
+        self.core_attn = CoreAttention()
         # Context parallel (groups.cp set): x holds a load-balanced shard of the sequence, so RoPE
         # and the causal mask use global positions and K/V are exchanged over the CP group.
         self._cp = cp_attention_for(groups)
@@ -60,9 +73,5 @@ class Attention(nn.Module):
             out_BHSDh = self._cp(q_BHSDh, k_BGSDh, v_BGSDh, self._rope[0])
         else:
             q_BHSDh, k_BGSDh = self._rope[0](q_BHSDh, k_BGSDh)
-            # enable_gqa lets SDPA broadcast the G kv heads over H query heads without
-            # materialising repeated K/V.
-            out_BHSDh = F.scaled_dot_product_attention(
-                q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
-                enable_gqa=self.num_kv_heads != self.num_heads)
+            out_BHSDh = self.core_attn(q_BHSDh, k_BGSDh, v_BGSDh)
         return self.o_proj(out_BHSDh.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

@@ -6,6 +6,7 @@ from typing import Any
 
 from moeplug.config import ConfigError, RootConfig
 from moeplug.modules.moe import MoELayer
+from moeplug.modules.recompute import apply_recompute
 from moeplug.modules.shared_experts import SharedExperts
 from moeplug.modules.transformer import MoETransformer
 from moeplug.parallel.context_parallel import moe_token_group
@@ -55,6 +56,7 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
     runtime.finalize()
     model = MoETransformer(m, m.vocab_size or vocab_size, moe_layers, groups=groups)
     model.runtime = runtime
+    apply_recompute(model, m.recompute)  # selective: marks modules; full: run_blocks reads it
     return model
 
 

@@ -14,10 +14,10 @@ Parameter names follow Hugging Face DeepseekV3Attention (``kv_a_proj_with_mqa`` 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeplug.config import ModelConfig
+from moeplug.modules.attention import CoreAttention
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 
@@ -47,6 +47,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
         # Shared RoPE table, not registered per layer (see Attention).
         self._rope = [rope]
+        self.core_attn = CoreAttention()
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSD.shape
@@ -68,5 +69,5 @@ class MLAttention(nn.Module):
         k_BHSQ = torch.cat((k_nope_BHSN, k_rope_B1SR.expand(B, H, S, R)), dim=-1)
         # SDPA's default scale is 1/sqrt(q's last dim) = 1/sqrt(N + R), DeepSeek's softmax scale
         # (no YaRN mscale: only the default rope is supported). V may differ from N + R.
-        out_BHSV = F.scaled_dot_product_attention(q_BHSQ, k_BHSQ, v_BHSV, is_causal=True)
+        out_BHSV = self.core_attn(q_BHSQ, k_BHSQ, v_BHSV)
         return self.o_proj(out_BHSV.transpose(1, 2).reshape(B, S, H * V))

@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from moeplug.modules.mtp import mtp_losses
+from moeplug.modules.recompute import block_chunks, chunk_is_checkpointed, run_chunk
 from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
-from moeplug.quant.linear import block_scope
+from moeplug.quant.linear import block_scope_factory
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,19 @@ class ModelStages:
         aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         expert_counts: list[torch.Tensor] = []
         router_losses: list[dict] = []
+        rc = self.cfg.recompute  # full recompute: chunks of blocks keep only their input
         blocks = list(blocks)
-        for i, block in enumerate(blocks):
-            with block_scope(i, len(blocks)):  # the precision's low-precision recipe, if any
-                block_out = block(x_BSD)
-            x_BSD, layer_aux, counts_E = block_out
+        # The precision recipe of each block, decided now: a recomputed chunk re-runs its
+        # blocks during backward, outside the precision's plan.
+        scopes = [block_scope_factory(i, len(blocks)) for i in range(len(blocks))]
+        block_outs, start = [], 0
+        for i, chunk in enumerate(block_chunks(blocks, rc)):
+            block_outs += run_chunk(chunk, x_BSD, chunk_is_checkpointed(i, rc),
+                                    scopes[start:start + len(chunk)])
+            start += len(chunk)
+            x_BSD = block_outs[-1][0]
+        for block_out in block_outs:
+            _, layer_aux, counts_E = block_out
             if counts_E is not None:
                 aux_loss = aux_loss + layer_aux.float()
                 expert_counts.append(counts_E)

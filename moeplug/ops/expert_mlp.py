@@ -53,7 +53,8 @@ def _weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]]) -> torch.T
 
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_SD, probs_S, probs32_S, counts, w13_L2FD, w2_LDF, compute_dtype):
+    def forward(ctx, x_SD, probs_S, probs32_S, counts, w13_L2FD, w2_LDF, compute_dtype,
+                recompute_act):
         # Casting inside the Function means autograd records no cast nodes: gradients come back
         # in each input's own dtype (fp32 master weights) from backward below.
         x_c, w13_c, w2_c = (_cast(t, compute_dtype) for t in (x_SD, w13_L2FD, w2_LDF))
@@ -63,13 +64,19 @@ class _ExpertMLP(torch.autograd.Function):
         h_S2F = workspace.empty((S, F2), compute_dtype)
         y_SD = workspace.empty((S, D), compute_dtype)
         # torch.mm(out=...) is not an autocast op; the dtype choice was made above.
-        a_SF = workspace.empty((S, F2 // 2), compute_dtype)
+        # recompute_act (moe_act recompute): a is never kept whole, one expert's rows at a time
+        # in a scratch buffer, rebuilt from h in backward.
+        max_rows = max((s1 - s0 for _, s0, s1 in slices), default=0)
+        a_SF = workspace.empty((max_rows if recompute_act else S, F2 // 2), compute_dtype)
         with torch.autocast("cpu", enabled=False):
             for e, s0, s1 in slices:
                 torch.mm(x_c[s0:s1], w13_c[e].t(), out=h_S2F[s0:s1])
-                swiglu_forward_raw(h_S2F[s0:s1], _rows(probs32_S, s0, s1), a_SF[s0:s1])
-                torch.mm(a_SF[s0:s1], w2_c[e].t(), out=y_SD[s0:s1])
-        ctx.save_for_backward(x_c, h_S2F, a_SF, probs32_S, w13_c, w2_c)
+                a = a_SF[:s1 - s0] if recompute_act else a_SF[s0:s1]
+                swiglu_forward_raw(h_S2F[s0:s1], _rows(probs32_S, s0, s1), a)
+                torch.mm(a, w2_c[e].t(), out=y_SD[s0:s1])
+        ctx.save_for_backward(x_c, h_S2F, None if recompute_act else a_SF, probs32_S, w13_c,
+                              w2_c)
+        ctx.recompute_act = recompute_act
         ctx.slices = slices
         ctx.dtypes = (x_SD.dtype, None if probs_S is None else probs_S.dtype, w13_L2FD.dtype,
                       w2_LDF.dtype)
@@ -79,15 +86,16 @@ class _ExpertMLP(torch.autograd.Function):
     def backward(ctx, grad_SD):
         x_c, h_S2F, a_SF, probs32_S, w13_c, w2_c = ctx.saved_tensors
         x_dtype, p_dtype, w13_dtype, w2_dtype = ctx.dtypes
-        need_x, need_p, _, _, need_w13, need_w2, _ = ctx.needs_input_grad
+        need_x, need_p, _, _, need_w13, need_w2 = ctx.needs_input_grad[:6]
         slices = ctx.slices
         dY_SD = grad_SD.to(x_c.dtype).contiguous()
         S, D = x_c.shape
-        F_ = a_SF.shape[1]
+        F_ = h_S2F.shape[1] // 2
 
         want_dp = need_p and probs32_S is not None
         max_rows = max((s1 - s0 for _, s0, s1 in slices), default=0)
         dA_nF = x_c.new_empty(max_rows, F_)  # one expert at a time: stays cache-sized
+        a_nF = x_c.new_empty(max_rows, F_) if ctx.recompute_act else None
         dh_S2F = workspace.empty((S, 2 * F_), x_c.dtype)
         dp_S = torch.empty(S, dtype=torch.float32) if want_dp else None
         dX_SD = workspace.empty((S, D), x_c.dtype) if need_x else None
@@ -97,7 +105,12 @@ class _ExpertMLP(torch.autograd.Function):
             dA = dA_nF[:s1 - s0]
             torch.mm(dY_SD[s0:s1], w2_c[e], out=dA)
             if need_w2:
-                torch.mm(dY_SD[s0:s1].t(), a_SF[s0:s1], out=dW2_LDF[e])
+                if a_SF is None:  # moe_act recompute: the same kernel on the same h
+                    a = swiglu_forward_raw(h_S2F[s0:s1], _rows(probs32_S, s0, s1),
+                                           a_nF[:s1 - s0])
+                else:
+                    a = a_SF[s0:s1]
+                torch.mm(dY_SD[s0:s1].t(), a, out=dW2_LDF[e])
             swiglu_backward_raw(dA, h_S2F[s0:s1], _rows(probs32_S, s0, s1), want_dp,
                                 dh_S2F[s0:s1], _rows(dp_S, s0, s1))
             if need_x:
@@ -109,7 +122,7 @@ class _ExpertMLP(torch.autograd.Function):
             return None if t is None else _cast(t, dtype)
 
         return (back(dX_SD, x_dtype), back(dp_S, p_dtype), None, None,
-                back(dW13_L2FD, w13_dtype), back(dW2_LDF, w2_dtype), None)
+                back(dW13_L2FD, w13_dtype), back(dW2_LDF, w2_dtype), None, None)
 
 
 def _check(x_SD, probs_S, counts_L, w13_L2FD, w2_LDF) -> list[int]:
@@ -145,8 +158,12 @@ def _grouped_mm_path(x_SD, probs_S, counts, w13_L2FD, w2_LDF, compute_dtype):
 
 
 def expert_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch.Tensor,
-               gate_up_proj_L2FD: torch.Tensor, down_proj_LDF: torch.Tensor) -> torch.Tensor:
+               gate_up_proj_L2FD: torch.Tensor, down_proj_LDF: torch.Tensor,
+               recompute_act: bool = False) -> torch.Tensor:
     """``y_e = down_e(silu(gate_e x) * (up_e x) * p)`` for every local expert's row slice.
+
+    ``recompute_act``: keep only FC1's output h for backward and rebuild the activation there
+    (moe_act recompute; the same kernel on the same h, so gradients are identical).
 
     Differentiable w.r.t. x_SD, probs_S and both weights. Under CPU autocast the GEMMs run in
     the autocast dtype and weight gradients come back in the weights' dtype.
@@ -165,4 +182,4 @@ def expert_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch
     probs32_S = None if probs_S is None else check_probs("expert_mlp", "probs_S", probs_S,
                                                          (x_SD.shape[0],))
     return _ExpertMLP.apply(x_SD, probs_S, probs32_S, counts, gate_up_proj_L2FD, down_proj_LDF,
-                            dtype)
+                            dtype, recompute_act)

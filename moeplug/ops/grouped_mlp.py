@@ -30,7 +30,8 @@ def _act_times_probs(h_SX: torch.Tensor, probs32_S: torch.Tensor | None, activat
 
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_SD, probs_S, counts, w1_LXD, w2_LDF, activation, compute_dtype):
+    def forward(ctx, x_SD, probs_S, counts, w1_LXD, w2_LDF, activation, compute_dtype,
+                recompute_act):
         x_c, w1_c, w2_c = (t.to(compute_dtype).contiguous() for t in (x_SD, w1_LXD, w2_LDF))
         # Routing weights at least fp32 (as the fused kernel takes them); fp64 stays fp64.
         probs32_S = (None if probs_S is None else
@@ -45,7 +46,8 @@ class _GroupedMLP(torch.autograd.Function):
             a_SF = _act_times_probs(h_SX, probs32_S, activation)
             for e, s0, s1 in slices:
                 torch.mm(a_SF[s0:s1], w2_c[e].t(), out=y_SD[s0:s1])
-        ctx.save_for_backward(x_c, h_SX, a_SF, probs32_S, w1_c, w2_c)
+        # recompute_act (moe_act recompute): a is dropped here and rebuilt from h in backward.
+        ctx.save_for_backward(x_c, h_SX, None if recompute_act else a_SF, probs32_S, w1_c, w2_c)
         ctx.slices, ctx.activation = slices, activation
         ctx.dtypes = (x_SD.dtype, None if probs_S is None else probs_S.dtype, w1_LXD.dtype,
                       w2_LDF.dtype)
@@ -55,10 +57,12 @@ class _GroupedMLP(torch.autograd.Function):
     def backward(ctx, grad_SD):
         x_c, h_SX, a_SF, probs32_S, w1_c, w2_c = ctx.saved_tensors
         x_dtype, p_dtype, w1_dtype, w2_dtype = ctx.dtypes
-        need_x, need_p, _, need_w1, need_w2, _, _ = ctx.needs_input_grad
+        need_x, need_p, _, need_w1, need_w2 = ctx.needs_input_grad[:5]
         slices = ctx.slices
         dY_SD = grad_SD.to(x_c.dtype).contiguous()
         with torch.autocast(x_c.device.type, enabled=False):
+            if a_SF is None:
+                a_SF = _act_times_probs(h_SX, probs32_S, ctx.activation)
             dA_SF = torch.zeros_like(a_SF)  # rows of no expert stay 0 (S = 0 or all-zero counts)
             dW2 = torch.zeros_like(w2_c) if need_w2 else None
             for e, s0, s1 in slices:
@@ -87,7 +91,7 @@ class _GroupedMLP(torch.autograd.Function):
             return None if t is None else t.to(dtype)
 
         return (back(dX, x_dtype), back(dp_S, p_dtype), None, back(dW1, w1_dtype),
-                back(dW2, w2_dtype), None, None)
+                back(dW2, w2_dtype), None, None, None)
 
 
 def _check(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation) -> list[int]:
@@ -110,11 +114,13 @@ def _check(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation) -> list[int]:
 
 def grouped_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch.Tensor,
                 gate_up_proj_LXD: torch.Tensor, down_proj_LDF: torch.Tensor,
-                activation: str) -> torch.Tensor:
+                activation: str, recompute_act: bool = False) -> torch.Tensor:
     """``y_e = down_e(act(gate_up_e x) * p)`` for every local expert's row slice.
+
+    ``recompute_act``: keep only FC1's output for backward, rebuild act(h) * p there.
 
     Differentiable w.r.t. x_SD, probs_S and both weights; ``probs_S=None`` means p = 1.
     """
     counts = _check(x_SD, probs_S, counts_L, gate_up_proj_LXD, down_proj_LDF, activation)
     return _GroupedMLP.apply(x_SD, probs_S, counts, gate_up_proj_LXD, down_proj_LDF, activation,
-                             compute_dtype(x_SD))
+                             compute_dtype(x_SD), recompute_act)

@@ -137,12 +137,20 @@ def recipe_plan(recipe, bf16_first_layers: int = 0, bf16_last_layers: int = 0):
         _state.plan = prev
 
 
-def block_scope(index: int, num_blocks: int):
-    """The recipe scope for block ``index`` of the ``num_blocks`` being run (a pipeline chunk
-    counts its own blocks); a no-op without a plan."""
+def block_scope_factory(index: int, num_blocks: int):
+    """A factory of fresh recipe scopes for block ``index`` of the ``num_blocks`` being run (a
+    pipeline chunk counts its own blocks), with the plan read now: full recompute re-runs a
+    block during backward, outside the plan, and must run it under the same recipe."""
     plan = getattr(_state, "plan", None)
     if plan is None:
-        return contextlib.nullcontext()
+        return contextlib.nullcontext
     recipe, first, last = plan
     keep_bf16 = index < first or index >= num_blocks - last
-    return recipe_scope(None if keep_bf16 else recipe)
+    chosen = None if keep_bf16 else recipe
+    return lambda: recipe_scope(chosen)
+
+
+def block_scope(index: int, num_blocks: int):
+    """The recipe scope for block ``index`` of the ``num_blocks`` being run; a no-op without a
+    plan."""
+    return block_scope_factory(index, num_blocks)()

@@ -37,7 +37,7 @@ from moeplug.config import TrainConfig
 from moeplug.parallel.comm import _all_gather_single, _reduce_scatter_single, group_rank, group_size
 from moeplug.parallel.experts import expert_param_names
 from moeplug.parallel.tensor_parallel import sum_partial_grads_over_tp
-from moeplug.training.optim import lr_at, param_groups
+from moeplug.training.optim import adamw, param_groups
 
 
 @dataclass
@@ -99,9 +99,8 @@ class DistributedAdamW:
             shard = flat[r * n:(r + 1) * n].clone().float().requires_grad_(True)
             self.buckets.append(_Bucket(ps, group, is_expert, tp_sharded, copy, shard))
             inner_groups.append({"params": [shard], "weight_decay": weight_decay})
-        # lr is a placeholder: the trainer sets every group's lr from lr_at(step) each step.
-        self.inner = torch.optim.AdamW(inner_groups, lr=lr_at(0, cfg),
-                                       betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+        # AdamW (bf16 moments with train.optimizer_dtype: bf16) on the owned slices.
+        self.inner = adamw(inner_groups, cfg)
 
     @property
     def param_groups(self) -> list[dict]:

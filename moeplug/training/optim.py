@@ -50,7 +50,58 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
+    """AdamW (torch's formula) whose moments ``exp_avg`` / ``exp_avg_sq`` are stored in
+    ``moment_dtype`` (bf16: half of fp32 AdamW's 8 bytes of state per parameter). Each step
+    reads them into fp32, updates in fp32 and rounds them back (Megatron precision-aware
+    optimizer, ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float,
+                 moment_dtype: torch.dtype = torch.bfloat16, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay})
+        self.moment_dtype = moment_dtype
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # torch casts the moments to the params' dtype
+        for state in self.state.values():
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in state:
+                    state[k] = state[k].to(self.moment_dtype)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
+                state["step"] += 1
+                t = float(state["step"])
+                g32 = p.grad.float()
+                m32 = state["exp_avg"].float().lerp_(g32, 1 - beta1)
+                v32 = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+                state["exp_avg"].copy_(m32)
+                state["exp_avg_sq"].copy_(v32)
+                p.mul_(1 - lr * wd)
+                denom = (v32.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+                p.addcdiv_(m32, denom, value=-lr / (1 - beta1 ** t))
+
+
+def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """torch's AdamW, or with ``optimizer_dtype: bf16`` the bf16-moment AdamW."""
     # lr here is a placeholder: the trainer sets every group's lr from lr_at(step) each step.
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=lr_at(0, cfg),
-                             betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    kw = {"lr": lr_at(0, cfg), "betas": (cfg.beta1, cfg.beta2), "eps": 1e-8}
+    if cfg.optimizer_dtype == "bf16":
+        return LowPrecisionMomentsAdamW(groups, moment_dtype=torch.bfloat16, **kw)
+    return torch.optim.AdamW(groups, **kw)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return adamw(param_groups(model, cfg.weight_decay), cfg)

@@ -11,6 +11,7 @@ would.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -34,6 +35,8 @@ from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoin
 from moeplug.training.faults import (NonFiniteWatch, TestFault, TrainingFault, is_finite,
                                      nonfinite_message)
 from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu
+from moeplug.training.memory import (ActivationMeter, gather_ranks, memory_record,
+                                     reset_process_peak)
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load
 from moeplug.training.optim import build_optimizer, lr_at
 
@@ -387,7 +390,11 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 test_fault.before_step(done, rank)
             if heartbeat is not None:  # progress for naming a rank that fails (faults.py)
                 heartbeat.beat(2 * done - 1)
-            with measure_stages(timed) as times:
+            # The saved-tensor meter costs ~17% of a default-model step: only on request.
+            meter = ActivationMeter(model) if tc.memory_stats else None
+            reset_process_peak(device)
+            with measure_stages(timed) as times, (meter.active() if meter is not None
+                                                  else contextlib.nullcontext()):
                 stats = train_step(model, optimizer, batches, tc, precision, groups)
             window_times = add_times(window_times, times)
             sums = stats.losses()
@@ -427,6 +434,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                           "skipped_steps": skipped_total}
                 if stats.stash is not None:  # this step's pool stats (moeplug.stash)
                     record["stash"] = stats.stash
+                # This step's, every rank's (one small all-gather).
+                record["memory"] = gather_ranks(memory_record(model, optimizer, meter, device))
                 if window_times:  # mean seconds per step over the window
                     n = window_tokens // tokens_per_step
                     record["time_breakdown"] = {k: v / n for k, v in window_times.items()}

@@ -34,6 +34,7 @@ from torch import nn
 from moeplug import hookimpl
 from moeplug.config import ConfigError, ModelConfig
 from moeplug.interfaces import Router, RouterOutput
+from moeplug.modules.recompute import recomputing, will_recompute
 from moeplug import routing as R
 from moeplug.quant import row_alignment
 
@@ -209,11 +210,15 @@ class TopKRouter(Router):
         # Tokens seen this step, for the global aux loss's f_i = sum n_i / (K * sum T).
         self.register_buffer("global_tokens", torch.zeros((), dtype=torch.int64) if wants_global
                              else None, persistent=False)
+        # Under recompute: the global aux loss's accumulated counts of each checkpointed
+        # micro-batch, for its re-run in backward (moeplug.modules.recompute).
+        self._replay: list = []
 
     def forward(self, x_TD: torch.Tensor, num_sequences: int = 1, token_group=None) -> RouterOutput:
         o, E, K = self.options, self.num_experts, self.top_k
         T = x_TD.shape[0]
-        counting = self.training and torch.is_grad_enabled()
+        # Not while recompute re-runs this forward in backward: a micro-batch counts once.
+        counting = self.training and torch.is_grad_enabled() and not recomputing()
         # 1. jitter  2. gate
         if self.training and o.input_jitter_eps > 0:
             x_TD = R.input_jitter(x_TD, o.input_jitter_eps)
@@ -273,13 +278,19 @@ class TopKRouter(Router):
                 value = R.seq_aux_loss(s_TE, count_ids_TK, num_sequences, token_group)
             else:
                 acc_counts_E, acc_tokens = counts_E, T
-                if self.global_counts_E is not None:
+                if self.global_counts_E is not None and recomputing():
+                    # The counts already hold this micro-batch: replay the forward's values
+                    # (backward runs micro-batches in forward order, also under 1F1B).
+                    acc_counts_E, acc_tokens = self._replay.pop(0)
+                elif self.global_counts_E is not None:
                     acc_counts_E = self.global_counts_E + counts_E
                     acc_tokens = int(self.global_tokens) + T
                     if counting:
                         with torch.no_grad():
                             self.global_counts_E.copy_(acc_counts_E)
                             self.global_tokens += T
+                        if will_recompute():
+                            self._replay.append((acc_counts_E, acc_tokens))
                 value = R.global_aux_loss(s_TE, acc_counts_E, acc_tokens, K)
             losses[loss_type] = value.detach().float()
             total = total + coeff * value
@@ -296,6 +307,7 @@ class TopKRouter(Router):
         if self.global_counts_E is not None:
             self.global_counts_E.zero_()
             self.global_tokens.zero_()
+            self._replay.clear()
 
 
 def make_topk(model: ModelConfig, options: TopKOptions) -> TopKRouter:

@@ -15,12 +15,16 @@ from moeplug_plugins.experts._params import ExpertParams
 
 
 class GroupedExperts(ExpertParams):
+    # moe_act recompute (moeplug.modules.recompute): keep FC1's output, rebuild the activation.
+    recompute_activation = False
+
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         recipe = active_recipe()  # a low-precision precision plugin's recipe (emulated GEMMs)
         if recipe is not None:
             return quant_expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
                                     self.activation, recipe)
         if self.activation == "swiglu":  # the fused C++ SwiGLU kernel
-            return expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj)
+            return expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
+                              self.recompute_activation)
         return grouped_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
-                           self.activation)
+                           self.activation, self.recompute_activation)

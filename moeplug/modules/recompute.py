@@ -1,0 +1,201 @@
+"""Activation recompute (Megatron ``--recompute-granularity`` / ``--recompute-modules``).
+
+``apply_recompute(model, cfg)`` marks modules of a built model; nothing else changes (parameter
+names, checkpoints and outputs stay the same; gradients are identical because the recomputed
+forward is the same code on the same inputs). Selective names -> what the backward recomputes:
+
+    core_attn       softmax(q k^T) v (CoreAttention; not CP's ring/all-gather attention)
+    mla_up_proj     MLA's up projections q_b_proj / kv_b_proj and the q_a / kv_a norms
+    layernorm       every RMSNorm of the blocks (attn_norm, ffn_norm, q/k norms)
+    moe_act         the expert activation: only FC1's output is kept, act(h) * p is rebuilt
+                    per expert in backward (output discarding, as Megatron; grouped experts)
+    mlp             the dense SwiGLU MLPs
+    moe             the whole MoE layer (router, dispatch, experts, combine, shared)
+    shared_experts  the shared expert MLP
+
+A checkpointed module keeps only its inputs; its internals are rebuilt in backward by
+``torch.utils.checkpoint`` (non-reentrant). Megatron also discards the *outputs* of
+``layernorm`` / ``moe_act``; here only ``moe_act`` does (the norm's output is still kept by the
+projection that reads it).
+Side effects must happen once: a router counts tokens for the expert-bias update and global aux
+loss only when :func:`recomputing` is False, so recomputing ``moe`` or a full block does not
+count a micro-batch twice. Routing is deterministic, so the recomputed routing is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moeplug.config import RecomputeConfig
+from moeplug.quant.linear import active_recipe, recipe_scope
+
+_RECOMPUTING: ContextVar[bool] = ContextVar("moeplug_recomputing", default=False)
+_CHECKPOINTED: ContextVar[bool] = ContextVar("moeplug_checkpointed", default=False)
+# Bytes of checkpoint inputs held for backward (moeplug.training.memory counts them: torch's
+# checkpoint keeps them by reference, out of saved_tensors_hooks' sight).
+_HELD_INPUTS: ContextVar[Callable[[Iterable[Any]], None] | None] = ContextVar(
+    "moeplug_recompute_held", default=None)
+
+
+def recomputing() -> bool:
+    """True while a checkpointed forward is being re-run in backward (skip side effects)."""
+    return _RECOMPUTING.get()
+
+
+def will_recompute() -> bool:
+    """True in a checkpointed forward's first run: whatever a side effect fed into the graph
+    must be kept for the re-run in backward (which sees the state after the side effect)."""
+    return _CHECKPOINTED.get()
+
+
+@contextlib.contextmanager
+def _flag(var: ContextVar[bool]):
+    token = var.set(True)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def _contexts():
+    return _flag(_CHECKPOINTED), _flag(_RECOMPUTING)
+
+
+def checkpointed(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` keeping only ``args`` for backward; a plain call when no grad is recorded
+    or inside another checkpoint (which keeps only its own inputs anyway)."""
+    if not torch.is_grad_enabled() or recomputing() or will_recompute():
+        return fn(*args)
+    recipe = active_recipe()
+    if recipe is not None:  # the recomputation runs in backward, outside the forward's scope
+        forward_fn = fn
+
+        def fn(*a):
+            with recipe_scope(recipe):
+                return forward_fn(*a)
+    note = _HELD_INPUTS.get()
+    if note is not None:
+        handles, inner = note(args), fn
+
+        def fn(*a):  # the checkpoint keeps fn until its backward, and so the handles
+            assert handles is not None
+            return inner(*a)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=_contexts)
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _recomputed_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward is checkpointed: isinstance, parameter names and
+    deepcopy keep working (a forward closure on the instance would not survive a copy)."""
+    if cls not in _SUBCLASSES:
+        def forward(self, *args):
+            return checkpointed(super(sub, self).forward, *args)
+        sub = type(f"Recomputed{cls.__name__}", (cls,), {"forward": forward})
+        _SUBCLASSES[cls] = sub
+    return _SUBCLASSES[cls]
+
+
+def mark(module: nn.Module) -> None:
+    if type(module) not in _SUBCLASSES.values():
+        module.__class__ = _recomputed_class(type(module))
+
+
+def _selective_targets(block: nn.Module, name: str) -> list[nn.Module]:
+    from moeplug.modules.attention import CoreAttention
+    from moeplug.modules.mla import MLAttention
+    from moeplug.modules.mlp import SwiGLUMLP
+    from moeplug.modules.moe import MoELayer
+    from moeplug.modules.norm import RMSNorm
+    from moeplug.modules.shared_experts import SharedExperts
+    ffn = block.ffn
+    if name == "core_attn":
+        return [m for m in block.modules() if isinstance(m, CoreAttention)]
+    if name == "mla_up_proj":
+        a = block.attn
+        if not isinstance(a, MLAttention):
+            return []
+        parts = (a.q_b_proj if a.q_proj is None else None, getattr(a, "q_a_norm", None),
+                 a.kv_b_proj, a.kv_a_norm)
+        return [m for m in parts if m is not None]
+    if name == "layernorm":
+        return [m for m in block.modules() if isinstance(m, RMSNorm)]
+    if name == "mlp":
+        return [ffn] if isinstance(ffn, SwiGLUMLP) else []
+    if name == "moe":
+        return [ffn] if isinstance(ffn, MoELayer) else []
+    if name == "shared_experts":
+        return [m for m in block.modules() if isinstance(m, SharedExperts)]
+    return []  # moe_act: a flag on the experts, see apply_recompute
+
+
+def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
+    """Mark the blocks of ``model`` (a MoETransformer or a pipeline chunk) for ``cfg``."""
+    from moeplug.modules.moe import MoELayer
+    blocks = list(model.blocks) + [layer.block for layer in getattr(model, "mtp", [])]
+    if cfg.granularity != "selective":
+        return  # full: ModelStages.run_blocks reads cfg.recompute itself (pipeline chunks too)
+    for block in blocks:
+        for name in cfg.modules:
+            if name == "moe_act" and isinstance(block.ffn, MoELayer):
+                experts = block.ffn.experts
+                if not hasattr(type(experts), "recompute_activation"):
+                    raise ValueError(
+                        f"model.recompute.modules: moe_act needs an experts backend that can "
+                        f"rebuild its activation in backward; {type(experts).__name__} cannot. "
+                        f"Fix: use plugins.experts: grouped or drop moe_act")
+                experts.recompute_activation = True
+            for m in _selective_targets(block, name):
+                mark(m)
+
+
+def remove_recompute(model: nn.Module) -> None:
+    """Undo apply_recompute's selective marks (benchmarks switch levers on one model)."""
+    marked = set(_SUBCLASSES.values())
+    for m in model.modules():
+        if type(m) in marked:
+            m.__class__ = type(m).__bases__[0]
+        if getattr(m, "recompute_activation", False):
+            m.recompute_activation = False
+
+
+def block_chunks(blocks: list[nn.Module], cfg: RecomputeConfig | None) -> list[list[nn.Module]]:
+    """The stage's blocks in run order, grouped into the chunks run_chunk runs (full uniform:
+    ``num_layers`` blocks per chunk; otherwise one block each)."""
+    if cfg is None or cfg.granularity != "full":
+        return [[b] for b in blocks]
+    if cfg.method == "uniform":
+        return [blocks[i:i + cfg.num_layers] for i in range(0, len(blocks), cfg.num_layers)]
+    return [[b] for b in blocks]
+
+
+def run_chunk(chunk: list[nn.Module], x_BSD: torch.Tensor, checkpoint_it: bool,
+              scopes: list | None = None) -> list:
+    """The chunk's block outputs in order (the last one's x is the chunk's output). ``scopes``:
+    per block, a factory of the context to run it in (e.g. its precision recipe), entered again
+    when a checkpointed chunk is recomputed."""
+    scopes = scopes or [contextlib.nullcontext] * len(chunk)
+
+    def run(x):
+        outs = []
+        for block, scope in zip(chunk, scopes):
+            with scope():
+                out = block(x)
+            outs.append(out)
+            x = out[0]
+        return outs
+    return checkpointed(run, x_BSD) if checkpoint_it else run(x_BSD)
+
+
+def chunk_is_checkpointed(index: int, cfg: RecomputeConfig | None) -> bool:
+    """Full recompute: uniform checkpoints every chunk, block only the first num_layers."""
+    if cfg is None or cfg.granularity != "full":
+        return False
+    return cfg.method == "uniform" or index < cfg.num_layers
