@@ -187,3 +187,20 @@ def test_ep2_quantized_dispatch_matches_one_process_and_sends_fp8_bytes():
         assert r["quantized"] > 1e-4, r
         # 12 tokens x top-2 rows, each 64 FP8 bytes + 2 E8M0 scales (vs 256 bytes in fp32)
         assert r["wire"] == {"rows": 24, "bytes": 24 * 66}, r
+
+
+@pytest.mark.parametrize("recompute", [
+    ["model.recompute.granularity=full", "model.recompute.num_layers=1"],
+    ["model.recompute.granularity=selective", "model.recompute.modules=[moe,mlp]"]],
+    ids=["full", "selective-moe-mlp"])
+def test_recompute_under_a_recipe_equals_no_recompute(tiny_cfg, host, recompute):
+    """Recompute ≡ no recompute under a low-precision recipe (grads bitwise), with the first
+    block kept bf16 so the per-block recipe decision is part of what is recomputed."""
+    base = ["plugins.precision=fp8_tensorwise", "plugins.precision_options.bf16_first_layers=1"]
+    ref_model, precision = _model(tiny_cfg, host, *base)
+    _loss(ref_model, precision).backward()
+    model, precision = _model(tiny_cfg, host, *base, *recompute)
+    _loss(model, precision).backward()
+    ref = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[name].grad), name
