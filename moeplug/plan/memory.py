@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moeplug.config import GATED_ACTIVATIONS, ConfigError, ModelConfig
+from moeplug.config import GATED_ACTIVATIONS, RECOMPUTE_MODULES, ConfigError, ModelConfig
 from moeplug.modules.flops import attention_macs
 
 GB = 1e9
-RECOMPUTE_MODULES = ("layernorm", "mla_up_proj", "core_attn", "moe_act", "mlp", "moe",
-                     "shared_experts")
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
                    "expert_fc1", "moe_act")
 
