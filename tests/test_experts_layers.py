@@ -376,8 +376,8 @@ def assert_names(err, *parts):
     ({"shared_expert_ffn_hidden_size": -8}, ["shared_expert_ffn_hidden_size", "-8", ">= 0"]),
     ({"shared_expert_ffn_hidden_size": 2.5}, ["shared_expert_ffn_hidden_size", "2.5", "integer"]),
     ({"layer_freq": 0}, ["layer_freq", "0", ">= 1"]),
-    ({"layer_freq": "2"}, ["layer_freq", "'2'", "integer N or a list"]),
-    ({"layer_freq": True}, ["layer_freq", "True", "integer N or a list"]),
+    ({"layer_freq": "2"}, ["layer_freq", "'2'", "must be an integer or a list"]),
+    ({"layer_freq": True}, ["layer_freq", "True", "must be an integer or a list"]),
     ({"layer_freq": [1, 2]}, ["layer_freq", "[1, 2]", "0 (dense) or 1 (MoE)"]),
 ])
 def test_moe_config_errors(kwargs, parts):

@@ -440,11 +440,11 @@ def test_deepseek_v3_export_refuses_a_group_score_hf_would_not_compute(tmp_path,
 @pytest.mark.parametrize("override,pattern", [
     ("model.attention=sparse", r"ModelConfig.attention = 'sparse': unknown attention type. Fix: use one of 'gqa', 'mla'"),
     ("model.kv_channels=15", r"ModelConfig.kv_channels = 15: is odd.*Fix: choose an even kv_channels"),
-    ("model.qk_norm=maybe", r"ModelConfig.qk_norm = 'maybe': must be a boolean. Fix: write qk_norm: true or false"),
+    ("model.qk_norm=maybe", r"ModelConfig.qk_norm = 'maybe': must be a boolean \(true or false\)\. Fix: write qk_norm: true or false"),
     ("model.mtp_num_layers=-1", r"ModelConfig.mtp_num_layers = -1: must be a number >= 0. Fix: set mtp_num_layers to 0"),
     ("model.mla.qk_rope_head_dim=7", r"MLAConfig.qk_rope_head_dim = 7: is odd.*Fix: choose an even qk_rope_head_dim"),
     ("model.mla.kv_lora_rank=0", r"MLAConfig.kv_lora_rank = 0: must be a positive integer. Fix: set kv_lora_rank"),
-    ("model.mla.rope_interleave=2", r"MLAConfig.rope_interleave = 2: must be a boolean. Fix: write rope_interleave"),
+    ("model.mla.rope_interleave=2", r"MLAConfig.rope_interleave = 2: must be a boolean \(true or false\)\. Fix: write rope_interleave"),
 ])
 def test_new_model_fields_are_validated(override, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -296,7 +296,8 @@ def test_time_breakdown_can_be_switched_off(tiny_cfg, tmp_path):
         train_records = [r for r in map(json.loads, f) if r["kind"] == "train"]
     assert len(train_records) == 2 and all("time_breakdown" not in r for r in train_records)
     with pytest.raises(ConfigError, match=r"TrainConfig.time_breakdown = 'yes': must be a "
-                                          r"boolean\. Fix: write time_breakdown: true or false"):
+                                          r"boolean \(true or false\)\. Fix: write time_breakdown: "
+                                          r"true or false"):
         tiny_cfg("train.time_breakdown='yes'")
 
 
