@@ -187,7 +187,7 @@ def _sharded_ckpt_rank(rank: int, world: int, out_dir: str) -> str:
                                         "dense_ffn_hidden_size": 16,
                                         "moe": {"num_experts": 4, "ffn_hidden_size": 8}},
                               "train": {"seq_len": 8}, "parallel": par})
-            for par in ({"ep": 2}, {"pp": 2})]  # pipeline stages do not reshard
+            for par in ({"ep": 2}, {}, {"pp": 2})]  # DP2 reshards; pipeline stages do not
     handles = []
     for cfg in cfgs:
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
@@ -203,7 +203,13 @@ def _sharded_ckpt_rank(rank: int, world: int, out_dir: str) -> str:
             p.zero_()
     load_sharded_checkpoint(path, model, opt, groups, layout_manifest(cfg, groups))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # EP2 -> DP2, saved before any optimizer step (no AdamW state yet): the replicas load the
+    # same dense weights and every expert.
     cfg, groups, model, opt = handles[1]
+    load_sharded_checkpoint(path, model, opt, groups, layout_manifest(cfg, groups))
+    dense = [k for k in before if "experts" not in k]
+    assert dense and all(torch.equal(before[k], model.state_dict()[k]) for k in dense)
+    cfg, groups, model, opt = handles[2]
     try:
         load_sharded_checkpoint(path, model, opt, groups, layout_manifest(cfg, groups))
     except ConfigError as e:

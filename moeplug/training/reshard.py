@@ -101,6 +101,8 @@ def global_optimizer_state(layout: dict | None, model: nn.Module, optim_files: l
     from moeplug.training.dist_optim import bucket_plan
 
     names, out = _names(model), {}
+    if not any(k.startswith("state.") for k in load(optim_files[0])):
+        return out  # saved before the first optimizer step: no state to carry over
     if layout and layout.get("distributed_optimizer"):
         shards = [load(f) for f in optim_files]
         # the weight decay value only labels the groups; it does not change the plan
@@ -139,6 +141,8 @@ def load_global_optimizer_state(optimizer: Any, model: nn.Module,
     from moeplug.parallel.comm import group_rank, group_size
     from moeplug.training.dist_optim import DistributedAdamW, _flat
 
+    if not state:  # saved before the first optimizer step: the fresh optimizer is right
+        return
     names = _names(model)
     if groups is not None:  # this rank's experts (and any other shard) of every moment
         from moeplug.parallel.tensor_parallel import shard_state_dict
