@@ -34,6 +34,11 @@ def _parity(rank: int, world: int, runs: list[tuple[dict, str | None]]) -> list[
         check_dispatcher_ep(host, "hierarchical", dist.group.WORLD, options=options)
         d = host.create("dispatcher", "hierarchical", options, _cfg(), dist.group.WORLD)
         done.append(f"{d.split.num_nodes}x{d.split.node_size}")
+        # the subgroups time out with the EP group (run_distributed: 60 s), not torch's 30 min
+        from moeplug_plugins.dispatchers._nodes import group_timeout
+        for sub in (d.intra.group, d.inter):
+            if sub is not None:
+                assert group_timeout(sub) == group_timeout(dist.group.WORLD).__class__(seconds=60)
     return done
 
 

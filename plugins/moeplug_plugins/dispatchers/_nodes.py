@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from moeplug.config import ConfigError
 
 NODE_SIZE_FIELD = "plugins.dispatcher_options.node_size"
@@ -78,6 +80,18 @@ def split(members: list[int], ep_rank: int, node_size: int) -> NodeSplit:
     check_node_size(node_size, W, "the EP group size")
     return NodeSplit(num_nodes=W // node_size, node_size=node_size, node=ep_rank // node_size,
                      local=ep_rank % node_size)
+
+
+def group_timeout(group: Any) -> Any:
+    """The timeout ``group`` was created with (parallel.timeout_s for the trainer's groups), so a
+    hung peer stops the subgroups' collectives as soon as the EP group's; None if torch hides it
+    (``new_group`` then falls back to torch's 30-minute default)."""
+    for device in ("cpu", "cuda"):
+        try:  # private but stable since torch 2.0: the backend's options hold the timeout
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
 
 
 def node_groups(members: list[int], s: NodeSplit, timeout: Any = None) -> tuple[Any, Any]:

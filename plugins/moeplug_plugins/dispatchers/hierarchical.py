@@ -79,7 +79,8 @@ class HierarchicalDispatcher(Dispatcher):
         else:
             members = dist.get_process_group_ranks(group)
             self.split = _nodes.split(members, self.ep_rank, node_size)
-            intra, self.inter = _nodes.node_groups(members, self.split)
+            intra, self.inter = _nodes.node_groups(members, self.split,
+                                                   _nodes.group_timeout(group))
         self.intra = TorchIntraNode(intra)
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
@@ -95,8 +96,7 @@ class HierarchicalDispatcher(Dispatcher):
         in_node_AK = node_TK.index_select(0, token_A) == node_A.unsqueeze(1)
         local_AK = torch.where(in_node_AK, ids_TK.index_select(0, token_A) - (node_A * M)
                                .unsqueeze(1), torch.full_like(in_node_AK, M, dtype=torch.int64))
-        probs_AK = torch.where(in_node_AK, routing.probs_TK.index_select(0, token_A),
-                               torch.zeros((), dtype=routing.probs_TK.dtype))
+        probs_AK = torch.where(in_node_AK, routing.probs_TK.index_select(0, token_A), 0.0)
         x_AD = x_TD.index_select(0, token_A)
         # 2. network
         net = self._network_plan(torch.bincount(node_A.cpu(), minlength=N))
