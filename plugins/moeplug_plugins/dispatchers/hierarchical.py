@@ -3,8 +3,8 @@ then fans out inside the node (HybridEP's idea, over torch.distributed subgroups
 
 Legend: T local tokens, K top-k, D hidden, E experts (global), L local experts, N nodes, n EP
 ranks per node, M = n*L experts per node, A rows this rank sends over the network (one per
-token and destination node), B rows it receives from the network, R = B*K node-permuted rows,
-S rows for the local experts. The node split: moeplug_plugins.dispatchers._nodes.
+token and destination node), B rows it receives from the network, R their choices in my node
+(node-permuted rows), S rows for the local experts. The node split: moeplug_plugins.dispatchers._nodes.
 
 dispatch:
     1. dedupe       one row per (token, destination node), node-major; each carries its K
@@ -13,16 +13,17 @@ dispatch:
     2. network      counts, then rows / probs / ids, all-to-all among the ranks with my local
                     index (one per node); rows in FP8 + scales when a low-precision recipe with
                     quantize_dispatch is active (moeplug.quant.wire), as alltoall
-    3. node permute group the arrived rows' choices by node-local expert   (moeplug.ops.permute)
+    3. node permute group the arrived rows' choices in my node by node-local expert (a stable
+                    sort: only real choices are copied, no sink rows)
     4. fan out      the intra-node stage (moeplug_plugins.dispatchers.intra_node: the seam a
                     shared-memory transport replaces) sends each expert's rows to its owner
     5. sort         arrival is (node rank j, local expert, source node a)-major: reorder to
                     (local expert, a, j), i.e. (expert, source EP rank a*n + j) - the order the
                     alltoall dispatcher gives, so the experts see the same rows in the same order
     6. pad          as alltoall (capacity * ep_size or pad_multiple, moeplug.routing.rows)
-combine runs the inverse: unpad -> unsort -> back inside the node -> unpermute (the partial sum
-of a row's choices in this node: one row per token goes back) -> network back -> sum the nodes'
-partial rows per token. Dropped choices never leave the rank; a token with all its choices
+combine runs the inverse: unpad -> unsort -> back inside the node -> index_add per arrived row
+(the partial sum of its choices in this node: one row per (token, node) goes back) -> network
+back -> sum the nodes' partial rows per token. Dropped choices never leave the rank; a token with all its choices
 dropped sends nothing and gets zeros, as with alltoall. At one process every exchange is the
 identity (one node of one rank).
 """
@@ -36,11 +37,10 @@ import torch.distributed as dist
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.ops import permute, unpermute
 from moeplug.parallel import comm
 from moeplug.quant import active_recipe
 from moeplug.quant.wire import quantized_exchange
-from moeplug.routing import append_sink_rows, pad_rows, padded_counts, sink_dropped, unpad_rows
+from moeplug.routing import pad_rows, padded_counts, sink_dropped, unpad_rows
 from moeplug_plugins.dispatchers import _ep_comm, _nodes
 from moeplug_plugins.dispatchers._group import ep_layout
 from moeplug_plugins.dispatchers.intra_node import TorchIntraNode
@@ -62,8 +62,8 @@ class HierarchicalMeta:
     num_tokens: int            # T, to sum the nodes' partial rows back into
     token_A: torch.Tensor      # local token of each row sent over the network
     net: NetworkPlan           # the network exchange, both directions
-    row_map_BK: torch.Tensor   # node-permuted row holding (arrived row b, choice k)
-    num_sink_rows: int         # choices of arrived rows outside my node (zeros on the way back)
+    num_rows_B: int            # rows that arrived over the network
+    row_R: torch.Tensor        # arrived row of each node-permuted row (expert-major)
     intra: _ep_comm.A2APlan    # the intra-node exchange (counts and sort order)
     pad_index_S: torch.Tensor | None = None  # padded-buffer position of each real row
 
@@ -104,34 +104,37 @@ class HierarchicalDispatcher(Dispatcher):
         probs_BK = self._network(probs_AK, net)
         with torch.no_grad():  # node-local ids in one byte when they fit: less metadata
             local_BK = self._network(local_AK.to(_id_dtype(M)), net).to(torch.int64)
-        # 3. node permute (choices outside my node -> sink expert M, whose rows come last)
-        x_RD, row_map_BK, counts = permute(x_BD, local_BK, M + 1)
-        probs_R = probs_BK.new_zeros(x_RD.shape[0]).index_put(
-            (row_map_BK.reshape(-1),), probs_BK.reshape(-1))
-        num_sink = int(counts[M])
-        R = x_RD.shape[0] - num_sink
-        # rows per (node expert, source node): inside an expert, rows keep arrival (a, token) order
+        # 3. node permute: the arrived rows' choices in my node only, grouped by node-local
+        #    expert; a stable sort keeps arrival (source node a, token) order inside an expert
+        with torch.no_grad():
+            row_P, slot_P = (local_BK < M).nonzero(as_tuple=True)
+            expert_P = local_BK[row_P, slot_P]
+            order_R = torch.sort(expert_P, stable=True).indices
+            row_R, slot_R, expert_R = row_P[order_R], slot_P[order_R], expert_P[order_R]
+        x_RD = x_BD.index_select(0, row_R)
+        probs_R = probs_BK[row_R, slot_R]
+        # rows per (node expert, source node)
         src_B = torch.repeat_interleave(torch.arange(N), torch.tensor(net.recv_N, dtype=torch.int64))
-        key_BK = local_BK.cpu() * N + src_B.unsqueeze(1)
-        counts_MN = torch.bincount(key_BK.reshape(-1), minlength=(M + 1) * N)[:M * N]
+        counts_MN = torch.bincount(expert_R.cpu() * N + src_B[row_R.cpu()], minlength=M * N)
         # 4. fan out inside the node  5. sort to (local expert, source EP rank)
         intra = self.intra.plan(counts_MN.view(n, L * N))
-        x_SD = _ep_comm.sort_by_local_expert(self.intra.there(x_RD[:R], intra), intra)
-        probs_S = _ep_comm.sort_by_local_expert(self.intra.there(probs_R[:R], intra), intra)
+        x_SD = _ep_comm.sort_by_local_expert(self.intra.there(x_RD, intra), intra)
+        probs_S = _ep_comm.sort_by_local_expert(self.intra.there(probs_R, intra), intra)
         # 6. pad
         counts_L = intra.counts_WL.view(n, L, N).sum(dim=(0, 2))
         target_L = padded_counts(counts_L, routing.capacity, routing.pad_multiple, self.ep_size,
                                  self._capacities(routing.capacity))
         x_SD, probs_S, pad_index_S = pad_rows(x_SD, probs_S, counts_L, target_L)
         return Dispatched(x_SD, probs_S, target_L,
-                          HierarchicalMeta(num_tokens=x_TD.shape[0], token_A=token_A, net=net, row_map_BK=row_map_BK,
-                                           num_sink_rows=num_sink, intra=intra,
+                          HierarchicalMeta(num_tokens=x_TD.shape[0], token_A=token_A, net=net,
+                                           num_rows_B=x_BD.shape[0], row_R=row_R, intra=intra,
                                            pad_index_S=pad_index_S))
 
     def combine(self, y_SD: torch.Tensor, meta: HierarchicalMeta) -> torch.Tensor:
         y_SD = _ep_comm.unsort_by_local_expert(unpad_rows(y_SD, meta.pad_index_S), meta.intra)
-        y_RD = append_sink_rows(self.intra.back(y_SD, meta.intra), meta.num_sink_rows)
-        y_BD = unpermute(y_RD, meta.row_map_BK)       # partial sum inside my node, per row
+        y_RD = self.intra.back(y_SD, meta.intra)
+        # the partial sum of each arrived row's choices in my node: one row per (token, node)
+        y_BD = y_RD.new_zeros(meta.num_rows_B, y_RD.shape[1]).index_add(0, meta.row_R, y_RD)
         y_AD = self._network_back(y_BD, meta.net)
         return y_AD.new_zeros(meta.num_tokens, y_AD.shape[1]).index_add(0, meta.token_A, y_AD)
 
