@@ -16,22 +16,35 @@ from moeplug.testing.distributed import run_distributed
 E, K = 8, 3
 
 
-def _parity(rank: int, world: int, runs: list[tuple[dict, str | None]]) -> list[str]:
-    """Each run: (dispatcher options, $LOCAL_WORLD_SIZE or None); returns what ran."""
+def _parity(rank: int, world: int, runs: list[tuple]) -> list[str]:
+    """Each run: (dispatcher options, $LOCAL_WORLD_SIZE or None[, precision recipe]); returns
+    what ran. Under a recipe with quantize_dispatch both dispatchers send FP8 rows + scales."""
+    import contextlib
     import os
 
     import torch.distributed as dist
 
     from moeplug.plugin_host import PluginHost
-    from moeplug.testing.dispatcher_parallel import check_dispatcher_ep
+    from moeplug.quant import recipe_scope
+    from moeplug.quant.wire import WIRE, reset_wire
+    from moeplug.testing import tiny_model_config
+    from moeplug.testing.dispatcher_parallel import _tokens, check_dispatcher_ep
     host = PluginHost.load()
     done = []
-    for options, lws in runs:
+    for options, lws, *recipe in runs:
         if lws is None:
             os.environ.pop("LOCAL_WORLD_SIZE", None)
         else:
             os.environ["LOCAL_WORLD_SIZE"] = lws
-        check_dispatcher_ep(host, "hierarchical", dist.group.WORLD, options=options)
+        scope = (recipe_scope(host.create("precision", recipe[0], {}).recipe) if recipe
+                 else contextlib.nullcontext())
+        reset_wire()
+        with scope:  # D = 32: one MXFP8 block per row
+            check_dispatcher_ep(host, "hierarchical", dist.group.WORLD, options=options,
+                                model_cfg=tiny_model_config(num_experts=E, top_k=K,
+                                                            hidden_size=32))
+        # FP8 rows went out under the recipe (a rank without tokens sends none either way)
+        assert (WIRE["rows"] > 0) == bool(recipe and _tokens(rank)), WIRE
         d = host.create("dispatcher", "hierarchical", options, _cfg(), dist.group.WORLD)
         done.append(f"{d.split.num_nodes}x{d.split.node_size}")
         # the subgroups time out with the EP group (run_distributed: 60 s), not torch's 30 min
@@ -57,9 +70,9 @@ def test_equals_alltoall_at_world4_every_node_split():
 
 
 def test_equals_alltoall_at_world2():
-    results = run_distributed(_parity, 2, [({"node_size": 1}, None), ({"node_size": 2}, None)],
-                              timeout=180)
-    assert results == [["2x1", "1x2"]] * 2
+    results = run_distributed(_parity, 2, [({"node_size": 1}, None), ({"node_size": 2}, None),
+                                           ({"node_size": 1}, None, "mxfp8")], timeout=180)
+    assert results == [["2x1", "1x2", "2x1"]] * 2
 
 
 def _subgroup_parity(rank: int, world: int) -> str:
