@@ -186,3 +186,23 @@ def test_cli_refuses_a_bad_node_size_before_launching_ranks(run_cli, tiny_config
     assert "plugins.dispatcher_options.node_size = 3: does not divide parallel.ep = 4" \
         in proc.stderr, proc.stderr[-2000:]
     assert "torchrun" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_cli_trains_2_nodes_x_2_ranks_like_alltoall(run_cli, tiny_config_file, tmp_path):
+    # The whole path: the plugin check passes node_size 2 at parallel.ep 4, torchrun relaunches
+    # 4 ranks, the dispatcher builds its node subgroups, and the logged losses are alltoall's.
+    import json
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    common = ["--config", cfg, "--nproc", "4", "--steps", "3", "--set", "parallel.ep=4",
+              "--set", "train.log_interval=1", "--set", "train.eval_interval=0"]
+    losses = {}
+    for name, extra in (("alltoall", []), ("hierarchical", [
+            "--dispatcher", "hierarchical", "--set", "plugins.dispatcher_options.node_size=2"])):
+        out = tmp_path / name
+        proc = run_cli("train", *common, "--out", str(out), *extra, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in records if r["kind"] == "train"]
+    assert len(losses["alltoall"]) == 3
+    assert max(abs(a - b) for a, b in zip(losses["alltoall"], losses["hierarchical"])) < 1e-5
