@@ -95,6 +95,9 @@ def check_plugins(host, cfg: RootConfig):
     worth: cheap next to data preparation). Returns the precision recipe, which is reused.
     """
     p, m = cfg.plugins, cfg.model
+    for kind in ("router", "dispatcher", "experts", "precision"):  # rules needing parallel.*
+        host.check_parallel(kind, getattr(p, kind), dict(getattr(p, f"{kind}_options")),
+                            cfg.parallel)
     host.create("router", p.router, dict(p.router_options), m)
     dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, None)
     host.create("experts", p.experts, dict(p.experts_options), m, dispatcher.num_local_experts)

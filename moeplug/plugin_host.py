@@ -372,6 +372,23 @@ class PluginHost:
         _check_interface(kind, name, entry, component)
         return component
 
+    def check_parallel(self, kind: str, name: str, options: dict | None, parallel: Any) -> None:
+        """Rules of a plugin's options that need the parallel layout (``cfg.parallel``), e.g. a
+        node size that must divide ``parallel.ep``: an ``options_cls`` may define
+        ``check_parallel(self, parallel)`` raising ValueError/ConfigError. The CLI calls this
+        before any process group exists; a plugin without such a method passes."""
+        self._check_kind(kind)
+        entry = self._entries[kind].get(name)
+        if entry is None or entry.reason:
+            return  # create() reports unknown and unavailable plugins
+        check = getattr(_build_options(entry, options), "check_parallel", None)
+        if check is None:
+            return
+        try:
+            check(parallel)
+        except ValueError as exc:
+            raise PluginError(f"{kind} '{name}' (from {entry.source.dist}): {exc}") from exc
+
     def _check_kind(self, kind: str) -> None:
         if kind not in KINDS:
             raise PluginError(f"unknown plugin kind {kind!r}. Fix: use one of {', '.join(KINDS)}")

@@ -36,8 +36,23 @@ V = 64
 TOL = 2e-5       # fp32, 3 AdamW steps, absolute, on loss / grad norm / every grad and parameter
 GRAD_CLIP = 0.05  # below the tiny model's grad norm, so clipping always acts
 
-# name -> (parallel overrides, dispatcher, grad_accum_steps[, model overrides])
+# name -> (parallel overrides, dispatcher, grad_accum_steps[, model overrides]); the dispatcher
+# is a name, or a plugins section (dispatcher, its options, router options) as made by _hier.
 TIED = {"tie_embeddings": True}
+DROP = {"capacity_factor": 0.5}                        # the tiny model drops some choices
+DROP_PAD = {"capacity_factor": 0.5, "pad_to_capacity": True}
+
+
+def _hier(node_size: int, router: dict | None = None) -> dict:
+    """hierarchical with ``node_size`` EP ranks per "node" (EP4 node 2: 2 nodes x 2 ranks)."""
+    return {"dispatcher": "hierarchical", "dispatcher_options": {"node_size": node_size},
+            "router_options": router or {}}
+
+
+def _a2a(router: dict) -> dict:
+    return {"dispatcher": "alltoall", "router_options": router}
+
+
 WORLD2 = {
     "ep2": ({"ep": 2}, "alltoall", 1),
     "ep2_allgather": ({"ep": 2}, "allgather", 1),
@@ -51,6 +66,12 @@ WORLD2 = {
     "pp2_tied_distopt": ({"pp": 2, "distributed_optimizer": True}, "alltoall", 2, TIED),
     "dp2_distopt": ({"distributed_optimizer": True}, "alltoall", 1),
     "dp2_ep2_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
+    "ep2_hier": ({"ep": 2}, _hier(1), 1),
+    "ep2_drop": ({"ep": 2}, _a2a(DROP), 1),
+    "ep2_hier_drop": ({"ep": 2}, _hier(1, DROP), 1),
+    "ep2_drop_pad": ({"ep": 2}, _a2a(DROP_PAD), 1),
+    "ep2_hier_drop_pad": ({"ep": 2}, _hier(1, DROP_PAD), 1),
+    "dp2_ep2_distopt_hier": ({"ep": 2, "distributed_optimizer": True}, _hier(1), 1),
 }
 WORLD4 = {
     "ep4": ({"ep": 4}, "alltoall", 1),
@@ -68,9 +89,28 @@ WORLD4 = {
                         "alltoall", 1),
     "pp2_cp2": ({"pp": 2, "cp": 2}, "alltoall", 2),
     "ep2_dp4_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
+    "ep4_hier": ({"ep": 4}, _hier(2), 1),
+    "ep4_drop": ({"ep": 4}, _a2a(DROP), 1),
+    "ep4_hier_drop": ({"ep": 4}, _hier(2, DROP), 1),
+    "ep4_drop_pad": ({"ep": 4}, _a2a(DROP_PAD), 1),
+    "ep4_hier_drop_pad": ({"ep": 4}, _hier(2, DROP_PAD), 1),
+    "tp2_ep4_folded_hier": ({"tp": 2, "ep": 4, "sequence_parallel": True}, _hier(2), 1),
+    "cp2_ep2_hier": ({"cp": 2, "ep": 2}, _hier(1), 1),
+    "pp2_ep2_hier": ({"pp": 2, "ep": 2}, _hier(1), 2),
+    "ep2_dp4_distopt_hier": ({"ep": 2, "distributed_optimizer": True}, _hier(1), 1),
 }
 WORLD8 = {
     "pp2_ep2_tp2_sp": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 2),
+    "pp2_ep2_tp2_sp_hier": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, _hier(1), 2),
+}
+# hierarchical vs alltoall at the same layout (each also equals one process above)
+HIER_PAIRS = {
+    2: [("ep2", "ep2_hier"), ("ep2_drop", "ep2_hier_drop"), ("ep2_drop_pad", "ep2_hier_drop_pad"),
+        ("dp2_ep2_distopt", "dp2_ep2_distopt_hier")],
+    4: [("ep4", "ep4_hier"), ("ep4_drop", "ep4_hier_drop"), ("ep4_drop_pad", "ep4_hier_drop_pad"),
+        ("tp2_ep4_folded", "tp2_ep4_folded_hier"), ("cp2_ep2", "cp2_ep2_hier"),
+        ("pp2_ep2", "pp2_ep2_hier"), ("ep2_dp4_distopt", "ep2_dp4_distopt_hier")],
+    8: [("pp2_ep2_tp2_sp", "pp2_ep2_tp2_sp_hier")],
 }
 
 
@@ -83,7 +123,7 @@ def _cfg(parallel: dict, dispatcher: str, grad_accum: int, model: dict | None = 
                   "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
                           "aux_loss_coeff": 0.05},
                   **(model or {})},
-        "plugins": {"dispatcher": dispatcher},
+        "plugins": {"dispatcher": dispatcher} if isinstance(dispatcher, str) else dispatcher,
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 8, "grad_accum_steps": grad_accum,
                   "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 1, "grad_clip": GRAD_CLIP,
                   "seed": 7},
@@ -154,7 +194,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         opt, ref_opt = build_rank_optimizer(model, cfg, groups), build_rank_optimizer(ref, ref_cfg)
         errs = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "val_loss": 0.0,
                 "router_losses": 0.0, "grad_norm": 0.0, "grad": 0.0, "param": 0.0}
-        losses, min_ref_norm, num_grads = [], float("inf"), 0
+        losses, grad_norms, min_ref_norm, num_grads, dropped = [], [], float("inf"), 0, 0.0
         for step in range(3):
             for o in (opt, ref_opt):
                 for g in o.param_groups:
@@ -164,11 +204,13 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
             want = train_step(ref, ref_opt, step_batches(ids, ref_cfg.train, step), ref_cfg.train,
                               precision)
             losses.append(got.loss)
+            grad_norms.append(got.grad_norm)
             assert got.losses().keys() == want.losses().keys() == {"loss", "lm_loss", "aux_loss"}
             for key, value in got.losses().items():  # as the train record logs them
                 errs[key] = max(errs[key], abs(value - want.losses()[key]))
             if groups.size("pp") == 1:  # pipeline runs log no per-layer router losses
                 errs["router_losses"] = max(errs["router_losses"], _moe_err(got.moe, want.moe))
+                dropped = max(dropped, *got.moe["dropped_fraction"])
             errs["grad_norm"] = max(errs["grad_norm"], abs(got.grad_norm - want.grad_norm))
             min_ref_norm = min(min_ref_norm, want.grad_norm)
             if not cfg.parallel.distributed_optimizer:
@@ -185,7 +227,8 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         val = [get_batch(ids, cfg.train.micro_batch_size, cfg.train.seq_len, gen) for _ in "ab"]
         errs["val_loss"] = abs(evaluate(model, val, precision, groups)
                                - evaluate(ref, val, precision))
-        report[name] = {"errs": errs, "losses": losses, "min_ref_norm": min_ref_norm,
+        report[name] = {"errs": errs, "losses": losses, "grad_norms": grad_norms, "dropped": dropped,
+                        "min_ref_norm": min_ref_norm,
                         "num_grads": num_grads, "dp": groups.size("dp")}
     return report
 
@@ -245,6 +288,37 @@ def test_alltoall_equals_allgather_world4(world4, pair):
     for report in world4:
         a, b = (report[n]["losses"] for n in pair)
         assert max(abs(x - y) for x, y in zip(a, b)) <= TOL
+
+
+def _hier_pair_errs(reports, pair) -> float:
+    """Largest gap between alltoall's and hierarchical's logged losses and grad norms."""
+    err = 0.0
+    for report in reports:
+        a, b = report[pair[0]], report[pair[1]]
+        err = max(err, *(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+                  *(abs(x - y) for x, y in zip(a["grad_norms"], b["grad_norms"])))
+    return err
+
+
+@pytest.mark.parametrize("pair", HIER_PAIRS[2])
+def test_hierarchical_equals_alltoall_world2(world2, pair):
+    assert _hier_pair_errs(world2, pair) <= TOL
+
+
+@pytest.mark.parametrize("pair", HIER_PAIRS[4])
+def test_hierarchical_equals_alltoall_world4(world4, pair):
+    assert _hier_pair_errs(world4, pair) <= TOL
+
+
+@pytest.mark.parametrize("pair", HIER_PAIRS[8])
+def test_hierarchical_equals_alltoall_world8(world8, pair):
+    assert _hier_pair_errs(world8, pair) <= TOL
+
+
+@pytest.mark.parametrize("name", [n for n in WORLD2 if "drop" in n])
+def test_drop_layouts_really_drop(world2, name):
+    # Guard: the capacity bites on the tiny model (else "dropping on" would test nothing).
+    assert max(r[name]["dropped"] for r in world2) > 0
 
 
 def test_data_parallel_ranks_train_disjoint_micro_batches_in_one_process_order():

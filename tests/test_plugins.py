@@ -31,6 +31,7 @@ BUILTINS = {
     ("router", "topk"): "builtin_routers",
     ("dispatcher", "alltoall"): "builtin_dispatchers",
     ("dispatcher", "allgather"): "builtin_dispatchers",
+    ("dispatcher", "hierarchical"): "builtin_dispatchers",
     ("experts", "sequential"): "builtin_experts",
     ("experts", "grouped"): "builtin_experts",
     ("precision", "fp32"): "builtin_precisions",

@@ -19,7 +19,9 @@ def to_blocks(x: torch.Tensor, axis: int, B: int) -> torch.Tensor:
 
 
 def from_blocks(xb: torch.Tensor, axis: int, n: int) -> torch.Tensor:
-    x = xb.reshape(*xb.shape[:-2], -1)[..., :n]
+    # the block dims' product, not -1: a tensor with no rows (an EP rank without tokens) has
+    # 0 elements and -1 would be ambiguous
+    x = xb.reshape(*xb.shape[:-2], xb.shape[-2] * xb.shape[-1])[..., :n]
     return x.movedim(-1, axis)
 
 

@@ -15,6 +15,7 @@ raises :class:`ContractError` (an AssertionError) naming the component and the b
 
 from moeplug.testing._common import ContractError, tiny_model_config
 from moeplug.testing.dispatcher import check_dispatcher
+from moeplug.testing.dispatcher_parallel import check_dispatcher_ep
 from moeplug.testing.experts import check_experts
 from moeplug.testing.precision import check_precision
 from moeplug.testing.reference import reference_expert_mlp
@@ -29,5 +30,6 @@ def check_component(host, kind: str, name: str, **kwargs) -> None:
     CHECKS[kind](host, name, **kwargs)
 
 
-__all__ = ["ContractError", "tiny_model_config", "check_router", "check_dispatcher", "check_experts",
+__all__ = ["ContractError", "tiny_model_config", "check_router", "check_dispatcher",
+           "check_dispatcher_ep", "check_experts",
            "check_precision", "check_component", "reference_expert_mlp", "CHECKS"]

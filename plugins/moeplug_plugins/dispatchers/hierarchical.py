@@ -1,0 +1,169 @@
+"""``hierarchical`` dispatcher: each token crosses the network at most once per destination node,
+then fans out inside the node (HybridEP's idea, over torch.distributed subgroups).
+
+Legend: T local tokens, K top-k, D hidden, E experts (global), L local experts, N nodes, n EP
+ranks per node, M = n*L experts per node, A rows this rank sends over the network (one per
+token and destination node), B rows it receives from the network, R their choices in my node
+(node-permuted rows), S rows for the local experts. The node split: moeplug_plugins.dispatchers._nodes.
+
+dispatch:
+    1. dedupe       one row per (token, destination node), node-major; each carries its K
+                    choices as node-local expert ids (M = "not in this node, or dropped") and
+                    their probs (0 there)
+    2. network      counts, then rows / probs / ids, all-to-all among the ranks with my local
+                    index (one per node); rows in FP8 + scales when a low-precision recipe with
+                    quantize_dispatch is active (moeplug.quant.wire), as alltoall
+    3. node permute group the arrived rows' choices in my node by node-local expert (a stable
+                    sort: only real choices are copied, no sink rows)
+    4. fan out      the intra-node stage (moeplug_plugins.dispatchers.intra_node: the seam a
+                    shared-memory transport replaces) sends each expert's rows to its owner
+    5. sort         arrival is (node rank j, local expert, source node a)-major: reorder to
+                    (local expert, a, j), i.e. (expert, source EP rank a*n + j) - the order the
+                    alltoall dispatcher gives, so the experts see the same rows in the same order
+    6. pad          as alltoall (capacity * ep_size or pad_multiple, moeplug.routing.rows)
+combine runs the inverse: unpad -> unsort -> back inside the node -> index_add per arrived row
+(the partial sum of its choices in this node: one row per (token, node) goes back) -> network
+back -> sum the nodes' partial rows per token. Dropped choices never leave the rank; a token with all its choices
+dropped sends nothing and gets zeros, as with alltoall. At one process every exchange is the
+identity (one node of one rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeplug.config import ModelConfig
+from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
+from moeplug.parallel import comm
+from moeplug.quant import active_recipe
+from moeplug.quant.wire import quantized_exchange
+from moeplug.routing import pad_rows, padded_counts, sink_dropped, unpad_rows
+from moeplug_plugins.dispatchers import _ep_comm, _nodes
+from moeplug_plugins.dispatchers._group import ep_layout
+from moeplug_plugins.dispatchers.intra_node import TorchIntraNode
+
+
+def _id_dtype(num_node_experts: int) -> torch.dtype:
+    """Smallest dtype gloo and NCCL both carry that holds ids 0..M (M: "not in this node")."""
+    return torch.uint8 if num_node_experts < 256 else torch.int32
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    send_N: list[int]  # rows this rank sends to each node (to the rank with my local index)
+    recv_N: list[int]  # rows it receives from each node
+
+
+@dataclass(frozen=True)
+class HierarchicalMeta:
+    num_tokens: int            # T, to sum the nodes' partial rows back into
+    token_A: torch.Tensor      # local token of each row sent over the network
+    net: NetworkPlan           # the network exchange, both directions
+    num_rows_B: int            # rows that arrived over the network
+    row_R: torch.Tensor        # arrived row of each node-permuted row (expert-major)
+    intra: _ep_comm.A2APlan    # the intra-node exchange (counts and sort order)
+    pad_index_S: torch.Tensor | None = None  # padded-buffer position of each real row
+
+
+class HierarchicalDispatcher(Dispatcher):
+    def __init__(self, model: ModelConfig, group=None, node_size: int = 0):
+        self.group = group
+        self.ep_size, self.ep_rank, self.num_local_experts = ep_layout(model, group)
+        self.num_experts = model.moe.num_experts
+        if group is None:  # one process: one node of one rank, whatever node_size says
+            self.split = _nodes.NodeSplit(num_nodes=1, node_size=1, node=0, local=0)
+            intra, self.inter = None, None
+        else:
+            members = dist.get_process_group_ranks(group)
+            self.split = _nodes.split(members, self.ep_rank, node_size)
+            intra, self.inter = _nodes.node_groups(members, self.split,
+                                                   _nodes.group_timeout(group))
+        self.intra = TorchIntraNode(intra)
+
+    def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
+        N, n, L = self.split.num_nodes, self.split.node_size, self.num_local_experts
+        M = n * L
+        # 1. dedupe: one row per (token, destination node)
+        ids_TK = sink_dropped(routing.ids_TK, routing.dropped_TK, self.num_experts)
+        node_TK = ids_TK // M                        # dropped choices -> node N (none)
+        hit_TN = torch.zeros(ids_TK.shape[0], N + 1, dtype=torch.bool)
+        hit_TN.scatter_(1, node_TK.cpu(), True)
+        node_A, token_A = hit_TN[:, :N].t().nonzero(as_tuple=True)  # node-major, token order
+        token_A, node_A = token_A.to(x_TD.device), node_A.to(x_TD.device)
+        in_node_AK = node_TK.index_select(0, token_A) == node_A.unsqueeze(1)
+        local_AK = torch.where(in_node_AK, ids_TK.index_select(0, token_A) - (node_A * M)
+                               .unsqueeze(1), torch.full_like(in_node_AK, M, dtype=torch.int64))
+        probs_AK = torch.where(in_node_AK, routing.probs_TK.index_select(0, token_A), 0.0)
+        x_AD = x_TD.index_select(0, token_A)
+        # 2. network
+        net = self._network_plan(torch.bincount(node_A.cpu(), minlength=N))
+        x_BD = self._send_rows(x_AD, net)
+        probs_BK = self._network(probs_AK, net)
+        with torch.no_grad():  # node-local ids in one byte when they fit: less metadata
+            local_BK = self._network(local_AK.to(_id_dtype(M)), net).to(torch.int64)
+        # 3. node permute: the arrived rows' choices in my node only, grouped by node-local
+        #    expert; a stable sort keeps arrival (source node a, token) order inside an expert
+        with torch.no_grad():
+            row_P, slot_P = (local_BK < M).nonzero(as_tuple=True)
+            expert_P = local_BK[row_P, slot_P]
+            order_R = torch.sort(expert_P, stable=True).indices
+            row_R, slot_R, expert_R = row_P[order_R], slot_P[order_R], expert_P[order_R]
+        x_RD = x_BD.index_select(0, row_R)
+        probs_R = probs_BK[row_R, slot_R]
+        # rows per (node expert, source node)
+        src_B = torch.repeat_interleave(torch.arange(N), torch.tensor(net.recv_N, dtype=torch.int64))
+        counts_MN = torch.bincount(expert_R.cpu() * N + src_B[row_R.cpu()], minlength=M * N)
+        # 4. fan out inside the node  5. sort to (local expert, source EP rank)
+        intra = self.intra.plan(counts_MN.view(n, L * N))
+        x_SD = _ep_comm.sort_by_local_expert(self.intra.there(x_RD, intra), intra)
+        probs_S = _ep_comm.sort_by_local_expert(self.intra.there(probs_R, intra), intra)
+        # 6. pad
+        counts_L = intra.counts_WL.view(n, L, N).sum(dim=(0, 2))
+        target_L = padded_counts(counts_L, routing.capacity, routing.pad_multiple, self.ep_size,
+                                 self._capacities(routing.capacity))
+        x_SD, probs_S, pad_index_S = pad_rows(x_SD, probs_S, counts_L, target_L)
+        return Dispatched(x_SD, probs_S, target_L,
+                          HierarchicalMeta(num_tokens=x_TD.shape[0], token_A=token_A, net=net,
+                                           num_rows_B=x_BD.shape[0], row_R=row_R, intra=intra,
+                                           pad_index_S=pad_index_S))
+
+    def combine(self, y_SD: torch.Tensor, meta: HierarchicalMeta) -> torch.Tensor:
+        y_SD = _ep_comm.unsort_by_local_expert(unpad_rows(y_SD, meta.pad_index_S), meta.intra)
+        y_RD = self.intra.back(y_SD, meta.intra)
+        # the partial sum of each arrived row's choices in my node: one row per (token, node)
+        y_BD = y_RD.new_zeros(meta.num_rows_B, y_RD.shape[1]).index_add(0, meta.row_R, y_RD)
+        y_AD = self._network_back(y_BD, meta.net)
+        return y_AD.new_zeros(meta.num_tokens, y_AD.shape[1]).index_add(0, meta.token_A, y_AD)
+
+    # ---- the network stage (identity with one node; see _ep_comm / comm) --------------------
+    def _network_plan(self, send_N: torch.Tensor) -> NetworkPlan:
+        if self.inter is None:
+            return NetworkPlan(send_N=send_N.tolist(), recv_N=send_N.tolist())
+        N = len(send_N)
+        with torch.no_grad():
+            recv_N = comm.all_to_all(send_N.to(torch.int64), [1] * N, [1] * N, self.inter)
+        return NetworkPlan(send_N=send_N.tolist(), recv_N=recv_N.tolist())
+
+    def _network(self, rows: torch.Tensor, net: NetworkPlan) -> torch.Tensor:
+        return rows if self.inter is None else comm.all_to_all(rows, net.recv_N, net.send_N,
+                                                               self.inter)
+
+    def _network_back(self, rows: torch.Tensor, net: NetworkPlan) -> torch.Tensor:
+        return rows if self.inter is None else comm.all_to_all(rows, net.send_N, net.recv_N,
+                                                               self.inter)
+
+    def _send_rows(self, x_AD: torch.Tensor, net: NetworkPlan) -> torch.Tensor:
+        recipe = active_recipe()
+        if recipe is None or not recipe.quantize_dispatch:
+            return self._network(x_AD, net)
+        # Quantized at one process too, so a single process sees alltoall's numerics.
+        return quantized_exchange(x_AD, recipe, lambda t: self._network(t, net),
+                                  lambda g: self._network_back(g, net))
+
+    def _capacities(self, capacity: int | None) -> list[int] | None:
+        if capacity is None or self.ep_size == 1:
+            return None
+        return _ep_comm.gather_capacities(capacity, self.group)
