@@ -128,10 +128,14 @@ class MoEConfig:
     # iff i % N == 0), or a 0/1 list with one entry per layer. ModelConfig.first_k_dense still
     # forces the first k layers dense; ModelConfig.moe_layer_pattern combines both.
     layer_freq: int | list = 1
+    # Overlap (moeplug.modules.moe_overlap): split each micro-batch's tokens into this many
+    # chunks whose dispatch/combine run in the background while another chunk's experts (and
+    # the shared experts) compute. 1 = off. Dispatchers without split start/wait still work.
+    overlap_chunks: int = 1
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _positive(self, "num_experts", "top_k", "ffn_hidden_size")
+        _positive(self, "num_experts", "top_k", "ffn_hidden_size", "overlap_chunks")
         _non_negative(self, "aux_loss_coeff", "shared_expert_ffn_hidden_size")
         if self.top_k > self.num_experts:
             _fail(self, "top_k", self.top_k, f"exceeds num_experts ({self.num_experts})",
@@ -284,6 +288,16 @@ class ModelConfig:
         if self.first_k_dense > self.num_layers:
             _fail(self, "first_k_dense", self.first_k_dense,
                   f"exceeds num_layers ({self.num_layers})", f"set first_k_dense <= {self.num_layers}")
+        rc = self.recompute
+        if isinstance(self.moe.overlap_chunks, int) and self.moe.overlap_chunks > 1 and (
+                rc.granularity == "full" or "moe" in (rc.modules or [])):
+            # Recomputing the MoE layer would re-issue its exchanges inside the backward, next
+            # to the backward's own in-flight gradient exchanges: not supported (Megatron's
+            # EP overlap likewise excludes full recompute).
+            _fail(self.moe, "overlap_chunks", self.moe.overlap_chunks,
+                  f"cannot be combined with recompute of the MoE layer (model.recompute "
+                  f"granularity {rc.granularity!r}, modules {rc.modules})",
+                  "set model.moe.overlap_chunks: 1, or recompute other modules (e.g. moe_act)")
         freq = self.moe.layer_freq
         if isinstance(freq, list) and len(freq) != self.num_layers:
             _fail(self.moe, "layer_freq", freq,
@@ -790,6 +804,9 @@ class RootConfig:
 # silently computes something else with the same tensors (top_k, activation, routing options).
 MODEL_DEFINING = ("model", "plugins.router", "plugins.router_options", "data.tokenizer",
                   "data.vocab_size")
+# Fields under "model" that change how the model runs, not what it computes: a resume may
+# change them (overlap on or off gives the same outputs and gradients).
+EXECUTION_ONLY = ("model.moe.overlap_chunks",)
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -811,6 +828,7 @@ def model_differences(saved: RootConfig, requested: RootConfig) -> list[tuple[st
     unset = "(not set)"
     return [(k, a.get(k, unset), b.get(k, unset)) for k in {**b, **a}
             if any(k == f or k.startswith(f + ".") for f in MODEL_DEFINING)
+            and k not in EXECUTION_ONLY
             and a.get(k, unset) != b.get(k, unset)]
 
 

@@ -1,0 +1,212 @@
+"""Overlap on equals overlap off (``model.moe.overlap_chunks``; moeplug.modules.moe_overlap).
+
+Every rank of a real gloo group builds the same model twice from one seed, once with
+``overlap_chunks = 1`` (the plain layer) and once with ``CHUNKS`` (uneven chunks: T = 32 tokens
+per micro-batch into 3), and runs 3 real ``train_step``s of each on the same batches. Compared
+on every rank after every step: the logged loss terms, the global grad norm, every gradient of
+the rank; after 3 steps every parameter. Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
+and EP2 with capacity dropping + pad-to-capacity, and with shared experts everywhere (they run
+during the first chunk's dispatch).
+
+Tolerance (fp32): the forward is bitwise identical here (every token's rows meet the same
+weights and are summed in the same order; chunks of >= 4 rows per expert keep the GEMM
+library on the same kernels), so the first step's losses must be exactly equal. Gradients are
+not all bitwise: an expert's weight gradient sums its rows chunk by chunk, and autograd adds a
+tensor's gradient contributions (router, shared experts, routed chunks) in the order their
+nodes run, which overlap changes. Step 1 (same parameters) must agree to TOL = 1e-6 absolute
+on every gradient and the grad norm (measured ~1e-8). Later steps start from parameters that
+AdamW already moved apart: its m / sqrt(v) turns a 1e-9 difference of a near-zero gradient
+into a visible one of the update (up to lr), so losses and parameters after 3 steps get
+TRAIN_TOL = 1e-4 (measured up to ~2e-5).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeplug.testing.distributed import run_distributed
+
+V = 64
+CHUNKS = 3
+TOL = 1e-6        # step 1 (same parameters): grads and grad norm, absolute
+TRAIN_TOL = 1e-4  # steps 2-3 and the final parameters, absolute (lr = 1e-2)
+
+# name -> (parallel overrides, grad_accum_steps, router options)
+CAPACITY = {"capacity_factor": 1.0, "pad_to_capacity": True}
+WORLD2 = {"ep2": ({"ep": 2}, 1, {}), "ep2_capacity": ({"ep": 2}, 1, CAPACITY)}
+WORLD4 = {"ep4": ({"ep": 4}, 1, {}), "pp2_ep2": ({"pp": 2, "ep": 2}, 2, {})}
+
+
+def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int):
+    from moeplug.config import config_from_dict
+    return config_from_dict({
+        "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_hidden_size": 16,
+                  "init_std": 0.1,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
+                          "aux_loss_coeff": 0.05, "shared_expert_ffn_hidden_size": 8,
+                          "overlap_chunks": chunks}},
+        "plugins": {"dispatcher": "alltoall", "router_options": router_options},
+        "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
+                  "grad_accum_steps": grad_accum, "lr": 1e-2, "min_lr": 1e-3,
+                  "warmup_steps": 1, "grad_clip": 0.05, "seed": 7},
+        "parallel": parallel,
+    })
+
+
+def _named(model) -> dict[str, torch.nn.Parameter]:
+    from moeplug.training.distributed import pipeline_chunks
+    out = {}
+    for part in pipeline_chunks(model) or [model]:
+        out.update(dict(part.named_parameters()))
+    return out
+
+
+def _compare(rank: int, world: int, layouts: dict) -> dict:
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.optim import lr_at
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
+
+    host = PluginHost.load()
+    precision = host.create("precision", "fp32", {})
+    ids = np.random.default_rng(3).integers(0, V, 4096).astype(np.int64)
+    report = {}
+    for name, (parallel, accum, router_options) in layouts.items():
+        runs = {}
+        for chunks in (1, CHUNKS):
+            cfg = _cfg(parallel, accum, router_options, chunks)
+            groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+            seed_everything(cfg.train.seed)
+            model = build_rank_model(cfg, host, V, groups)
+            opt = build_rank_optimizer(model, cfg, groups)
+            steps = []
+            for step in range(3):
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step, cfg.train)
+                stats = train_step(model, opt, step_batches(ids, cfg.train, step, groups),
+                                   cfg.train, precision, groups)
+                grads = {n: p.grad.clone() for n, p in _named(model).items() if p.grad is not None}
+                steps.append((stats.losses(), stats.grad_norm, grads))
+            runs[chunks] = (steps, {n: p.detach().clone() for n, p in _named(model).items()})
+        (off, off_params), (on, on_params) = runs[1], runs[CHUNKS]
+        # Step 1 starts from the same parameters: its grads are the parity proof (TOL). Steps
+        # 2-3 start from parameters AdamW has already moved apart (TRAIN_TOL, see the top).
+        errs = {}
+        for step, ((l_off, n_off, g_off), (l_on, n_on, g_on)) in enumerate(zip(off, on)):
+            assert l_off.keys() == l_on.keys() and g_off.keys() == g_on.keys() and g_off
+            at = "step1_" if step == 0 else "later_"
+            for key, value in (("loss", max(abs(l_off[k] - l_on[k]) for k in l_off)),
+                               ("grad_norm", abs(n_off - n_on)),
+                               ("grad", max((g_off[k] - g_on[k]).abs().max().item()
+                                            for k in g_off))):
+                errs[at + key] = max(errs.get(at + key, 0.0), value)
+        errs["later_param"] = max((off_params[k] - on_params[k]).abs().max().item()
+                                  for k in off_params)
+        first_off, first_on = off[0][0], on[0][0]
+        report[name] = {"errs": errs, "first_step_losses_equal": first_off == first_on,
+                        "bitwise_grads": sum(torch.equal(off[0][2][k], on[0][2][k])
+                                             for k in off[0][2]),
+                        "num_grads": len(off[0][2]), "losses": [s[0]["loss"] for s in on]}
+    return report
+
+
+def _check(reports: list[dict], name: str) -> None:
+    for rank, report in enumerate(reports):
+        r = report[name]
+        print(f"{name} rank {rank}: {r['errs']}, {r['bitwise_grads']}/{r['num_grads']} "
+              f"step-1 grads bitwise")
+        assert r["first_step_losses_equal"], f"{name}, rank {rank}: forward differs"
+        bad = {k: v for k, v in r["errs"].items()
+               if not v <= (TOL if k.startswith("step1_") else TRAIN_TOL)}
+        assert not bad, f"{name}, rank {rank}: overlap on differs from off by > {TOL}: {bad}"
+        assert r["losses"][-1] < r["losses"][0] + 1.0  # it trained (no NaN, no blow-up)
+
+
+@pytest.fixture(scope="module")
+def world2_reports():
+    return run_distributed(_compare, 2, WORLD2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world4_reports():
+    return run_distributed(_compare, 4, WORLD4, timeout=500)
+
+
+@pytest.mark.parametrize("name", sorted(WORLD2))
+def test_overlap_equals_no_overlap_world2(world2_reports, name):
+    _check(world2_reports, name)
+
+
+@pytest.mark.parametrize("name", sorted(WORLD4))
+def test_overlap_equals_no_overlap_world4(world4_reports, name):
+    _check(world4_reports, name)
+
+
+# ---- one process: the layer itself, and config ----------------------------------------------
+
+def test_single_process_layer_matches_unchunked():
+    """At one rank the exchanges are the identity: chunking alone may change only the order
+    of sums. With 3 chunks (>= 4 rows per expert GEMM here) the forward is bitwise and so are
+    the router's and shared experts' gradients; with 1-2 rows per chunk and expert the GEMM
+    library picks other kernels (measured ~1e-8 off), so there only the tolerance holds."""
+    from moeplug.modules import build_model
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.trainer import seed_everything
+
+    cfg = _cfg({}, 1, {}, 1)
+    seed_everything(0)
+    model = build_model(cfg, PluginHost.load(), V)
+    layer = next(m for m in model.modules() if type(m).__name__ == "MoELayer")
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for chunks in (1, CHUNKS, 32, 33):  # 33 > T = 32 tokens: the unchunked path
+        layer.overlap_chunks = chunks
+        xc = x.clone().requires_grad_()
+        y, aux, counts = layer(xc)
+        (y.square().sum() + aux).backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        layer.zero_grad(set_to_none=True)
+        outs[chunks] = (y.detach(), aux.detach(), counts, xc.grad, grads)
+    y1, a1, c1, gx1, g1 = outs[1]
+    for chunks, (y, a, c, gx, g) in outs.items():
+        assert torch.equal(a, a1) and torch.equal(c, c1), chunks  # routing runs unchunked
+        assert torch.allclose(y, y1, rtol=0, atol=TOL), chunks
+        assert torch.allclose(gx, gx1, rtol=0, atol=TOL), chunks
+        for n in g1:
+            assert torch.allclose(g[n], g1[n], rtol=0, atol=TOL), (chunks, n)
+    y, _, _, _, g = outs[CHUNKS]
+    assert torch.equal(y, y1)
+    assert all(torch.equal(g[n], g1[n]) for n in g1 if not n.startswith("experts."))
+    assert torch.equal(outs[33][0], y1) and torch.equal(outs[33][3], gx1)
+
+
+@pytest.mark.parametrize("value, words", [(0, "must be a positive integer"),
+                                          (1.5, "must be an integer"),
+                                          (True, "must be an integer")])
+def test_overlap_chunks_validated(value, words):
+    from moeplug.config import ConfigError, config_from_dict
+    with pytest.raises(ConfigError, match=f"MoEConfig.overlap_chunks = {value!r}: {words}"):
+        config_from_dict({"model": {"moe": {"overlap_chunks": value}}})
+
+
+@pytest.mark.parametrize("recompute", [{"granularity": "full"},
+                                       {"granularity": "selective", "modules": ["moe"]}])
+def test_overlap_refuses_moe_recompute(recompute):
+    from moeplug.config import ConfigError, config_from_dict
+    with pytest.raises(ConfigError, match="overlap_chunks = 2: cannot be combined with recompute"):
+        config_from_dict({"model": {"moe": {"overlap_chunks": 2}, "recompute": recompute}})
+    # recomputing only the activation is fine
+    config_from_dict({"model": {"moe": {"overlap_chunks": 2},
+                                "recompute": {"granularity": "selective", "modules": ["moe_act"]}}})
+
+
+def test_overlap_is_not_model_defining():
+    """A run may resume with overlap switched: it computes the same model."""
+    from moeplug.config import config_from_dict, model_differences
+    a = config_from_dict({"model": {"moe": {"overlap_chunks": 1}}})
+    b = config_from_dict({"model": {"moe": {"overlap_chunks": 4, "top_k": 1}}})
+    assert [d[0] for d in model_differences(a, b)] == ["model.moe.top_k"]
