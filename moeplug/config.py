@@ -528,6 +528,11 @@ class ParallelConfig:
     num_layers_in_last_stage: int | None = None
     # ZeRO-1: AdamW state sharded over DP (dense params) / expert-DP (expert params).
     distributed_optimizer: bool = False
+    # Combined 1F1B EP overlap (Megatron overlap_moe_expert_parallel_comm; see
+    # moeplug.parallel.ep_overlap): the backward of micro-batch m-1 runs on a second thread, over
+    # a twin of every process group, while micro-batch m runs forward, so each one's exchanges
+    # hide behind the other's compute. Needs grad_accum_steps >= 2 and pp = tp = cp = 1.
+    overlap_moe_expert_parallel_comm: bool = False
     # Process-group timeout: a rank waiting this long on a dead or hung peer stops instead of
     # hanging (moeplug.training.faults). 90 s keeps a CPU run's abort under 2 minutes; raise it
     # when one rank may legitimately work alone longer (e.g. a slow checkpoint save).
@@ -547,7 +552,7 @@ class ParallelConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 _fail(self, n, v, "must be null or an integer >= 0",
                       f"leave {n} unset for an even split, or give a layer count")
-        for n in ("sequence_parallel", "distributed_optimizer"):
+        for n in ("sequence_parallel", "distributed_optimizer", "overlap_moe_expert_parallel_comm"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
         if self.cp_comm not in ("allgather", "ring"):
@@ -789,11 +794,36 @@ class RootConfig:
                       + ("the MTP blocks and loss are not tensor/vocab-parallel" if degree == "tp"
                          else "MTP shifts tokens across context-parallel shards") + ")",
                       f"set model.mtp_num_layers: 0 or parallel.{degree}: 1")
+        if par.overlap_moe_expert_parallel_comm is True:
+            self._check_combined_1f1b()
         if par.pp > 1 and par.vpp > 1 and self.train.grad_accum_steps % par.pp:
             _fail(self.train, "grad_accum_steps", self.train.grad_accum_steps,
                   f"the interleaved pipeline schedule (parallel.vpp = {par.vpp}) needs a "
                   f"multiple of parallel.pp = {par.pp} micro-batches",
                   f"set train.grad_accum_steps to a multiple of {par.pp}, or parallel.vpp: 1")
+
+    def _check_combined_1f1b(self) -> None:
+        par, name = self.parallel, "overlap_moe_expert_parallel_comm"
+        for degree in ("pp", "tp", "cp"):
+            # Their collectives outside moeplug.parallel.comm (pipeline sends, vocab-parallel
+            # loss, CP K/V exchange) are not moved to the twin groups, and PP has its own 1F1B.
+            if getattr(par, degree) > 1:
+                _fail(par, name, True, f"supports expert and data parallelism only, but "
+                      f"parallel.{degree} = {getattr(par, degree)}",
+                      f"set parallel.{degree}: 1 or {name}: false")
+        if self.train.grad_accum_steps < 2:
+            _fail(par, name, True, f"needs two micro-batches in flight, but "
+                  f"train.grad_accum_steps = {self.train.grad_accum_steps}",
+                  f"set train.grad_accum_steps >= 2 or {name}: false")
+        rc = self.model.recompute
+        if rc.granularity == "full" or "moe" in (rc.modules or []):
+            _fail(par, name, True, "cannot be combined with recompute of the MoE layer (its "
+                  "forward exchanges would rerun inside the overlapped backward)",
+                  f"recompute other modules, or {name}: false")
+        if self.runtime.stash:
+            _fail(par, name, True, "cannot be combined with runtime.stash (the stash pool "
+                  "serves one forward or backward at a time)",
+                  f"set runtime.stash: false or {name}: false")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

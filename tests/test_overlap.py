@@ -6,7 +6,10 @@ per micro-batch into 3), and runs 3 real ``train_step``s of each on the same bat
 on every rank after every step: the logged loss terms, the global grad norm, every gradient of
 the rank; after 3 steps every parameter. Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
 and EP2 with capacity dropping + pad-to-capacity, and with shared experts everywhere (they run
-during the first chunk's dispatch).
+during the first chunk's dispatch). The combined 1F1B schedule
+(``parallel.overlap_moe_expert_parallel_comm``, moeplug.parallel.ep_overlap) is compared the
+same way at EP2 (3 micro-batches), EP4 and EP2 x DP2, alone (must be bitwise: same ops, same
+order) and together with chunking.
 
 Tolerance (fp32): the forward is bitwise identical here (every token's rows meet the same
 weights and are summed in the same order; chunks of >= 4 rows per expert keep the GEMM
@@ -22,6 +25,8 @@ TRAIN_TOL = 1e-4 (measured up to ~2e-5).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -33,13 +38,19 @@ CHUNKS = 3
 TOL = 1e-6        # step 1 (same parameters): grads and grad norm, absolute
 TRAIN_TOL = 1e-4  # steps 2-3 and the final parameters, absolute (lr = 1e-2)
 
-# name -> (parallel overrides, grad_accum_steps, router options)
+# name -> (parallel overrides, grad_accum_steps, router options, what "on" switches on:
+# chunks = model.moe.overlap_chunks, merged = parallel.overlap_moe_expert_parallel_comm)
 CAPACITY = {"capacity_factor": 1.0, "pad_to_capacity": True}
-WORLD2 = {"ep2": ({"ep": 2}, 1, {}), "ep2_capacity": ({"ep": 2}, 1, CAPACITY)}
-WORLD4 = {"ep4": ({"ep": 4}, 1, {}), "pp2_ep2": ({"pp": 2, "ep": 2}, 2, {})}
+CHUNKED, MERGED = {"chunks": CHUNKS}, {"merged": True}
+BOTH = {"chunks": CHUNKS, "merged": True}
+WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAPACITY, CHUNKED),
+          "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH)}
+WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "pp2_ep2": ({"pp": 2, "ep": 2}, 2, {}, CHUNKED),
+          "ep4_1f1b": ({"ep": 4}, 2, {}, MERGED), "ep2_dp2_1f1b": ({"ep": 2}, 2, {}, MERGED)}
 
 
-def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int):
+def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
+         merged: bool = False):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -52,7 +63,7 @@ def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int):
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
                   "grad_accum_steps": grad_accum, "lr": 1e-2, "min_lr": 1e-3,
                   "warmup_steps": 1, "grad_clip": 0.05, "seed": 7},
-        "parallel": parallel,
+        "parallel": {**parallel, "overlap_moe_expert_parallel_comm": merged},
     })
 
 
@@ -75,14 +86,20 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(3).integers(0, V, 4096).astype(np.int64)
     report = {}
-    for name, (parallel, accum, router_options) in layouts.items():
+    for name, (parallel, accum, router_options, on) in layouts.items():
         runs = {}
-        for chunks in (1, CHUNKS):
-            cfg = _cfg(parallel, accum, router_options, chunks)
+        for variant in ("off", "on"):
+            cfg = (_cfg(parallel, accum, router_options, 1) if variant == "off" else
+                   _cfg(parallel, accum, router_options, on.get("chunks", 1),
+                        on.get("merged", False)))
             groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
             seed_everything(cfg.train.seed)
             model = build_rank_model(cfg, host, V, groups)
             opt = build_rank_optimizer(model, cfg, groups)
+            # Which threads ran a backward: the combined 1F1B must use its helper thread.
+            threads: set[str] = set()
+            first = next(p for p in _named(model).values() if p.requires_grad)
+            first.register_hook(lambda g: threads.add(threading.current_thread().name))
             steps = []
             for step in range(3):
                 for g in opt.param_groups:
@@ -91,8 +108,11 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
                                    cfg.train, precision, groups)
                 grads = {n: p.grad.clone() for n, p in _named(model).items() if p.grad is not None}
                 steps.append((stats.losses(), stats.grad_norm, grads))
-            runs[chunks] = (steps, {n: p.detach().clone() for n, p in _named(model).items()})
-        (off, off_params), (on, on_params) = runs[1], runs[CHUNKS]
+            if variant == "on" and on.get("merged"):
+                assert groups.twins and groups.ep in groups.twins
+                assert any(t.startswith("moeplug-backward-") for t in threads), threads
+            runs[variant] = (steps, {n: p.detach().clone() for n, p in _named(model).items()})
+        (off, off_params), (on, on_params) = runs["off"], runs["on"]
         # Step 1 starts from the same parameters: its grads are the parity proof (TOL). Steps
         # 2-3 start from parameters AdamW has already moved apart (TRAIN_TOL, see the top).
         errs = {}
@@ -115,11 +135,15 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
 
 
 def _check(reports: list[dict], name: str) -> None:
+    on = {**WORLD2, **WORLD4}[name][3]
     for rank, report in enumerate(reports):
         r = report[name]
         print(f"{name} rank {rank}: {r['errs']}, {r['bitwise_grads']}/{r['num_grads']} "
               f"step-1 grads bitwise")
         assert r["first_step_losses_equal"], f"{name}, rank {rank}: forward differs"
+        if "chunks" not in on:  # combined 1F1B alone: the same ops in the same order
+            assert r["bitwise_grads"] == r["num_grads"] and not any(r["errs"].values()), \
+                f"{name}, rank {rank}: combined 1F1B is not bitwise: {r['errs']}"
         bad = {k: v for k, v in r["errs"].items()
                if not v <= (TOL if k.startswith("step1_") else TRAIN_TOL)}
         assert not bad, f"{name}, rank {rank}: overlap on differs from off by > {TOL}: {bad}"
@@ -210,3 +234,21 @@ def test_overlap_is_not_model_defining():
     a = config_from_dict({"model": {"moe": {"overlap_chunks": 1}}})
     b = config_from_dict({"model": {"moe": {"overlap_chunks": 4, "top_k": 1}}})
     assert [d[0] for d in model_differences(a, b)] == ["model.moe.top_k"]
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"parallel": {"pp": 2}}, "supports expert and data parallelism only, but parallel.pp = 2"),
+    ({"parallel": {"tp": 2}}, "supports expert and data parallelism only, but parallel.tp = 2"),
+    ({"train": {"grad_accum_steps": 1}}, "needs two micro-batches in flight"),
+    ({"runtime": {"stash": True}}, "cannot be combined with runtime.stash"),
+    ({"model": {"recompute": {"granularity": "full"}}}, "cannot be combined with recompute"),
+])
+def test_combined_1f1b_refuses_what_it_cannot_run(over, words):
+    from moeplug.config import ConfigError, config_from_dict
+    base = {"parallel": {"ep": 2, "overlap_moe_expert_parallel_comm": True},
+            "train": {"grad_accum_steps": 2}, "model": {}, "runtime": {}}
+    cfg = {k: {**v, **over.get(k, {})} for k, v in base.items()}
+    with pytest.raises(ConfigError, match="ParallelConfig.overlap_moe_expert_parallel_comm = "
+                                          f"True: {words}"):
+        config_from_dict(cfg)
+    config_from_dict(base)  # the base itself is valid
