@@ -252,3 +252,41 @@ def test_combined_1f1b_refuses_what_it_cannot_run(over, words):
                                           f"True: {words}"):
         config_from_dict(cfg)
     config_from_dict(base)  # the base itself is valid
+
+
+def test_chunked_overlap_with_the_paged_stash():
+    """The experts of every chunk save into the runtime's page pool: on equals off, bitwise,
+    and every page comes back."""
+    from moeplug.config import config_from_dict
+    from moeplug.modules import build_model
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.optim import build_optimizer
+    from moeplug.training.trainer import train_step
+
+    def train(stash: bool):
+        cfg = config_from_dict({
+            "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                      "max_seq_len": 32, "first_k_dense": 0,
+                      "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32,
+                              "overlap_chunks": CHUNKS}},
+            "train": {"micro_batch_size": 4, "seq_len": 16, "grad_accum_steps": 2},
+            "runtime": {"stash": stash}})
+        torch.manual_seed(0)
+        host = PluginHost.load()
+        model = build_model(cfg, host, V)
+        opt = build_optimizer(model, cfg.train)
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(2):
+            batches = [(torch.randint(0, V, (4, 16), generator=gen),
+                        torch.randint(0, V, (4, 16), generator=gen)) for _ in range(2)]
+            stats = train_step(model, opt, batches, cfg.train,
+                               host.create("precision", "fp32", {}), None)
+            out.append((stats.losses(), stats.stash,
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+        return out
+
+    on, off = train(True), train(False)
+    for (l_on, s_on, g_on), (l_off, _, g_off) in zip(on, off):
+        assert l_on == l_off and all(torch.equal(g_on[n], g_off[n]) for n in g_off)
+        assert s_on["high_water"] > 0 and s_on["pages_in_use"] == 0 and s_on["overflows"] == 0
