@@ -290,3 +290,21 @@ def test_chunked_overlap_with_the_paged_stash():
     for (l_on, s_on, g_on), (l_off, _, g_off) in zip(on, off):
         assert l_on == l_off and all(torch.equal(g_on[n], g_off[n]) for n in g_off)
         assert s_on["high_water"] > 0 and s_on["pages_in_use"] == 0 and s_on["overflows"] == 0
+
+
+def test_cli_trains_with_both_overlaps_on_two_processes(run_cli, tiny_config_file, tmp_path):
+    """The README's command, for real: two processes (EP2), chunked overlap and combined 1F1B."""
+    from moeplug.training.metrics import read_metrics
+    out = tmp_path / "run"
+    proc = run_cli("train", "--config", tiny_config_file(str(out)), "--nproc", "2",
+                   "--steps", "2", "--set", "parallel.ep=2", "--set", "model.moe.overlap_chunks=2",
+                   "--set", "train.grad_accum_steps=2",
+                   "--set", "parallel.overlap_moe_expert_parallel_comm=true", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(str(out / "metrics.jsonl"))
+    [run] = [r for r in records if r["kind"] == "run"]
+    assert run["config"]["model"]["moe"]["overlap_chunks"] == 2
+    assert run["config"]["parallel"]["overlap_moe_expert_parallel_comm"] is True
+    train = [r for r in records if r["kind"] == "train"]
+    assert train and train[-1]["step"] == 2  # logged every train.log_interval steps
+    assert all(np.isfinite(r["loss"]) and r["time_breakdown"]["dispatch"] > 0 for r in train)
