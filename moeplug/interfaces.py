@@ -18,7 +18,9 @@ The MoE layer calls them in this order (see ``moeplug.modules.moe.MoELayer.forwa
     3. experts  ``experts(d.x_SD, d.probs_S, d.counts_L) -> y_SD``
     4. combine  ``dispatcher.combine(y_SD, d.meta) -> y_TD``
 No per-call state is kept on ``self``: everything ``combine`` needs travels in ``meta``, so two
-micro-batches can be in flight at once.
+micro-batches can be in flight at once. With ``model.moe.overlap_chunks`` > 1 steps 2 and 4 run
+split in two (``Dispatcher.dispatch_start`` / ``dispatch_wait``, ``combine_start`` /
+``combine_wait``; optional, see :class:`Dispatcher`) so exchanges overlap compute.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ Every rank of a real gloo group builds the same model twice from one seed, once 
 per micro-batch into 3), and runs 3 real ``train_step``s of each on the same batches. Compared
 on every rank after every step: the logged loss terms, the global grad norm, every gradient of
 the rank; after 3 steps every parameter. Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
-and EP2 with capacity dropping + pad-to-capacity, and with shared experts everywhere (they run
-during the first chunk's dispatch). The combined 1F1B schedule
+EP2 with capacity dropping + pad-to-capacity, EP2 with the ``allgather`` dispatcher (the
+interface's default split methods), and with shared experts everywhere (they run during the
+first chunk's dispatch). The combined 1F1B schedule
 (``parallel.overlap_moe_expert_parallel_comm``, moeplug.parallel.ep_overlap) is compared the
 same way at EP2 (3 micro-batches), EP4 and EP2 x DP2, alone (must be bitwise: same ops, same
 order) and together with chunking.
@@ -44,13 +45,15 @@ CAPACITY = {"capacity_factor": 1.0, "pad_to_capacity": True}
 CHUNKED, MERGED = {"chunks": CHUNKS}, {"merged": True}
 BOTH = {"chunks": CHUNKS, "merged": True}
 WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAPACITY, CHUNKED),
+          # allgather keeps the Dispatcher base class's split methods (exchange in *_start)
+          "ep2_allgather": ({"ep": 2}, 1, {}, {"chunks": CHUNKS, "dispatcher": "allgather"}),
           "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH)}
 WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "pp2_ep2": ({"pp": 2, "ep": 2}, 2, {}, CHUNKED),
           "ep4_1f1b": ({"ep": 4}, 2, {}, MERGED), "ep2_dp2_1f1b": ({"ep": 2}, 2, {}, MERGED)}
 
 
 def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
-         merged: bool = False):
+         merged: bool = False, dispatcher: str = "alltoall"):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -59,7 +62,7 @@ def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
                   "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
                           "aux_loss_coeff": 0.05, "shared_expert_ffn_hidden_size": 8,
                           "overlap_chunks": chunks}},
-        "plugins": {"dispatcher": "alltoall", "router_options": router_options},
+        "plugins": {"dispatcher": dispatcher, "router_options": router_options},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
                   "grad_accum_steps": grad_accum, "lr": 1e-2, "min_lr": 1e-3,
                   "warmup_steps": 1, "grad_clip": 0.05, "seed": 7},
@@ -89,9 +92,11 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
     for name, (parallel, accum, router_options, on) in layouts.items():
         runs = {}
         for variant in ("off", "on"):
-            cfg = (_cfg(parallel, accum, router_options, 1) if variant == "off" else
+            dispatcher = on.get("dispatcher", "alltoall")
+            cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher)
+                   if variant == "off" else
                    _cfg(parallel, accum, router_options, on.get("chunks", 1),
-                        on.get("merged", False)))
+                        on.get("merged", False), dispatcher))
             groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
             seed_everything(cfg.train.seed)
             model = build_rank_model(cfg, host, V, groups)
