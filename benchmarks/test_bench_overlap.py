@@ -125,8 +125,8 @@ def test_overlap_hides_ep_communication(report):
         lines.append(f"{name:<14} {t['step'] * 1e3:>8.1f} {t['comm'] * 1e3:>7.1f} "
                      + " ".join(f"{t[s] * 1e3:>8.1f}ms" for s in cols))
     print("\nEP4 step (2 micro-batches), medians in ms; a2a = time inside blocking "
-          "all_to_all_single; stages as the train record's time_breakdown (1f1b: the backward "
-          "that runs on the helper thread is not in any stage); " + load + "\n"
+          "all_to_all_single; stages as the train record's time_breakdown (1f1b: backward = "
+          "the part of the helper thread's backward the forward did not hide); " + load + "\n"
           + "\n".join(lines))
     for name in VARIANTS:
         if name == "off":

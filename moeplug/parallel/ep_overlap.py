@@ -36,6 +36,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Mapping, TypeVar
 
+from moeplug.observability.timing import stage
 from moeplug.parallel.comm import on_twin_groups
 
 Out = TypeVar("Out")
@@ -61,7 +62,11 @@ def combined_1f1b(forward: Callable[[int], Out], backward: Callable[[int, Out], 
         try:
             out = forward(m)
         finally:
-            helper.join()  # sync point: B_{m-1}'s gradients are in .grad before B_m starts
+            # Sync point: B_{m-1}'s gradients are in .grad before B_m starts. The stage clock
+            # is per thread: what it shows as "backward" here is the part the forward did not
+            # hide.
+            with stage("backward"):
+                helper.join()
         if errors:
             raise errors[0]
     backward(num_microbatches - 1, out)
