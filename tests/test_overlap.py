@@ -313,3 +313,29 @@ def test_cli_trains_with_both_overlaps_on_two_processes(run_cli, tiny_config_fil
     train = [r for r in records if r["kind"] == "train"]
     assert train and train[-1]["step"] == 2  # logged every train.log_interval steps
     assert all(np.isfinite(r["loss"]) and r["time_breakdown"]["dispatch"] > 0 for r in train)
+
+
+def _split_all_to_all(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from moeplug.parallel import comm
+    gen = torch.Generator().manual_seed(rank)
+    send = [(rank + r) % 3 for r in range(world)]        # uneven, some zero
+    recv = [(r + rank) % 3 for r in range(world)]        # what rank r sends here
+    x = torch.randn(sum(send), 5, generator=gen, requires_grad=True)
+    w = torch.randn(sum(recv), 5, generator=gen)
+    y_ref = comm.all_to_all(x, recv, send, dist.group.WORLD)
+    (g_ref,) = torch.autograd.grad((y_ref * w).sum(), x)
+    # Two in flight, waited in reverse order; their backwards overlap the same way.
+    p1 = comm.all_to_all_start(x, recv, send, dist.group.WORLD)
+    p2 = comm.all_to_all_start(2 * x, recv, send, dist.group.WORLD)
+    y2, y1 = p2.wait(), p1.wait()
+    (g,) = torch.autograd.grad((y1 * w).sum() + (y2 * w).sum(), x)
+    with pytest.raises(RuntimeError, match="called twice"):
+        p1.wait()
+    return {"y": torch.equal(y1, y_ref) and torch.equal(y2, 2 * y_ref),
+            "grad": torch.equal(g, g_ref + 2 * g_ref)}  # two addends: order-free, bitwise
+
+
+def test_split_all_to_all_equals_all_to_all():
+    for rank, r in enumerate(run_distributed(_split_all_to_all, 3, timeout=120)):
+        assert r == {"y": True, "grad": True}, (rank, r)
