@@ -128,10 +128,14 @@ class MoEConfig:
     # iff i % N == 0), or a 0/1 list with one entry per layer. ModelConfig.first_k_dense still
     # forces the first k layers dense; ModelConfig.moe_layer_pattern combines both.
     layer_freq: int | list = 1
+    # Overlap (moeplug.modules.moe_overlap): split each micro-batch's tokens into this many
+    # chunks whose dispatch/combine run in the background while another chunk's experts (and
+    # the shared experts) compute. 1 = off. Dispatchers without split start/wait still work.
+    overlap_chunks: int = 1
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _positive(self, "num_experts", "top_k", "ffn_hidden_size")
+        _positive(self, "num_experts", "top_k", "ffn_hidden_size", "overlap_chunks")
         _non_negative(self, "aux_loss_coeff", "shared_expert_ffn_hidden_size")
         if self.top_k > self.num_experts:
             _fail(self, "top_k", self.top_k, f"exceeds num_experts ({self.num_experts})",
@@ -284,6 +288,16 @@ class ModelConfig:
         if self.first_k_dense > self.num_layers:
             _fail(self, "first_k_dense", self.first_k_dense,
                   f"exceeds num_layers ({self.num_layers})", f"set first_k_dense <= {self.num_layers}")
+        rc = self.recompute
+        if isinstance(self.moe.overlap_chunks, int) and self.moe.overlap_chunks > 1 and (
+                rc.granularity == "full" or "moe" in (rc.modules or [])):
+            # Recomputing the MoE layer would re-issue its exchanges inside the backward, next
+            # to the backward's own in-flight gradient exchanges: not supported (Megatron's
+            # EP overlap likewise excludes full recompute).
+            _fail(self.moe, "overlap_chunks", self.moe.overlap_chunks,
+                  f"cannot be combined with recompute of the MoE layer (model.recompute "
+                  f"granularity {rc.granularity!r}, modules {rc.modules})",
+                  "set model.moe.overlap_chunks: 1, or recompute other modules (e.g. moe_act)")
         freq = self.moe.layer_freq
         if isinstance(freq, list) and len(freq) != self.num_layers:
             _fail(self.moe, "layer_freq", freq,
@@ -514,6 +528,11 @@ class ParallelConfig:
     num_layers_in_last_stage: int | None = None
     # ZeRO-1: AdamW state sharded over DP (dense params) / expert-DP (expert params).
     distributed_optimizer: bool = False
+    # Combined 1F1B EP overlap (Megatron overlap_moe_expert_parallel_comm; see
+    # moeplug.parallel.ep_overlap): the backward of micro-batch m-1 runs on a second thread, over
+    # a twin of every process group, while micro-batch m runs forward, so each one's exchanges
+    # hide behind the other's compute. Needs grad_accum_steps >= 2 and pp = tp = cp = 1.
+    overlap_moe_expert_parallel_comm: bool = False
     # Process-group timeout: a rank waiting this long on a dead or hung peer stops instead of
     # hanging (moeplug.training.faults). 90 s keeps a CPU run's abort under 2 minutes; raise it
     # when one rank may legitimately work alone longer (e.g. a slow checkpoint save).
@@ -533,7 +552,7 @@ class ParallelConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 _fail(self, n, v, "must be null or an integer >= 0",
                       f"leave {n} unset for an even split, or give a layer count")
-        for n in ("sequence_parallel", "distributed_optimizer"):
+        for n in ("sequence_parallel", "distributed_optimizer", "overlap_moe_expert_parallel_comm"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
         if self.cp_comm not in ("allgather", "ring"):
@@ -775,11 +794,36 @@ class RootConfig:
                       + ("the MTP blocks and loss are not tensor/vocab-parallel" if degree == "tp"
                          else "MTP shifts tokens across context-parallel shards") + ")",
                       f"set model.mtp_num_layers: 0 or parallel.{degree}: 1")
+        if par.overlap_moe_expert_parallel_comm is True:
+            self._check_combined_1f1b()
         if par.pp > 1 and par.vpp > 1 and self.train.grad_accum_steps % par.pp:
             _fail(self.train, "grad_accum_steps", self.train.grad_accum_steps,
                   f"the interleaved pipeline schedule (parallel.vpp = {par.vpp}) needs a "
                   f"multiple of parallel.pp = {par.pp} micro-batches",
                   f"set train.grad_accum_steps to a multiple of {par.pp}, or parallel.vpp: 1")
+
+    def _check_combined_1f1b(self) -> None:
+        par, name = self.parallel, "overlap_moe_expert_parallel_comm"
+        for degree in ("pp", "tp", "cp"):
+            # Their collectives outside moeplug.parallel.comm (pipeline sends, vocab-parallel
+            # loss, CP K/V exchange) are not moved to the twin groups, and PP has its own 1F1B.
+            if getattr(par, degree) > 1:
+                _fail(par, name, True, f"supports expert and data parallelism only, but "
+                      f"parallel.{degree} = {getattr(par, degree)}",
+                      f"set parallel.{degree}: 1 or {name}: false")
+        if self.train.grad_accum_steps < 2:
+            _fail(par, name, True, f"needs two micro-batches in flight, but "
+                  f"train.grad_accum_steps = {self.train.grad_accum_steps}",
+                  f"set train.grad_accum_steps >= 2 or {name}: false")
+        rc = self.model.recompute
+        if rc.granularity == "full" or "moe" in (rc.modules or []):
+            _fail(par, name, True, "cannot be combined with recompute of the MoE layer (its "
+                  "forward exchanges would rerun inside the overlapped backward)",
+                  f"recompute other modules, or {name}: false")
+        if self.runtime.stash:
+            _fail(par, name, True, "cannot be combined with runtime.stash (the stash pool "
+                  "serves one forward or backward at a time)",
+                  f"set runtime.stash: false or {name}: false")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -790,6 +834,9 @@ class RootConfig:
 # silently computes something else with the same tensors (top_k, activation, routing options).
 MODEL_DEFINING = ("model", "plugins.router", "plugins.router_options", "data.tokenizer",
                   "data.vocab_size")
+# Fields under "model" that change how the model runs, not what it computes: a resume may
+# change them (overlap on or off gives the same outputs and gradients).
+EXECUTION_ONLY = ("model.moe.overlap_chunks",)
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -811,6 +858,7 @@ def model_differences(saved: RootConfig, requested: RootConfig) -> list[tuple[st
     unset = "(not set)"
     return [(k, a.get(k, unset), b.get(k, unset)) for k in {**b, **a}
             if any(k == f or k.startswith(f + ".") for f in MODEL_DEFINING)
+            and k not in EXECUTION_ONLY
             and a.get(k, unset) != b.get(k, unset)]
 
 

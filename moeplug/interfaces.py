@@ -18,7 +18,9 @@ The MoE layer calls them in this order (see ``moeplug.modules.moe.MoELayer.forwa
     3. experts  ``experts(d.x_SD, d.probs_S, d.counts_L) -> y_SD``
     4. combine  ``dispatcher.combine(y_SD, d.meta) -> y_TD``
 No per-call state is kept on ``self``: everything ``combine`` needs travels in ``meta``, so two
-micro-batches can be in flight at once.
+micro-batches can be in flight at once. With ``model.moe.overlap_chunks`` > 1 steps 2 and 4 run
+split in two (``Dispatcher.dispatch_start`` / ``dispatch_wait``, ``combine_start`` /
+``combine_wait``; optional, see :class:`Dispatcher`) so exchanges overlap compute.
 """
 
 from __future__ import annotations
@@ -126,6 +128,32 @@ class Dispatcher(abc.ABC):
     @abc.abstractmethod
     def combine(self, y_SD: torch.Tensor, meta: Any) -> torch.Tensor:
         """Return y_TD: each token's rows summed back (rows already carry their routing weight)."""
+
+    # ---- optional capability: split start/wait, for overlap (model.moe.overlap_chunks) ----
+    # ``dispatch_wait(dispatch_start(x, r))`` must equal ``dispatch(x, r)``, and likewise for
+    # combine. Between a start and its wait the MoE layer runs other work (the shared experts,
+    # another chunk's experts) and other starts/waits, in the same order on every rank. The
+    # pending object is per call (never kept on ``self``). The defaults below run the whole
+    # exchange in ``*_start``, so every dispatcher works with overlap on, just without hiding
+    # anything; a dispatcher whose exchange really runs in the background overrides all four
+    # and sets ``overlaps_comm = True`` (the built-in ``alltoall`` does, over async collectives).
+    overlaps_comm: bool = False
+
+    def dispatch_start(self, x_TD: torch.Tensor, routing: RouterOutput) -> Any:
+        """Begin dispatching; returns an opaque pending object for :meth:`dispatch_wait`."""
+        return self.dispatch(x_TD, routing)
+
+    def dispatch_wait(self, pending: Any) -> Dispatched:
+        """Finish what :meth:`dispatch_start` began (blocks until the rows have arrived)."""
+        return pending
+
+    def combine_start(self, y_SD: torch.Tensor, meta: Any) -> Any:
+        """Begin combining; returns an opaque pending object for :meth:`combine_wait`."""
+        return self.combine(y_SD, meta)
+
+    def combine_wait(self, pending: Any) -> torch.Tensor:
+        """Finish what :meth:`combine_start` began: y_TD, as :meth:`combine` returns it."""
+        return pending
 
 
 class Experts(nn.Module, abc.ABC):

@@ -51,6 +51,7 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
         moe_layers.append(MoELayer(router, dispatcher, experts, shared,
                                    apply_probs_on_input=m.moe.apply_probs_on_input,
                                    token_group=moe_token_group(groups),
+                                   overlap_chunks=m.moe.overlap_chunks,
                                    runtime=register_moe_layer(runtime, cfg, len(moe_layers),
                                                               dispatcher.num_local_experts)))
     runtime.finalize()
@@ -71,9 +72,12 @@ def register_moe_layer(runtime: ModelRuntime, cfg: RootConfig, index: int,
     rows = tc.micro_batch_size * tc.seq_len * m.moe.top_k
     F = m.moe.ffn_hidden_size
     fc1 = fc1_rows(m.moe.activation, F)
+    # With overlap_chunks = N the experts run N times per micro-batch, each stashing its own
+    # page-rounded tensors: reserve N chunks' worth (moeplug.modules.moe_overlap).
+    chunks = m.moe.overlap_chunks
+    stash_bytes = chunks * layer_stash_bytes(-(-rows // chunks), m.hidden_size, fc1, F,
+                                             itemsize, cfg.runtime.stash_page_bytes)
     return runtime.register_layer(
         index=index, num_experts=m.moe.num_experts, top_k=m.moe.top_k, hidden=m.hidden_size,
         ffn_hidden=F, num_local_experts=num_local_experts, dtype=dtype,
-        activation=m.moe.activation,
-        stash_bytes=layer_stash_bytes(rows, m.hidden_size, fc1, F, itemsize,
-                                      cfg.runtime.stash_page_bytes))
+        activation=m.moe.activation, stash_bytes=stash_bytes)

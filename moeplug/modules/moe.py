@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moeplug.interfaces import Dispatcher, Experts, Router
+from moeplug.modules.moe_overlap import overlapped_routed
 from moeplug.observability.timing import stage
 from moeplug.parallel.tensor_parallel import average_over_token_group
 
@@ -43,6 +44,9 @@ class MoELayer(nn.Module):
         4. combine    y_TD = dispatcher.combine(y_SD, d.meta)     -> each token's K rows summed
         5. shared     s_TD = shared(x_TD)  when a SharedExperts module was given (all tokens)
         6. sum        y = y_TD (+ s_TD), reshaped to the input's shape
+    With ``overlap_chunks`` N > 1 (``model.moe.overlap_chunks``), stages 2-6 run pipelined over
+    N token chunks, each chunk's exchanges in the background while another chunk's experts (and,
+    during the first dispatch, the shared experts) compute: moeplug.modules.moe_overlap.
     Returns ``MoEOutput(y, aux_loss, counts_E)`` (a triple; ``.router_losses`` holds the
     router's logging values); nothing from the call is kept on ``self``, so several
     micro-batches may be in flight through one layer.
@@ -50,8 +54,12 @@ class MoELayer(nn.Module):
 
     def __init__(self, router: Router, dispatcher: Dispatcher, experts: Experts,
                  shared: nn.Module | None = None, apply_probs_on_input: bool = False,
-                 token_group: Any = None, runtime: Any = None) -> None:
+                 token_group: Any = None, runtime: Any = None, overlap_chunks: int = 1) -> None:
         super().__init__()
+        if not isinstance(overlap_chunks, int) or isinstance(overlap_chunks, bool) \
+                or overlap_chunks < 1:
+            raise ValueError(f"MoELayer: overlap_chunks = {overlap_chunks!r} must be an integer "
+                             f">= 1. Fix: pass 1 (no overlap) or the number of token chunks")
         if apply_probs_on_input and router.top_k != 1:
             raise ValueError(
                 f"MoELayer: apply_probs_on_input needs a top-1 router, got router.top_k = "
@@ -79,19 +87,26 @@ class MoELayer(nn.Module):
         # The moeplug.stash.LayerHandle this layer got when the model registered with the
         # runtime (None: built outside build_model); its stash_scope wraps the experts stage.
         self.runtime = runtime
+        self.overlap_chunks = overlap_chunks
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
         with stage("router"):
             routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
-        with stage("dispatch"):
-            d = self.dispatcher.dispatch(x_TD, routing)               # 2. dispatch
-        with stage("experts"), self._stash_scope():
-            y_SD = self._experts(d)                                   # 3. experts
-        with stage("combine"):
-            y_TD = self.dispatcher.combine(y_SD, d.meta)              # 4. combine
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)                           # 5. shared, 6. sum
+        # Fewer tokens than chunks (a decode step): unchunked. Every EP rank holds the same T,
+        # so all of them take the same branch and issue the same collectives.
+        if 1 < self.overlap_chunks <= x_TD.shape[0]:                  # 2.-6. pipelined
+            y_TD = overlapped_routed(x_TD, routing, self.overlap_chunks, self.dispatcher,
+                                     self._experts, self.shared, self._stash_scope)
+        else:
+            with stage("dispatch"):
+                d = self.dispatcher.dispatch(x_TD, routing)           # 2. dispatch
+            with stage("experts"), self._stash_scope():
+                y_SD = self._experts(d)                               # 3. experts
+            with stage("combine"):
+                y_TD = self.dispatcher.combine(y_SD, d.meta)          # 4. combine
+            if self.shared is not None:
+                y_TD = y_TD + self.shared(x_TD)                       # 5. shared, 6. sum
         y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
         # On the host, like the dispatcher's counts_L: these are logged, never differentiated.
         # Choices dropped by capacity reach no expert, so they are not counted.

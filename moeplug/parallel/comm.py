@@ -16,7 +16,9 @@ group, ``...`` any trailing dims; ``sizes_W`` rows contributed by each rank.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+import threading
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,37 @@ from torch.autograd import Function
 # the old ones. Same signatures: (output, input, ..., group=).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# Combined 1F1B (moeplug.parallel.ep_overlap) runs one micro-batch's backward on a second
+# thread while the next one's forward runs here. Both issue collectives; each thread must keep
+# one order on all ranks, so the backward thread sends its collectives through a twin of every
+# group (same ranks, its own context). ``_on(group)`` is the group a collective really uses.
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def on_twin_groups(twins: Mapping[Any, Any]) -> Iterator[None]:
+    """Collectives issued by this thread inside the block run on ``twins[group]``."""
+    previous = getattr(_thread, "twins", None)
+    _thread.twins = twins
+    try:
+        yield
+    finally:
+        _thread.twins = previous
+
+
+def _on(group: Any) -> Any:
+    twins = getattr(_thread, "twins", None)
+    if twins is None or group is None:
+        return group
+    twin = twins.get(group)
+    if twin is None:
+        raise RuntimeError("a collective inside the overlapped backward uses a process group "
+                           "without a twin; it would interleave with the forward's collectives "
+                           "differently on each rank. Fix: build the group in ParallelGroups, "
+                           "or set parallel.overlap_moe_expert_parallel_comm: false")
+    return twin
 
 
 def group_size(group: Any) -> int:
@@ -54,14 +87,14 @@ def _check_splits(name: str, splits: Sequence[int], world: int, rows: int | None
 def _all_to_all(x_N: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: Any) -> torch.Tensor:
     out_M = x_N.new_empty((sum(out_splits), *x_N.shape[1:]))
-    dist.all_to_all_single(out_M, x_N.contiguous(), out_splits, in_splits, group=group)
+    dist.all_to_all_single(out_M, x_N.contiguous(), out_splits, in_splits, group=_on(group))
     return out_M
 
 
 def _gather_even(x_N: torch.Tensor, group: Any) -> torch.Tensor:
     """[N, ...] -> [W*N, ...], rank r's rows at [r*N, (r+1)*N)."""
     out = x_N.new_empty((group_size(group) * x_N.shape[0], *x_N.shape[1:]))
-    _all_gather_single(out, x_N.contiguous(), group=group)
+    _all_gather_single(out, x_N.contiguous(), group=_on(group))
     return out
 
 
@@ -69,13 +102,13 @@ def _reduce_scatter_even(x_M: torch.Tensor, group: Any) -> torch.Tensor:
     """[W*N, ...] -> [N, ...]: the sum over ranks of each rank's r-th block, for rank r.
     (gloo in torch 2.13 implements it natively; older gloo builds lacked reduce-scatter.)"""
     out = x_M.new_empty((x_M.shape[0] // group_size(group), *x_M.shape[1:]))
-    _reduce_scatter_single(out, x_M.contiguous(), group=group)
+    _reduce_scatter_single(out, x_M.contiguous(), group=_on(group))
     return out
 
 
 def _gather_sizes(rows: int, group: Any) -> list[int]:
     sizes_W = torch.zeros(group_size(group), dtype=torch.int64)
-    _all_gather_single(sizes_W, torch.tensor([rows], dtype=torch.int64), group=group)
+    _all_gather_single(sizes_W, torch.tensor([rows], dtype=torch.int64), group=_on(group))
     return sizes_W.tolist()
 
 
@@ -157,7 +190,7 @@ class _AllReduce(Function):
     def forward(ctx, x, group, grad_is_replicated):
         ctx.group, ctx.grad_is_replicated = group, grad_is_replicated
         out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
+        dist.all_reduce(out, group=_on(group))
         return out
 
     @staticmethod
@@ -210,6 +243,76 @@ class _Gather(Function):
         return _Split.apply(grad, ctx.dim, ctx.group), None, None, None
 
 
+class PendingAllToAll:
+    """One all-to-all in flight (from :func:`all_to_all_start`); ``wait()`` returns its output.
+
+    Per call, never kept on a module: it holds the splits, the forward's work handle and, once
+    the backward has started the reverse exchange, that one's handle and buffer."""
+
+    __slots__ = ("out_splits", "in_splits", "group", "out_M", "work", "grad_N", "grad_work")
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group: Any) -> None:
+        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.out_M = self.work = self.grad_N = self.grad_work = None
+
+    def wait(self) -> torch.Tensor:
+        """The exchanged rows (differentiable); blocks until they have landed."""
+        if self.work is None and self.out_M is None:
+            raise RuntimeError("PendingAllToAll.wait() called twice. Fix: wait once and keep "
+                               "the tensor it returns")
+        out_M, self.out_M = self.out_M, None
+        return _AllToAllWait.apply(out_M, self) if self.work is not None else out_M
+
+
+class _AllToAllStart(Function):
+    """Forward: start the all-to-all (async) and return its output buffer, not yet written
+    (only :meth:`PendingAllToAll.wait` hands it out). Backward: wait for the reverse exchange
+    that :class:`_AllToAllWait`'s backward started, and return its result."""
+
+    @staticmethod
+    def forward(ctx, x_N, pending):
+        ctx.pending = pending
+        out_M = x_N.new_empty((sum(pending.out_splits), *x_N.shape[1:]))
+        # The work handle keeps x_N and out_M alive until the exchange completes.
+        pending.work = dist.all_to_all_single(out_M, x_N.contiguous(), pending.out_splits,
+                                              pending.in_splits, group=_on(pending.group),
+                                              async_op=True)
+        return out_M
+
+    @staticmethod
+    def backward(ctx, grad_M):
+        p = ctx.pending
+        if p.grad_work is None:  # no wait node in between (cannot happen via wait()): exchange now
+            return _all_to_all(grad_M, p.in_splits, p.out_splits, p.group), None
+        p.grad_work.wait()
+        grad_N, p.grad_N, p.grad_work = p.grad_N, None, None
+        return grad_N, None
+
+
+class _AllToAllWait(Function):
+    """Forward: block until the exchange has landed (identity on its buffer). Backward: start
+    the reverse exchange of the gradient and return at once, so autograd runs other ready
+    nodes (another chunk's experts) before it reaches :class:`_AllToAllStart`, which waits."""
+
+    @staticmethod
+    def forward(ctx, out_M, pending):
+        pending.work.wait()
+        pending.work = None
+        ctx.pending = pending
+        return out_M.view_as(out_M)
+
+    @staticmethod
+    def backward(ctx, grad_M):
+        p = ctx.pending
+        grad_M = grad_M.contiguous()
+        p.grad_N = grad_M.new_empty((sum(p.in_splits), *grad_M.shape[1:]))
+        p.grad_work = dist.all_to_all_single(p.grad_N, grad_M, p.in_splits, p.out_splits,
+                                             group=_on(p.group), async_op=True)
+        # grad_M stands in for the gradient of the buffer; _AllToAllStart.backward returns
+        # p.grad_N (the real one) instead of reading it.
+        return grad_M, None
+
+
 # --- public API --------------------------------------------------------------------------------
 
 def all_to_all(x_N: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
@@ -225,6 +328,27 @@ def all_to_all(x_N: torch.Tensor, output_splits: Sequence[int], input_splits: Se
                              "rank. Fix: without a group every row stays, so pass the same splits")
         return x_N
     return _AllToAll.apply(x_N, out_splits, in_splits, group)
+
+
+def all_to_all_start(x_N: torch.Tensor, output_splits: Sequence[int],
+                     input_splits: Sequence[int], group: Any) -> PendingAllToAll:
+    """:func:`all_to_all` split in two: start it now (it runs on the backend's own threads, gloo
+    or NCCL), take the rows with ``.wait()`` later; compute issued in between overlaps it. The
+    backward is split the same way (started by the wait's backward, waited for by the start's),
+    so autograd can run another chunk's backward while the gradient travels. Same rows, same
+    gradients as :func:`all_to_all`; at one rank ``wait()`` returns ``x_N``."""
+    world = group_size(group)
+    in_splits = _check_splits("input_splits", input_splits, world, x_N.shape[0])
+    out_splits = _check_splits("output_splits", output_splits, world, None)
+    pending = PendingAllToAll(out_splits, in_splits, group)
+    if world == 1:
+        if out_splits != in_splits:
+            raise ValueError(f"output_splits {out_splits} ≠ input_splits {in_splits} on a single "
+                             "rank. Fix: without a group every row stays, so pass the same splits")
+        pending.out_M = x_N
+        return pending
+    pending.out_M = _AllToAllStart.apply(x_N, pending)
+    return pending
 
 
 def all_gather(x_N: torch.Tensor, group: Any, sizes: Sequence[int] | None = None) -> torch.Tensor:

@@ -41,6 +41,9 @@ class ParallelGroups:
     etp: Any = None
     edp: Any = None
     ep_etp: Any = None
+    # With parallel.overlap_moe_expert_parallel_comm: group -> its twin (same ranks, its own
+    # gloo/NCCL context), used by the overlapped backward's thread (moeplug.parallel.ep_overlap).
+    twins: Mapping[Any, Any] | None = None
 
     @classmethod
     def build(cls, pcfg: ParallelConfig, world_size: int, rank: int,
@@ -78,7 +81,20 @@ class ParallelGroups:
                 g = dist.new_group(ranks=ranks, timeout=timeout)
                 if rank in ranks:
                     handles[kind] = g
-        return cls(config=resolved, rank=rank, world_size=world_size, members=members, **handles)
+        twins = None
+        if resolved.overlap_moe_expert_parallel_comm:
+            # A second walk over the same tables, after the first on every rank: same order.
+            twins = {}
+            for kind in GROUP_KINDS:
+                groups = tables[kind]
+                if len(groups[0]) == 1:
+                    continue
+                for ranks in groups:
+                    g = dist.new_group(ranks=ranks, timeout=timeout)
+                    if rank in ranks:
+                        twins[handles[kind]] = g
+        return cls(config=resolved, rank=rank, world_size=world_size, members=members,
+                   twins=twins, **handles)
 
     def group(self, kind: str) -> Any:
         if kind not in GROUP_KINDS:

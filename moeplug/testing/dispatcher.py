@@ -1,5 +1,6 @@
 """Dispatcher contract (one process): shapes, counts, expert-contiguous rows, dispatch -> identity
-experts -> combine gives sum_k p*x, gradients to tokens and probs, two dispatches in flight.
+experts -> combine gives sum_k p*x, gradients to tokens and probs, two dispatches in flight,
+and the split start/wait form (overlap) equal to dispatch/combine.
 
 Legend: T tokens, D hidden, E experts, K top-k, L local experts, S rows.
 """
@@ -74,6 +75,19 @@ def check_dispatcher(source: Any, name: str | None = None, *, model_cfg: ModelCo
     y1 = disp.combine(_tagged_experts(d1), d1.meta)
     close(y2, _expected(x2, r2), label, "second of two in-flight micro-batches")
     close(y1, _expected(x1, r1), label, "first of two in-flight micro-batches (combined last)")
+
+    # The split form (overlap, model.moe.overlap_chunks; the base class's defaults run it all in
+    # *_start): two exchanges in flight give exactly dispatch's rows and combine's outputs.
+    p1, p2 = disp.dispatch_start(x1, r1), disp.dispatch_start(x2, r2)
+    e1, e2 = disp.dispatch_wait(p1), disp.dispatch_wait(p2)
+    for e, d, which in ((e1, d1, "first"), (e2, d2, "second")):
+        expect(torch.equal(e.x_SD, d.x_SD) and torch.equal(e.counts_L, d.counts_L), label,
+               f"dispatch_wait(dispatch_start(...)) of the {which} in-flight micro-batch differs "
+               "from dispatch(...)")
+    q1, q2 = (disp.combine_start(_tagged_experts(e1), e1.meta),
+              disp.combine_start(_tagged_experts(e2), e2.meta))
+    close(disp.combine_wait(q1), _expected(x1, r1), label, "combine_wait(combine_start(...)), first")
+    close(disp.combine_wait(q2), _expected(x2, r2), label, "combine_wait(combine_start(...)), second")
 
 
 def _check_dispatched(d: Any, label: str, routing: RouterOutput, T: int, K: int, D: int) -> None:

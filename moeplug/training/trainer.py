@@ -144,14 +144,13 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
                 float(0.0 if res.mtp_loss is None else res.mtp_loss)]
         counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
     else:
-        sums, counts_per_layer = [0.0, 0.0, 0.0, 0.0], []
-        for tokens_BS, targets_BS in micro_batches:
-            tokens_BS, targets_BS = D.local_sequence(tokens_BS, targets_BS, groups)  # CP shard
+        sums, counts_per_layer, has_mtp = [0.0, 0.0, 0.0, 0.0], [], False
+
+        def forward(m: int) -> Any:
+            nonlocal counts_per_layer, routing, has_mtp
+            tokens_BS, targets_BS = D.local_sequence(*micro_batches[m], groups)  # CP shard
             with precision.autocast(device_type):  # the precision plugin picks the dtype
                 out = model(tokens_BS, targets_BS)
-            # Grad accumulation: divide so the summed grads equal the micro-batch mean.
-            with stage("backward"):
-                (out.loss / num_micro).backward()
             has_mtp = out.mtp_loss is not None
             mtp = out.lm_loss.new_zeros(()) if out.mtp_loss is None else out.mtp_loss
             for i, v in enumerate((out.loss, out.lm_loss, out.aux_loss, mtp)):
@@ -160,6 +159,20 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
             counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
                                 if counts_per_layer else micro_counts)
             routing = add_micro_batch(routing, out.expert_counts, out.router_losses)
+            return out.loss
+
+        def backward(m: int, loss: torch.Tensor) -> None:
+            # Grad accumulation: divide so the summed grads equal the micro-batch mean.
+            with stage("backward"):
+                (loss / num_micro).backward()
+
+        if groups is not None and groups.twins is not None:
+            # Combined 1F1B: B_{m-1} on a helper thread overlaps F_m (same grads, bitwise).
+            from moeplug.parallel.ep_overlap import combined_1f1b
+            combined_1f1b(forward, backward, num_micro, groups.twins)
+        else:
+            for m in range(num_micro):
+                backward(m, forward(m))
     return (sums if has_mtp else sums[:3]), counts_per_layer, routing
 
 

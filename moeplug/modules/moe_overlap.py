@@ -1,0 +1,86 @@
+"""Chunked overlap inside one MoE layer (``model.moe.overlap_chunks`` = N > 1).
+
+Legend: T tokens, D hidden, K top-k, S routed rows of a chunk, N chunks; ``x_TD[c]`` is the
+c-th of N contiguous token ranges, tokens [c*T//N, (c+1)*T//N).
+
+The router has already run on all T tokens (so its aux loss, capacity and drops are those of
+the whole micro-batch); stages 2-5 of ``MoELayer.forward`` then run as a pipeline over the
+chunks, each exchange on the backend's own threads (``Dispatcher.dispatch_start`` /
+``combine_start``; see moeplug.interfaces) while this thread computes:
+
+    start dispatch 0;  shared experts (all tokens)          <- hides dispatch 0
+    for c in 0..N-1:
+        wait dispatch c;  start dispatch c+1
+        experts c                                           <- hides dispatch c+1, combine c-1
+        start combine c;  wait combine c-1
+    wait combine N-1
+
+Exposed: dispatch 0 beyond the shared experts, the last combine, and per chunk the blocking
+count exchange. The backward pipelines the same way without scheduling of ours: each
+exchange's gradient is started by its wait's backward and waited for by its start's backward
+(``moeplug.parallel.comm.all_to_all_start``), and autograd runs the ready node created last
+first, which is the other chunk's experts.
+
+Numerics: every token's K rows meet the same expert weights and are summed in the same k
+order, so outputs, the router's and the input's gradients equal the unchunked layer's; the
+routed experts' weight gradients are sums over rows, which now add chunk by chunk (fp32
+rounding of a differently ordered sum, ~1e-7 relative; tests/test_overlap.py states the bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from moeplug.interfaces import Dispatcher, RouterOutput
+from moeplug.observability.timing import stage
+
+
+def chunk_routing(routing: RouterOutput, t0: int, t1: int) -> RouterOutput:
+    """The routing of tokens [t0, t1). Capacity padding is not repeated per chunk (each chunk
+    would pad every expert to the whole batch's capacity); ``pad_multiple`` is kept, so
+    quantized GEMMs still get aligned groups. Padding rows carry prob 0: outputs do not change."""
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[t0:t1]
+    return dataclasses.replace(routing, probs_TK=routing.probs_TK[t0:t1],
+                               ids_TK=routing.ids_TK[t0:t1], logits_TE=cut(routing.logits_TE),
+                               dropped_TK=cut(routing.dropped_TK), capacity=None)
+
+
+def overlapped_routed(x_TD: torch.Tensor, routing: RouterOutput, num_chunks: int,
+                      dispatcher: Dispatcher, experts: Callable[[Any], torch.Tensor],
+                      shared: Callable[[torch.Tensor], torch.Tensor] | None,
+                      experts_scope: Callable[[], Any]) -> torch.Tensor:
+    """y_TD (+ shared(x_TD)) of the routed experts, pipelined over ``num_chunks`` chunks.
+
+    ``experts(d)`` runs stage 3 on one chunk's Dispatched; ``experts_scope()`` is the context
+    stage 3 runs in (the runtime's stash scope)."""
+    T = x_TD.shape[0]
+    spans = [(c * T // num_chunks, (c + 1) * T // num_chunks) for c in range(num_chunks)]
+
+    def start(c: int) -> Any:
+        t0, t1 = spans[c]
+        with stage("dispatch"):
+            return dispatcher.dispatch_start(x_TD[t0:t1], chunk_routing(routing, t0, t1))
+
+    dispatching = start(0)
+    s_TD = shared(x_TD) if shared is not None else None        # during dispatch 0
+    combining: list[Any] = []
+    y_parts: list[torch.Tensor] = []
+    for c in range(num_chunks):
+        with stage("dispatch"):
+            d = dispatcher.dispatch_wait(dispatching)
+        if c + 1 < num_chunks:
+            dispatching = start(c + 1)
+        with stage("experts"), experts_scope():
+            y_SD = experts(d)
+        with stage("combine"):
+            combining.append(dispatcher.combine_start(y_SD, d.meta))
+            if c > 0:
+                y_parts.append(dispatcher.combine_wait(combining[c - 1]))
+    with stage("combine"):
+        y_parts.append(dispatcher.combine_wait(combining[-1]))
+    y_TD = torch.cat(y_parts)
+    return y_TD if s_TD is None else y_TD + s_TD

@@ -1,0 +1,72 @@
+"""Combined 1F1B EP overlap without pipelining (Megatron ``overlap_moe_expert_parallel_comm``,
+``combined_1f1b_schedule_for_no_pipelining``): with two micro-batches in flight, the backward
+of one runs while the next one runs forward, so each one's expert-parallel exchanges hide
+behind the other's compute.
+
+Legend: M micro-batches of one optimizer step; F_m / B_m the forward / backward of micro-batch m.
+
+    F_0 | B_0 || F_1 | B_1 || F_2 | ... | B_{M-2} || F_{M-1} | B_{M-1}
+
+``B_{m-1} || F_m``: the backward runs on a helper thread (CPU autograd runs a backward on the
+thread that calls it) while this thread runs the forward; torch ops and gloo waits release the
+GIL, so both compute, and while one waits on an exchange the other's compute fills the gap.
+Megatron interleaves the two at sub-layer granularity on CUDA streams; here the operating
+system interleaves two threads, which needs no per-layer split of the model.
+
+Collective order: each thread's collectives must be issued in the same order on every rank,
+but two threads race. The helper thread therefore issues its collectives on twins of the
+process groups (``ParallelGroups.twins``, same ranks, own gloo context;
+``moeplug.parallel.comm.on_twin_groups``): the main thread's order on the groups is
+F_0..F_{M-1}, B_{M-1} and the helper's on the twins is B_0..B_{M-2}, each fixed on all ranks.
+
+Numerics: every micro-batch runs the same ops as in the plain loop and the backwards still run
+one after another in micro-batch order (B_{m-1} is joined before B_m starts), so parameter
+gradients accumulate in the same order: losses and gradients are bitwise those of the plain
+loop (tests/test_overlap.py). Only the forward of m reads parameters while B_{m-1} writes
+``.grad``, which the forward never reads.
+
+Not here (yet): split weight-gradient computation (Megatron ``delay_wgrad_compute``), which lets
+a layer's input gradient - and so the next exchange - go out before its weight gradients are
+computed; the chunked layer (moeplug.modules.moe_overlap) gets that effect inside the layer
+from autograd's ordering instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Mapping, TypeVar
+
+from moeplug.observability.timing import stage
+from moeplug.parallel.comm import on_twin_groups
+
+Out = TypeVar("Out")
+
+
+def combined_1f1b(forward: Callable[[int], Out], backward: Callable[[int, Out], None],
+                  num_microbatches: int, twins: Mapping[Any, Any]) -> None:
+    """Run ``forward(m)`` and ``backward(m, forward's result)`` for m = 0..M-1 with B_{m-1}
+    overlapping F_m. An exception on either thread is raised here after both finished."""
+    out = forward(0)
+    for m in range(1, num_microbatches):
+        errors: list[BaseException] = []
+
+        def run_backward(prev: Out = out, i: int = m - 1) -> None:
+            try:
+                with on_twin_groups(twins):
+                    backward(i, prev)
+            except BaseException as exc:  # re-raised on the caller's thread below
+                errors.append(exc)
+
+        helper = threading.Thread(target=run_backward, name=f"moeplug-backward-{m - 1}")
+        helper.start()
+        try:
+            out = forward(m)
+        finally:
+            # Sync point: B_{m-1}'s gradients are in .grad before B_m starts. The stage clock
+            # is per thread: what it shows as "backward" here is the part the forward did not
+            # hide.
+            with stage("backward"):
+                helper.join()
+        if errors:
+            raise errors[0]
+    backward(num_microbatches - 1, out)

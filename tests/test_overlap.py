@@ -1,0 +1,341 @@
+"""Overlap on equals overlap off (``model.moe.overlap_chunks``; moeplug.modules.moe_overlap).
+
+Every rank of a real gloo group builds the same model twice from one seed, once with
+``overlap_chunks = 1`` (the plain layer) and once with ``CHUNKS`` (uneven chunks: T = 32 tokens
+per micro-batch into 3), and runs 3 real ``train_step``s of each on the same batches. Compared
+on every rank after every step: the logged loss terms, the global grad norm, every gradient of
+the rank; after 3 steps every parameter. Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
+EP2 with capacity dropping + pad-to-capacity, EP2 with the ``allgather`` dispatcher (the
+interface's default split methods), and with shared experts everywhere (they run during the
+first chunk's dispatch). The combined 1F1B schedule
+(``parallel.overlap_moe_expert_parallel_comm``, moeplug.parallel.ep_overlap) is compared the
+same way at EP2 (3 micro-batches), EP4 and EP2 x DP2, alone (must be bitwise: same ops, same
+order) and together with chunking.
+
+Tolerance (fp32): the forward is bitwise identical here (every token's rows meet the same
+weights and are summed in the same order; chunks of >= 4 rows per expert keep the GEMM
+library on the same kernels), so the first step's losses must be exactly equal. Gradients are
+not all bitwise: an expert's weight gradient sums its rows chunk by chunk, and autograd adds a
+tensor's gradient contributions (router, shared experts, routed chunks) in the order their
+nodes run, which overlap changes. Step 1 (same parameters) must agree to TOL = 1e-6 absolute
+on every gradient and the grad norm (measured ~1e-8). Later steps start from parameters that
+AdamW already moved apart: its m / sqrt(v) turns a 1e-9 difference of a near-zero gradient
+into a visible one of the update (up to lr), so losses and parameters after 3 steps get
+TRAIN_TOL = 1e-4 (measured up to ~2e-5).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from moeplug.testing.distributed import run_distributed
+
+V = 64
+CHUNKS = 3
+TOL = 1e-6        # step 1 (same parameters): grads and grad norm, absolute
+TRAIN_TOL = 1e-4  # steps 2-3 and the final parameters, absolute (lr = 1e-2)
+
+# name -> (parallel overrides, grad_accum_steps, router options, what "on" switches on:
+# chunks = model.moe.overlap_chunks, merged = parallel.overlap_moe_expert_parallel_comm)
+CAPACITY = {"capacity_factor": 1.0, "pad_to_capacity": True}
+CHUNKED, MERGED = {"chunks": CHUNKS}, {"merged": True}
+BOTH = {"chunks": CHUNKS, "merged": True}
+WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAPACITY, CHUNKED),
+          # allgather keeps the Dispatcher base class's split methods (exchange in *_start)
+          "ep2_allgather": ({"ep": 2}, 1, {}, {"chunks": CHUNKS, "dispatcher": "allgather"}),
+          "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH)}
+WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "pp2_ep2": ({"pp": 2, "ep": 2}, 2, {}, CHUNKED),
+          "ep4_1f1b": ({"ep": 4}, 2, {}, MERGED), "ep2_dp2_1f1b": ({"ep": 2}, 2, {}, MERGED)}
+
+
+def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
+         merged: bool = False, dispatcher: str = "alltoall"):
+    from moeplug.config import config_from_dict
+    return config_from_dict({
+        "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_hidden_size": 16,
+                  "init_std": 0.1,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
+                          "aux_loss_coeff": 0.05, "shared_expert_ffn_hidden_size": 8,
+                          "overlap_chunks": chunks}},
+        "plugins": {"dispatcher": dispatcher, "router_options": router_options},
+        "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
+                  "grad_accum_steps": grad_accum, "lr": 1e-2, "min_lr": 1e-3,
+                  "warmup_steps": 1, "grad_clip": 0.05, "seed": 7},
+        "parallel": {**parallel, "overlap_moe_expert_parallel_comm": merged},
+    })
+
+
+def _named(model) -> dict[str, torch.nn.Parameter]:
+    from moeplug.training.distributed import pipeline_chunks
+    out = {}
+    for part in pipeline_chunks(model) or [model]:
+        out.update(dict(part.named_parameters()))
+    return out
+
+
+def _compare(rank: int, world: int, layouts: dict) -> dict:
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.optim import lr_at
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
+
+    host = PluginHost.load()
+    precision = host.create("precision", "fp32", {})
+    ids = np.random.default_rng(3).integers(0, V, 4096).astype(np.int64)
+    report = {}
+    for name, (parallel, accum, router_options, on) in layouts.items():
+        runs = {}
+        for variant in ("off", "on"):
+            dispatcher = on.get("dispatcher", "alltoall")
+            cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher)
+                   if variant == "off" else
+                   _cfg(parallel, accum, router_options, on.get("chunks", 1),
+                        on.get("merged", False), dispatcher))
+            groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+            seed_everything(cfg.train.seed)
+            model = build_rank_model(cfg, host, V, groups)
+            opt = build_rank_optimizer(model, cfg, groups)
+            # Which threads ran a backward: the combined 1F1B must use its helper thread.
+            threads: set[str] = set()
+            first = next(p for p in _named(model).values() if p.requires_grad)
+            first.register_hook(lambda g: threads.add(threading.current_thread().name))
+            steps = []
+            for step in range(3):
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step, cfg.train)
+                stats = train_step(model, opt, step_batches(ids, cfg.train, step, groups),
+                                   cfg.train, precision, groups)
+                grads = {n: p.grad.clone() for n, p in _named(model).items() if p.grad is not None}
+                steps.append((stats.losses(), stats.grad_norm, grads))
+            if variant == "on" and on.get("merged"):
+                assert groups.twins and groups.ep in groups.twins
+                assert any(t.startswith("moeplug-backward-") for t in threads), threads
+            runs[variant] = (steps, {n: p.detach().clone() for n, p in _named(model).items()})
+        (off, off_params), (on, on_params) = runs["off"], runs["on"]
+        # Step 1 starts from the same parameters: its grads are the parity proof (TOL). Steps
+        # 2-3 start from parameters AdamW has already moved apart (TRAIN_TOL, see the top).
+        errs = {}
+        for step, ((l_off, n_off, g_off), (l_on, n_on, g_on)) in enumerate(zip(off, on)):
+            assert l_off.keys() == l_on.keys() and g_off.keys() == g_on.keys() and g_off
+            at = "step1_" if step == 0 else "later_"
+            for key, value in (("loss", max(abs(l_off[k] - l_on[k]) for k in l_off)),
+                               ("grad_norm", abs(n_off - n_on)),
+                               ("grad", max((g_off[k] - g_on[k]).abs().max().item()
+                                            for k in g_off))):
+                errs[at + key] = max(errs.get(at + key, 0.0), value)
+        errs["later_param"] = max((off_params[k] - on_params[k]).abs().max().item()
+                                  for k in off_params)
+        first_off, first_on = off[0][0], on[0][0]
+        report[name] = {"errs": errs, "first_step_losses_equal": first_off == first_on,
+                        "bitwise_grads": sum(torch.equal(off[0][2][k], on[0][2][k])
+                                             for k in off[0][2]),
+                        "num_grads": len(off[0][2]), "losses": [s[0]["loss"] for s in on]}
+    return report
+
+
+def _check(reports: list[dict], name: str) -> None:
+    on = {**WORLD2, **WORLD4}[name][3]
+    for rank, report in enumerate(reports):
+        r = report[name]
+        print(f"{name} rank {rank}: {r['errs']}, {r['bitwise_grads']}/{r['num_grads']} "
+              f"step-1 grads bitwise")
+        assert r["first_step_losses_equal"], f"{name}, rank {rank}: forward differs"
+        if "chunks" not in on:  # combined 1F1B alone: the same ops in the same order
+            assert r["bitwise_grads"] == r["num_grads"] and not any(r["errs"].values()), \
+                f"{name}, rank {rank}: combined 1F1B is not bitwise: {r['errs']}"
+        bad = {k: v for k, v in r["errs"].items()
+               if not v <= (TOL if k.startswith("step1_") else TRAIN_TOL)}
+        assert not bad, f"{name}, rank {rank}: overlap on differs from off by > {TOL}: {bad}"
+        assert r["losses"][-1] < r["losses"][0] + 1.0  # it trained (no NaN, no blow-up)
+
+
+@pytest.fixture(scope="module")
+def world2_reports():
+    return run_distributed(_compare, 2, WORLD2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world4_reports():
+    return run_distributed(_compare, 4, WORLD4, timeout=500)
+
+
+@pytest.mark.parametrize("name", sorted(WORLD2))
+def test_overlap_equals_no_overlap_world2(world2_reports, name):
+    _check(world2_reports, name)
+
+
+@pytest.mark.parametrize("name", sorted(WORLD4))
+def test_overlap_equals_no_overlap_world4(world4_reports, name):
+    _check(world4_reports, name)
+
+
+# ---- one process: the layer itself, and config ----------------------------------------------
+
+def test_single_process_layer_matches_unchunked():
+    """At one rank the exchanges are the identity: chunking alone may change only the order
+    of sums. With 3 chunks (>= 4 rows per expert GEMM here) the forward is bitwise and so are
+    the router's and shared experts' gradients; with 1-2 rows per chunk and expert the GEMM
+    library picks other kernels (measured ~1e-8 off), so there only the tolerance holds."""
+    from moeplug.modules import build_model
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.trainer import seed_everything
+
+    cfg = _cfg({}, 1, {}, 1)
+    seed_everything(0)
+    model = build_model(cfg, PluginHost.load(), V)
+    layer = next(m for m in model.modules() if type(m).__name__ == "MoELayer")
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for chunks in (1, CHUNKS, 32, 33):  # 33 > T = 32 tokens: the unchunked path
+        layer.overlap_chunks = chunks
+        xc = x.clone().requires_grad_()
+        y, aux, counts = layer(xc)
+        (y.square().sum() + aux).backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        layer.zero_grad(set_to_none=True)
+        outs[chunks] = (y.detach(), aux.detach(), counts, xc.grad, grads)
+    y1, a1, c1, gx1, g1 = outs[1]
+    for chunks, (y, a, c, gx, g) in outs.items():
+        assert torch.equal(a, a1) and torch.equal(c, c1), chunks  # routing runs unchunked
+        assert torch.allclose(y, y1, rtol=0, atol=TOL), chunks
+        assert torch.allclose(gx, gx1, rtol=0, atol=TOL), chunks
+        for n in g1:
+            assert torch.allclose(g[n], g1[n], rtol=0, atol=TOL), (chunks, n)
+    y, _, _, _, g = outs[CHUNKS]
+    assert torch.equal(y, y1)
+    assert all(torch.equal(g[n], g1[n]) for n in g1 if not n.startswith("experts."))
+    assert torch.equal(outs[33][0], y1) and torch.equal(outs[33][3], gx1)
+
+
+@pytest.mark.parametrize("value, words", [(0, "must be a positive integer"),
+                                          (1.5, "must be an integer"),
+                                          (True, "must be an integer")])
+def test_overlap_chunks_validated(value, words):
+    from moeplug.config import ConfigError, config_from_dict
+    with pytest.raises(ConfigError, match=f"MoEConfig.overlap_chunks = {value!r}: {words}"):
+        config_from_dict({"model": {"moe": {"overlap_chunks": value}}})
+
+
+@pytest.mark.parametrize("recompute", [{"granularity": "full"},
+                                       {"granularity": "selective", "modules": ["moe"]}])
+def test_overlap_refuses_moe_recompute(recompute):
+    from moeplug.config import ConfigError, config_from_dict
+    with pytest.raises(ConfigError, match="overlap_chunks = 2: cannot be combined with recompute"):
+        config_from_dict({"model": {"moe": {"overlap_chunks": 2}, "recompute": recompute}})
+    # recomputing only the activation is fine
+    config_from_dict({"model": {"moe": {"overlap_chunks": 2},
+                                "recompute": {"granularity": "selective", "modules": ["moe_act"]}}})
+
+
+def test_overlap_is_not_model_defining():
+    """A run may resume with overlap switched: it computes the same model."""
+    from moeplug.config import config_from_dict, model_differences
+    a = config_from_dict({"model": {"moe": {"overlap_chunks": 1}}})
+    b = config_from_dict({"model": {"moe": {"overlap_chunks": 4, "top_k": 1}}})
+    assert [d[0] for d in model_differences(a, b)] == ["model.moe.top_k"]
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"parallel": {"pp": 2}}, "supports expert and data parallelism only, but parallel.pp = 2"),
+    ({"parallel": {"tp": 2}}, "supports expert and data parallelism only, but parallel.tp = 2"),
+    ({"train": {"grad_accum_steps": 1}}, "needs two micro-batches in flight"),
+    ({"runtime": {"stash": True}}, "cannot be combined with runtime.stash"),
+    ({"model": {"recompute": {"granularity": "full"}}}, "cannot be combined with recompute"),
+])
+def test_combined_1f1b_refuses_what_it_cannot_run(over, words):
+    from moeplug.config import ConfigError, config_from_dict
+    base = {"parallel": {"ep": 2, "overlap_moe_expert_parallel_comm": True},
+            "train": {"grad_accum_steps": 2}, "model": {}, "runtime": {}}
+    cfg = {k: {**v, **over.get(k, {})} for k, v in base.items()}
+    with pytest.raises(ConfigError, match="ParallelConfig.overlap_moe_expert_parallel_comm = "
+                                          f"True: {words}"):
+        config_from_dict(cfg)
+    config_from_dict(base)  # the base itself is valid
+
+
+def test_chunked_overlap_with_the_paged_stash():
+    """The experts of every chunk save into the runtime's page pool: on equals off, bitwise,
+    and every page comes back."""
+    from moeplug.config import config_from_dict
+    from moeplug.modules import build_model
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.optim import build_optimizer
+    from moeplug.training.trainer import train_step
+
+    def train(stash: bool):
+        cfg = config_from_dict({
+            "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                      "max_seq_len": 32, "first_k_dense": 0,
+                      "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32,
+                              "overlap_chunks": CHUNKS}},
+            "train": {"micro_batch_size": 4, "seq_len": 16, "grad_accum_steps": 2},
+            "runtime": {"stash": stash}})
+        torch.manual_seed(0)
+        host = PluginHost.load()
+        model = build_model(cfg, host, V)
+        opt = build_optimizer(model, cfg.train)
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(2):
+            batches = [(torch.randint(0, V, (4, 16), generator=gen),
+                        torch.randint(0, V, (4, 16), generator=gen)) for _ in range(2)]
+            stats = train_step(model, opt, batches, cfg.train,
+                               host.create("precision", "fp32", {}), None)
+            out.append((stats.losses(), stats.stash,
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+        return out
+
+    on, off = train(True), train(False)
+    for (l_on, s_on, g_on), (l_off, _, g_off) in zip(on, off):
+        assert l_on == l_off and all(torch.equal(g_on[n], g_off[n]) for n in g_off)
+        assert s_on["high_water"] > 0 and s_on["pages_in_use"] == 0 and s_on["overflows"] == 0
+
+
+def test_cli_trains_with_both_overlaps_on_two_processes(run_cli, tiny_config_file, tmp_path):
+    """The README's command, for real: two processes (EP2), chunked overlap and combined 1F1B."""
+    from moeplug.training.metrics import read_metrics
+    out = tmp_path / "run"
+    proc = run_cli("train", "--config", tiny_config_file(str(out)), "--nproc", "2",
+                   "--steps", "2", "--set", "parallel.ep=2", "--set", "model.moe.overlap_chunks=2",
+                   "--set", "train.grad_accum_steps=2",
+                   "--set", "parallel.overlap_moe_expert_parallel_comm=true", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(str(out / "metrics.jsonl"))
+    [run] = [r for r in records if r["kind"] == "run"]
+    assert run["config"]["model"]["moe"]["overlap_chunks"] == 2
+    assert run["config"]["parallel"]["overlap_moe_expert_parallel_comm"] is True
+    train = [r for r in records if r["kind"] == "train"]
+    assert train and train[-1]["step"] == 2  # logged every train.log_interval steps
+    assert all(np.isfinite(r["loss"]) and r["time_breakdown"]["dispatch"] > 0 for r in train)
+
+
+def _split_all_to_all(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from moeplug.parallel import comm
+    gen = torch.Generator().manual_seed(rank)
+    send = [(rank + r) % 3 for r in range(world)]        # uneven, some zero
+    recv = [(r + rank) % 3 for r in range(world)]        # what rank r sends here
+    x = torch.randn(sum(send), 5, generator=gen, requires_grad=True)
+    w = torch.randn(sum(recv), 5, generator=gen)
+    y_ref = comm.all_to_all(x, recv, send, dist.group.WORLD)
+    (g_ref,) = torch.autograd.grad((y_ref * w).sum(), x)
+    # Two in flight, waited in reverse order; their backwards overlap the same way.
+    p1 = comm.all_to_all_start(x, recv, send, dist.group.WORLD)
+    p2 = comm.all_to_all_start(2 * x, recv, send, dist.group.WORLD)
+    y2, y1 = p2.wait(), p1.wait()
+    (g,) = torch.autograd.grad((y1 * w).sum() + (y2 * w).sum(), x)
+    with pytest.raises(RuntimeError, match="called twice"):
+        p1.wait()
+    return {"y": torch.equal(y1, y_ref) and torch.equal(y2, 2 * y_ref),
+            "grad": torch.equal(g, g_ref + 2 * g_ref)}  # two addends: order-free, bitwise
+
+
+def test_split_all_to_all_equals_all_to_all():
+    for rank, r in enumerate(run_distributed(_split_all_to_all, 3, timeout=120)):
+        assert r == {"y": True, "grad": True}, (rank, r)
