@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moeplug.interfaces import Dispatcher, Experts, Router
+from moeplug.modules.static_moe import static_moe
 from moeplug.observability.timing import stage
 from moeplug.parallel.tensor_parallel import average_over_token_group
 
@@ -84,23 +85,48 @@ class MoELayer(nn.Module):
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
         with stage("router"):
             routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
-        with stage("dispatch"):
-            d = self.dispatcher.dispatch(x_TD, routing)               # 2. dispatch
-        with stage("experts"), self._stash_scope():
-            y_SD = self._experts(d)                                   # 3. experts
-        with stage("combine"):
-            y_TD = self.dispatcher.combine(y_SD, d.meta)              # 4. combine
+        sync_free = self._sync_free()
+        if sync_free is not None:  # 2.-4. with static shapes, no host sync (static_moe)
+            with stage("experts"):
+                y_TD, counts_E = self._static_stages(x_TD, routing, sync_free)
+        else:
+            with stage("dispatch"):
+                d = self.dispatcher.dispatch(x_TD, routing)           # 2. dispatch
+            with stage("experts"), self._stash_scope():
+                y_SD = self._experts(d)                               # 3. experts
+            with stage("combine"):
+                y_TD = self.dispatcher.combine(y_SD, d.meta)          # 4. combine
+            counts_E = self._host_counts(routing)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)                           # 5. shared, 6. sum
         y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
+        return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
+                         counts_E, dict(routing.losses))
+
+    def _host_counts(self, routing) -> torch.Tensor:
         # On the host, like the dispatcher's counts_L: these are logged, never differentiated.
         # Choices dropped by capacity reach no expert, so they are not counted.
         ids = routing.ids_TK.reshape(-1).detach()
         if routing.dropped_TK is not None:
             ids = ids[~routing.dropped_TK.reshape(-1)]
-        counts_E = torch.bincount(ids.cpu(), minlength=self.router.num_experts)
-        return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
-                         counts_E, dict(routing.losses))
+        return torch.bincount(ids.cpu(), minlength=self.router.num_experts)
+
+    def _sync_free(self):
+        # The runtime's SyncFreeState when runtime.sync_free is on and not paused for a rerun.
+        state = None if self.runtime is None else self.runtime.runtime.sync_free
+        return state if state is not None and state.active else None
+
+    def _static_stages(self, x_TD: torch.Tensor, routing, state) -> tuple:
+        # Stages 2-4 in static shapes (moeplug.modules.static_moe); counts_E stays on the
+        # device (the trainer reads it after the step). The overflow flag goes to the runtime.
+        y_TD, overflow, counts_E = static_moe(
+            x_TD, routing, self.experts.gate_up_proj, self.experts.down_proj,
+            num_experts=self.router.num_experts, token_budget=state.cfg.token_budget,
+            activation=self.experts.activation, weighted_input=self.apply_probs_on_input,
+            ep_size=getattr(self.dispatcher, "ep_size", 1),
+            group=getattr(self.dispatcher, "group", None), wrap=state.wrap)
+        state.note_overflow(overflow)
+        return y_TD, counts_E.detach()
 
     def _stash_scope(self):
         # What the routed experts save for backward goes to the runtime's paged stash.
