@@ -19,7 +19,7 @@ exchange) and the region can be captured once and replayed (moeplug.replay):
     4. experts   y_LBD = down(act(x_LBD @ gate_up^T)) as two batched GEMMs (padding rows are
                  zeros; their outputs are never read)
     5. back      the inverse exchange -> y_ECD on the source rank
-    6. combine   y_TD = sum_k p_tk * y_ECD[slot_tk] (the dump slot reads a zero row)
+    6. combine   y_TD = sum_k p_tk * y_ECD[slot_tk] (weight 0 for the dump slot)
 Choices the router dropped (``dropped_TK``, its own capacity) take the dump slot without
 raising the flag. The routing weight multiplies each expert output in combine (equal to the
 dynamic experts' weighting of the activation: FC2 is linear), so it never crosses ranks.
@@ -90,12 +90,15 @@ def experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor
 
 def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor
                  ) -> torch.Tensor:
-    """Stage 6: y_TD = sum_k p_tk * y_ECD[slot_tk] (pass probs of ones when the rows were
-    already weighted)."""
+    """Stage 6: y_TD = sum_k p_tk * y_ECD[slot_tk], weight 0 for the dump slot (pass probs of
+    ones when the rows were already weighted)."""
     T, K = probs_TK.shape
-    y_pad = torch.cat([y_ECD, y_ECD.new_zeros(1, y_ECD.shape[1])])
-    y_TKD = y_pad.index_select(0, slot_N).view(T, K, -1)
-    return torch.bmm(probs_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+    num_slots = y_ECD.shape[0]
+    # The dump slot reads any real row with weight 0 (no [E*C+1, D] padded copy of y).
+    keep_TK = (slot_N < num_slots).view(T, K)
+    y_TKD = y_ECD.index_select(0, slot_N.clamp(max=num_slots - 1)).view(T, K, -1)
+    p_T1K = (probs_TK * keep_TK).to(y_TKD.dtype).unsqueeze(1)
+    return torch.bmm(p_T1K, y_TKD).squeeze(1)
 
 
 def to_experts(x_ECD: torch.Tensor, num_local: int, budget: int, ep_size: int,
