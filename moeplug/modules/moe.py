@@ -44,6 +44,10 @@ class MoELayer(nn.Module):
         4. combine    y_TD = dispatcher.combine(y_SD, d.meta)     -> each token's K rows summed
         5. shared     s_TD = shared(x_TD)  when a SharedExperts module was given (all tokens)
         6. sum        y = y_TD (+ s_TD), reshaped to the input's shape
+    With ``runtime.sync_free`` (the layer's runtime handle says so), stages 2-4 are
+    moeplug.modules.static_moe instead: static shapes from a token budget, no host sync, the
+    experts' weights used directly, counts_E left on the device; an over-budget flag goes to
+    the runtime, whose trainer reruns the step on the path above.
     Returns ``MoEOutput(y, aux_loss, counts_E)`` (a triple; ``.router_losses`` holds the
     router's logging values); nothing from the call is kept on ``self``, so several
     micro-batches may be in flight through one layer.
