@@ -307,6 +307,60 @@ def test_ep2_static_eager_and_replay_equal_dynamic_alltoall():
                 assert err <= TOL, (rank, name, k, err)
 
 
+def test_evaluation_takes_the_dynamic_path_and_loses_no_token():
+    # No trainer reruns an evaluation, so an eval-mode layer never uses the budget.
+    x, _ = _inputs()
+    layer = _layer(sync_free=True, token_budget=0.1).eval()
+    with torch.no_grad():
+        y = layer(x)[0]
+    assert stash_runtime_of(layer).sync_free.take_overflow() is None
+    with stash_runtime_of(layer).sync_free.disabled(), torch.no_grad():
+        assert torch.equal(y, layer(x)[0])
+
+
+def _ep2_train_rank(rank: int, world: int) -> dict:
+    from moeplug.parallel import ParallelGroups
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything
+    host = PluginHost.load()
+    precision = host.create("precision", "fp32", {})
+    out = {}
+    for name, runtime in (("off", {}), ("within", {"sync_free": True}),
+                          ("over", {"sync_free": True, "token_budget": 0.25})):
+        cfg = _cfg(**runtime)
+        cfg.parallel.ep = 2
+        groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+        seed_everything(0)
+        model = build_rank_model(cfg, host, VOCAB, groups)
+        opt = build_rank_optimizer(model, cfg, groups)
+        gen = torch.Generator().manual_seed(5 + rank)  # each DP rank its own batches
+        losses, sync_free = [], []
+        for _ in range(2):
+            batches = [(torch.randint(0, VOCAB, (4, 16), generator=gen),
+                        torch.randint(0, VOCAB, (4, 16), generator=gen)) for _ in range(2)]
+            stats = train_step(model, opt, batches, cfg.train, precision, groups)
+            losses.append(stats.losses())
+            sync_free.append(stats.sync_free)
+        out[name] = {"losses": losses, "sync_free": sync_free,
+                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+@pytest.mark.slow
+def test_ep2_training_over_budget_reruns_bitwise_and_within_budget_matches():
+    from moeplug.testing.distributed import run_distributed
+    for res in run_distributed(_ep2_train_rank, 2, timeout=400):
+        assert res["over"]["losses"] == res["off"]["losses"]  # bitwise, both ranks reran
+        assert res["over"]["sync_free"] == [{"overflows": 1, "reruns": 1}] * 2
+        for n, p in res["off"]["params"].items():
+            assert torch.equal(res["over"]["params"][n], p), n
+        assert res["within"]["sync_free"] == [{"overflows": 0, "reruns": 0}] * 2
+        for a, b in zip(res["within"]["losses"], res["off"]["losses"]):
+            assert abs(a["loss"] - b["loss"]) < 1e-5
+        for n, p in res["off"]["params"].items():
+            assert torch.allclose(res["within"]["params"][n], p, atol=1e-5, rtol=0), n
+
+
 # ---- the CLI ------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -117,8 +117,10 @@ class MoELayer(nn.Module):
 
     def _sync_free(self):
         # The runtime's SyncFreeState when runtime.sync_free is on and not paused for a rerun.
+        # Training only: an over-budget step is rerun by the trainer, but evaluation and
+        # generation have no rerun, so they take the dynamic path and never lose a token.
         state = None if self.runtime is None else self.runtime.runtime.sync_free
-        return state if state is not None and state.active else None
+        return state if state is not None and state.active and self.training else None
 
     def _static_stages(self, x_TD: torch.Tensor, routing, state) -> tuple:
         # Stages 2-4 in static shapes (moeplug.modules.static_moe); counts_E stays on the
