@@ -180,6 +180,29 @@ def test_static_with_router_capacity_and_probs_on_input_equals_dynamic():
         _close(static, _fwd_bwd(layer, x, w))
 
 
+def test_static_equals_dynamic_under_bf16_autocast():
+    # bf16 GEMMs in both paths; rows are summed in another order, so the stated tolerance is
+    # relative to each tensor's largest value: 2e-2 (measured: at most 8e-3, about two bf16 ulps).
+    x, w = _inputs()
+    layer = _layer(sync_free=True)
+
+    def run() -> list:
+        xx = x.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, aux, _ = layer(xx)
+        ((y.float() * w).sum() + aux).backward()
+        assert y.dtype == torch.bfloat16
+        return [y.detach().float(), xx.grad, layer.experts.gate_up_proj.grad.clone(),
+                layer.experts.down_proj.grad.clone(), layer.router.weight.grad.clone()]
+
+    static = run()
+    with stash_runtime_of(layer).sync_free.disabled():
+        dynamic = run()
+    for a, b in zip(static, dynamic):
+        assert float((a - b).abs().max() / b.abs().max()) < 2e-2
+
+
 def test_slots_flag_overflow_only_over_budget():
     ids_TK = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2]])
     slot_N, over, counts = slots(ids_TK, None, 4, budget=3)
