@@ -735,6 +735,10 @@ class RuntimeSection:
                 or not math.isfinite(self.token_budget) or self.token_budget <= 0):
             _fail(self, "token_budget", self.token_budget, "must be a finite number > 0",
                   "use e.g. token_budget: 2.0 (rows per expert = 2x the balanced load)")
+        if self.capture and self.stash:
+            _fail(self, "capture", self.capture, "cannot combine with runtime.stash (the "
+                  "captured region keeps its saved tensors in its own compiled graph)",
+                  "set runtime.stash: false, or capture: false")
         if self.capture and not self.sync_free:
             _fail(self, "capture", self.capture, "needs runtime.sync_free: true (only a region "
                   "with static shapes and no host sync can be captured and replayed)",

@@ -128,10 +128,12 @@ def test_dynamic_layer_syncs_and_static_layer_reads_zero():
     with HostSyncCounter() as dynamic:
         _fwd_bwd(_layer(), x, w)
     assert dynamic.count > 0  # the counter sees the existing path's count exchange etc.
-    layer = _layer(sync_free=True)
-    with HostSyncCounter() as static:
-        _fwd_bwd(layer, x, w)
-    assert static.count == 0, static.calls
+    for runtime in ({}, {"stash": True}):  # the stash's page bookkeeping is host-only
+        layer = _layer(sync_free=True, **runtime)
+        with HostSyncCounter() as static:
+            _fwd_bwd(layer, x, w)
+        assert static.count == 0, (runtime, static.calls)
+    assert stash_runtime_of(layer).pool.stats()["high_water"] > 0  # the stash was used
 
 
 def test_static_layer_with_syncs_inserted_is_counted(monkeypatch):
@@ -271,10 +273,33 @@ def test_within_budget_trains_like_dynamic_without_rerun():
     assert stash_runtime(on[0]).record()["sync_free"] is True
 
 
+def test_stash_holds_the_static_experts_activations_in_the_same_pages_every_step():
+    # sync_free + stash: stage 4 saves its 2-D input and FC1 rows in the pool; static shapes,
+    # so each step takes the same pages and returns them all.
+    plain = _train(_cfg(sync_free=True), steps=3)
+    stashed = _train(_cfg(sync_free=True, stash=True), steps=3)
+    rt = stash_runtime(stashed[0])
+    stats = [s.stash for s, _ in stashed[1]]
+    assert all(s["overflows"] == 0 and s["pages_in_use"] == 0 for s in stats)
+    assert stats[0]["high_water"] > 0 and len({s["high_water"] for s in stats}) == 1
+    assert all(s.sync_free == {"overflows": 0, "reruns": 0} for s, _ in stashed[1])
+    for (sa, ga), (sb, gb) in zip(stashed[1], plain[1]):
+        assert abs(sa.loss - sb.loss) < 1e-6
+        for n in gb:
+            assert torch.allclose(ga[n], gb[n], atol=1e-6, rtol=0), n
+    # One more step of one micro-batch: 2 MoE layers x (expert input, FC1 output) stashed.
+    allocs = rt.pool.stats()["allocs"]
+    train_step(stashed[0], build_optimizer(stashed[0], _cfg().train),
+               [(torch.randint(0, VOCAB, (4, 16)), torch.randint(0, VOCAB, (4, 16)))],
+               _cfg().train, PluginHost.load().create("precision", "fp32", {}), None)
+    assert rt.pool.stats()["allocs"] - allocs == 2 * 2
+
+
 @pytest.mark.parametrize("runtime, names", [
     ({"token_budget": 0}, ("token_budget", "0", "Fix")),
     ({"token_budget": float("inf")}, ("token_budget", "inf", "Fix")),
     ({"capture": True}, ("capture", "sync_free: true")),
+    ({"capture": True, "sync_free": True, "stash": True}, ("capture", "runtime.stash", "Fix")),
     ({"sync_free": "yes"}, ("sync_free", "'yes'", "true or false")),
 ])
 def test_config_errors_name_field_value_and_fix(runtime, names):

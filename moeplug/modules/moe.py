@@ -130,7 +130,8 @@ class MoELayer(nn.Module):
             num_experts=self.router.num_experts, token_budget=state.cfg.token_budget,
             activation=self.experts.activation, weighted_input=self.apply_probs_on_input,
             ep_size=getattr(self.dispatcher, "ep_size", 1),
-            group=getattr(self.dispatcher, "group", None), wrap=state.wrap)
+            group=getattr(self.dispatcher, "group", None), wrap=state.wrap,
+            stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None)
         state.note_overflow(overflow)
         return y_TD, counts_E.detach()
 

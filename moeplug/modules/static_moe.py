@@ -8,7 +8,7 @@ X FC1 rows (2F gated, F plain), F FFN hidden.
     C = ceil(T*K/E * runtime.token_budget)
 Every shape follows from (T, K, D, E, W, C), never from the routing, so nothing waits for the
 device to learn a size (no ``.item()``/``.tolist()``/``.cpu()``, no ``nonzero``, no count
-exchange) and the region can be captured once and replayed (moeplug.replay):
+exchange) and the region can be captured once and replayed (moeplug.syncfree):
     1. slots     each choice's position among its expert's choices on this rank, in token
                  order (a stable sort); the first C get slot e*C + pos, the rest the dump slot
                  E*C and raise ``overflow`` (a device bool the trainer reads where the step
@@ -88,6 +88,52 @@ def experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor
     return torch.bmm(a_LBF, w2_LDF.transpose(1, 2))
 
 
+class _StashedExperts(torch.autograd.Function):
+    """:func:`experts_ffn` for the paged stash (``runtime.stash``, eager): it saves the expert
+    input and FC1 output as 2-D [L*B, *] rows, the layout moeplug.stash packs into its pages
+    (static shapes, so the same pages every step), and rebuilds the activation from h in
+    backward. GEMMs in the autocast dtype; grads come back in each input's own dtype."""
+
+    @staticmethod
+    def forward(ctx, x_LBD, w13_LXD, w2_LDF, activation):
+        dtype = x_LBD.dtype
+        if torch.is_autocast_enabled(x_LBD.device.type):
+            dtype = torch.get_autocast_dtype(x_LBD.device.type)
+        x_c, w13_c, w2_c = (t.to(dtype).contiguous() for t in (x_LBD, w13_LXD, w2_LDF))
+        L, B, D = x_c.shape
+        with torch.autocast(x_c.device.type, enabled=False):
+            h_LBX = torch.bmm(x_c, w13_c.transpose(1, 2))
+            y_LBD = torch.bmm(activation_fn(activation)(h_LBX), w2_c.transpose(1, 2))
+        ctx.save_for_backward(x_c.view(L * B, D), h_LBX.view(L * B, -1), w13_c, w2_c)
+        ctx.activation = activation
+        ctx.dtypes = (x_LBD.dtype, w13_LXD.dtype, w2_LDF.dtype)
+        return y_LBD
+
+    @staticmethod
+    def backward(ctx, g_LBD):
+        x_SD, h_SX, w13_c, w2_c = ctx.saved_tensors
+        L = w13_c.shape[0]
+        x_LBD, h_LBX = x_SD.view(L, -1, x_SD.shape[1]), h_SX.view(L, -1, h_SX.shape[1])
+        g_LBD = g_LBD.to(x_LBD.dtype)
+        with torch.autocast(x_LBD.device.type, enabled=False):
+            with torch.enable_grad():  # the activation's derivative by autograd (elementwise)
+                h = h_LBX.detach().requires_grad_()
+                a_LBF = activation_fn(ctx.activation)(h)
+            g_a = torch.bmm(g_LBD, w2_c)
+            g_w2 = torch.bmm(g_LBD.transpose(1, 2), a_LBF.detach())
+            (g_h,) = torch.autograd.grad(a_LBF, h, g_a)
+            g_x = torch.bmm(g_h, w13_c)
+            g_w13 = torch.bmm(g_h.transpose(1, 2), x_LBD)
+        x_dtype, w13_dtype, w2_dtype = ctx.dtypes
+        return g_x.to(x_dtype), g_w13.to(w13_dtype), g_w2.to(w2_dtype), None
+
+
+def stashed_experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+                        activation: str) -> torch.Tensor:
+    """Stage 4 with 2-D saved activations for the paged stash (see _StashedExperts)."""
+    return _StashedExperts.apply(x_LBD, w13_LXD, w2_LDF, activation)
+
+
 def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor
                  ) -> torch.Tensor:
     """Stage 6: y_TD = sum_k p_tk * y_ECD[slot_tk], weight 0 for the dump slot (pass probs of
@@ -157,18 +203,23 @@ def one_rank(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor 
 def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                *, num_experts: int, token_budget: float, activation: str, weighted_input: bool,
                ep_size: int = 1, group: Any = None,
-               wrap: Callable[[Callable], Callable] = lambda fn: fn
+               wrap: Callable[[Callable], Callable] = lambda fn: fn, stash_scope: Any = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 for one micro-batch: (y_TD, overflow, counts_E), all device tensors.
-    ``wrap`` turns each pure piece into its captured replay (moeplug.replay.captured)."""
+    ``wrap`` turns each pure piece into its captured replay (moeplug.syncfree.captured);
+    ``stash_scope`` (eager only): the layer's paged-stash scope, around stage 4."""
     T, K = routing.ids_TK.shape
     C = budget_rows(T, K, num_experts, token_budget)
     args = (routing.ids_TK, routing.dropped_TK, routing.probs_TK)
-    if ep_size == 1:
+    if ep_size == 1 and stash_scope is None:
         return wrap(one_rank)(x_TD, *args, w13_LXD, w2_LDF, num_experts, C, activation,
                               weighted_input)
     x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C, weighted_input)
     x_LBD = to_experts(x_ECD, num_experts // ep_size, C, ep_size, group)
-    y_LBD = wrap(experts_ffn)(x_LBD, w13_LXD, w2_LDF, activation)
+    if stash_scope is None:
+        y_LBD = wrap(experts_ffn)(x_LBD, w13_LXD, w2_LDF, activation)
+    else:
+        with stash_scope:
+            y_LBD = stashed_experts_ffn(x_LBD, w13_LXD, w2_LDF, activation)
     y_ECD = from_experts(y_LBD, C, ep_size, group)
     return wrap(back)(y_ECD, slot_N, routing.probs_TK, weighted_input), overflow, counts_E
