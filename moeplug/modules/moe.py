@@ -129,11 +129,22 @@ class MoELayer(nn.Module):
             x_TD, routing, self.experts.gate_up_proj, self.experts.down_proj,
             num_experts=self.router.num_experts, token_budget=state.cfg.token_budget,
             activation=self.experts.activation, weighted_input=self.apply_probs_on_input,
-            ep_size=getattr(self.dispatcher, "ep_size", 1),
-            group=getattr(self.dispatcher, "group", None), wrap=state.wrap,
+            ep_size=self._ep_size(), group=getattr(self.dispatcher, "group", None),
+            wrap=state.wrap,
             stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None)
         state.note_overflow(overflow)
         return y_TD, counts_E.detach()
+
+    def _ep_size(self) -> int:
+        # From the expert split, not a dispatcher attribute: any dispatcher plugin works as long
+        # as it exposes its EP process group as ``group`` when the experts are split.
+        ep_size = self.router.num_experts // self.dispatcher.num_local_experts
+        if ep_size > 1 and getattr(self.dispatcher, "group", None) is None:
+            raise ValueError(
+                f"MoELayer: runtime.sync_free with {ep_size} EP ranks needs the dispatcher's "
+                f"process group, but {type(self.dispatcher).__name__} has no .group. Fix: use "
+                f"dispatcher alltoall or allgather, or runtime.sync_free: false")
+        return ep_size
 
     def _stash_scope(self):
         # What the routed experts save for backward goes to the runtime's paged stash.
