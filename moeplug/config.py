@@ -738,9 +738,30 @@ class RuntimeSection:
     stash_page_bytes: int = 65536  # a multiple of 64: every dtype stays aligned
     stash_pages: int = 0  # 0: the sum of the registered layers' reservations
     stash_overflow: str = "rerun"  # rerun (once, without stash) | fail | keep
+    # Sync-free MoE (moeplug.modules.static_moe): static shapes from a per-rank token budget,
+    # no host synchronisation; a step over budget reruns once on the dynamic path.
+    sync_free: bool = False
+    token_budget: float = 2.0  # rows per (rank, expert) = ceil(T*K/E * token_budget)
+    capture: bool = False  # capture the static region once, replay it every step (sync_free)
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        for name in ("sync_free", "capture"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(self, name, getattr(self, name), "must be a boolean",
+                      f"write {name}: true or false")
+        if (isinstance(self.token_budget, bool) or not isinstance(self.token_budget, (int, float))
+                or not math.isfinite(self.token_budget) or self.token_budget <= 0):
+            _fail(self, "token_budget", self.token_budget, "must be a finite number > 0",
+                  "use e.g. token_budget: 2.0 (rows per expert = 2x the balanced load)")
+        if self.capture and self.stash:
+            _fail(self, "capture", self.capture, "cannot combine with runtime.stash (the "
+                  "captured region keeps its saved tensors in its own compiled graph)",
+                  "set runtime.stash: false, or capture: false")
+        if self.capture and not self.sync_free:
+            _fail(self, "capture", self.capture, "needs runtime.sync_free: true (only a region "
+                  "with static shapes and no host sync can be captured and replayed)",
+                  "set runtime.sync_free: true, or capture: false")
         if not isinstance(self.stash, bool):
             _fail(self, "stash", self.stash, "must be a boolean", "write stash: true or false")
         _positive(self, "stash_page_bytes")
@@ -774,6 +795,31 @@ class RootConfig:
                   f"exceeds model.max_seq_len ({self.model.max_seq_len})",
                   f"set train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len")
         self._check_parallel_fits_model()
+        self._check_sync_free()
+
+    def _check_sync_free(self) -> None:
+        # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself in the
+        # autocast dtype and exchanges whole experts over EP: no emulated low-precision GEMMs,
+        # no tensor parallelism inside an expert.
+        if not self.runtime.sync_free:
+            return
+        if self.plugins.precision not in ("fp32", "bf16"):
+            _fail(self.runtime, "sync_free", True, f"runs the expert GEMMs in fp32 or bf16, not "
+                  f"plugins.precision = {self.plugins.precision!r}",
+                  "set plugins.precision: fp32 or bf16, or runtime.sync_free: false")
+        if self.parallel.etp > 1:
+            _fail(self.runtime, "sync_free", True, f"does not split experts over "
+                  f"parallel.etp = {self.parallel.etp}", "set parallel.etp: 1 or sync_free: false")
+        if isinstance(self.model.moe.overlap_chunks, int) and self.model.moe.overlap_chunks > 1:
+            # The static region has its own fixed-shape exchange; chunking it is not built, and
+            # silently ignoring one of the two switches would hide it.
+            _fail(self.runtime, "sync_free", True, f"runs stages 2-4 unchunked; it cannot "
+                  f"overlap model.moe.overlap_chunks = {self.model.moe.overlap_chunks} chunks",
+                  "set model.moe.overlap_chunks: 1, or runtime.sync_free: false")
+        if "global_aux_loss" in str(self.plugins.router_options.get("load_balancing_type", "")):
+            _fail(self.runtime, "sync_free", True, "the global aux loss reads the step's token "
+                  "count on the host (a sync)", "use load_balancing_type aux_loss or "
+                  "seq_aux_loss, or runtime.sync_free: false")
 
     def _check_parallel_fits_model(self) -> None:
         # Shards must split evenly (heads % TP, experts % EP, layers per pipeline stage, seq_len

@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import torch
 
 from moeplug.runtime import get_runtime
+from moeplug.syncfree import SyncFreeState
 
 
 class StashOverflowError(RuntimeError):
@@ -87,6 +88,7 @@ class ModelRuntime:
         self.pool: Any = None
         self._bytes: torch.Tensor | None = None
         self.stash_active = bool(cfg.stash)
+        self.sync_free = SyncFreeState(cfg)  # runtime.sync_free / capture (moeplug.syncfree)
 
     def register_layer(self, *, index: int, num_experts: int, top_k: int, hidden: int,
                        ffn_hidden: int, num_local_experts: int, dtype: str, activation: str,
@@ -150,4 +152,4 @@ class ModelRuntime:
         pool = None if self.pool is None else {"page_bytes": self.pool.page_bytes,
                                                "num_pages": self.pool.num_pages}
         return {"stash": bool(self.cfg.stash), "stash_overflow": self.cfg.stash_overflow,
-                "pool": pool, "layers": self.layers}
+                "pool": pool, "layers": self.layers, **self.sync_free.record()}

@@ -8,6 +8,7 @@ from moeplug.config import ConfigError, RootConfig
 from moeplug.modules.moe import MoELayer
 from moeplug.modules.recompute import apply_recompute
 from moeplug.modules.shared_experts import SharedExperts
+from moeplug.modules.static_moe import budget_rows
 from moeplug.modules.transformer import MoETransformer
 from moeplug.parallel.context_parallel import moe_token_group
 from moeplug.ops.activations import fc1_rows
@@ -64,12 +65,15 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
 def register_moe_layer(runtime: ModelRuntime, cfg: RootConfig, index: int,
                        num_local_experts: int) -> Any:
     """Registers MoE layer ``index`` with the runtime; its reservation is the stash of one
-    micro-batch at average routing (T*K rows on every rank)."""
+    micro-batch at average routing (T*K rows on every rank; sync_free: the E*C budget rows)."""
     m, tc = cfg.model, cfg.train
     dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(cfg.plugins.precision,
                                                         cfg.plugins.precision)
     itemsize = 2 if dtype == "bfloat16" else 4
     rows = tc.micro_batch_size * tc.seq_len * m.moe.top_k
+    if cfg.runtime.sync_free:  # static buffers: E experts x C budget rows each
+        rows = m.moe.num_experts * budget_rows(tc.micro_batch_size * tc.seq_len, m.moe.top_k,
+                                               m.moe.num_experts, cfg.runtime.token_budget)
     F = m.moe.ffn_hidden_size
     fc1 = fc1_rows(m.moe.activation, F)
     # With overlap_chunks = N the experts run N times per micro-batch, each stashing its own

@@ -14,6 +14,7 @@ from torch import nn
 
 from moeplug.interfaces import Dispatcher, Experts, Router
 from moeplug.modules.moe_overlap import overlapped_routed
+from moeplug.modules.static_moe import static_moe
 from moeplug.observability.timing import stage
 from moeplug.parallel.tensor_parallel import average_over_token_group
 
@@ -47,6 +48,10 @@ class MoELayer(nn.Module):
     With ``overlap_chunks`` N > 1 (``model.moe.overlap_chunks``), stages 2-6 run pipelined over
     N token chunks, each chunk's exchanges in the background while another chunk's experts (and,
     during the first dispatch, the shared experts) compute: moeplug.modules.moe_overlap.
+    With ``runtime.sync_free`` (the layer's runtime handle says so), stages 2-4 are
+    moeplug.modules.static_moe instead: static shapes from a token budget, no host sync, the
+    experts' weights used directly, counts_E left on the device; an over-budget flag goes to
+    the runtime, whose trainer reruns the step on the path above.
     Returns ``MoEOutput(y, aux_loss, counts_E)`` (a triple; ``.router_losses`` holds the
     router's logging values); nothing from the call is kept on ``self``, so several
     micro-batches may be in flight through one layer.
@@ -93,11 +98,18 @@ class MoELayer(nn.Module):
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
         with stage("router"):
             routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
+        sync_free = self._sync_free()
+        if sync_free is not None:  # 2.-4. with static shapes, no host sync (static_moe)
+            with stage("experts"):
+                y_TD, counts_E = self._static_stages(x_TD, routing, sync_free)
+            if self.shared is not None:
+                y_TD = y_TD + self.shared(x_TD)                       # 5. shared, 6. sum
         # Fewer tokens than chunks (a decode step): unchunked. Every EP rank holds the same T,
         # so all of them take the same branch and issue the same collectives.
-        if 1 < self.overlap_chunks <= x_TD.shape[0]:                  # 2.-6. pipelined
+        elif 1 < self.overlap_chunks <= x_TD.shape[0]:                # 2.-6. pipelined
             y_TD = overlapped_routed(x_TD, routing, self.overlap_chunks, self.dispatcher,
                                      self._experts, self.shared, self._stash_scope)
+            counts_E = self._host_counts(routing)
         else:
             with stage("dispatch"):
                 d = self.dispatcher.dispatch(x_TD, routing)           # 2. dispatch
@@ -105,17 +117,51 @@ class MoELayer(nn.Module):
                 y_SD = self._experts(d)                               # 3. experts
             with stage("combine"):
                 y_TD = self.dispatcher.combine(y_SD, d.meta)          # 4. combine
+            counts_E = self._host_counts(routing)
             if self.shared is not None:
                 y_TD = y_TD + self.shared(x_TD)                       # 5. shared, 6. sum
         y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
+        return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
+                         counts_E, dict(routing.losses))
+
+    def _host_counts(self, routing) -> torch.Tensor:
         # On the host, like the dispatcher's counts_L: these are logged, never differentiated.
         # Choices dropped by capacity reach no expert, so they are not counted.
         ids = routing.ids_TK.reshape(-1).detach()
         if routing.dropped_TK is not None:
             ids = ids[~routing.dropped_TK.reshape(-1)]
-        counts_E = torch.bincount(ids.cpu(), minlength=self.router.num_experts)
-        return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
-                         counts_E, dict(routing.losses))
+        return torch.bincount(ids.cpu(), minlength=self.router.num_experts)
+
+    def _sync_free(self):
+        # The runtime's SyncFreeState when runtime.sync_free is on and not paused for a rerun.
+        # Training only: an over-budget step is rerun by the trainer, but evaluation and
+        # generation have no rerun, so they take the dynamic path and never lose a token.
+        state = None if self.runtime is None else self.runtime.runtime.sync_free
+        return state if state is not None and state.active and self.training else None
+
+    def _static_stages(self, x_TD: torch.Tensor, routing, state) -> tuple:
+        # Stages 2-4 in static shapes (moeplug.modules.static_moe); counts_E stays on the
+        # device (the trainer reads it after the step). The overflow flag goes to the runtime.
+        y_TD, overflow, counts_E = static_moe(
+            x_TD, routing, self.experts.gate_up_proj, self.experts.down_proj,
+            num_experts=self.router.num_experts, token_budget=state.cfg.token_budget,
+            activation=self.experts.activation, weighted_input=self.apply_probs_on_input,
+            ep_size=self._ep_size(), group=getattr(self.dispatcher, "group", None),
+            wrap=state.wrap,
+            stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None)
+        state.note_overflow(overflow)
+        return y_TD, counts_E.detach()
+
+    def _ep_size(self) -> int:
+        # From the expert split, not a dispatcher attribute: any dispatcher plugin works as long
+        # as it exposes its EP process group as ``group`` when the experts are split.
+        ep_size = self.router.num_experts // self.dispatcher.num_local_experts
+        if ep_size > 1 and getattr(self.dispatcher, "group", None) is None:
+            raise ValueError(
+                f"MoELayer: runtime.sync_free with {ep_size} EP ranks needs the dispatcher's "
+                f"process group, but {type(self.dispatcher).__name__} has no .group. Fix: use "
+                f"dispatcher alltoall or allgather, or runtime.sync_free: false")
+        return ep_size
 
     def _stash_scope(self):
         # What the routed experts save for backward goes to the runtime's paged stash.

@@ -31,10 +31,11 @@ AUX_LOSS_COUNTS = ("plain_topk", "routed")
 def expert_counts(ids_TK: torch.Tensor, num_experts: int, keep_TK: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """int64 [E]: token choices per expert (only those with ``keep_TK`` True when given)."""
+    # scatter_add, not bincount or a boolean mask: the output size is known without reading
+    # the ids on the host (runtime.sync_free; on a GPU bincount and x[mask] wait for the device).
     ids = ids_TK.reshape(-1)
-    if keep_TK is not None:
-        ids = ids[keep_TK.reshape(-1)]
-    return torch.bincount(ids, minlength=num_experts)
+    ones = torch.ones_like(ids) if keep_TK is None else keep_TK.reshape(-1).to(ids.dtype)
+    return ids.new_zeros(num_experts).scatter_add_(0, ids, ones)
 
 
 def counts_for_aux(aux_scores_TE: torch.Tensor, routed_ids_TK: torch.Tensor, mode: str
@@ -88,7 +89,8 @@ def seq_aux_loss(aux_scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequence
                          f"sequences. Fix: pass the batch size of the [B, S, D] input as num_sequences")
     S = T // B
     seq_B1 = torch.arange(B, device=ids_TK.device).repeat_interleave(S * K).view(-1)
-    counts_BE = torch.bincount(seq_B1 * E + ids_TK.reshape(-1), minlength=B * E).view(B, E)
+    flat = seq_B1 * E + ids_TK.reshape(-1)  # scatter_add: no host sync (see expert_counts)
+    counts_BE = flat.new_zeros(B * E).scatter_add_(0, flat, torch.ones_like(flat)).view(B, E)
     counts_BE, W = sum_over_group(counts_BE, group)
     f_BE = counts_BE.to(aux_scores_TE.dtype) / (S * W * K)
     P_BE = aux_scores_TE.view(B, S, E).mean(dim=1)

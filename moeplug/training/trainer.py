@@ -117,6 +117,7 @@ class StepStats:
     expert_counts: list
     moe: dict | None = None
     stash: dict | None = None  # paged stash pool stats (runtime.stash), else None
+    sync_free: dict | None = None  # over-budget steps and reruns (runtime.sync_free), else None
     finite: bool = True  # False: loss or grad norm NaN/Inf, the optimizer step was not taken
 
     def losses(self) -> dict[str, float]:
@@ -221,6 +222,32 @@ def _stashed_step(model, rt, forward_backward, groups) -> tuple:
                       "overflows": overflows, "reruns": reruns})
 
 
+def _sync_free_step(model, state, step_body, groups) -> tuple:
+    """``step_body`` with the MoE layers on their static, sync-free path; a step over any
+    layer's token budget (a device flag, read here where the step syncs anyway) is rerun once on
+    the dynamic path from the same RNG and buffer state, so no token is ever lost."""
+    rng = torch.get_rng_state()
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    state.take_overflow()  # a flag left by an evaluation or an aborted step is not this step's
+    result = step_body()
+    flag = state.take_overflow()
+    over = torch.zeros((), dtype=torch.int64) if flag is None else flag.to(torch.int64).cpu()
+    # Sync point (already one: the step's losses were just read on the host). Every rank takes
+    # the same branch, because a rerun runs collectives.
+    if groups is not None:
+        over = over.reshape(1)
+        torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
+    overflows = int(over.max())
+    if overflows:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+        with state.disabled():
+            result = step_body()
+    return (*result, {"overflows": overflows, "reruns": overflows})
+
+
 def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: Any,
                precision: Any, groups: Any = None) -> StepStats:
     """Forward + backward of this rank's micro-batches, gradient sync, clip, optimizer step.
@@ -238,12 +265,17 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
                                  precision, groups)
 
     rt = stash_runtime(model)
-    if rt is None or not rt.stash_active:
-        sums, counts_per_layer, routing = forward_backward()
-        stash = None
+
+    def step_body() -> tuple:  # forward + backward, with the paged stash when it is on
+        if rt is None or not rt.stash_active:
+            return (*forward_backward(), None)
+        return _stashed_step(model, rt, forward_backward, groups)
+
+    if rt is not None and rt.sync_free.active:  # runtime.sync_free: rerun when over budget
+        sums, counts_per_layer, routing, stash, sync_free = _sync_free_step(
+            model, rt.sync_free, step_body, groups)
     else:
-        sums, counts_per_layer, routing, stash = _stashed_step(model, rt, forward_backward,
-                                                               groups)
+        (sums, counts_per_layer, routing, stash), sync_free = step_body(), None
     # Clipping: rescale all grads together so their global L2 norm is <= grad_clip
     # (0 disables it; the norm is still computed for logging).
     if groups is None:
@@ -287,7 +319,8 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
         moe = D.mean_router_metrics(moe, groups)
     # sums: loss, lm_loss, aux_loss and, with MTP layers only, mtp_loss
     return StepStats(*sums[:3], sums[3] if len(sums) > 3 else None, grad_norm=grad_norm,
-                     expert_counts=expert_counts, moe=moe, stash=stash, finite=finite)
+                     expert_counts=expert_counts, moe=moe, stash=stash, finite=finite,
+                     sync_free=sync_free)
 
 
 def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:
@@ -383,6 +416,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     window_times: dict = {}  # per-stage seconds summed over the logging window
     # Non-finite steps: skipped in a row / in this run (moeplug.training.faults).
     skipped = skipped_total = 0
+    sync_free_reruns = None  # over-budget steps rerun this run (runtime.sync_free)
     test_fault = TestFault.from_env()
     if test_fault is not None:  # first: its NaN counts as the block's own output
         test_fault.install(model)
@@ -431,6 +465,14 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 progress.message(f"{line}; update skipped ({skipped_total} so far)")
             else:
                 skipped = 0
+            if stats.sync_free is not None:
+                sync_free_reruns = (sync_free_reruns or 0) + stats.sync_free["reruns"]
+                if stats.sync_free["reruns"]:
+                    write({"kind": "sync_free_rerun", "step": done,
+                           "token_budget": cfg.runtime.token_budget, "reruns": sync_free_reruns})
+                    progress.message(f"step {done}: over runtime.token_budget "
+                                     f"({cfg.runtime.token_budget}) on some MoE layer; reran "
+                                     f"on the dynamic path ({sync_free_reruns} so far)")
             dt = time.perf_counter() - t0  # train time only: eval and checkpoints excluded
             window_tokens, window_seconds = window_tokens + tokens_per_step, window_seconds + dt
             run_tokens, run_seconds = run_tokens + tokens_per_step, run_seconds + dt
@@ -447,6 +489,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                           "skipped_steps": skipped_total}
                 if stats.stash is not None:  # this step's pool stats (moeplug.stash)
                     record["stash"] = stats.stash
+                if sync_free_reruns is not None:  # over-budget reruns so far (sync_free)
+                    record["sync_free"] = {"reruns": sync_free_reruns}
                 # This step's, every rank's (one small all-gather).
                 record["memory"] = gather_ranks(memory_record(model, optimizer, meter, device))
                 if window_times:  # mean seconds per step over the window

@@ -45,6 +45,27 @@ void register_streams(py::module_& m) {
         "The process-wide runtime CUDA stream called `name` (same name -> same stream).");
 }
 
+void register_graphs(py::module_& m) {
+  py::class_<Graph, std::shared_ptr<Graph>>(
+      m, "Graph", "A runtime-owned CUDA graph: capture once on a stream, replay every step.")
+      .def(py::init<>())
+      .def("begin_capture", &Graph::begin_capture, py::arg("stream"),
+           "Start recording the work queued on a raw cudaStream_t (not 0).")
+      .def("end_capture", &Graph::end_capture, "Stop recording and instantiate the graph.")
+      .def("replay", &Graph::replay, py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+           "Launch the recorded graph on a raw cudaStream_t (asynchronous).")
+      .def("reset", &Graph::reset)
+      .def_property_readonly("captured", &Graph::captured)
+      .def_property_readonly("capturing", &Graph::capturing)
+      .def_property_readonly("num_nodes", &Graph::num_nodes)
+      .def_property_readonly("replays", &Graph::replays);
+  py::class_<StaticBuffer, std::shared_ptr<StaticBuffer>>(
+      m, "StaticBuffer", "Runtime-owned device memory at a fixed address (cudaMalloc once).")
+      .def(py::init<std::size_t>(), py::arg("bytes"))
+      .def_property_readonly("data", &StaticBuffer::data, "The device address (an integer).")
+      .def_property_readonly("bytes", &StaticBuffer::bytes);
+}
+
 void register_kernels(py::module_& m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def(
@@ -113,7 +134,7 @@ void register_kernels(py::module_& m) {
 }  // namespace moeplug::cuda
 
 PYBIND11_MODULE(_runtime_cuda, m) {
-  m.doc() = "moeplug CUDA runtime: permute/unpermute, fused SwiGLU, top-k routing, streams";
+  m.doc() = "moeplug CUDA runtime: permute/unpermute, fused SwiGLU, top-k routing, streams, graphs";
   m.attr("__version__") = MOEPLUG_VERSION;
   m.def("build_info", [] {
     py::dict d;
@@ -125,4 +146,5 @@ PYBIND11_MODULE(_runtime_cuda, m) {
   m.def("device_count", &moeplug::cuda::device_count);
   moeplug::cuda::register_streams(m);
   moeplug::cuda::register_kernels(m);
+  moeplug::cuda::register_graphs(m);
 }

@@ -84,6 +84,51 @@ class Stream {
   StreamHandle handle_ = 0;
 };
 
+// Capture once, replay every step: a CUDA graph owned by the runtime. Work queued on a stream
+// between begin_capture and end_capture (torch ops on torch.cuda.ExternalStream(handle) too)
+// is recorded, not run; replay launches the whole recording with one call. Capture mode is
+// thread-local (cudaStreamCaptureModeThreadLocal): other threads' CUDA calls are not captured
+// and not refused. Every address the recording touches must stay valid and fixed while the
+// graph lives: that is what StaticBuffer (e.g. the stash pool's pages) is for.
+class Graph {
+ public:
+  Graph() = default;
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  void begin_capture(StreamHandle stream);
+  void end_capture();  // instantiates the executable graph
+  void replay(StreamHandle stream);
+  void reset();  // drops the recording; begin_capture may start a new one
+  bool captured() const { return exec_ != 0; }
+  bool capturing() const { return capturing_ != 0; }
+  std::int64_t num_nodes() const { return num_nodes_; }
+  std::int64_t replays() const { return replays_; }
+
+ private:
+  std::uintptr_t graph_ = 0;      // cudaGraph_t
+  std::uintptr_t exec_ = 0;       // cudaGraphExec_t
+  StreamHandle capturing_ = 0;    // the stream being captured (0: none)
+  std::int64_t num_nodes_ = 0;
+  std::int64_t replays_ = 0;
+};
+
+// Device memory the runtime owns at a fixed address for the life of the object (cudaMalloc
+// once): the static memory a captured graph reads and writes every replay.
+class StaticBuffer {
+ public:
+  explicit StaticBuffer(std::size_t bytes);
+  ~StaticBuffer();
+  StaticBuffer(const StaticBuffer&) = delete;
+  StaticBuffer& operator=(const StaticBuffer&) = delete;
+  std::uintptr_t data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  std::uintptr_t data_ = 0;
+  std::size_t bytes_ = 0;
+};
+
 // The CUDA runtime's version and the number of visible devices (0 when none or no driver).
 int runtime_version();
 int device_count();

@@ -1,0 +1,114 @@
+"""Replay vs eager: what capture (runtime.capture, torch.compile fullgraph over the static MoE
+region, compiled once) buys per step on the CPU, in one run, interleaved.
+
+Three copies of one MoE layer with the same weights, timed fwd+bwd round-robin:
+    dynamic   the default path (dispatcher + experts plugins; host syncs for counts)
+    eager     runtime.sync_free, static shapes, op by op
+    replay    runtime.sync_free + runtime.capture (compiled once before timing)
+Reported: eager / replay and dynamic / replay step-time ratios (> 1: replay is faster), at a
+dispatch-bound small shape and at a compute-bound mid shape; then the same for a whole
+``train_step`` of a small 2-layer model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.conftest import interleave
+
+SHAPES = {  # name: (tokens, D, F, E, K)
+    "small T512 D128 F256 E8 K2": (512, 128, 256, 8, 2),
+    "mid T2048 D512 F704 E16 K4": (2048, 512, 704, 16, 4),
+}
+
+
+def _layer(D, F, E, K, runtime):
+    from moeplug.config import config_from_dict
+    from moeplug.modules import build_model
+    from moeplug.modules.moe import MoELayer
+    from moeplug.plugin_host import PluginHost
+    cfg = config_from_dict({
+        "model": {"hidden_size": D, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
+                  "first_k_dense": 0,
+                  "moe": {"num_experts": E, "top_k": K, "ffn_hidden_size": F}},
+        "runtime": runtime})
+    torch.manual_seed(0)
+    model = build_model(cfg, PluginHost.load(), 256)
+    return next(m for m in model.modules() if isinstance(m, MoELayer))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_moe_layer_replay_vs_eager(report, shape):
+    torch.set_num_threads(1)  # a shared machine: more threads only add scheduling noise
+    T, D, F, E, K = SHAPES[shape]
+    layers = {"dynamic": _layer(D, F, E, K, {}),
+              "eager": _layer(D, F, E, K, {"sync_free": True}),
+              "replay": _layer(D, F, E, K, {"sync_free": True, "capture": True})}
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+
+    def step(layer):
+        def run():
+            xx = x.clone().requires_grad_(True)
+            y, aux, _ = layer(xx)
+            ((y * w).sum() + aux).backward()
+            layer.zero_grad(set_to_none=True)
+        return run
+
+    fns = {n: step(l) for n, l in layers.items()}
+    fns["replay"]()  # compile forward and backward once, outside the timing
+    times = interleave(fns, repeats=15, warmup=2)
+    print(f"\n{shape}: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items()))
+    report.row(f"moe layer fwd+bwd {shape}", "eager / replay", times["eager"] / times["replay"],
+               note=f"replay {times['replay'] * 1e3:.2f} ms")
+    report.row(f"moe layer fwd+bwd {shape}", "dynamic / replay",
+               times["dynamic"] / times["replay"], note="dynamic = default path")
+
+
+def _train_setup(runtime):
+    from moeplug.config import config_from_dict
+    from moeplug.modules import build_model
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches
+    cfg = config_from_dict({
+        "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 128, "first_k_dense": 0,
+                  "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 128}},
+        "train": {"steps": 100, "micro_batch_size": 4, "seq_len": 128, "warmup_steps": 1,
+                  "grad_accum_steps": 1},
+        "runtime": runtime})
+    seed_everything(0)
+    model = build_model(cfg, PluginHost.load(), 256)
+    ids = np.random.default_rng(0).integers(0, 256, 100_000).astype(np.int64)
+    return cfg, model, build_rank_optimizer(model, cfg), step_batches(ids, cfg.train, 0)
+
+
+def test_train_step_replay_vs_eager(report):
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.trainer import train_step
+    torch.set_num_threads(1)
+    precision = PluginHost.load().create("precision", "fp32", {})
+    runs = {"dynamic": _train_setup({}), "eager": _train_setup({"sync_free": True}),
+            "replay": _train_setup({"sync_free": True, "capture": True})}
+    reruns = {n: 0 for n in runs}
+
+    def step(name):
+        cfg, model, opt, batches = runs[name]
+
+        def run():
+            stats = train_step(model, opt, batches, cfg.train, precision)
+            if stats.sync_free is not None:
+                reruns[name] += stats.sync_free["reruns"]
+        return run
+
+    fns = {n: step(n) for n in runs}
+    fns["replay"]()  # compile once, outside the timing
+    times = interleave(fns, repeats=15, warmup=2)
+    print("\ntrain_step: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items())
+          + f"; reruns {reruns}")
+    report.row("train_step 2 layers D128 E8 K2 T512", "eager / replay",
+               times["eager"] / times["replay"], note=f"reruns {reruns['replay']}")
+    report.row("train_step 2 layers D128 E8 K2 T512", "dynamic / replay",
+               times["dynamic"] / times["replay"])

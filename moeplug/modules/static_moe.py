@@ -1,0 +1,225 @@
+"""Sync-free MoE: the dispatch -> experts -> combine stages with static shapes and no host
+synchronisation (``runtime.sync_free``).
+
+Legend: T tokens, K top-k, N = T*K choices, D hidden, E experts (global), W EP ranks,
+L = E/W local experts, C budget rows per (source rank, expert), B = W*C rows per local expert,
+X FC1 rows (2F gated, F plain), F FFN hidden.
+
+    C = ceil(T*K/E * runtime.token_budget)
+Every shape follows from (T, K, D, E, W, C), never from the routing, so nothing waits for the
+device to learn a size (no ``.item()``/``.tolist()``/``.cpu()``, no ``nonzero``, no count
+exchange) and the region can be captured once and replayed (moeplug.syncfree):
+    1. slots     each choice's position among its expert's choices on this rank, in token
+                 order (a stable sort); the first C get slot e*C + pos, the rest the dump slot
+                 E*C and raise ``overflow`` (a device bool the trainer reads where the step
+                 syncs anyway, then reruns the step on the dynamic path: no token is lost)
+    2. gather    x_ECD: the chosen rows at their slots, zero rows where a slot is empty
+    3. exchange  [W, L*C, D] chunks to the rank owning the experts: equal splits, so no count
+                 exchange (identity at one rank) -> x_LBD, expert-major, source-rank-major
+    4. experts   y_LBD = down(act(x_LBD @ gate_up^T)) as two batched GEMMs (padding rows are
+                 zeros; their outputs are never read)
+    5. back      the inverse exchange -> y_ECD on the source rank
+    6. combine   y_TD = sum_k p_tk * y_ECD[slot_tk] (weight 0 for the dump slot)
+Choices the router dropped (``dropped_TK``, its own capacity) take the dump slot without
+raising the flag. The routing weight multiplies each expert output in combine (equal to the
+dynamic experts' weighting of the activation: FC2 is linear), so it never crosses ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from moeplug.ops.activations import activation_fn
+from moeplug.parallel import comm
+
+
+def budget_rows(num_tokens: int, top_k: int, num_experts: int, token_budget: float) -> int:
+    """C = ceil(T*K/E * token_budget): rows each rank may send each expert."""
+    return max(1, math.ceil(num_tokens * top_k / num_experts * token_budget))
+
+
+def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: int,
+          budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1: (slot_N, overflow, counts_E). slot_N in [0, E*C]; E*C is the dump slot.
+    ``counts_E`` counts the choices each expert received (dropped and over-budget excluded)."""
+    E, C = num_experts, budget
+    ids_N = ids_TK.reshape(-1)
+    key_N = ids_N if dropped_TK is None else ids_N.masked_fill(dropped_TK.reshape(-1), E)
+    n = key_N.shape[0]
+    wanted_E1 = torch.zeros(E + 1, dtype=torch.int64, device=ids_N.device).scatter_add_(
+        0, key_N, torch.ones_like(key_N))
+    start_E1 = torch.cumsum(wanted_E1, 0) - wanted_E1
+    order_N = torch.argsort(key_N, stable=True)  # token order inside each expert
+    pos_sorted = torch.arange(n, device=ids_N.device) - start_E1.index_select(
+        0, key_N.index_select(0, order_N))
+    pos_N = torch.empty_like(pos_sorted).scatter_(0, order_N, pos_sorted)
+    routed_N = key_N < E
+    keep_N = routed_N & (pos_N < C)
+    overflow = (routed_N & ~keep_N).any()
+    slot_N = torch.where(keep_N, key_N * C + pos_N, torch.full_like(key_N, E * C))
+    counts_E = torch.minimum(wanted_E1[:E], torch.full_like(wanted_E1[:E], C))
+    return slot_N, overflow, counts_E
+
+
+def gather_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, top_k: int, num_slots: int,
+                probs_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage 2: x_ECD [E*C, D], zeros in empty slots; rows times their weight when
+    ``probs_TK`` is given (``moe.apply_probs_on_input``)."""
+    n = slot_N.shape[0]
+    choice_S1 = torch.full((num_slots + 1,), n, dtype=torch.int64, device=slot_N.device)
+    choice_S1 = choice_S1.scatter(0, slot_N, torch.arange(n, device=slot_N.device))
+    choice_S = choice_S1[:num_slots]  # the dump slot's duplicates are cut here
+    x_pad = torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])])
+    rows = x_pad.index_select(0, torch.div(choice_S, top_k, rounding_mode="floor"))
+    if probs_TK is None:
+        return rows
+    p_pad = torch.cat([probs_TK.reshape(-1), probs_TK.new_zeros(1)])
+    return rows * p_pad.index_select(0, choice_S).unsqueeze(1).to(rows.dtype)
+
+
+def experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+                activation: str) -> torch.Tensor:
+    """Stage 4: every local expert's FFN as two batched GEMMs (autocast picks their dtype)."""
+    h_LBX = torch.bmm(x_LBD, w13_LXD.transpose(1, 2))
+    a_LBF = activation_fn(activation)(h_LBX)
+    return torch.bmm(a_LBF, w2_LDF.transpose(1, 2))
+
+
+class _StashedExperts(torch.autograd.Function):
+    """:func:`experts_ffn` for the paged stash (``runtime.stash``, eager): it saves the expert
+    input and FC1 output as 2-D [L*B, *] rows, the layout moeplug.stash packs into its pages
+    (static shapes, so the same pages every step), and rebuilds the activation from h in
+    backward. GEMMs in the autocast dtype; grads come back in each input's own dtype."""
+
+    @staticmethod
+    def forward(ctx, x_LBD, w13_LXD, w2_LDF, activation):
+        dtype = x_LBD.dtype
+        if torch.is_autocast_enabled(x_LBD.device.type):
+            dtype = torch.get_autocast_dtype(x_LBD.device.type)
+        x_c, w13_c, w2_c = (t.to(dtype).contiguous() for t in (x_LBD, w13_LXD, w2_LDF))
+        L, B, D = x_c.shape
+        with torch.autocast(x_c.device.type, enabled=False):
+            h_LBX = torch.bmm(x_c, w13_c.transpose(1, 2))
+            y_LBD = torch.bmm(activation_fn(activation)(h_LBX), w2_c.transpose(1, 2))
+        ctx.save_for_backward(x_c.view(L * B, D), h_LBX.view(L * B, -1), w13_c, w2_c)
+        ctx.activation = activation
+        ctx.dtypes = (x_LBD.dtype, w13_LXD.dtype, w2_LDF.dtype)
+        return y_LBD
+
+    @staticmethod
+    def backward(ctx, g_LBD):
+        x_SD, h_SX, w13_c, w2_c = ctx.saved_tensors
+        L = w13_c.shape[0]
+        x_LBD, h_LBX = x_SD.view(L, -1, x_SD.shape[1]), h_SX.view(L, -1, h_SX.shape[1])
+        g_LBD = g_LBD.to(x_LBD.dtype)
+        with torch.autocast(x_LBD.device.type, enabled=False):
+            with torch.enable_grad():  # the activation's derivative by autograd (elementwise)
+                h = h_LBX.detach().requires_grad_()
+                a_LBF = activation_fn(ctx.activation)(h)
+            g_a = torch.bmm(g_LBD, w2_c)
+            g_w2 = torch.bmm(g_LBD.transpose(1, 2), a_LBF.detach())
+            (g_h,) = torch.autograd.grad(a_LBF, h, g_a)
+            g_x = torch.bmm(g_h, w13_c)
+            g_w13 = torch.bmm(g_h.transpose(1, 2), x_LBD)
+        x_dtype, w13_dtype, w2_dtype = ctx.dtypes
+        return g_x.to(x_dtype), g_w13.to(w13_dtype), g_w2.to(w2_dtype), None
+
+
+def stashed_experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+                        activation: str) -> torch.Tensor:
+    """Stage 4 with 2-D saved activations for the paged stash (see _StashedExperts)."""
+    return _StashedExperts.apply(x_LBD, w13_LXD, w2_LDF, activation)
+
+
+def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor
+                 ) -> torch.Tensor:
+    """Stage 6: y_TD = sum_k p_tk * y_ECD[slot_tk], weight 0 for the dump slot (pass probs of
+    ones when the rows were already weighted)."""
+    T, K = probs_TK.shape
+    num_slots = y_ECD.shape[0]
+    # The dump slot reads any real row with weight 0 (no [E*C+1, D] padded copy of y).
+    keep_TK = (slot_N < num_slots).view(T, K)
+    y_TKD = y_ECD.index_select(0, slot_N.clamp(max=num_slots - 1)).view(T, K, -1)
+    p_T1K = (probs_TK * keep_TK).to(y_TKD.dtype).unsqueeze(1)
+    return torch.bmm(p_T1K, y_TKD).squeeze(1)
+
+
+def to_experts(x_ECD: torch.Tensor, num_local: int, budget: int, ep_size: int,
+               group: Any) -> torch.Tensor:
+    """Stage 3: [E*C, D] on each rank -> x_LBD [L, W*C, D] on the experts' rank."""
+    W, L, C, D = ep_size, num_local, budget, x_ECD.shape[1]
+    if W > 1:  # equal chunks of L*C rows: every split is known without asking the device
+        x_ECD = comm.all_to_all(x_ECD, [L * C] * W, [L * C] * W, group)
+    # arrival [W (source), L, C, D] -> [L, W, C, D]: each expert's rows, source-rank-major
+    return x_ECD.view(W, L, C, D).transpose(0, 1).reshape(L, W * C, D)
+
+
+def from_experts(y_LBD: torch.Tensor, budget: int, ep_size: int, group: Any) -> torch.Tensor:
+    """Stage 5, the inverse of :func:`to_experts`: y_LBD -> y_ECD on the source rank."""
+    W, C = ep_size, budget
+    L, _, D = y_LBD.shape
+    y_ECD = y_LBD.view(L, W, C, D).transpose(0, 1).reshape(W * L * C, D)
+    if W > 1:
+        y_ECD = comm.all_to_all(y_ECD, [L * C] * W, [L * C] * W, group)
+    return y_ECD
+
+
+# ---- the static region: stages 1-6 as pure functions of tensors and ints --------------------
+# Pure so that moeplug.replay can capture them (torch.compile fullgraph on the CPU); the EP
+# exchange sits between two captured pieces because a process-group call is not capturable.
+
+def front(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
+          probs_TK: torch.Tensor, num_experts: int, budget: int, weighted_input: bool
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stages 1-2: (x_ECD, slot_N, overflow, counts_E)."""
+    slot_N, overflow, counts_E = slots(ids_TK, dropped_TK, num_experts, budget)
+    x_ECD = gather_rows(x_TD, slot_N, ids_TK.shape[1], num_experts * budget,
+                        probs_TK if weighted_input else None)
+    return x_ECD, slot_N, overflow, counts_E
+
+
+def back(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor,
+         weighted_input: bool) -> torch.Tensor:
+    """Stage 6 (weights already on the rows: combine with ones)."""
+    return combine_rows(y_ECD, slot_N, torch.ones_like(probs_TK) if weighted_input else probs_TK)
+
+
+def one_rank(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
+             probs_TK: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+             num_experts: int, budget: int, activation: str, weighted_input: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stages 1-6 at one EP rank (the exchanges are views): (y_TD, overflow, counts_E)."""
+    x_ECD, slot_N, overflow, counts_E = front(x_TD, ids_TK, dropped_TK, probs_TK, num_experts,
+                                              budget, weighted_input)
+    y_LBD = experts_ffn(to_experts(x_ECD, num_experts, budget, 1, None), w13_LXD, w2_LDF,
+                        activation)
+    y_TD = back(from_experts(y_LBD, budget, 1, None), slot_N, probs_TK, weighted_input)
+    return y_TD, overflow, counts_E
+
+
+def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+               *, num_experts: int, token_budget: float, activation: str, weighted_input: bool,
+               ep_size: int = 1, group: Any = None,
+               wrap: Callable[[Callable], Callable] = lambda fn: fn, stash_scope: Any = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stages 1-6 for one micro-batch: (y_TD, overflow, counts_E), all device tensors.
+    ``wrap`` turns each pure piece into its captured replay (moeplug.syncfree.captured);
+    ``stash_scope`` (eager only): the layer's paged-stash scope, around stage 4."""
+    T, K = routing.ids_TK.shape
+    C = budget_rows(T, K, num_experts, token_budget)
+    args = (routing.ids_TK, routing.dropped_TK, routing.probs_TK)
+    if ep_size == 1 and stash_scope is None:
+        return wrap(one_rank)(x_TD, *args, w13_LXD, w2_LDF, num_experts, C, activation,
+                              weighted_input)
+    x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C, weighted_input)
+    x_LBD = to_experts(x_ECD, num_experts // ep_size, C, ep_size, group)
+    if stash_scope is None:
+        y_LBD = wrap(experts_ffn)(x_LBD, w13_LXD, w2_LDF, activation)
+    else:
+        with stash_scope:
+            y_LBD = stashed_experts_ffn(x_LBD, w13_LXD, w2_LDF, activation)
+    y_ECD = from_experts(y_LBD, C, ep_size, group)
+    return wrap(back)(y_ECD, slot_N, routing.probs_TK, weighted_input), overflow, counts_E

@@ -1,0 +1,440 @@
+"""Sync-free MoE (runtime.sync_free) and its capture/replay (runtime.capture).
+
+Proofs:
+  * the host-sync counter counts every kind of sync it claims to (each inserted into a tiny
+    computation), and counts the dynamic MoE layer's syncs; the static layer's forward and
+    backward read zero;
+  * static (eager) equals the dynamic layer: outputs and grads, fp32, tolerance 1e-5;
+  * replay (torch.compile fullgraph, compiled once) equals eager static, outputs and grads;
+  * over budget raises the device flag; a training step over budget reruns on the dynamic path
+    and equals the run without sync_free bitwise, the rerun counted;
+  * EP2 on real gloo ranks: static eager and replay equal the dynamic alltoall layer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moeplug.config import ConfigError, RootConfig, config_from_dict
+from moeplug.modules.build import build_model
+from moeplug.modules.moe import MoELayer
+from moeplug.modules.static_moe import budget_rows, slots
+from moeplug.plugin_host import PluginHost
+from moeplug.testing.hostsync import HostSyncCounter
+from moeplug.training.optim import build_optimizer
+from moeplug.training.trainer import stash_runtime, train_step
+
+VOCAB = 64
+TOL = 1e-5  # fp32; static and dynamic sum the same products in another order
+
+
+def _cfg(**runtime) -> RootConfig:
+    return config_from_dict({
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 32, "first_k_dense": 0,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}},
+        "train": {"micro_batch_size": 4, "seq_len": 16, "grad_accum_steps": 2, "lr": 1e-2},
+        "runtime": runtime})
+
+
+def _moe_layers(model) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def _layer(**runtime) -> MoELayer:
+    torch.manual_seed(0)
+    return _moe_layers(build_model(_cfg(**runtime), PluginHost.load(), VOCAB))[0]
+
+
+def _fwd_bwd(layer: MoELayer, x: torch.Tensor, w: torch.Tensor) -> dict:
+    x = x.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y, aux, counts = layer(x)
+    ((y * w).sum() + aux).backward()
+    return {"y": y.detach(), "x.grad": x.grad, "counts": counts,
+            **{n: p.grad.clone() for n, p in layer.named_parameters()}}
+
+
+def _close(a: dict, b: dict, tol: float = TOL) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if k == "counts":
+            assert torch.equal(a[k].cpu(), b[k].cpu()), k
+        else:
+            assert torch.allclose(a[k], b[k], atol=tol, rtol=0), (k, (a[k] - b[k]).abs().max())
+
+
+def _inputs(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 16, 32, generator=g), torch.randn(2, 16, 32, generator=g)
+
+
+# ---- the counter --------------------------------------------------------------------------
+
+SYNCS = {
+    "item": lambda t: t.sum().item(),
+    "tolist": lambda t: t.tolist(),
+    "cpu": lambda t: t.cpu(),
+    "to_cpu": lambda t: t.to("cpu"),
+    "int": lambda t: int(t.sum()),
+    "bool": lambda t: bool((t > 0).any()),
+    "nonzero": lambda t: torch.nonzero(t > 0),
+    "bool_mask": lambda t: t[t > 0],
+    "masked_select": lambda t: t.masked_select(t > 0),
+    "bincount": lambda t: torch.bincount(t.long().abs().reshape(-1)),
+    "repeat_interleave": lambda t: torch.arange(3).repeat_interleave(torch.tensor([1, 2, 3])),
+    "unique": lambda t: torch.unique(t),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SYNCS))
+def test_counter_counts_an_inserted_sync(name):
+    t = torch.randn(4, 3)
+    with HostSyncCounter() as c:
+        torch.tanh(t).sum(0)  # sync-free ops around it count nothing
+        SYNCS[name](t)
+        t * 2
+    assert c.count >= 1, name
+
+
+def test_counter_reads_zero_on_static_ops_and_counts_a_sync_inside_backward():
+    t = torch.randn(8, 4, requires_grad=True)
+    with HostSyncCounter() as c:
+        torch.sort(t, dim=0, stable=True).values.sum().backward()
+    assert c.count == 0, c.calls
+
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            g.abs().max().item()  # a host read inside backward, made from C++ autograd
+            return g
+
+    with HostSyncCounter() as c:
+        ReadsInBackward.apply(t).sum().backward()
+    assert c.count == 1, c.calls
+
+
+def test_dynamic_layer_syncs_and_static_layer_reads_zero():
+    x, w = _inputs()
+    with HostSyncCounter() as dynamic:
+        _fwd_bwd(_layer(), x, w)
+    assert dynamic.count > 0  # the counter sees the existing path's count exchange etc.
+    for runtime in ({}, {"stash": True}):  # the stash's page bookkeeping is host-only
+        layer = _layer(sync_free=True, **runtime)
+        with HostSyncCounter() as static:
+            _fwd_bwd(layer, x, w)
+        assert static.count == 0, (runtime, static.calls)
+    assert stash_runtime_of(layer).pool.stats()["high_water"] > 0  # the stash was used
+
+
+def test_static_layer_with_syncs_inserted_is_counted(monkeypatch):
+    # The same static layer, with one .tolist() slipped into the combine stage.
+    from moeplug.modules import static_moe
+    real = static_moe.combine_rows
+
+    def leaky(y_ECD, slot_N, probs_TK):
+        slot_N.tolist()
+        return real(y_ECD, slot_N, probs_TK)
+
+    monkeypatch.setattr(static_moe, "combine_rows", leaky)
+    x, w = _inputs()
+    with HostSyncCounter() as c:
+        _fwd_bwd(_layer(sync_free=True), x, w)
+    assert c.calls == ["tolist"]
+
+
+# ---- parity -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("runtime", [{}, {"token_budget": 1.5}])
+def test_static_equals_dynamic_outputs_and_grads(runtime):
+    x, w = _inputs()
+    layer = _layer(sync_free=True, **runtime)
+    static = _fwd_bwd(layer, x, w)
+    assert stash_runtime_of(layer).sync_free.take_overflow().item() is False
+    with stash_runtime_of(layer).sync_free.disabled():
+        dynamic = _fwd_bwd(layer, x, w)
+    _close(static, dynamic)
+
+
+def stash_runtime_of(layer: MoELayer):
+    return layer.runtime.runtime
+
+
+def test_static_with_router_capacity_and_probs_on_input_equals_dynamic():
+    # Choices the router drops (its own capacity) are not flagged as over budget.
+    torch.manual_seed(0)
+    cfg = config_from_dict({**_cfg(sync_free=True).to_dict(), "plugins": {
+        "router_options": {"capacity_factor": 0.5}}})
+    layer = _moe_layers(build_model(cfg, PluginHost.load(), VOCAB))[0]
+    x, w = _inputs()
+    static = _fwd_bwd(layer, x, w)
+    assert not bool(stash_runtime_of(layer).sync_free.take_overflow())
+    with stash_runtime_of(layer).sync_free.disabled():
+        _close(static, _fwd_bwd(layer, x, w))
+
+
+def test_static_equals_dynamic_under_bf16_autocast():
+    # bf16 GEMMs in both paths; rows are summed in another order, so the stated tolerance is
+    # relative to each tensor's largest value: 2e-2 (measured: at most 8e-3, about two bf16 ulps).
+    x, w = _inputs()
+    layer = _layer(sync_free=True)
+
+    def run() -> list:
+        xx = x.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, aux, _ = layer(xx)
+        ((y.float() * w).sum() + aux).backward()
+        assert y.dtype == torch.bfloat16
+        return [y.detach().float(), xx.grad, layer.experts.gate_up_proj.grad.clone(),
+                layer.experts.down_proj.grad.clone(), layer.router.weight.grad.clone()]
+
+    static = run()
+    with stash_runtime_of(layer).sync_free.disabled():
+        dynamic = run()
+    for a, b in zip(static, dynamic):
+        assert float((a - b).abs().max() / b.abs().max()) < 2e-2
+
+
+def test_slots_flag_overflow_only_over_budget():
+    ids_TK = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2]])
+    slot_N, over, counts = slots(ids_TK, None, 4, budget=3)
+    assert not bool(over) and counts.tolist() == [3, 2, 2, 1]
+    assert slot_N.tolist() == [0, 3, 1, 6, 2, 9, 4, 7]  # expert e's k-th choice: e*3 + k
+    slot_N, over, counts = slots(ids_TK, None, 4, budget=2)
+    assert bool(over) and counts.tolist() == [2, 2, 2, 1]
+    assert slot_N.tolist()[4] == 8  # token 2's choice of expert 0 is the third: dump slot
+    dropped = torch.tensor([[False, False], [False, False], [True, False], [False, False]])
+    assert not bool(slots(ids_TK, dropped, 4, budget=2)[1])  # the router's drop is no overflow
+    assert budget_rows(64, 2, 4, 2.0) == 64
+
+
+@pytest.mark.slow  # compiling forward and backward takes ~1 min on a loaded 2-core machine
+def test_replay_equals_eager_outputs_and_grads():
+    from torch._dynamo.utils import counters
+    x, w = _inputs()
+    eager = _layer(sync_free=True)
+    replay = _layer(sync_free=True, capture=True)
+    graphs = []
+    for step in range(2):  # the second call replays what the first compiled
+        _close(_fwd_bwd(replay, x, w), _fwd_bwd(eager, x, w))
+        graphs.append(counters["stats"]["unique_graphs"])
+        x = x.flip(0)  # new values, same shapes
+    assert graphs[0] >= 1 and graphs[1] == graphs[0]  # captured once, not recompiled
+
+
+# ---- over budget: the rerun ---------------------------------------------------------------
+
+def _train(cfg: RootConfig, steps: int = 2):
+    torch.manual_seed(0)
+    model = build_model(cfg, PluginHost.load(), VOCAB)
+    opt = build_optimizer(model, cfg.train)
+    gen = torch.Generator().manual_seed(1)
+    history = []
+    precision = PluginHost.load().create("precision", "fp32", {})
+    for _ in range(steps):
+        batches = [(torch.randint(0, VOCAB, (4, 16), generator=gen),
+                    torch.randint(0, VOCAB, (4, 16), generator=gen)) for _ in range(2)]
+        stats = train_step(model, opt, batches, cfg.train, precision, None)
+        history.append((stats, {n: p.grad.clone() for n, p in model.named_parameters()
+                                if p.grad is not None}))
+    return model, history
+
+
+def test_over_budget_step_reruns_and_equals_the_run_without_budget():
+    off = _train(_cfg())
+    tiny = _train(_cfg(sync_free=True, token_budget=0.25))
+    for (sa, ga), (sb, gb) in zip(tiny[1], off[1]):
+        assert sa.losses() == sb.losses()  # bitwise
+        assert sa.sync_free == {"overflows": 1, "reruns": 1}
+        for n in gb:
+            assert torch.equal(ga[n], gb[n]), n
+    for (n, pa), pb in zip(tiny[0].named_parameters(), off[0].parameters()):
+        assert torch.equal(pa, pb), n
+
+
+def test_within_budget_trains_like_dynamic_without_rerun():
+    off = _train(_cfg())
+    on = _train(_cfg(sync_free=True, token_budget=2.0))  # C = T: no expert can overflow
+    for (sa, ga), (sb, gb) in zip(on[1], off[1]):
+        assert sa.sync_free == {"overflows": 0, "reruns": 0}
+        assert abs(sa.loss - sb.loss) < 1e-5
+        for n in gb:
+            assert torch.allclose(ga[n], gb[n], atol=1e-5, rtol=0), n
+    assert stash_runtime(on[0]).record()["sync_free"] is True
+
+
+def test_stash_holds_the_static_experts_activations_in_the_same_pages_every_step():
+    # sync_free + stash: stage 4 saves its 2-D input and FC1 rows in the pool; static shapes,
+    # so each step takes the same pages and returns them all.
+    plain = _train(_cfg(sync_free=True), steps=3)
+    stashed = _train(_cfg(sync_free=True, stash=True), steps=3)
+    rt = stash_runtime(stashed[0])
+    stats = [s.stash for s, _ in stashed[1]]
+    assert all(s["overflows"] == 0 and s["pages_in_use"] == 0 for s in stats)
+    assert stats[0]["high_water"] > 0 and len({s["high_water"] for s in stats}) == 1
+    assert all(s.sync_free == {"overflows": 0, "reruns": 0} for s, _ in stashed[1])
+    for (sa, ga), (sb, gb) in zip(stashed[1], plain[1]):
+        assert abs(sa.loss - sb.loss) < 1e-6
+        for n in gb:
+            assert torch.allclose(ga[n], gb[n], atol=1e-6, rtol=0), n
+    # One more step of one micro-batch: 2 MoE layers x (expert input, FC1 output) stashed.
+    allocs = rt.pool.stats()["allocs"]
+    train_step(stashed[0], build_optimizer(stashed[0], _cfg().train),
+               [(torch.randint(0, VOCAB, (4, 16)), torch.randint(0, VOCAB, (4, 16)))],
+               _cfg().train, PluginHost.load().create("precision", "fp32", {}), None)
+    assert rt.pool.stats()["allocs"] - allocs == 2 * 2
+
+
+@pytest.mark.parametrize("runtime, names", [
+    ({"token_budget": 0}, ("token_budget", "0", "Fix")),
+    ({"token_budget": float("inf")}, ("token_budget", "inf", "Fix")),
+    ({"capture": True}, ("capture", "sync_free: true")),
+    ({"capture": True, "sync_free": True, "stash": True}, ("capture", "runtime.stash", "Fix")),
+    ({"sync_free": "yes"}, ("sync_free", "'yes'", "true or false")),
+])
+def test_config_errors_name_field_value_and_fix(runtime, names):
+    with pytest.raises(ConfigError) as err:
+        _cfg(**runtime)
+    for n in names:
+        assert n in str(err.value)
+
+
+def test_sync_free_refuses_emulated_precision_before_any_group():
+    with pytest.raises(ConfigError, match=r"sync_free.*plugins.precision = 'fp8'.*Fix"):
+        config_from_dict({"plugins": {"precision": "fp8"}, "runtime": {"sync_free": True}})
+
+
+def test_sync_free_refuses_overlap_chunks():
+    # Both switches replace stages 2-4; the static region is unchunked, so one would be ignored.
+    with pytest.raises(ConfigError, match=r"sync_free.*overlap_chunks = 2.*Fix"):
+        config_from_dict({"model": {"moe": {"overlap_chunks": 2}},
+                          "runtime": {"sync_free": True}})
+
+
+# ---- EP2, real gloo -----------------------------------------------------------------------
+
+def _ep2_rank(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from moeplug.testing._common import tiny_model_config
+    cfg = tiny_model_config(num_experts=4, top_k=2, hidden_size=16, ffn_hidden_size=8)
+    host = PluginHost.load()
+    from moeplug.config import RuntimeSection
+    from moeplug.stash import ModelRuntime
+    out = {}
+    for name, capture in (("eager", False), ("replay", True)):
+        torch.manual_seed(0)
+        d = host.create("dispatcher", "alltoall", {}, cfg, dist.group.WORLD)
+        rt = ModelRuntime(RuntimeSection(sync_free=True, capture=capture))
+        handle = rt.register_layer(index=0, num_experts=4, top_k=2, hidden=16, ffn_hidden=8,
+                                   num_local_experts=2, dtype="float32", activation="swiglu",
+                                   stash_bytes=0)
+        layer = MoELayer(host.create("router", "topk", {}, cfg), d,
+                         host.create("experts", "grouped", {}, cfg, 2), runtime=handle)
+        g = torch.Generator().manual_seed(10 + rank)
+        x, w = torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
+        static = _fwd_bwd(layer, x, w)
+        static_again = _fwd_bwd(layer, x, w)  # replay: the compiled code's second run
+        over = bool(rt.sync_free.take_overflow())
+        with rt.sync_free.disabled():
+            dynamic = _fwd_bwd(layer, x, w)
+        out[name] = {"errs": {k: float((static[k].float() - dynamic[k].float()).abs().max())
+                              for k in dynamic},
+                     "again": max(float((static[k].float() - static_again[k].float()).abs().max())
+                                  for k in static),
+                     "overflow": over}
+    return out
+
+
+@pytest.mark.slow
+def test_ep2_static_eager_and_replay_equal_dynamic_alltoall():
+    from moeplug.testing.distributed import run_distributed
+    for rank, res in enumerate(run_distributed(_ep2_rank, 2, timeout=400)):
+        for name in ("eager", "replay"):
+            assert not res[name]["overflow"]
+            assert res[name]["again"] == 0.0, (rank, name)
+            for k, err in res[name]["errs"].items():
+                assert err <= TOL, (rank, name, k, err)
+
+
+def test_evaluation_takes_the_dynamic_path_and_loses_no_token():
+    # No trainer reruns an evaluation, so an eval-mode layer never uses the budget.
+    x, _ = _inputs()
+    layer = _layer(sync_free=True, token_budget=0.1).eval()
+    with torch.no_grad():
+        y = layer(x)[0]
+    assert stash_runtime_of(layer).sync_free.take_overflow() is None
+    with stash_runtime_of(layer).sync_free.disabled(), torch.no_grad():
+        assert torch.equal(y, layer(x)[0])
+
+
+def _ep2_train_rank(rank: int, world: int) -> dict:
+    from moeplug.parallel import ParallelGroups
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything
+    host = PluginHost.load()
+    precision = host.create("precision", "fp32", {})
+    out = {}
+    for name, runtime in (("off", {}), ("within", {"sync_free": True}),
+                          ("over", {"sync_free": True, "token_budget": 0.25})):
+        cfg = _cfg(**runtime)
+        cfg.parallel.ep = 2
+        groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+        seed_everything(0)
+        model = build_rank_model(cfg, host, VOCAB, groups)
+        opt = build_rank_optimizer(model, cfg, groups)
+        gen = torch.Generator().manual_seed(5 + rank)  # each DP rank its own batches
+        losses, sync_free = [], []
+        for _ in range(2):
+            batches = [(torch.randint(0, VOCAB, (4, 16), generator=gen),
+                        torch.randint(0, VOCAB, (4, 16), generator=gen)) for _ in range(2)]
+            stats = train_step(model, opt, batches, cfg.train, precision, groups)
+            losses.append(stats.losses())
+            sync_free.append(stats.sync_free)
+        out[name] = {"losses": losses, "sync_free": sync_free,
+                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return out
+
+
+@pytest.mark.slow
+def test_ep2_training_over_budget_reruns_bitwise_and_within_budget_matches():
+    from moeplug.testing.distributed import run_distributed
+    for res in run_distributed(_ep2_train_rank, 2, timeout=400):
+        assert res["over"]["losses"] == res["off"]["losses"]  # bitwise, both ranks reran
+        assert res["over"]["sync_free"] == [{"overflows": 1, "reruns": 1}] * 2
+        for n, p in res["off"]["params"].items():
+            assert torch.equal(res["over"]["params"][n], p), n
+        assert res["within"]["sync_free"] == [{"overflows": 0, "reruns": 0}] * 2
+        for a, b in zip(res["within"]["losses"], res["off"]["losses"]):
+            assert abs(a["loss"] - b["loss"]) < 1e-5
+        for n, p in res["off"]["params"].items():
+            assert torch.allclose(res["within"]["params"][n], p, atol=1e-5, rtol=0), n
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_cli_train_records_sync_free_and_reruns(tiny_config_file, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "moeplug", "train", "--config", tiny_config_file(),
+           "--out", str(out), "--steps", "2", "--set", "runtime.sync_free=true",
+           "--set", "runtime.token_budget=0.1", "--set", "train.log_interval=1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    run = next(r for r in records if r["kind"] == "run")
+    assert run["runtime"]["sync_free"] is True and run["runtime"]["token_budget"] == 0.1
+    reruns = [r for r in records if r["kind"] == "sync_free_rerun"]
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in reruns] == [1, 2]  # budget 0.1: every step over, every rerun
+    assert [r["sync_free"]["reruns"] for r in train] == [1, 2]
+    assert "reran on the dynamic path" in res.stdout + res.stderr
