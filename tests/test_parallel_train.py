@@ -36,8 +36,14 @@ V = 64
 TOL = 2e-5       # fp32, 3 AdamW steps, absolute, on loss / grad norm / every grad and parameter
 GRAD_CLIP = 0.05  # below the tiny model's grad norm, so clipping always acts
 
-# name -> (parallel overrides, dispatcher, grad_accum_steps[, model overrides])
+# name -> (parallel overrides, dispatcher, grad_accum_steps[, model overrides[, router options]])
 TIED = {"tie_embeddings": True}
+# Token dropping (capacity 0.5: most experts drop) with and without pad-to-capacity. Only where
+# an EP rank holds whole micro-batches (no TP/SP/CP split of the tokens): each rank computes its
+# capacity from its own tokens (Megatron), as one process does per micro-batch.
+DROP = {"capacity_factor": 0.5}
+DROP_PAD = {"capacity_factor": 0.5, "pad_to_capacity": True}
+DW = "direct_write"
 WORLD2 = {
     "ep2": ({"ep": 2}, "alltoall", 1),
     "ep2_allgather": ({"ep": 2}, "allgather", 1),
@@ -51,6 +57,13 @@ WORLD2 = {
     "pp2_tied_distopt": ({"pp": 2, "distributed_optimizer": True}, "alltoall", 2, TIED),
     "dp2_distopt": ({"distributed_optimizer": True}, "alltoall", 1),
     "dp2_ep2_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
+    "ep2_drop": ({"ep": 2}, "alltoall", 1, {}, DROP),
+    "ep2_drop_pad": ({"ep": 2}, "alltoall", 1, {}, DROP_PAD),
+    # direct_write at every EP layout, dropping and padding on and off
+    "ep2_direct_write": ({"ep": 2}, DW, 1),
+    "ep2_drop_direct_write": ({"ep": 2}, DW, 1, {}, DROP),
+    "ep2_drop_pad_direct_write": ({"ep": 2}, DW, 1, {}, DROP_PAD),
+    "dp2_ep2_distopt_direct_write": ({"ep": 2, "distributed_optimizer": True}, DW, 1),
 }
 WORLD4 = {
     "ep4": ({"ep": 4}, "alltoall", 1),
@@ -68,13 +81,25 @@ WORLD4 = {
                         "alltoall", 1),
     "pp2_cp2": ({"pp": 2, "cp": 2}, "alltoall", 2),
     "ep2_dp4_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
+    "ep4_drop_pad": ({"ep": 4}, "alltoall", 1, {}, DROP_PAD),
+    "ep4_direct_write": ({"ep": 4}, DW, 1),
+    "ep4_drop_direct_write": ({"ep": 4}, DW, 1, {}, DROP),
+    "ep4_drop_pad_direct_write": ({"ep": 4}, DW, 1, {}, DROP_PAD),
+    "tp2_ep4_folded_direct_write": ({"tp": 2, "ep": 4, "sequence_parallel": True}, DW, 1),
+    "cp2_ep2_direct_write": ({"cp": 2, "ep": 2}, DW, 1),
+    "pp2_ep2_direct_write": ({"pp": 2, "ep": 2}, DW, 2),
+    "pp2_ep2_drop_pad_direct_write": ({"pp": 2, "ep": 2}, DW, 2, {}, DROP_PAD),
+    "ep2_dp4_distopt_direct_write": ({"ep": 2, "distributed_optimizer": True}, DW, 1),
 }
 WORLD8 = {
     "pp2_ep2_tp2_sp": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 2),
+    "pp2_ep2_tp2_sp_direct_write": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, DW,
+                                    2),
 }
 
 
-def _cfg(parallel: dict, dispatcher: str, grad_accum: int, model: dict | None = None):
+def _cfg(parallel: dict, dispatcher: str, grad_accum: int, model: dict | None = None,
+         router: dict | None = None):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -83,7 +108,7 @@ def _cfg(parallel: dict, dispatcher: str, grad_accum: int, model: dict | None = 
                   "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
                           "aux_loss_coeff": 0.05},
                   **(model or {})},
-        "plugins": {"dispatcher": dispatcher},
+        "plugins": {"dispatcher": dispatcher, "router_options": router or {}},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 8, "grad_accum_steps": grad_accum,
                   "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 1, "grad_clip": GRAD_CLIP,
                   "seed": 7},
@@ -143,8 +168,8 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(3).integers(0, V, 2048).astype(np.int64)
     report: dict[str, dict] = {}
-    for name, (parallel, dispatcher, accum, *model) in layouts.items():
-        cfg = _cfg(parallel, dispatcher, accum, *model)
+    for name, (parallel, dispatcher, accum, *extra) in layouts.items():
+        cfg = _cfg(parallel, dispatcher, accum, *extra)
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         ref_cfg = single_process_equivalent(cfg, groups.size("dp"))
         seed_everything(cfg.train.seed)
@@ -154,7 +179,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         opt, ref_opt = build_rank_optimizer(model, cfg, groups), build_rank_optimizer(ref, ref_cfg)
         errs = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "val_loss": 0.0,
                 "router_losses": 0.0, "grad_norm": 0.0, "grad": 0.0, "param": 0.0}
-        losses, min_ref_norm, num_grads = [], float("inf"), 0
+        losses, min_ref_norm, num_grads, dropped = [], float("inf"), 0, 0.0
         for step in range(3):
             for o in (opt, ref_opt):
                 for g in o.param_groups:
@@ -169,6 +194,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
                 errs[key] = max(errs[key], abs(value - want.losses()[key]))
             if groups.size("pp") == 1:  # pipeline runs log no per-layer router losses
                 errs["router_losses"] = max(errs["router_losses"], _moe_err(got.moe, want.moe))
+                dropped = max(dropped, *got.moe["dropped_fraction"])
             errs["grad_norm"] = max(errs["grad_norm"], abs(got.grad_norm - want.grad_norm))
             min_ref_norm = min(min_ref_norm, want.grad_norm)
             if not cfg.parallel.distributed_optimizer:
@@ -186,14 +212,17 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         errs["val_loss"] = abs(evaluate(model, val, precision, groups)
                                - evaluate(ref, val, precision))
         report[name] = {"errs": errs, "losses": losses, "min_ref_norm": min_ref_norm,
-                        "num_grads": num_grads, "dp": groups.size("dp")}
+                        "num_grads": num_grads, "dp": groups.size("dp"), "dropped": dropped}
     return report
 
 
 def _check(reports, name):
-    distopt = {**WORLD2, **WORLD4, **WORLD8}[name][0].get("distributed_optimizer", False)
+    parallel, _, _, *extra = {**WORLD2, **WORLD4, **WORLD8}[name]
+    distopt = parallel.get("distributed_optimizer", False)
+    drops = len(extra) > 1 and "capacity_factor" in extra[1] and parallel.get("pp", 1) == 1
     for rank, report in enumerate(reports):
         r = report[name]
+        assert not drops or r["dropped"] > 0, f"{name}: capacity must drop for the case to bite"
         assert r["min_ref_norm"] > 2 * GRAD_CLIP, "clipping must act for the norm to be tested"
         assert distopt or r["num_grads"] > 0
         bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
@@ -230,7 +259,16 @@ def test_world8_layout_equals_single_process(world8, name):
     _check(world8, name)
 
 
-@pytest.mark.parametrize("pair", [("ep2", "ep2_allgather")])
+def test_world8_direct_write_equals_alltoall(world8):
+    for report in world8:
+        a, b = (report[n]["losses"] for n in ("pp2_ep2_tp2_sp", "pp2_ep2_tp2_sp_direct_write"))
+        assert max(abs(x - y) for x, y in zip(a, b)) <= TOL
+
+
+@pytest.mark.parametrize("pair", [("ep2", "ep2_allgather"), ("ep2", "ep2_direct_write"),
+                                  ("ep2_drop", "ep2_drop_direct_write"),
+                                  ("ep2_drop_pad", "ep2_drop_pad_direct_write"),
+                                  ("dp2_ep2_distopt", "dp2_ep2_distopt_direct_write")])
 def test_alltoall_equals_allgather_world2(world2, pair):
     for report in world2:
         a, b = (report[n]["losses"] for n in pair)
@@ -240,7 +278,13 @@ def test_alltoall_equals_allgather_world2(world2, pair):
 @pytest.mark.parametrize("pair", [("ep4", "ep4_allgather"),
                                   ("tp2_ep4_folded", "tp2_ep4_folded_allgather"),
                                   ("cp2_ep2", "cp2_ep2_allgather"),
-                                  ("pp2_ep2", "pp2_ep2_allgather")])
+                                  ("pp2_ep2", "pp2_ep2_allgather"),
+                                  ("ep4", "ep4_direct_write"),
+                                  ("ep4_drop_pad", "ep4_drop_pad_direct_write"),
+                                  ("tp2_ep4_folded", "tp2_ep4_folded_direct_write"),
+                                  ("cp2_ep2", "cp2_ep2_direct_write"),
+                                  ("pp2_ep2", "pp2_ep2_direct_write"),
+                                  ("ep2_dp4_distopt", "ep2_dp4_distopt_direct_write")])
 def test_alltoall_equals_allgather_world4(world4, pair):
     for report in world4:
         a, b = (report[n]["losses"] for n in pair)

@@ -32,6 +32,7 @@ class DirectWritePlan:
     send_rows_W: list[int]      # N of every rank (combine direction)
     chunks_C4: torch.Tensor     # combine runs from this rank: (src_row, source, dest_row, rows)
     counts_L: torch.Tensor      # rows per local expert here, padding included (int64 CPU)
+    counts_WL: torch.Tensor     # real rows received from rank w for local expert l (as alltoall)
     pad_index_S: torch.Tensor | None  # positions of the real rows among P (None: no padding)
     pad_rows: torch.Tensor | None     # positions of the padding rows (zeroed on receipt)
 
@@ -94,4 +95,5 @@ def build_plan(counts_WE: torch.Tensor, ids_TK: torch.Tensor, rank: int,
         dest_rank_TK=dest_rank.view(T, K), dest_row_TK=dest_row.view(T, K),
         row_map_TK=row_map.view(T, K), recv_rows_W=target_RL.sum(1).tolist(),
         send_rows_W=counts_WE.sum(1).tolist(), chunks_C4=chunks, counts_L=target_L.clone(),
+        counts_WL=rows_SL.clone(),
         pad_index_S=pad_index, pad_rows=pad_rows)

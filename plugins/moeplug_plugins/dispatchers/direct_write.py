@@ -71,6 +71,12 @@ class DirectWriteDispatcher(Dispatcher):
         return heap_for(self.group, self.heap_bytes, 2 + self.num_experts, self.timeout_s)
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
+        if x_TD.device.type != "cpu":
+            # GPU transports (CUDA IPC / NVSHMEM / NCCL) are not built: say so, never stage
+            # through host memory silently.
+            raise ValueError(f"dispatcher direct_write moves CPU tensors through /dev/shm; got "
+                             f"tokens on {x_TD.device} (no CUDA IPC/NVSHMEM transport yet). Fix: "
+                             f"use plugins.dispatcher=alltoall on GPU")
         E = self.num_experts
         heap = self._heap()
         x_TD = x_TD.contiguous()
