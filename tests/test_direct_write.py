@@ -51,6 +51,46 @@ def test_listed_available_with_its_options_validated():
             host.create("dispatcher", "direct_write", bad, _cfg(), None)
 
 
+def test_listed_unavailable_with_the_reason_without_the_runtime_heap(run_cli, cli_env, tmp_path):
+    # A real `moeplug plugins` in an interpreter where the compiled core cannot be imported.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoCore:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'moeplug._runtime_core':\n"
+        "            raise ImportError('simulated missing build')\n"
+        "sys.meta_path.insert(0, _NoCore())\n")
+    env = dict(cli_env, PYTHONPATH=str(tmp_path) + os.pathsep + cli_env.get("PYTHONPATH", ""))
+    proc = run_cli("plugins", env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if l.strip().startswith("direct_write "))
+    assert ("unavailable: moeplug's C++ runtime core is not importable: simulated missing build. "
+            "Fix: `pip install -e ." in line), line
+    alltoall = next(l for l in proc.stdout.splitlines() if l.strip().startswith("alltoall "))
+    assert "unavailable" not in alltoall
+
+
+def test_communicators_listed_with_the_reason():
+    from moeplug.runtime import runtime_info
+    comm = runtime_info()["communicators"]
+    assert comm["shm_heap"].startswith("available")
+    if not torch.cuda.is_available():
+        assert comm["nccl"] == "unavailable: torch sees no GPU"
+    assert comm["nvshmem"].startswith(("unavailable: ", "installed ("))
+
+
+@pytest.mark.cuda
+def test_cuda_tokens_are_refused_naming_the_fix():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: the refusal is of CUDA tensors")
+    from moeplug.plugin_host import PluginHost
+    disp = PluginHost.load().create("dispatcher", "direct_write", {}, _cfg(), None)
+    from moeplug.testing.dispatcher import random_routing
+    r = random_routing(3, E, K, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="use plugins.dispatcher=alltoall on GPU"):
+        disp.dispatch(torch.randn(3, D, device="cuda"), r)
+
+
 def test_ranks_on_two_machines_are_refused_naming_them():
     from moeplug.parallel.shm_heap import check_one_machine
     check_one_machine(["a/1", "a/1"])
