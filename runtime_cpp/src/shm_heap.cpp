@@ -74,15 +74,19 @@ ShmHeap::ShmHeap(std::string name, int64_t data_bytes, int64_t num_slots, int ra
                              "memory segment " + name_ + ": " + errno_text(err) +
                              ". Fix: check that /dev/shm is mounted and writable");
   }
-  // ftruncate only sets the size; the pages are allocated on first touch (tmpfs), so a large
-  // heap costs memory only for the rows really written.
-  if (ftruncate(fd, segment_bytes_) != 0) {
-    const int err = errno;
+  // Reserve the pages now (posix_fallocate, not only ftruncate): tmpfs allocates sparse pages
+  // on first write, and a write that finds /dev/shm full is a SIGBUS mid-dispatch instead of
+  // this error (containers often mount a 64 MiB /dev/shm).
+  int rc = posix_fallocate(fd, 0, segment_bytes_);
+  if (rc == EINVAL || rc == EOPNOTSUPP) rc = ftruncate(fd, segment_bytes_) == 0 ? 0 : errno;
+  if (rc != 0) {
     close(fd);
     shm_unlink(name_.c_str());
-    throw std::runtime_error("ShmHeap: cannot size segment " + name_ + " to " +
-                             std::to_string(segment_bytes_) + " bytes: " + errno_text(err) +
-                             ". Fix: free space in /dev/shm or lower the heap size");
+    throw std::runtime_error("ShmHeap: rank " + std::to_string(rank) + " cannot reserve " +
+                             std::to_string(segment_bytes_) + " bytes for segment " + name_ +
+                             " in /dev/shm: " + errno_text(rc) +
+                             ". Fix: free space in /dev/shm, enlarge it (e.g. docker run "
+                             "--shm-size), or lower the heap size");
   }
   void* p = mmap(nullptr, static_cast<size_t>(segment_bytes_), PROT_READ | PROT_WRITE,
                  MAP_SHARED, fd, 0);

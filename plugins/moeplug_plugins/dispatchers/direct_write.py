@@ -37,10 +37,10 @@ from moeplug_plugins.dispatchers._dw_plan import DirectWritePlan, build_plan, lo
 from moeplug_plugins.dispatchers._group import ep_layout
 
 def default_heap_bytes(model: ModelConfig, ep_size: int) -> int:
-    """One sequence of max_seq_len tokens per rank, fp32: the receiver of the most rows gets at
-    most min(K, L) rows per token of every rank; the same bytes carry the probs."""
-    L = model.moe.num_experts // ep_size
-    rows = ep_size * model.max_seq_len * min(model.moe.top_k, L)
+    """One sequence of max_seq_len tokens per rank, fp32 rows + probs: with balanced routing a
+    rank receives about T * K rows. Imbalance grows the heap on demand (collectively); the pages
+    are reserved up front, so the default stays the typical need, not the worst case."""
+    rows = model.max_seq_len * model.moe.top_k
     return max(MiB, -(-rows * (model.hidden_size * 4 + 4) // MiB) * MiB)
 
 

@@ -4,7 +4,8 @@
 //
 // Lifetime (the caller, moeplug/parallel/shm_heap.py, does the name exchange over its
 // torch.distributed group; this class never talks to other processes):
-//   1. ShmHeap(name, ...)  creates this rank's segment (O_EXCL: names are unique) and maps it;
+//   1. ShmHeap(name, ...)  creates this rank's segment (O_EXCL: names are unique), reserves its
+//                          pages (a full /dev/shm fails here, not as a SIGBUS later), maps it;
 //   2. attach(names)       maps every rank's segment, checking each one's header;
 //   3. (caller: a barrier over the group, so every rank has mapped every segment)
 //   4. unlink_all()        shm_unlink of every name: /dev/shm is empty again while the mappings
