@@ -268,3 +268,22 @@ def test_sigkilled_rank_leaves_no_segment_and_its_peer_fails_naming_it():
     assert ("waited" in failures[0] and "for rank 1" in failures[0]
             and "its process has exited" in failures[0]), failures[0]
     assert not glob.glob(f"/dev/shm/moeplug-{tag}-*")
+
+
+def test_recycled_buffers_come_back_only_when_their_storage_dies():
+    from moeplug.parallel import host_buffers
+    shape = (300, 1024)  # 1.2 MB -> the 2 MiB class
+    base = host_buffers.free_bytes()
+    a = host_buffers.empty(shape, torch.float32)
+    a.fill_(1.0)
+    view = a[10:20]
+    w = torch.randn(1024, 3, requires_grad=True)
+    loss = (a @ w).sum()  # autograd saves `a` for w's gradient
+    del a, view
+    assert host_buffers.free_bytes() == base, "recycled while autograd still holds the tensor"
+    loss.backward()
+    del loss
+    assert host_buffers.free_bytes() == base + (2 << 20)
+    b = host_buffers.empty(shape, torch.float32)  # reuses it: the old values are still there
+    assert host_buffers.free_bytes() == base and b.shape == shape and b[0, 0].item() == 1.0
+    assert host_buffers.empty((3, 4), torch.float32).shape == (3, 4)  # small: plain torch.empty

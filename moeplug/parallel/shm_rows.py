@@ -20,6 +20,7 @@ import math
 
 import torch
 
+from moeplug.parallel import host_buffers
 from moeplug.parallel.shm_heap import SymmetricHeap
 from moeplug.runtime import dtype_code, get_runtime
 
@@ -69,8 +70,9 @@ def to_sources(heap: SymmetricHeap, seq: int, streams: list[torch.Tensor],
 
 
 def copy_rows(rows: torch.Tensor, zero_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """A private copy of received ``rows`` (parallel memcpy), with rows ``zero_rows`` zeroed."""
-    out = torch.empty_like(rows)
+    """A private copy of received ``rows`` (parallel memcpy), with rows ``zero_rows`` zeroed; large
+    copies land in recycled memory (moeplug.parallel.host_buffers: no page faults per step)."""
+    out = host_buffers.empty(tuple(rows.shape), rows.dtype)
     if rows.shape[0]:
         chunk = torch.tensor([[0, 0, 0, rows.shape[0]]], dtype=torch.int64)
         base = torch.tensor([out.data_ptr()], dtype=torch.int64)
@@ -88,7 +90,7 @@ def sum_rows(rows: torch.Tensor, row_map_TK: torch.Tensor,
     nothing): the sum on receipt, read straight from the heap."""
     T, K = row_map_TK.shape
     D = rows.shape[1]
-    y = rows.new_empty(T, D)
+    y = host_buffers.empty((T, D), rows.dtype)
     rm = row_map_TK.contiguous()
     w = None if weights_TK is None else weights_TK.detach().float().contiguous()
     get_runtime().sum_received_rows(rows=rows.data_ptr(), num_rows=rows.shape[0],

@@ -231,15 +231,22 @@ void ShmHeap::wait_all(int flag, uint64_t value, double timeout_s, const std::st
   for (int r = 0; r < world_; ++r) {
     const auto* f = flag_ptr(bases_[r], flag);
     while (f->load(std::memory_order_acquire) < value) {
-      // Spin first (a peer on another core is usually microseconds away), then yield: ranks
-      // often outnumber free cores, and a spinning waiter would steal the peer's time slice.
-      if (++spins < 2000) {
+      // Spin first (a peer on another core is usually microseconds away), then yield, then
+      // sleep with a doubling pause up to 200 us: ranks often outnumber free cores, and a
+      // waiter that spins or only yields keeps stealing the time slices of the peer it waits on.
+      ++spins;
+      if (spins < 2000) {
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
         continue;
       }
-      sched_yield();
+      if (spins < 2200) {
+        sched_yield();
+      } else {
+        const int64_t us = std::min<int64_t>(200, int64_t(1) << std::min<int64_t>(8, (spins - 2200) / 8));
+        std::this_thread::sleep_for(std::chrono::microseconds(us));
+      }
       const auto now = clock::now();
       if (now < next_check) continue;
       next_check = now + std::chrono::milliseconds(50);
