@@ -287,3 +287,32 @@ def test_recycled_buffers_come_back_only_when_their_storage_dies():
     b = host_buffers.empty(shape, torch.float32)  # reuses it: the old values are still there
     assert host_buffers.free_bytes() == base and b.shape == shape and b[0, 0].item() == 1.0
     assert host_buffers.empty((3, 4), torch.float32).shape == (3, 4)  # small: plain torch.empty
+
+
+def test_bad_heap_option_exits_2_in_one_line(run_cli):
+    proc = run_cli("train", "--steps", "1", "--set", "plugins.dispatcher=direct_write",
+                   "--set", "plugins.dispatcher_options.heap_bytes=-1", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "DirectWriteOptions.heap_bytes = -1: must be >= 0. Fix:" in proc.stderr
+
+
+@pytest.mark.slow
+def test_cli_ep2_training_logs_alltoall_losses(run_cli, tiny_config_file, tmp_path):
+    # `moeplug train --nproc 2` end to end (launcher, groups, heap set-up in real ranks):
+    # direct_write logs the losses alltoall logs.
+    from moeplug.training.metrics import read_metrics
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    losses = {}
+    for disp in ("alltoall", "direct_write"):
+        out = str(tmp_path / disp)
+        proc = run_cli("train", "--config", cfg, "--out", out, "--nproc", "2", "--steps", "3",
+                       "--set", "parallel.ep=2", "--set", f"plugins.dispatcher={disp}",
+                       "--set", "train.log_interval=1", "--set", "train.warmup_steps=1",
+                       timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[disp] = [r["lm_loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))
+                        if r["kind"] == "train"]
+    assert len(losses["alltoall"]) == 3
+    assert max(abs(a - b) for a, b in zip(losses["alltoall"], losses["direct_write"])) <= 1e-5, \
+        losses

@@ -220,7 +220,8 @@ _heaps: dict[tuple[int, int], tuple[Any, SymmetricHeap]] = {}
 _heaps_lock = threading.Lock()
 
 
-def heap_for(group: Any, data_bytes: int, num_slots: int, timeout_s: float = 300.0) -> SymmetricHeap:
+def heap_for(group: Any, data_bytes: int, num_slots: int,
+             timeout_s: float = 300.0) -> SymmetricHeap:
     """The heap of ``group`` (created collectively on first use; ``None``: a one-rank heap)."""
     key = (id(group), int(num_slots))
     with _heaps_lock:

@@ -244,7 +244,8 @@ void ShmHeap::wait_all(int flag, uint64_t value, double timeout_s, const std::st
       if (spins < 2200) {
         sched_yield();
       } else {
-        const int64_t us = std::min<int64_t>(200, int64_t(1) << std::min<int64_t>(8, (spins - 2200) / 8));
+        const int64_t doublings = std::min<int64_t>(8, (spins - 2200) / 8);
+        const int64_t us = std::min<int64_t>(200, int64_t(1) << doublings);
         std::this_thread::sleep_for(std::chrono::microseconds(us));
       }
       const auto now = clock::now();

@@ -18,6 +18,8 @@ local expert); each source sums its K rows per token straight out of its heap (f
 receipt). Backward: dispatch's is combine's forward (grads of probs ride along), combine's is
 dispatch's steps 3-4.
 Dropped choices (``routing.dropped_TK``) send no row; combine adds nothing for them.
+Quantized, each token row is quantized once and its bytes written to each of its ranks, so
+``moeplug.quant.wire.WIRE`` counts T token rows here where alltoall counts its T*K routed rows.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from moeplug_plugins.dispatchers._dw_options import OPTION, DirectWriteOptions
 from moeplug_plugins.dispatchers._dw_plan import DirectWritePlan, build_plan, local_counts
 from moeplug_plugins.dispatchers._group import ep_layout
 
+
 def default_heap_bytes(model: ModelConfig, ep_size: int) -> int:
     """One sequence of max_seq_len tokens per rank, fp32 rows + probs: with balanced routing a
     rank receives about T * K rows. Imbalance grows the heap on demand (collectively); the pages
@@ -48,8 +51,7 @@ def default_heap_bytes(model: ModelConfig, ep_size: int) -> int:
 class DirectWriteMeta:
     heap: SymmetricHeap
     plan: DirectWritePlan
-    num_tokens: int
-    fixed: bool
+    fixed: bool  # heap_bytes was set: growing is an error
 
     @property
     def pad_index_S(self) -> torch.Tensor | None:  # as the other dispatchers' meta
@@ -93,7 +95,7 @@ class DirectWriteDispatcher(Dispatcher):
         capacity_W = None if cap < 0 else slots_W[:, 0].tolist()
         plan = build_plan(slots_W[:, 1:], ids_TK, self.ep_rank,
                           None if cap < 0 else cap, capacity_W, routing.pad_multiple)
-        meta = DirectWriteMeta(heap=heap, plan=plan, num_tokens=x_TD.shape[0], fixed=self.fixed)
+        meta = DirectWriteMeta(heap=heap, plan=plan, fixed=self.fixed)
         # 3. write  4. receive
         if not quantized:
             x_SD, probs_S = _Dispatch.apply(meta, seq, x_TD, probs_TK)
