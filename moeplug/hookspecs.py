@@ -42,7 +42,7 @@ class ComponentRegistry(Protocol):
 
     def add(self, name: str, factory: Callable[..., Any], options_cls: type | None = None,
             requires: Iterable[str] = (), description: str = "",
-            install_hint: str = "") -> None: ...
+            install_hint: str = "", unavailable: str = "") -> None: ...
 
 
 # --------------------------------------------------------------------------------------------

@@ -148,12 +148,15 @@ class ComponentRegistry:
         self._blocks = blocks
 
     def add(self, name: str, factory: Callable[..., Any], options_cls: type | None = None,
-            requires: Iterable[str] = (), description: str = "", install_hint: str = "") -> None:
+            requires: Iterable[str] = (), description: str = "", install_hint: str = "",
+            unavailable: str = "") -> None:
         """Register ``factory`` under ``name``.
 
         requires: modules the component needs at create time (checked with find_spec, never
         imported here); when one is missing the component is listed as unavailable.
         install_hint: the pip command that provides them (default: ``pip install <module>``).
+        unavailable: why the component cannot be created here when that is not a missing module
+        (e.g. an OS feature or a runtime build without it); non-empty lists it as unavailable.
         """
         where = f"{self.kind} '{name}' from {self._source}"
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
@@ -178,6 +181,8 @@ class ComponentRegistry:
         reason = _block_reason(self._blocks, f"{self.kind}:{name}", name)
         if not reason:
             reason = _missing_requirement(tuple(requires), install_hint)
+        if not reason and unavailable:
+            reason = str(unavailable)
         self._sink[name] = _Entry(self.kind, name, factory, options_cls, description, self._source,
                                   reason)
 

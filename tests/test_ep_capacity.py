@@ -32,7 +32,7 @@ E, K, D, F = 8, 2, 16, 8
 T_LOCAL = 12          # C = ceil(12 * 2 / 8 * 0.5) = 2, so most experts drop something
 LAYOUTS = {"equal": lambda world: [T_LOCAL] * world,
            "uneven": lambda world: [12, 8, 0, 5][:world]}   # C = 2, 1, 0, 1
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "allgather", "direct_write")
 TOL = 2e-5            # fp32; expert grads sum the ranks' rows in another order than one process
 CASES = {
     f"{mode}/{policy}": {"capacity_factor": 0.5, "token_drop_policy": policy, **extra}

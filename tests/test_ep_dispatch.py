@@ -19,7 +19,7 @@ import torch
 from moeplug.testing.distributed import run_distributed
 
 E, K, D, F = 8, 2, 16, 8
-DISPATCHERS = ("alltoall", "allgather")
+DISPATCHERS = ("alltoall", "allgather", "direct_write")
 TOL = 1e-5  # fp32; in practice the errors are 0 (same kernels, same row order)
 
 

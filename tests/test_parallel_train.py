@@ -37,7 +37,8 @@ TOL = 2e-5       # fp32, 3 AdamW steps, absolute, on loss / grad norm / every gr
 GRAD_CLIP = 0.05  # below the tiny model's grad norm, so clipping always acts
 
 # name -> (parallel overrides, dispatcher, grad_accum_steps[, model overrides]); the dispatcher
-# is a name, or a plugins section (dispatcher, its options, router options) as made by _hier.
+# is a name, or a plugins section (dispatcher, its options, router options) as made by _hier,
+# _a2a and _dw.
 TIED = {"tie_embeddings": True}
 DROP = {"capacity_factor": 0.5}                        # the tiny model drops some choices
 DROP_PAD = {"capacity_factor": 0.5, "pad_to_capacity": True}
@@ -51,6 +52,11 @@ def _hier(node_size: int, router: dict | None = None) -> dict:
 
 def _a2a(router: dict) -> dict:
     return {"dispatcher": "alltoall", "router_options": router}
+
+
+def _dw(router: dict | None = None) -> dict:
+    """direct_write (the shared-memory heap; every rank of these tests is on one machine)."""
+    return {"dispatcher": "direct_write", "router_options": router or {}}
 
 
 WORLD2 = {
@@ -72,6 +78,11 @@ WORLD2 = {
     "ep2_drop_pad": ({"ep": 2}, _a2a(DROP_PAD), 1),
     "ep2_hier_drop_pad": ({"ep": 2}, _hier(1, DROP_PAD), 1),
     "dp2_ep2_distopt_hier": ({"ep": 2, "distributed_optimizer": True}, _hier(1), 1),
+    # direct_write at every EP layout, dropping and padding on and off
+    "ep2_direct_write": ({"ep": 2}, _dw(), 1),
+    "ep2_drop_direct_write": ({"ep": 2}, _dw(DROP), 1),
+    "ep2_drop_pad_direct_write": ({"ep": 2}, _dw(DROP_PAD), 1),
+    "dp2_ep2_distopt_direct_write": ({"ep": 2, "distributed_optimizer": True}, _dw(), 1),
 }
 WORLD4 = {
     "ep4": ({"ep": 4}, "alltoall", 1),
@@ -98,10 +109,20 @@ WORLD4 = {
     "cp2_ep2_hier": ({"cp": 2, "ep": 2}, _hier(1), 1),
     "pp2_ep2_hier": ({"pp": 2, "ep": 2}, _hier(1), 2),
     "ep2_dp4_distopt_hier": ({"ep": 2, "distributed_optimizer": True}, _hier(1), 1),
+    "ep4_direct_write": ({"ep": 4}, _dw(), 1),
+    "ep4_drop_direct_write": ({"ep": 4}, _dw(DROP), 1),
+    "ep4_drop_pad_direct_write": ({"ep": 4}, _dw(DROP_PAD), 1),
+    "tp2_ep4_folded_direct_write": ({"tp": 2, "ep": 4, "sequence_parallel": True}, _dw(), 1),
+    "cp2_ep2_direct_write": ({"cp": 2, "ep": 2}, _dw(), 1),
+    "pp2_ep2_direct_write": ({"pp": 2, "ep": 2}, _dw(), 2),
+    "pp2_ep2_drop_pad_direct_write": ({"pp": 2, "ep": 2}, _dw(DROP_PAD), 2),
+    "ep2_dp4_distopt_direct_write": ({"ep": 2, "distributed_optimizer": True}, _dw(), 1),
 }
 WORLD8 = {
     "pp2_ep2_tp2_sp": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 2),
     "pp2_ep2_tp2_sp_hier": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, _hier(1), 2),
+    "pp2_ep2_tp2_sp_direct_write": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True},
+                                    _dw(), 2),
 }
 # hierarchical vs alltoall at the same layout (each also equals one process above)
 HIER_PAIRS = {
@@ -114,7 +135,7 @@ HIER_PAIRS = {
 }
 
 
-def _cfg(parallel: dict, dispatcher: str, grad_accum: int, model: dict | None = None):
+def _cfg(parallel: dict, dispatcher: str | dict, grad_accum: int, model: dict | None = None):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -183,8 +204,8 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(3).integers(0, V, 2048).astype(np.int64)
     report: dict[str, dict] = {}
-    for name, (parallel, dispatcher, accum, *model) in layouts.items():
-        cfg = _cfg(parallel, dispatcher, accum, *model)
+    for name, (parallel, dispatcher, accum, *extra) in layouts.items():
+        cfg = _cfg(parallel, dispatcher, accum, *extra)
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         ref_cfg = single_process_equivalent(cfg, groups.size("dp"))
         seed_everything(cfg.train.seed)
@@ -234,9 +255,14 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
 
 
 def _check(reports, name):
-    distopt = {**WORLD2, **WORLD4, **WORLD8}[name][0].get("distributed_optimizer", False)
+    parallel, dispatcher, _, *_ = {**WORLD2, **WORLD4, **WORLD8}[name]
+    distopt = parallel.get("distributed_optimizer", False)
+    router = dispatcher.get("router_options", {}) if isinstance(dispatcher, dict) else {}
+    # pipeline runs log no per-layer dropped fractions
+    drops = "capacity_factor" in router and parallel.get("pp", 1) == 1
     for rank, report in enumerate(reports):
         r = report[name]
+        assert not drops or r["dropped"] > 0, f"{name}: capacity must drop for the case to bite"
         assert r["min_ref_norm"] > 2 * GRAD_CLIP, "clipping must act for the norm to be tested"
         assert distopt or r["num_grads"] > 0
         bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
@@ -273,7 +299,16 @@ def test_world8_layout_equals_single_process(world8, name):
     _check(world8, name)
 
 
-@pytest.mark.parametrize("pair", [("ep2", "ep2_allgather")])
+def test_world8_direct_write_equals_alltoall(world8):
+    for report in world8:
+        a, b = (report[n]["losses"] for n in ("pp2_ep2_tp2_sp", "pp2_ep2_tp2_sp_direct_write"))
+        assert max(abs(x - y) for x, y in zip(a, b)) <= TOL
+
+
+@pytest.mark.parametrize("pair", [("ep2", "ep2_allgather"), ("ep2", "ep2_direct_write"),
+                                  ("ep2_drop", "ep2_drop_direct_write"),
+                                  ("ep2_drop_pad", "ep2_drop_pad_direct_write"),
+                                  ("dp2_ep2_distopt", "dp2_ep2_distopt_direct_write")])
 def test_alltoall_equals_allgather_world2(world2, pair):
     for report in world2:
         a, b = (report[n]["losses"] for n in pair)
@@ -283,7 +318,13 @@ def test_alltoall_equals_allgather_world2(world2, pair):
 @pytest.mark.parametrize("pair", [("ep4", "ep4_allgather"),
                                   ("tp2_ep4_folded", "tp2_ep4_folded_allgather"),
                                   ("cp2_ep2", "cp2_ep2_allgather"),
-                                  ("pp2_ep2", "pp2_ep2_allgather")])
+                                  ("pp2_ep2", "pp2_ep2_allgather"),
+                                  ("ep4", "ep4_direct_write"),
+                                  ("ep4_drop_pad", "ep4_drop_pad_direct_write"),
+                                  ("tp2_ep4_folded", "tp2_ep4_folded_direct_write"),
+                                  ("cp2_ep2", "cp2_ep2_direct_write"),
+                                  ("pp2_ep2", "pp2_ep2_direct_write"),
+                                  ("ep2_dp4_distopt", "ep2_dp4_distopt_direct_write")])
 def test_alltoall_equals_allgather_world4(world4, pair):
     for report in world4:
         a, b = (report[n]["losses"] for n in pair)

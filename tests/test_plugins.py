@@ -32,6 +32,7 @@ BUILTINS = {
     ("dispatcher", "alltoall"): "builtin_dispatchers",
     ("dispatcher", "allgather"): "builtin_dispatchers",
     ("dispatcher", "hierarchical"): "builtin_dispatchers",
+    ("dispatcher", "direct_write"): "builtin_dispatchers",
     ("experts", "sequential"): "builtin_experts",
     ("experts", "grouped"): "builtin_experts",
     ("precision", "fp32"): "builtin_precisions",
@@ -310,6 +311,18 @@ def test_requires_checks_modules_without_importing_them(module):
     assert "needy" not in host.names("router") and "needy" in host.names("router", available_only=False)
     with pytest.raises(PluginError, match=rf"router 'needy' .*unavailable: needs module '{module}'"):
         host.create("router", "needy", {}, tiny_model_config())
+
+
+def test_unavailable_reason_lists_plugin_unavailable_and_create_names_it():
+    # An OS feature or runtime build missing (not a module): the plugin states the reason.
+    def moeplug_register_routers(registry):
+        registry.add("shm_only", _ConstRouter, unavailable="needs Linux POSIX shared memory")
+    plugin = _plugin(moeplug_register_routers=moeplug_register_routers)
+    host = PluginHost.load(extra_plugins=[(plugin, "shm-dist")])
+    info = next(i for i in host.infos() if i.name == "shm_only")
+    assert (info.available, info.reason) == (False, "needs Linux POSIX shared memory")
+    with pytest.raises(PluginError, match=r"router 'shm_only' .*unavailable: needs Linux POSIX"):
+        host.create("router", "shm_only", {}, tiny_model_config())
 
 
 def test_requires_satisfied_is_available():

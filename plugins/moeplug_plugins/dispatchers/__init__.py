@@ -1,8 +1,10 @@
-"""Built-in token dispatchers: ``alltoall`` (default), ``allgather`` and ``hierarchical``, one
-file each."""
+"""Built-in token dispatchers: ``alltoall`` (default), ``allgather``, ``hierarchical`` and
+``direct_write``, one file each."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import dataclass
 
 from moeplug import hookimpl
@@ -45,6 +47,25 @@ def make_allgather(model, options, group):
 def make_hierarchical(model, options: HierarchicalOptions, group):
     from moeplug_plugins.dispatchers.hierarchical import HierarchicalDispatcher
     return HierarchicalDispatcher(model, group, node_size=options.node_size)
+def make_direct_write(model, options, group):
+    from moeplug_plugins.dispatchers.direct_write import DirectWriteDispatcher
+    return DirectWriteDispatcher(model, options, group)
+
+
+def direct_write_unavailable() -> str:
+    """Why ``direct_write`` cannot run here ("" when it can): it needs POSIX shared memory and a
+    runtime core built with the shared-memory heap."""
+    if not sys.platform.startswith("linux"):
+        return f"needs Linux POSIX shared memory (/dev/shm); this is {sys.platform}"
+    rebuild = "pip install -e . --no-build-isolation   (or: pip install -e .)"
+    try:  # the extension alone (it does not import torch): registration stays light
+        core = importlib.import_module("moeplug._runtime_core")
+    except ImportError as exc:
+        return f"moeplug's C++ runtime core is not importable: {exc}. Fix: `{rebuild}`"
+    if not hasattr(core, "ShmHeap"):
+        return (f"the runtime core was built without the shared-memory heap. Fix: rebuild it "
+                f"with `{rebuild}`")
+    return ""
 
 
 @hookimpl
@@ -57,3 +78,9 @@ def moeplug_register_dispatchers(registry) -> None:
     registry.add("hierarchical", make_hierarchical, options_cls=HierarchicalOptions,
                  description="one row per (token, destination node) over the network, then "
                              "fan-out inside the node (HybridEP); option node_size")
+    from moeplug_plugins.dispatchers._dw_options import DirectWriteOptions
+    registry.add("direct_write", make_direct_write, options_cls=DirectWriteOptions,
+                 unavailable=direct_write_unavailable(),
+                 description="ranks of one machine write rows straight into the expert owner's "
+                             "shared-memory heap; counts and ready flags in the heap (DeepEP "
+                             "intranode, CPU)")

@@ -1,0 +1,136 @@
+"""Rows between the ranks of one machine through the shared-memory heap (moeplug.parallel.shm_heap):
+the direct-write transport. The writer copies rows straight into the reader's data region; the
+C++ kernels run on the runtime's thread pool without the GIL.
+
+Legend: T tokens, K choices per token, W ranks, P rows a rank receives, C row runs.
+
+    seq = heap.arrive(row_bytes(streams))                        every op starts so (collective)
+    got = to_experts(heap, seq, [(x_TD, False), (p_TK, True)],   token t's row (or choice (t, k)'s
+                     dest_rank_TK, dest_row_TK, rows_W)           row) to dest_rank's row dest_row
+    got = to_sources(heap, seq, [y_PD], chunks_C4, rows_W)       runs (src_row, rank, row, n)
+
+Both return views of this rank's data region laid out for ``rows_W[rank]`` rows per stream, valid
+until the next op on the heap: copy (:func:`copy_rows`) or reduce (:func:`sum_rows`) them first.
+Each stream's area in a receiver starts at a 64-byte boundary after the previous one's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moeplug.parallel import host_buffers
+from moeplug.parallel.shm_heap import SymmetricHeap
+from moeplug.runtime import dtype_code, get_runtime
+
+
+def row_bytes(streams: list[tuple[torch.Tensor, bool]]) -> int:
+    """Bytes of one row of every stream together (what heap.arrive checks across ranks)."""
+    return sum(_row_bytes(t) for t, _ in streams)
+
+
+def to_experts(heap: SymmetricHeap, seq: int, streams: list[tuple[torch.Tensor, bool]],
+               dest_rank_TK: torch.Tensor, dest_row_TK: torch.Tensor, rows_W: list[int],
+               fixed: bool = False, option: str = "heap_bytes") -> list[torch.Tensor]:
+    """Scatter token rows ([T, ...], per_choice False) or choice rows ([T*K, ...], True) to
+    ``dest_rank_TK``/``dest_row_TK`` (rank -1: skip); ``rows_W``: rows each rank receives."""
+    T, K = dest_rank_TK.shape
+    dest_rank = dest_rank_TK.contiguous()
+    dest_row = dest_row_TK.contiguous()
+    core = get_runtime()
+    for i, base_W in _prepare(heap, streams, rows_W, fixed, option):
+        t, per_choice = streams[i]
+        expect = T * K if per_choice else T
+        if t.shape[0] != expect:
+            raise ValueError(f"to_experts: stream {i} has {t.shape[0]} rows, expected {expect} "
+                             f"({'T*K' if per_choice else 'T'})")
+        core.scatter_rows(src=t.data_ptr(), num_tokens=T, top_k=K, row_bytes=_row_bytes(t),
+                          per_choice=per_choice, dest_rank=dest_rank.data_ptr(),
+                          dest_row=dest_row.data_ptr(), dest_base=base_W.data_ptr(),
+                          world=heap.world)
+    heap.done(seq)
+    return _received(heap, streams, rows_W[heap.rank])
+
+
+def to_sources(heap: SymmetricHeap, seq: int, streams: list[torch.Tensor],
+               chunks_C4: torch.Tensor, rows_W: list[int], fixed: bool = False,
+               option: str = "heap_bytes") -> list[torch.Tensor]:
+    """Copy row runs of each stream ``[P, ...]``: chunk (src_row, rank, dest_row, rows)."""
+    pairs = [(t, False) for t in streams]
+    chunks = chunks_C4.contiguous()
+    core = get_runtime()
+    for i, base_W in _prepare(heap, pairs, rows_W, fixed, option):
+        t = streams[i]
+        core.copy_chunks(src=t.data_ptr(), row_bytes=_row_bytes(t), chunks=chunks.data_ptr(),
+                         num_chunks=chunks.shape[0], dest_base=base_W.data_ptr(),
+                         world=heap.world)
+    heap.done(seq)
+    return _received(heap, pairs, rows_W[heap.rank])
+
+
+def copy_rows(rows: torch.Tensor, zero_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A private copy of received ``rows`` (parallel memcpy), with rows ``zero_rows`` zeroed; large
+    copies land in recycled memory (moeplug.parallel.host_buffers: no page faults per step)."""
+    out = host_buffers.empty(tuple(rows.shape), rows.dtype)
+    if rows.shape[0]:
+        chunk = torch.tensor([[0, 0, 0, rows.shape[0]]], dtype=torch.int64)
+        base = torch.tensor([out.data_ptr()], dtype=torch.int64)
+        get_runtime().copy_chunks(src=rows.data_ptr(), row_bytes=_row_bytes(rows),
+                                  chunks=chunk.data_ptr(), num_chunks=1,
+                                  dest_base=base.data_ptr(), world=1)
+    if zero_rows is not None and zero_rows.numel():
+        out.index_fill_(0, zero_rows, 0)
+    return out
+
+
+def sum_rows(rows: torch.Tensor, row_map_TK: torch.Tensor,
+             weights_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """y[t] = sum_k w[t, k] * rows[row_map[t, k]] (plain sum without weights; row_map < 0 adds
+    nothing): the sum on receipt, read straight from the heap."""
+    T, K = row_map_TK.shape
+    D = rows.shape[1]
+    y = host_buffers.empty((T, D), rows.dtype)
+    rm = row_map_TK.contiguous()
+    w = None if weights_TK is None else weights_TK.detach().float().contiguous()
+    get_runtime().sum_received_rows(rows=rows.data_ptr(), num_rows=rows.shape[0],
+                                    row_map=rm.data_ptr(), weights=0 if w is None else w.data_ptr(),
+                                    y=y.data_ptr(), num_tokens=T, top_k=K, hidden=D,
+                                    dtype=dtype_code(rows, "sum_rows", "rows"))
+    return y
+
+
+# ---- layout -----------------------------------------------------------------------------------
+
+def _row_bytes(t: torch.Tensor) -> int:
+    if not t.is_contiguous():
+        raise ValueError("shm_rows: rows must be contiguous; pass t.contiguous()")
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def _offsets(rows: int, sizes: list[int]) -> tuple[list[int], int]:
+    offs, at = [], 0
+    for s in sizes:
+        offs.append(at)
+        at = -(-(at + rows * s) // 64) * 64
+    return offs, at
+
+
+def _prepare(heap: SymmetricHeap, streams, rows_W: list[int], fixed: bool, option: str):
+    """Grow (or refuse) the heap for the largest receiver, then each stream's base per rank."""
+    sizes = [_row_bytes(t) for t, _ in streams]
+    layouts = [_offsets(int(n), sizes) for n in rows_W]
+    heap.ensure(max(total for _, total in layouts), fixed, option)
+    for i in range(len(streams)):
+        yield i, torch.tensor([heap.data_ptr(r) + layouts[r][0][i] for r in range(heap.world)],
+                              dtype=torch.int64)
+
+
+def _received(heap: SymmetricHeap, streams, rows: int) -> list[torch.Tensor]:
+    sizes = [_row_bytes(t) for t, _ in streams]
+    offs, _ = _offsets(rows, sizes)
+    out = []
+    for (t, _), off, size in zip(streams, offs, sizes):
+        view = heap.data(heap.rank, rows * size, off).view(t.dtype)
+        out.append(view.view(rows, *t.shape[1:]))
+    return out

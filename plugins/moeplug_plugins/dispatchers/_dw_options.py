@@ -1,0 +1,34 @@
+"""Options of the ``direct_write`` dispatcher (no torch here: registration imports this)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeplug.config import ConfigError
+
+MiB = 1 << 20
+OPTION = "plugins.dispatcher_options.heap_bytes"
+
+
+@dataclass
+class DirectWriteOptions:
+    """Options of dispatcher ``direct_write``."""
+
+    # Data bytes of every rank's heap segment. 0: sized from the model (one max_seq_len sequence
+    # per rank, fp32 rows) and grown collectively when an op needs more; > 0: fixed, and an op
+    # that needs more fails naming this option and the size it needs.
+    heap_bytes: int = 0
+    # How long a rank waits for a peer's flag before failing with the peer's rank (a dead peer
+    # is noticed within 50 ms anyway).
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.heap_bytes < 0:
+            raise ConfigError(f"DirectWriteOptions.heap_bytes = {self.heap_bytes}: must be >= 0. "
+                              f"Fix: set heap_bytes to 0 (sized from the model) or a byte count")
+        if 0 < self.heap_bytes < MiB:
+            raise ConfigError(f"DirectWriteOptions.heap_bytes = {self.heap_bytes}: below 1 MiB. "
+                              f"Fix: set heap_bytes >= {MiB} or 0 (sized from the model)")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"DirectWriteOptions.timeout_s = {self.timeout_s}: must be > 0. "
+                              f"Fix: set timeout_s to a number of seconds, e.g. 300")

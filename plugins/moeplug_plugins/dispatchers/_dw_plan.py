@@ -1,0 +1,99 @@
+"""Where every row goes in the direct-write dispatcher, computed on every rank from the row counts
+all ranks published in the heap (no count exchange over the network).
+
+Legend: W ranks, E experts, L local experts (E = W * L), T tokens, K top-k, N rows this rank
+sends (its kept choices), P rows a rank's experts hold (with padding).
+
+Receiver r lays its rows out exactly as the alltoall dispatcher returns them: local-expert-major,
+then source rank, then the source's (token, k) order, then the padding rows of that expert:
+
+    [ l0: s0 rows | s1 rows | ... | pad ][ l1: s0 rows | ... | pad ] ...
+
+so a sender writes its rows for (r, l) at ``off_SRL[s, r, l]`` on, and receiver r's data region
+is x_SD as it stands. Combine sends back, per (source s, local expert l), one contiguous run to
+s's rows in s's expert-major order, where s sums its K rows per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeplug.routing import padded_counts
+
+
+@dataclass(frozen=True)
+class DirectWritePlan:
+    dest_rank_TK: torch.Tensor  # receiver of (t, k); -1: dropped
+    dest_row_TK: torch.Tensor   # its row there
+    row_map_TK: torch.Tensor    # row of (t, k) in this rank's expert-major order; -1: dropped
+    recv_rows_W: list[int]      # P of every rank (dispatch direction)
+    send_rows_W: list[int]      # N of every rank (combine direction)
+    chunks_C4: torch.Tensor     # combine runs from this rank: (src_row, source, dest_row, rows)
+    counts_L: torch.Tensor      # rows per local expert here, padding included (int64 CPU)
+    counts_WL: torch.Tensor     # real rows received from rank w for local expert l (as alltoall)
+    pad_index_S: torch.Tensor | None  # positions of the real rows among P (None: no padding)
+    pad_rows: torch.Tensor | None     # positions of the padding rows (zeroed on receipt)
+
+
+def local_counts(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, E: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids with dropped choices sent to sink E, rows per expert kept) of this rank."""
+    ids = ids_TK if dropped_TK is None else ids_TK.masked_fill(dropped_TK, E)
+    counts_E = torch.bincount(ids.reshape(-1), minlength=E + 1)[:E]
+    return ids, counts_E
+
+
+def build_plan(counts_WE: torch.Tensor, ids_TK: torch.Tensor, rank: int,
+               capacity: int | None, capacity_W: list[int] | None, pad_multiple: int
+               ) -> DirectWritePlan:
+    """``counts_WE``: rows every rank keeps per expert; ``ids_TK``: this rank's ids, dropped
+    choices already at the sink E. ``capacity_W``: every rank's capacity (pad-to-capacity)."""
+    W, E = counts_WE.shape
+    L = E // W
+    T, K = ids_TK.shape
+    c_SRL = counts_WE.view(W, W, L)
+    real_RL = c_SRL.sum(0)
+    # Every rank computes every receiver's padding (the same numbers alltoall computes there),
+    # so an over-capacity error is raised on all ranks alike rather than leaving peers waiting.
+    target_RL = torch.stack([padded_counts(real_RL[r], capacity, pad_multiple, W, capacity_W)
+                             for r in range(W)])
+    estart_RL = torch.cumsum(target_RL, 1) - target_RL
+    off_SRL = estart_RL.unsqueeze(0) + torch.cumsum(c_SRL, 0) - c_SRL
+    prefix_WE = torch.cumsum(counts_WE, 1) - counts_WE
+
+    # This rank's rows: a stable sort by expert gives each (t, k) its place in its expert's run.
+    flat = ids_TK.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(flat.numel(), dtype=order.dtype)
+    keep = flat < E
+    e = flat.clamp(max=E - 1)
+    dest_rank = torch.where(keep, e // L, -1)
+    dest_row = off_SRL[rank, e // L, e % L] + pos - prefix_WE[rank, e]
+    row_map = torch.where(keep, pos, -1)
+
+    # Combine runs from this rank's rows back to each source s, per local expert l.
+    rows_SL = c_SRL[:, rank, :]
+    src_SL = off_SRL[:, rank, :]
+    dst_SL = prefix_WE[:, rank * L:(rank + 1) * L]
+    s_SL = torch.arange(W).unsqueeze(1).expand(W, L)
+    chunks = torch.stack([src_SL, s_SL, dst_SL, rows_SL], dim=-1).reshape(-1, 4)
+    chunks = chunks[chunks[:, 3] > 0].contiguous()
+
+    target_L, real_L = target_RL[rank], real_RL[rank]
+    pad_index = pad_rows = None
+    if not torch.equal(target_L, real_L):
+        P = int(target_L.sum())
+        real = torch.zeros(P, dtype=torch.bool)
+        start_L = estart_RL[rank]
+        for l in range(L):
+            real[int(start_L[l]):int(start_L[l] + real_L[l])] = True
+        pad_index, pad_rows = real.nonzero().reshape(-1), (~real).nonzero().reshape(-1)
+    return DirectWritePlan(
+        dest_rank_TK=dest_rank.view(T, K), dest_row_TK=dest_row.view(T, K),
+        row_map_TK=row_map.view(T, K), recv_rows_W=target_RL.sum(1).tolist(),
+        send_rows_W=counts_WE.sum(1).tolist(), chunks_C4=chunks, counts_L=target_L.clone(),
+        counts_WL=rows_SL.clone(),
+        pad_index_S=pad_index, pad_rows=pad_rows)

@@ -1,0 +1,176 @@
+"""``direct_write`` dispatcher: the ranks of one machine write token rows straight into the
+receive buffer of the rank owning the expert, in the runtime's shared-memory heap (the CPU
+counterpart of DeepEP's intranode kernels; moeplug.parallel.shm_heap / shm_rows).
+
+Legend: T tokens, K top-k, D hidden, E experts (global), L local experts, W EP ranks,
+P rows for the local experts (padding included).
+
+dispatch:
+    1. counts    this rank's kept rows per expert (+ its capacity) into its heap slots; ARRIVE
+                 flag; every rank reads every rank's slots: the full [W, E] counts, no exchange
+    2. plan      every row's receiver and row there, padding included (_dw_plan: alltoall's
+                 layout, local-expert-major, then source rank, then (token, k) order)
+    3. write     each token row goes straight to its K receivers' heaps (bf16/fp32 rows, or FP8
+                 payload + scales under a quantize_dispatch recipe: moeplug.quant.wire); DONE
+    4. receive   a copy of this rank's region, padding rows zeroed: x_SD, probs_S
+combine: each rank writes its expert outputs back into the sources' heaps, one run per (source,
+local expert); each source sums its K rows per token straight out of its heap (fused sum on
+receipt). Backward: dispatch's is combine's forward (grads of probs ride along), combine's is
+dispatch's steps 3-4.
+Dropped choices (``routing.dropped_TK``) send no row; combine adds nothing for them.
+Quantized, each token row is quantized once and its bytes written to each of its ranks, so
+``moeplug.quant.wire.WIRE`` counts T token rows here where alltoall counts its T*K routed rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeplug.config import ModelConfig
+from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
+from moeplug.parallel import shm_rows
+from moeplug.parallel.shm_heap import MiB, SymmetricHeap, heap_for
+from moeplug.quant import active_recipe
+from moeplug.quant.wire import quantized_exchange
+from moeplug_plugins.dispatchers._dw_options import OPTION, DirectWriteOptions
+from moeplug_plugins.dispatchers._dw_plan import DirectWritePlan, build_plan, local_counts
+from moeplug_plugins.dispatchers._group import ep_layout
+
+
+def default_heap_bytes(model: ModelConfig, ep_size: int) -> int:
+    """One sequence of max_seq_len tokens per rank, fp32 rows + probs: with balanced routing a
+    rank receives about T * K rows. Imbalance grows the heap on demand (collectively); the pages
+    are reserved up front, so the default stays the typical need, not the worst case."""
+    rows = model.max_seq_len * model.moe.top_k
+    return max(MiB, -(-rows * (model.hidden_size * 4 + 4) // MiB) * MiB)
+
+
+@dataclass(frozen=True)
+class DirectWriteMeta:
+    heap: SymmetricHeap
+    plan: DirectWritePlan
+    fixed: bool  # heap_bytes was set: growing is an error
+
+    @property
+    def pad_index_S(self) -> torch.Tensor | None:  # as the other dispatchers' meta
+        return self.plan.pad_index_S
+
+
+class DirectWriteDispatcher(Dispatcher):
+    def __init__(self, model: ModelConfig, options: DirectWriteOptions | None = None, group=None):
+        options = options or DirectWriteOptions()
+        self.group = group
+        self.ep_size, self.ep_rank, self.num_local_experts = ep_layout(model, group)
+        self.num_experts = model.moe.num_experts
+        self.heap_bytes = options.heap_bytes or default_heap_bytes(model, self.ep_size)
+        self.fixed = options.heap_bytes > 0
+        self.timeout_s = options.timeout_s
+
+    def _heap(self) -> SymmetricHeap:
+        # Created collectively by the first dispatch on the group, shared by every layer.
+        return heap_for(self.group, self.heap_bytes, 2 + self.num_experts, self.timeout_s)
+
+    def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
+        if x_TD.device.type != "cpu":
+            # GPU transports (CUDA IPC / NVSHMEM / NCCL) are not built: say so, never stage
+            # through host memory silently.
+            raise ValueError(f"dispatcher direct_write moves CPU tensors through /dev/shm; got "
+                             f"tokens on {x_TD.device} (no CUDA IPC/NVSHMEM transport yet). Fix: "
+                             f"use plugins.dispatcher=alltoall on GPU")
+        E = self.num_experts
+        heap = self._heap()
+        x_TD = x_TD.contiguous()
+        probs_TK = routing.probs_TK.float().contiguous()
+        recipe = active_recipe()
+        quantized = recipe is not None and recipe.quantize_dispatch
+        # 1. counts (with the row bytes of the first op of this dispatch, checked on every rank)
+        ids_TK, counts_E = local_counts(routing.ids_TK, routing.dropped_TK, E)
+        cap = -1 if routing.capacity is None else int(routing.capacity)
+        first = ([] if quantized else [(x_TD, False)]) + [(probs_TK.view(-1, 1), True)]
+        seq = heap.arrive(shm_rows.row_bytes(first), torch.cat([torch.tensor([cap]), counts_E]))
+        slots_W = heap.read_slots(1 + E)
+        # 2. plan
+        capacity_W = None if cap < 0 else slots_W[:, 0].tolist()
+        plan = build_plan(slots_W[:, 1:], ids_TK, self.ep_rank,
+                          None if cap < 0 else cap, capacity_W, routing.pad_multiple)
+        meta = DirectWriteMeta(heap=heap, plan=plan, fixed=self.fixed)
+        # 3. write  4. receive
+        if not quantized:
+            x_SD, probs_S = _Dispatch.apply(meta, seq, x_TD, probs_TK)
+            return Dispatched(x_SD, probs_S, plan.counts_L, meta)
+        # Quantized: probs first (this op's arrive is already done), then payload and scales
+        # as two ops of token rows; gradients come back in full precision (moeplug.quant.wire).
+        (probs_S,) = _Dispatch.apply(meta, seq, None, probs_TK)
+        x_SD = quantized_exchange(x_TD, recipe, lambda t: _send_tokens(meta, t)[0],
+                                  lambda g: _sum_back(meta, g))
+        if plan.pad_rows is not None:
+            x_SD = x_SD.index_fill(0, plan.pad_rows, 0)
+        return Dispatched(x_SD, probs_S, plan.counts_L, meta)
+
+    def combine(self, y_SD: torch.Tensor, meta: DirectWriteMeta) -> torch.Tensor:
+        return _Combine.apply(meta, y_SD.contiguous())
+
+
+# ---- the two directions, each an op on the heap ------------------------------------------------
+
+def _send_tokens(meta: DirectWriteMeta, t_T: torch.Tensor | None, seq: int | None = None,
+                 probs_TK: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """[rows of t_T] (+ [probs_S] given probs_TK) at the experts' ranks: private copies with the
+    padding rows zeroed. A new op unless ``seq`` (dispatch's first op) is given."""
+    streams = [] if t_T is None else [(t_T.contiguous(), False)]
+    if probs_TK is not None:
+        streams.append((probs_TK.reshape(-1, 1), True))
+    if seq is None:
+        seq = meta.heap.arrive(shm_rows.row_bytes(streams))
+    plan = meta.plan
+    got = shm_rows.to_experts(meta.heap, seq, streams, plan.dest_rank_TK, plan.dest_row_TK,
+                              plan.recv_rows_W, meta.fixed, OPTION)
+    out = [shm_rows.copy_rows(g, plan.pad_rows) for g in got]
+    if probs_TK is not None:
+        out[-1] = out[-1].view(-1)
+    return out
+
+
+def _back(meta: DirectWriteMeta, streams: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Expert rows (real rows only are sent) back into their sources' heaps; returns the views of
+    this rank's returned rows, in its expert-major order, valid until the next op."""
+    streams = [s.contiguous() for s in streams]
+    seq = meta.heap.arrive(shm_rows.row_bytes([(s, False) for s in streams]))
+    return shm_rows.to_sources(meta.heap, seq, streams, meta.plan.chunks_C4,
+                               meta.plan.send_rows_W, meta.fixed, OPTION)
+
+
+def _sum_back(meta: DirectWriteMeta, y_SD: torch.Tensor) -> torch.Tensor:
+    (rows,) = _back(meta, [y_SD])
+    return shm_rows.sum_rows(rows, meta.plan.row_map_TK)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, meta, seq, x_TD, probs_TK):
+        ctx.meta, ctx.has_x = meta, x_TD is not None
+        return tuple(_send_tokens(meta, x_TD, seq, probs_TK))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        meta = ctx.meta
+        g_probs_S = grads[-1]
+        streams = ([grads[0]] if ctx.has_x else []) + [g_probs_S.float().reshape(-1, 1)]
+        rows = _back(meta, streams)
+        rm = meta.plan.row_map_TK
+        g_x = shm_rows.sum_rows(rows[0], rm) if ctx.has_x else None
+        g_probs = rows[-1].reshape(-1)[rm.clamp(min=0)].masked_fill(rm < 0, 0.0)
+        return None, None, g_x, g_probs
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, meta, y_SD):
+        ctx.meta = meta
+        return _sum_back(meta, y_SD)
+
+    @staticmethod
+    def backward(ctx, g_TD):
+        return None, _send_tokens(ctx.meta, g_TD.contiguous())[0]

@@ -1,0 +1,401 @@
+// The symmetric shared-memory heap (see shm_heap.h for the lifetime and layout) and the row
+// copies that run over it.
+#include "moeplug/shm_heap.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "moeplug/thread_pool.h"
+
+namespace moeplug {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x6d6f65706c756731ull;  // "moeplug1"
+constexpr int64_t kLine = 64;                       // one flag per cache line: no false sharing
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "shared-memory flags need lock-free (address-free) 64-bit atomics");
+
+int64_t round_up(int64_t n, int64_t a) { return (n + a - 1) / a * a; }
+
+std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+}  // namespace
+
+struct ShmHeap::Header {
+  uint64_t magic;
+  int64_t data_bytes;
+  int64_t num_slots;
+  int64_t rank;
+  int64_t world;
+  int64_t pid;  // the owner: a wait checks it is still alive
+};
+
+ShmHeap::ShmHeap(std::string name, int64_t data_bytes, int64_t num_slots, int rank, int world)
+    : name_(std::move(name)), rank_(rank), world_(world), data_bytes_(data_bytes),
+      num_slots_(num_slots) {
+  if (name_.size() < 2 || name_[0] != '/' || name_.find('/', 1) != std::string::npos ||
+      name_.size() > 250) {
+    throw std::invalid_argument("ShmHeap: segment name '" + name_ + "' must be '/' followed by "
+                                "1-249 characters without '/', e.g. '/moeplug-1234-0'");
+  }
+  if (world < 1 || rank < 0 || rank >= world) {
+    throw std::invalid_argument("ShmHeap: rank " + std::to_string(rank) + " of world " +
+                                std::to_string(world) + ": expected 0 <= rank < world");
+  }
+  if (data_bytes < 0 || num_slots < 0) {
+    throw std::invalid_argument("ShmHeap: data_bytes (" + std::to_string(data_bytes) +
+                                ") and num_slots (" + std::to_string(num_slots) +
+                                ") must be >= 0");
+  }
+  const int64_t control = kLine + kNumFlags * kLine + num_slots * int64_t(sizeof(int64_t));
+  data_offset_ = round_up(control, kAlign);
+  segment_bytes_ = data_offset_ + round_up(std::max<int64_t>(data_bytes, 1), kAlign);
+  bases_.assign(world, nullptr);
+  names_.assign(world, std::string());
+  names_[rank] = name_;
+
+  const int fd = shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    const int err = errno;
+    throw std::runtime_error("ShmHeap: rank " + std::to_string(rank) + " cannot create shared "
+                             "memory segment " + name_ + ": " + errno_text(err) +
+                             ". Fix: check that /dev/shm is mounted and writable");
+  }
+  // Reserve the pages now (posix_fallocate, not only ftruncate): tmpfs allocates sparse pages
+  // on first write, and a write that finds /dev/shm full is a SIGBUS mid-dispatch instead of
+  // this error (containers often mount a 64 MiB /dev/shm).
+  int rc = posix_fallocate(fd, 0, segment_bytes_);
+  if (rc == EINVAL || rc == EOPNOTSUPP) rc = ftruncate(fd, segment_bytes_) == 0 ? 0 : errno;
+  if (rc != 0) {
+    close(fd);
+    shm_unlink(name_.c_str());
+    throw std::runtime_error("ShmHeap: rank " + std::to_string(rank) + " cannot reserve " +
+                             std::to_string(segment_bytes_) + " bytes for segment " + name_ +
+                             " in /dev/shm: " + errno_text(rc) +
+                             ". Fix: free space in /dev/shm, enlarge it (e.g. docker run "
+                             "--shm-size), or lower the heap size");
+  }
+  void* p = mmap(nullptr, static_cast<size_t>(segment_bytes_), PROT_READ | PROT_WRITE,
+                 MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);  // the mapping keeps the segment alive
+  if (p == MAP_FAILED) {
+    shm_unlink(name_.c_str());
+    throw std::runtime_error("ShmHeap: cannot map segment " + name_ + ": " + errno_text(err));
+  }
+  bases_[rank] = static_cast<uint8_t*>(p);
+  auto* h = header(rank);
+  h->data_bytes = data_bytes;
+  h->num_slots = num_slots;
+  h->rank = rank;
+  h->world = world;
+  h->pid = static_cast<int64_t>(getpid());
+  for (int f = 0; f < kNumFlags; ++f) {
+    new (bases_[rank] + kLine + f * kLine) std::atomic<uint64_t>(0);
+  }
+  // The magic last, with release: a peer that sees it also sees the fields above.
+  reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kMagic, std::memory_order_release);
+}
+
+ShmHeap::~ShmHeap() {
+  if (!unlinked_) shm_unlink(name_.c_str());  // attach never completed: ours is still named
+  for (uint8_t* b : bases_) {
+    if (b) munmap(b, static_cast<size_t>(segment_bytes_));
+  }
+}
+
+ShmHeap::Header* ShmHeap::header(int rank) const {
+  return reinterpret_cast<Header*>(bases_[rank]);
+}
+
+void ShmHeap::check_rank(int rank, const char* op) const {
+  if (rank < 0 || rank >= world_) {
+    throw std::invalid_argument(std::string("ShmHeap.") + op + ": rank " + std::to_string(rank) +
+                                " is outside [0, " + std::to_string(world_) + ")");
+  }
+  if (!bases_[rank]) {
+    throw std::runtime_error(std::string("ShmHeap.") + op + ": rank " + std::to_string(rank) +
+                             "'s segment is not mapped. Fix: call attach(names) first");
+  }
+}
+
+void ShmHeap::attach(const std::vector<std::string>& names) {
+  if (static_cast<int>(names.size()) != world_ || names[rank_] != name_) {
+    throw std::invalid_argument("ShmHeap.attach: expected " + std::to_string(world_) +
+                                " names with this rank's (" + name_ + ") at index " +
+                                std::to_string(rank_));
+  }
+  for (int r = 0; r < world_; ++r) {
+    if (r == rank_ || bases_[r]) continue;
+    names_[r] = names[r];
+    const int fd = shm_open(names[r].c_str(), O_RDWR, 0600);
+    if (fd < 0) {
+      const int err = errno;
+      throw std::runtime_error("ShmHeap.attach: rank " + std::to_string(rank_) +
+                               " cannot open rank " + std::to_string(r) + "'s segment " +
+                               names[r] + ": " + errno_text(err) +
+                               ". Every rank of the group must run on this machine");
+    }
+    struct stat st;
+    const bool sized = fstat(fd, &st) == 0 && st.st_size == segment_bytes_;
+    void* p = sized ? mmap(nullptr, static_cast<size_t>(segment_bytes_), PROT_READ | PROT_WRITE,
+                           MAP_SHARED, fd, 0)
+                    : MAP_FAILED;
+    const int err = errno;
+    close(fd);
+    if (!sized) {
+      throw std::runtime_error("ShmHeap.attach: rank " + std::to_string(r) + "'s segment " +
+                               names[r] + " is not " + std::to_string(segment_bytes_) +
+                               " bytes: every rank must create the heap with the same sizes");
+    }
+    if (p == MAP_FAILED) {
+      throw std::runtime_error("ShmHeap.attach: cannot map rank " + std::to_string(r) +
+                               "'s segment " + names[r] + ": " + errno_text(err));
+    }
+    bases_[r] = static_cast<uint8_t*>(p);
+    const Header* h = header(r);
+    const uint64_t magic =
+        reinterpret_cast<const std::atomic<uint64_t>*>(&h->magic)->load(std::memory_order_acquire);
+    if (magic != kMagic || h->rank != r || h->world != world_ || h->data_bytes != data_bytes_ ||
+        h->num_slots != num_slots_) {
+      throw std::runtime_error("ShmHeap.attach: segment " + names[r] + " is not rank " +
+                               std::to_string(r) + "'s heap of this group (header mismatch)");
+    }
+  }
+  attached_ = true;
+}
+
+void ShmHeap::unlink_all() {
+  for (const std::string& n : names_) {
+    if (!n.empty()) shm_unlink(n.c_str());  // ENOENT: another rank unlinked it already
+  }
+  unlinked_ = true;
+}
+
+uint8_t* ShmHeap::data(int rank) const {
+  check_rank(rank, "data");
+  return bases_[rank] + data_offset_;
+}
+
+int64_t* ShmHeap::slots(int rank) const {
+  check_rank(rank, "slots");
+  return reinterpret_cast<int64_t*>(bases_[rank] + kLine + kNumFlags * kLine);
+}
+
+namespace {
+std::atomic<uint64_t>* flag_ptr(uint8_t* base, int flag) {
+  return reinterpret_cast<std::atomic<uint64_t>*>(base + kLine + flag * kLine);
+}
+}  // namespace
+
+void ShmHeap::publish(int flag, uint64_t value) {
+  if (flag < 0 || flag >= kNumFlags) {
+    throw std::invalid_argument("ShmHeap.publish: flag " + std::to_string(flag) +
+                                " is outside [0, " + std::to_string(kNumFlags) + ")");
+  }
+  flag_ptr(bases_[rank_], flag)->store(value, std::memory_order_release);
+}
+
+uint64_t ShmHeap::flag(int rank, int flag) const {
+  check_rank(rank, "flag");
+  if (flag < 0 || flag >= kNumFlags) {
+    throw std::invalid_argument("ShmHeap.flag: flag " + std::to_string(flag) +
+                                " is outside [0, " + std::to_string(kNumFlags) + ")");
+  }
+  return flag_ptr(bases_[rank], flag)->load(std::memory_order_acquire);
+}
+
+void ShmHeap::wait_all(int flag, uint64_t value, double timeout_s, const std::string& what) const {
+  if (flag < 0 || flag >= kNumFlags) {
+    throw std::invalid_argument("ShmHeap.wait_all: flag " + std::to_string(flag) +
+                                " is outside [0, " + std::to_string(kNumFlags) + ")");
+  }
+  for (int r = 0; r < world_; ++r) check_rank(r, "wait_all");
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  auto next_check = start + std::chrono::milliseconds(50);
+  int64_t spins = 0;
+  for (int r = 0; r < world_; ++r) {
+    const auto* f = flag_ptr(bases_[r], flag);
+    while (f->load(std::memory_order_acquire) < value) {
+      // Spin first (a peer on another core is usually microseconds away), then yield, then
+      // sleep with a doubling pause up to 200 us: ranks often outnumber free cores, and a
+      // waiter that spins or only yields keeps stealing the time slices of the peer it waits on.
+      ++spins;
+      if (spins < 2000) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+        continue;
+      }
+      if (spins < 2200) {
+        sched_yield();
+      } else {
+        const int64_t doublings = std::min<int64_t>(8, (spins - 2200) / 8);
+        const int64_t us = std::min<int64_t>(200, int64_t(1) << doublings);
+        std::this_thread::sleep_for(std::chrono::microseconds(us));
+      }
+      const auto now = clock::now();
+      if (now < next_check) continue;
+      next_check = now + std::chrono::milliseconds(50);
+      const int64_t pid = header(r)->pid;
+      const bool gone = kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+      const double waited = std::chrono::duration<double>(now - start).count();
+      if (gone || waited > timeout_s) {
+        const uint64_t at = f->load(std::memory_order_acquire);
+        throw PeerError(
+            "shared-memory heap: rank " + std::to_string(rank_) + " waited " +
+            std::to_string(waited).substr(0, 6) + " s for rank " + std::to_string(r) +
+            " (pid " + std::to_string(pid) + ") at step '" + what + "' #" +
+            std::to_string(value) + " (rank " + std::to_string(r) + " is at #" +
+            std::to_string(at) + "): " +
+            (gone ? "its process has exited" : "timed out after " +
+                                                   std::to_string(timeout_s).substr(0, 6) +
+                                                   " s; it is stuck or no longer taking part") +
+            ". Fix: look at rank " + std::to_string(r) + "'s own error");
+      }
+    }
+  }
+}
+
+// ---- copies -----------------------------------------------------------------------------------
+
+namespace {
+constexpr int64_t kTokenGrain = 32;
+constexpr int64_t kRunRows = 64;  // copy_chunks splits runs into pieces of this many rows
+}  // namespace
+
+void scatter_rows(const void* src, int64_t T, int64_t K, int64_t row_bytes, bool per_choice,
+                  const int64_t* dest_rank_TK, const int64_t* dest_row_TK,
+                  const int64_t* dest_base_W, int64_t W) {
+  if (T < 0 || K < 1 || row_bytes < 1 || W < 1) {
+    throw std::invalid_argument("scatter_rows: expected num_tokens >= 0, top_k >= 1, "
+                                "row_bytes >= 1, world >= 1; got " + std::to_string(T) + ", " +
+                                std::to_string(K) + ", " + std::to_string(row_bytes) + ", " +
+                                std::to_string(W));
+  }
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (dest_rank_TK[i] >= W) {
+      throw std::invalid_argument("scatter_rows: dest_rank[" + std::to_string(i) + "] = " +
+                                  std::to_string(dest_rank_TK[i]) + " is not a rank of the " +
+                                  std::to_string(W) + "-rank heap");
+    }
+  }
+  const auto* s = static_cast<const uint8_t*>(src);
+  parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t i = t * K + k;
+        const int64_t r = dest_rank_TK[i];
+        if (r < 0) continue;
+        auto* dst = reinterpret_cast<uint8_t*>(dest_base_W[r]) + dest_row_TK[i] * row_bytes;
+        std::memcpy(dst, s + (per_choice ? i : t) * row_bytes, static_cast<size_t>(row_bytes));
+      }
+    }
+  });
+}
+
+void copy_chunks(const void* src, int64_t row_bytes, const int64_t* chunks_C4, int64_t C,
+                 const int64_t* dest_base_W, int64_t W) {
+  // Pieces of at most kRunRows rows, so one big run (all rows to one rank) still spreads over
+  // the pool's threads.
+  std::vector<int64_t> piece_chunk, piece_row;
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t* ch = chunks_C4 + c * 4;
+    if (ch[1] < 0 || ch[1] >= W || ch[3] < 0) {
+      throw std::invalid_argument("copy_chunks: chunk " + std::to_string(c) + " has dest_rank " +
+                                  std::to_string(ch[1]) + " and rows " + std::to_string(ch[3]) +
+                                  "; expected 0 <= dest_rank < " + std::to_string(W) +
+                                  " and rows >= 0");
+    }
+    for (int64_t r = 0; r < ch[3]; r += kRunRows) {
+      piece_chunk.push_back(c);
+      piece_row.push_back(r);
+    }
+  }
+  const auto* s = static_cast<const uint8_t*>(src);
+  parallel_for(0, static_cast<int64_t>(piece_chunk.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t* ch = chunks_C4 + piece_chunk[p] * 4;
+      const int64_t r0 = piece_row[p];
+      const int64_t n = std::min(kRunRows, ch[3] - r0);
+      auto* dst = reinterpret_cast<uint8_t*>(dest_base_W[ch[1]]) + (ch[2] + r0) * row_bytes;
+      std::memcpy(dst, s + (ch[0] + r0) * row_bytes, static_cast<size_t>(n * row_bytes));
+    }
+  });
+}
+
+namespace {
+
+template <class T_>
+MOEPLUG_INLINE void sum_rows(const T_* rows, const int64_t* row_map_TK, const float* w_TK,
+                             int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc_D,
+                             T_* y_TD) {
+  float* __restrict acc = acc_D;
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t r = row_map_TK[t * K + k];
+      if (r < 0) continue;
+      const T_* __restrict src = rows + r * D;
+      const float p = w_TK ? w_TK[t * K + k] : 1.0f;
+      for (int64_t d = 0; d < D; ++d) acc[d] += p * load_f32(src, d);
+    }
+    T_* __restrict dst = y_TD + t * D;
+    for (int64_t d = 0; d < D; ++d) store_f32(dst, d, acc[d]);
+  }
+}
+
+MOEPLUG_MULTIVERSION void sum_rows_f32(const float* rows, const int64_t* rm, const float* w,
+                                       int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc,
+                                       float* y) {
+  sum_rows(rows, rm, w, t0, t1, K, D, acc, y);
+}
+MOEPLUG_MULTIVERSION void sum_rows_bf16(const uint16_t* rows, const int64_t* rm, const float* w,
+                                        int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc,
+                                        uint16_t* y) {
+  sum_rows(rows, rm, w, t0, t1, K, D, acc, y);
+}
+
+}  // namespace
+
+void sum_received_rows(const void* rows, int64_t num_rows, const int64_t* row_map_TK,
+                       const float* weights_TK, int64_t T, int64_t K, int64_t D, DType dtype,
+                       void* y_TD) {
+  if (T < 0 || K < 1 || D < 1) {
+    throw std::invalid_argument("sum_received_rows: expected num_tokens >= 0, top_k >= 1, "
+                                "hidden >= 1");
+  }
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (row_map_TK[i] >= num_rows) {
+      throw std::invalid_argument("sum_received_rows: row_map[" + std::to_string(i / K) + ", " +
+                                  std::to_string(i % K) + "] = " + std::to_string(row_map_TK[i]) +
+                                  " is past the " + std::to_string(num_rows) + " received rows");
+    }
+  }
+  parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> acc_D(static_cast<size_t>(D));
+    if (dtype == DType::kFloat32) {
+      sum_rows_f32(static_cast<const float*>(rows), row_map_TK, weights_TK, t0, t1, K, D,
+                   acc_D.data(), static_cast<float*>(y_TD));
+    } else {
+      sum_rows_bf16(static_cast<const uint16_t*>(rows), row_map_TK, weights_TK, t0, t1, K, D,
+                    acc_D.data(), static_cast<uint16_t*>(y_TD));
+    }
+  });
+}
+
+}  // namespace moeplug

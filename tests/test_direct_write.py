@@ -1,0 +1,318 @@
+"""The ``direct_write`` dispatcher and the shared-memory heap under it (moeplug.parallel.shm_heap).
+
+* one process: the public dispatcher contract (moeplug.testing.check_dispatcher);
+* 2 and 4 real gloo ranks: dispatch and combine equal ``alltoall``'s - the same x_SD, probs_S and
+  counts_L row for row, the same combined output and the same gradients w.r.t. tokens and probs -
+  with uneven token counts (one rank with none), dropped choices, pad_to_capacity and
+  pad_multiple, in fp32 and bf16 and under an FP8 quantize_dispatch recipe; and the heap grows
+  when an op needs more than it holds, or fails naming the option when its size is fixed;
+* the heap leaves nothing in /dev/shm: a rank SIGKILLed mid-run (a real subprocess) leaves no
+  segment, and its peer's wait fails naming the dead rank instead of hanging.
+
+Legend: T tokens, D hidden, E experts, K top-k, W ranks, P rows received.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import uuid
+
+import pytest
+import torch
+
+from moeplug.testing.distributed import DistributedError, run_distributed
+
+E, K, D = 8, 2, 16
+TOKENS = [9, 0, 13, 6]  # per rank (rank 1 sends nothing, still receives)
+
+
+def _cfg():
+    from moeplug.testing._common import tiny_model_config
+    return tiny_model_config(num_experts=E, top_k=K, hidden_size=D, ffn_hidden_size=8)
+
+
+def test_contract_one_process():
+    from moeplug.plugin_host import PluginHost
+    from moeplug.testing import check_dispatcher
+    check_dispatcher(PluginHost.load(), "direct_write")
+
+
+def test_listed_available_with_its_options_validated():
+    from moeplug.plugin_host import PluginError, PluginHost
+    host = PluginHost.load()
+    assert "direct_write" in host.names("dispatcher")
+    for bad, words in (({"heap_bytes": -1}, "heap_bytes = -1: must be >= 0"),
+                       ({"heap_bytes": 1000}, "below 1 MiB"),
+                       ({"timeout_s": 0}, "timeout_s = 0: must be > 0"),
+                       ({"heap_mb": 4}, "unknown option plugins.dispatcher_options.heap_mb")):
+        with pytest.raises(PluginError, match=words):
+            host.create("dispatcher", "direct_write", bad, _cfg(), None)
+
+
+def test_listed_unavailable_with_the_reason_without_the_runtime_heap(run_cli, cli_env, tmp_path):
+    # A real `moeplug plugins` in an interpreter where the compiled core cannot be imported.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoCore:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'moeplug._runtime_core':\n"
+        "            raise ImportError('simulated missing build')\n"
+        "sys.meta_path.insert(0, _NoCore())\n")
+    env = dict(cli_env, PYTHONPATH=str(tmp_path) + os.pathsep + cli_env.get("PYTHONPATH", ""))
+    proc = run_cli("plugins", env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = next(l for l in proc.stdout.splitlines() if l.strip().startswith("direct_write "))
+    assert ("unavailable: moeplug's C++ runtime core is not importable: simulated missing build. "
+            "Fix: `pip install -e ." in line), line
+    alltoall = next(l for l in proc.stdout.splitlines() if l.strip().startswith("alltoall "))
+    assert "unavailable" not in alltoall
+
+
+def test_communicators_listed_with_the_reason():
+    from moeplug.runtime import runtime_info
+    comm = runtime_info()["communicators"]
+    assert comm["shm_heap"].startswith("available")
+    if not torch.cuda.is_available():
+        assert comm["nccl"] == "unavailable: torch sees no GPU"
+    assert comm["nvshmem"].startswith(("unavailable: ", "installed ("))
+
+
+@pytest.mark.cuda
+def test_cuda_tokens_are_refused_naming_the_fix():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU: the refusal is of CUDA tensors")
+    from moeplug.plugin_host import PluginHost
+    disp = PluginHost.load().create("dispatcher", "direct_write", {}, _cfg(), None)
+    from moeplug.testing.dispatcher import random_routing
+    r = random_routing(3, E, K, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="use plugins.dispatcher=alltoall on GPU"):
+        disp.dispatch(torch.randn(3, D, device="cuda"), r)
+
+
+def test_ranks_on_two_machines_are_refused_naming_them():
+    from moeplug.parallel.shm_heap import check_one_machine
+    check_one_machine(["a/1", "a/1"])
+    with pytest.raises(ValueError, match=r"ranks \[0, 2\] on a; ranks \[1\] on b\. Fix: use "
+                                         r"dispatcher alltoall"):
+        check_one_machine(["a/1", "b/2", "a/1"])
+
+
+# ---- multi-rank parity with alltoall ------------------------------------------------------------
+
+def _routing(T: int, gen: torch.Generator, case: str, world: int):
+    from moeplug.interfaces import RouterOutput
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else \
+        torch.empty(0, K, dtype=torch.int64)
+    probs = torch.rand(T, K, generator=gen).requires_grad_()
+    dropped = torch.rand(T, K, generator=gen) < 0.3 if case != "plain" else None
+    capacity = T * K if case == "pad_to_capacity" else None  # never below what a rank keeps
+    pad = 4 if case == "pad_multiple" else 1
+    return RouterOutput(probs_TK=probs, ids_TK=ids, aux_loss=torch.zeros(()), dropped_TK=dropped,
+                        capacity=capacity, pad_multiple=pad)
+
+
+def _round_trip(disp, x_TD, routing, w_SD_seed: int):
+    """dispatch -> rows scaled per row (expert stand-in) -> combine; loss = sum(y * w)."""
+    x = x_TD.clone().requires_grad_()
+    probs = routing.probs_TK.detach().clone().requires_grad_()
+    r = type(routing)(**{**routing.__dict__, "probs_TK": probs})
+    d = disp.dispatch(x, r)
+    scale_S = torch.arange(1, d.x_SD.shape[0] + 1, dtype=torch.float32) / d.x_SD.shape[0]
+    y_SD = d.x_SD * (d.probs_S * scale_S).unsqueeze(-1).to(d.x_SD.dtype)
+    y = disp.combine(y_SD, d.meta)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(w_SD_seed)).to(y.dtype)
+    (y.float() * w.float()).sum().backward()
+    return {"x_SD": d.x_SD.detach(), "probs_S": d.probs_S.detach(), "counts_L": d.counts_L,
+            "y": y.detach(), "grad_x": x.grad, "grad_probs": probs.grad}
+
+
+def _parity(rank: int, world: int, dtypes: list[str]) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from moeplug.plugin_host import PluginHost
+    host = PluginHost.load()
+    group = dist.group.WORLD
+    a2a = host.create("dispatcher", "alltoall", {}, _cfg(), group)
+    dw = host.create("dispatcher", "direct_write", {}, _cfg(), group)
+    errs: dict[str, float] = {}
+    for dtype in dtypes:
+        for case in ("plain", "dropped", "pad_to_capacity", "pad_multiple"):
+            gen = torch.Generator().manual_seed(100 + rank)
+            T = TOKENS[rank]
+            x = torch.randn(T, D, generator=gen).to(getattr(torch, dtype))
+            routing = _routing(T, gen, case, world)
+            want = _round_trip(a2a, x, routing, 7 + rank)
+            got = _round_trip(dw, x, routing, 7 + rank)
+            for key in want:
+                a, b = got[key], want[key]
+                ok = a.shape == b.shape and a.dtype == b.dtype
+                errs[f"{dtype}/{case}/{key}"] = (float("inf") if not ok else 0.0 if not a.numel()
+                                                 else (a.float() - b.float()).abs().max().item())
+            # the case bites: every rank receives rows; padding cases add zero rows somewhere
+            errs[f"{dtype}/{case}/rows_received"] = float(want["x_SD"].shape[0] > 0)
+            padded = torch.tensor(float(want["x_SD"].shape[0] > int((want["probs_S"] > 0).sum())))
+            dist.all_reduce(padded, op=dist.ReduceOp.MAX)
+            errs[f"{dtype}/{case}/padded_somewhere"] = float(bool(padded) == case.startswith("pad"))
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dispatch_and_combine_equal_alltoall(world):
+    results = run_distributed(_parity, world, ["float32", "bfloat16"], timeout=180)
+    flags = ("rows_received", "padded_somewhere")
+    bad = {f"rank {r}: {k}": v for r, errs in enumerate(results) for k, v in errs.items()
+           if v != (1.0 if k.endswith(flags) else 0.0)}
+    # Same rows, same kernels' summation order: bitwise equal, not merely close.
+    assert not bad, f"direct_write differs from alltoall at {world} ranks: {bad}"
+    assert len(results[0]) == 2 * 4 * 8
+
+
+def _quantized(rank: int, world: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from moeplug.plugin_host import PluginHost
+    from moeplug.quant.linear import recipe_scope
+    from moeplug.quant.recipes import MXFP8, Blockwise
+    host = PluginHost.load()
+    group = dist.group.WORLD
+    errs = {}
+    for name, recipe in (("fp8_blockwise", Blockwise()), ("mxfp8", MXFP8())):
+        gen = torch.Generator().manual_seed(5 + rank)
+        T = (9, 5)[rank]  # both ranks hold tokens: alltoall's quantizer refuses 0 rows
+        x = torch.randn(T, 64, generator=gen)
+        from moeplug.testing._common import tiny_model_config
+        cfg = tiny_model_config(num_experts=E, top_k=K, hidden_size=64, ffn_hidden_size=8)
+        routing = _routing(T, gen, "pad_multiple", world)
+        outs = {}
+        for disp in ("alltoall", "direct_write"):
+            with recipe_scope(recipe):
+                outs[disp] = _round_trip(host.create("dispatcher", disp, {}, cfg, group), x,
+                                         routing, 3)
+        for key in outs["alltoall"]:
+            a, b = outs["direct_write"][key], outs["alltoall"][key]
+            errs[f"{name}/{key}"] = 0.0 if not a.numel() else (a - b).abs().max().item()
+        # the payload really was quantized: rows differ from the unquantized input rows
+        errs[f"{name}/quantized"] = float(outs["alltoall"]["x_SD"].numel() == 0 or not torch.equal(
+            outs["alltoall"]["x_SD"], _round_trip(host.create("dispatcher", "alltoall", {}, cfg,
+                                                              group), x, routing, 3)["x_SD"]))
+    return errs
+
+
+def test_quantized_payload_equals_alltoall():
+    results = run_distributed(_quantized, 2, timeout=120)
+    bad = {f"rank {r}: {k}": v for r, e in enumerate(results) for k, v in e.items()
+           if v != (1.0 if k.endswith("/quantized") else 0.0)}
+    assert not bad, bad
+
+
+def _growth(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from moeplug.parallel.shm_heap import MiB
+    from moeplug.plugin_host import PluginHost
+    from moeplug.testing._common import tiny_model_config
+    host = PluginHost.load()
+    cfg = tiny_model_config(num_experts=E, top_k=K, hidden_size=512, ffn_hidden_size=8)
+    dw = host.create("dispatcher", "direct_write", {}, cfg, dist.group.WORLD)
+    a2a = host.create("dispatcher", "alltoall", {}, cfg, dist.group.WORLD)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(1024, 512, generator=gen)  # 2048 rows * 2 KiB per rank: beyond 1 MiB
+    routing = _routing(1024, gen, "plain", world)
+    before = dw._heap().data_bytes
+    got, want = _round_trip(dw, x, routing, 1), _round_trip(a2a, x, routing, 1)
+    out = {"before": before, "after": dw._heap().data_bytes,
+           "err": max((got[k].float() - want[k].float()).abs().max().item() for k in want)}
+    fixed = host.create("dispatcher", "direct_write", {"heap_bytes": MiB}, cfg,
+                        dist.new_group([0, 1]))
+    try:
+        fixed.dispatch(x, routing)
+    except ValueError as exc:
+        out["fixed_error"] = str(exc)
+    return out
+
+
+def test_heap_grows_on_demand_and_a_fixed_size_fails_naming_the_option():
+    results = run_distributed(_growth, 2, timeout=120)
+    for r in results:
+        assert r["before"] == 1 << 20 and r["after"] > 4 << 20, r
+        assert r["err"] == 0.0
+        assert ("plugins.dispatcher_options.heap_bytes = 1048576 is too small" in r["fixed_error"]
+                and "Fix: set plugins.dispatcher_options.heap_bytes >=" in r["fixed_error"]), r
+
+
+# ---- crash: nothing left in /dev/shm -----------------------------------------------------------
+
+def _killed_mid_run(rank: int, world: int, tag: str) -> str:
+    import torch.distributed as dist
+
+    from moeplug.parallel.shm_heap import SymmetricHeap
+    heap = SymmetricHeap(dist.group.WORLD, 1 << 20, 4, timeout_s=60, tag=tag)
+    # Unlinked right after set-up, yet both ranks still share the memory.
+    assert not glob.glob(f"/dev/shm/moeplug-{tag}-*"), glob.glob(f"/dev/shm/moeplug-{tag}-*")
+    seq = heap.arrive(8, [rank + 10])
+    assert heap.read_slots(1).reshape(-1).tolist() == [10, 11]
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies holding its mappings, mid-op
+    heap.done(seq)  # rank 1 never publishes DONE: must fail naming it, not hang
+    return "unreachable"
+
+
+def test_sigkilled_rank_leaves_no_segment_and_its_peer_fails_naming_it():
+    tag = f"kill{uuid.uuid4().hex[:8]}"
+    with pytest.raises(DistributedError) as info:
+        run_distributed(_killed_mid_run, 2, tag, timeout=120, grace=30)
+    failures = info.value.failures
+    assert "exited with code -9" in failures[1], failures
+    assert ("waited" in failures[0] and "for rank 1" in failures[0]
+            and "its process has exited" in failures[0]), failures[0]
+    assert not glob.glob(f"/dev/shm/moeplug-{tag}-*")
+
+
+def test_recycled_buffers_come_back_only_when_their_storage_dies():
+    from moeplug.parallel import host_buffers
+    shape = (300, 1024)  # 1.2 MB -> the 2 MiB class
+    base = host_buffers.free_bytes()
+    a = host_buffers.empty(shape, torch.float32)
+    a.fill_(1.0)
+    view = a[10:20]
+    w = torch.randn(1024, 3, requires_grad=True)
+    loss = (a @ w).sum()  # autograd saves `a` for w's gradient
+    del a, view
+    assert host_buffers.free_bytes() == base, "recycled while autograd still holds the tensor"
+    loss.backward()
+    del loss
+    assert host_buffers.free_bytes() == base + (2 << 20)
+    b = host_buffers.empty(shape, torch.float32)  # reuses it: the old values are still there
+    assert host_buffers.free_bytes() == base and b.shape == shape and b[0, 0].item() == 1.0
+    assert host_buffers.empty((3, 4), torch.float32).shape == (3, 4)  # small: plain torch.empty
+
+
+def test_bad_heap_option_exits_2_in_one_line(run_cli):
+    proc = run_cli("train", "--steps", "1", "--set", "plugins.dispatcher=direct_write",
+                   "--set", "plugins.dispatcher_options.heap_bytes=-1", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "DirectWriteOptions.heap_bytes = -1: must be >= 0. Fix:" in proc.stderr
+
+
+@pytest.mark.slow
+def test_cli_ep2_training_logs_alltoall_losses(run_cli, tiny_config_file, tmp_path):
+    # `moeplug train --nproc 2` end to end (launcher, groups, heap set-up in real ranks):
+    # direct_write logs the losses alltoall logs.
+    from moeplug.training.metrics import read_metrics
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    losses = {}
+    for disp in ("alltoall", "direct_write"):
+        out = str(tmp_path / disp)
+        proc = run_cli("train", "--config", cfg, "--out", out, "--nproc", "2", "--steps", "3",
+                       "--set", "parallel.ep=2", "--set", f"plugins.dispatcher={disp}",
+                       "--set", "train.log_interval=1", "--set", "train.warmup_steps=1",
+                       timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[disp] = [r["lm_loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))
+                        if r["kind"] == "train"]
+    assert len(losses["alltoall"]) == 3
+    assert max(abs(a - b) for a, b in zip(losses["alltoall"], losses["direct_write"])) <= 1e-5, \
+        losses
