@@ -128,7 +128,7 @@ def global_optimizer_state(layout: dict | None, model: nn.Module, optim_files: l
 def local_model_state(model: nn.Module, full: dict[str, torch.Tensor],
                       groups: Any) -> dict[str, torch.Tensor]:
     """``full`` (:func:`global_model_state`) with each parameter cut to this rank's shard."""
-    from moeplug.parallel.tensor_parallel import shard_state_dict
+    from moeplug.parallel.sharding import shard_state_dict
     return full if groups is None else {**full, **shard_state_dict(model, full, groups)}
 
 
@@ -145,7 +145,7 @@ def load_global_optimizer_state(optimizer: Any, model: nn.Module,
         return
     names = _names(model)
     if groups is not None:  # this rank's experts (and any other shard) of every moment
-        from moeplug.parallel.tensor_parallel import shard_state_dict
+        from moeplug.parallel.sharding import shard_state_dict
         cut = {k: shard_state_dict(model, {n: v[k] for n, v in state.items()}, groups)
                for k in MOMENTS}
         state = {n: {"step": v["step"], **{k: cut[k][n] for k in MOMENTS}}
