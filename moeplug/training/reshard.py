@@ -17,14 +17,16 @@ Names are the one-process model's (a pipeline rank's chunks already use them; th
 prefix of its ModuleList is dropped). A saved rank's place in each group (its TP, CP, DP, PP,
 EP, ETP, EDP coordinates) follows from the saved layout (``meta.json``'s ``parallel``).
 
-Loading, for each name this rank needs (nothing else is read):
+Loading, for each name this rank needs (the tensors of other names are not read; every file
+is still opened and hashed whole by the caller, moeplug.training.checkpoint):
 
 1. *join* — the one-process tensor: pieces of ranks that differ only in DP, CP or EDP are
-   replicas (one is read); expert parameters are joined over ETP (``down_proj`` along F = dim 2;
-   ``gate_up_proj`` per half — gate and up — along dim 1) and then over EP along dim 0; a TP-split
-   parameter along its ``tp_dims`` dim over TP; pipeline stages hold disjoint names. AdamW's
-   moments go through the same join once each saved rank's per-parameter moments are known (the
-   distributed optimizer's: its bucket group's slices concatenated, split by the shapes);
+   replicas (one is read); expert parameters are joined over ETP (``down_proj`` along F =
+   dim 2; ``gate_up_proj`` per half, gate and up, along dim 1) and then over EP along dim 0;
+   a TP-split parameter along its ``tp_dims`` dim over TP; pipeline stages hold disjoint
+   names. AdamW's moments go through the same join once each saved rank's per-parameter
+   moments are known (the distributed optimizer's: its bucket group's slices concatenated,
+   split by the shapes);
 2. *cut* — this rank's shard, with the rules the model was built with
    (moeplug.parallel.sharding.shard_parameters), for each of its chunks; then the optimizer
    takes its moments per parameter (AdamW) or re-flattens them into its own buckets and keeps
