@@ -408,11 +408,13 @@ def test_resume_with_another_model_names_each_differing_field(run4, tmp_path, ru
 
 
 def test_resume_under_another_layout_is_refused_once_before_launching(run4, tmp_path, run_cli):
+    # A checkpoint written before the shard manifests (no reshard_version) cannot go to PP.
     run = _copy_run(run4, tmp_path)
+    _edit_meta(os.path.join(run, "step_000004"), lambda m: m.pop("reshard_version"))
     proc = _resume(run_cli, run4, run, "--nproc", "2", "--set", "parallel.pp=2")
     _assert_exit_2(proc, "was written with parallel layout single-process", "'pp': 2",
-                   "only layouts with cp = pp = etp = 1 reshard", "resume with the same "
-                   "parallel settings")
+                   "predates the shard manifests", "only between layouts with cp = pp = etp = 1",
+                   "resume with the same parallel settings")
 
 
 @pytest.mark.parametrize("steps", ["3", "4"])

@@ -203,7 +203,8 @@ def _model_vs_single_process(rank: int, world: int, layouts: list) -> dict[str, 
     sync_gradients), grad norm and final params after 3 AdamW steps, against one process."""
     from moeplug.modules import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
-    from moeplug.parallel.experts import expert_param_names, load_expert_shard, local_expert_ids
+    from moeplug.parallel.experts import expert_param_names, local_expert_ids
+    from moeplug.parallel.sharding import load_expert_shard
     from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
     from moeplug.plugin_host import PluginHost
 

@@ -146,7 +146,7 @@ def _case_checks(host, cfg, options: dict, sizes: list[int], rank: int, mine: ra
     """Both dispatchers on this rank's tokens against one process on the same tokens alone."""
     import torch.distributed as dist
 
-    from moeplug.parallel.experts import load_expert_shard
+    from moeplug.parallel.sharding import load_expert_shard
     lo = sum(sizes[:rank])
     hi = lo + sizes[rank]
     x_TD, w_TD = x_all[lo:hi], w_all[lo:hi]

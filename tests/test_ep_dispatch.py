@@ -65,7 +65,8 @@ def _ep_checks(rank: int, world: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from moeplug.interfaces import RouterOutput
-    from moeplug.parallel.experts import load_expert_shard, local_expert_ids
+    from moeplug.parallel.experts import local_expert_ids
+    from moeplug.parallel.sharding import load_expert_shard
     from moeplug.plugin_host import PluginHost
     from moeplug.testing._common import tiny_model_config
 
@@ -215,7 +216,8 @@ def test_local_expert_ids_and_its_errors():
 
 
 def test_load_expert_shard_copies_slices_and_names_every_mismatch():
-    from moeplug.parallel.experts import expert_param_names, load_expert_shard
+    from moeplug.parallel.experts import expert_param_names
+    from moeplug.parallel.sharding import load_expert_shard
     from moeplug.plugin_host import PluginHost
     from moeplug.testing._common import tiny_model_config
 

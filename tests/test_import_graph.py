@@ -110,3 +110,17 @@ CORE = ("moeplug.config", "moeplug.hookspecs", "moeplug.plugin_host", "moeplug.i
 def test_no_import_circle_through_the_core():
     cycles = [c for c in find_cycles(import_graph()) if set(c) & set(CORE)]
     assert cycles == [], "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_circle_anywhere():
+    # The last circle ran modules.moe -> parallel.tensor_parallel -> parallel.experts ->
+    # parallel.tensor_parallel -> modules.moe: the sharding rules now live in
+    # parallel.sharding and the model-level TP step in parallel.tp_model, one-way imports both.
+    cycles = find_cycles(import_graph())
+    assert cycles == [], "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_model_code_and_tensor_parallel_layers_import_one_way():
+    graph = import_graph()
+    assert "moeplug.modules.moe" not in graph["moeplug.parallel.tensor_parallel"]
+    assert "moeplug.parallel.tensor_parallel" not in graph["moeplug.parallel.experts"]

@@ -7,6 +7,7 @@ the equivalent config (grad_accum_steps x DP, see moeplug.training.distributed).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -187,7 +188,7 @@ def _sharded_ckpt_rank(rank: int, world: int, out_dir: str) -> str:
                                         "dense_ffn_hidden_size": 16,
                                         "moe": {"num_experts": 4, "ffn_hidden_size": 8}},
                               "train": {"seq_len": 8}, "parallel": par})
-            for par in ({"ep": 2}, {}, {"pp": 2})]  # DP2 reshards; pipeline stages do not
+            for par in ({"ep": 2}, {}, {"pp": 2})]
     handles = []
     for cfg in cfgs:
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
@@ -209,7 +210,22 @@ def _sharded_ckpt_rank(rank: int, world: int, out_dir: str) -> str:
     load_sharded_checkpoint(path, model, opt, groups, layout_manifest(cfg, groups))
     dense = [k for k in before if "experts" not in k]
     assert dense and all(torch.equal(before[k], model.state_dict()[k]) for k in dense)
+    # EP2 -> PP2: each stage's chunk takes its layers under the one-process names
     cfg, groups, model, opt = handles[2]
+    load_sharded_checkpoint(path, model, opt, groups, layout_manifest(cfg, groups))
+    mine = {k.split(".", 1)[1]: v for k, v in model.state_dict().items()}
+    dense = [k for k in mine if "experts" not in k]
+    assert dense and all(torch.equal(before[k], mine[k]) for k in dense)
+    # A checkpoint written before the shard manifests reshards only without CP, PP and ETP.
+    import torch.distributed as dist
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+        del meta["reshard_version"]
+        with open(os.path.join(path, "meta.json"), "w") as f:
+            json.dump(meta, f)
+    dist.barrier()
     try:
         load_sharded_checkpoint(path, model, opt, groups, layout_manifest(cfg, groups))
     except ConfigError as e:

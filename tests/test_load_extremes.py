@@ -62,7 +62,8 @@ def _extreme_checks(rank: int, world: int) -> dict[str, float]:
 
     from moeplug.interfaces import RouterOutput
     from moeplug.modules.moe import MoELayer
-    from moeplug.parallel.experts import load_expert_shard, local_expert_ids
+    from moeplug.parallel.experts import local_expert_ids
+    from moeplug.parallel.sharding import load_expert_shard
     from moeplug.plugin_host import PluginHost
 
     group = dist.group.WORLD if world > 1 else None  # EP1: the one-process path

@@ -3,7 +3,7 @@
 Layouts on 2 ranks (tp = cp = pp = 1): EP2 (experts split, attention/router/embeddings replicated
 and data-parallel: EP = world, EDP = 1, DP = 2) with each dispatcher, and plain DP2 (EP1). Every
 rank builds the single-process reference itself from the same seed, copies its shard of the
-weights (moeplug.parallel.experts.load_expert_shard) and runs 3 AdamW steps with
+weights (moeplug.parallel.sharding.load_expert_shard) and runs 3 AdamW steps with
 sync_gradients + the global-norm clip; the reference runs the same steps on the whole batch with
 torch's own clip_grad_norm_. Compared: the loss sequence (mean over every token: the ranks' mean
 losses averaged over DP, equal token counts), the grad norm (clipping is active: the norms are
@@ -59,7 +59,8 @@ def _train_layouts(rank: int, world: int) -> dict[str, dict[str, float]]:
 
     from moeplug.modules import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
-    from moeplug.parallel.experts import expert_param_names, load_expert_shard, local_expert_ids
+    from moeplug.parallel.experts import expert_param_names, local_expert_ids
+    from moeplug.parallel.sharding import load_expert_shard
     from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
     from moeplug.plugin_host import PluginHost
 

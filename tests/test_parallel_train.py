@@ -154,7 +154,7 @@ def _cfg(parallel: dict, dispatcher: str | dict, grad_accum: int, model: dict | 
 
 def _ref_shards(model, ref, groups) -> dict[str, torch.Tensor]:
     """This rank's shard of the reference model's gradients, by parameter name."""
-    from moeplug.parallel.tensor_parallel import shard_state_dict
+    from moeplug.parallel.sharding import shard_state_dict
     from moeplug.training.distributed import pipeline_chunks
     grads = {n: p.grad for n, p in ref.named_parameters()}
     out: dict[str, torch.Tensor] = {}
@@ -164,7 +164,7 @@ def _ref_shards(model, ref, groups) -> dict[str, torch.Tensor]:
 
 
 def _ref_params(model, ref, groups) -> dict[str, torch.Tensor]:
-    from moeplug.parallel.tensor_parallel import shard_state_dict
+    from moeplug.parallel.sharding import shard_state_dict
     from moeplug.training.distributed import pipeline_chunks
     params = {n: p.detach() for n, p in ref.named_parameters()}
     out: dict[str, torch.Tensor] = {}

@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, name: str) -> dict:
     from moeplug.parallel.grad_sync import global_grad_norm, sync_gradients
     from moeplug.parallel.pipeline import PipelineConfig, build_stage_modules
     from moeplug.parallel.schedules import forward_backward_pipeline
-    from moeplug.parallel.tensor_parallel import load_parallel_shard, shard_state_dict
+    from moeplug.parallel.sharding import load_parallel_shard, shard_state_dict
     from moeplug.plugin_host import PluginHost
 
     _, pkw, overrides, *pipe_kw = LAYOUTS[name]

@@ -1,7 +1,7 @@
 """Tensor parallel (TP), sequence parallel (SP) and expert tensor parallel (ETP) equal one process.
 
 Every rank builds the single-process reference from the same seed, copies its shard of the
-weights (moeplug.parallel.tensor_parallel.load_parallel_shard), runs forward + backward on its
+weights (moeplug.parallel.sharding.load_parallel_shard), runs forward + backward on its
 data-parallel shard of the batch, then sync_gradients. Compared with the reference run on each
 DP shard (losses averaged over DP, as data parallelism computes them):
   * the loss (identical on every TP rank, averaged over DP),
@@ -64,7 +64,7 @@ def _compare_layout(rank: int, world: int, pcfg_kwargs: dict, dispatcher: str,
     from moeplug.modules import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import global_grad_norm, sync_gradients
-    from moeplug.parallel.tensor_parallel import load_parallel_shard, shard_state_dict
+    from moeplug.parallel.sharding import load_parallel_shard, shard_state_dict
     from moeplug.plugin_host import PluginHost
 
     host = PluginHost.load()
@@ -232,7 +232,7 @@ def test_etp_slice_keeps_gate_and_up_halves_together():
 def test_shard_state_dict_errors_name_the_parameter():
     from moeplug.modules import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
-    from moeplug.parallel.tensor_parallel import shard_state_dict
+    from moeplug.parallel.sharding import shard_state_dict
     from moeplug.plugin_host import PluginHost
 
     model = build_model(_cfg("alltoall", {}), PluginHost.load(), V)

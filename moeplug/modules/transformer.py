@@ -24,6 +24,7 @@ from moeplug.modules.rope import RotaryEmbedding
 from moeplug.modules.stages import ModelStages
 from moeplug.observability.timing import stage
 from moeplug.parallel import tensor_parallel as tpar
+from moeplug.parallel.tp_model import parallelize_transformer
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,8 @@ class MoETransformer(ModelStages, nn.Module):
         self._cp_group = None if groups is None else groups.cp
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, vocab_size, bias=False)
-        # Tensor parallel: vocab-parallel embedding/head, SP flags (moeplug.parallel.tensor_parallel).
-        tpar.parallelize_transformer(self, groups)
+        # Tensor parallel: vocab-parallel embedding/head, SP flags (moeplug.parallel.tp_model).
+        parallelize_transformer(self, groups)
         self._groups = groups
         self.reset_parameters()
 

@@ -10,9 +10,6 @@ module has a leading ``[L]`` dim (the interface's ``gate_up_proj`` [L, 2F, D], `
 
 from __future__ import annotations
 
-from typing import Mapping
-
-import torch
 from torch import nn
 
 from moeplug.interfaces import Experts
@@ -37,20 +34,3 @@ def local_expert_ids(num_experts: int, ep_size: int, ep_rank: int) -> range:
                          "Fix: pass the rank inside the EP group (dist.get_rank(ep_group))")
     L = num_experts // ep_size
     return range(ep_rank * L, (ep_rank + 1) * L)
-
-
-@torch.no_grad()
-def load_expert_shard(model: nn.Module, full_state: Mapping[str, torch.Tensor], ep_rank: int,
-                      ep_size: int) -> None:
-    """Copy a single-process state dict (all E experts) into an EP rank's ``model``.
-
-    Expert parameters take global experts ``ep_rank*L .. (ep_rank+1)*L - 1`` (rows of dim 0);
-    every other parameter is copied whole. Buffers are left alone (they are derived, e.g. RoPE).
-    """
-    # The slicing rules live in one place; tensor_parallel imports this module, hence the late
-    # import.
-    from moeplug.parallel.tensor_parallel import shard_parameters
-
-    shards = shard_parameters(model, full_state, ep=(ep_rank, ep_size), caller="load_expert_shard")
-    for name, p in model.named_parameters():
-        p.copy_(shards[name])

@@ -225,7 +225,7 @@ def pipeline_state_dict(chunks: list[PipelineChunk]) -> dict[str, torch.Tensor]:
 def load_pipeline_shard(chunks: list[PipelineChunk], full_state: Mapping[str, torch.Tensor]) -> None:
     """Copy this rank's entries of a full-model state_dict into its chunks (strict: every chunk
     key must be present; entries for other ranks' layers are ignored). Experts sharded by EP
-    inside a chunk are loaded by moeplug.parallel.experts.load_expert_shard instead."""
+    inside a chunk are loaded by moeplug.parallel.sharding.load_expert_shard instead."""
     for chunk in chunks:
         own = chunk.state_dict()
         missing = sorted(k for k in own if k not in full_state)

@@ -21,7 +21,8 @@ reduce-scatters it, so norms and residuals run on 1/W of the tokens. Their weigh
 this rank's tokens: such parameters carry ``sequence_parallel = True`` and
 :func:`sum_partial_grads_over_tp` sums their grads over TP (``sync_gradients`` calls it).
 
-Sharded parameters carry ``partition_dim`` (0: rows, 1: columns), which :func:`shard_state_dict`
+Sharded parameters carry ``partition_dim`` (0: rows, 1: columns), which
+:func:`moeplug.parallel.sharding.shard_state_dict`
 uses to cut a single-process state dict into this rank's shards (names are unchanged).
 """
 
@@ -36,8 +37,6 @@ from torch import nn
 from torch.autograd import Function
 
 from moeplug.parallel import comm
-from moeplug.parallel.expert_tp import etp_slice
-from moeplug.parallel.experts import expert_param_names, local_expert_ids
 
 
 def _check_divisible(what: str, value: int, W: int, fix: str) -> None:
@@ -250,31 +249,6 @@ def parallelize_mlp(mlp: nn.Module, hidden_size: int, ffn_hidden_size: int, grou
     mlp.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, tp, sp)
 
 
-def parallelize_transformer(model: nn.Module, groups: Any) -> None:
-    """The model-level TP pieces, called by MoETransformer before its parameter init:
-    vocab-parallel embedding (and head, column-parallel over V; tied heads reuse the embedding
-    shard), and the ``sequence_parallel`` flag on parameters whose grads are partial over TP:
-    norms under SP, and every non-expert parameter of the MoE layers (router, shared experts),
-    whose tokens are always split over TP (see :func:`moe_tokens_in`)."""
-    tp, sp = tp_of(groups)
-    if tp is None:
-        return
-    from moeplug.modules.moe import MoELayer  # modules import this file; avoid the cycle
-    from moeplug.modules.norm import RMSNorm
-    V, D = model.vocab_size, model.cfg.hidden_size
-    model.embed = VocabParallelEmbedding(V, D, tp, sp)
-    if model.head is not None:
-        model.head = ColumnParallelLinear(D, V, tp)
-    expert_names = expert_param_names(model)
-    for name, module in model.named_modules():
-        if isinstance(module, RMSNorm) and sp:
-            mark_sequence_parallel(module)
-        if isinstance(module, MoELayer):
-            for pname, p in module.named_parameters():
-                if f"{name}.{pname}" not in expert_names:
-                    p.sequence_parallel = True
-
-
 def moe_tokens_in(x_BSD: torch.Tensor, groups: Any) -> torch.Tensor:
     """The MoE layer always works on this TP rank's sequence chunk: under SP it already holds
     it; without SP every rank holds all tokens, so it keeps its chunk (Megatron instead refuses
@@ -339,69 +313,3 @@ def sum_partial_grads_over_tp(model: nn.Module, tp_group: Any) -> None:
     dist.all_reduce(flat, group=tp_group)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p.grad))
-
-
-def tp_slice(full: torch.Tensor, partition_dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """Rank ``tp_rank``'s contiguous chunk of ``full`` along ``partition_dim``."""
-    _check_divisible(f"dim {partition_dim} of a tensor of shape {tuple(full.shape)}",
-                     full.shape[partition_dim], tp_size, "build both models from the same config")
-    return full.chunk(tp_size, dim=partition_dim)[tp_rank]
-
-
-def shard_parameters(model: nn.Module, full_state: Mapping[str, torch.Tensor], *,
-                     ep: tuple[int, int] = (0, 1), etp: tuple[int, int] = (0, 1),
-                     tp: tuple[int, int] = (0, 1), caller: str = "shard_parameters"
-                     ) -> dict[str, torch.Tensor]:
-    """This rank's shard of a single-process state dict, for every parameter of ``model``.
-
-    ``ep``/``etp``/``tp`` are (rank, size) pairs. Expert parameters: global experts of this EP
-    rank (dim 0), then this ETP rank's F-slice (:func:`moeplug.parallel.expert_tp.etp_slice`).
-    Parameters with ``partition_dim``: this TP rank's chunk. Everything else: whole. Works on
-    grads too (pass a dict of reference grads). ``caller`` prefixes the error messages.
-    """
-    expert_names = expert_param_names(model)
-    (ep_rank, ep_size), (etp_rank, etp_size), (tp_rank, tp_size) = ep, etp, tp
-    out: dict[str, torch.Tensor] = {}
-    for name, p in model.named_parameters():
-        if name not in full_state:
-            raise KeyError(f"{caller}: parameter '{name}' is missing from the source state "
-                           "dict. Fix: pass the state_dict of a model built from the same config "
-                           "on one process")
-        src = full_state[name]
-        if name in expert_names:
-            ids = local_expert_ids(src.shape[0], ep_size, ep_rank)
-            if len(ids) != p.shape[0]:
-                raise ValueError(f"{caller}: '{name}' holds {p.shape[0]} local experts here but "
-                                 f"the source has {src.shape[0]} experts / EP {ep_size} = "
-                                 f"{len(ids)}. Fix: build this model with ep_size {ep_size} and "
-                                 "the same num_experts as the source")
-            src = etp_slice(name, src[ids.start:ids.stop], full_state, etp_rank, etp_size)
-        elif hasattr(p, "partition_dim"):
-            src = tp_slice(src, p.partition_dim, tp_rank, tp_size)
-        if src.shape != p.shape:
-            raise ValueError(f"{caller}: '{name}' has shape {tuple(p.shape)} here but "
-                             f"{tuple(src.shape)} in the source (this rank's shard of it). Fix: "
-                             "build both models from the same ModelConfig (and this one with "
-                             "these groups)")
-        out[name] = src
-    return out
-
-
-def shard_state_dict(model: nn.Module, full_state: Mapping[str, torch.Tensor],
-                     groups: Any) -> dict[str, torch.Tensor]:
-    """This rank's shard of a single-process state dict, for ``model`` built with ``groups``
-    (:func:`shard_parameters` at this rank's EP, ETP and TP coordinates)."""
-    return shard_parameters(
-        model, full_state, caller="shard_state_dict",
-        ep=(groups.rank_in("ep"), groups.size("ep")),
-        etp=(groups.rank_in("etp"), groups.size("etp")),
-        tp=(groups.rank_in("tp"), groups.size("tp")))
-
-
-@torch.no_grad()
-def load_parallel_shard(model: nn.Module, full_state: Mapping[str, torch.Tensor],
-                        groups: Any) -> None:
-    """Copy :func:`shard_state_dict` into ``model`` (buffers are left alone: they are derived)."""
-    shards = shard_state_dict(model, full_state, groups)
-    for name, p in model.named_parameters():
-        p.copy_(shards[name])

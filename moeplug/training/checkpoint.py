@@ -13,9 +13,10 @@ Layout of one run directory::
 A multi-process run (:func:`save_sharded_checkpoint`) writes per-rank shards instead of the two
 safetensors files: ``model_rank{r}.safetensors``, ``optimizer_rank{r}.safetensors`` and
 ``optimizer_rank{r}.json`` (that rank's param groups), plus ``meta.json`` whose ``parallel``
-entry is the layout manifest. Resume needs the same layout (checked, clear error), except
-between layouts with cp = pp = etp = 1 (one process, data, expert and tensor parallelism):
-those reshard (moeplug.training.reshard).
+entry is the layout manifest. Every safetensors file carries, in its header's metadata, a
+manifest of what its shards are (expert parameters, TP split dims, the optimizer's parameter
+names or distributed-optimizer buckets), so a checkpoint loads under any other parallel layout
+of the same model (moeplug.training.reshard); the same layout reads only this rank's files.
 
 Atomicity: a checkpoint is written into ``.tmp-step_XXXXXX-<pid>`` next to its final place,
 every file and the directory are fsynced, and only then is it renamed to ``step_XXXXXX``
@@ -46,7 +47,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from moeplug.config import ConfigError, RootConfig, config_from_dict, model_differences
@@ -216,13 +217,16 @@ def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
 
+    from moeplug.training import reshard
     optim_tensors, param_groups = _optimizer_payload(optimizer)
-    save_file(_model_tensors(model), os.path.join(tmp, MODEL_FILE))
-    save_file(optim_tensors, os.path.join(tmp, OPTIM_FILE))
+    save_file(_model_tensors(model), os.path.join(tmp, MODEL_FILE),
+              metadata=reshard.model_manifest(model))
+    save_file(optim_tensors, os.path.join(tmp, OPTIM_FILE),
+              metadata=reshard.optimizer_manifest(model, optimizer))
     _fsync_path(os.path.join(tmp, MODEL_FILE))
     _fsync_path(os.path.join(tmp, OPTIM_FILE))
     full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(),
-                     optimizer={"param_groups": param_groups},
+                     reshard_version=reshard.VERSION, optimizer={"param_groups": param_groups},
                      files=_file_records(tmp, (MODEL_FILE, OPTIM_FILE)))
     _test_pause_in_save()
     _write_json(os.path.join(tmp, META_FILE), full_meta)  # last: its presence marks completeness
@@ -259,10 +263,14 @@ def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, opt
         os.makedirs(box[0])
     dist.broadcast_object_list(box, src=0)  # sync point: the directory exists for every rank
     tmp = box[0]
+    from moeplug.training import reshard
     model_file, optim_file, groups_file = _rank_files(rank)
     optim_tensors, param_groups = _optimizer_payload(optimizer)
-    save_file(_model_tensors(model), os.path.join(tmp, model_file))
-    save_file(optim_tensors, os.path.join(tmp, optim_file))
+    # each file's manifest (header metadata) says what its shards are, for resharding
+    save_file(_model_tensors(model), os.path.join(tmp, model_file),
+              metadata=reshard.model_manifest(model))
+    save_file(optim_tensors, os.path.join(tmp, optim_file),
+              metadata=reshard.optimizer_manifest(model, optimizer, groups))
     _write_json(os.path.join(tmp, groups_file), param_groups)
     for f in (model_file, optim_file):
         _fsync_path(os.path.join(tmp, f))
@@ -271,9 +279,8 @@ def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, opt
     dist.all_gather_object(records, _file_records(tmp, _rank_files(rank)))
     if rank == 0:
         files = {name: rec for per_rank in records for name, rec in per_rank.items()}
-        from moeplug.training.reshard import TP_DIMS, tp_dims_of
         full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(), parallel=layout,
-                         files=files, **{TP_DIMS: tp_dims_of(model)})
+                         reshard_version=reshard.VERSION, files=files)
         _test_pause_in_save()
         _write_json(os.path.join(tmp, META_FILE), full_meta)
         _fsync_path(tmp)
@@ -311,21 +318,24 @@ def _check_layout(path: str, meta: dict, layout: dict | None) -> None:
     """Refuse a checkpoint written under another parallel layout (None: one process)."""
     from moeplug.training.reshard import can_reshard
     saved = meta.get("parallel")
-    if (saved or None) == layout or can_reshard(saved, layout, meta.get("tp_dims")):
+    if (saved or None) == layout or can_reshard(meta, layout):
         return  # the same layout, or one that reshards (moeplug.training.reshard)
     if layout is None:
         raise CheckpointError(
             f"checkpoint {path!r} holds per-rank shards of a parallel run that splits the model "
-            f"(layout {saved}); this is a single-process run, and only layouts with cp = pp "
-            f"= etp = 1 reshard (data, expert and tensor parallelism). Fix: resume with the "
+            f"(layout {saved}); this is a single-process run, and a checkpoint that predates "
+            f"the shard manifests (no 'reshard_version' in {META_FILE}) reshards only between "
+            f"layouts with cp = pp = etp = 1 (data, expert and tensor parallelism). Fix: resume "
+            f"with the "
             f"same parallel settings and number of processes (--nproc / torchrun), or start fresh "
             f"(train.resume='')")
     diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v} if saved else None
     raise CheckpointError(
         f"checkpoint {path!r} was written with parallel layout {saved or 'single-process'} "
         f"but this run's layout is {layout} (differs in (saved, now): {diff or 'all'}); "
-        f"only layouts with cp = pp = etp = 1 reshard (data, expert and tensor parallelism; a "
-        f"saved EP or TP layout only without the distributed optimizer). "
+        f"this checkpoint predates the shard manifests (no 'reshard_version' in {META_FILE}), "
+        f"so it reshards only between layouts with cp = pp = etp = 1 (data, expert and tensor "
+        f"parallelism; a saved EP or TP layout only without the distributed optimizer). "
         f"Fix: resume with the same parallel settings and number of processes, or start a "
         f"fresh run (train.resume='')")
 
@@ -485,6 +495,20 @@ def _load_safetensors(path: str, meta: dict, name: str) -> dict[str, torch.Tenso
             f"or convert it to safetensors with a tool you trust") from None
 
 
+def _open_safetensors(path: str, meta: dict, name: str) -> Any:
+    """A ``safe_open`` handle of a verified file: its header (keys, shapes, manifest) is read
+    now, each tensor only when asked for (:mod:`moeplug.training.reshard` reads only the
+    tensors this rank needs)."""
+    file_path = _verified_file(path, meta, name)
+    try:
+        return safe_open(file_path, framework="pt")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint file {file_path!r} is not a valid safetensors file ({e}). moeplug never "
+            f"unpickles checkpoints (pickle files can run code). Fix: re-save it with moeplug, "
+            f"or convert it to safetensors with a tool you trust") from None
+
+
 def _meta_error(meta_path: str, field: str, value: Any, rule: str) -> CheckpointError:
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
@@ -526,6 +550,9 @@ def read_meta(path: str) -> dict:
     if not _is_int(meta.get("step")) or meta["step"] < 0:
         raise _meta_error(meta_path, "step", meta.get("step"), "must be an integer >= 0")
     _parse_rng(meta.get("rng"), meta_path)
+    version = meta.get("reshard_version")  # absent: written before the per-file manifests
+    if version is not None and not _is_int(version):
+        raise _meta_error(meta_path, "reshard_version", version, "must be an integer")
     for key in _OPTIONAL_OBJECTS:
         if meta.get(key) is not None and not isinstance(meta[key], dict):
             raise _meta_error(meta_path, key, meta[key], "must be a JSON object")
@@ -700,22 +727,27 @@ def _load_resharded(path: str, meta: dict, model: torch.nn.Module, optimizer: An
         raise _meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
                           "must be an integer >= 1")
     ranks = range(world) if layout else ()
-    tp_dims = meta.get("tp_dims")
-    load = lambda name: _load_safetensors(path, meta, name)  # noqa: E731
+    handles: dict[str, Any] = {}
+
+    def open_file(name: str) -> Any:  # each file verified once, then read tensor by tensor
+        if name not in handles:
+            handles[name] = _open_safetensors(path, meta, name)
+        return handles[name]
+
     try:
-        full = reshard.global_model_state(
-            layout, model, [_rank_files(r)[0] for r in ranks] or [MODEL_FILE], load, tp_dims)
-        local = reshard.local_model_state(model, full, groups)
+        saved = reshard.SavedRanks(layout, [_rank_files(r)[0] for r in ranks] or [MODEL_FILE],
+                                   [_rank_files(r)[1] for r in ranks] or [OPTIM_FILE],
+                                   open_file, legacy_model=model,
+                                   legacy_tp_dims=meta.get(reshard.TP_DIMS))
+        local = reshard.local_model_state(model, saved, groups)
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(
             f"checkpoint {path!r}: its model does not fit this model under the new layout "
             f"({e}). Fix: resume with the model config it was trained with") from None
     _load_model_state(path, model, local)
     if optimizer is not None:
-        files = [_rank_files(r)[1] for r in ranks] or [OPTIM_FILE]
         try:
-            state = reshard.global_optimizer_state(layout, model, files, load, tp_dims)
-            reshard.load_global_optimizer_state(optimizer, model, state, groups)
+            reshard.load_optimizer_state(optimizer, model, saved, groups)
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(
                 f"checkpoint {path!r}: its optimizer state does not fit this model under the "

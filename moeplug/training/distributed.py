@@ -14,7 +14,7 @@ data-parallel size DP and ``train.grad_accum_steps = A`` equals one process with
 
 * init: every rank builds the *full* single-process model from the seed (same RNG on every
   rank), then copies its shard into its own model or pipeline chunks (TP/EP/ETP slices by
-  :func:`moeplug.parallel.tensor_parallel.load_parallel_shard`, pipeline chunks keep the full
+  :func:`moeplug.parallel.sharding.load_parallel_shard`, pipeline chunks keep the full
   model's names). Cost: the whole model exists once per rank during setup; gain: no broadcast
   and initial weights identical to the single-process run whatever the layout.
 * data: step ``s`` draws ``DP * A`` micro-batches from the (seed, s) generator, in the order one
@@ -184,7 +184,7 @@ def build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
 def _build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any) -> nn.Module:
     from moeplug.modules import build_model
     from moeplug.parallel.pipeline import build_stage_modules
-    from moeplug.parallel.tensor_parallel import load_parallel_shard
+    from moeplug.parallel.sharding import load_parallel_shard
 
     if groups is None:
         return build_model(cfg, host, vocab_size)

@@ -1,155 +1,341 @@
-"""Resuming a checkpoint under another parallel layout (resharding): one process, data
-parallelism with or without the distributed optimizer, expert and tensor parallelism
-(TP2 x EP2 -> EP2 -> one process...), in any combination; cp = pp = etp = 1 on both sides.
+"""Resuming a checkpoint under another parallel layout (resharding): any mix of DP, CP, PP
+(with VPP and uneven stages), TP/SP, EP and ETP, with plain AdamW or the distributed optimizer
+(ZeRO-1), into any other mix, one process included.
 
-The checkpoint is first turned into the one-process state: rank 0's model file, each expert
-parameter concatenated over the EP ranks' files (experts by global index), each TP-split one
-over the TP ranks' files along the dim meta.json's ``tp_dims`` records. The optimizer
-state is turned into a layout-free form first — AdamW's ``step``, ``exp_avg`` and
-``exp_avg_sq`` per parameter *name*, at the parameter's full shape — and then cut for the new
-layout:
+What a checkpoint records so that its shards can be put back together (a *manifest* per file,
+JSON in the safetensors header's metadata under the key ``"moeplug"``, next to the tensors it
+describes; nothing is pickled):
 
-- a plain AdamW file keys its state by parameter index in ``param_groups`` order;
-- the distributed optimizer (moeplug.training.dist_optim) keeps, per bucket of
-  ``bucket_plan``, the slice ``[r*n, (r+1)*n)`` of the bucket's flattened moments on its rank
-  ``r`` (every rank is in the one replica group here, in rank order): the slices of all ranks
-  concatenated are the flat moments, which split back into the parameters in bucket order.
+- model file: ``experts`` — the names of expert parameters (leading dim: this rank's experts,
+  global experts ``ep_rank * L ..``), ``tp_dims`` — {name: dim} of TP-split parameters;
+- optimizer file, plain AdamW: ``params`` — the parameter name of each state index;
+- optimizer file, distributed optimizer: ``buckets`` — per bucket its parameter names, their
+  (local) shapes and the global ranks of the bucket's replica group in group order: rank ``i``
+  of that group holds elements ``[i*n, (i+1)*n)`` of the bucket's flattened moments.
 
-Then each rank cuts its shard with the rules the model was built with
-(moeplug.parallel.tensor_parallel.shard_state_dict). A saved TP or EP layout with the
-distributed optimizer, and CP, PP or ETP layouts, still load only under the same layout.
+Names are the one-process model's (a pipeline rank's chunks already use them; the ``<chunk>.``
+prefix of its ModuleList is dropped). A saved rank's place in each group (its TP, CP, DP, PP,
+EP, ETP, EDP coordinates) follows from the saved layout (``meta.json``'s ``parallel``).
+
+Loading, for each name this rank needs (the tensors of other names are not read; every file
+is still opened and hashed whole by the caller, moeplug.training.checkpoint):
+
+1. *join* — the one-process tensor: pieces of ranks that differ only in DP, CP or EDP are
+   replicas (one is read); expert parameters are joined over ETP (``down_proj`` along F =
+   dim 2; ``gate_up_proj`` per half, gate and up, along dim 1) and then over EP along dim 0;
+   a TP-split parameter along its ``tp_dims`` dim over TP; pipeline stages hold disjoint
+   names. AdamW's moments go through the same join once each saved rank's per-parameter
+   moments are known (the distributed optimizer's: its bucket group's slices concatenated,
+   split by the shapes);
+2. *cut* — this rank's shard, with the rules the model was built with
+   (moeplug.parallel.sharding.shard_parameters), for each of its chunks; then the optimizer
+   takes its moments per parameter (AdamW) or re-flattens them into its own buckets and keeps
+   its slice (DistributedAdamW).
+
+Checkpoints written before the manifests (no ``reshard_version`` in meta.json) reshard only
+between layouts with cp = pp = etp = 1 and, for a saved TP or EP layout, without the
+distributed optimizer: their file layout is then inferred from the model being loaded.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from moeplug.training.optim import param_groups
-
-SPLITTING = ("cp", "pp", "etp")  # degrees not resharded here
+MANIFEST = "moeplug"        # safetensors header metadata key of a file's manifest
+VERSION = 2                 # meta.json "reshard_version" of checkpoints with manifests
 MOMENTS = ("exp_avg", "exp_avg_sq")
-TP_DIMS = "tp_dims"  # meta.json: {parameter name: the dim TP split it along} of a TP run
+TP_DIMS = "tp_dims"         # legacy meta.json entry: {name: dim} of rank 0's TP-split params
+_KINDS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
+_LEGACY_SPLITTING = ("cp", "pp", "etp")
 
 
-def can_reshard(saved: dict | None, now: dict | None, tp_dims: dict | None = None) -> bool:
-    """True when a checkpoint written under layout ``saved`` (with meta.json's ``tp_dims``)
-    loads under ``now`` (None: one process): neither uses CP, PP or ETP; a saved TP layout
-    recorded its split dims; a saved TP or EP layout used the plain optimizer (its ZeRO-1
-    buckets hold local shards, not reassembled here)."""
+# --- which layouts reshard --------------------------------------------------------------------
+
+def can_reshard(meta: dict, now: dict | None) -> bool:
+    """True when the checkpoint with ``meta`` loads under layout ``now`` (None: one process).
+    With manifests (``reshard_version``) every layout of the same model does; an older
+    checkpoint only between layouts with cp = pp = etp = 1 (a saved TP layout needs meta's
+    ``tp_dims``; a saved TP or EP layout the plain optimizer)."""
+    if meta.get("reshard_version") == VERSION:
+        return True
+    saved = meta.get("parallel") or {}
+
     def ok(layout: dict | None) -> bool:
-        return all((layout or {}).get(k, 1) == 1 for k in SPLITTING)
-    saved = saved or {}
+        return all((layout or {}).get(k, 1) == 1 for k in _LEGACY_SPLITTING)
     split = saved.get("ep", 1) > 1 or saved.get("tp", 1) > 1
     return (ok(saved) and ok(now) and not (split and saved.get("distributed_optimizer"))
-            and (saved.get("tp", 1) == 1 or isinstance(tp_dims, dict)))
+            and (saved.get("tp", 1) == 1 or isinstance(meta.get(TP_DIMS), dict)))
 
 
-def _group_of_rank0(layout: dict, kind: str) -> list[int]:
-    """Global ranks of rank 0's ``kind`` group ("ep", "tp") under ``layout``, in group order."""
-    from moeplug.parallel.layout import ParallelConfig, layout_rank_groups
+# --- names ----------------------------------------------------------------------------------
+
+def parts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(state-dict prefix, module) of each piece of this rank's model whose parameter names
+    are the one-process model's: the chunks of a pipeline rank's ModuleList, else the model."""
+    from moeplug.training.distributed import pipeline_chunks
+    chunks = pipeline_chunks(model)
+    return [(f"{i}.", c) for i, c in enumerate(chunks)] if chunks else [("", model)]
+
+
+def global_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its one-process name."""
+    return {id(p): n for _, m in parts(model) for n, p in m.named_parameters()}
+
+
+def _strip(key: str, pipeline: bool) -> str:
+    return key.split(".", 1)[1] if pipeline else key
+
+
+# --- manifests (written with each file) -----------------------------------------------------
+
+def model_manifest(model: nn.Module) -> dict[str, str]:
+    """The safetensors metadata of a rank's model file (see the module docstring)."""
+    from moeplug.parallel.experts import expert_param_names
+    experts: set[str] = set()
+    dims: dict[str, int] = {}
+    for _, m in parts(model):
+        experts |= expert_param_names(m)
+        dims.update({n: p.partition_dim for n, p in m.named_parameters()
+                     if hasattr(p, "partition_dim")})
+    return {MANIFEST: json.dumps({"experts": sorted(experts), "tp_dims": dims})}
+
+
+def optimizer_manifest(model: nn.Module, optimizer: Any, groups: Any = None) -> dict[str, str]:
+    """The safetensors metadata of a rank's optimizer file (see the module docstring)."""
+    names = global_names(model)
+    if hasattr(optimizer, "buckets"):  # DistributedAdamW
+        buckets = [{"params": [names[id(p)] for p in b.params],
+                    "shapes": [list(p.shape) for p in b.params],
+                    "group": list(groups.members["edp" if b.is_expert else "dp_cp"])}
+                   for b in optimizer.buckets]
+        return {MANIFEST: json.dumps({"buckets": buckets})}
+    return {MANIFEST: json.dumps({"params": [names[id(p)] for g in optimizer.param_groups
+                                             for p in g["params"]]})}
+
+
+# --- the saved ranks ------------------------------------------------------------------------
+
+def _coords(layout: dict | None) -> list[dict[str, int]]:
+    """Each saved rank's index in its group of every kind (all 0 for one process)."""
+    if not layout:
+        return [dict.fromkeys(_KINDS, 0)]
+    from moeplug.config import ParallelConfig
+    from moeplug.parallel.layout import layout_rank_groups
     pc = ParallelConfig(tp=layout["tp"], cp=layout["cp"], dp=layout["dp"], pp=layout["pp"],
                         ep=layout["ep"], etp=layout["etp"], order=layout["order"],
                         sequence_parallel=layout.get("sequence_parallel", False))
-    return layout_rank_groups(pc.resolve(layout["world_size"]))[kind][0]
-
-
-def _names(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
-def _unsplit(layout: dict | None, model: nn.Module, files: list[str],
-             load: Callable[[str], dict], key: Callable[[str], list[str]],
-             tp_dims: dict | None) -> dict:
-    """Rank 0's tensors, with each expert tensor (keys ``key(name)`` of expert parameter
-    ``name``) concatenated along dim 0 over the EP ranks' files (all experts by global index)
-    and each TP-split one along its ``tp_dims`` dim over the TP ranks' files."""
-    from moeplug.parallel.experts import expert_param_names
-    out = dict(load(files[0]))
-    for kind, names in (("ep", {n: 0 for n in expert_param_names(model)}),
-                        ("tp", tp_dims or {})):
-        if layout and layout.get(kind, 1) > 1:
-            per_rank = [load(files[r]) for r in _group_of_rank0(layout, kind)]
-            for name, dim in names.items():
-                for k in key(name):
-                    out[k] = torch.cat([t[k] for t in per_rank], dim=dim)
+    tables = layout_rank_groups(pc.resolve(layout["world_size"]))
+    out: list[dict[str, int]] = [{} for _ in range(layout["world_size"])]
+    for kind in _KINDS:
+        for group in tables[kind]:
+            for i, r in enumerate(group):
+                out[r][kind] = i
     return out
 
 
-def global_model_state(layout: dict | None, model: nn.Module, files: list[str],
-                       load: Callable[[str], dict],
-                       tp_dims: dict | None = None) -> dict[str, torch.Tensor]:
-    """The one-process state dict (all experts) of a checkpoint written under ``layout``
-    (``files[r]``: rank r's model file; ``load`` reads a verified file)."""
-    return _unsplit(layout, model, files, load, lambda name: [name], tp_dims)
+class SavedRanks:
+    """The files of one checkpoint, opened lazily (``open_file(name)``: a verified
+    ``safe_open`` handle, cached by the caller), seen as per-rank tensors under one-process
+    names. ``model_files[r]`` / ``optim_files[r]``: rank r's file names."""
 
+    def __init__(self, layout: dict | None, model_files: list[str], optim_files: list[str],
+                 open_file: Callable[[str], Any], legacy_model: nn.Module | None = None,
+                 legacy_tp_dims: dict | None = None) -> None:
+        self.layout, self.open = layout, open_file
+        self.coords = _coords(layout)
+        self.pipeline = bool(layout) and layout.get("pp", 1) > 1
+        self.model_files, self.optim_files = model_files, optim_files
+        self.model_keys = [{_strip(k, self.pipeline): k for k in open_file(f).keys()}
+                           for f in model_files]
+        self.experts: set[str] = set()
+        self.tp_dims: dict[str, int] = {}
+        for f in model_files:
+            manifest = _manifest(open_file(f))
+            if manifest is None:  # legacy: the file layout is the model's being loaded
+                from moeplug.parallel.experts import expert_param_names
+                self.experts |= expert_param_names(legacy_model)
+                self.tp_dims.update(legacy_tp_dims or {})
+                break
+            self.experts |= set(manifest["experts"])
+            self.tp_dims.update({n: int(d) for n, d in manifest["tp_dims"].items()})
+        self._legacy_model = legacy_model
+        self._flat_cache: dict[tuple, torch.Tensor] = {}
 
-def tp_dims_of(model: nn.Module) -> dict[str, int]:
-    """{name: partition_dim} of this rank's TP-split parameters (saved as meta ``tp_dims``)."""
-    return {n: p.partition_dim for n, p in model.named_parameters()
-            if hasattr(p, "partition_dim")}
+    # model
+    def model_tensor(self, name: str) -> torch.Tensor | None:
+        """The one-process tensor ``name`` of the model (None: no rank stored it)."""
+        holders = [r for r, keys in enumerate(self.model_keys) if name in keys]
+        get = lambda r, n: self.open(self.model_files[r]).get_tensor(  # noqa: E731
+            self.model_keys[r][n])
+        return self._join(name, holders, get) if holders else None
 
-
-def global_optimizer_state(layout: dict | None, model: nn.Module, optim_files: list[str],
-                           load: Callable[[str], dict], tp_dims: dict | None = None
-                           ) -> dict[str, dict[str, torch.Tensor]]:
-    """AdamW state per parameter name at full shape, from the optimizer files of a checkpoint
-    written under ``layout`` (``optim_files[r]``: rank r's; ``load`` reads a verified file).
-    Raises KeyError naming a missing tensor when the files do not hold this model's state."""
-    from moeplug.training.dist_optim import bucket_plan
-
-    names, out = _names(model), {}
-    if not any(k.startswith("state.") for k in load(optim_files[0])):
-        return out  # saved before the first optimizer step: no state to carry over
-    if layout and layout.get("distributed_optimizer"):
-        shards = [load(f) for f in optim_files]
-        # the weight decay value only labels the groups; it does not change the plan
-        for b, (_, params, _) in enumerate(bucket_plan(model, 0.0)):
-            flat = {k: torch.cat([s[f"state.{b}.{k}"] for s in shards]) for k in MOMENTS}
-            offset = 0
-            for p in params:
-                out[names[id(p)]] = {"step": shards[0][f"state.{b}.step"], **{
-                    k: flat[k][offset:offset + p.numel()].view_as(p) for k in MOMENTS}}
-                offset += p.numel()
+    # optimizer
+    def optimizer_state(self, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+        """AdamW's step and moments at one-process shape for each of ``names`` that has
+        state (none at all: saved before the first optimizer step)."""
+        views = [self._optimizer_view(r) for r in range(len(self.optim_files))]
+        out = {}
+        for name in names:
+            holders = [r for r, v in enumerate(views) if name in v]
+            if not holders:
+                continue
+            state = {k: self._join(name, holders, lambda r, n, k=k: views[r][n][k]())
+                     for k in MOMENTS}
+            out[name] = {"step": views[holders[0]][name]["step"](), **state}
         return out
-    # plain AdamW: state keyed by the index in param_groups order, the same on every rank;
-    # replicas hold the same state, EP ranks their own experts'
-    params = [p for g in param_groups(model, 0.0) for p in g["params"]]
-    index = {names[id(p)]: i for i, p in enumerate(params)}
-    tensors = _unsplit(layout, model, optim_files, load,
-                       lambda name: [f"state.{index[name]}.{k}" for k in MOMENTS], tp_dims)
-    for name, i in index.items():
-        out[name] = {k: tensors[f"state.{i}.{k}"] for k in ("step", *MOMENTS)}
+
+    def _optimizer_view(self, r: int) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
+        """{name: {"step" | moment: reader}} of saved rank r's optimizer state."""
+        f = self.open(self.optim_files[r])
+        keys = set(f.keys())
+        if not any(k.startswith("state.") for k in keys):
+            return {}
+        manifest = _manifest(f) or self._legacy_optimizer_manifest()
+        out: dict[str, dict[str, Callable[[], torch.Tensor]]] = {}
+        if "buckets" in manifest:
+            for b, bucket in enumerate(manifest["buckets"]):
+                if f"state.{b}.step" not in keys:
+                    continue
+                offset = 0
+                for name, shape in zip(bucket["params"], bucket["shapes"]):
+                    numel = int(torch.Size(shape).numel())
+                    out[name] = {"step": lambda b=b: f.get_tensor(f"state.{b}.step"), **{
+                        k: (lambda b=b, k=k, o=offset, m=numel, s=shape, g=bucket["group"]:
+                            self._bucket_flat(tuple(g), b, k)[o:o + m].view(s))
+                        for k in MOMENTS}}
+                    offset += numel
+            return out
+        for i, name in enumerate(manifest["params"]):
+            if f"state.{i}.exp_avg" in keys:
+                out[name] = {k: (lambda k=k, i=i: f.get_tensor(f"state.{i}.{k}"))
+                             for k in ("step", *MOMENTS)}
+        return out
+
+    def _bucket_flat(self, group: tuple[int, ...], b: int, k: str) -> torch.Tensor:
+        """Moment ``k`` of bucket ``b`` flattened: the slices of the group's ranks in order."""
+        key = (group, b, k)
+        if key not in self._flat_cache:
+            self._flat_cache[key] = torch.cat(
+                [self.open(self.optim_files[g]).get_tensor(f"state.{b}.{k}") for g in group])
+        return self._flat_cache[key]
+
+    def _legacy_optimizer_manifest(self) -> dict:
+        # Before manifests: every rank's optimizer had the loaded model's structure and the
+        # distributed optimizer's one group was every rank (only pure DP resharded with it).
+        model = self._legacy_model
+        names = global_names(model)
+        if self.layout and self.layout.get("distributed_optimizer"):
+            from moeplug.training.dist_optim import bucket_plan
+            return {"buckets": [{"params": [names[id(p)] for p in ps],
+                                 "shapes": [list(p.shape) for p in ps],
+                                 "group": list(range(self.layout["world_size"]))}
+                                for _, ps, _ in bucket_plan(model, 0.0)]}
+        from moeplug.training.optim import param_groups
+        return {"params": [names[id(p)] for g in param_groups(model, 0.0) for p in g["params"]]}
+
+    # the join
+    def _join(self, name: str, holders: list[int],
+              get: Callable[[int, str], torch.Tensor]) -> torch.Tensor:
+        c = self.coords
+        if name in self.experts:
+            by = {}
+            for r in holders:
+                by.setdefault((c[r]["ep"], c[r]["etp"]), r)
+            ep = 1 + max(e for e, _ in by)
+            etp = 1 + max(t for _, t in by)
+            missing = [k for k in ((e, t) for e in range(ep) for t in range(etp)) if k not in by]
+            if missing:
+                raise KeyError(f"{name}: no saved rank holds its (EP, ETP) shard {missing[0]}")
+            return torch.cat([self._join_etp(name, [by[(e, t)] for t in range(etp)], get)
+                              for e in range(ep)], dim=0)
+        dim = self.tp_dims.get(name)
+        if dim is None:
+            return get(holders[0], name)
+        by = {}
+        for r in holders:
+            by.setdefault(c[r]["tp"], r)
+        if sorted(by) != list(range(len(by))):
+            raise KeyError(f"{name}: the saved TP shards {sorted(by)} are not complete")
+        return torch.cat([get(by[t], name) for t in range(len(by))], dim=dim)
+
+    def _join_etp(self, name: str, ranks: list[int],
+                  get: Callable[[int, str], torch.Tensor]) -> torch.Tensor:
+        """One EP rank's experts of ``name`` joined over its ETP ranks (the inverse of
+        moeplug.parallel.expert_tp.etp_slice)."""
+        pieces = [get(r, name) for r in ranks]
+        if len(pieces) == 1:
+            return pieces[0]
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "down_proj":
+            return torch.cat(pieces, dim=2)
+        if leaf != "gate_up_proj":
+            raise KeyError(f"{name}: an expert parameter split by ETP must be gate_up_proj or "
+                           "down_proj")
+        Fl = get(ranks[0], f"{prefix}.down_proj").shape[2]
+        halves = pieces[0].shape[1] // Fl  # 2: gate rows then up rows; 1: a plain FC1
+        split = [p.split(Fl, dim=1) for p in pieces]
+        return torch.cat([torch.cat([s[h] for s in split], dim=1) for h in range(halves)], dim=1)
+
+
+def _manifest(handle: Any) -> dict | None:
+    raw = (handle.metadata() or {}).get(MANIFEST)
+    return None if raw is None else json.loads(raw)
+
+
+# --- the cut (this rank) --------------------------------------------------------------------
+
+def _coords_of(groups: Any) -> dict[str, tuple[int, int]]:
+    if groups is None:
+        return {}
+    return {k: (groups.rank_in(k), groups.size(k)) for k in ("ep", "etp", "tp")}
+
+
+def local_model_state(model: nn.Module, saved: SavedRanks,
+                      groups: Any) -> dict[str, torch.Tensor]:
+    """This rank's state dict (keys as ``model.state_dict()``'s) from the saved ranks: each
+    parameter cut to this rank's shard, buffers whole. Keys no rank stored are left out (tied
+    weights are stored once; the loader checks the rest)."""
+    from moeplug.parallel.sharding import shard_parameters
+    out: dict[str, torch.Tensor] = {}
+    for prefix, m in parts(model):
+        full = {}
+        for key in m.state_dict():
+            t = saved.model_tensor(key)
+            if t is not None:
+                full[key] = t
+        params = {n for n, _ in m.named_parameters()}
+        cut = shard_parameters(m, full, caller="resharding", **_coords_of(groups))
+        out.update({prefix + k: (cut[k] if k in params else v) for k, v in full.items()})
     return out
 
 
-def local_model_state(model: nn.Module, full: dict[str, torch.Tensor],
-                      groups: Any) -> dict[str, torch.Tensor]:
-    """``full`` (:func:`global_model_state`) with each parameter cut to this rank's shard."""
-    from moeplug.parallel.tensor_parallel import shard_state_dict
-    return full if groups is None else {**full, **shard_state_dict(model, full, groups)}
-
-
-def load_global_optimizer_state(optimizer: Any, model: nn.Module,
-                                state: dict[str, dict[str, torch.Tensor]], groups: Any) -> None:
-    """Cut ``state`` (:func:`global_optimizer_state`) for this rank's ``optimizer`` — a torch
-    AdamW or a DistributedAdamW over ``model`` built with ``groups`` (None: one process) — and
-    load it. Load the model first: the distributed optimizer re-reads its fp32 master slices
-    from the parameters."""
+def load_optimizer_state(optimizer: Any, model: nn.Module, saved: SavedRanks,
+                         groups: Any) -> None:
+    """Cut the saved optimizer state for this rank's ``optimizer`` — a torch AdamW or a
+    DistributedAdamW over ``model`` built with ``groups`` (None: one process) — and load it.
+    Load the model first: the distributed optimizer re-reads its fp32 master slices from the
+    parameters."""
     from moeplug.parallel.comm import group_rank, group_size
+    from moeplug.parallel.sharding import shard_parameters
     from moeplug.training.dist_optim import DistributedAdamW, _flat
 
+    names = global_names(model)
+    state = saved.optimizer_state(list(names.values()))
     if not state:  # saved before the first optimizer step: the fresh optimizer is right
         return
-    names = _names(model)
-    if groups is not None:  # this rank's experts (and any other shard) of every moment
-        from moeplug.parallel.tensor_parallel import shard_state_dict
-        cut = {k: shard_state_dict(model, {n: v[k] for n, v in state.items()}, groups)
-               for k in MOMENTS}
-        state = {n: {"step": v["step"], **{k: cut[k][n] for k in MOMENTS}}
-                 for n, v in state.items()}
+    for _, m in parts(model):  # this rank's experts (and any other shard) of every moment
+        params = dict(m.named_parameters())
+        for k in MOMENTS:
+            # a parameter without saved state keeps its place with its weight (then dropped)
+            full = {n: state[n][k] if n in state else saved.model_tensor(n) for n in params}
+            cut = shard_parameters(m, full, caller="resharding", **_coords_of(groups))
+            for n in params:
+                if n in state:
+                    state[n] = {**state[n], k: cut[n]}
     if isinstance(optimizer, DistributedAdamW):
         per_bucket = {}
         for b, bucket in enumerate(optimizer.buckets):
@@ -162,6 +348,6 @@ def load_global_optimizer_state(optimizer: Any, model: nn.Module,
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     per_param = {i: {k: v.clone() for k, v in state[names[id(p)]].items()}
-                 for i, p in enumerate(params)}
+                 for i, p in enumerate(params) if names[id(p)] in state}
     optimizer.load_state_dict({"state": per_param,
                                "param_groups": optimizer.state_dict()["param_groups"]})
