@@ -187,9 +187,34 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
             "all_to_all": a2a, "tp_comm": tp, "pp_comm": pp}
 
 
+def calibrated_cpu_parts(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster) -> dict:
+    """A step on a CPU calibrated for this run (moeplug.plan.calibrate_cpu): per micro-batch,
+    each layer's attention unit plus its MLP or MoE unit, the head once; all in series on the
+    rank's threads (nothing overlaps on one CPU); then the step's collectives at the measured
+    links, and the optimizer over this rank's shard. Pipeline layouts are not calibrated."""
+    k = c.costs
+    layers = stage_layers(cfg, 1)[0]
+    parts = dict.fromkeys(("gemm", "attention", "elementwise", "kernels", "host"), 0.0)
+    for moe in layers:
+        for u in (k.units["attn"], k.units["moe" if moe else "mlp"]):
+            for name in parts:
+                parts[name] += getattr(u, name)
+    for name in parts:
+        parts[name] += getattr(k.units["head"], name)
+        parts[name] *= mp.microbatches
+    parts["collectives"] = k.collective_seconds()
+    dense, expert = stage_params(cfg, mp, 0)
+    if opt.distributed_optimizer and mp.world > 1:
+        dense, expert = dense / (mp.dp * mp.cp), expert / mp.edp
+    parts["optimizer"] = (dense + expert) * k.optimizer_s_per_param
+    return parts
+
+
 def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
               constants: dict | None = None) -> StepTime:
     """Predicted step of one global batch; ``constants`` overrides :data:`CONSTANTS`."""
+    if c.costs is not None:
+        return _throughput(cfg, mp, opt, c, calibrated_cpu_parts(cfg, mp, opt, c))
     stages = [stage_seconds(cfg, mp, opt, c, r, constants) for r in range(mp.pp)]
     slow = max(stages, key=lambda s: sum(s.values()))
     m = mp.microbatches
@@ -209,6 +234,11 @@ def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
     # Optimizer: read and write master weights, moments and gradients of the local shard.
     shard = dense / (mp.dp * mp.cp) + expert / mp.edp
     parts["optimizer"] = shard * 32 / (c.hbm_tbps * 1e12)
+    return _throughput(cfg, mp, opt, c, parts)
+
+
+def _throughput(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
+                parts: dict) -> StepTime:
     total = sum(parts.values())
     tokens = (mp.gbs or mp.dp * mp.mbs) * mp.seq
     model_flops = flops_per_token(cfg, cfg.vocab_size, mp.seq) * tokens
