@@ -232,6 +232,7 @@ class UnitCost:
     gemm_flops: float = 0.0
     saved_bytes: int = 0   # held for backward at the end of the forward (autograd + checkpoints)
     peak_bytes: int = 0    # most bytes the unit's ops held at once over forward + backward
+    saved_plain_bytes: int = 0  # saved_bytes without the run's full-block checkpointing
 
     @property
     def total(self) -> float:
@@ -281,6 +282,9 @@ def measure_unit(make_fn: Callable[[int], Callable[[], Any]], tokens_scale: int,
     flops = _gemm_flops(trace)
     del trace
     saved = _saved_bytes(fn, params)
+    # What the unit saves when not checkpointed: under full recompute the backward rebuilds a
+    # whole block at once, so a block's attention tensors live while its MLP runs backward.
+    plain = _saved_bytes(make_fn(tokens_scale, plain=True), params)
     tiny = make_fn(tiny_scale)
     wall = _best_time(tiny, repeats=5)
     tiny_trace, tiny_kernels = _run_traced(tiny)
@@ -288,7 +292,8 @@ def measure_unit(make_fn: Callable[[int], Callable[[], Any]], tokens_scale: int,
     host = max(0.0, wall - sum(tiny_parts.values()) - tiny_kernels)
     return UnitCost(gemm=parts["gemm"], attention=parts["attention"],
                     elementwise=parts["elementwise"], kernels=kernels, host=host,
-                    gemm_flops=flops, saved_bytes=saved, peak_bytes=peak)
+                    gemm_flops=flops, saved_bytes=saved, peak_bytes=peak,
+                    saved_plain_bytes=plain)
 
 
 # ---------------------------------------------------------------- collectives
@@ -383,14 +388,15 @@ def _unit_fns(model: Any, root: Any, precision: Any, tp: int) -> dict:
                    None)
 
     def block_unit(fwd: Callable, tokens_div: int = 1):
-        def make(shape):
+        def make(shape, plain: bool = False):
             b, s = shape
             x = torch.randn(b, max(1, s // tokens_div), h, requires_grad=True)
             g = torch.randn_like(x)
 
             def run():
                 with precision.autocast("cpu"):
-                    y, extra = checkpoint(fwd, x, use_reentrant=False) if full else fwd(x)
+                    y, extra = (checkpoint(fwd, x, use_reentrant=False) if full and not plain
+                                else fwd(x))
                 # backward(g), not sum(y * g): a loss op would save g, which no layer keeps
                 if isinstance(extra, torch.Tensor):
                     torch.autograd.backward([y, extra], [g, torch.ones_like(extra)])
@@ -415,7 +421,7 @@ def _unit_fns(model: Any, root: Any, precision: Any, tp: int) -> dict:
 
     vocab = model.output_weight().shape[0]
 
-    def head(shape):
+    def head(shape, plain: bool = False):  # never checkpointed
         b, s = shape
         tokens = torch.randint(0, vocab, (b, s))
         targets = torch.randint(0, vocab, (b, s))

@@ -290,17 +290,24 @@ def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) ->
     tensors (``saved_bytes``); the backward then walks the units in reverse, and while unit
     *i* runs the rank holds the saved tensors of the units before it, unit *i*'s own peak
     (``peak_bytes``: its saved tensors, backward temporaries and new gradients) and the
-    gradients of the units after it. The peak is the largest of those moments (pp = 1)."""
+    gradients of the units after it. The peak is the largest of those moments (pp = 1). Under
+    full recompute a block is rebuilt whole, so its attention unit's tensors are live again
+    while its MLP or MoE unit runs backward."""
     base = stage_memory(cfg, mp, opt, 0)
     order = []  # forward order
     for moe in stage_layers(cfg, 1)[0]:
         order += [costs.units["attn"], costs.units["moe" if moe else "mlp"]]
     order.append(costs.units["head"])
     grads = base.weights_grads * opt.grad_bytes / (opt.param_bytes + opt.grad_bytes)
+    full = cfg.recompute.granularity == "full"
     worst, name = 0.0, ""
     for i in range(len(order)):
         held = sum(u.saved_bytes for u in order[:i]) + order[i].peak_bytes \
             + grads * (len(order) - 1 - i) / len(order)
+        if full and i % 2 == 1 and i < len(order) - 1:
+            # A checkpointed block is rebuilt whole: its attention unit's tensors are back
+            # (and its kept input is part of them) while its MLP / MoE unit runs backward.
+            held += order[i - 1].saved_plain_bytes - order[i - 1].saved_bytes
         if held > worst:
             worst, name = held, f"backward of unit {i} of {len(order)}"
     weights = base.weights_grads - grads  # gradients are in the walk above

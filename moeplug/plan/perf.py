@@ -27,7 +27,7 @@ on GB200 EP64 reaches ~76 % of NVLink, P26 Table 7), MEMORY_PASSES (four passes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moeplug.config import GATED_ACTIVATIONS, ModelConfig
 from moeplug.modules.flops import attention_macs, flops_per_token
@@ -40,10 +40,10 @@ from moeplug.plan.memory import (Mapping, Options, layer_activations, stage_laye
 # (datasheet: 2x; quantization kernels eat part of it), and a fixed cost per layer and
 # micro-batch (kernel launches and host work that CUDA graphs do not remove).
 # The fit trades efficiency against the per-layer cost along a shallow valley; its optimum's
-# 1.8 ms per layer and micro-batch agrees with P26's "+10 % from partial CUDA graphs" on
+# 1.7 ms per layer and micro-batch agrees with P26's "+10 % from partial CUDA graphs" on
 # DeepSeek-V3/GB200 (2048 layer-micro-batches in a ~34 s step: 10 % is ~1.7 ms each).
-CONSTANTS = {"eff_hopper": 0.836, "eff_blackwell": 0.644, "fp8_speedup": 1.061,
-             "layer_overhead_us": 1827.0}
+CONSTANTS = {"eff_hopper": 0.836, "eff_blackwell": 0.633, "fp8_speedup": 1.073,
+             "layer_overhead_us": 1679.0}
 # This CPU: its peak *is* a measured GEMM, so efficiency 1; its per-layer cost is Python's.
 CPU_LAYER_OVERHEAD_US = 2000.0
 # Each saved tensor is written in the forward, read in the backward, and its gradient is
@@ -154,8 +154,12 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
         extra, rerun_moe = _recompute_macs(cfg, moe, rc)
         gemm += count * 2 * tok * (3 * lin + extra + 3 * ffn) / mp.tp
         core += count * 2 * tok * mp.seq * core_macs / mp.tp  # forward; backward is twice
-        saved = sum(layer_activations(cfg, moe, mp, opt).values())
-        mem += count * MEMORY_PASSES * saved / (c.hbm_tbps * 1e12)
+        # Recompute drops tensors from memory, not from the work: every tensor is still
+        # written, read and its gradient written and read, and a recomputed one is written
+        # once more in backward.
+        kept = sum(layer_activations(cfg, moe, mp, opt).values())
+        saved = sum(layer_activations(cfg, moe, mp, replace(opt, recompute=())).values())
+        mem += count * (MEMORY_PASSES * saved + (saved - kept)) / (c.hbm_tbps * 1e12)
         if moe:
             a2a += count * (4 + 2 * rerun_moe) * a2a_seconds(cfg, mp, opt, c)
         if mp.tp > 1:
