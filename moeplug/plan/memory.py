@@ -311,5 +311,8 @@ def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) ->
         if held > worst:
             worst, name = held, f"backward of unit {i} of {len(order)}"
     weights = base.weights_grads - grads  # gradients are in the walk above
+    # The units run without expert parallelism: the all-to-all's send and receive rows
+    # (stage_memory's comm_buffers) come on top.
     return MemoryBreakdown(rank=0, weights_grads=weights, optimizer=base.optimizer,
-                           activations={f"activations + grads ({name})": worst})
+                           activations={f"activations + grads ({name})": worst},
+                           comm_buffers=base.comm_buffers)
