@@ -323,6 +323,15 @@ def measure_link(kind: str, group: Any, nbytes: int, repeats: int = 5) -> tuple[
     return small, big_bytes / max(big - small, 1e-9)
 
 
+def trace_collectives(fn: Callable[[], Any]) -> list[tuple[str, int]]:
+    """Run ``fn`` and return (kind, bytes entering the collective on this rank) of every
+    collective it made, in order (a dispatch trace: every process-group call is seen)."""
+    trace = _OpTrace(keep_args=False)
+    with trace:
+        fn()
+    return trace.collectives
+
+
 def _collective_bytes(kind: str, args: tuple) -> int:
     # The message is the input: a2a / gather / scatter take it second, all-reduce first.
     src = args[1] if kind in ("all_to_all", "all_gather", "reduce_scatter") else args[0]
