@@ -136,10 +136,14 @@ def test_default_model_300_steps_per_recipe_tracks_bf16(tmp_path, report):
     subprocess.run([sys.executable, "-m", "moeplug", "plot", "loss", "--out", str(png),
                     *map(str, runs.values())], check=True, capture_output=True)
     assert png.stat().st_size > 0
-    val = {n: [r for r in read_metrics(str(d / "metrics.jsonl")) if r["kind"] == "val"][-1]
-           ["val_loss"] for n, d in runs.items()}
+    # The tolerance is stated (and was measured) for the last evaluation; the largest gap along
+    # the curve (steps 100, 200, 300) is reported beside it.
+    val = {n: {r["step"]: r["val_loss"] for r in read_metrics(str(d / "metrics.jsonl"))
+               if r["kind"] == "val"} for n, d in runs.items()}
     for name in RECIPES:
-        gap = val[name] - val["bf16"]
-        report.row("precision", f"{name} 300-step val loss - bf16", gap, unit="",
-                   note=f"{val[name]:.4f} vs {val['bf16']:.4f}")
-        assert abs(gap) < VAL_TOLERANCE[name], val
+        gaps = {s: val[name][s] - val["bf16"][s] for s in val["bf16"]}
+        worst = max(gaps, key=lambda s: abs(gaps[s]))
+        report.row("precision", f"{name} 300-step val loss - bf16", gaps[max(gaps)], unit="",
+                   note=f"{val[name][max(gaps)]:.4f} vs {val['bf16'][max(gaps)]:.4f}; "
+                        f"largest |gap| {gaps[worst]:+.4f} at step {worst}")
+        assert abs(gaps[max(gaps)]) < VAL_TOLERANCE[name], (name, gaps)
