@@ -297,11 +297,16 @@ def _restore_precision_state(precision: Any, model: Any, meta: dict, groups: Any
     load = getattr(precision, "load_state_dict", None)
     if state is None or load is None:
         return
-    if groups is not None:
-        # Per-rank state restores only onto the layout that saved it; a resharded resume
-        # starts the histories afresh (as the run's first step did).
-        if meta.get("parallel") != layout or len(state["ranks"]) != groups.world_size:
+    # Per-rank state restores only onto the layout that saved it; a resharded resume (another
+    # layout, or one process <-> several) starts the histories afresh, as a run's first step.
+    sharded = isinstance(state, dict) and "ranks" in state
+    if groups is None:
+        if sharded:
             return
+    elif not sharded or meta.get("parallel") != layout or \
+            len(state["ranks"]) != groups.world_size:
+        return
+    else:
         state = state["ranks"][groups.rank]
     load(state, model)
 
