@@ -8,7 +8,13 @@
                 (K rows of 2*D bytes per token); allgather does not quantize (bf16, one row of
                 2*D bytes per token), reported for comparison
 
-Run: pytest -q benchmarks/test_bench_precision.py -s     (about 1-2 minutes on 2 cores)
+    wire bytes  per dispatcher (alltoall, allgather) and recipe, on 2 real gloo ranks (EP2):
+    per dispatcher  every byte this rank hands to a collective in one forward (dispatch + combine)
+                and one backward, counted from the process-group calls themselves (a dispatch
+                trace, moeplug.plan.calibrate_cpu.trace_collectives), per token of the rank;
+                rows, scales, routing metadata and counts all included
+
+Run: pytest -q benchmarks/test_bench_precision.py -s -k "not 300_steps"   (2-3 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -63,6 +69,49 @@ def test_emulated_recipes_step_time_and_wire_bytes(report):
                    note=f"bf16: {bf16_bytes} B ({bf16_bytes / per_token:.2f}x more)")
 
 
+def _ep2_wire(rank: int, world: int) -> dict:
+    """Bytes per token this rank puts into collectives, per dispatcher and recipe (EP2)."""
+    import torch.distributed as dist
+
+    from moeplug.plan.calibrate_cpu import trace_collectives
+    host = PluginHost.load()
+    m = ModelConfig(hidden_size=D, num_heads=8, num_kv_heads=8, num_layers=1, first_k_dense=0,
+                    moe=MoEConfig(num_experts=E, top_k=K, ffn_hidden_size=F))
+    tokens = T // 4  # per rank
+    gen = torch.Generator().manual_seed(rank)
+    x, g = torch.randn(tokens, D, generator=gen), torch.randn(tokens, D, generator=gen)
+    out = {}
+    for disp in ("alltoall", "allgather"):
+        torch.manual_seed(0)
+        d = host.create("dispatcher", disp, {}, m, dist.group.WORLD)
+        layer = MoELayer(host.create("router", "topk", {}, m), d,
+                         host.create("experts", "grouped", {}, m, d.num_local_experts))
+        for name in ("bf16",) + RECIPES:
+            precision = host.create("precision", name, {})
+            xr = x.clone().requires_grad_()
+            with precision.autocast("cpu"), block_scope(0, 1):
+                fwd = trace_collectives(lambda: layer(xr))
+            with precision.autocast("cpu"), block_scope(0, 1):
+                y = layer(xr)[0]
+            bwd = trace_collectives(lambda: y.float().backward(g))
+            out[(disp, name)] = (sum(b for _, b in fwd) / tokens, sum(b for _, b in bwd) / tokens)
+    return out
+
+
+def test_wire_bytes_per_token_per_dispatcher_and_recipe(report):
+    from moeplug.testing.distributed import run_distributed
+    ranks = run_distributed(_ep2_wire, 2, timeout=600)
+    for (disp, name), (fwd, bwd) in ranks[0].items():
+        bf16_fwd = ranks[0][(disp, "bf16")][0]
+        report.row("precision wire (EP2, rank 0)", f"{disp} {name} bytes/token fwd", fwd,
+                   unit="B", note=f"backward {bwd:.0f} B; bf16 fwd / this "
+                                  f"{bf16_fwd / fwd:.2f}x")
+        if disp == "alltoall" and name != "bf16":  # rows go quantized: fewer bytes than bf16
+            assert fwd < bf16_fwd, (name, fwd, bf16_fwd)
+        if disp == "allgather":  # allgather does not quantize
+            assert fwd == bf16_fwd, (name, fwd, bf16_fwd)
+
+
 # ---- 300 steps of the default model per recipe, against bf16 ---------------------------------
 # Final validation loss within these nats of bf16's (measured on 2 shared cores: see README).
 VAL_TOLERANCE = {"fp8_tensorwise": 0.05, "fp8_delayed": 0.1, "fp8_blockwise": 0.05,
@@ -87,10 +136,14 @@ def test_default_model_300_steps_per_recipe_tracks_bf16(tmp_path, report):
     subprocess.run([sys.executable, "-m", "moeplug", "plot", "loss", "--out", str(png),
                     *map(str, runs.values())], check=True, capture_output=True)
     assert png.stat().st_size > 0
-    val = {n: [r for r in read_metrics(str(d / "metrics.jsonl")) if r["kind"] == "val"][-1]
-           ["val_loss"] for n, d in runs.items()}
+    # The tolerance is stated (and was measured) for the last evaluation; the largest gap along
+    # the curve (steps 100, 200, 300) is reported beside it.
+    val = {n: {r["step"]: r["val_loss"] for r in read_metrics(str(d / "metrics.jsonl"))
+               if r["kind"] == "val"} for n, d in runs.items()}
     for name in RECIPES:
-        gap = val[name] - val["bf16"]
-        report.row("precision", f"{name} 300-step val loss - bf16", gap, unit="",
-                   note=f"{val[name]:.4f} vs {val['bf16']:.4f}")
-        assert abs(gap) < VAL_TOLERANCE[name], val
+        gaps = {s: val[name][s] - val["bf16"][s] for s in val["bf16"]}
+        worst = max(gaps, key=lambda s: abs(gaps[s]))
+        report.row("precision", f"{name} 300-step val loss - bf16", gaps[max(gaps)], unit="",
+                   note=f"{val[name][max(gaps)]:.4f} vs {val['bf16'][max(gaps)]:.4f}; "
+                        f"largest |gap| {gaps[worst]:+.4f} at step {worst}")
+        assert abs(gaps[max(gaps)]) < VAL_TOLERANCE[name], (name, gaps)

@@ -197,6 +197,14 @@ class Precision(abc.ABC):
     def autocast(self, device_type: str) -> ContextManager:
         return contextlib.nullcontext()
 
+    def state_dict(self, model: Any) -> Any:
+        """JSON-ready state the recipe carries from step to step (e.g. delayed scaling's amax
+        histories), saved in checkpoints; None when it has none (the default)."""
+        return None
+
+    def load_state_dict(self, state: Any, model: Any) -> None:
+        """Restore :meth:`state_dict` on resume (``model``: the model now running)."""
+
 
 # --------------------------------------------------------------------------------------------
 # Factories: what a plugin registers. The registry validates ``options`` with the plugin's

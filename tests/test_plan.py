@@ -21,16 +21,17 @@ from moeplug.plan.search import search
 # Rows the model misses by more than 15 % with the one global fit, and why (README "Planning a
 # run" repeats this). The test below fails if one of them starts to hold, so the list stays true.
 KNOWN_MISSES = {
-    # GB300 has GB200's datasheet peaks; its extra speed (higher clocks/power, no recompute
-    # or offload needed in 288 GB, CUDA graphs over more scopes) is not in the model.
+    # GB300 has GB200's datasheet peaks: the published GB300/GB200 ratio is 1.18, the switches
+    # the model sees (no recompute, A2A overlap) give 1.085; the rest is GB300's power/clocks.
     "deepseek_v3 GB300 256 fp8 TP1 PP4 EP64 VPP4",
-    # Qwen3 on GB200 is over-predicted: its recompute (moe_act, layernorm) and offloading cost
-    # bandwidth-bound time we do not charge, and its 94 thin layers (hidden 4096) are more
-    # host-bound than one per-layer constant fitted mostly on DeepSeek-V3 captures.
+    # Both turn on the 1F1B A2A overlap, credited at P26's 93 % (measured on DeepSeek-V3) on
+    # every platform; without the credit they predict +1.7 % / +3.8 %, and the published GB200
+    # MXFP8 row is slower than GB300's without overlap. The H100 Qwen3 row needs the credit
+    # (-35 % without), so a per-platform ratio would be fitted to these two rows: not done.
     "qwen3_235b GB200 256 fp8 TP1 PP4 EP64 VPP6",
     "qwen3_235b GB200 256 bf16 TP1 PP4 EP32 VPP12",
     # PF's Qwen2-57B mapping is not in our sources; the planner's best mapping (GBS 256
-    # assumed) is compared, and fine-grained expert GEMMs run below the fitted efficiency.
+    # assumed) is compared with the paper's MFU.
     "qwen2_57b H100 64 bf16 TP1 PP1 EP1 VPP1",
 }
 
@@ -132,6 +133,21 @@ def test_cli_mapping_prints_memory_and_step_breakdown(run_cli):
         assert word in r.stdout, word
 
 
+@pytest.mark.slow  # ~40 s alone: every op of four units is replayed and timed
+def test_cli_config_on_cpu_calibrates_this_machine(run_cli, tiny_corpus, cache_dir, tmp_path):
+    import yaml
+
+    from conftest import tiny_config_dict
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny_config_dict(tiny_corpus, str(tmp_path / "run"),
+                                                    cache_dir)))
+    r = run_cli("plan", "--config", str(path), "--cluster", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "calibrated cpu" in r.stdout and "GEMM efficiency at the run's shapes" in r.stdout
+    for part in ("gemm", "elementwise", "host", "optimizer", "unit moe", "unit head"):
+        assert part in r.stdout, part
+
+
 @pytest.mark.parametrize("args,field", [
     (["--cluster", "tpu"], "--cluster 'tpu'"),
     (["--mapping", "tp=two"], "--mapping"),
@@ -155,64 +171,69 @@ def test_cli_bad_input_exits_2_naming_the_field_and_fix(run_cli, args, field):
 CPU_MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
              "max_seq_len": 256, "first_k_dense": 1, "dense_ffn_hidden_size": 512,
              "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 256}}
-# name -> (ranks, parallel section, micro-batch). moeplug has no recompute or activation
-# offload to switch, so the matrix varies batch and layout.
-CPU_MATRIX = {"single_mbs8": (1, {}, 8), "single_mbs16": (1, {}, 16),
-              "ep2_gloo": (2, {"ep": 2}, 8), "tp2_gloo": (2, {"tp": 2}, 8)}
-
-
-def _cpu_prediction(path: str, world: int):
-    from moeplug.plan.cli import config_inputs
-    from moeplug.plan.cluster import cpu_cluster
-    cfg, fields, opts, _ = config_inputs(path)
-    seq, per_dp = fields.pop("seq"), fields.pop("gbs_per_dp")
-    dp = world // (fields["tp"] * fields["cp"] * fields["pp"])
-    mp = Mapping(world=world, seq=seq, gbs=per_dp * dp, **fields)
-    import torch
-    torch.set_num_threads(1)  # what each rank runs with (train.threads / OMP_NUM_THREADS=1)
-    c = cpu_cluster(world)
-    o = Options(**opts)
-    return peak_memory(cfg, mp, o).total, perf.step_time(cfg, mp, o, c).total
+FULL = {"granularity": "full"}
+SELECTIVE = {"granularity": "selective", "modules": ["core_attn", "moe_act", "layernorm"]}
+# name -> (ranks, parallel section, micro-batch, model.recompute). moeplug has no activation
+# offload on CPU, so offload is not in the matrix.
+CPU_MATRIX = {"single": (1, {}, 8, None),
+              "single_recompute_full": (1, {}, 8, FULL),
+              "single_recompute_selective": (1, {}, 8, SELECTIVE),
+              "ep2_gloo": (2, {"ep": 2}, 8, None),
+              "ep2_gloo_recompute_moe": (2, {"ep": 2}, 8, {"granularity": "selective",
+                                                           "modules": ["moe"]}),
+              "tp2_gloo": (2, {"tp": 2}, 8, None)}
+# Two-rank layouts whose step time the plan under-predicts (memory is asserted for them all the
+# same). Measured predicted/measured step time (slowest rank), 2026-11-23, three matrix runs:
+# EP2 0.88-0.94 / 0.89 / 0.81, EP2 + moe recompute 0.89-0.94 / 0.89 / 0.78, TP2 0.84-0.88 /
+# 0.79 / -. One process holds (0.99-1.17). The units at rank-local shapes plus the traced
+# collectives at measured link costs miss 0.1-0.2 s of a two-rank step; not located yet.
+TIME_GAP_LAYOUTS = {"ep2_gloo", "ep2_gloo_recompute_moe", "tp2_gloo"}
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "the plan misses moeplug's eager CPU runs (2026-11-23, shared 2-core machine, two runs; "
-    "predicted/measured peak-RSS delta 0.64-0.65 / 0.57-0.58 / 0.24-0.25 / 0.47-0.48 and step "
-    "time 0.34-0.67 / 0.43-0.52 / 0.19-0.23 / 0.23-0.24 for single mbs8 / single mbs16 / EP2 "
-    "gloo / TP2 gloo; time moves with the other engineers' load): eager PyTorch saves more "
-    "than the fused-kernel accounting (the unpermute keeps the expert rows, unfused norms and "
-    "router: ~1.2x by saved-tensor count), backward and AdamW temporaries add ~100 MB to the "
-    "peak, small GEMMs run below the 512^2 matmul peak, and gloo over loopback is far slower "
-    "than its constant. ""Kept at the issue's tolerances (strict: it fails once it holds)"))
-def test_cpu_runs_match_the_plan(tiny_corpus, cache_dir, tmp_path, cli_env):
-    """Predicted step time within 20 % and peak memory within 10 % of measured moeplug CPU runs
-    (moeplug.plan.measure: RSS delta around the run, the trainer's own step time), the "cpu"
-    cluster calibrated in this same test. Prints every ratio."""
+@pytest.mark.parametrize("name", list(CPU_MATRIX))
+def test_cpu_run_matches_the_calibrated_plan(name, tiny_corpus, cache_dir, tmp_path, cli_env):
+    """Predicted step time within 20 % and peak memory within 10 % of a measured moeplug CPU
+    run (moeplug.plan.measure), "this CPU" calibrated in the same processes just before and
+    after the run (moeplug.plan.calibrate_cpu), from units, kernels, links and the optimizer
+    timed alone -- never from the run's own step. The plan predicts balanced routing, i.e.
+    the step of the slowest rank and the peak of the fullest one (the one that decides whether
+    a mapping fits), so the largest measured value over the ranks is compared; every rank is
+    printed."""
     import yaml
-    ratios, failures = {}, []
-    for name, (world, par, mbs) in CPU_MATRIX.items():
-        out = tmp_path / name
-        cfg = {"model": CPU_MODEL, "data": {"corpus": tiny_corpus, "tokenizer": "bytes",
-                                            "val_works": ["val_text"], "cache_dir": cache_dir},
-               "train": {"steps": 8, "micro_batch_size": mbs, "seq_len": 256,
-                         "warmup_steps": 2, "eval_interval": 0, "log_interval": 4,
-                         "out_dir": str(out), "threads": 1, "time_breakdown": False},
-               "parallel": par}
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={world}"] if world > 1 else [sys.executable]
-        env = dict(cli_env, OMP_NUM_THREADS="1")
-        r = subprocess.run([*head, "-m", "moeplug.plan.measure", str(path)], env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        got = [json.loads((out / f"measured_rank{k}.json").read_text()) for k in range(world)]
-        mem, step = _cpu_prediction(str(path), world)
-        ratios[name] = (mem / max(g["rss_delta"] for g in got),
-                        step / max(g["step_s"] for g in got))
-        print(f"{name}: predicted/measured memory {ratios[name][0]:.2f}, "
-              f"step time {ratios[name][1]:.2f}")
-        if abs(ratios[name][0] - 1) > 0.10 or abs(ratios[name][1] - 1) > 0.20:
-            failures.append(name)
-    assert not failures, f"outside 10 % memory / 20 % time: {failures}; ratios {ratios}"
+    world, par, mbs, recompute = CPU_MATRIX[name]
+    out = tmp_path / name
+    model = dict(CPU_MODEL, **({"recompute": recompute} if recompute else {}))
+    cfg = {"model": model, "data": {"corpus": tiny_corpus, "tokenizer": "bytes",
+                                    "val_works": ["val_text"], "cache_dir": cache_dir},
+           # lr 3e-4: at the default 3e-3 this model's routers collapse onto one expert within
+           # eight steps (max/mean load 4.0), and the plan, like every estimator, assumes
+           # routing near balance (moeplug.plan.memory; README "Planning a run").
+           "train": {"steps": 8, "micro_batch_size": mbs, "seq_len": 256, "warmup_steps": 2,
+                     "lr": 3e-4, "min_lr": 3e-5,
+                     "eval_interval": 0, "log_interval": 4, "out_dir": str(out), "threads": 1,
+                     "time_breakdown": False},
+           "parallel": par}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world}"] if world > 1 else [sys.executable]
+    env = dict(cli_env, OMP_NUM_THREADS="1")
+    r = subprocess.run([*head, "-m", "moeplug.plan.measure", str(path)], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = [json.loads((out / f"measured_rank{k}.json").read_text()) for k in range(world)]
+    for rank, g in enumerate(got):
+        print(f"{name} rank {rank}: predicted/measured step time "
+              f"{g['predicted_step_s'] / g['step_s']:.2f} ({g['predicted_step_s']:.3f} / "
+              f"{g['step_s']:.3f} s), peak memory {g['predicted_memory'] / g['rss_delta']:.2f} "
+              f"({g['predicted_memory'] / 1e6:.0f} / {g['rss_delta'] / 1e6:.0f} MB)")
+    # Each rank predicted with its own calibration: the prediction of the slowest / fullest.
+    time_ratio = max(g["predicted_step_s"] for g in got) / max(g["step_s"] for g in got)
+    mem_ratio = max(g["predicted_memory"] for g in got) / max(g["rss_delta"] for g in got)
+    print(f"{name}: step time {time_ratio:.2f}, peak memory {mem_ratio:.2f} (max over ranks)")
+    assert abs(mem_ratio - 1) <= 0.10, f"{name}: predicted/measured memory {mem_ratio:.2f}"
+    if abs(time_ratio - 1) > 0.20 and name in TIME_GAP_LAYOUTS:
+        pytest.xfail(f"{name}: step time {time_ratio:.2f} (known two-rank gap, "
+                     "see TIME_GAP_LAYOUTS); memory holds")
+    assert abs(time_ratio - 1) <= 0.20, f"{name}: predicted/measured step time {time_ratio:.2f}"

@@ -107,6 +107,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         world = max(fields["tp"] * fields["cp"], fields["ep"] * fields["etp"]) * fields["pp"]
     cluster = get_cluster(args.cluster, args.gpus or world or
                           (1 if args.cluster == "cpu" else None))
+    if cluster.name == "cpu" and args.config and cluster.num_gpus == 1 and not args.search:
+        # One process: calibrate "this CPU" for this config (moeplug.plan.calibrate_cpu).
+        # Parallel layouts need their process groups: moeplug.plan.measure calibrates those.
+        import dataclasses
+
+        from moeplug.plan.calibrate_cpu import calibrate_config
+        costs = calibrate_config(args.config)
+        cluster = dataclasses.replace(cluster, costs=costs,
+                                      peak_tflops={"fp32": costs.peak_tflops,
+                                                   "bf16": costs.peak_tflops})
     split = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
     precision = args.precision or opts.pop("precision", None) or \
         ("fp32" if cluster.name == "cpu" else "bf16")
@@ -136,6 +146,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"({mp.microbatches} micro-batches per DP rank)")
         print(report.memory_text(cand.memory, cluster.hbm_gb))
         print(report.step_text(cand.step))
+        if cluster.costs is not None:
+            print(report.calibration_text(cluster.costs))
         if not cand.fits:
             print(f"does NOT fit: {cand.memory.total / GB:.1f} GB > {cand.limit / GB:.1f} GB "
                   "(90 % of the device)")

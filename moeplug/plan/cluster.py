@@ -34,6 +34,9 @@ class Cluster:
     num_gpus: int = 8
     latency_us: float = 10.0  # per collective call (launch + fabric), microseconds
     generation: str = "hopper"  # which efficiency constants apply (perf.EFFICIENCY)
+    # "cpu" calibrated for one run (moeplug.plan.calibrate_cpu.CpuCosts): the plan then costs
+    # the run's units, collectives and optimizer with what this machine measured.
+    costs: object = None
 
     def peak(self, precision: str) -> float:
         if precision not in self.peak_tflops:

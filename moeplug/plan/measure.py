@@ -1,27 +1,35 @@
-"""Measure a real CPU training run for the planner's validation: step time and peak memory.
+"""Measure a real CPU training run against the plan, both in the same processes.
 
     python -m moeplug.plan.measure CONFIG            # one process
     python -m torch.distributed.run --standalone --nproc-per-node=2 \\
         -m moeplug.plan.measure CONFIG               # a gloo layout (config's parallel section)
 
-Writes ``OUT_DIR/measured_rank{R}.json``: ``rss_delta`` (bytes) and ``step_s`` (seconds).
+Each rank: trains a tiny model of the same architecture for two steps (warm-up), calibrates
+"this CPU" (moeplug.plan.calibrate_cpu), trains the config's model, calibrates again, and
+writes ``OUT_DIR/measured_rank{R}.json`` with the measured ``step_s`` / ``rss_delta`` and the
+plan's ``predicted_step_s`` / ``predicted_memory`` from the mean of the two calibrations (which
+bracket the load the run saw), with their parts.
 
-Memory is the peak resident set (``ru_maxrss``) minus the resident set just before the model is
-built. A tiny model of the same architecture trains two steps first, and freed heap is handed
-back (``malloc_trim``), so the delta holds the run's tensors, not libtorch's code pages or the
-corpus. Step time is the trainer's own last logged window (tokens per step / tokens per second),
-which leaves the first ``log_interval`` steps (warm-up) out when the run has two windows.
+Step time is process CPU seconds of one ``train_step``, the best of the second half of the
+steps (the first ones warm up); the wall time the trainer logs is kept as ``step_wall_s``. On a
+machine shared with other jobs wall time measures their load; CPU time measures the step.
+Memory is a step's resident-set peak (VmHWM, which the trainer resets before each step) minus
+the resident set just before the model is built, with glibc's mmap threshold pinned and
+moeplug's buffer cache emptied before each step (see ``_pin_mmap_threshold`` and
+``_timed_steps``: both make the resident set follow the bytes the step holds).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import gc
 import json
 import os
-import resource
 import sys
+
+import torch
 
 
 def _rss_now() -> int:
@@ -29,13 +37,75 @@ def _rss_now() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@contextlib.contextmanager
+def _timed_steps():
+    """(process CPU seconds, wall seconds, resident-set peak) of each trainer.train_step call
+    while active. The trainer resets the peak before each step, so the peak read right after
+    one is that step's, not a later checkpoint's or evaluation's."""
+    import time
+
+    from moeplug.training import trainer
+    from moeplug.training.memory import process_peak
+    from moeplug.ops import workspace
+    real, steps, cached = trainer.train_step, [], []
+
+    def timed(*args, **kwargs):
+        # moeplug.ops.workspace keeps freed activation buffers of >= 8 MB mapped, keyed by exact
+        # size, so with routing that changes every step it holds buffers earlier steps used
+        # (a reserve, like a CUDA caching allocator's). Emptied before each step, the step's
+        # peak is what it holds (and reuses within itself): what the plan predicts.
+        cached.append(workspace.cached_bytes())
+        workspace.clear()
+        c0, w0 = time.process_time(), time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            steps.append((time.process_time() - c0, time.perf_counter() - w0,
+                          process_peak(torch.device("cpu"))))
+    trainer.train_step = timed
+    try:
+        yield steps, cached
+    finally:
+        trainer.train_step = real
+
+
+def predict(path: str, costs):
+    """The plan's step for the config at ``path`` on this CPU, calibrated by ``costs``."""
+    import dataclasses
+
+    from moeplug.plan import perf
+    from moeplug.plan.cli import config_inputs
+    from moeplug.plan.cluster import cpu_cluster
+    from moeplug.plan.memory import Mapping, Options, calibrated_cpu_memory
+    cfg, fields, opts, _ = config_inputs(path)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    seq, per_dp = fields.pop("seq"), fields.pop("gbs_per_dp")
+    dp = world // (fields["tp"] * fields["cp"] * fields["pp"])
+    mp = Mapping(world=world, seq=seq, gbs=per_dp * dp, **fields)
+    c = dataclasses.replace(cpu_cluster(world, peak_tflops=costs.peak_tflops), costs=costs)
+    o = Options(**opts)
+    return perf.step_time(cfg, mp, o, c), calibrated_cpu_memory(cfg, mp, o, costs)
+
+
+def _pin_mmap_threshold() -> None:
+    """Tensors of 128 KiB and more get their own mapping, returned to the kernel when freed.
+    glibc otherwise raises this threshold the first time such a block is freed, after which
+    freed tensors stay in its heap: the resident set then measures the heap's fragmentation
+    over the run's history, not the bytes the run holds, which is what the plan predicts."""
+    M_MMAP_THRESHOLD = -3
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+
+
 def main(path: str) -> int:
+    _pin_mmap_threshold()
     import torch
 
     from moeplug.cli import _load_host, check_plugins
     from moeplug.config import load_config
     from moeplug.data import prepare_corpus
     from moeplug.training import distributed as D
+    from moeplug.plan.calibrate_cpu import calibrate_run
+    from moeplug.training.memory import reset_process_peak
     from moeplug.training.trainer import seed_everything, train
 
     cfg = load_config(path)
@@ -55,13 +125,18 @@ def main(path: str) -> int:
         seed_everything(cfg.train.seed)
         train(small, D.build_rank_model(small, host, corpus.vocab_size, groups, cpu), corpus,
               precision, names, groups=groups)
+        before_run = calibrate_run(cfg, host, corpus.vocab_size, groups, precision)
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         seed_everything(cfg.train.seed)
+        reset_process_peak(cpu)  # the calibration's own peak is not the run's
         before = _rss_now()
         model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, cpu)
-        train(cfg, model, corpus, precision, names, groups=groups)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with _timed_steps() as (steps, cached):
+            train(cfg, model, corpus, precision, names, groups=groups)
+        del model
+        # Calibrated again after the run: the mean of the two brackets the load it saw.
+        costs = before_run.mean(calibrate_run(cfg, host, corpus.vocab_size, groups, precision))
     finally:
         D.shutdown(groups)
     rank = int(os.environ.get("RANK", "0"))
@@ -70,7 +145,19 @@ def main(path: str) -> int:
     tc, par = cfg.train, cfg.parallel
     dp = int(os.environ.get("WORLD_SIZE", "1")) // (par.tp * par.cp * par.pp)
     tokens = dp * tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps
-    out = {"rss_delta": peak - before, "step_s": tokens / last["tokens_per_s"]}
+    pred, mem = predict(path, costs)
+    later = steps[len(steps) // 2:]  # the first steps warm up (packing, first-touch pages)
+    out = {"rss_delta": max(p for _, _, p in steps) - before,
+           "step_s": min(c for c, _, _ in later),
+           "step_wall_s": tokens / last["tokens_per_s"],
+           "workspace_cached_before_step": max(cached),
+           "predicted_step_s": pred.total, "predicted_parts": pred.parts,
+           "predicted_memory": mem.total,
+           "predicted_memory_parts": {"weights": mem.weights_grads, "optimizer": mem.optimizer,
+                                      **mem.activations},
+           "gemm_efficiency": {u: costs.gemm_efficiency(u) for u in costs.units
+                               if costs.units[u].gemm_flops},
+           "links": costs.links}
     with open(os.path.join(tc.out_dir, f"measured_rank{rank}.json"), "w") as f:
         json.dump(out, f)
     return 0

@@ -281,3 +281,38 @@ def check_model(cfg: ModelConfig, mp: Mapping) -> None:
     if cfg.num_layers < mp.pp * mp.vpp:
         raise ConfigError(f"mapping pp·vpp = {mp.pp * mp.vpp} exceeds num_layers "
                           f"{cfg.num_layers}. Fix: lower pp or vpp")
+
+
+def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) -> MemoryBreakdown:
+    """Peak bytes of one rank of a run on a CPU calibrated for it (moeplug.plan.calibrate_cpu):
+    weights, gradients and optimizer state as :func:`stage_memory` counts them; activations
+    from the units as this implementation runs them. The forward leaves every unit's saved
+    tensors (``saved_bytes``); the backward then walks the units in reverse, and while unit
+    *i* runs the rank holds the saved tensors of the units before it, unit *i*'s own peak
+    (``peak_bytes``: its saved tensors, backward temporaries and new gradients) and the
+    gradients of the units after it. The peak is the largest of those moments (pp = 1). Under
+    full recompute a block is rebuilt whole, so its attention unit's tensors are live again
+    while its MLP or MoE unit runs backward."""
+    base = stage_memory(cfg, mp, opt, 0)
+    order = []  # forward order
+    for moe in stage_layers(cfg, 1)[0]:
+        order += [costs.units["attn"], costs.units["moe" if moe else "mlp"]]
+    order.append(costs.units["head"])
+    grads = base.weights_grads * opt.grad_bytes / (opt.param_bytes + opt.grad_bytes)
+    full = cfg.recompute.granularity == "full"
+    worst, name = 0.0, ""
+    for i in range(len(order)):
+        held = sum(u.saved_bytes for u in order[:i]) + order[i].peak_bytes \
+            + grads * (len(order) - 1 - i) / len(order)
+        if full and i % 2 == 1 and i < len(order) - 1:
+            # A checkpointed block is rebuilt whole: its attention unit's tensors are back
+            # (and its kept input is part of them) while its MLP / MoE unit runs backward.
+            held += order[i - 1].saved_plain_bytes - order[i - 1].saved_bytes
+        if held > worst:
+            worst, name = held, f"backward of unit {i} of {len(order)}"
+    weights = base.weights_grads - grads  # gradients are in the walk above
+    # The units run without expert parallelism: the all-to-all's send and receive rows
+    # (stage_memory's comm_buffers) come on top.
+    return MemoryBreakdown(rank=0, weights_grads=weights, optimizer=base.optimizer,
+                           activations={f"activations + grads ({name})": worst},
+                           comm_buffers=base.comm_buffers)

@@ -27,7 +27,7 @@ on GB200 EP64 reaches ~76 % of NVLink, P26 Table 7), MEMORY_PASSES (four passes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moeplug.config import GATED_ACTIVATIONS, ModelConfig
 from moeplug.modules.flops import attention_macs, flops_per_token
@@ -40,10 +40,10 @@ from moeplug.plan.memory import (Mapping, Options, layer_activations, stage_laye
 # (datasheet: 2x; quantization kernels eat part of it), and a fixed cost per layer and
 # micro-batch (kernel launches and host work that CUDA graphs do not remove).
 # The fit trades efficiency against the per-layer cost along a shallow valley; its optimum's
-# 1.8 ms per layer and micro-batch agrees with P26's "+10 % from partial CUDA graphs" on
+# 1.7 ms per layer and micro-batch agrees with P26's "+10 % from partial CUDA graphs" on
 # DeepSeek-V3/GB200 (2048 layer-micro-batches in a ~34 s step: 10 % is ~1.7 ms each).
-CONSTANTS = {"eff_hopper": 0.836, "eff_blackwell": 0.644, "fp8_speedup": 1.061,
-             "layer_overhead_us": 1827.0}
+CONSTANTS = {"eff_hopper": 0.836, "eff_blackwell": 0.633, "fp8_speedup": 1.073,
+             "layer_overhead_us": 1679.0}
 # This CPU: its peak *is* a measured GEMM, so efficiency 1; its per-layer cost is Python's.
 CPU_LAYER_OVERHEAD_US = 2000.0
 # Each saved tensor is written in the forward, read in the backward, and its gradient is
@@ -154,8 +154,12 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
         extra, rerun_moe = _recompute_macs(cfg, moe, rc)
         gemm += count * 2 * tok * (3 * lin + extra + 3 * ffn) / mp.tp
         core += count * 2 * tok * mp.seq * core_macs / mp.tp  # forward; backward is twice
-        saved = sum(layer_activations(cfg, moe, mp, opt).values())
-        mem += count * MEMORY_PASSES * saved / (c.hbm_tbps * 1e12)
+        # Recompute drops tensors from memory, not from the work: every tensor is still
+        # written, read and its gradient written and read, and a recomputed one is written
+        # once more in backward.
+        kept = sum(layer_activations(cfg, moe, mp, opt).values())
+        saved = sum(layer_activations(cfg, moe, mp, replace(opt, recompute=())).values())
+        mem += count * (MEMORY_PASSES * saved + (saved - kept)) / (c.hbm_tbps * 1e12)
         if moe:
             a2a += count * (4 + 2 * rerun_moe) * a2a_seconds(cfg, mp, opt, c)
         if mp.tp > 1:
@@ -187,9 +191,34 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
             "all_to_all": a2a, "tp_comm": tp, "pp_comm": pp}
 
 
+def calibrated_cpu_parts(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster) -> dict:
+    """A step on a CPU calibrated for this run (moeplug.plan.calibrate_cpu): per micro-batch,
+    each layer's attention unit plus its MLP or MoE unit, the head once; all in series on the
+    rank's threads (nothing overlaps on one CPU); then the step's collectives at the measured
+    links, and the optimizer over this rank's shard. Pipeline layouts are not calibrated."""
+    k = c.costs
+    layers = stage_layers(cfg, 1)[0]
+    parts = dict.fromkeys(("gemm", "attention", "elementwise", "kernels", "host"), 0.0)
+    for moe in layers:
+        for u in (k.units["attn"], k.units["moe" if moe else "mlp"]):
+            for name in parts:
+                parts[name] += getattr(u, name)
+    for name in parts:
+        parts[name] += getattr(k.units["head"], name)
+        parts[name] *= mp.microbatches
+    parts["collectives"] = k.collective_seconds()
+    dense, expert = stage_params(cfg, mp, 0)
+    if opt.distributed_optimizer and mp.world > 1:
+        dense, expert = dense / (mp.dp * mp.cp), expert / mp.edp
+    parts["optimizer"] = (dense + expert) * k.optimizer_s_per_param
+    return parts
+
+
 def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
               constants: dict | None = None) -> StepTime:
     """Predicted step of one global batch; ``constants`` overrides :data:`CONSTANTS`."""
+    if c.costs is not None:
+        return _throughput(cfg, mp, opt, c, calibrated_cpu_parts(cfg, mp, opt, c))
     stages = [stage_seconds(cfg, mp, opt, c, r, constants) for r in range(mp.pp)]
     slow = max(stages, key=lambda s: sum(s.values()))
     m = mp.microbatches
@@ -209,6 +238,11 @@ def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
     # Optimizer: read and write master weights, moments and gradients of the local shard.
     shard = dense / (mp.dp * mp.cp) + expert / mp.edp
     parts["optimizer"] = shard * 32 / (c.hbm_tbps * 1e12)
+    return _throughput(cfg, mp, opt, c, parts)
+
+
+def _throughput(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
+                parts: dict) -> StepTime:
     total = sum(parts.values())
     tokens = (mp.gbs or mp.dp * mp.mbs) * mp.seq
     model_flops = flops_per_token(cfg, cfg.vocab_size, mp.seq) * tokens

@@ -30,6 +30,22 @@ def step_text(st: StepTime) -> str:
     return "\n".join(lines)
 
 
+def calibration_text(costs) -> str:
+    """What "this CPU" measured for the run (moeplug.plan.calibrate_cpu.CpuCosts)."""
+    eff = ", ".join(f"{u} {costs.gemm_efficiency(u):.2f}" for u in costs.units
+                    if costs.units[u].gemm_flops)
+    lines = [f"calibrated cpu: 512^2 fp32 matmul {costs.peak_tflops * 1e3:.1f} GFLOP/s; GEMM "
+             f"efficiency at the run's shapes: {eff}"]
+    for name, u in costs.units.items():
+        lines.append(f"  unit {name:<5} {u.total * 1e3:8.2f} ms per micro-batch (gemm "
+                     f"{u.gemm * 1e3:.2f}, attention {u.attention * 1e3:.2f}, elementwise "
+                     f"{u.elementwise * 1e3:.2f}, kernels {u.kernels * 1e3:.2f}, host "
+                     f"{u.host * 1e3:.2f}); saved {u.saved_bytes / 1e6:.1f} MB")
+    for kind, (lat, bw) in costs.links.items():
+        lines.append(f"  {kind:<14} latency {lat * 1e6:.0f} us, {bw / 1e9:.2f} GB/s")
+    return "\n".join(lines)
+
+
 def search_table(cands: list[Candidate], top: int = 10) -> str:
     fit = [k for k in cands if k.fits]
     head = f"{'mapping':<34} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7}  fits"

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from moeplug.config import ConfigError, ModelConfig
 from moeplug.plan.cluster import Cluster
-from moeplug.plan.memory import GB, Mapping, MemoryBreakdown, Options, check_model, peak_memory
+from moeplug.plan.memory import (GB, Mapping, MemoryBreakdown, Options, calibrated_cpu_memory,
+                                  check_model, peak_memory)
 from moeplug.plan.perf import StepTime, step_time
 
 # Headroom kept free of the planned bytes: the allocator's fragmentation, CUDA context and
@@ -39,7 +40,10 @@ def _divisors(n: int, cap: int | None = None) -> list[int]:
 
 def evaluate(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster) -> Candidate:
     check_model(cfg, mp)
-    return Candidate(mapping=mp, memory=peak_memory(cfg, mp, opt), step=step_time(cfg, mp, opt, c),
+    # A CPU calibrated for one run (cluster.costs) has its units' measured bytes.
+    memory = (peak_memory(cfg, mp, opt) if c.costs is None
+              else calibrated_cpu_memory(cfg, mp, opt, c.costs))
+    return Candidate(mapping=mp, memory=memory, step=step_time(cfg, mp, opt, c),
                      limit=c.hbm_gb * GB * MEMORY_HEADROOM)
 
 

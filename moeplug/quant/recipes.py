@@ -78,6 +78,32 @@ class Delayed(Tensorwise):
             self.scalers[k] = fp8.DelayedScaler(self.history_len, self.algo, self.dtype(role))
         return self.scalers[k]
 
+    def state_dict(self, names: dict) -> list:
+        """The amax histories (and the scales the backward reuses), JSON-ready, each under the
+        name of the parameter its GEMM multiplies: ``names`` maps ``id(param)`` to its name
+        (keys are ``id(w)``, or ``(id(w_LXD), expert)`` for the grouped experts)."""
+        out = []
+        for (key, role), s in self.scalers.items():
+            pid, expert = key if isinstance(key, tuple) else (key, None)
+            if pid not in names:  # a GEMM on a tensor that is no parameter: nothing to name
+                continue
+            out.append({"param": names[pid], "expert": expert, "role": role,
+                        "history": s.history.tolist(), "last_scale": float(s.last_scale)})
+        return out
+
+    def load_state_dict(self, state: list, ids: dict) -> None:
+        """Restore :meth:`state_dict` ``state``; ``ids`` maps parameter names to ``id(param)``
+        of the model now running. float32 values round-trip exactly through JSON floats."""
+        self.scalers = {}
+        for e in state:
+            if e["param"] not in ids:
+                continue
+            pid = ids[e["param"]]
+            key = pid if e["expert"] is None else (pid, e["expert"])
+            s = self.scaler(key, e["role"])
+            s.history = torch.tensor(e["history"], dtype=torch.float32)
+            s.last_scale = torch.tensor(e["last_scale"], dtype=torch.float32)
+
     def fake(self, t, role, axis, key=None, record=True):
         s = self.scaler(key, role)
         if record:

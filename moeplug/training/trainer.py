@@ -323,6 +323,40 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
                      sync_free=sync_free)
 
 
+def _precision_state(precision: Any, model: Any, groups: Any) -> Any:
+    """The precision recipe's step-to-step state (delayed scaling's amax histories) for a
+    checkpoint: this process's, or every rank's in rank order (each rank's GEMMs saw its own
+    tokens and shards). Collective over all ranks when ``groups`` is given."""
+    get = getattr(precision, "state_dict", None)
+    state = get(model) if get is not None else None
+    if groups is None:
+        return state
+    import torch.distributed as dist
+    states = [None] * groups.world_size
+    dist.all_gather_object(states, state)
+    return None if all(s is None for s in states) else {"ranks": states}
+
+
+def _restore_precision_state(precision: Any, model: Any, meta: dict, groups: Any,
+                             layout: dict | None) -> None:
+    state = meta.get("precision_state")
+    load = getattr(precision, "load_state_dict", None)
+    if state is None or load is None:
+        return
+    # Per-rank state restores only onto the layout that saved it; a resharded resume (another
+    # layout, or one process <-> several) starts the histories afresh, as a run's first step.
+    sharded = isinstance(state, dict) and "ranks" in state
+    if groups is None:
+        if sharded:
+            return
+    elif not sharded or meta.get("parallel") != layout or \
+            len(state["ranks"]) != groups.world_size:
+        return
+    else:
+        state = state["ranks"][groups.rank]
+    load(state, model)
+
+
 def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:
     """AdamW, or the ZeRO-1 DistributedAdamW when ``parallel.distributed_optimizer`` is on and
     the run is parallel."""
@@ -355,6 +389,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 load_sharded_checkpoint(resume_from, model, optimizer, groups,
                                         D.layout_manifest(cfg, groups)))
         start_step, metrics_state = meta["step"], meta.get("metrics") or metrics_state
+        _restore_precision_state(precision, model, meta, groups,
+                                 None if groups is None else D.layout_manifest(cfg, groups))
         if start_step >= tc.steps:
             raise nothing_to_train(resume_from, start_step, tc.steps)
         log(f"resumed from {resume_from} at step {start_step}")
@@ -404,6 +440,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         meta = {"config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
                 "scheduler": {"step": step, "lr": lr_at(step, tc)},
                 "tokenizer": corpus.tokenizer.fingerprint()}  # moeplug generate checks it
+        state = _precision_state(precision, model, groups)
+        if state is not None:
+            meta["precision_state"] = state
         if groups is None:
             return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last)
         return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups, layout,

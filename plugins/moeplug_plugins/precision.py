@@ -126,6 +126,15 @@ class QuantizedPrecision(Precision):
     def autocast(self, device_type: str) -> ContextManager:
         return _quantized_autocast(device_type, self.recipe, self.options)
 
+    def state_dict(self, model):
+        if not hasattr(self.recipe, "state_dict"):  # stateless recipes
+            return None
+        return self.recipe.state_dict({id(p): n for n, p in model.named_parameters()})
+
+    def load_state_dict(self, state, model) -> None:
+        if state is not None and hasattr(self.recipe, "load_state_dict"):
+            self.recipe.load_state_dict(state, {n: id(p) for n, p in model.named_parameters()})
+
 
 @contextlib.contextmanager
 def _quantized_autocast(device_type: str, recipe, o: QuantOptions):

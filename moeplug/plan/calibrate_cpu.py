@@ -1,0 +1,535 @@
+"""Calibrate "this CPU" for one run: what each piece of its step costs here, now.
+
+GPU entries carry datasheet peaks and efficiencies fitted once to published rows; a CPU step is
+made of different things (eager PyTorch on one thread per rank, gloo over loopback), so its
+entry is measured, at the run's own shapes, inside the process and with the process groups that
+then train, so the measurement and the run see the same load from the rest of the machine:
+
+  units        the pieces a rank runs per micro-batch, each built alone at this rank's local
+               shapes (heads and dense FFN / TP, experts / EP, the MoE block on tokens / TP,
+               vocabulary / TP) with the run's recompute: ``attn`` (norm + attention),
+               ``mlp`` (norm + dense SwiGLU), ``moe`` (norm + router, permute, experts,
+               unpermute) and ``head`` (embedding + final norm + head + loss). One forward +
+               backward of each runs under a dispatch trace; every aten op it issued is then
+               replayed alone on copies of its actual arguments and timed:
+                   gemm         mm / addmm / bmm (GEMM efficiency at the actual shapes)
+                   attention    the SDPA kernels, forward and backward
+                   elementwise  every other aten op (norms, RoPE, activations, softmax, ...)
+               moeplug's C++ kernels (permute, unpermute, SwiGLU), called by pointer and so
+               invisible to the trace, are timed in that same run (``kernels``).
+  host         what no kernel shows: Python, module calls, autograd bookkeeping. Measured as a
+               unit's forward + backward wall time at a tiny batch (its kernels cost ~nothing
+               there) minus the same replay + kernel timing at that tiny batch.
+  collectives  the run's own process groups: latency and bandwidth of each collective kind
+               (all-to-all, all-gather, reduce-scatter, all-reduce) from two message sizes;
+               which calls a step makes (and their bytes) comes from a dispatch trace of one
+               real micro-batch + the gradient sync on this rank's model.
+  optimizer    seconds per parameter of one step of the run's optimizer class.
+
+Nothing here looks at the run's own step time: the plan composes these costs (per layer kind,
+layers per stage, micro-batches, collectives, optimizer) and is compared against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
+COLLECTIVE_SIZES_ORDER = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter")
+KERNELS = ("permute", "unpermute", "unpermute_backward", "swiglu_forward", "swiglu_backward")
+COLLECTIVE_KIND = {"alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
+                   "allgather_": "all_gather", "_allgather_base_": "all_gather",
+                   "allgather_into_tensor_coalesced_": "all_gather",
+                   "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+                   "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+                   "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+                   "broadcast_": "all_reduce"}
+
+
+def _tensors(x: Any):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def _kind(name: str) -> str:
+    if name in GEMM_OPS:
+        return "gemm"
+    if "scaled_dot_product" in name:
+        return "attention"
+    return "elementwise"
+
+
+def _clone(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    return x
+
+
+def _signature(func: Any, args: tuple, kwargs: dict) -> tuple:
+    def sig(x):
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), tuple(x.stride()), x.dtype)
+        if isinstance(x, (list, tuple)):
+            return tuple(sig(y) for y in x)
+        return repr(x)
+    return (str(func), sig(args), sig(tuple(sorted(kwargs.items()))))
+
+
+class _OpTrace(TorchDispatchMode):
+    """Records each distinct aten call (with copies of its arguments) and how often it ran;
+    collectives are recorded by kind and bytes instead (they are costed from the links)."""
+
+    def __init__(self, keep_args: bool = True) -> None:
+        super().__init__()
+        self.ops: dict[tuple, list] = {}   # signature -> [func, args, kwargs, count]
+        self.collectives: list[tuple[str, int]] = []
+        self.keep_args = keep_args
+        # Bytes of the storages ops allocated that are still referenced (views and in-place
+        # results share their input's storage and are not new), and the most ever live.
+        self.live: dict[int, list] = {}
+        self.current = self.peak = 0
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.live[ptr]
+            self.current -= entry[0]
+
+    def _track(self, args: tuple, kwargs: dict, out: Any) -> None:
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in _tensors((args, tuple(kwargs.values())))}
+        for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr == 0 or (ptr in inputs and ptr not in self.live):
+                continue
+            if ptr not in self.live:
+                self.live[ptr] = [st.nbytes(), 0]
+                self.current += st.nbytes()
+                self.peak = max(self.peak, self.current)
+            self.live[ptr][1] += 1
+            weakref.finalize(t, self._release, ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if func.namespace == "c10d":
+            kind = COLLECTIVE_KIND.get(name)
+            if kind is not None:
+                self.collectives.append((kind, _collective_bytes(kind, args)))
+        elif self.keep_args:
+            key = _signature(func, args, kwargs)
+            if key in self.ops:
+                self.ops[key][3] += 1
+            else:
+                self.ops[key] = [func, _clone(args), _clone(kwargs), 1]
+        out = func(*args, **kwargs)
+        self._track(args, kwargs, out)
+        return out
+
+
+class _TimedCore:
+    """The C++ runtime with its kernels timed (a stand-in for moeplug.runtime._core)."""
+
+    def __init__(self, core: Any) -> None:
+        self._core, self.seconds = core, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._core, name)
+        if name not in KERNELS:
+            return attr
+
+        def timed(*a, **k):
+            t0 = _clock()
+            try:
+                return attr(*a, **k)
+            finally:
+                self.seconds += _clock() - t0
+        return timed
+
+
+@contextlib.contextmanager
+def _timed_kernels():
+    from moeplug import runtime
+    real = runtime.get_runtime()
+    timed = _TimedCore(real)
+    runtime._core = timed
+    try:
+        yield timed
+    finally:
+        runtime._core = real
+
+
+_FLUSH = None
+# Process CPU time, not wall time: on a machine shared with other jobs a wall clock measures
+# their load; the CPU seconds an op or a step costs this process do not depend on it (the
+# measured run is timed the same way, moeplug.plan.measure).
+_clock = time.process_time
+
+
+def _flush_l2() -> None:
+    # In a step an op's inputs were written many ops ago: they come from the last-level cache
+    # (or memory), not from L2 as in a back-to-back replay. Writing 8 MB (> this L2) first.
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(2 << 20)
+    _FLUSH.fill_(1.0)
+
+
+def _best_time(fn: Callable[[], Any], repeats: int = 3, cold: bool = False) -> float:
+    fn()  # warm-up: packing buffers, thread pool, first-touch pages
+    samples = []
+    for _ in range(repeats):
+        if cold:
+            _flush_l2()
+        t0 = _clock()
+        fn()
+        samples.append(_clock() - t0)
+    # The least-disturbed repeat: other jobs on this machine (a busy SMT sibling, evicted
+    # caches) only ever add time; the measured run is compared at its best step likewise.
+    return min(samples)
+
+
+def replay(trace: _OpTrace, cold: bool = True) -> dict[str, float]:
+    """Seconds per kind (gemm / attention / elementwise) of every traced op, each replayed on
+    copies of its own arguments (best of three, times how often it ran)."""
+    out = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0}
+    with torch.no_grad():
+        for func, args, kwargs, count in trace.ops.values():
+            name = func.overloadpacket.__name__
+            t = _best_time(lambda: func(*args, **kwargs), cold=cold)
+            out[_kind(name)] += count * t
+    return out
+
+
+@dataclasses.dataclass
+class UnitCost:
+    """Seconds of one forward + backward of one unit on one micro-batch, by part."""
+    gemm: float = 0.0
+    attention: float = 0.0
+    elementwise: float = 0.0
+    kernels: float = 0.0
+    host: float = 0.0
+    gemm_flops: float = 0.0
+    saved_bytes: int = 0   # held for backward at the end of the forward (autograd + checkpoints)
+    peak_bytes: int = 0    # most bytes the unit's ops held at once over forward + backward
+    saved_plain_bytes: int = 0  # saved_bytes without the run's full-block checkpointing
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise + self.kernels + self.host
+
+
+def _gemm_flops(trace: _OpTrace) -> float:
+    total = 0.0
+    for func, args, _, count in trace.ops.values():
+        name = func.overloadpacket.__name__
+        if name in ("mm", "bmm"):
+            a, b = args[0], args[1]
+        elif name in ("addmm", "baddbmm"):
+            a, b = args[1], args[2]
+        else:
+            continue
+        total += count * 2 * a.numel() * b.shape[-1]
+    return total
+
+
+def _run_traced(fn: Callable[[], Any], keep_args: bool = True) -> tuple[_OpTrace, float]:
+    trace = _OpTrace(keep_args)
+    with _timed_kernels() as core, trace:
+        fn()
+    return trace, core.seconds
+
+
+def _saved_bytes(fn: Callable[[], Any], params: Any) -> int:
+    """Bytes autograd holds for backward at the end of ``fn``'s forward (what stays between a
+    layer's forward and its backward): the meter's high-water mark."""
+    from moeplug.training.memory import ActivationMeter
+    meter = ActivationMeter(params)
+    with meter.active():
+        fn()
+    return meter.peak
+
+
+def measure_unit(make_fn: Callable[[int], Callable[[], Any]], tokens_scale: int,
+                 tiny_scale: int = 1, params: Any = None) -> UnitCost:
+    """Cost of ``make_fn(scale)()`` (one forward + backward) at ``tokens_scale``; ``host`` from
+    the same at ``tiny_scale``."""
+    fn = make_fn(tokens_scale)
+    fn()  # warm-up outside the trace
+    trace, kernels = _run_traced(fn)
+    peak = trace.peak
+    parts = replay(trace)
+    flops = _gemm_flops(trace)
+    del trace
+    saved = _saved_bytes(fn, params)
+    # What the unit saves when not checkpointed: under full recompute the backward rebuilds a
+    # whole block at once, so a block's attention tensors live while its MLP runs backward.
+    plain = _saved_bytes(make_fn(tokens_scale, plain=True), params)
+    tiny = make_fn(tiny_scale)
+    wall = _best_time(tiny, repeats=5)
+    tiny_trace, tiny_kernels = _run_traced(tiny)
+    tiny_parts = replay(tiny_trace, cold=False)  # a tiny unit's ops stay in cache anyway
+    host = max(0.0, wall - sum(tiny_parts.values()) - tiny_kernels)
+    return UnitCost(gemm=parts["gemm"], attention=parts["attention"],
+                    elementwise=parts["elementwise"], kernels=kernels, host=host,
+                    gemm_flops=flops, saved_bytes=saved, peak_bytes=peak,
+                    saved_plain_bytes=plain)
+
+
+# ---------------------------------------------------------------- collectives
+
+def measure_link(kind: str, group: Any, nbytes: int, repeats: int = 5) -> tuple[float, float]:
+    """(latency seconds, bytes per second) of one ``kind`` collective over ``group``: the time
+    of a 64-byte call, and the slope up to ``nbytes`` (the run's typical message)."""
+    n = dist.get_world_size(group)
+
+    def call(size: int) -> Callable[[], None]:
+        elems = max(n, size // 4 // n * n)
+        x = torch.ones(elems)
+        if kind == "all_to_all":
+            y = torch.empty_like(x)
+            return lambda: dist.all_to_all_single(y, x, group=group)
+        if kind == "all_gather":
+            y = torch.empty(elems * n)
+            return lambda: dist.all_gather_into_tensor(y, x, group=group)
+        if kind == "reduce_scatter":
+            y = torch.empty(elems // n)
+            return lambda: dist.reduce_scatter_tensor(y, x, group=group)
+        return lambda: dist.all_reduce(x, group=group)
+
+    small = _best_time(call(64), repeats)
+    big_bytes = max(nbytes, 1 << 16)
+    big = _best_time(call(big_bytes), repeats)
+    return small, big_bytes / max(big - small, 1e-9)
+
+
+def trace_collectives(fn: Callable[[], Any]) -> list[tuple[str, int]]:
+    """Run ``fn`` and return (kind, bytes entering the collective on this rank) of every
+    collective it made, in order (a dispatch trace: every process-group call is seen)."""
+    trace = _OpTrace(keep_args=False)
+    with trace:
+        fn()
+    return trace.collectives
+
+
+def _collective_bytes(kind: str, args: tuple) -> int:
+    # The message is the input: a2a / gather / scatter take it second, all-reduce first.
+    src = args[1] if kind in ("all_to_all", "all_gather", "reduce_scatter") else args[0]
+    return sum(t.numel() * t.element_size() for t in _tensors(src))
+
+
+# ---------------------------------------------------------------- the run
+
+@dataclasses.dataclass
+class CpuCosts:
+    """This CPU, calibrated for one run (see the module docstring). Seconds are per micro-batch
+    for ``units``, per call for ``links`` (latency, bytes/s), per step for ``collectives``."""
+    units: dict                 # "attn" / "mlp" / "moe" / "head" -> UnitCost
+    links: dict                 # collective kind -> (latency s, bytes per s)
+    collectives: list           # (kind, bytes) of one optimizer step on this rank
+    optimizer_s_per_param: float
+    peak_tflops: float          # the 512^2 fp32 matmul: the efficiencies' reference
+
+    def mean(self, other: "CpuCosts") -> "CpuCosts":
+        """The average of two calibrations (one before and one after a run brackets the load
+        the run saw)."""
+        def avg(a, b):
+            return (a + b) / 2
+        units = {n: UnitCost(**{f.name: avg(getattr(u, f.name), getattr(other.units[n], f.name))
+                                for f in dataclasses.fields(UnitCost)})
+                 for n, u in self.units.items()}
+        links = {k: (avg(v[0], other.links[k][0]), avg(v[1], other.links[k][1]))
+                 for k, v in self.links.items()}
+        return CpuCosts(units=units, links=links, collectives=self.collectives,
+                        optimizer_s_per_param=avg(self.optimizer_s_per_param,
+                                                  other.optimizer_s_per_param),
+                        peak_tflops=avg(self.peak_tflops, other.peak_tflops))
+
+    def gemm_efficiency(self, unit: str) -> float:
+        u = self.units[unit]
+        return u.gemm_flops / max(u.gemm, 1e-12) / (self.peak_tflops * 1e12)
+
+    def collective_seconds(self) -> float:
+        return sum(self.links[k][0] + b / self.links[k][1] for k, b in self.collectives)
+
+
+def _local_root(root: Any, tp: int, ep: int) -> Any:
+    """The run's config with this rank's shard shapes, for one process."""
+    m = root.model
+    moe = dataclasses.replace(m.moe, num_experts=m.moe.num_experts // ep)
+    model = dataclasses.replace(
+        m, kv_channels=m.head_dim, num_heads=m.num_heads // tp,
+        num_kv_heads=max(1, m.num_kv_heads // tp),
+        dense_ffn_hidden_size=m.dense_ffn_hidden_size // tp, moe=moe)
+    return dataclasses.replace(root, model=model,
+                               parallel=dataclasses.replace(root.parallel, tp=1, ep=1, cp=1,
+                                                            pp=1, dp=0))
+
+
+def _unit_fns(model: Any, root: Any, precision: Any, tp: int) -> dict:
+    """unit name -> make_fn((batch, seq)) -> one forward + backward of that unit."""
+    from torch.utils.checkpoint import checkpoint
+    full = root.model.recompute.granularity == "full"
+    h = root.model.hidden_size
+    blocks = list(model.blocks)
+    moe_i = next((i for i, b in enumerate(blocks) if root.model.moe_layer_pattern[i]), None)
+    dense_i = next((i for i, b in enumerate(blocks) if not root.model.moe_layer_pattern[i]),
+                   None)
+
+    def block_unit(fwd: Callable, tokens_div: int = 1):
+        def make(shape, plain: bool = False):
+            b, s = shape
+            x = torch.randn(b, max(1, s // tokens_div), h, requires_grad=True)
+            g = torch.randn_like(x)
+
+            def run():
+                with precision.autocast("cpu"):
+                    y, extra = (checkpoint(fwd, x, use_reentrant=False) if full and not plain
+                                else fwd(x))
+                # backward(g), not sum(y * g): a loss op would save g, which no layer keeps
+                if isinstance(extra, torch.Tensor):
+                    torch.autograd.backward([y, extra], [g, torch.ones_like(extra)])
+                else:
+                    y.backward(g)
+            return run
+        return make
+
+    def attn(x):
+        blk = blocks[0]
+        return x + blk.attn(blk.attn_norm(x)), 0.0
+
+    def ffn(i):
+        blk = blocks[i]
+
+        def f(x):
+            out = blk.ffn(blk.ffn_norm(x))
+            if isinstance(out, tuple):
+                return x + out[0], out[1].float()
+            return x + out, 0.0
+        return f
+
+    vocab = model.output_weight().shape[0]
+
+    def head(shape, plain: bool = False):  # never checkpointed
+        b, s = shape
+        tokens = torch.randint(0, vocab, (b, s))
+        targets = torch.randint(0, vocab, (b, s))
+
+        def run():
+            with precision.autocast("cpu"):
+                out = model.head_and_loss(model.embed_tokens(tokens), tokens, targets)
+            out.lm_loss.backward()
+        return run
+
+    units = {"attn": block_unit(attn), "head": head}
+    if dense_i is not None:
+        units["mlp"] = block_unit(ffn(dense_i))
+    if moe_i is not None:
+        units["moe"] = block_unit(ffn(moe_i), tokens_div=tp)
+    return units
+
+
+def _optimizer_s_per_param(model: Any, root: Any) -> float:
+    from moeplug.training.optim import build_optimizer
+    params = [p for p in model.parameters()]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt = build_optimizer(model, root.train)
+    t = _best_time(opt.step)
+    return t / sum(p.numel() for p in params)
+
+
+def _step_collectives(root: Any, host: Any, vocab: int, groups: Any, precision: Any) -> list:
+    """(kind, bytes) of every collective one real optimizer step of this rank makes, from a
+    traced step of a throw-away copy of the run's model (same layout, same micro-batches)."""
+    from moeplug.training import distributed as D
+    from moeplug.training.trainer import build_rank_optimizer, train_step
+    tc = root.train
+    model = D.build_rank_model(root, host, vocab, groups, "cpu")
+    opt = build_rank_optimizer(model, root, groups)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, vocab, (tc.micro_batch_size, tc.seq_len), generator=gen),
+                torch.randint(0, vocab, (tc.micro_batch_size, tc.seq_len), generator=gen))
+               for _ in range(tc.grad_accum_steps)]
+    trace = _OpTrace(keep_args=False)
+    with trace:
+        train_step(model, opt, batches, tc, precision, groups)
+    return trace.collectives
+
+
+def _peak_tflops(n: int = 512) -> float:
+    """The 512^2 fp32 matmul (moeplug.training.flops' reference GEMM), in CPU seconds."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n ** 3 / _best_time(lambda: torch.mm(a, b), repeats=5) / 1e12
+
+
+def calibrate_run(root: Any, host: Any, vocab: int, groups: Any = None,
+                  precision: Any = None) -> CpuCosts:
+    """Measure this CPU for ``root`` (a RootConfig) on this rank; call on every rank of the run
+    at once when ``groups`` is given (the collectives are measured over them)."""
+    from moeplug.modules import build_model
+    if root.parallel.pp > 1:
+        from moeplug.config import ConfigError
+        raise ConfigError("plan --cluster cpu: pipeline layouts are not calibrated (the units "
+                          "are; the schedule's sends are not traced). Fix: use pp: 1")
+    if precision is None:
+        from moeplug.cli import _load_host, check_plugins
+        precision = check_plugins(host or _load_host(root), root)
+    tp = groups.size("tp") if groups is not None else 1
+    ep = groups.size("ep") if groups is not None else 1
+    local = _local_root(root, tp, ep)
+    vocab_local = -(-vocab // tp)
+    model = build_model(local, host, vocab_local)
+    tc = root.train
+    units = {name: measure_unit(make, (tc.micro_batch_size, tc.seq_len), (1, 16), model)
+             for name, make in _unit_fns(model, local, precision, tp).items()}
+    opt_s = _optimizer_s_per_param(model, local)
+    del model
+    collectives, links = [], {}
+    if groups is not None:
+        collectives = _step_collectives(root, host, vocab, groups, precision)
+        sizes: dict[str, int] = {}
+        for kind, nbytes in collectives:
+            sizes[kind] = max(sizes.get(kind, 0), nbytes)
+        for kind in sorted(COLLECTIVE_SIZES_ORDER):  # the same calls, sizes, order on all ranks
+            size = torch.tensor([sizes.get(kind, 0)], dtype=torch.int64)
+            dist.all_reduce(size, op=dist.ReduceOp.MAX)
+            if int(size):
+                links[kind] = measure_link(kind, None, int(size))
+    return CpuCosts(units=units, links=links, collectives=collectives,
+                    optimizer_s_per_param=opt_s, peak_tflops=_peak_tflops())
+
+
+def calibrate_config(path: str) -> CpuCosts:
+    """One process's calibration for the YAML config at ``path`` (``moeplug plan --config
+    PATH --cluster cpu``), with the threads the run would use."""
+    from moeplug.cli import _load_host, check_plugins
+    from moeplug.config import load_config
+    from moeplug.data import prepare_corpus
+    root = load_config(path)
+    if root.train.threads:
+        torch.set_num_threads(root.train.threads)
+    host = _load_host(root)
+    precision = check_plugins(host, root)
+    return calibrate_run(root, host, prepare_corpus(root.data).vocab_size, None, precision)
