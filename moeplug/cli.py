@@ -20,6 +20,7 @@ from typing import Sequence
 
 import moeplug
 from moeplug.config import ConfigError, RootConfig, load_config
+from moeplug.plugin_host import check_plugins, load_host as _load_host
 
 EXIT_CONFIG = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `cat`/`yes` report when the reader went away
@@ -81,27 +82,6 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     if args.tensorboard:
         out.append("train.tensorboard=true")
     return out
-
-
-def _load_host(cfg: RootConfig):
-    from moeplug.plugin_host import PluginHost
-    return PluginHost.load(block=cfg.plugins.block)
-
-
-def check_plugins(host, cfg: RootConfig):
-    """Fail fast (PluginError) if a chosen plugin is unknown, unavailable or has bad options.
-
-    The host has no build-free check, so one instance of each component is created (one layer's
-    worth: cheap next to data preparation). Returns the precision recipe, which is reused.
-    """
-    p, m = cfg.plugins, cfg.model
-    for kind in ("router", "dispatcher", "experts", "precision"):  # rules needing parallel.*
-        host.check_parallel(kind, getattr(p, kind), dict(getattr(p, f"{kind}_options")),
-                            cfg.parallel)
-    host.create("router", p.router, dict(p.router_options), m)
-    dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, None)
-    host.create("experts", p.experts, dict(p.experts_options), m, dispatcher.num_local_experts)
-    return host.create("precision", p.precision, dict(p.precision_options))
 
 
 def cmd_version() -> int:

@@ -468,3 +468,26 @@ def _check_interface(kind: str, name: str, entry: _Entry, component: Any) -> Non
 
 __all__ = ["PluginHost", "PluginError", "PluginInfo", "SkippedEntryPoint", "ComponentRegistry",
            "KINDS", "BLOCK_ENV", "NO_AUTOLOAD_ENV"]
+
+
+def load_host(cfg: Any) -> "PluginHost":
+    """The plugin host of a run (a RootConfig): every plugin but ``plugins.block``."""
+    return PluginHost.load(block=cfg.plugins.block)
+
+
+def check_plugins(host: "PluginHost", cfg: Any) -> Any:
+    """Fail fast (PluginError) if a chosen plugin is unknown, unavailable or has bad options.
+
+    The host has no build-free check, so one instance of each component is created (one layer's
+    worth: cheap next to data preparation). Returns the precision recipe, which is reused.
+    Here, not in the CLI, so that other entry points (``moeplug plan``'s calibration) check a
+    config the same way without importing the CLI.
+    """
+    p, m = cfg.plugins, cfg.model
+    for kind in ("router", "dispatcher", "experts", "precision"):  # rules needing parallel.*
+        host.check_parallel(kind, getattr(p, kind), dict(getattr(p, f"{kind}_options")),
+                            cfg.parallel)
+    host.create("router", p.router, dict(p.router_options), m)
+    dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, None)
+    host.create("experts", p.experts, dict(p.experts_options), m, dispatcher.num_local_experts)
+    return host.create("precision", p.precision, dict(p.precision_options))

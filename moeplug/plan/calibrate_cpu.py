@@ -494,7 +494,7 @@ def calibrate_run(root: Any, host: Any, vocab: int, groups: Any = None,
         raise ConfigError("plan --cluster cpu: pipeline layouts are not calibrated (the units "
                           "are; the schedule's sends are not traced). Fix: use pp: 1")
     if precision is None:
-        from moeplug.cli import _load_host, check_plugins
+        from moeplug.plugin_host import check_plugins, load_host as _load_host
         precision = check_plugins(host or _load_host(root), root)
     tp = groups.size("tp") if groups is not None else 1
     ep = groups.size("ep") if groups is not None else 1
@@ -524,7 +524,7 @@ def calibrate_run(root: Any, host: Any, vocab: int, groups: Any = None,
 def calibrate_config(path: str) -> CpuCosts:
     """One process's calibration for the YAML config at ``path`` (``moeplug plan --config
     PATH --cluster cpu``), with the threads the run would use."""
-    from moeplug.cli import _load_host, check_plugins
+    from moeplug.plugin_host import check_plugins, load_host as _load_host
     from moeplug.config import load_config
     from moeplug.data import prepare_corpus
     root = load_config(path)

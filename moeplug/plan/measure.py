@@ -100,7 +100,7 @@ def main(path: str) -> int:
     _pin_mmap_threshold()
     import torch
 
-    from moeplug.cli import _load_host, check_plugins
+    from moeplug.plugin_host import check_plugins, load_host as _load_host
     from moeplug.config import load_config
     from moeplug.data import prepare_corpus
     from moeplug.training import distributed as D
