@@ -57,14 +57,15 @@ def _local_only_ids(sizes: list[int], L: int, gen: torch.Generator) -> torch.Ten
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return 0.0 if a.numel() == 0 else (a - b).abs().max().item()
+    from moeplug.testing.dispatcher_parallel import max_abs_err
+    return max_abs_err(a, b)
 
 
 def _ep_checks(rank: int, world: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from moeplug.interfaces import RouterOutput
+    from moeplug.testing.dispatcher_parallel import expert_grad_errors, run_with_experts
     from moeplug.parallel.experts import local_expert_ids
     from moeplug.parallel.sharding import load_expert_shard
     from moeplug.plugin_host import PluginHost
@@ -126,23 +127,17 @@ def _ep_checks(rank: int, world: int) -> dict[str, float]:
             disp = host.create("dispatcher", name, {}, cfg, dist.group.WORLD)
             experts = host.create("experts", "grouped", {}, cfg, L)
             load_expert_shard(experts, experts_ref.state_dict(), rank, world)
-            p = probs_TK[lo:hi].clone().requires_grad_()
-            x = x_TD[lo:hi].clone().requires_grad_()
-            d = disp.dispatch(x, RouterOutput(p, ids_TK[lo:hi], torch.zeros(())))
-            y = disp.combine(experts(d.x_SD, d.probs_S, d.counts_L), d.meta)
-            (y * w_TD[lo:hi]).sum().backward()
+            d, y, x_grad, p_grad = run_with_experts(disp, experts, x_TD[lo:hi], probs_TK[lo:hi],
+                                                    ids_TK[lo:hi], w_TD[lo:hi])
             key = f"{case}/{name}"
             errors[f"{key}/counts_L"] = float(not torch.equal(
                 d.counts_L, d_ref.counts_L[mine.start:mine.stop]))
             errors[f"{key}/dispatched_rows"] = _err(d.x_SD, d_ref.x_SD[start:stop])
             errors[f"{key}/dispatched_probs"] = _err(d.probs_S, d_ref.probs_S[start:stop])
             errors[f"{key}/output"] = _err(y, y_ref[lo:hi])
-            errors[f"{key}/input_grad"] = _err(x.grad, xr.grad[lo:hi])
-            errors[f"{key}/probs_grad"] = _err(p.grad, pr.grad[lo:hi])
-            for pname in ("gate_up_proj", "down_proj"):
-                errors[f"{key}/expert_grad/{pname}"] = _err(
-                    getattr(experts, pname).grad,
-                    getattr(experts_ref, pname).grad[mine.start:mine.stop])
+            errors[f"{key}/input_grad"] = _err(x_grad, xr.grad[lo:hi])
+            errors[f"{key}/probs_grad"] = _err(p_grad, pr.grad[lo:hi])
+            errors.update(expert_grad_errors(experts, experts_ref, mine, key))
         experts_ref.zero_grad(set_to_none=True)
 
     # --- 3. error path: expert counts that the EP group cannot split ---------------------------

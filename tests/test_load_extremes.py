@@ -53,14 +53,14 @@ def reference_moe(x_TD, probs_TK, ids_TK, experts) -> torch.Tensor:
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return 0.0 if a.numel() == 0 else (a - b).abs().max().item()
+    from moeplug.testing.dispatcher_parallel import max_abs_err
+    return max_abs_err(a, b)
 
 
 def _extreme_checks(rank: int, world: int) -> dict[str, float]:
     import torch.distributed as dist
 
-    from moeplug.interfaces import RouterOutput
+    from moeplug.testing.dispatcher_parallel import expert_grad_errors, run_with_experts
     from moeplug.modules.moe import MoELayer
     from moeplug.parallel.experts import local_expert_ids
     from moeplug.parallel.sharding import load_expert_shard
@@ -87,21 +87,15 @@ def _extreme_checks(rank: int, world: int) -> dict[str, float]:
             disp = host.create("dispatcher", name, {}, cfg, group)
             experts = host.create("experts", "grouped", {}, cfg, disp.num_local_experts)
             load_expert_shard(experts, experts_ref.state_dict(), rank, world)
-            x = x_TD[lo:hi].clone().requires_grad_()
-            p = probs_TK[lo:hi].clone().requires_grad_()
-            d = disp.dispatch(x, RouterOutput(p, ids_TK[lo:hi], torch.zeros(())))
-            y = disp.combine(experts(d.x_SD, d.probs_S, d.counts_L), d.meta)
-            (y * w_TD[lo:hi]).sum().backward()
+            d, y, x_grad, p_grad = run_with_experts(disp, experts, x_TD[lo:hi], probs_TK[lo:hi],
+                                                    ids_TK[lo:hi], w_TD[lo:hi])
             key = f"{case}/{name}"
             want_counts = torch.bincount(ids_TK.reshape(-1), minlength=E)[mine.start:mine.stop]
             errors[f"{key}/counts_L"] = float(not torch.equal(d.counts_L, want_counts))
             errors[f"{key}/output"] = _err(y, y_ref[lo:hi])
-            errors[f"{key}/input_grad"] = _err(x.grad, xr.grad[lo:hi])
-            errors[f"{key}/probs_grad"] = _err(p.grad, pr.grad[lo:hi])
-            for pname in ("gate_up_proj", "down_proj"):
-                errors[f"{key}/expert_grad/{pname}"] = _err(
-                    getattr(experts, pname).grad,
-                    getattr(experts_ref, pname).grad[mine.start:mine.stop])
+            errors[f"{key}/input_grad"] = _err(x_grad, xr.grad[lo:hi])
+            errors[f"{key}/probs_grad"] = _err(p_grad, pr.grad[lo:hi])
+            errors.update(expert_grad_errors(experts, experts_ref, mine, key))
 
     # A whole MoE layer of 256 experts with the real top-k router, against the same layer in one
     # process on every rank's tokens (most experts get no token, a few get several).

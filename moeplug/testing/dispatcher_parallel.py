@@ -72,6 +72,33 @@ def _run(disp: Any, x_TD: torch.Tensor, routing: RouterOutput, w_TD: torch.Tenso
     return d, y_TD.detach(), x_grad, p_grad
 
 
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference of two same-shape tensors (0 for empty ones)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return 0.0 if a.numel() == 0 else (a - b).abs().max().item()
+
+
+def run_with_experts(disp: Any, experts: Any, x_TD: torch.Tensor, probs_TK: torch.Tensor,
+                     ids_TK: torch.Tensor, w_TD: torch.Tensor):
+    """This rank's tokens through dispatch -> real experts -> combine, then backward of
+    ``sum(y * w)`` (grads land on the experts' parameters). Returns (dispatched, y_TD, x_grad,
+    probs_grad)."""
+    x = x_TD.clone().requires_grad_()
+    p = probs_TK.clone().requires_grad_()
+    d = disp.dispatch(x, RouterOutput(p, ids_TK, torch.zeros(())))
+    y_TD = disp.combine(experts(d.x_SD, d.probs_S, d.counts_L), d.meta)
+    (y_TD * w_TD).sum().backward()
+    return d, y_TD, x.grad, p.grad
+
+
+def expert_grad_errors(experts: Any, experts_ref: Any, mine: range, key: str) -> dict[str, float]:
+    """``{key/expert_grad/NAME: err}``: this rank's experts' weight grads vs the one-process
+    reference's rows ``mine`` (its global expert ids)."""
+    return {f"{key}/expert_grad/{n}": max_abs_err(getattr(experts, n).grad,
+                                                  getattr(experts_ref, n).grad[mine.start:mine.stop])
+            for n in ("gate_up_proj", "down_proj")}
+
+
 def check_dispatcher_ep(host: Any, name: str, group: Any, *, options: dict | None = None,
                         model_cfg: ModelConfig | None = None, seed: int = 0,
                         cases: tuple[str, ...] = CASES) -> None:
