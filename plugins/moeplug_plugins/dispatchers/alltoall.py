@@ -59,7 +59,9 @@ class AlltoAllDispatcher(Dispatcher):
             (row_map_TK.reshape(-1),), routing.probs_TK.reshape(-1))
         num_sink = int(counts[E]) if has_sink else 0
         S = x_RD.shape[0] - num_sink
-        x_SD, probs_S, counts_E = x_RD[:S], probs_R[:S], counts[:E]
+        x_SD, probs_S, counts_E = x_RD, probs_R, counts[:E]
+        if num_sink:  # a slice's backward zero-fills and copies the whole buffer: only if needed
+            x_SD, probs_S = x_RD[:S], probs_R[:S]
         # 2. counts  3. all-to-all  4. sort by local expert
         plan = self._exchange_counts(counts_E)
         x_SD, probs_S = self._send_rows(x_SD, plan), self._all_to_all(probs_S, plan)
