@@ -163,3 +163,60 @@ def test_version_reports_the_cuda_extension_state():
         assert "cuda_extension=moeplug._runtime_cuda is not built" in out
     else:
         assert "cuda_extension=moeplug._runtime_cuda is not loaded: torch sees no GPU" in out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("score,renormalize,bias,groups", [
+    ("softmax", True, False, None), ("softmax", False, False, (4, 2, "topk_share")),
+    ("sigmoid", True, True, (8, 4, "topk_share")), ("sqrtsoftplus", True, True, (4, 2, "top2_sum")),
+    ("sigmoid", False, False, None)])
+@pytest.mark.parametrize("aux_counts,B", [(None, 1), ("plain_topk", 1), ("routed", 4)])
+def test_route_forward_backward_match_the_torch_routing(cu, score, renormalize, bias, groups,
+                                                        aux_counts, B):
+    """The CUDA fused router against the plain-torch routing math and autograd (as the CPU
+    kernel in tests/test_fused_router.py): ids, probs, aux statistics, logit gradients."""
+    from moeplug.routing.aux_losses import counts_for_aux, expert_counts
+    from moeplug.routing.fused import _spec
+    from moeplug.routing.scores import aux_scores
+    T, E, K = 64, 64, 8
+    gen = torch.Generator().manual_seed(1)
+    # Distinct logits (a permutation scaled): no near-ties for the two exps to resolve apart.
+    logits = (torch.stack([torch.randperm(E, generator=gen) for _ in range(T)]) - E / 2) / 16
+    bias_E = torch.randn(E, generator=gen) * 1e-3 if bias else None
+    g_TK, h_BE = torch.randn(T, K, generator=gen), torch.randn(B, E, generator=gen)
+    route = dict(score_function=score, renormalize=renormalize, expert_bias_E=bias_E,
+                 scaling_factor=2.5)
+    if groups:
+        route.update(num_groups=groups[0], group_topk=groups[1], group_score=groups[2])
+    z = logits.clone().requires_grad_()
+    want_p, want_ids = topk_routing(z, K, **route)
+    loss = (want_p * g_TK).sum()
+    if aux_counts:
+        s_TE = aux_scores(z, score)
+        want_mean = s_TE.view(B, T // B, E).mean(1)
+        ids_c = counts_for_aux(s_TE, want_ids, aux_counts)
+        want_counts = torch.stack([expert_counts(c, E) for c in ids_c.view(B, -1, K)])
+        loss = loss + (want_mean * h_BE).sum()
+    loss.backward()
+    spec = _spec(T, E, K, score, renormalize, route.get("num_groups"), route.get("group_topk"),
+                 route.get("group_score", "topk_share"), 2.5, aux_counts, B if aux_counts else 1)
+    l_d, b_d = logits.cuda(), None if bias_E is None else bias_E.cuda()
+    probs = torch.empty(T, K, device="cuda")
+    ids = torch.empty(T, K, dtype=torch.int64, device="cuda")
+    mean = torch.empty(spec["num_sequences"], E, device="cuda")
+    counts = torch.empty(spec["num_sequences"], E, dtype=torch.int64, device="cuda")
+    cu.route_forward(logits=l_d.data_ptr(), bias=0 if b_d is None else b_d.data_ptr(),
+                     probs=probs.data_ptr(), ids=ids.data_ptr(), aux_mean=mean.data_ptr(),
+                     counts=counts.data_ptr(), stream=_stream(), **spec)
+    grad = torch.empty(T, E, device="cuda")
+    gp, gm = g_TK.cuda(), h_BE.cuda()
+    cu.route_backward(logits=l_d.data_ptr(), ids=ids.data_ptr(), grad_probs=gp.data_ptr(),
+                      grad_aux_mean=gm.data_ptr() if aux_counts else 0,
+                      grad_logits=grad.data_ptr(), stream=_stream(), **spec)
+    torch.cuda.synchronize()
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(probs.cpu(), want_p.detach(), atol=1e-5, rtol=1e-5)
+    if aux_counts:
+        assert torch.equal(counts.cpu(), want_counts)
+        torch.testing.assert_close(mean.cpu(), want_mean.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad.cpu(), z.grad, atol=1e-6, rtol=1e-5)

@@ -17,6 +17,19 @@ from moeplug.modules.moe_overlap import overlapped_routed
 from moeplug.modules.static_moe import static_moe
 from moeplug.observability.timing import stage
 from moeplug.parallel.tensor_parallel import average_over_token_group
+from moeplug.quant import active_recipe
+
+
+def _rows_for_experts(x_TD: torch.Tensor) -> torch.Tensor:
+    """Under CPU autocast the experts' GEMMs run in the autocast dtype anyway: cast the T token
+    rows once here instead of the T*K dispatched rows in the experts, which also halves what
+    permute and its backward move in bf16. The router still sees the fp32 rows. Not under a
+    low-precision recipe (its quantisers take the rows as they come)."""
+    if (x_TD.device.type != "cpu" or x_TD.dtype != torch.float32
+            or not torch.is_autocast_enabled("cpu")
+            or torch.get_autocast_dtype("cpu") != torch.bfloat16 or active_recipe() is not None):
+        return x_TD
+    return x_TD.to(torch.bfloat16)
 
 
 class MoEOutput(tuple):
@@ -112,7 +125,7 @@ class MoELayer(nn.Module):
             counts_E = self._host_counts(routing)
         else:
             with stage("dispatch"):
-                d = self.dispatcher.dispatch(x_TD, routing)           # 2. dispatch
+                d = self.dispatcher.dispatch(_rows_for_experts(x_TD), routing)  # 2. dispatch
             with stage("experts"), self._stash_scope():
                 y_SD = self._experts(d)                               # 3. experts
             with stage("combine"):

@@ -94,8 +94,8 @@ class _ExpertMLP(torch.autograd.Function):
 
         want_dp = need_p and probs32_S is not None
         max_rows = max((s1 - s0 for _, s0, s1 in slices), default=0)
-        dA_nF = x_c.new_empty(max_rows, F_)  # one expert at a time: stays cache-sized
-        a_nF = x_c.new_empty(max_rows, F_) if ctx.recompute_act else None
+        dA_nF = workspace.empty((max_rows, F_), x_c.dtype)  # one expert at a time: cache-sized
+        a_nF = workspace.empty((max_rows, F_), x_c.dtype) if ctx.recompute_act else None
         dh_S2F = workspace.empty((S, 2 * F_), x_c.dtype)
         dp_S = torch.empty(S, dtype=torch.float32) if want_dp else None
         dX_SD = workspace.empty((S, D), x_c.dtype) if need_x else None

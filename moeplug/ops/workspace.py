@@ -8,6 +8,10 @@ mapped and hands them out again.
 A cached buffer is free when no tensor other than the cache shares its storage (the storage's
 reference count says so), so a buffer still held by autograd, a caller or a view is never
 reused. Only buffers of at least ``MIN_BYTES`` are cached; ``clear()`` drops them all.
+``MIN_BYTES`` is well below glibc's 32 MB threshold on purpose: every activation-sized buffer of
+the MoE path (expert inputs, FC1 outputs and their grads, weight grads) then comes from the cache
+after warm-up, so a steady-state step makes no activation allocations there
+(benchmarks/test_bench_stash.py counts them); smaller bookkeeping tensors still go to torch.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import threading
 
 import torch
 
-MIN_BYTES = 8 << 20
+MIN_BYTES = 256 << 10
 MAX_CACHED_BYTES = 8 << 30
 
 _lock = threading.Lock()

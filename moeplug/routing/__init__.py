@@ -7,15 +7,18 @@ Modules, one job each:
     capacity     expert capacity and the ``probs`` / ``position`` drop policies
     expert_bias  aux-loss-free bias update (all-reduced counts)
     rows         dropped/padded rows for dispatchers (sink expert, pad-to-capacity, pad multiple)
+    fused        scores + top-k + aux statistics in one C++ kernel (CPU fp32), with backward
 The ``topk`` router plugin (plugins/moeplug_plugins/routers.py) composes them; other routers and
 dispatchers may reuse any piece.
 """
 
 from moeplug.routing.aux_losses import (AUX_LOSS_COUNTS, AUX_LOSS_TYPES, counts_for_aux,
                                         expert_counts, global_aux_loss, seq_aux_loss,
-                                        sum_over_group, switch_aux_loss, z_loss)
+                                        seq_aux_loss_from_stats, sum_over_group,
+                                        switch_aux_loss, switch_aux_loss_from_mean, z_loss)
 from moeplug.routing.capacity import DROP_POLICIES, drop_over_capacity, expert_capacity
 from moeplug.routing.expert_bias import updated_expert_bias
+from moeplug.routing.fused import AuxStats, fused_routing_applies, fused_topk_routing
 from moeplug.routing.gating import ROUTER_DTYPES, force_balanced_logits, input_jitter, router_logits
 from moeplug.routing.rows import append_sink_rows, pad_rows, padded_counts, sink_dropped, unpad_rows
 from moeplug.routing.scores import (GROUP_SCORES, NORM_EPS, SCORE_FUNCTIONS, aux_scores,
@@ -23,11 +26,12 @@ from moeplug.routing.scores import (GROUP_SCORES, NORM_EPS, SCORE_FUNCTIONS, aux
                                     topk_routing)
 
 __all__ = [
-    "AUX_LOSS_COUNTS", "AUX_LOSS_TYPES", "DROP_POLICIES", "GROUP_SCORES", "NORM_EPS",
+    "AUX_LOSS_COUNTS", "AUX_LOSS_TYPES", "AuxStats", "DROP_POLICIES", "GROUP_SCORES", "NORM_EPS",
     "ROUTER_DTYPES", "SCORE_FUNCTIONS", "append_sink_rows", "aux_scores", "counts_for_aux",
     "drop_over_capacity", "expert_capacity", "expert_counts", "force_balanced_logits",
-    "global_aux_loss", "group_limited_topk", "group_members", "input_jitter", "pad_rows",
-    "padded_counts", "router_logits", "score", "select_topk", "seq_aux_loss", "sink_dropped",
-    "sum_over_group", "switch_aux_loss", "topk_routing", "unpad_rows", "updated_expert_bias",
-    "z_loss",
+    "fused_routing_applies", "fused_topk_routing", "global_aux_loss", "group_limited_topk",
+    "group_members", "input_jitter", "pad_rows", "padded_counts", "router_logits", "score",
+    "select_topk", "seq_aux_loss", "seq_aux_loss_from_stats", "sink_dropped", "sum_over_group",
+    "switch_aux_loss", "switch_aux_loss_from_mean", "topk_routing", "unpad_rows",
+    "updated_expert_bias", "z_loss",
 ]

@@ -57,12 +57,16 @@ def counts_for_aux(aux_scores_TE: torch.Tensor, routed_ids_TK: torch.Tensor, mod
 def switch_aux_loss(aux_scores_TE: torch.Tensor, counts_E: torch.Tensor, num_tokens: float,
                     top_k: int) -> torch.Tensor:
     """E * sum_i (counts_i / (num_tokens*K)) * mean_t s[t, i]; counts carry no gradient."""
-    T, E = aux_scores_TE.shape
-    if T == 0:
+    if aux_scores_TE.shape[0] == 0:
         return aux_scores_TE.new_zeros(())
-    f_E = counts_E.to(aux_scores_TE.dtype) / (num_tokens * top_k)
-    P_E = aux_scores_TE.mean(dim=0)
-    return E * torch.sum(f_E * P_E)
+    return switch_aux_loss_from_mean(aux_scores_TE.mean(dim=0), counts_E, num_tokens, top_k)
+
+
+def switch_aux_loss_from_mean(mean_E: torch.Tensor, counts_E: torch.Tensor, num_tokens: float,
+                              top_k: int) -> torch.Tensor:
+    """:func:`switch_aux_loss` from P_i = mean_t s[t, i] already taken (the fused router's)."""
+    f_E = counts_E.to(mean_E.dtype) / (num_tokens * top_k)
+    return mean_E.shape[0] * torch.sum(f_E * mean_E)
 
 
 def sum_over_group(counts: torch.Tensor, group) -> tuple[torch.Tensor, int]:
@@ -91,10 +95,18 @@ def seq_aux_loss(aux_scores_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequence
     seq_B1 = torch.arange(B, device=ids_TK.device).repeat_interleave(S * K).view(-1)
     flat = seq_B1 * E + ids_TK.reshape(-1)  # scatter_add: no host sync (see expert_counts)
     counts_BE = flat.new_zeros(B * E).scatter_add_(0, flat, torch.ones_like(flat)).view(B, E)
+    return seq_aux_loss_from_stats(aux_scores_TE.view(B, S, E).mean(dim=1), counts_BE, S, K,
+                                   group)
+
+
+def seq_aux_loss_from_stats(mean_BE: torch.Tensor, counts_BE: torch.Tensor, tokens_per_seq: int,
+                            top_k: int, group=None) -> torch.Tensor:
+    """:func:`seq_aux_loss` from each sequence's mean aux scores and expert counts (the fused
+    router's statistics); counts are summed over ``group`` here."""
+    B, E = mean_BE.shape
     counts_BE, W = sum_over_group(counts_BE, group)
-    f_BE = counts_BE.to(aux_scores_TE.dtype) / (S * W * K)
-    P_BE = aux_scores_TE.view(B, S, E).mean(dim=1)
-    return E * torch.sum(f_BE * P_BE) / B
+    f_BE = counts_BE.to(mean_BE.dtype) / (tokens_per_seq * W * top_k)
+    return E * torch.sum(f_BE * mean_BE) / B
 
 
 def global_aux_loss(aux_scores_TE: torch.Tensor, accumulated_counts_E: torch.Tensor,

@@ -84,6 +84,9 @@ class TopKOptions:
     # Pad each expert's rows to a multiple of this (16 FP8, 32 MXFP8/NVFP4); 1 = the low-
     # precision recipe's alignment when one is active (moeplug.quant.row_alignment), else off.
     padding_for_quantization: int = 1
+    # Step 3 and the aux statistics in one C++ pass (moeplug.routing.fused) where it applies
+    # (fp32 CPU logits); false: the plain-torch path (same math, the reference).
+    fused: bool = True
     # Benchmarks: random (seeded, hence repeatable) logits, so the load is balanced.
     force_load_balancing: bool = False
     force_load_balancing_seed: int = 42
@@ -225,11 +228,20 @@ class TopKRouter(Router):
         logits_TE = R.router_logits(x_TD, self.weight, R.ROUTER_DTYPES[o.dtype])
         if o.force_load_balancing:
             logits_TE = R.force_balanced_logits(logits_TE, o.force_load_balancing_seed)
-        # 3. route
-        probs_TK, ids_TK = R.topk_routing(
-            logits_TE, K, score_function=o.score_function, renormalize=self.renormalize,
-            expert_bias_E=self.expert_bias, num_groups=o.num_groups, group_topk=o.group_topk,
-            group_score=o.group_score, scaling_factor=o.topk_scaling_factor)
+        # 3. route (fused: the aux statistics come out of the same pass)
+        route = dict(score_function=o.score_function, renormalize=self.renormalize,
+                     expert_bias_E=self.expert_bias, num_groups=o.num_groups,
+                     group_topk=o.group_topk, group_score=o.group_score,
+                     scaling_factor=o.topk_scaling_factor)
+        stats = None
+        if self._fused_applies(logits_TE, num_sequences):
+            active = self._active_aux_losses()
+            fused = R.fused_topk_routing(
+                logits_TE, K, **route, aux_counts=o.aux_loss_counts if active else None,
+                num_sequences=num_sequences if "seq_aux_loss" in active else 1)
+            probs_TK, ids_TK, stats = fused.probs_TK, fused.ids_TK, fused.stats
+        else:
+            probs_TK, ids_TK = R.topk_routing(logits_TE, K, **route)
         # 4. drop over capacity
         dropped_TK, capacity = None, None
         if o.capacity_factor is not None:
@@ -238,7 +250,8 @@ class TopKRouter(Router):
                                                         o.token_drop_policy)
         # 5. losses
         losses: dict[str, torch.Tensor] = {}
-        aux_loss = self._aux_losses(logits_TE, ids_TK, num_sequences, counting, losses, token_group)
+        aux_loss = self._aux_losses(logits_TE, ids_TK, num_sequences, counting, losses, token_group,
+                                    stats)
         if o.z_loss_coeff > 0:
             z = R.z_loss(logits_TE)
             losses["z_loss"] = z.detach().float()
@@ -255,27 +268,55 @@ class TopKRouter(Router):
                             capacity=capacity if o.pad_to_capacity else None,
                             pad_multiple=row_alignment(o.padding_for_quantization))
 
+    def _active_aux_losses(self) -> dict[str, float]:
+        return {t: c for t, c in self.aux_loss_coeffs.items() if c != 0.0}
+
+    def _fused_applies(self, logits_TE: torch.Tensor, num_sequences: int) -> bool:
+        """The C++ kernel covers every option of step 3 and the aux statistics; it does not
+        run for fp64 logits or CUDA tensors (moeplug.routing.fused), nor for a seq_aux_loss
+        whose tokens do not split into equal sequences (the torch path reports that)."""
+        if not self.options.fused or not R.fused_routing_applies(logits_TE):
+            return False
+        return ("seq_aux_loss" not in self._active_aux_losses()
+                or logits_TE.shape[0] % num_sequences == 0)
+
     def _aux_losses(self, logits_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int,
-                    counting: bool, losses: dict, token_group=None) -> torch.Tensor:
-        """Sum of coeff * loss over the configured types; unscaled values go to ``losses``."""
+                    counting: bool, losses: dict, token_group=None,
+                    stats: R.AuxStats | None = None) -> torch.Tensor:
+        """Sum of coeff * loss over the configured types; unscaled values go to ``losses``.
+        ``stats``: the fused router's per-sequence means and counts (else computed here)."""
         total = logits_TE.new_zeros(())
-        active = {t: c for t, c in self.aux_loss_coeffs.items() if c != 0.0}
+        active = self._active_aux_losses()
         if not active or ids_TK.shape[0] == 0:
             return total
         T, K, E = ids_TK.shape[0], self.top_k, self.num_experts
-        s_TE = R.aux_scores(logits_TE, self.options.score_function)
+        S = T // num_sequences
+        if stats is None:
+            s_TE = R.aux_scores(logits_TE, self.options.score_function)
         with torch.no_grad():
-            count_ids_TK = R.counts_for_aux(s_TE, ids_TK, self.options.aux_loss_counts)
-            counts_E = R.expert_counts(count_ids_TK, E)
+            if stats is None:
+                count_ids_TK = R.counts_for_aux(s_TE, ids_TK, self.options.aux_loss_counts)
+                counts_E = R.expert_counts(count_ids_TK, E)
+            else:
+                counts_E = stats.counts_E
             # f_i over every rank of token_group (T counts the group's tokens); P_i stays this
             # rank's mean, and MoELayer averages the ranks' losses.
             counts_E, W = R.sum_over_group(counts_E, token_group)
             T = T * W
+
+        def switch(counts, tokens):
+            if stats is None:
+                return R.switch_aux_loss(s_TE, counts, tokens, K)
+            return R.switch_aux_loss_from_mean(stats.mean_E, counts, tokens, K)
+
         for loss_type, coeff in active.items():
             if loss_type == "aux_loss":
-                value = R.switch_aux_loss(s_TE, counts_E, T, K)
-            elif loss_type == "seq_aux_loss":
+                value = switch(counts_E, T)
+            elif loss_type == "seq_aux_loss" and stats is None:
                 value = R.seq_aux_loss(s_TE, count_ids_TK, num_sequences, token_group)
+            elif loss_type == "seq_aux_loss":
+                value = R.seq_aux_loss_from_stats(stats.mean_BE, stats.counts_BE, S, K,
+                                                  token_group)
             else:
                 acc_counts_E, acc_tokens = counts_E, T
                 if self.global_counts_E is not None and recomputing():
@@ -291,7 +332,7 @@ class TopKRouter(Router):
                             self.global_tokens += T
                         if will_recompute():
                             self._replay.append((acc_counts_E, acc_tokens))
-                value = R.global_aux_loss(s_TE, acc_counts_E, acc_tokens, K)
+                value = switch(acc_counts_E, acc_tokens)
             losses[loss_type] = value.detach().float()
             total = total + coeff * value
         return total

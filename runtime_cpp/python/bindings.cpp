@@ -4,11 +4,13 @@
 
 PYBIND11_MODULE(_runtime_core, m) {
   m.doc() = "moeplug C++ runtime core: thread pool, streams/events, permute/unpermute, "
-          "fused SwiGLU, paged stash pool + layer registry, shared-memory heap";
+          "fused SwiGLU, fused top-k routing, paged stash pool + layer registry, "
+          "shared-memory heap";
   moeplug::py_bind::register_runtime(m);
   moeplug::py_bind::register_stream(m);  // before the kernels: they add Stream.enqueue_*
   moeplug::py_bind::register_permute(m);
   moeplug::py_bind::register_swiglu(m);
+  moeplug::py_bind::register_route(m);
   moeplug::py_bind::register_stash(m);
   moeplug::py_bind::register_shm_heap(m);
 }

@@ -15,6 +15,7 @@ void register_runtime(pybind11::module_& m);
 void register_stream(pybind11::module_& m);
 void register_permute(pybind11::module_& m);
 void register_swiglu(pybind11::module_& m);
+void register_route(pybind11::module_& m);
 void register_stash(pybind11::module_& m);
 void register_shm_heap(pybind11::module_& m);
 

@@ -47,35 +47,49 @@ void check_row_map(const char* op, const int64_t* row_map_TK, int64_t T, int64_t
   }
 }
 
-// y_TD rows for tokens [t0, t1): acc = sum_k p * y_SD[row], accumulated in fp32.
+// y_TD rows for tokens [t0, t1): acc = sum_k p * y_SD[row], accumulated in fp32 (k in order).
+// D is walked in fixed blocks of kSumBlock columns whose accumulators stay in registers (4 zmm
+// / 8 ymm): each source row is read once, and the output is written once, converted. A
+// [D]-float accumulator in memory instead costs a load and a store per column and k, and made
+// bf16 unpermute run at 0.44 of memcpy.
+constexpr int64_t kSumBlock = 64;
+
 template <class T_>
 MOEPLUG_INLINE void gather_sum_rows(const T_* y_SD, const int64_t* row_map_TK, const float* probs_TK,
-                                    int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc_D,
-                                    T_* y_TD) {
-  // __restrict: the fp32 rows and the accumulator share a type, and without it GCC assumes
-  // they may overlap and leaves these loops scalar.
-  float* __restrict acc = acc_D;
+                                    int64_t t0, int64_t t1, int64_t K, int64_t D,
+                                    const T_** src_K, T_* y_TD) {
   for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
-    for (int64_t k = 0; k < K; ++k) {
-      const T_* __restrict src = y_SD + row_map_TK[t * K + k] * D;
-      const float p = probs_TK ? probs_TK[t * K + k] : 1.0f;
-      for (int64_t d = 0; d < D; ++d) acc[d] += p * load_f32(src, d);
-    }
+    for (int64_t k = 0; k < K; ++k) src_K[k] = y_SD + row_map_TK[t * K + k] * D;
+    const float* p_K = probs_TK ? probs_TK + t * K : nullptr;
     T_* __restrict dst = y_TD + t * D;
-    for (int64_t d = 0; d < D; ++d) store_f32(dst, d, acc[d]);
+    int64_t d0 = 0;
+    for (; d0 + kSumBlock <= D; d0 += kSumBlock) {
+      float acc[kSumBlock];
+      for (int64_t i = 0; i < kSumBlock; ++i) acc[i] = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const T_* __restrict src = src_K[k] + d0;
+        const float p = p_K ? p_K[k] : 1.0f;
+        for (int64_t i = 0; i < kSumBlock; ++i) acc[i] += p * load_f32(src, i);
+      }
+      for (int64_t i = 0; i < kSumBlock; ++i) store_f32(dst, d0 + i, acc[i]);
+    }
+    for (int64_t d = d0; d < D; ++d) {  // the tail, column by column
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) acc += (p_K ? p_K[k] : 1.0f) * load_f32(src_K[k], d);
+      store_f32(dst, d, acc);
+    }
   }
 }
 
 MOEPLUG_MULTIVERSION void gather_sum_f32(const float* y, const int64_t* rm, const float* p,
-                                         int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc,
-                                         float* out) {
-  gather_sum_rows(y, rm, p, t0, t1, K, D, acc, out);
+                                         int64_t t0, int64_t t1, int64_t K, int64_t D,
+                                         const float** src, float* out) {
+  gather_sum_rows(y, rm, p, t0, t1, K, D, src, out);
 }
 MOEPLUG_MULTIVERSION void gather_sum_bf16(const uint16_t* y, const int64_t* rm, const float* p,
                                           int64_t t0, int64_t t1, int64_t K, int64_t D,
-                                          float* acc, uint16_t* out) {
-  gather_sum_rows(y, rm, p, t0, t1, K, D, acc, out);
+                                          const uint16_t** src, uint16_t* out) {
+  gather_sum_rows(y, rm, p, t0, t1, K, D, src, out);
 }
 
 // For tokens [t0, t1): grad_y_SD[row] = p * g[t]; grad_p[t, k] = dot(g[t], y_SD[row]).
@@ -194,13 +208,14 @@ void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_T
   check_dims("unpermute", T, K, D);
   check_row_map("unpermute", row_map_TK, T, K, S);
   parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc_D(static_cast<size_t>(D));
     if (dtype == DType::kFloat32) {
+      std::vector<const float*> src_K(static_cast<size_t>(K));
       gather_sum_f32(static_cast<const float*>(y_SD), row_map_TK, probs_TK, t0, t1, K, D,
-                     acc_D.data(), static_cast<float*>(y_TD));
+                     src_K.data(), static_cast<float*>(y_TD));
     } else {
+      std::vector<const uint16_t*> src_K(static_cast<size_t>(K));
       gather_sum_bf16(static_cast<const uint16_t*>(y_SD), row_map_TK, probs_TK, t0, t1, K, D,
-                      acc_D.data(), static_cast<uint16_t*>(y_TD));
+                      src_K.data(), static_cast<uint16_t*>(y_TD));
     }
   });
 }

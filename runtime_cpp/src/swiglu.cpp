@@ -1,5 +1,5 @@
 // Fused SwiGLU forward/backward. Inner loops are branch-free over f so GCC vectorises them
-// (exp is a polynomial below, not libm's scalar expf).
+// (exp is the polynomial of fastmath.h, not libm's scalar expf).
 //
 // Shape legend: S rows, F expert FFN hidden size.
 #include "moeplug/swiglu.h"
@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "moeplug/fastmath.h"
 #include "moeplug/thread_pool.h"
 
 namespace moeplug {
@@ -16,29 +17,6 @@ namespace moeplug {
 namespace {
 
 constexpr int64_t kRowGrain = 16;
-
-// Cephes-style expf: range reduction to [-ln2/2, ln2/2] plus a degree-5 polynomial, ~1 ulp.
-// Inputs are clamped so 2^n never overflows the exponent field; sigmoid only needs the
-// saturated ends to be 0 or huge, which the clamp preserves.
-MOEPLUG_INLINE float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  const float fx = x * 1.44269504088896341f;
-  const float n = static_cast<float>(static_cast<int32_t>(fx + (fx >= 0.0f ? 0.5f : -0.5f)));
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
 
 template <class T_>
 MOEPLUG_INLINE void fwd_rows(const T_* h, const float* probs, int64_t s0, int64_t s1, int64_t F,

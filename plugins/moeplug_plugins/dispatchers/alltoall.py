@@ -113,7 +113,10 @@ class AlltoAllDispatcher(Dispatcher):
             (row_map_TK.reshape(-1),), routing.probs_TK.reshape(-1))
         num_sink = int(counts[E]) if has_sink else 0
         S = x_RD.shape[0] - num_sink
-        return x_RD[:S], probs_R[:S], row_map_TK, counts[:E], num_sink
+        x_SD, probs_S = x_RD, probs_R
+        if num_sink:  # a slice's backward zero-fills and copies the whole buffer: only if needed
+            x_SD, probs_S = x_RD[:S], probs_R[:S]
+        return x_SD, probs_S, row_map_TK, counts[:E], num_sink
 
     def _sort_and_pad(self, x_SD: torch.Tensor, probs_S: torch.Tensor, meta: AlltoAllMeta,
                       capacity: int | None, pad_multiple: int) -> Dispatched:

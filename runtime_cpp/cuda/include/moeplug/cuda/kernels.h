@@ -15,6 +15,7 @@
 #include <memory>
 
 #include "moeplug/dtype.h"
+#include "moeplug/route.h"
 
 namespace moeplug::cuda {
 
@@ -48,6 +49,15 @@ constexpr int64_t kMaxRouteExperts = 256;
 void topk_route(const void* logits_TE, const float* bias_E, int64_t T, int64_t E, int64_t K,
                 ScoreFunction score, bool renormalize, float scaling_factor, DType dtype,
                 float* probs_TK, int64_t* ids_TK, StreamHandle stream);
+
+// The fused router of moeplug/route.h (fp32 logits, E <= kMaxRouteExperts): groups, bias, aux
+// statistics (aux_mean_BE, counts_BE: zeroed here, then accumulated) and the backward.
+void route_forward(const float* logits_TE, const float* bias_E, const moeplug::RouteSpec& spec,
+                   float* probs_TK, int64_t* ids_TK, float* aux_mean_BE, int64_t* counts_BE,
+                   StreamHandle stream);
+void route_backward(const float* logits_TE, const int64_t* ids_TK, const float* grad_probs_TK,
+                    const float* grad_aux_mean_BE, const moeplug::RouteSpec& spec,
+                    float* grad_logits_TE, StreamHandle stream);
 
 // A cudaEvent_t owned by the runtime (timing disabled: it only orders work).
 class Event {

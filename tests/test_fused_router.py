@@ -1,0 +1,178 @@
+"""The fused router kernel (moeplug.routing.fused, runtime_cpp/src/route.cpp) against the
+plain-torch routing math it replaces: same ids, probs and aux statistics, and the same logit
+gradients, for every option it covers; then the ``topk`` router fused vs unfused end to end.
+
+Legend: T tokens, E experts, K top-k, G groups, B sequences, S tokens per sequence, D hidden.
+Tolerances: fp32 assert_close defaults (rtol 1.3e-6, atol 1e-5) for forward values; gradients
+rtol 1e-5 / atol 1e-6 (the kernel's exp is a ~1-ulp polynomial, torch's is Sleef's).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from moeplug import routing as R
+from moeplug.plugin_host import PluginHost
+from moeplug.testing import tiny_model_config
+
+GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _reference(logits_TE, k, aux_counts, B, **route):
+    """topk_routing plus the aux statistics the router computes from the [T, E] aux scores."""
+    probs_TK, ids_TK = R.topk_routing(logits_TE, k, **route)
+    if aux_counts is None:
+        return probs_TK, ids_TK, None, None
+    T, E = logits_TE.shape
+    s_TE = R.aux_scores(logits_TE, route["score_function"])
+    count_ids_TK = R.counts_for_aux(s_TE, ids_TK, aux_counts)
+    counts_BE = torch.stack([R.expert_counts(c, E) for c in count_ids_TK.view(B, -1, k)])
+    return probs_TK, ids_TK, s_TE.view(B, T // B, E).mean(dim=1), counts_BE
+
+
+ROUTES = [dict(score_function=fn, renormalize=renorm, bias=bias, groups=groups, scale=scale)
+          for fn, renorm, bias, groups, scale in itertools.product(
+              ["softmax", "sigmoid", "sqrtsoftplus"], [True, False], [False, True],
+              [None, (4, 2, "topk_share"), (4, 2, "top2_sum"), (8, 3, "topk_share")],
+              [1.0, 2.5])
+          if not (fn == "softmax" and bias)]
+
+
+def _ids(r):
+    g = r["groups"]
+    return (f"{r['score_function']}-{'renorm' if r['renormalize'] else 'raw'}"
+            f"{'-bias' if r['bias'] else ''}-{'nogroups' if g is None else '%d.%d.%s' % g}"
+            f"-x{r['scale']}")
+
+
+@pytest.mark.parametrize("aux_counts,B", [(None, 1), ("plain_topk", 1), ("routed", 2),
+                                          ("plain_topk", 3)])
+@pytest.mark.parametrize("r", ROUTES, ids=_ids)
+def test_fused_equals_torch_forward_and_backward(r, aux_counts, B):
+    T, E, K = 48, 32, 6
+    gen = torch.Generator().manual_seed(hash((_ids(r), aux_counts, B)) % 2**31)
+    logits_TE = torch.randn(T, E, generator=gen) * 2
+    route = dict(score_function=r["score_function"], renormalize=r["renormalize"],
+                 expert_bias_E=torch.randn(E, generator=gen) * 0.1 if r["bias"] else None,
+                 scaling_factor=r["scale"])
+    if r["groups"]:
+        route.update(num_groups=r["groups"][0], group_topk=r["groups"][1],
+                     group_score=r["groups"][2])
+    g_TK, h_BE = torch.randn(T, K, generator=gen), torch.randn(B, E, generator=gen)
+
+    z_ref = logits_TE.clone().requires_grad_()
+    probs, ids, mean_BE, counts_BE = _reference(z_ref, K, aux_counts, B, **route)
+    z_fused = logits_TE.clone().requires_grad_()
+    out = R.fused_topk_routing(z_fused, K, **route, aux_counts=aux_counts, num_sequences=B)
+
+    assert torch.equal(out.ids_TK, ids)
+    torch.testing.assert_close(out.probs_TK, probs)
+    loss_ref, loss_fused = (probs * g_TK).sum(), (out.probs_TK * g_TK).sum()
+    if aux_counts is not None:
+        assert torch.equal(out.stats.counts_BE, counts_BE)
+        torch.testing.assert_close(out.stats.mean_BE, mean_BE)
+        loss_ref = loss_ref + (mean_BE * h_BE).sum()
+        loss_fused = loss_fused + (out.stats.mean_BE * h_BE).sum()
+    else:
+        assert out.stats is None
+    loss_ref.backward()
+    loss_fused.backward()
+    torch.testing.assert_close(z_fused.grad, z_ref.grad, **GRAD_TOL)
+
+
+def test_fused_deepseek_v3_shape_and_aux_only_gradient():
+    """E=256, 8 groups / 4 kept, sigmoid + bias, scaling 2.5; the aux path alone (probs unused)
+    still sends its gradient, and the probs path alone likewise."""
+    T, E, K = 64, 256, 8
+    gen = torch.Generator().manual_seed(7)
+    logits_TE = torch.randn(T, E, generator=gen)
+    route = dict(score_function="sigmoid", renormalize=True, expert_bias_E=torch.randn(E) * 1e-2,
+                 num_groups=8, group_topk=4, scaling_factor=2.5)
+    for use_probs, use_aux in ((True, False), (False, True), (True, True)):
+        z_ref, z_fused = (logits_TE.clone().requires_grad_() for _ in range(2))
+        probs, ids, mean_BE, _ = _reference(z_ref, K, "plain_topk", 1, **route)
+        out = R.fused_topk_routing(z_fused, K, **route, aux_counts="plain_topk")
+        assert torch.equal(out.ids_TK, ids)
+        loss_ref = probs.sum() * use_probs + (mean_BE * torch.arange(E)).sum() * use_aux
+        loss_fused = out.probs_TK.sum() * use_probs + (out.stats.mean_BE * torch.arange(E)).sum() * use_aux
+        loss_ref.backward()
+        loss_fused.backward()
+        torch.testing.assert_close(z_fused.grad, z_ref.grad, **GRAD_TOL)
+
+
+def test_ties_go_to_the_lower_expert_id():
+    logits_TE = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 2.0]])
+    out = R.fused_topk_routing(logits_TE, 3, score_function="sigmoid", renormalize=False)
+    assert out.ids_TK.tolist() == [[1, 2, 3]]
+
+
+def test_fused_refuses_what_it_does_not_cover():
+    assert not R.fused_routing_applies(torch.zeros(4, 8, dtype=torch.float64))
+    assert not R.fused_routing_applies(torch.zeros(0, 8))
+    with pytest.raises(ValueError, match="needs fp32 CPU logits"):
+        R.fused_topk_routing(torch.zeros(4, 8, dtype=torch.float64), 2)
+    with pytest.raises(ValueError, match="num_sequences=3 does not split num_tokens=4"):
+        R.fused_topk_routing(torch.zeros(4, 8), 2, aux_counts="routed", num_sequences=3)
+
+
+# ---- the topk router, fused vs unfused --------------------------------------------------------
+
+ROUTER_CASES = {
+    "mixtral": {},
+    "pre_softmax_seq_global_z": {"renormalize": False, "load_balancing_type":
+                                 ["aux_loss", "seq_aux_loss", "global_aux_loss"],
+                                 "aux_loss_coeff": [1e-2, 1e-3, 1e-2], "z_loss_coeff": 1e-3},
+    "deepseek_v3": {"score_function": "sigmoid", "enable_expert_bias": True, "num_groups": 4,
+                    "group_topk": 2, "topk_scaling_factor": 2.5, "group_score": "top2_sum",
+                    "load_balancing_type": "seq_aux_loss"},
+    "sqrtsoftplus_routed_capacity": {"score_function": "sqrtsoftplus", "aux_loss_counts": "routed",
+                                     "capacity_factor": 1.0},
+    "no_aux": {"load_balancing_type": "none", "score_function": "sigmoid"},
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTER_CASES))
+def test_router_fused_equals_unfused(case):
+    E, K, D, B, S = 16, 4, 32, 2, 12
+    cfg = tiny_model_config(num_experts=E, top_k=K, hidden_size=D)
+    host = PluginHost.load()
+    routers = {f: host.create("router", "topk", {**ROUTER_CASES[case], "fused": f}, cfg)
+               for f in (True, False)}
+    routers[False].load_state_dict(routers[True].state_dict())
+    if routers[True].expert_bias is not None:
+        for r in routers.values():
+            r.expert_bias.copy_(torch.linspace(-0.05, 0.05, E))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(B * S, D, generator=gen)
+    g_TK = torch.randn(B * S, K, generator=gen)
+    outs, grads = {}, {}
+    for fused, router in routers.items():
+        x_TD = x.clone().requires_grad_()
+        out = router(x_TD, num_sequences=B)
+        ((out.probs_TK * g_TK).sum() + out.aux_loss).backward()
+        outs[fused], grads[fused] = out, (x_TD.grad, router.weight.grad)
+    a, b = outs[True], outs[False]
+    assert torch.equal(a.ids_TK, b.ids_TK)
+    torch.testing.assert_close(a.probs_TK, b.probs_TK)
+    torch.testing.assert_close(a.aux_loss, b.aux_loss)
+    assert a.losses.keys() == b.losses.keys()
+    for name in a.losses:
+        torch.testing.assert_close(a.losses[name], b.losses[name])
+    if b.dropped_TK is not None:
+        assert torch.equal(a.dropped_TK, b.dropped_TK)
+    for ga, gb in zip(grads[True], grads[False]):
+        torch.testing.assert_close(ga, gb, **GRAD_TOL)
+    if routers[True].step_counts_E is not None:
+        assert torch.equal(routers[True].step_counts_E, routers[False].step_counts_E)
+
+
+def test_router_fp64_keeps_the_torch_path():
+    cfg = tiny_model_config(num_experts=8, top_k=2, hidden_size=16)
+    router = PluginHost.load().create("router", "topk", {"dtype": "fp64"}, cfg)
+    logits = torch.zeros(4, 8, dtype=torch.float64)
+    assert not router._fused_applies(logits, 1)
+    out = router(torch.randn(4, 16))
+    assert out.ids_TK.shape == (4, 2)
