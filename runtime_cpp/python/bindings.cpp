@@ -4,10 +4,11 @@
 
 PYBIND11_MODULE(_runtime_core, m) {
   m.doc() = "moeplug C++ runtime core: thread pool, streams/events, permute/unpermute, "
-          "fused SwiGLU, paged stash pool + layer registry";
+          "fused SwiGLU, paged stash pool + layer registry, file-backed spill tier";
   moeplug::py_bind::register_runtime(m);
   moeplug::py_bind::register_stream(m);  // before the kernels: they add Stream.enqueue_*
   moeplug::py_bind::register_permute(m);
   moeplug::py_bind::register_swiglu(m);
   moeplug::py_bind::register_stash(m);
+  moeplug::py_bind::register_spill(m);  // after the stream: adds Stream.enqueue_spill_*
 }
