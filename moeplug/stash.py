@@ -87,6 +87,9 @@ class ModelRuntime:
         self.pool: Any = None
         self._bytes: torch.Tensor | None = None
         self.stash_active = bool(cfg.stash)
+        # model.offload: the moeplug.offload.Offloader over the second tier (None: off).
+        self.offloader: Any = None
+        self.offload_modules: list[str] = []
 
     def register_layer(self, *, index: int, num_experts: int, top_k: int, hidden: int,
                        ffn_hidden: int, num_local_experts: int, dtype: str, activation: str,
@@ -149,5 +152,8 @@ class ModelRuntime:
         """What the run record lists: the stash settings and every registered layer."""
         pool = None if self.pool is None else {"page_bytes": self.pool.page_bytes,
                                                "num_pages": self.pool.num_pages}
+        offload = None if self.offloader is None else {
+            "modules": self.offload_modules, "tier": "file", "dir": self.offloader.directory,
+            "page_bytes": self.offloader.page_bytes}
         return {"stash": bool(self.cfg.stash), "stash_overflow": self.cfg.stash_overflow,
-                "pool": pool, "layers": self.layers}
+                "pool": pool, "layers": self.layers, "offload": offload}
