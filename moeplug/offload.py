@@ -267,6 +267,17 @@ def mark(module: nn.Module, offloader: Offloader, names: frozenset[str], inputs:
     object.__setattr__(module, "_moeplug_offload_names", prev | names)
 
 
+def remove_offload(model: nn.Module) -> None:
+    """Undo apply_offload's marks (benchmarks switch levers on one model)."""
+    marked = set(_SUBCLASSES.values())
+    for m in model.modules():
+        if type(m) in marked:
+            m.__class__ = type(m).__bases__[0]
+            for attr in ("_moeplug_offloader", "_moeplug_offload_names",
+                         "_moeplug_offload_inputs"):
+                m.__dict__.pop(attr, None)
+
+
 def _targets(block: nn.Module, name: str) -> list[nn.Module]:
     from moeplug.modules.attention import CoreAttention
     from moeplug.modules.moe import MoELayer

@@ -50,14 +50,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def stochastic_round_(dst: torch.Tensor, src32: torch.Tensor, gen: torch.Generator) -> None:
+def stochastic_round_(dst: torch.Tensor, src32: torch.Tensor, step: int) -> None:
     """``dst`` (bf16) <- ``src32`` rounded up or down to a neighbouring bf16 with probability
     proportional to the distance: unbiased, so updates smaller than half a bf16 ulp still move
-    a weight on average (round-to-nearest would drop every one of them)."""
+    a weight on average (round-to-nearest would drop every one of them).
+
+    The random bits are a hash of each value's own bits and ``step``, not a generator's stream:
+    the rounding of an element does not depend on how the tensor is cut (a distributed
+    optimizer's slice rounds exactly as the whole tensor does) and a resumed run rounds as the
+    uninterrupted one did, with no generator state to checkpoint."""
     bits = src32.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, generator=gen)
-    # The bf16 value is the fp32's top 16 bits: adding noise below them then truncating rounds
+    h = (bits.to(torch.int64) & 0xFFFFFFFF) ^ ((step * 0x9E3779B9) & 0xFFFFFFFF)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF  # murmur3's finaliser: every input bit moves every output
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    # The bf16 value is the fp32's top 16 bits: adding 16 random low bits then truncating rounds
     # the magnitude up with probability (low bits / 2^16). Sign-magnitude, so both signs alike.
+    noise = (h & 0xFFFF).to(torch.int32)
     dst.copy_(bits.add(noise).bitwise_and_(-65536).view(torch.float32))
 
 
@@ -67,15 +77,13 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
     reads them into fp32, updates in fp32 and rounds them back (Megatron precision-aware
     optimizer, ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``). bf16 parameters (master
     weights in bf16, ``--main-params-dtype``) are updated in fp32 and stochastically rounded
-    back (:func:`stochastic_round_`, from a generator seeded with ``seed``)."""
+    back (:func:`stochastic_round_`)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float,
-                 moment_dtype: torch.dtype = torch.bfloat16, weight_decay: float = 0.0,
-                 seed: int = 0) -> None:
+                 moment_dtype: torch.dtype = torch.bfloat16, weight_decay: float = 0.0) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
         self.moment_dtype = moment_dtype
-        self._rounding = torch.Generator().manual_seed(seed)
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # torch casts the moments to the params' dtype
@@ -109,7 +117,7 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
                 denom = (v32.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
                 p32.addcdiv_(m32, denom, value=-lr / (1 - beta1 ** t))
                 if p32 is not p:
-                    stochastic_round_(p, p32, self._rounding)
+                    stochastic_round_(p, p32, int(t))
 
 
 def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -119,7 +127,7 @@ def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
     kw = {"lr": lr_at(0, cfg), "betas": (cfg.beta1, cfg.beta2), "eps": 1e-8}
     if cfg.optimizer_dtype == "bf16" or cfg.master_dtype == "bf16":
         moments = torch.bfloat16 if cfg.optimizer_dtype == "bf16" else torch.float32
-        return LowPrecisionMomentsAdamW(groups, moment_dtype=moments, seed=cfg.seed, **kw)
+        return LowPrecisionMomentsAdamW(groups, moment_dtype=moments, **kw)
     return torch.optim.AdamW(groups, **kw)
 
 
