@@ -12,8 +12,8 @@ Names (``model.offload``) -> which saved tensors leave memory:
     moe_act      the expert activation's input, FC1's out  (marked likewise)
 
 How: a marked module's forward runs under saved-tensor hooks. A tensor autograd saves whose
-storage is one of the module's inputs (or a tensor the op marked with ``offload_marks.note``) is written
-to the runtime's :class:`SpillTier` (an unlinked file: see docs/ARCHITECTURE.md) by a copy
+storage is one of the module's inputs (or that the op marked with ``offload_marks.note``) is
+written to the runtime's :class:`SpillTier` (an unlinked file: docs/ARCHITECTURE.md) by a copy
 queued on the runtime stream ``offload``; the stream keeps the tensor alive until the copy ran,
 after which nothing holds it and its memory is free. Everything else a module saves goes to the
 hooks outside (the stash, the activation meter), as if no offload scope existed.
@@ -186,8 +186,9 @@ class Offloader:
 
     @contextlib.contextmanager
     def scope(self, names: frozenset[str], inputs: tuple) -> Iterator[_Group | None]:
-        """Offload what the enclosed forward saves of ``inputs`` (and what ops note (moeplug.ops.offload_marks)
-        for ``names``); yields the call's group (None when nothing may be offloaded now)."""
+        """Offload what the enclosed forward saves of ``inputs`` (and what ops note for
+        ``names``, moeplug.ops.offload_marks); yields the call's group (None when nothing may be
+        offloaded now)."""
         if (not torch.is_grad_enabled() or recompute.recomputing()
                 or recompute.will_recompute()):
             yield None
