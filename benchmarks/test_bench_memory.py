@@ -1,46 +1,69 @@
-"""Memory levers at the standard MoE shape: peak activation bytes and step time vs baseline.
+"""Memory levers at the standard MoE shape: peak memory and step time of each vs the baseline.
 
 Model: 2 MoE blocks at the standard shape (D=1024, F=1408, E=16, top-4, SwiGLU, gqa 8 heads),
-T = B*S tokens per step (512; MOEPLUG_BENCH_SEQ=2048 gives the standard 4096), vocabulary 512.
-One model; each lever switches on it, the baseline with one change:
+T = B*S tokens per step (512; MOEPLUG_BENCH_SEQ=2048 gives the standard 4096, which the shared
+2-core machine cannot time for a dozen levers), vocabulary 512. One model; each lever switches
+on it, the baseline with one change:
     recompute <names>   model.recompute selective
     full recompute      model.recompute granularity full (uniform, 1 layer)
+    offload <names>     model.offload (module inputs to the file-backed second tier)
+    stash               runtime.stash (the routed experts' saved tensors in the paged pool)
     bf16 moments        train.optimizer_dtype bf16 (optimizer bytes; step includes AdamW)
-Peak activation bytes: moeplug.training.memory.ActivationMeter over one forward+backward (what
-autograd holds for backward, parameters excluded), measured in an untimed pass per lever.
-Step time: forward + backward + AdamW step, interleaved round-robin (medians), as a ratio to
-the baseline timed in the same run. Memory-efficient permutation has no switch (the permuted
+    bf16 master         train.master_dtype bf16 (a second model with bf16 parameters, stepped
+                        under bf16 autocast; compare with "bf16 autocast + AdamW")
+Per lever, in an untimed pass: the peak bytes held for backward (ActivationMeter: what autograd
+saves, parameters excluded; offloaded tensors are not held) and the process's resident peak
+over one step above its resident size before it (VmHWM, reset first; the workspace cache
+cleared, so buffers a lever frees are not counted as held). Step time: forward + backward +
+AdamW step, interleaved round-robin (medians), as a ratio to the baseline timed in the same run
+("bf16 master" to "bf16 autocast"). Memory-efficient permutation has no switch (the permuted
 rows are always kept unweighted, tests/test_memory.py); the row it saves, one [T*K, D] fp32
 copy per MoE layer, is printed as arithmetic.
 
-Run: pytest -q benchmarks/test_bench_memory.py -s     (a few minutes on 2 cores)
+Run: pytest -q benchmarks/test_bench_memory.py -s -k levers    (~15 minutes on 2 loaded cores)
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import tempfile
 
 import torch
 
 from benchmarks.conftest import interleave
-from moeplug.config import (ModelConfig, MoEConfig, RecomputeConfig, RootConfig, TrainConfig)
+from moeplug.config import (ModelConfig, MoEConfig, RecomputeConfig, RootConfig, RuntimeSection,
+                            TrainConfig)
 from moeplug.modules import build_model
 from moeplug.modules.recompute import apply_recompute, remove_recompute
+from moeplug.offload import Offloader, apply_offload, remove_offload
+from moeplug.ops import workspace
 from moeplug.plugin_host import PluginHost
-from moeplug.training.memory import ActivationMeter, optimizer_tensors, tensor_bytes
-from moeplug.training.optim import build_optimizer
+from moeplug.runtime import stream
+from moeplug.training.memory import (ActivationMeter, optimizer_tensors, process_peak,
+                                     reset_process_peak, tensor_bytes)
+from moeplug.training.optim import apply_master_dtype, build_optimizer
 
 D, F, E, K, V = 1024, 1408, 16, 4, 512
 B, S = 2, int(os.environ.get("MOEPLUG_BENCH_SEQ", "256"))  # T = B*S tokens per step
+ATTN = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
 LEVERS = {
     "baseline": {},
-    "recompute core_attn": {"modules": ["core_attn"]},
-    "recompute layernorm": {"modules": ["layernorm"]},
     "recompute moe_act": {"modules": ["moe_act"]},
     "recompute moe": {"modules": ["moe"]},
     "full recompute": {"granularity": "full"},
-    "bf16 moments": {"optimizer_dtype": "bf16"},
+    "offload expert_fc1+moe_act": {"offload": ["expert_fc1", "moe_act"]},
+    "offload attention pieces": {"offload": ATTN},
+    "offload all": {"offload": ATTN + ["expert_fc1", "moe_act"]},
+    "stash": {"stash": True},
+    # Optimizer levers: timed with the AdamW step, against the same reference with one.
+    "baseline + AdamW": {"adamw": True},
+    "bf16 moments": {"optimizer_dtype": "bf16", "adamw": True},
+    "bf16 autocast + AdamW": {"autocast": True, "adamw": True},
+    "bf16 master": {"master": True, "autocast": True, "adamw": True},
 }
+REFERENCE = {"bf16 moments": "baseline + AdamW", "bf16 autocast + AdamW": "baseline + AdamW",
+             "bf16 master": "bf16 autocast + AdamW"}
 
 
 def _recompute_cfg(lever: dict) -> RecomputeConfig:
@@ -49,62 +72,104 @@ def _recompute_cfg(lever: dict) -> RecomputeConfig:
     return RecomputeConfig(granularity=lever.get("granularity", "none"))
 
 
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def test_memory_levers(report):
-    # One model (the levers switch on it: this machine has no room for seven), two optimizers.
+    # One model (the levers switch on it: this machine has no room for a dozen), built with the
+    # stash registered (off until its lever), and a bf16-parameter twin for the master lever.
     moe = MoEConfig(num_experts=E, top_k=K, ffn_hidden_size=F, aux_loss_coeff=1e-2)
     m = ModelConfig(hidden_size=D, num_layers=2, num_heads=8, num_kv_heads=8, first_k_dense=0,
                     max_seq_len=S, moe=moe)
-    tc = TrainConfig(seq_len=S, warmup_steps=0)
+    tc = TrainConfig(seq_len=S, warmup_steps=0, micro_batch_size=B)
+    cfg = RootConfig(model=m, train=tc, runtime=RuntimeSection(stash=True))
     torch.manual_seed(0)
-    model = build_model(RootConfig(model=m, train=tc), PluginHost.load(), V)
+    model = build_model(cfg, PluginHost.load(), V)
+    model.runtime.stash_active = False
+    torch.manual_seed(0)
+    master_cfg = TrainConfig(seq_len=S, warmup_steps=0, master_dtype="bf16")
+    twin = apply_master_dtype(build_model(RootConfig(model=m, train=tc), PluginHost.load(), V),
+                              master_cfg)
     opts = {dtype: build_optimizer(model, TrainConfig(seq_len=S, optimizer_dtype=dtype))
             for dtype in ("fp32", "bf16")}
+    opts["master"] = build_optimizer(twin, master_cfg)
+    offloader = Offloader(tempfile.gettempdir(), 65536, 64 << 30)
     g = torch.Generator().manual_seed(1)
     tok, tgt = (torch.randint(0, V, (B, S), generator=g) for _ in range(2))
 
     def switch(lever: dict):
         remove_recompute(model)
+        remove_offload(model)
         model.cfg.recompute = rc = _recompute_cfg(lever)
         apply_recompute(model, rc)
-        return opts[lever.get("optimizer_dtype", "fp32")]
+        if lever.get("offload"):
+            apply_offload(model, lever["offload"], offloader)
+        model.runtime.stash_active = bool(lever.get("stash"))
+        if lever.get("master"):
+            return twin, opts["master"]
+        return model, opts[lever.get("optimizer_dtype", "fp32")]
 
-    def step_for(lever: dict):
-        def step():
-            opt = switch(lever)
-            opt.zero_grad(set_to_none=True)
-            model(tok, tgt).loss.backward()
-            opt.step()
-        return step
-
-    peaks, opt_bytes = {}, {}
-    for name, lever in LEVERS.items():
-        opt = switch(lever)
-        meter = ActivationMeter(model)
+    def one_step(lever: dict, meter: ActivationMeter | None = None):
+        mdl, opt = switch(lever)
         opt.zero_grad(set_to_none=True)
-        with meter.active():
-            model(tok, tgt).loss.backward()
-        opt.step()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(lever.get("autocast"))):
+            if meter is None:
+                mdl(tok, tgt).loss.backward()
+            else:
+                with meter.active():
+                    mdl(tok, tgt).loss.backward()
+        if lever.get("adamw"):
+            opt.step()
+        stream("offload").synchronize()  # the tier's frees ran: the next lever starts clean
+        return mdl, opt
+
+    for lever in ({}, {"optimizer_dtype": "bf16"}, {"master": True, "autocast": True},
+                  {"stash": True}):  # warm: every optimizer's state exists, the pool is made
+        one_step({**lever, "adamw": True})
+    peaks, rss, opt_bytes, wg_bytes = {}, {}, {}, {}
+    for name, lever in LEVERS.items():
+        workspace.clear()
+        gc.collect()
+        meter = ActivationMeter(twin if lever.get("master") else model)
+        before = _rss()
+        reset_process_peak(torch.device("cpu"))
+        mdl, opt = one_step(lever, meter)
+        rss[name] = process_peak(torch.device("cpu")) - before
+        params = list(mdl.parameters())
         peaks[name], opt_bytes[name] = meter.peak, tensor_bytes(optimizer_tensors(opt))
-    times = interleave({name: step_for(lever) for name, lever in LEVERS.items()}, repeats=3)
+        wg_bytes[name] = tensor_bytes(params) + tensor_bytes(p.grad for p in params)
+    times = interleave({name: (lambda lv=lever: one_step(lv)) for name, lever in LEVERS.items()},
+                       repeats=3, warmup=0)
     base = peaks["baseline"]
-    print(f"\nT = {B * S} tokens, 2 MoE blocks; baseline activations {base / 2**20:.1f} MiB, "
-          f"optimizer {opt_bytes['baseline'] / 2**20:.1f} MiB, step {times['baseline']:.2f} s")
-    print(f"{'lever':<22} {'activations MiB':>16} {'saved MiB':>10} {'optimizer MiB':>14} "
-          f"{'step time x':>12}")
-    for name in LEVERS:
+    mib = 2 ** 20
+    print(f"\nT = {B * S} tokens, 2 MoE blocks (D {D}, F {F}, E {E}, top-{K}); baseline "
+          f"activations {base / mib:.1f} MiB, step {times['baseline']:.2f} s")
+    print(f"{'lever':<28} {'held MiB':>9} {'saved MiB':>10} {'RSS peak MiB':>13} "
+          f"{'weights+grads MiB':>18} {'optimizer MiB':>14} {'step time x':>12}")
+    for name, lever in LEVERS.items():
+        ref = REFERENCE.get(name, "baseline + AdamW" if lever.get("adamw") else "baseline")
+        ratio = times[name] / times[ref]
         saved = base - peaks[name]
-        ratio = times[name] / times["baseline"]
-        print(f"{name:<22} {peaks[name] / 2**20:>16.1f} {saved / 2**20:>10.1f} "
-              f"{opt_bytes[name] / 2**20:>14.1f} {ratio:>12.2f}")
-        report.row("memory levers", f"{name} activations", peaks[name] / base, "x",
-                   note=f"{saved / 2**20:.1f} MiB saved")
-        report.row("memory levers", f"{name} step time", ratio, "x")
+        print(f"{name:<28} {peaks[name] / mib:>9.1f} {saved / mib:>10.1f} "
+              f"{rss[name] / mib:>13.1f} {wg_bytes[name] / mib:>18.1f} "
+              f"{opt_bytes[name] / mib:>14.1f} {ratio:>12.2f}")
+        report.row("memory levers", f"{name} held", peaks[name] / base, "x",
+                   note=f"{saved / mib:.1f} MiB saved")
+        report.row("memory levers", f"{name} RSS peak", rss[name] / rss["baseline"], "x",
+                   note=f"{(rss['baseline'] - rss[name]) / mib:.1f} MiB saved")
+        report.row("memory levers", f"{name} step time", ratio, "x", note=f"vs {ref}")
     perm = 2 * B * S * K * D * 4
-    print(f"memory-efficient permutation: the unkept weighted copy is {perm / 2**20:.1f} MiB "
-          f"(2 layers x T*K x D fp32)", flush=True)
-    # Recompute must save activation bytes; bf16 moments halve the optimizer state.
-    assert all(peaks[n] < base for n in LEVERS if n.startswith(("recompute", "full")))
-    assert opt_bytes["bf16 moments"] * 2 == opt_bytes["baseline"]
+    print(f"memory-efficient permutation: the unkept weighted copy is {perm / mib:.1f} MiB "
+          f"(2 layers x T*K x D fp32)")
+    print(f"offload: {offloader.stats()}", flush=True)
+    # Recompute and offloading must lower what is held; bf16 moments halve the optimizer state,
+    # bf16 master weights halve the weights and grads.
+    assert all(peaks[n] < base for n in LEVERS
+               if n.startswith(("recompute", "full", "offload")))
+    assert opt_bytes["bf16 moments"] * 2 == opt_bytes["baseline + AdamW"]
+    assert wg_bytes["bf16 master"] * 2 == wg_bytes["baseline"]
 
 
 def test_memory_stats_overhead(report):

@@ -243,6 +243,15 @@ class RecomputeConfig:
         _positive(self, "num_layers")
 
 
+# Fine-grained activation offloading (moeplug.offload): Megatron's --offload-modules names.
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
+                   "expert_fc1", "moe_act")
+# The recompute names whose checkpoint contains an offload name's tensors (never kept, so
+# nothing would be offloaded): the pair is refused.
+_OFFLOAD_INSIDE_RECOMPUTE = {"core_attn": ("core_attn",), "layernorm": ("attn_norm", "mlp_norm"),
+                             "moe": ("expert_fc1", "moe_act")}
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Decoder-only transformer. ``vocab_size = 0`` means: take it from the tokenizer."""
@@ -272,9 +281,12 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = 0.1
     moe: MoEConfig = field(default_factory=MoEConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    # Module inputs moved to the stash's second tier in forward, prefetched before backward.
+    offload: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        self._check_offload()
         _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len",
                   "dense_ffn_hidden_size")
         _non_negative(self, "vocab_size", "first_k_dense", "kv_channels", "mtp_num_layers",
@@ -303,6 +315,29 @@ class ModelConfig:
             _fail(self.moe, "layer_freq", freq,
                   f"has {len(freq)} entries but num_layers = {self.num_layers}",
                   f"give exactly one 0/1 entry per layer ({self.num_layers})")
+
+    def _check_offload(self) -> None:
+        if not isinstance(self.offload, list):
+            _fail(self, "offload", self.offload, "must be a list",
+                  "write e.g. offload: [expert_fc1, moe_act]")
+            return
+        bad = [m for m in self.offload if m not in OFFLOAD_MODULES]
+        if bad:
+            _fail(self, "offload", self.offload, f"unknown module name(s) {bad}",
+                  f"use names from {', '.join(OFFLOAD_MODULES)}")
+        rc = self.recompute
+        if not isinstance(rc, RecomputeConfig):
+            return
+        if self.offload and rc.granularity == "full":
+            _fail(self, "offload", self.offload, "is kept by nothing under full recompute (each "
+                  "block keeps only its input)", "drop offload or use recompute granularity "
+                  "selective")
+        for r in rc.modules if rc.granularity == "selective" else ():
+            clash = [o for o in _OFFLOAD_INSIDE_RECOMPUTE.get(r, ()) if o in self.offload]
+            if clash:
+                _fail(self, "offload", self.offload, f"names {clash}, which recompute module "
+                      f"{r!r} already discards (it keeps only its inputs)",
+                      f"drop {clash} from offload or {r!r} from recompute.modules")
 
     def _check_attention(self) -> None:
         if self.attention not in ATTENTION_TYPES:
@@ -432,6 +467,10 @@ class TrainConfig:
     # Precision-aware optimizer (Megatron --exp-avg-dtype / --exp-avg-sq-dtype): "bf16" stores
     # the AdamW moments in bf16 (half their bytes); the update math stays fp32.
     optimizer_dtype: str = "fp32"
+    # Master weights (Megatron --main-params-dtype): "bf16" stores the parameters (and so their
+    # grads) in bf16 and rounds each AdamW update into them stochastically; needs
+    # plugins.precision: bf16 (autocast computes in bf16 anyway).
+    master_dtype: str = "fp32"
     grad_clip: float = 1.0
     seed: int = 1234
     eval_interval: int = 100
@@ -477,6 +516,9 @@ class TrainConfig:
         if self.optimizer_dtype not in ("fp32", "bf16"):
             _fail(self, "optimizer_dtype", self.optimizer_dtype, "must be fp32 or bf16",
                   "write optimizer_dtype: fp32 (default) or bf16 (bf16 AdamW moments)")
+        if self.master_dtype not in ("fp32", "bf16"):
+            _fail(self, "master_dtype", self.master_dtype, "must be fp32 or bf16",
+                  "write master_dtype: fp32 (default) or bf16 (bf16 master weights)")
         for n in ("tensorboard", "time_breakdown", "memory_stats"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
@@ -743,6 +785,11 @@ class RuntimeSection:
     sync_free: bool = False
     token_budget: float = 2.0  # rows per (rank, expert) = ceil(T*K/E * token_budget)
     capture: bool = False  # capture the static region once, replay it every step (sync_free)
+    # The second tier (model.offload's target): an unlinked sparse file in offload_dir ("" =
+    # the system temp directory; a tmpfs there saves no RAM), offload_max_bytes of address range.
+    offload_dir: str = ""
+    offload_max_bytes: int = 64 << 30
+    offload_min_bytes: int = 65536  # smaller saved tensors are not worth a copy: they stay
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -772,6 +819,11 @@ class RuntimeSection:
         if isinstance(self.stash_pages, float):
             _fail(self, "stash_pages", self.stash_pages, "must be an integer",
                   "set stash_pages to a whole number of pages (0: sized from the model)")
+        _positive(self, "offload_max_bytes")
+        _non_negative(self, "offload_min_bytes")
+        if self.offload_dir and not os.path.isdir(self.offload_dir):
+            _fail(self, "offload_dir", self.offload_dir, "is not an existing directory",
+                  "create it, or write offload_dir: \"\" (the system temp directory)")
         if self.stash_overflow not in ("rerun", "fail", "keep"):
             _fail(self, "stash_overflow", self.stash_overflow, "must be rerun, fail or keep",
                   "set stash_overflow: rerun (Megatron's behaviour), fail or keep")
@@ -794,6 +846,10 @@ class RootConfig:
             _fail(self.train, "seq_len", self.train.seq_len,
                   f"exceeds model.max_seq_len ({self.model.max_seq_len})",
                   f"set train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len")
+        if self.train.master_dtype == "bf16" and self.plugins.precision != "bf16":
+            _fail(self.train, "master_dtype", "bf16", f"needs plugins.precision bf16 (got "
+                  f"{self.plugins.precision!r}): bf16 weights are computed with under bf16 "
+                  f"autocast", "set plugins.precision: bf16 or train.master_dtype: fp32")
         self._check_parallel_fits_model()
         self._check_sync_free()
 

@@ -89,6 +89,9 @@ class ModelRuntime:
         self._bytes: torch.Tensor | None = None
         self.stash_active = bool(cfg.stash)
         self.sync_free = SyncFreeState(cfg)  # runtime.sync_free / capture (moeplug.syncfree)
+        # model.offload: the moeplug.offload.Offloader over the second tier (None: off).
+        self.offloader: Any = None
+        self.offload_modules: list[str] = []
 
     def register_layer(self, *, index: int, num_experts: int, top_k: int, hidden: int,
                        ffn_hidden: int, num_local_experts: int, dtype: str, activation: str,
@@ -151,5 +154,9 @@ class ModelRuntime:
         """What the run record lists: the stash settings and every registered layer."""
         pool = None if self.pool is None else {"page_bytes": self.pool.page_bytes,
                                                "num_pages": self.pool.num_pages}
+        offload = None if self.offloader is None else {
+            "modules": self.offload_modules, "tier": "file", "dir": self.offloader.directory,
+            "page_bytes": self.offloader.page_bytes}
         return {"stash": bool(self.cfg.stash), "stash_overflow": self.cfg.stash_overflow,
-                "pool": pool, "layers": self.layers, **self.sync_free.record()}
+                "pool": pool, "layers": self.layers, "offload": offload,
+                **self.sync_free.record()}

@@ -93,3 +93,44 @@ def test_two_ranks_each_report_their_memory(run_cli, tiny_config_file, tmp_path)
     records = list(read_metrics(os.path.join(out, "metrics.jsonl")))
     mems = [r for r in records if r["kind"] == "train"][-1]["memory"]
     assert len(mems) == 2 and all(m["weights"] > 0 and m["rss_peak"] > 0 for m in mems)
+
+
+def test_unpermute_frees_the_expert_rows_and_weighting_adds_no_saved_copy():
+    """Memory-efficient permutation, measured: (1) after the MoE layer's forward nothing keeps
+    the experts' output rows y_SD [S, D] (combine keeps only row_map): the workspace hands the
+    very same buffer out again; (2) the bytes held for backward do not grow when the routing
+    weights are applied (weighted activation) compared with the same layer without weights,
+    except the weights themselves: no weighted copy of any [S, .] tensor is kept."""
+    from moeplug.ops import workspace
+    model = model_for(None)
+    layer = next(b.ffn for b in model.blocks if isinstance(b.ffn, MoELayer))
+    old_min = workspace.MIN_BYTES
+    workspace.MIN_BYTES = 0  # the tiny test layer's buffers go through the cache too
+    try:
+        workspace.clear()
+        seen = {}
+        hook = layer.experts.register_forward_hook(
+            lambda m, a, out: seen.update(ptr=out.data_ptr(), shape=tuple(out.shape),
+                                          dtype=out.dtype))
+        x_TD = torch.randn(32, 32, requires_grad=True)
+        y = layer(x_TD)[0]
+        hook.remove()
+        again = workspace.empty(seen["shape"], seen["dtype"])
+        assert again.data_ptr() == seen["ptr"]  # y_SD's buffer is free before backward
+        y.sum().backward()
+    finally:
+        workspace.MIN_BYTES = old_min
+        workspace.clear()
+
+    def held(weighted: bool) -> int:
+        x = torch.randn(32, 32, requires_grad=True)
+        with torch.no_grad():
+            d = layer.dispatcher.dispatch(x, layer._route(x, 1))
+        x_SD = d.x_SD.clone().requires_grad_()
+        probs = d.probs_S.clone().requires_grad_() if weighted else None
+        meter = ActivationMeter(model)
+        with meter.active():
+            layer.experts(x_SD, probs, d.counts_L).sum().backward()
+        return meter.peak
+    S = 32 * layer.router.top_k
+    assert held(True) - held(False) == S * 4  # only the fp32 weights [S] themselves

@@ -18,6 +18,7 @@ import torch
 
 from moeplug.ops._grouped import check_counts_and_probs, compute_dtype, expert_slices
 from moeplug.ops.activations import activation_fn, fc1_rows
+from moeplug.ops.offload_marks import note
 
 
 def _act_times_probs(h_SX: torch.Tensor, probs32_S: torch.Tensor | None, activation: str):
@@ -46,6 +47,8 @@ class _GroupedMLP(torch.autograd.Function):
             a_SF = _act_times_probs(h_SX, probs32_S, activation)
             for e, s0, s1 in slices:
                 torch.mm(a_SF[s0:s1], w2_c[e].t(), out=y_SD[s0:s1])
+        note("expert_fc1", x_c)  # model.offload names (moeplug.offload)
+        note("moe_act", h_SX)
         # recompute_act (moe_act recompute): a is dropped here and rebuilt from h in backward.
         ctx.save_for_backward(x_c, h_SX, None if recompute_act else a_SF, probs32_S, w1_c, w2_c)
         ctx.slices, ctx.activation = slices, activation

@@ -47,7 +47,7 @@ class _Bucket:
     is_expert: bool
     tp_sharded: bool
     pipeline_copy: bool   # a pipeline stage's twin of another stage's params: norm counts it once
-    shard: torch.Tensor   # this rank's fp32 master slice [n], what AdamW updates
+    shard: torch.Tensor   # this rank's master slice [n] (fp32; bf16 with train.master_dtype)
 
     @property
     def numel(self) -> int:
@@ -96,7 +96,8 @@ class DistributedAdamW:
             n = math.ceil(sum(p.numel() for p in ps) / W)
             with torch.no_grad():
                 flat = _flat([p.detach() for p in ps], n * W)
-            shard = flat[r * n:(r + 1) * n].clone().float().requires_grad_(True)
+            master = torch.bfloat16 if cfg.master_dtype == "bf16" else torch.float32
+            shard = flat[r * n:(r + 1) * n].clone().to(master).requires_grad_(True)
             self.buckets.append(_Bucket(ps, group, is_expert, tp_sharded, copy, shard))
             inner_groups.append({"params": [shard], "weight_decay": weight_decay})
         # AdamW (bf16 moments with train.optimizer_dtype: bf16) on the owned slices.
@@ -125,7 +126,7 @@ class DistributedAdamW:
             else:
                 owned = flat.new_empty(n)
                 _reduce_scatter_single(owned, flat, group=b.group)
-            b.shard.grad = owned.mul_(self._dense_scale)
+            b.shard.grad = owned.mul_(self._dense_scale).to(b.shard.dtype)
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

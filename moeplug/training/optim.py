@@ -50,11 +50,34 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+def stochastic_round_(dst: torch.Tensor, src32: torch.Tensor, step: int) -> None:
+    """``dst`` (bf16) <- ``src32`` rounded up or down to a neighbouring bf16 with probability
+    proportional to the distance: unbiased, so updates smaller than half a bf16 ulp still move
+    a weight on average (round-to-nearest would drop every one of them).
+
+    The random bits are a hash of each value's own bits and ``step``, not a generator's stream:
+    the rounding of an element does not depend on how the tensor is cut (a distributed
+    optimizer's slice rounds exactly as the whole tensor does) and a resumed run rounds as the
+    uninterrupted one did, with no generator state to checkpoint."""
+    bits = src32.contiguous().view(torch.int32)
+    h = (bits.to(torch.int64) & 0xFFFFFFFF) ^ ((step * 0x9E3779B9) & 0xFFFFFFFF)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF  # murmur3's finaliser: every input bit moves every output
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    # The bf16 value is the fp32's top 16 bits: adding 16 random low bits then truncating rounds
+    # the magnitude up with probability (low bits / 2^16). Sign-magnitude, so both signs alike.
+    noise = (h & 0xFFFF).to(torch.int32)
+    dst.copy_(bits.add(noise).bitwise_and_(-65536).view(torch.float32))
+
+
 class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
     """AdamW (torch's formula) whose moments ``exp_avg`` / ``exp_avg_sq`` are stored in
     ``moment_dtype`` (bf16: half of fp32 AdamW's 8 bytes of state per parameter). Each step
     reads them into fp32, updates in fp32 and rounds them back (Megatron precision-aware
-    optimizer, ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``)."""
+    optimizer, ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``). bf16 parameters (master
+    weights in bf16, ``--main-params-dtype``) are updated in fp32 and stochastically rounded
+    back (:func:`stochastic_round_`)."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float,
                  moment_dtype: torch.dtype = torch.bfloat16, weight_decay: float = 0.0) -> None:
@@ -89,18 +112,32 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
                 v32 = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
                 state["exp_avg"].copy_(m32)
                 state["exp_avg_sq"].copy_(v32)
-                p.mul_(1 - lr * wd)
+                p32 = p if p.dtype == torch.float32 else p.float()
+                p32.mul_(1 - lr * wd)
                 denom = (v32.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-                p.addcdiv_(m32, denom, value=-lr / (1 - beta1 ** t))
+                p32.addcdiv_(m32, denom, value=-lr / (1 - beta1 ** t))
+                if p32 is not p:
+                    stochastic_round_(p, p32, int(t))
 
 
 def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """torch's AdamW, or with ``optimizer_dtype: bf16`` the bf16-moment AdamW."""
+    """torch's AdamW, or with ``optimizer_dtype: bf16`` / ``master_dtype: bf16`` the
+    precision-aware AdamW (moments in ``optimizer_dtype``, any parameter dtype)."""
     # lr here is a placeholder: the trainer sets every group's lr from lr_at(step) each step.
     kw = {"lr": lr_at(0, cfg), "betas": (cfg.beta1, cfg.beta2), "eps": 1e-8}
-    if cfg.optimizer_dtype == "bf16":
-        return LowPrecisionMomentsAdamW(groups, moment_dtype=torch.bfloat16, **kw)
+    if cfg.optimizer_dtype == "bf16" or cfg.master_dtype == "bf16":
+        moments = torch.bfloat16 if cfg.optimizer_dtype == "bf16" else torch.float32
+        return LowPrecisionMomentsAdamW(groups, moment_dtype=moments, **kw)
     return torch.optim.AdamW(groups, **kw)
+
+
+def apply_master_dtype(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """``master_dtype: bf16``: the parameters themselves become bf16 (2 bytes each, and 2 for
+    their grads); buffers (RoPE tables, expert biases, counters) keep their dtype."""
+    if cfg.master_dtype == "bf16":
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    return model
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -1,0 +1,316 @@
+"""Fine-grained activation offloading: chosen module inputs go to the stash's second tier in
+forward and come back before backward (Megatron ``offload_modules``).
+
+Names (``model.offload``) -> which saved tensors leave memory:
+
+    attn_norm    the attention RMSNorm's input            (block.attn_norm)
+    qkv_linear   the q/k/v projections' input              (the attention module's input)
+    core_attn    q, k, v as core attention saves them      (CoreAttention's inputs)
+    attn_proj    the output projection's input             (attn.o_proj)
+    mlp_norm     the FFN RMSNorm's input                   (block.ffn_norm)
+    expert_fc1   the routed experts' FC1 input x_SD        (marked by the grouped expert ops)
+    moe_act      the expert activation's input, FC1's out  (marked likewise)
+
+How: a marked module's forward runs under saved-tensor hooks. A tensor autograd saves whose
+storage is one of the module's inputs (or that the op marked with ``offload_marks.note``) is
+written to the runtime's :class:`SpillTier` (an unlinked file: docs/ARCHITECTURE.md) by a copy
+queued on the runtime stream ``offload``; the stream keeps the tensor alive until the copy ran,
+after which nothing holds it and its memory is free. Everything else a module saves goes to the
+hooks outside (the stash, the activation meter), as if no offload scope existed.
+
+Prefetch: when backward reaches a marked module (the gradient of its output arrives), reads of
+its tensors and of the previous marked module's are queued on the same stream, each with an
+event; unpacking waits for that event only. A tensor is restored with its storage, offset and
+strides exactly, so gradients are bitwise those of no offloading. The run's pages return to the
+tier (queued behind the reads) when autograd drops the saved tensor.
+
+Inside a checkpointed (recomputed) region nothing is offloaded: its internals are not kept.
+Only CPU tensors are offloaded here; a GPU's tier (pinned host memory and a copy stream) is not
+built, so tensors on other devices stay where they are (counted as ``kept``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from moeplug.modules import recompute
+from moeplug.ops.offload_marks import SCOPE
+from moeplug.runtime import get_runtime, stream
+
+STREAM = "offload"
+
+
+class _Spill:
+    """One storage's bytes in a run of the tier; read back into ``buffer`` on demand."""
+
+    __slots__ = ("offloader", "first", "count", "nbytes", "buffer", "ready", "__weakref__")
+
+    def __init__(self, offloader: "Offloader", first: int, count: int, nbytes: int):
+        self.offloader, self.first, self.count, self.nbytes = offloader, first, count, nbytes
+        self.buffer: torch.Tensor | None = None
+        self.ready: Any = None  # the event of the queued read
+
+    def prefetch(self) -> None:
+        if self.buffer is not None:
+            return
+        o = self.offloader
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+        o.stream._core.enqueue_spill_read(o.tier, self.first, self.count,
+                                          self.buffer.data_ptr(), self.nbytes, keep=self.buffer)
+        self.ready = o.stream.record()
+        o.bytes_prefetched += self.nbytes
+
+    def __del__(self) -> None:
+        # Queued behind this run's write and read, so the pages are reused only after both.
+        o = self.offloader
+        o.stream._core.enqueue_spill_free(o.tier, self.first, self.count)
+
+
+class _Saved:
+    """What autograd holds instead of an offloaded tensor: its spill and its view geometry."""
+
+    __slots__ = ("spill", "dtype", "offset", "size", "stride", "group")
+
+    def __init__(self, spill: _Spill, t: torch.Tensor, group: "_Group"):
+        self.spill, self.dtype, self.group = spill, t.dtype, group
+        self.offset, self.size, self.stride = t.storage_offset(), t.size(), t.stride()
+
+
+class _Group:
+    """The spills of one marked module call; ``prev`` is the marked call before it."""
+
+    __slots__ = ("spills", "prev", "__weakref__")
+
+    def __init__(self, prev: "_Group | None"):
+        self.spills: list[weakref.ref] = []
+        self.prev = None if prev is None else weakref.ref(prev)
+
+    def prefetch(self, lookahead: bool = True) -> None:
+        for ref in self.spills:
+            s = ref()
+            if s is not None:
+                s.prefetch()
+        prev = self.prev() if (lookahead and self.prev is not None) else None
+        if prev is not None:  # the module backward reaches next: its reads overlap this one
+            prev.prefetch(lookahead=False)
+
+
+class _Scope:
+    """One marked module call: which storages leave, and what the hooks outside would do."""
+
+    def __init__(self, offloader: "Offloader", names: frozenset[str], inputs: tuple,
+                 group: _Group, outer: Any):
+        self.offloader, self.names, self.group, self.outer = offloader, names, group, outer
+        self.allowed = {t.untyped_storage().data_ptr() for t in inputs
+                        if isinstance(t, torch.Tensor)}
+        # storage pointer -> (spill, the original tensor): one spill per storage per call; the
+        # original is held until the call ends so its address cannot be reused meanwhile.
+        self.spilled: dict[int, tuple[_Spill, torch.Tensor]] = {}
+
+    def pack(self, t: torch.Tensor) -> Any:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.allowed and not isinstance(t, nn.Parameter):
+            saved = self.offloader.spill(t, self)
+            if saved is not None:
+                return saved
+        return ("outer", self.outer[0](t)) if self.outer else ("plain", t)
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    if isinstance(saved, _Saved):
+        spill = saved.spill
+        if spill.buffer is None:  # not prefetched (no grad hook fired): fetch it now
+            saved.group.prefetch()
+        spill.ready.synchronize()
+        storage = spill.buffer.untyped_storage()
+        return torch.empty(0, dtype=saved.dtype).set_(storage, saved.offset, saved.size,
+                                                      saved.stride)
+    raise TypeError(f"offload: cannot unpack {type(saved).__name__}")
+
+
+
+
+class Offloader:
+    """The second tier (created on first use) and the statistics of one model's offloading.
+
+    ``directory``: where the tier's unlinked file lives ("" = the system's temp directory);
+    ``page_bytes`` / ``max_bytes``: its page size and address range (sparse: costs nothing
+    until written); ``min_bytes``: smaller tensors are not worth a copy and stay.
+    """
+
+    def __init__(self, directory: str, page_bytes: int, max_bytes: int,
+                 min_bytes: int = 65536):
+        self.directory = directory or tempfile.gettempdir()
+        self.page_bytes, self.max_bytes, self.min_bytes = page_bytes, max_bytes, min_bytes
+        self._tier: Any = None
+        self._stream: Any = None
+        self._last_group: weakref.ref | None = None
+        self.bytes_offloaded = self.bytes_prefetched = self.kept = 0
+
+    @property
+    def tier(self) -> Any:
+        if self._tier is None:
+            self._tier = get_runtime().SpillTier(self.directory, self.page_bytes,
+                                                 max(1, self.max_bytes // self.page_bytes))
+        return self._tier
+
+    @property
+    def stream(self) -> Any:
+        if self._stream is None:
+            self._stream = stream(STREAM)
+        return self._stream
+
+    def spill(self, t: torch.Tensor, scope: _Scope) -> _Saved | None:
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if t.device.type != "cpu" or nbytes < self.min_bytes:
+            self.kept += t.device.type != "cpu"
+            return None
+        hit = scope.spilled.get(ptr)
+        if hit is None:
+            first, count = self.tier.alloc(nbytes)
+            if first < 0:  # tier full: counted by it, the tensor stays in memory
+                return None
+            base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
+            self.stream._core.enqueue_spill_write(self.tier, first, count, ptr, nbytes, keep=base)
+            hit = scope.spilled[ptr] = (_Spill(self, first, count, nbytes), base)
+            scope.group.spills.append(weakref.ref(hit[0]))
+            self.bytes_offloaded += nbytes
+        return _Saved(hit[0], t, scope.group)
+
+    @contextlib.contextmanager
+    def scope(self, names: frozenset[str], inputs: tuple) -> Iterator[_Group | None]:
+        """Offload what the enclosed forward saves of ``inputs`` (and what ops note for
+        ``names``, moeplug.ops.offload_marks); yields the call's group (None when nothing may be
+        offloaded now)."""
+        if (not torch.is_grad_enabled() or recompute.recomputing()
+                or recompute.will_recompute()):
+            yield None
+            return
+        prev = self._last_group() if self._last_group is not None else None
+        group = _Group(prev)
+        self._last_group = weakref.ref(group)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        sc = _Scope(self, names, inputs, group, outer)
+
+        def unpack(saved: Any) -> torch.Tensor:
+            if isinstance(saved, _Saved):
+                return _unpack(saved)
+            kind, value = saved
+            return value if kind == "plain" else outer[1](value)
+        token = SCOPE.set(sc)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(sc.pack, unpack):
+                yield group
+        finally:
+            SCOPE.reset(token)
+            sc.spilled.clear()  # the originals: the stream holds each until its write ran
+
+    def stats(self) -> dict:
+        """For train records: bytes moved and the tier's page statistics."""
+        out = {"bytes_offloaded": self.bytes_offloaded, "bytes_prefetched": self.bytes_prefetched,
+               "kept_off_cpu": self.kept}
+        if self._tier is not None:
+            t = self._tier.stats()
+            out.update(pages_in_use=t["pages_in_use"], high_water=t["high_water"],
+                       overflows=t["overflows"])
+        return out
+
+
+def _prefetch_hook(group: _Group):
+    def hook(grad: torch.Tensor) -> None:
+        group.prefetch()  # backward reached this module: bring its inputs (and the next) back
+    return hook
+
+
+def offloaded_call(module: nn.Module, fn: Any, *args: Any) -> Any:
+    o: Offloader | None = getattr(module, "_moeplug_offloader", None)
+    if o is None:
+        return fn(*args)
+    inputs = args if module._moeplug_offload_inputs else ()
+    with o.scope(module._moeplug_offload_names, inputs) as group:
+        out = fn(*args)
+    if group is not None and group.spills:
+        first = out[0] if isinstance(out, tuple) else out
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            first.register_hook(_prefetch_hook(group))
+    return out
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _offloaded_class(cls: type) -> type:
+    """A subclass of ``cls`` whose forward runs under an offload scope (isinstance, parameter
+    names and checkpoints unchanged; the same trick as moeplug.modules.recompute.mark)."""
+    if cls not in _SUBCLASSES:
+        def forward(self, *args):
+            return offloaded_call(self, super(sub, self).forward, *args)
+        sub = type(f"Offloaded{cls.__name__}", (cls,), {"forward": forward})
+        _SUBCLASSES[cls] = sub
+    return _SUBCLASSES[cls]
+
+
+def mark(module: nn.Module, offloader: Offloader, names: frozenset[str], inputs: bool) -> None:
+    """``inputs``: the module's own inputs leave; ``names``: what its ops note."""
+    if type(module) not in _SUBCLASSES.values():
+        module.__class__ = _offloaded_class(type(module))
+    object.__setattr__(module, "_moeplug_offloader", offloader)
+    object.__setattr__(module, "_moeplug_offload_inputs",
+                       inputs or getattr(module, "_moeplug_offload_inputs", False))
+    prev = getattr(module, "_moeplug_offload_names", frozenset())
+    object.__setattr__(module, "_moeplug_offload_names", prev | names)
+
+
+def remove_offload(model: nn.Module) -> None:
+    """Undo apply_offload's marks (benchmarks switch levers on one model)."""
+    marked = set(_SUBCLASSES.values())
+    for m in model.modules():
+        if type(m) in marked:
+            m.__class__ = type(m).__bases__[0]
+            for attr in ("_moeplug_offloader", "_moeplug_offload_names",
+                         "_moeplug_offload_inputs"):
+                m.__dict__.pop(attr, None)
+
+
+def _targets(block: nn.Module, name: str) -> list[nn.Module]:
+    from moeplug.modules.attention import CoreAttention
+    from moeplug.modules.moe import MoELayer
+    attn = block.attn
+    if name == "attn_norm":
+        return [block.attn_norm]
+    if name == "mlp_norm":
+        return [block.ffn_norm]
+    if name == "qkv_linear":
+        return [attn]
+    if name == "core_attn":
+        return [m for m in attn.modules() if isinstance(m, CoreAttention)]
+    if name == "attn_proj":
+        return [attn.o_proj]
+    if name in ("expert_fc1", "moe_act"):
+        return [block.ffn.experts] if isinstance(block.ffn, MoELayer) else []
+    raise ValueError(f"model.offload: unknown module {name!r}")
+
+
+def apply_offload(model: nn.Module, names: list[str], offloader: Offloader) -> None:
+    """Mark the blocks' modules for the offload ``names`` (config.OFFLOAD_MODULES)."""
+    blocks = list(model.blocks) + [layer.block for layer in getattr(model, "mtp", [])]
+    for block in blocks:
+        for name in names:
+            for m in _targets(block, name):
+                if name in ("expert_fc1", "moe_act") and not hasattr(type(m),
+                                                                     "recompute_activation"):
+                    raise ValueError(
+                        f"model.offload: {name} needs the grouped experts backend (its ops mark "
+                        f"the FC1 input and output); {type(m).__name__} does not. Fix: use "
+                        f"plugins.experts: grouped or drop {name}")
+                if name in ("expert_fc1", "moe_act"):  # tensors inside the op, noted by it
+                    mark(m, offloader, frozenset({name}), inputs=False)
+                else:  # the module's inputs (qkv_linear: the x that q/k/v_proj all keep)
+                    mark(m, offloader, frozenset(), inputs=True)
