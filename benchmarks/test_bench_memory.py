@@ -36,7 +36,7 @@ from moeplug.config import (ModelConfig, MoEConfig, RecomputeConfig, RootConfig,
                             TrainConfig)
 from moeplug.modules import build_model
 from moeplug.modules.recompute import apply_recompute, remove_recompute
-from moeplug.offload import Offloader, apply_offload, remove_offload
+from moeplug.modules.offload import Offloader, apply_offload, remove_offload
 from moeplug.ops import workspace
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import stream

@@ -243,7 +243,7 @@ class RecomputeConfig:
         _positive(self, "num_layers")
 
 
-# Fine-grained activation offloading (moeplug.offload): Megatron's --offload-modules names.
+# Fine-grained activation offloading (moeplug.modules.offload): Megatron's --offload-modules names.
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
                    "expert_fc1", "moe_act")
 # The recompute names whose checkpoint contains an offload name's tensors (never kept, so

@@ -89,7 +89,7 @@ class ModelRuntime:
         self._bytes: torch.Tensor | None = None
         self.stash_active = bool(cfg.stash)
         self.sync_free = SyncFreeState(cfg)  # runtime.sync_free / capture (moeplug.syncfree)
-        # model.offload: the moeplug.offload.Offloader over the second tier (None: off).
+        # model.offload: the moeplug.modules.offload.Offloader over the second tier (None: off).
         self.offloader: Any = None
         self.offload_modules: list[str] = []
 

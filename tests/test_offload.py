@@ -105,7 +105,7 @@ def test_offload_with_selective_recompute_is_identical():
 def test_prefetch_runs_before_backward_needs_it(tmp_path):
     """Backward reaching a marked module queues its reads and the previous module's: by the
     time autograd unpacks, every read is already queued (none fetched on demand)."""
-    from moeplug import offload
+    from moeplug.modules import offload
     calls = {"demand": 0}
     model = model_for(["expert_fc1", "attn_proj"], tmp_path=tmp_path)
     unpack = offload._unpack

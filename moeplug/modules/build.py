@@ -10,7 +10,7 @@ from moeplug.modules.recompute import apply_recompute
 from moeplug.modules.shared_experts import SharedExperts
 from moeplug.modules.static_moe import budget_rows
 from moeplug.modules.transformer import MoETransformer
-from moeplug.offload import Offloader, apply_offload
+from moeplug.modules.offload import Offloader, apply_offload
 from moeplug.parallel.context_parallel import moe_token_group
 from moeplug.ops.activations import fc1_rows
 from moeplug.parallel.expert_tp import etp_dispatcher, etp_experts_config
@@ -60,7 +60,7 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
     model = MoETransformer(m, m.vocab_size or vocab_size, moe_layers, groups=groups)
     model.runtime = runtime
     apply_recompute(model, m.recompute)  # selective: marks modules; full: run_blocks reads it
-    if m.offload:  # chosen module inputs go to the second tier (moeplug.offload)
+    if m.offload:  # chosen module inputs go to the second tier (moeplug.modules.offload)
         rc = cfg.runtime
         runtime.offloader = Offloader(rc.offload_dir, rc.stash_page_bytes, rc.offload_max_bytes,
                                       rc.offload_min_bytes)

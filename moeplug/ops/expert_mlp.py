@@ -75,7 +75,7 @@ class _ExpertMLP(torch.autograd.Function):
                 a = a_SF[:s1 - s0] if recompute_act else a_SF[s0:s1]
                 swiglu_forward_raw(h_S2F[s0:s1], _rows(probs32_S, s0, s1), a)
                 torch.mm(a, w2_c[e].t(), out=y_SD[s0:s1])
-        note("expert_fc1", x_c)  # model.offload names (moeplug.offload)
+        note("expert_fc1", x_c)  # model.offload names (moeplug.modules.offload)
         note("moe_act", h_S2F)
         ctx.save_for_backward(x_c, h_S2F, None if recompute_act else a_SF, probs32_S, w13_c,
                               w2_c)

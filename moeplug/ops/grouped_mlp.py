@@ -47,7 +47,7 @@ class _GroupedMLP(torch.autograd.Function):
             a_SF = _act_times_probs(h_SX, probs32_S, activation)
             for e, s0, s1 in slices:
                 torch.mm(a_SF[s0:s1], w2_c[e].t(), out=y_SD[s0:s1])
-        note("expert_fc1", x_c)  # model.offload names (moeplug.offload)
+        note("expert_fc1", x_c)  # model.offload names (moeplug.modules.offload)
         note("moe_act", h_SX)
         # recompute_act (moe_act recompute): a is dropped here and rebuilt from h in backward.
         ctx.save_for_backward(x_c, h_SX, None if recompute_act else a_SF, probs32_S, w1_c, w2_c)

@@ -1,6 +1,6 @@
 """Where an op says which of its saved tensors Megatron's offload names mean (``expert_fc1``:
-the experts' FC1 input, ``moe_act``: the activation's input). moeplug.offload reads the marks;
-this module is the ground both import, so ops never import the offload machinery."""
+the experts' FC1 input, ``moe_act``: the activation's input). moeplug.modules.offload reads
+the marks; this module is the ground both import, so ops never import the offload machinery."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-# The offload scope of the module call running now (moeplug.offload._Scope) or None.
+# The offload scope of the module call running now (moeplug.modules.offload._Scope) or None.
 SCOPE: ContextVar[Any] = ContextVar("moeplug_offload_scope", default=None)
 
 
