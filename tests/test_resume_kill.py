@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from moeplug.testing.runs import count_train, latest_step, trajectory
+
 pytestmark = pytest.mark.slow
 
 STEPS = 24
@@ -26,30 +28,6 @@ def _args(cfg_file: str, out: str) -> list[str]:
             "--set", "train.ckpt_interval=2", "--set", "train.keep_last=2"]
 
 
-def _records(out: str) -> list[dict]:
-    from moeplug.training.metrics import read_metrics
-    path = os.path.join(out, "metrics.jsonl")
-    return read_metrics(path) if os.path.exists(path) else []
-
-
-def _trajectory(out: str, kind: str, key: str) -> dict[int, float]:
-    # A step trained again after a kill is logged again; the later record is the resumed one.
-    return {r["step"]: r[key] for r in _records(out) if r["kind"] == kind}
-
-
-def _count_train(out: str) -> int:
-    try:
-        return sum(1 for r in _records(out) if r["kind"] == "train")
-    except ValueError:  # a line being written right now
-        return -1
-
-
-def _latest_step(out: str) -> int:
-    from moeplug.training.checkpoint import find_latest
-    latest = find_latest(out)
-    return int(os.path.basename(latest)[5:]) if latest else 0
-
-
 def _saving(out: str, pid: int) -> bool:
     return any(d.startswith(".tmp-step_") and d.endswith(f"-{pid}") for d in os.listdir(out))
 
@@ -58,15 +36,15 @@ def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random) -> s
     """Launch one resume; SIGKILL it once it has logged a random number (1-4) of further steps
     plus a random delay. Returns 'killed', 'killed in save' or 'finished'."""
     os.makedirs(out, exist_ok=True)
-    if _latest_step(out) == STEPS:  # killed after its final save: nothing left to train
+    if latest_step(out) == STEPS:  # killed after its final save: nothing left to train
         return "finished"
-    start, target = _count_train(out), rng.randint(1, 4)
+    start, target = count_train(out), rng.randint(1, 4)
     delay = rng.uniform(0.0, 0.3)
     with open(os.path.join(out, "stderr.log"), "a") as err:
         proc = subprocess.Popen(_args(cfg_file, out), env=env, stdout=subprocess.DEVNULL,
                                 stderr=err)
     deadline = time.monotonic() + 300
-    while proc.poll() is None and _count_train(out) < start + target:
+    while proc.poll() is None and count_train(out) < start + target:
         assert time.monotonic() < deadline, "a launch made no progress in 300 s"
         time.sleep(0.01)
     time.sleep(delay)
@@ -86,8 +64,8 @@ def test_sigkill_at_random_steps_and_during_saves_resumes_bitwise(tiny_config_fi
     done = subprocess.run(_args(cfg_file, reference), env=cli_env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    expected_loss = _trajectory(reference, "train", "loss")
-    expected_val = _trajectory(reference, "val", "val_loss")
+    expected_loss = trajectory(reference, "train", "loss")
+    expected_val = trajectory(reference, "val", "val_loss")
     assert sorted(expected_loss) == list(range(1, STEPS + 1))
 
     # Pausing inside every save (after the shards, before meta.json) widens the window in
@@ -103,12 +81,12 @@ def test_sigkill_at_random_steps_and_during_saves_resumes_bitwise(tiny_config_fi
             assert len(outcomes) < 3 * KILLS, f"no end in sight: {outcomes}"
         outcomes.append(outcome)
         # every killed-and-resumed run ends exactly where the uninterrupted one did
-        assert _trajectory(out, "train", "loss") == expected_loss, out
-        assert _trajectory(out, "val", "val_loss") == expected_val, out
+        assert trajectory(out, "train", "loss") == expected_loss, out
+        assert trajectory(out, "val", "val_loss") == expected_val, out
         steps = sorted(d for d in os.listdir(out) if d.startswith("step_"))
         # keep_last = 2 (a kill between the final rename and the pruning may leave one more)
         assert steps[-2:] == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"] and len(steps) <= 3
-        assert _latest_step(out) == STEPS
+        assert latest_step(out) == STEPS
     kills = sum(o != "finished" for o in outcomes)
     in_save = outcomes.count("killed in save")
     print(f"{kills} SIGKILLs survived over {runs} runs, {in_save} of them during a save")
