@@ -126,6 +126,11 @@ def main(path: str) -> int:
         train(small, D.build_rank_model(small, host, corpus.vocab_size, groups, cpu), corpus,
               precision, names, groups=groups)
         before_run = calibrate_run(cfg, host, corpus.vocab_size, groups, precision)
+        # The calibration ran the same shapes: the ops' workspace cache (moeplug.ops.workspace,
+        # buffers from 256 KiB) would hand the run its buffers already resident, and the
+        # measured peak would miss them.
+        from moeplug.ops import workspace
+        workspace.clear()
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         seed_everything(cfg.train.seed)
