@@ -93,9 +93,10 @@ def test_default_model_loss_tracks_fp32_adamw_over_200_steps(run_cli, tmp_path):
     assert gap < 0.1, curves
 
 
-def _distopt_vs_one_process(rank: int, world: int) -> float:
-    """DP2 with the distributed optimizer and bf16 moments vs one process with the same
-    optimizer: both ranks train on the same batch, so the reduced grad is the one process's."""
+def _train_dp2_and_one_process(rank: int, world: int, train: dict, precision: str) -> tuple:
+    """DP2 with the distributed optimizer vs one process with the same optimizer (``train``
+    options on the tiny MoE model), 3 steps; both ranks train on the same batch, so the reduced
+    grad is the one process's. Returns (model, ref, opt)."""
     import numpy as np
 
     from moeplug.config import config_from_dict
@@ -107,11 +108,11 @@ def _distopt_vs_one_process(rank: int, world: int) -> float:
         "model": {"hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 16, "dense_ffn_hidden_size": 16,
                   "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8}},
-        "train": {"micro_batch_size": 2, "seq_len": 8, "warmup_steps": 0, "lr": 1e-2,
-                  "optimizer_dtype": "bf16"},
+        "plugins": {"precision": precision},
+        "train": {"micro_batch_size": 2, "seq_len": 8, "warmup_steps": 0, "lr": 1e-2, **train},
         "parallel": {"distributed_optimizer": True}})
     host = PluginHost.load()
-    precision = host.create("precision", "fp32", {})
+    recipe = host.create("precision", precision, {})
     groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
     seed_everything(0)
     model = build_rank_model(cfg, host, 32, groups)
@@ -121,8 +122,15 @@ def _distopt_vs_one_process(rank: int, world: int) -> float:
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, 32, (2, 9)))
     batch = [(ids[:, :-1], ids[:, 1:])]
     for _ in range(3):
-        train_step(model, opt, batch, cfg.train, precision, groups)
-        train_step(ref, ref_opt, batch, cfg.train, precision)
+        train_step(model, opt, batch, cfg.train, recipe, groups)
+        train_step(ref, ref_opt, batch, cfg.train, recipe)
+    return model, ref, opt
+
+
+def _distopt_vs_one_process(rank: int, world: int) -> float:
+    """DP2 with the distributed optimizer and bf16 moments vs one process with the same
+    optimizer."""
+    model, ref, opt = _train_dp2_and_one_process(rank, world, {"optimizer_dtype": "bf16"}, "fp32")
     assert {s["exp_avg"].dtype for s in opt.inner.state.values()} == {torch.bfloat16}
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 
@@ -214,38 +222,13 @@ def test_bf16_master_weights_need_bf16_compute():
 
 def _distopt_bf16_master(rank: int, world: int) -> tuple:
     """DP2, distributed optimizer, bf16 master slices and moments vs one process with bf16
-    master weights: both ranks train on the same batch. The stochastic rounding's bits are a
-    hash of each value (not a generator's stream), so a slice rounds as the whole tensor."""
-    import numpy as np
-
-    from moeplug.config import config_from_dict
-    from moeplug.parallel import ParallelGroups
-    from moeplug.plugin_host import PluginHost
-    from moeplug.training.distributed import build_rank_model
-    from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
-    cfg = config_from_dict({
-        "model": {"hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                  "max_seq_len": 16, "dense_ffn_hidden_size": 16,
-                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8}},
-        "plugins": {"precision": "bf16"},
-        # No clipping: one process clips bf16 grads with torch's (bf16) norm, the distributed
-        # optimizer with its fp64 sum over slices; that difference is not the optimizer's.
-        "train": {"micro_batch_size": 2, "seq_len": 8, "warmup_steps": 0, "lr": 1e-2,
-                  "optimizer_dtype": "bf16", "master_dtype": "bf16", "grad_clip": 0.0},
-        "parallel": {"distributed_optimizer": True}})
-    host = PluginHost.load()
-    precision = host.create("precision", "bf16", {})
-    groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
-    seed_everything(0)
-    model = build_rank_model(cfg, host, 32, groups)
-    seed_everything(0)
-    ref = build_rank_model(cfg, host, 32, None)
-    opt, ref_opt = build_rank_optimizer(model, cfg, groups), build_rank_optimizer(ref, cfg)
-    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 32, (2, 9)))
-    batch = [(ids[:, :-1], ids[:, 1:])]
-    for _ in range(3):
-        train_step(model, opt, batch, cfg.train, precision, groups)
-        train_step(ref, ref_opt, batch, cfg.train, precision)
+    master weights. The stochastic rounding's bits are a hash of each value (not a generator's
+    stream), so a slice rounds as the whole tensor."""
+    # No clipping: one process clips bf16 grads with torch's (bf16) norm, the distributed
+    # optimizer with its fp64 sum over slices; that difference is not the optimizer's.
+    model, ref, opt = _train_dp2_and_one_process(
+        rank, world, {"optimizer_dtype": "bf16", "master_dtype": "bf16", "grad_clip": 0.0},
+        "bf16")
     dtypes = {b.shard.dtype for b in opt.buckets} | {p.dtype for p in model.parameters()}
     # In bf16 ulps of the reference's weights (magnitudes below 1e-2 counted as 1e-2, where an
     # ulp is no longer a meaningful scale for a weight that moves ~1e-2 per step).
