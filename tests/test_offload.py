@@ -17,7 +17,7 @@ from moeplug.config import (OFFLOAD_MODULES, ConfigError, ModelConfig, MoEConfig
 from moeplug.modules import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import stream
-from moeplug.training.memory import ActivationMeter
+from moeplug.testing.steps import backward_micro_batches
 
 VOCAB = 40
 
@@ -38,16 +38,7 @@ def model_for(offload: list[str], seed: int = 0, stash: bool = False, experts: s
 
 def run(model, micro_batches: int = 2):
     """Loss per micro-batch, grads and the bytes held for backward (offloaded ones are not)."""
-    g = torch.Generator().manual_seed(1)
-    meter, losses = ActivationMeter(model), []
-    with meter.active():
-        for _ in range(micro_batches):
-            tok = torch.randint(0, VOCAB, (2, 16), generator=g)
-            out = model(tok, torch.randint(0, VOCAB, (2, 16), generator=g))
-            (out.loss / micro_batches).backward()
-            losses.append(out.loss.detach())
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return losses, grads, meter.peak
+    return backward_micro_batches(model, VOCAB, micro_batches)
 
 
 @pytest.fixture(scope="module")

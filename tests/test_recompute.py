@@ -15,7 +15,7 @@ from moeplug.config import (RECOMPUTE_MODULES, ConfigError, MLAConfig, ModelConf
                             config_from_dict)
 from moeplug.modules import build_model
 from moeplug.plugin_host import PluginHost
-from moeplug.training.memory import ActivationMeter
+from moeplug.testing.steps import backward_micro_batches
 
 VOCAB = 40
 # Shared experts, expert bias and the global aux loss (whose counts are a side effect that
@@ -41,18 +41,10 @@ def model_for(recompute: RecomputeConfig | None, seed: int = 0, attention: str =
 
 def run(model, micro_batches: int = 2):
     """Loss per micro-batch, grads, router step counts, bytes held for backward."""
-    g = torch.Generator().manual_seed(1)
-    meter, losses = ActivationMeter(model), []
-    with meter.active():
-        for _ in range(micro_batches):
-            tok = torch.randint(0, VOCAB, (2, 16), generator=g)
-            out = model(tok, torch.randint(0, VOCAB, (2, 16), generator=g))
-            (out.loss / micro_batches).backward()
-            losses.append(out.loss.detach())
+    losses, grads, peak = backward_micro_batches(model, VOCAB, micro_batches)
     routers = [b.ffn.router for b in model.blocks if hasattr(b.ffn, "router")]
     counts = [(r.step_counts_E.clone(), r.global_counts_E.clone()) for r in routers]
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return losses, grads, counts, meter.peak
+    return losses, grads, counts, peak
 
 
 CASES = [RecomputeConfig(granularity="selective", modules=[name]) for name in RECOMPUTE_MODULES]
