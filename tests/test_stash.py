@@ -19,6 +19,7 @@ from moeplug.modules.build import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import get_runtime
 from moeplug.stash import StashOverflowError
+from moeplug.testing.steps import train_ep2_variants
 from moeplug.training.optim import build_optimizer
 from moeplug.training.trainer import stash_runtime, train_step
 
@@ -189,32 +190,16 @@ def test_version_lists_the_runtime_stash_resources():
 
 
 def _ep2_rank(rank: int, world: int) -> dict:
-    from moeplug.parallel import ParallelGroups
-    from moeplug.training.distributed import build_rank_model
-    from moeplug.training.trainer import build_rank_optimizer, seed_everything
-    host = PluginHost.load()
-    precision = host.create("precision", "fp32", {})
-    out = {}
-    for name, runtime in (("off", {}), ("on", {"stash": True}),
-                          ("rerun", {"stash": True, "stash_pages": 1,
-                                     "stash_page_bytes": 4096})):
-        cfg = _cfg(**runtime)
-        cfg.parallel.ep = 2
-        groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
-        seed_everything(0)
-        model = build_rank_model(cfg, host, VOCAB, groups)
-        opt = build_rank_optimizer(model, cfg, groups)
-        gen = torch.Generator().manual_seed(5 + rank)  # each DP rank its own batches
-        losses, stash = [], []
-        for _ in range(2):
-            batches = [(torch.randint(0, VOCAB, (4, 16), generator=gen),
-                        torch.randint(0, VOCAB, (4, 16), generator=gen)) for _ in range(2)]
-            stats = train_step(model, opt, batches, cfg.train, precision, groups)
-            losses.append(stats.losses())
-            stash.append(stats.stash)
-        out[name] = {"losses": losses, "stash": stash,
-                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    return out
+    variants = {"off": {}, "on": {"stash": True},
+                "rerun": {"stash": True, "stash_pages": 1, "stash_page_bytes": 4096}}
+    return train_ep2_variants(rank, world, {n: _ep2_cfg(**rt) for n, rt in variants.items()},
+                              VOCAB, "stash")
+
+
+def _ep2_cfg(**runtime):
+    cfg = _cfg(**runtime)
+    cfg.parallel.ep = 2
+    return cfg
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from moeplug.modules.moe import MoELayer
 from moeplug.modules.static_moe import budget_rows, slots
 from moeplug.plugin_host import PluginHost
 from moeplug.testing.hostsync import HostSyncCounter
+from moeplug.testing.steps import train_ep2_variants
 from moeplug.training.optim import build_optimizer
 from moeplug.training.trainer import stash_runtime, train_step
 
@@ -378,31 +379,16 @@ def test_evaluation_takes_the_dynamic_path_and_loses_no_token():
 
 
 def _ep2_train_rank(rank: int, world: int) -> dict:
-    from moeplug.parallel import ParallelGroups
-    from moeplug.training.distributed import build_rank_model
-    from moeplug.training.trainer import build_rank_optimizer, seed_everything
-    host = PluginHost.load()
-    precision = host.create("precision", "fp32", {})
-    out = {}
-    for name, runtime in (("off", {}), ("within", {"sync_free": True}),
-                          ("over", {"sync_free": True, "token_budget": 0.25})):
-        cfg = _cfg(**runtime)
-        cfg.parallel.ep = 2
-        groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
-        seed_everything(0)
-        model = build_rank_model(cfg, host, VOCAB, groups)
-        opt = build_rank_optimizer(model, cfg, groups)
-        gen = torch.Generator().manual_seed(5 + rank)  # each DP rank its own batches
-        losses, sync_free = [], []
-        for _ in range(2):
-            batches = [(torch.randint(0, VOCAB, (4, 16), generator=gen),
-                        torch.randint(0, VOCAB, (4, 16), generator=gen)) for _ in range(2)]
-            stats = train_step(model, opt, batches, cfg.train, precision, groups)
-            losses.append(stats.losses())
-            sync_free.append(stats.sync_free)
-        out[name] = {"losses": losses, "sync_free": sync_free,
-                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    return out
+    variants = {"off": {}, "within": {"sync_free": True},
+                "over": {"sync_free": True, "token_budget": 0.25}}
+    return train_ep2_variants(rank, world, {n: _ep2_cfg(**rt) for n, rt in variants.items()},
+                              VOCAB, "sync_free")
+
+
+def _ep2_cfg(**runtime):
+    cfg = _cfg(**runtime)
+    cfg.parallel.ep = 2
+    return cfg
 
 
 @pytest.mark.slow

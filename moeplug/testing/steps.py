@@ -1,5 +1,6 @@
-"""Forward and backward of a few random micro-batches through a built model, as the
-recompute and offloading tests compare them (on vs off must give the same losses and grads)."""
+"""Forward and backward of a few random micro-batches through a built model (recompute and
+offloading: on vs off must give the same losses and grads), and a few EP2 training steps per
+config (stash and sync-free: on vs off must give the same losses and parameters)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,33 @@ def backward_micro_batches(model, vocab: int, micro_batches: int = 2) -> tuple:
             losses.append(out.loss.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return losses, grads, meter.peak
+
+
+def train_ep2_variants(rank: int, world: int, cfgs: dict, vocab: int, stat: str) -> dict:
+    """On each rank of a 2-rank gloo run: per named config (EP2 layouts of one model), build
+    the rank's model from seed 0, train 2 steps of 2 micro-batches of 4 x 16 random tokens
+    (each DP rank its own), and return {name: {"losses", stat, "params"}} where ``stat`` is
+    the StepStats field (e.g. "stash", "sync_free") recorded per step."""
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
+    host = PluginHost.load()
+    precision = host.create("precision", "fp32", {})
+    out = {}
+    for name, cfg in cfgs.items():
+        groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+        seed_everything(0)
+        model = build_rank_model(cfg, host, vocab, groups)
+        opt = build_rank_optimizer(model, cfg, groups)
+        gen = torch.Generator().manual_seed(5 + rank)  # each DP rank its own batches
+        losses, stats = [], []
+        for _ in range(2):
+            batches = [(torch.randint(0, vocab, (4, 16), generator=gen),
+                        torch.randint(0, vocab, (4, 16), generator=gen)) for _ in range(2)]
+            step = train_step(model, opt, batches, cfg.train, precision, groups)
+            losses.append(step.losses())
+            stats.append(getattr(step, stat))
+        out[name] = {"losses": losses, stat: stats,
+                     "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return out
