@@ -16,6 +16,13 @@ picklable; ``results[r]`` is rank r's return value. The harness guarantees three
 
 Children run with one intra-op thread (OMP_NUM_THREADS=1): the test machines are small and N
 ranks of multi-threaded torch would only fight over the same cores.
+
+Children are forked from a forkserver that imported torch once (spawn re-imports torch in
+every rank: ~1-2 s of CPU each, which over a test suite's thousands of ranks was minutes of a
+2-core CI run). The forkserver imports torch and nothing else -- no op runs there, so no
+OpenMP or runtime thread exists to be lost in a fork -- and each child takes the caller's
+environment as it is at the call (a spawned child would have; a forked one would otherwise
+see the server's, frozen when it started).
 """
 
 from __future__ import annotations
@@ -54,7 +61,9 @@ def free_port() -> int:
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: float,
-           results: Any, args: tuple) -> None:
+           results: Any, args: tuple, env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -74,20 +83,31 @@ def _child(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: fl
         results.put((rank, False, traceback.format_exc()))
 
 
+def _context():
+    """forkserver with torch preloaded (see the module docstring); spawn where the platform has
+    no forkserver. Never plain fork: the caller (pytest) has run torch ops, so its OpenMP and
+    runtime threads would be half-copied into the child and can deadlock it."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
                     pg_timeout: float = 60, grace: float = 10) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return the
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return the
     per-rank results in rank order. Raises DistributedError / DistributedTimeout."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size = {world_size!r}: must be a positive integer. "
                          "Fix: pass the number of ranks to spawn")
-    # spawn, not fork: a forked child would inherit the parent's torch/OpenMP thread state, which
-    # can deadlock; spawn costs ~1 s of import per rank and is always safe.
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, pg_timeout, results, args),
-                         daemon=True, name=f"moeplug-rank{r}") for r in range(world_size)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_child, daemon=True, name=f"moeplug-rank{r}",
+                         args=(fn, r, world_size, port, pg_timeout, results, args, env))
+             for r in range(world_size)]
     for p in procs:
         p.start()
 
