@@ -116,12 +116,6 @@ WORLD4 = {
     "cp2_ep2_direct_write": ({"cp": 2, "ep": 2}, _dw(), 1),
     "pp2_ep2_direct_write": ({"pp": 2, "ep": 2}, _dw(), 2),
     "pp2_ep2_drop_pad_direct_write": ({"pp": 2, "ep": 2}, _dw(DROP_PAD), 2),
-    # Combined 1F1B inside the pipeline schedule, experts' weight gradients delayed
-    # (tests/test_overlap.py proves both bitwise against off; this, against one process).
-    "pp2_ep2_1f1b_delay_wgrad": ({"pp": 2, "ep": 2, "overlap_moe_expert_parallel_comm": True},
-                                 "alltoall", 4,
-                                 {"moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
-                                          "aux_loss_coeff": 0.05, "delay_wgrad_compute": True}}),
     "ep2_dp4_distopt_direct_write": ({"ep": 2, "distributed_optimizer": True}, _dw(), 1),
 }
 WORLD8 = {
