@@ -25,10 +25,17 @@ gradients accumulate in the same order: losses and gradients are bitwise those o
 loop (tests/test_overlap.py). Only the forward of m reads parameters while B_{m-1} writes
 ``.grad``, which the forward never reads.
 
-Not here (yet): split weight-gradient computation (Megatron ``delay_wgrad_compute``), which lets
-a layer's input gradient - and so the next exchange - go out before its weight gradients are
-computed; the chunked layer (moeplug.modules.moe_overlap) gets that effect inside the layer
-from autograd's ordering instead.
+With pipeline parallelism (moeplug.parallel.schedules) the same :func:`run_beside` runs every
+"backward, then forward" pair of a rank's 1F1B op list side by side, e.g. rank 0 of PP2 with
+M = 4: ``F0 F1 | B0 || F2 | B1 || F3 | B2 B3``. A forward never waits on a backward of its own
+rank and every op starts no later than in the plain order, so the tagged pipeline messages
+(moeplug.parallel.p2p, on the base pipeline group from either thread) cannot deadlock; every
+rank of an EP/DP group sits at the same pipeline rank, so both threads' collective orders agree
+across the group.
+
+Split weight-gradient computation (``model.moe.delay_wgrad_compute``, moeplug.delayed_wgrad)
+composes with both: the queue is per thread, so each backward's deferred expert GEMMs run
+during that backward's own dispatch exchange.
 """
 
 from __future__ import annotations

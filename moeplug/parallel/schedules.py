@@ -39,8 +39,8 @@ from moeplug import delayed_wgrad
 from moeplug.config import ConfigError
 from moeplug.observability.timing import stage
 from moeplug.parallel import p2p
-from moeplug.parallel.ep_overlap import run_beside
 from moeplug.parallel.context_parallel import shard_sequence
+from moeplug.parallel.ep_overlap import run_beside
 from moeplug.parallel.pipeline import allreduce_embedding_grads, embedding_grads_snapshot
 
 
