@@ -878,6 +878,13 @@ class RootConfig:
             _fail(moe, name, True, "is not built into the static sync-free region "
                   "(runtime.sync_free runs its own expert backward)",
                   f"set runtime.sync_free: false or {name}: false")
+        if self.runtime.stash:
+            # The stash hands the experts' saved tensors back as views of its pages and frees
+            # the pages when autograd drops them - right after the dgrad, before the deferred
+            # weight GEMMs read them.
+            _fail(moe, name, True, "cannot be combined with runtime.stash (its pages return to "
+                  "the pool when the experts' backward node ends; the delayed weight GEMMs "
+                  "read them later)", f"set runtime.stash: false or {name}: false")
         if self.train.device.startswith("cuda"):
             _fail(moe, name, True, f"is implemented for the CPU expert ops only (on CUDA the "
                   f"experts use torch's grouped_mm autograd), but train.device = "

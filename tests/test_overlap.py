@@ -453,6 +453,7 @@ def test_delay_wgrad_defers_until_the_layer_input():
     ({"plugins": {"experts": "sequential"}}, "needs the grouped experts backend"),
     ({"plugins": {"precision": "fp8_tensorwise"}}, "splits the fp32/bf16 expert GEMMs"),
     ({"runtime": {"sync_free": True}}, "is not built into the static sync-free region"),
+    ({"runtime": {"stash": True}}, "cannot be combined with runtime.stash"),
     ({"train": {"device": "cuda"}}, "is implemented for the CPU expert ops only"),
 ])
 def test_delay_wgrad_refuses_what_it_cannot_split(over, words):
