@@ -16,7 +16,9 @@ rows travel, and only then waits: the weight GEMMs hide the dispatch's backward 
 
 Gradients are bitwise those of the plain backward: each deferred GEMM is the same op on the
 same tensors, and it is summed into ``param.grad`` exactly as autograd's AccumulateGrad would
-(adopt it when ``.grad`` is None, else ``grad += dW``), once per use of the weights.
+(adopt it when ``.grad`` is None, else ``grad += dW``), once per use of the weights. The one
+exception is a chunked layer (``overlap_chunks`` > 1): autograd first adds the chunks' dW and
+then adds that to ``.grad``, the queue adds each chunk's dW to ``.grad`` - an fp32 reorder.
 
 The queue is per thread: CPU autograd runs a backward on the thread that called it, so the
 combined 1F1B helper thread (moeplug.parallel.ep_overlap) has its own, and a forward running
