@@ -1,10 +1,12 @@
 """Overlap at 4 ranks (EP4): how much of the expert-parallel communication the chunked
 pipeline (``model.moe.overlap_chunks``, moeplug.modules.moe_overlap) and the combined 1F1B
 schedule (``parallel.overlap_moe_expert_parallel_comm``, moeplug.parallel.ep_overlap) hide
-behind compute.
+behind compute, and what delaying the experts' weight gradients behind the dispatch's
+backward exchange (``model.moe.delay_wgrad_compute``) adds.
 
 Every rank builds the same model (2 micro-batches per step) once per variant from one seed:
-overlap off, 2 and 4 chunks, combined 1F1B, and both. They run the real ``train_step`` round-robin, one step each
+overlap off, 2 and 4 chunks, combined 1F1B, and both; delayed expert weight gradients
+(``model.moe.delay_wgrad_compute``, moeplug.delayed_wgrad) alone and with combined 1F1B. They run the real ``train_step`` round-robin, one step each
 per round (so machine drift hits all alike), each step between two barriers (the slowest rank's
 time, as in a real step), medians over rounds, rank 0's view.
 
@@ -32,19 +34,22 @@ from moeplug.observability.timing import STAGES, measure_stages
 from moeplug.testing.distributed import run_distributed
 
 WORLD = 4
-# name -> (model.moe.overlap_chunks, parallel.overlap_moe_expert_parallel_comm)
-VARIANTS = {"off": (1, False), "chunks=2": (2, False), "chunks=4": (4, False),
-            "1f1b": (1, True), "1f1b+chunks=4": (4, True)}
+# name -> (model.moe.overlap_chunks, parallel.overlap_moe_expert_parallel_comm,
+#          model.moe.delay_wgrad_compute)
+VARIANTS = {"off": (1, False, False), "chunks=2": (2, False, False), "chunks=4": (4, False, False),
+            "1f1b": (1, True, False), "1f1b+chunks=4": (4, True, False),
+            "delay_wgrad": (1, False, True), "1f1b+delay_wgrad": (1, True, True)}
 ROUNDS, WARMUP = 10, 2
 
 
-def _cfg(chunks: int, merged: bool):
+def _cfg(chunks: int, merged: bool, delay: bool = False):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 128, "first_k_dense": 0, "dense_ffn_hidden_size": 256,
                   "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 256,
-                          "shared_expert_ffn_hidden_size": 256, "overlap_chunks": chunks}},
+                          "shared_expert_ffn_hidden_size": 256, "overlap_chunks": chunks,
+                          "delay_wgrad_compute": delay}},
         "plugins": {"dispatcher": "alltoall"},
         "train": {"steps": 100, "micro_batch_size": 4, "seq_len": 128, "warmup_steps": 1,
                   "grad_accum_steps": 2},
@@ -82,8 +87,8 @@ def _run(rank: int, world: int) -> dict:
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(0).integers(0, 256, 200_000).astype(np.int64)
     runs = {}
-    for name, (chunks, merged) in VARIANTS.items():
-        cfg = _cfg(chunks, merged)
+    for name, (chunks, merged, delay) in VARIANTS.items():
+        cfg = _cfg(chunks, merged, delay)
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         seed_everything(0)
         model = build_rank_model(cfg, host, 256, groups)

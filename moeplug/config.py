@@ -132,6 +132,10 @@ class MoEConfig:
     # chunks whose dispatch/combine run in the background while another chunk's experts (and
     # the shared experts) compute. 1 = off. Dispatchers without split start/wait still work.
     overlap_chunks: int = 1
+    # Megatron delay_wgrad_compute (moeplug.delayed_wgrad): the grouped experts' backward hands
+    # its input gradient to the dispatch's backward exchange first and computes the weight
+    # gradients while that exchange is in flight. Same gradients (bitwise at overlap_chunks 1).
+    delay_wgrad_compute: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -143,7 +147,7 @@ class MoEConfig:
         if self.activation not in ACTIVATIONS:
             _fail(self, "activation", self.activation, "unsupported activation",
                   f"use one of {', '.join(map(repr, ACTIVATIONS))}")
-        for n in ("apply_probs_on_input", "shared_expert_gate"):
+        for n in ("apply_probs_on_input", "shared_expert_gate", "delay_wgrad_compute"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
         if isinstance(self.shared_expert_ffn_hidden_size, float):
@@ -573,7 +577,8 @@ class ParallelConfig:
     # Combined 1F1B EP overlap (Megatron overlap_moe_expert_parallel_comm; see
     # moeplug.parallel.ep_overlap): the backward of micro-batch m-1 runs on a second thread, over
     # a twin of every process group, while micro-batch m runs forward, so each one's exchanges
-    # hide behind the other's compute. Needs grad_accum_steps >= 2 and pp = tp = cp = 1.
+    # hide behind the other's compute. Needs grad_accum_steps >= 2 and tp = cp = 1; with pp > 1
+    # every "backward, then forward" step of the 1F1B op list runs side by side.
     overlap_moe_expert_parallel_comm: bool = False
     # Process-group timeout: a rank waiting this long on a dead or hung peer stops instead of
     # hanging (moeplug.training.faults). 90 s keeps a CPU run's abort under 2 minutes; raise it
@@ -852,6 +857,38 @@ class RootConfig:
                   f"autocast", "set plugins.precision: bf16 or train.master_dtype: fp32")
         self._check_parallel_fits_model()
         self._check_sync_free()
+        self._check_delay_wgrad()
+
+    def _check_delay_wgrad(self) -> None:
+        # The split backward lives in the grouped experts' fp32/bf16 CPU ops (moeplug.ops
+        # expert_mlp, grouped_mlp); every other path computes its weight gradients inside
+        # torch's autograd, where they cannot be moved behind the exchange.
+        moe, name = self.model.moe, "delay_wgrad_compute"
+        if moe.delay_wgrad_compute is not True:
+            return
+        if self.plugins.experts != "grouped":
+            _fail(moe, name, True, f"needs the grouped experts backend (its op splits the "
+                  f"backward), not plugins.experts = {self.plugins.experts!r}",
+                  f"set plugins.experts: grouped or {name}: false")
+        if self.plugins.precision not in ("fp32", "bf16"):
+            _fail(moe, name, True, f"splits the fp32/bf16 expert GEMMs; plugins.precision = "
+                  f"{self.plugins.precision!r} runs the experts through its own quantized op",
+                  f"set plugins.precision: fp32 or bf16, or {name}: false")
+        if self.runtime.sync_free:
+            _fail(moe, name, True, "is not built into the static sync-free region "
+                  "(runtime.sync_free runs its own expert backward)",
+                  f"set runtime.sync_free: false or {name}: false")
+        if self.runtime.stash:
+            # The stash hands the experts' saved tensors back as views of its pages and frees
+            # the pages when autograd drops them - right after the dgrad, before the deferred
+            # weight GEMMs read them.
+            _fail(moe, name, True, "cannot be combined with runtime.stash (its pages return to "
+                  "the pool when the experts' backward node ends; the delayed weight GEMMs "
+                  "read them later)", f"set runtime.stash: false or {name}: false")
+        if self.train.device.startswith("cuda"):
+            _fail(moe, name, True, f"is implemented for the CPU expert ops only (on CUDA the "
+                  f"experts use torch's grouped_mm autograd), but train.device = "
+                  f"{self.train.device!r}", f"set train.device: cpu or {name}: false")
 
     def _check_sync_free(self) -> None:
         # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself in the
@@ -906,9 +943,11 @@ class RootConfig:
 
     def _check_combined_1f1b(self) -> None:
         par, name = self.parallel, "overlap_moe_expert_parallel_comm"
-        for degree in ("pp", "tp", "cp"):
-            # Their collectives outside moeplug.parallel.comm (pipeline sends, vocab-parallel
-            # loss, CP K/V exchange) are not moved to the twin groups, and PP has its own 1F1B.
+        for degree in ("tp", "cp"):
+            # Their collectives outside moeplug.parallel.comm (vocab-parallel loss, CP K/V
+            # exchange) are not moved to the twin groups. PP is fine: its tagged p2p messages
+            # match by tag whichever thread sends them, and the pipeline schedule runs each
+            # backward-then-forward pair of its op list side by side (moeplug.parallel.schedules).
             if getattr(par, degree) > 1:
                 _fail(par, name, True, f"supports expert and data parallelism only, but "
                       f"parallel.{degree} = {getattr(par, degree)}",
@@ -938,7 +977,7 @@ MODEL_DEFINING = ("model", "plugins.router", "plugins.router_options", "data.tok
                   "data.vocab_size")
 # Fields under "model" that change how the model runs, not what it computes: a resume may
 # change them (overlap on or off gives the same outputs and gradients).
-EXECUTION_ONLY = ("model.moe.overlap_chunks",)
+EXECUTION_ONLY = ("model.moe.overlap_chunks", "model.moe.delay_wgrad_compute")
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

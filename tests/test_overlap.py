@@ -44,16 +44,24 @@ TRAIN_TOL = 1e-4  # steps 2-3 and the final parameters, absolute (lr = 1e-2)
 CAPACITY = {"capacity_factor": 1.0, "pad_to_capacity": True}
 CHUNKED, MERGED = {"chunks": CHUNKS}, {"merged": True}
 BOTH = {"chunks": CHUNKS, "merged": True}
+# delay = model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): bitwise like MERGED alone.
+DELAY, MERGED_DELAY = {"delay": True}, {"merged": True, "delay": True}
 WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAPACITY, CHUNKED),
           # allgather keeps the Dispatcher base class's split methods (exchange in *_start)
           "ep2_allgather": ({"ep": 2}, 1, {}, {"chunks": CHUNKS, "dispatcher": "allgather"}),
-          "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH)}
+          "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH),
+          "ep2_delay_wgrad": ({"ep": 2}, 2, {}, DELAY),
+          "ep2_1f1b_delay_wgrad": ({"ep": 2}, 3, {}, MERGED_DELAY)}
 WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "pp2_ep2": ({"pp": 2, "ep": 2}, 2, {}, CHUNKED),
-          "ep4_1f1b": ({"ep": 4}, 2, {}, MERGED), "ep2_dp2_1f1b": ({"ep": 2}, 2, {}, MERGED)}
+          "ep4_1f1b": ({"ep": 4}, 2, {}, MERGED), "ep2_dp2_1f1b": ({"ep": 2}, 2, {}, MERGED),
+          # 3 micro-batches: pipeline rank 0 runs F0 F1 B0 F2 B1 B2 (B0 || F2 overlapped),
+          # rank 1 F0 B0 F1 B1 F2 B2 (B0 || F1, B1 || F2).
+          "pp2_ep2_1f1b": ({"pp": 2, "ep": 2}, 3, {}, MERGED),
+          "pp2_ep2_1f1b_delay_wgrad": ({"pp": 2, "ep": 2}, 3, {}, MERGED_DELAY)}
 
 
 def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
-         merged: bool = False, dispatcher: str = "alltoall"):
+         merged: bool = False, dispatcher: str = "alltoall", delay: bool = False):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -61,7 +69,7 @@ def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
                   "init_std": 0.1,
                   "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
                           "aux_loss_coeff": 0.05, "shared_expert_ffn_hidden_size": 8,
-                          "overlap_chunks": chunks}},
+                          "overlap_chunks": chunks, "delay_wgrad_compute": delay}},
         "plugins": {"dispatcher": dispatcher, "router_options": router_options},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
                   "grad_accum_steps": grad_accum, "lr": 1e-2, "min_lr": 1e-3,
@@ -79,6 +87,7 @@ def _named(model) -> dict[str, torch.nn.Parameter]:
 
 
 def _compare(rank: int, world: int, layouts: dict) -> dict:
+    from moeplug import delayed_wgrad
     from moeplug.parallel import ParallelGroups
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model
@@ -96,7 +105,7 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
             cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher)
                    if variant == "off" else
                    _cfg(parallel, accum, router_options, on.get("chunks", 1),
-                        on.get("merged", False), dispatcher))
+                        on.get("merged", False), dispatcher, on.get("delay", False)))
             groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
             seed_everything(cfg.train.seed)
             model = build_rank_model(cfg, host, V, groups)
@@ -106,6 +115,7 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
             first = next(p for p in _named(model).values() if p.requires_grad)
             first.register_hook(lambda g: threads.add(threading.current_thread().name))
             steps = []
+            delayed_wgrad.stats(reset=True)
             for step in range(3):
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step, cfg.train)
@@ -116,6 +126,8 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
             if variant == "on" and on.get("merged"):
                 assert groups.twins and groups.ep in groups.twins
                 assert any(t.startswith("moeplug-backward-") for t in threads), threads
+            if variant == "on":
+                report.setdefault(name, {})["wgrad"] = delayed_wgrad.stats()
             runs[variant] = (steps, {n: p.detach().clone() for n, p in _named(model).items()})
         (off, off_params), (on, on_params) = runs["off"], runs["on"]
         # Step 1 starts from the same parameters: its grads are the parity proof (TOL). Steps
@@ -132,7 +144,7 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
         errs["later_param"] = max((off_params[k] - on_params[k]).abs().max().item()
                                   for k in off_params)
         first_off, first_on = off[0][0], on[0][0]
-        report[name] = {"errs": errs, "first_step_losses_equal": first_off == first_on,
+        report[name] = {**report.get(name, {}), "errs": errs, "first_step_losses_equal": first_off == first_on,
                         "bitwise_grads": sum(torch.equal(off[0][2][k], on[0][2][k])
                                              for k in off[0][2]),
                         "num_grads": len(off[0][2]), "losses": [s[0]["loss"] for s in on]}
@@ -153,6 +165,13 @@ def _check(reports: list[dict], name: str) -> None:
                if not v <= (TOL if k.startswith("step1_") else TRAIN_TOL)}
         assert not bad, f"{name}, rank {rank}: overlap on differs from off by > {TOL}: {bad}"
         assert r["losses"][-1] < r["losses"][0] + 1.0  # it trained (no NaN, no blow-up)
+        w = r["wgrad"]
+        if on.get("delay"):
+            # Every deferred weight GEMM ran while a dispatch's backward exchange was in
+            # flight (alltoall: comm.all_to_all), none at a layer's input.
+            assert w["deferred"] > 0 and w["in_flight"] == w["deferred"] and not w["flushed"], w
+        else:
+            assert w == {"deferred": 0, "in_flight": 0, "flushed": 0}, w
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +261,6 @@ def test_overlap_is_not_model_defining():
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"parallel": {"pp": 2}}, "supports expert and data parallelism only, but parallel.pp = 2"),
     ({"parallel": {"tp": 2}}, "supports expert and data parallelism only, but parallel.tp = 2"),
     ({"train": {"grad_accum_steps": 1}}, "needs two micro-batches in flight"),
     ({"runtime": {"stash": True}}, "cannot be combined with runtime.stash"),
@@ -339,3 +357,120 @@ def _split_all_to_all(rank: int, world: int) -> dict:
 def test_split_all_to_all_equals_all_to_all():
     for rank, r in enumerate(run_distributed(_split_all_to_all, 3, timeout=120)):
         assert r == {"y": True, "grad": True}, (rank, r)
+
+
+# ---- delayed expert weight gradients (model.moe.delay_wgrad_compute) at one process ---------
+
+@pytest.mark.parametrize("activation, precision, recompute_act, chunks", [
+    ("swiglu", "fp32", False, 1),   # moeplug.ops.expert_mlp (fused C++ SwiGLU)
+    ("swiglu", "bf16", True, 1),    # bf16 GEMMs, activation rebuilt in backward
+    ("geglu", "fp32", True, 1),     # moeplug.ops.grouped_mlp (torch activation), rebuilt
+    ("swiglu", "fp32", False, CHUNKS)])
+def test_delay_wgrad_single_process(activation, precision, recompute_act, chunks):
+    """A real train_step of two accumulated micro-batches (the second sums into an existing
+    .grad), delay on vs off. With one chunk
+    the deferred GEMMs are the same ops on the same tensors, summed into .grad as
+    AccumulateGrad sums: losses and every gradient bitwise. With chunks, each chunk's dW is
+    summed into .grad on its own (off: autograd first adds the chunks' dW, then .grad), a
+    different fp32 order: TOL. At one rank there is no exchange, so every deferred piece runs
+    when the backward reaches the layer's input (flushed), none in flight."""
+    from moeplug import delayed_wgrad
+    from moeplug.config import config_from_dict
+    from moeplug.modules import build_model
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.optim import build_optimizer
+    from moeplug.training.trainer import train_step
+
+    def train(delay: bool):
+        cfg = config_from_dict({
+            "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                      "max_seq_len": 32, "first_k_dense": 0,
+                      "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32,
+                              "activation": activation, "overlap_chunks": chunks,
+                              "shared_expert_ffn_hidden_size": 16,
+                              "delay_wgrad_compute": delay},
+                      "recompute": ({"granularity": "selective", "modules": ["moe_act"]}
+                                    if recompute_act else {})},
+            "plugins": {"precision": precision},
+            "train": {"micro_batch_size": 2, "seq_len": 16, "grad_accum_steps": 2}})
+        torch.manual_seed(0)
+        host = PluginHost.load()
+        model = build_model(cfg, host, V)
+        opt = build_optimizer(model, cfg.train)
+        gen = torch.Generator().manual_seed(1)
+        delayed_wgrad.stats(reset=True)
+        out = []
+        for _ in range(1):
+            batches = [(torch.randint(0, V, (2, 16), generator=gen),
+                        torch.randint(0, V, (2, 16), generator=gen)) for _ in range(2)]
+            stats = train_step(model, opt, batches, cfg.train,
+                               host.create("precision", precision, {}), None)
+            out.append((stats.losses(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        return out, delayed_wgrad.stats()
+
+    (on, w_on), (off, w_off) = train(True), train(False)
+    # 2 MoE layers x 2 micro-batches x chunks: every experts backward deferred.
+    assert w_on == {"deferred": 4 * chunks, "in_flight": 0, "flushed": 4 * chunks}, w_on
+    assert w_off == {"deferred": 0, "in_flight": 0, "flushed": 0}
+    (l_on1, g_on1), (l_off1, g_off1) = on[0], off[0]
+    assert l_on1 == l_off1
+    assert g_on1.keys() == g_off1.keys() and any(k.endswith("gate_up_proj") for k in g_on1)
+    if chunks == 1:
+        for (l_on, g_on), (l_off, g_off) in zip(on, off):
+            assert l_on == l_off
+            assert all(torch.equal(g_on[n], g_off[n]) for n in g_off), \
+                [n for n in g_off if not torch.equal(g_on[n], g_off[n])]
+    else:
+        for n in g_off1:
+            assert torch.allclose(g_on1[n], g_off1[n], rtol=0, atol=TOL), n
+
+
+def test_delay_wgrad_defers_until_the_layer_input():
+    """The expert op's backward really returns before its weight gradients exist: right after
+    autograd ran it (a hook on its input gradient), .grad of both weights is still unset and
+    one piece of work is queued; after the backward they are set and the queue is empty."""
+    from moeplug import delayed_wgrad
+    from moeplug.ops import expert_mlp
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 8, generator=gen, requires_grad=True)
+    probs = torch.rand(10, generator=gen)
+    w13 = torch.nn.Parameter(torch.randn(2, 12, 8, generator=gen))
+    w2 = torch.nn.Parameter(torch.randn(2, 8, 6, generator=gen))
+    seen = []
+    x_in = x * 1.0
+    x_in.register_hook(lambda g: seen.append((w13.grad, w2.grad, delayed_wgrad.pending())))
+    y = expert_mlp(x_in, probs, torch.tensor([4, 6]), w13, w2, delay_wgrad=True)
+    y.square().sum().backward()
+    assert seen == [(None, None, 1)]
+    delayed_wgrad.run_pending()  # the trainer does this after every backward
+    ref13, ref2 = (torch.nn.Parameter(w.detach().clone()) for w in (w13, w2))
+    expert_mlp(x * 1.0, probs, torch.tensor([4, 6]), ref13, ref2).square().sum().backward()
+    assert torch.equal(w13.grad, ref13.grad) and torch.equal(w2.grad, ref2.grad)
+    assert delayed_wgrad.pending() == 0
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"plugins": {"experts": "sequential"}}, "needs the grouped experts backend"),
+    ({"plugins": {"precision": "fp8_tensorwise"}}, "splits the fp32/bf16 expert GEMMs"),
+    ({"runtime": {"sync_free": True}}, "is not built into the static sync-free region"),
+    ({"runtime": {"stash": True}}, "cannot be combined with runtime.stash"),
+    ({"train": {"device": "cuda"}}, "is implemented for the CPU expert ops only"),
+])
+def test_delay_wgrad_refuses_what_it_cannot_split(over, words):
+    from moeplug.config import ConfigError, config_from_dict
+    base = {"model": {"moe": {"delay_wgrad_compute": True}}, "plugins": {}, "runtime": {},
+            "train": {}}
+    cfg = {k: {**v, **over.get(k, {})} for k, v in base.items()}
+    with pytest.raises(ConfigError, match=f"MoEConfig.delay_wgrad_compute = True: {words}"):
+        config_from_dict(cfg)
+    config_from_dict(base)  # the base itself is valid
+
+
+def test_delay_wgrad_validated_and_not_model_defining():
+    from moeplug.config import ConfigError, config_from_dict, model_differences
+    with pytest.raises(ConfigError, match="MoEConfig.delay_wgrad_compute = 'yes': must be a "
+                                          "boolean"):
+        config_from_dict({"model": {"moe": {"delay_wgrad_compute": "yes"}}})
+    a = config_from_dict({"model": {"moe": {"delay_wgrad_compute": False}}})
+    b = config_from_dict({"model": {"moe": {"delay_wgrad_compute": True}}})
+    assert model_differences(a, b) == []

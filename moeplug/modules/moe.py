@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from moeplug.delayed_wgrad import flush_at
 from moeplug.interfaces import Dispatcher, Experts, Router
 from moeplug.modules.moe_overlap import overlapped_routed
 from moeplug.modules.static_moe import static_moe
@@ -65,6 +66,9 @@ class MoELayer(nn.Module):
     moeplug.modules.static_moe instead: static shapes from a token budget, no host sync, the
     experts' weights used directly, counts_E left on the device; an over-budget flag goes to
     the runtime, whose trainer reruns the step on the path above.
+    With ``model.moe.delay_wgrad_compute`` the experts' backward queues its weight GEMMs to run
+    during the dispatch's backward exchange; the layer's input is marked so that whatever is
+    still queued runs when the backward reaches it (moeplug.delayed_wgrad).
     Returns ``MoEOutput(y, aux_loss, counts_E)`` (a triple; ``.router_losses`` holds the
     router's logging values); nothing from the call is kept on ``self``, so several
     micro-batches may be in flight through one layer.
@@ -109,6 +113,8 @@ class MoELayer(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
+        if getattr(self.experts, "delay_wgrad_compute", False):
+            x_TD = flush_at(x_TD)  # no expert weight gradient outlives this layer's backward
         with stage("router"):
             routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
         sync_free = self._sync_free()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moeplug import delayed_wgrad
 from moeplug.ops import reference, workspace
 from moeplug.ops._grouped import check_counts_and_probs, compute_dtype, expert_slices
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
@@ -55,7 +56,7 @@ def _weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]]) -> torch.T
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, probs_S, probs32_S, counts, w13_L2FD, w2_LDF, compute_dtype,
-                recompute_act):
+                recompute_act, delay_wgrad):
         # Casting inside the Function means autograd records no cast nodes: gradients come back
         # in each input's own dtype (fp32 master weights) from backward below.
         x_c, w13_c, w2_c = (_cast(t, compute_dtype) for t in (x_SD, w13_L2FD, w2_LDF))
@@ -80,6 +81,9 @@ class _ExpertMLP(torch.autograd.Function):
         ctx.save_for_backward(x_c, h_S2F, None if recompute_act else a_SF, probs32_S, w13_c,
                               w2_c)
         ctx.recompute_act = recompute_act
+        # delay_wgrad: the weights themselves (leaves), into whose .grad the deferred GEMMs sum.
+        ctx.weights = ((w13_L2FD, w2_LDF)
+                       if delay_wgrad and delayed_wgrad.can_defer(w13_L2FD, w2_LDF) else None)
         ctx.slices = slices
         ctx.dtypes = (x_SD.dtype, None if probs_S is None else probs_S.dtype, w13_L2FD.dtype,
                       w2_LDF.dtype)
@@ -94,38 +98,81 @@ class _ExpertMLP(torch.autograd.Function):
         dY_SD = grad_SD.to(x_c.dtype).contiguous()
         S, D = x_c.shape
         F_ = h_S2F.shape[1] // 2
+        # delay_wgrad_compute: only dX and dp here; dW2 and dW13 are queued (moeplug.delayed_wgrad)
+        # and run while the dispatch's backward exchange carries dX.
+        delay = ctx.weights is not None and (need_w13 or need_w2)
 
         want_dp = need_p and probs32_S is not None
         max_rows = max((s1 - s0 for _, s0, s1 in slices), default=0)
         dA_nF = workspace.empty((max_rows, F_), x_c.dtype)  # one expert at a time: cache-sized
-        a_nF = workspace.empty((max_rows, F_), x_c.dtype) if ctx.recompute_act else None
         dh_S2F = workspace.empty((S, 2 * F_), x_c.dtype)
         dp_S = torch.empty(S, dtype=torch.float32) if want_dp else None
         dX_SD = workspace.empty((S, D), x_c.dtype) if need_x else None
-        dW2_LDF = _weight_grad(w2_c, slices) if need_w2 else None
-        dW13_L2FD = _weight_grad(w13_c, slices) if need_w13 else None
+        wgrad = _WeightGrads(x_c, h_S2F, a_SF, probs32_S, dY_SD, dh_S2F, slices,
+                             w13_c if need_w13 else None, w2_c if need_w2 else None)
         for e, s0, s1 in slices:
             dA = dA_nF[:s1 - s0]
             torch.mm(dY_SD[s0:s1], w2_c[e], out=dA)
-            if need_w2:
-                if a_SF is None:  # moe_act recompute: the same kernel on the same h
-                    a = swiglu_forward_raw(h_S2F[s0:s1], _rows(probs32_S, s0, s1),
-                                           a_nF[:s1 - s0])
-                else:
-                    a = a_SF[s0:s1]
-                torch.mm(dY_SD[s0:s1].t(), a, out=dW2_LDF[e])
+            if not delay:
+                wgrad.down(e, s0, s1)
             swiglu_backward_raw(dA, h_S2F[s0:s1], _rows(probs32_S, s0, s1), want_dp,
                                 dh_S2F[s0:s1], _rows(dp_S, s0, s1))
             if need_x:
                 torch.mm(dh_S2F[s0:s1], w13_c[e], out=dX_SD[s0:s1])
-            if need_w13:
-                torch.mm(dh_S2F[s0:s1].t(), x_c[s0:s1], out=dW13_L2FD[e])
+            if not delay:
+                wgrad.gate_up(e, s0, s1)
 
         def back(t, dtype):
             return None if t is None else _cast(t, dtype)
 
-        return (back(dX_SD, x_dtype), back(dp_S, p_dtype), None, None,
-                back(dW13_L2FD, w13_dtype), back(dW2_LDF, w2_dtype), None, None)
+        dW13 = dW2 = None  # delayed: summed into the weights' .grad by the queued work
+        if not delay:
+            dW13, dW2 = back(wgrad.dW13, w13_dtype), back(wgrad.dW2, w2_dtype)
+        else:
+            w13, w2 = ctx.weights
+
+            def deferred() -> None:
+                for e, s0, s1 in slices:  # the same GEMMs on the same tensors, later
+                    wgrad.down(e, s0, s1)
+                    wgrad.gate_up(e, s0, s1)
+                if need_w13:
+                    delayed_wgrad.accumulate(w13, _cast(wgrad.dW13, w13_dtype))
+                if need_w2:
+                    delayed_wgrad.accumulate(w2, _cast(wgrad.dW2, w2_dtype))
+
+            delayed_wgrad.defer(deferred)
+        return (back(dX_SD, x_dtype), back(dp_S, p_dtype), None, None, dW13, dW2, None, None,
+                None)
+
+
+class _WeightGrads:
+    """The experts' weight gradients, one expert at a time: dW2_e = dY_e^T a_e and
+    dW13_e = dh_e^T x_e (``None`` for a weight that needs none). Run inline by the backward, or
+    later by the delayed_wgrad queue; both call the same GEMMs."""
+
+    def __init__(self, x_c, h_S2F, a_SF, probs32_S, dY_SD, dh_S2F, slices, w13_c, w2_c):
+        self.x_c, self.h_S2F, self.a_SF, self.probs32_S = x_c, h_S2F, a_SF, probs32_S
+        self.dY_SD, self.dh_S2F = dY_SD, dh_S2F
+        self.dW13 = _weight_grad(w13_c, slices) if w13_c is not None else None
+        self.dW2 = _weight_grad(w2_c, slices) if w2_c is not None else None
+        max_rows = max((s1 - s0 for _, s0, s1 in slices), default=0)
+        # moe_act recompute: a is rebuilt from h, one expert at a time, in a scratch buffer.
+        self.a_nF = (workspace.empty((max_rows, h_S2F.shape[1] // 2), x_c.dtype)
+                     if a_SF is None and w2_c is not None else None)
+
+    def down(self, e: int, s0: int, s1: int) -> None:
+        if self.dW2 is None:
+            return
+        if self.a_SF is None:  # moe_act recompute: the same kernel on the same h
+            a = swiglu_forward_raw(self.h_S2F[s0:s1], _rows(self.probs32_S, s0, s1),
+                                   self.a_nF[:s1 - s0])
+        else:
+            a = self.a_SF[s0:s1]
+        torch.mm(self.dY_SD[s0:s1].t(), a, out=self.dW2[e])
+
+    def gate_up(self, e: int, s0: int, s1: int) -> None:
+        if self.dW13 is not None:
+            torch.mm(self.dh_S2F[s0:s1].t(), self.x_c[s0:s1], out=self.dW13[e])
 
 
 def _check(x_SD, probs_S, counts_L, w13_L2FD, w2_LDF) -> list[int]:
@@ -162,11 +209,13 @@ def _grouped_mm_path(x_SD, probs_S, counts, w13_L2FD, w2_LDF, compute_dtype):
 
 def expert_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch.Tensor,
                gate_up_proj_L2FD: torch.Tensor, down_proj_LDF: torch.Tensor,
-               recompute_act: bool = False) -> torch.Tensor:
+               recompute_act: bool = False, delay_wgrad: bool = False) -> torch.Tensor:
     """``y_e = down_e(silu(gate_e x) * (up_e x) * p)`` for every local expert's row slice.
 
     ``recompute_act``: keep only FC1's output h for backward and rebuild the activation there
     (moe_act recompute; the same kernel on the same h, so gradients are identical).
+    ``delay_wgrad`` (model.moe.delay_wgrad_compute): the backward returns dX and dp and queues
+    the weight-gradient GEMMs (moeplug.delayed_wgrad); the same gradients land in ``.grad``.
 
     Differentiable w.r.t. x_SD, probs_S and both weights. Under CPU autocast the GEMMs run in
     the autocast dtype and weight gradients come back in the weights' dtype.
@@ -174,6 +223,10 @@ def expert_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch
     counts = _check(x_SD, probs_S, counts_L, gate_up_proj_L2FD, down_proj_LDF)
     dtype = compute_dtype(x_SD)
     if x_SD.device.type != "cpu":
+        if delay_wgrad:  # torch's grouped_mm autograd computes dW with dX: nothing to delay
+            raise ValueError(f"expert_mlp: delay_wgrad is implemented for CPU tensors only, got "
+                             f"x_SD on {x_SD.device}. Fix: set model.moe.delay_wgrad_compute: "
+                             f"false on GPU")
         return _grouped_mm_path(x_SD, probs_S, counts, gate_up_proj_L2FD, down_proj_LDF, dtype)
     for name, t in (("x_SD", x_SD), ("gate_up_proj", gate_up_proj_L2FD),
                     ("down_proj", down_proj_LDF)):
@@ -185,4 +238,4 @@ def expert_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch
     probs32_S = None if probs_S is None else check_probs("expert_mlp", "probs_S", probs_S,
                                                          (x_SD.shape[0],))
     return _ExpertMLP.apply(x_SD, probs_S, probs32_S, counts, gate_up_proj_L2FD, down_proj_LDF,
-                            dtype, recompute_act)
+                            dtype, recompute_act, delay_wgrad)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from moeplug import delayed_wgrad
 from moeplug.ops._grouped import check_counts_and_probs, compute_dtype, expert_slices
 from moeplug.ops.activations import activation_fn, fc1_rows
 from moeplug.ops.offload_marks import note
@@ -32,7 +33,7 @@ def _act_times_probs(h_SX: torch.Tensor, probs32_S: torch.Tensor | None, activat
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, probs_S, counts, w1_LXD, w2_LDF, activation, compute_dtype,
-                recompute_act):
+                recompute_act, delay_wgrad):
         x_c, w1_c, w2_c = (t.to(compute_dtype).contiguous() for t in (x_SD, w1_LXD, w2_LDF))
         # Routing weights at least fp32 (as the fused kernel takes them); fp64 stays fp64.
         probs32_S = (None if probs_S is None else
@@ -52,6 +53,9 @@ class _GroupedMLP(torch.autograd.Function):
         # recompute_act (moe_act recompute): a is dropped here and rebuilt from h in backward.
         ctx.save_for_backward(x_c, h_SX, None if recompute_act else a_SF, probs32_S, w1_c, w2_c)
         ctx.slices, ctx.activation = slices, activation
+        # delay_wgrad: the weights themselves (leaves), into whose .grad the deferred GEMMs sum.
+        ctx.weights = ((w1_LXD, w2_LDF)
+                       if delay_wgrad and delayed_wgrad.can_defer(w1_LXD, w2_LDF) else None)
         ctx.dtypes = (x_SD.dtype, None if probs_S is None else probs_S.dtype, w1_LXD.dtype,
                       w2_LDF.dtype)
         return y_SD
@@ -61,40 +65,65 @@ class _GroupedMLP(torch.autograd.Function):
         x_c, h_SX, a_SF, probs32_S, w1_c, w2_c = ctx.saved_tensors
         x_dtype, p_dtype, w1_dtype, w2_dtype = ctx.dtypes
         need_x, need_p, _, need_w1, need_w2 = ctx.needs_input_grad[:5]
-        slices = ctx.slices
+        slices, activation = ctx.slices, ctx.activation
         dY_SD = grad_SD.to(x_c.dtype).contiguous()
+        # delay_wgrad_compute: only dX and dp here; dW2 and dW1 are queued (moeplug.delayed_wgrad)
+        # and run while the dispatch's backward exchange carries dX.
+        delay = ctx.weights is not None and (need_w1 or need_w2)
+
+        def grad_w2(a_SF):
+            if a_SF is None:  # moe_act recompute
+                a_SF = _act_times_probs(h_SX, probs32_S, activation)
+            dW2 = torch.zeros_like(w2_c)
+            for e, s0, s1 in slices:
+                torch.mm(dY_SD[s0:s1].t(), a_SF[s0:s1], out=dW2[e])
+            return dW2
+
+        def grad_w1(dh_SX):
+            dW1 = torch.zeros_like(w1_c)
+            for e, s0, s1 in slices:
+                torch.mm(dh_SX[s0:s1].t(), x_c[s0:s1], out=dW1[e])
+            return dW1
+
         with torch.autocast(x_c.device.type, enabled=False):
-            if a_SF is None:
-                a_SF = _act_times_probs(h_SX, probs32_S, ctx.activation)
-            dA_SF = torch.zeros_like(a_SF)  # rows of no expert stay 0 (S = 0 or all-zero counts)
-            dW2 = torch.zeros_like(w2_c) if need_w2 else None
+            if a_SF is None and need_w2 and not delay:
+                a_SF = _act_times_probs(h_SX, probs32_S, activation)
+            dA_SF = x_c.new_zeros(h_SX.shape[0], w2_c.shape[2])  # rows of no expert stay 0
             for e, s0, s1 in slices:
                 torch.mm(dY_SD[s0:s1], w2_c[e], out=dA_SF[s0:s1])
-                if need_w2:
-                    torch.mm(dY_SD[s0:s1].t(), a_SF[s0:s1], out=dW2[e])
+            dW2 = grad_w2(a_SF) if need_w2 and not delay else None
             # The activation's derivative by autograd on a recomputed (cheap, elementwise) graph:
             # one implementation of every activation, forward and backward, in activations.py.
             want_dp = need_p and probs32_S is not None
             with torch.enable_grad():
                 h = h_SX.detach().requires_grad_()
                 p = probs32_S.detach().requires_grad_(want_dp) if probs32_S is not None else None
-                a = _act_times_probs(h, p, ctx.activation)
+                a = _act_times_probs(h, p, activation)
                 grads = torch.autograd.grad(a, [h, p] if want_dp else [h], dA_SF)
             dh_SX = grads[0]
             dp_S = grads[1] if want_dp else None
             dX = torch.zeros_like(x_c) if need_x else None
-            dW1 = torch.zeros_like(w1_c) if need_w1 else None
             for e, s0, s1 in slices:
                 if need_x:
                     torch.mm(dh_SX[s0:s1], w1_c[e], out=dX[s0:s1])
-                if need_w1:
-                    torch.mm(dh_SX[s0:s1].t(), x_c[s0:s1], out=dW1[e])
+            dW1 = grad_w1(dh_SX) if need_w1 and not delay else None
 
         def back(t, dtype):
             return None if t is None else t.to(dtype)
 
+        if delay:
+            w1, w2 = ctx.weights
+
+            def deferred() -> None:  # the same GEMMs on the same tensors, later
+                with torch.autocast(x_c.device.type, enabled=False):
+                    if need_w2:
+                        delayed_wgrad.accumulate(w2, back(grad_w2(a_SF), w2_dtype))
+                    if need_w1:
+                        delayed_wgrad.accumulate(w1, back(grad_w1(dh_SX), w1_dtype))
+
+            delayed_wgrad.defer(deferred)
         return (back(dX, x_dtype), back(dp_S, p_dtype), None, back(dW1, w1_dtype),
-                back(dW2, w2_dtype), None, None, None)
+                back(dW2, w2_dtype), None, None, None, None)
 
 
 def _check(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation) -> list[int]:
@@ -117,13 +146,22 @@ def _check(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation) -> list[int]:
 
 def grouped_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch.Tensor,
                 gate_up_proj_LXD: torch.Tensor, down_proj_LDF: torch.Tensor,
-                activation: str, recompute_act: bool = False) -> torch.Tensor:
+                activation: str, recompute_act: bool = False,
+                delay_wgrad: bool = False) -> torch.Tensor:
     """``y_e = down_e(act(gate_up_e x) * p)`` for every local expert's row slice.
 
     ``recompute_act``: keep only FC1's output for backward, rebuild act(h) * p there.
+    ``delay_wgrad`` (model.moe.delay_wgrad_compute): the backward returns dX and dp and queues
+    the weight-gradient GEMMs (moeplug.delayed_wgrad); the same gradients land in ``.grad``.
 
     Differentiable w.r.t. x_SD, probs_S and both weights; ``probs_S=None`` means p = 1.
     """
     counts = _check(x_SD, probs_S, counts_L, gate_up_proj_LXD, down_proj_LDF, activation)
+    if delay_wgrad and x_SD.device.type != "cpu":
+        # CUDA autograd runs backwards on its device threads: the per-thread queue
+        # (moeplug.delayed_wgrad) is only proven on CPU.
+        raise ValueError(f"grouped_mlp: delay_wgrad is implemented for CPU tensors only, got "
+                         f"x_SD on {x_SD.device}. Fix: set model.moe.delay_wgrad_compute: "
+                         f"false on GPU")
     return _GroupedMLP.apply(x_SD, probs_S, counts, gate_up_proj_LXD, down_proj_LDF, activation,
-                             compute_dtype(x_SD), recompute_act)
+                             compute_dtype(x_SD), recompute_act, delay_wgrad)

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from moeplug import delayed_wgrad
+
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch < 2.13 has only
 # the old ones. Same signatures: (output, input, ..., group=).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -84,17 +86,29 @@ def _check_splits(name: str, splits: Sequence[int], world: int, rows: int | None
 
 # --- raw (non-differentiable) building blocks ----------------------------------------------
 
+def _run(collective, *args, group: Any) -> None:
+    """``collective(*args, group=...)``. With delayed expert weight gradients queued on this
+    thread (model.moe.delay_wgrad_compute: this is the dispatch's backward exchange carrying
+    the experts' dX), start it asynchronously and run them while the rows travel."""
+    if not delayed_wgrad.pending():
+        collective(*args, group=_on(group))
+        return
+    work = collective(*args, group=_on(group), async_op=True)
+    delayed_wgrad.run_pending(in_flight=True)
+    work.wait()
+
+
 def _all_to_all(x_N: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: Any) -> torch.Tensor:
     out_M = x_N.new_empty((sum(out_splits), *x_N.shape[1:]))
-    dist.all_to_all_single(out_M, x_N.contiguous(), out_splits, in_splits, group=_on(group))
+    _run(dist.all_to_all_single, out_M, x_N.contiguous(), out_splits, in_splits, group=group)
     return out_M
 
 
 def _gather_even(x_N: torch.Tensor, group: Any) -> torch.Tensor:
     """[N, ...] -> [W*N, ...], rank r's rows at [r*N, (r+1)*N)."""
     out = x_N.new_empty((group_size(group) * x_N.shape[0], *x_N.shape[1:]))
-    _all_gather_single(out, x_N.contiguous(), group=_on(group))
+    _run(_all_gather_single, out, x_N.contiguous(), group=group)
     return out
 
 
@@ -102,7 +116,7 @@ def _reduce_scatter_even(x_M: torch.Tensor, group: Any) -> torch.Tensor:
     """[W*N, ...] -> [N, ...]: the sum over ranks of each rank's r-th block, for rank r.
     (gloo in torch 2.13 implements it natively; older gloo builds lacked reduce-scatter.)"""
     out = x_M.new_empty((x_M.shape[0] // group_size(group), *x_M.shape[1:]))
-    _reduce_scatter_single(out, x_M.contiguous(), group=_on(group))
+    _run(_reduce_scatter_single, out, x_M.contiguous(), group=group)
     return out
 
 
@@ -308,6 +322,8 @@ class _AllToAllWait(Function):
         p.grad_N = grad_M.new_empty((sum(p.in_splits), *grad_M.shape[1:]))
         p.grad_work = dist.all_to_all_single(p.grad_N, grad_M, p.in_splits, p.out_splits,
                                              group=_on(p.group), async_op=True)
+        # Delayed expert weight gradients (model.moe.delay_wgrad_compute) run in its shadow.
+        delayed_wgrad.run_pending(in_flight=True)
         # grad_M stands in for the gradient of the buffer; _AllToAllStart.backward returns
         # p.grad_N (the real one) instead of reading it.
         return grad_M, None

@@ -25,14 +25,22 @@ gradients accumulate in the same order: losses and gradients are bitwise those o
 loop (tests/test_overlap.py). Only the forward of m reads parameters while B_{m-1} writes
 ``.grad``, which the forward never reads.
 
-Not here (yet): split weight-gradient computation (Megatron ``delay_wgrad_compute``), which lets
-a layer's input gradient - and so the next exchange - go out before its weight gradients are
-computed; the chunked layer (moeplug.modules.moe_overlap) gets that effect inside the layer
-from autograd's ordering instead.
+With pipeline parallelism (moeplug.parallel.schedules) the same :func:`run_beside` runs every
+"backward, then forward" pair of a rank's 1F1B op list side by side, e.g. rank 0 of PP2 with
+M = 4: ``F0 F1 | B0 || F2 | B1 || F3 | B2 B3``. A forward never waits on a backward of its own
+rank and every op starts no later than in the plain order, so the tagged pipeline messages
+(moeplug.parallel.p2p, on the base pipeline group from either thread) cannot deadlock; every
+rank of an EP/DP group sits at the same pipeline rank, so both threads' collective orders agree
+across the group.
+
+Split weight-gradient computation (``model.moe.delay_wgrad_compute``, moeplug.delayed_wgrad)
+composes with both: the queue is per thread, so each backward's deferred expert GEMMs run
+during that backward's own dispatch exchange.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -42,31 +50,41 @@ from moeplug.parallel.comm import on_twin_groups
 Out = TypeVar("Out")
 
 
+def run_beside(backward: Callable[[], None], forward: Callable[[], Out],
+               twins: Mapping[Any, Any], name: str = "moeplug-backward") -> Out:
+    """``backward()`` on a helper thread over the twin groups while ``forward()`` runs here;
+    returns the forward's result once both finished (an exception on either is raised here).
+    The join is the sync point: the backward's gradients are in ``.grad`` before the caller's
+    next backward starts, so gradients accumulate in the plain order."""
+    errors: list[BaseException] = []
+
+    def run_backward() -> None:
+        try:
+            with on_twin_groups(twins):
+                backward()
+        except BaseException as exc:  # re-raised on the caller's thread below
+            errors.append(exc)
+
+    helper = threading.Thread(target=run_backward, name=name)
+    helper.start()
+    try:
+        out = forward()
+    finally:
+        # The stage clock is per thread: what it shows as "backward" here is the part the
+        # forward did not hide.
+        with stage("backward"):
+            helper.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
 def combined_1f1b(forward: Callable[[int], Out], backward: Callable[[int, Out], None],
                   num_microbatches: int, twins: Mapping[Any, Any]) -> None:
     """Run ``forward(m)`` and ``backward(m, forward's result)`` for m = 0..M-1 with B_{m-1}
     overlapping F_m. An exception on either thread is raised here after both finished."""
     out = forward(0)
     for m in range(1, num_microbatches):
-        errors: list[BaseException] = []
-
-        def run_backward(prev: Out = out, i: int = m - 1) -> None:
-            try:
-                with on_twin_groups(twins):
-                    backward(i, prev)
-            except BaseException as exc:  # re-raised on the caller's thread below
-                errors.append(exc)
-
-        helper = threading.Thread(target=run_backward, name=f"moeplug-backward-{m - 1}")
-        helper.start()
-        try:
-            out = forward(m)
-        finally:
-            # Sync point: B_{m-1}'s gradients are in .grad before B_m starts. The stage clock
-            # is per thread: what it shows as "backward" here is the part the forward did not
-            # hide.
-            with stage("backward"):
-                helper.join()
-        if errors:
-            raise errors[0]
+        out = run_beside(functools.partial(backward, m - 1, out), functools.partial(forward, m),
+                         twins, name=f"moeplug-backward-{m - 1}")
     backward(num_microbatches - 1, out)

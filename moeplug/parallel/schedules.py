@@ -28,16 +28,19 @@ own MoE layers' ``aux_loss / M``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
 
+from moeplug import delayed_wgrad
 from moeplug.config import ConfigError
 from moeplug.observability.timing import stage
 from moeplug.parallel import p2p
 from moeplug.parallel.context_parallel import shard_sequence
+from moeplug.parallel.ep_overlap import run_beside
 from moeplug.parallel.pipeline import allreduce_embedding_grads, embedding_grads_snapshot
 
 
@@ -173,60 +176,80 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
     has_mtp = torch.zeros((), dtype=torch.float64)  # 1 on the last stage when MTP ran
     counts: dict[tuple[int, int], torch.Tensor] = {}
     grad_mode = torch.no_grad() if forward_only else contextlib.nullcontext()
-    with grad_mode:
-        for op in ops:
-            c, m = op.chunk, op.microbatch
-            v = c * pp + rank
-            tokens_BS, targets_BS = microbatches[m]
-            if op.kind == "F":
-                if v == 0:
-                    x = tokens_BS
-                else:
-                    shape = chunks[c].activation_shape(tokens_BS)  # S / TP under SP
-                    x = p2p.recv(shape, activation_dtype, prev_rank, group,
-                                 tag(p2p.FORWARD, v - 1, m))
-                    x.requires_grad_(not forward_only)
-                with autocast():
-                    out = (chunks[c](x, targets_BS, tokens_BS) if v == last_stage else
-                           chunks[c](x))
-                aux_sum += out.aux_loss.detach().double()
-                for i, counts_E in enumerate(out.expert_counts):
-                    counts[(c, i)] = counts.get((c, i), 0) + counts_E
-                if v == last_stage:
-                    lm_sum += out.lm_loss.detach().double()
-                    objective = out.lm_loss + out.aux_loss
-                    if out.mtp_loss is not None:
-                        mtp_sum += out.mtp_loss.detach().double()
-                        has_mtp.fill_(1.0)
-                        objective = objective + out.mtp_loss
-                    objective = objective / num_mb
-                else:
-                    if out.x_BSD.dtype != activation_dtype:
-                        raise TypeError(f"pipeline stage {v} produced a {out.x_BSD.dtype} "
-                                        f"activation but activation_dtype = {activation_dtype}. "
-                                        "Fix: pass activation_dtype= the residual stream's dtype")
-                    sends.append(p2p.send_async(out.x_BSD, next_rank, group,
-                                                tag(p2p.FORWARD, v, m)))
-                    objective = out.aux_loss / num_mb
-                if not forward_only:
-                    saved[(c, m)] = (x, out.x_BSD, objective)
-                continue
-            # Backward of micro-batch m through chunk c.
-            x, y_BSD, objective = saved.pop((c, m))
-            if v == last_stage:
-                with stage("backward"):
-                    torch.autograd.backward(objective)
+
+    def run(op: Op) -> None:
+        c, m = op.chunk, op.microbatch
+        v = c * pp + rank
+        tokens_BS, targets_BS = microbatches[m]
+        if op.kind == "F":
+            if v == 0:
+                x = tokens_BS
             else:
-                grad_BSD = p2p.recv(tuple(y_BSD.shape), y_BSD.dtype, next_rank, group,
-                                    tag(p2p.BACKWARD, v + 1, m))
-                tensors, grads = [y_BSD], [grad_BSD]
-                if objective.requires_grad:  # this chunk's aux losses join the objective here
-                    tensors.append(objective)
-                    grads.append(torch.ones_like(objective))
-                with stage("backward"):
-                    torch.autograd.backward(tensors, grads)
-            if v > 0:
-                sends.append(p2p.send_async(x.grad, prev_rank, group, tag(p2p.BACKWARD, v, m)))
+                shape = chunks[c].activation_shape(tokens_BS)  # S / TP under SP
+                x = p2p.recv(shape, activation_dtype, prev_rank, group,
+                             tag(p2p.FORWARD, v - 1, m))
+                x.requires_grad_(not forward_only)
+            with autocast():
+                out = (chunks[c](x, targets_BS, tokens_BS) if v == last_stage else
+                       chunks[c](x))
+            aux_sum.add_(out.aux_loss.detach().double())
+            for i, counts_E in enumerate(out.expert_counts):
+                counts[(c, i)] = counts.get((c, i), 0) + counts_E
+            if v == last_stage:
+                lm_sum.add_(out.lm_loss.detach().double())
+                objective = out.lm_loss + out.aux_loss
+                if out.mtp_loss is not None:
+                    mtp_sum.add_(out.mtp_loss.detach().double())
+                    has_mtp.fill_(1.0)
+                    objective = objective + out.mtp_loss
+                objective = objective / num_mb
+            else:
+                if out.x_BSD.dtype != activation_dtype:
+                    raise TypeError(f"pipeline stage {v} produced a {out.x_BSD.dtype} "
+                                    f"activation but activation_dtype = {activation_dtype}. "
+                                    "Fix: pass activation_dtype= the residual stream's dtype")
+                sends.append(p2p.send_async(out.x_BSD, next_rank, group,
+                                            tag(p2p.FORWARD, v, m)))
+                objective = out.aux_loss / num_mb
+            if not forward_only:
+                saved[(c, m)] = (x, out.x_BSD, objective)
+            return
+        # Backward of micro-batch m through chunk c.
+        x, y_BSD, objective = saved.pop((c, m))
+        if v == last_stage:
+            with stage("backward"):
+                torch.autograd.backward(objective)
+                delayed_wgrad.run_pending()  # normally empty: MoE layers flush at their input
+        else:
+            grad_BSD = p2p.recv(tuple(y_BSD.shape), y_BSD.dtype, next_rank, group,
+                                tag(p2p.BACKWARD, v + 1, m))
+            tensors, grads = [y_BSD], [grad_BSD]
+            if objective.requires_grad:  # this chunk's aux losses join the objective here
+                tensors.append(objective)
+                grads.append(torch.ones_like(objective))
+            with stage("backward"):
+                torch.autograd.backward(tensors, grads)
+                delayed_wgrad.run_pending()
+        if v > 0:
+            sends.append(p2p.send_async(x.grad, prev_rank, group, tag(p2p.BACKWARD, v, m)))
+
+    # Combined 1F1B (parallel.overlap_moe_expert_parallel_comm): a backward followed by a
+    # forward in the op list runs beside it, on a helper thread over the twin groups
+    # (moeplug.parallel.ep_overlap.run_beside). Allowed for every such pair: a forward never
+    # depends on a backward of its own rank, and each op still starts no later than in the
+    # plain order, so the tagged p2p messages cannot deadlock (see ep_overlap).
+    twins = None if forward_only else groups.twins
+    with grad_mode:
+        i = 0
+        while i < len(ops):
+            if twins is not None and ops[i].kind == "B" and i + 1 < len(ops) \
+                    and ops[i + 1].kind == "F":
+                run_beside(functools.partial(run, ops[i]), functools.partial(run, ops[i + 1]),
+                           twins, name=f"moeplug-backward-{ops[i]}")
+                i += 2
+            else:
+                run(ops[i])
+                i += 1
     p2p.wait_all(sends)
     if embedding_grads is not None:
         allreduce_embedding_grads(list(chunks), embedding_grads)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from moeplug import delayed_wgrad
 from moeplug.config import RootConfig
 from moeplug.data import get_batch
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
@@ -166,6 +167,9 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
             # Grad accumulation: divide so the summed grads equal the micro-batch mean.
             with stage("backward"):
                 (loss / num_micro).backward()
+                # delay_wgrad_compute: every MoE layer flushed its queue at its input; this
+                # runs what a graph whose input needs no grad left (normally nothing).
+                delayed_wgrad.run_pending()
 
         if groups is not None and groups.twins is not None:
             # Combined 1F1B: B_{m-1} on a helper thread overlaps F_m (same grads, bitwise).

@@ -17,6 +17,14 @@ from moeplug_plugins.experts._params import ExpertParams
 class GroupedExperts(ExpertParams):
     # moe_act recompute (moeplug.modules.recompute): keep FC1's output, rebuild the activation.
     recompute_activation = False
+    # model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): the backward hands dX and dp to
+    # autograd first and queues the weight-gradient GEMMs to run during the dispatch's exchange.
+    # Not on the emulated low-precision path (RootConfig refuses that combination).
+    delay_wgrad_compute = False
+
+    def __init__(self, model, num_local_experts: int) -> None:
+        super().__init__(model, num_local_experts)
+        self.delay_wgrad_compute = model.moe.delay_wgrad_compute
 
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         recipe = active_recipe()  # a low-precision precision plugin's recipe (emulated GEMMs)
@@ -25,6 +33,6 @@ class GroupedExperts(ExpertParams):
                                     self.activation, recipe)
         if self.activation == "swiglu":  # the fused C++ SwiGLU kernel
             return expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
-                              self.recompute_activation)
+                              self.recompute_activation, self.delay_wgrad_compute)
         return grouped_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
-                           self.activation, self.recompute_activation)
+                           self.activation, self.recompute_activation, self.delay_wgrad_compute)
