@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from moeplug.config import TrainConfig
-from moeplug.ops.adamw import adamw_step_, kernel_applies
+from moeplug.ops.adamw import adamw_step_, kernel_applies, stochastic_round_bf16_
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -63,8 +63,7 @@ def stochastic_round_(dst: torch.Tensor, src32: torch.Tensor, step: int) -> None
 
     CPU tensors take the C++ kernel (moeplug.ops.adamw, one pass); others the torch version,
     :func:`stochastic_round_reference_`, which the kernel matches bitwise."""
-    from moeplug.ops.adamw import kernel_applies, stochastic_round_bf16_
-    if kernel_applies(dst, src32):
+    if dst.dtype == torch.bfloat16 and kernel_applies(dst, src32):
         stochastic_round_bf16_(dst, src32.float(), step)
     else:
         stochastic_round_reference_(dst, src32, step)
