@@ -174,3 +174,41 @@ def test_offload_under_ep2_is_identical():
         assert r["on"]["losses"] == r["off"]["losses"], rank
         for n, p in r["off"]["params"].items():
             assert torch.equal(r["on"]["params"][n], p), (rank, n)
+
+
+def test_train_records_report_each_steps_offloading(run_cli, tiny_corpus, cache_dir, tmp_path):
+    """A real ``moeplug train`` run (subprocess) with expert_fc1 + moe_act offloaded: every train
+    record of metrics.jsonl carries that step's offloading. The tiny model has one MoE layer;
+    its grouped experts save x_SD (T*K rows of D fp32) for FC1 and FC1's output (T*K rows of 2F
+    fp32, SwiGLU) for the activation: those bytes leave each step, all come back before
+    backward needs them, and the tier's high-water mark (reset each step) covers the two at
+    once, in whole pages."""
+    import json
+
+    import yaml
+
+    from tests.conftest import tiny_config_dict
+    page = 4096
+    out = str(tmp_path / "run")
+    cfg = tiny_config_dict(tiny_corpus, out, cache_dir)
+    cfg["model"]["offload"] = ["expert_fc1", "moe_act"]
+    cfg["runtime"] = {"offload_min_bytes": 0, "offload_dir": str(tmp_path),
+                      "stash_page_bytes": page}
+    cfg["train"].update(steps=3, log_interval=1, eval_interval=0)
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run_cli("train", "--config", str(path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(f"{out}/metrics.jsonl") as f:
+        records = [r for r in map(json.loads, f) if r["kind"] == "train"]
+    m, t = cfg["model"], cfg["train"]
+    rows = t["micro_batch_size"] * t["seq_len"] * m["moe"]["top_k"]
+    x_bytes, h_bytes = rows * m["hidden_size"] * 4, rows * 2 * m["moe"]["ffn_hidden_size"] * 4
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        o = r["offload"]
+        assert o["bytes_offloaded"] == x_bytes + h_bytes, o  # this step's, not the run's total
+        assert o["bytes_prefetched"] == o["bytes_offloaded"], o
+        assert o["high_water_bytes"] == o["high_water_pages"] * page
+        assert x_bytes + h_bytes <= o["high_water_bytes"] < x_bytes + h_bytes + 2 * page, o
+        assert 0.0 <= o["prefetch_wait_s"] < 60.0 and o["overflows"] == 0, o

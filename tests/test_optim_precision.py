@@ -155,8 +155,13 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
 def test_bf16_master_weights_store_params_and_grads_in_bf16_and_track_fp32():
     """A small regression at lr 1e-3 under bf16 autocast in both runs (updates below a bf16 ulp
     of most weights, the case round-to-nearest would freeze): bf16 master weights end within
-    0.1 of fp32 master weights' (measured 0.042 / 0.059 with fp32 / bf16 moments: trajectories
-    drift apart as any two runs' do) and the final loss within 2% of theirs (measured 0.1%)."""
+    0.1 of fp32 master weights' (measured 0.053 / 0.040 with fp32 / bf16 moments: trajectories
+    drift apart as any two runs' do) and the mean loss of the last 50 steps within 3% of theirs.
+    Measured with the fused kernel: 2.0% / 0.35%; over seeds 1-4, 0.3-2.0% with the kernel and
+    0.2-1.0% with the torch step (fused=False). Not a bias: the two differ only in the last bit
+    of some sqrt results, and any change of an fp32 value re-draws its stochastic rounding's
+    hash bits, so they are two draws of the same rounding noise (the last batch's loss alone,
+    the measure before, swung 0.04-2.5% between them)."""
     from moeplug.training.optim import apply_master_dtype
 
     def train(master: str, moments: str):
@@ -168,6 +173,7 @@ def test_bf16_master_weights_store_params_and_grads_in_bf16_and_track_fp32():
         opt = build_optimizer(model, cfg)
         g = torch.Generator().manual_seed(1)
         w = torch.randn(16, 4, generator=g)
+        losses = []
         for _ in range(300):
             for group in opt.param_groups:
                 group["lr"] = 1e-3
@@ -177,7 +183,8 @@ def test_bf16_master_weights_store_params_and_grads_in_bf16_and_track_fp32():
             opt.zero_grad()
             loss.backward()
             opt.step()
-        return model, opt, loss.item()
+            losses.append(loss.item())
+        return model, opt, sum(losses[-50:]) / 50
     ref, _, ref_loss = train("fp32", "fp32")
     for moments in ("fp32", "bf16"):
         model, opt, loss = train("bf16", moments)
@@ -190,7 +197,7 @@ def test_bf16_master_weights_store_params_and_grads_in_bf16_and_track_fp32():
         print(f"bf16 master, {moments} moments: largest weight gap {gap:.4f}, loss {loss:.4f} "
               f"vs {ref_loss:.4f}")
         assert gap < 0.1, gap
-        assert abs(loss - ref_loss) < 0.02 * ref_loss, (moments, loss, ref_loss)
+        assert abs(loss - ref_loss) < 0.03 * ref_loss, (moments, loss, ref_loss)
 
 
 def test_bf16_master_weights_need_bf16_compute():

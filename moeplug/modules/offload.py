@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+import time
 import weakref
 from typing import Any, Iterator
 
@@ -125,9 +126,12 @@ class _Scope:
 def _unpack(saved: Any) -> torch.Tensor:
     if isinstance(saved, _Saved):
         spill = saved.spill
+        o = spill.offloader
+        t0 = time.perf_counter()
         if spill.buffer is None:  # not prefetched (no grad hook fired): fetch it now
             saved.group.prefetch()
         spill.ready.synchronize()
+        o.wait_seconds += time.perf_counter() - t0  # backward stalled on the tier this long
         storage = spill.buffer.untyped_storage()
         return torch.empty(0, dtype=saved.dtype).set_(storage, saved.offset, saved.size,
                                                       saved.stride)
@@ -152,6 +156,8 @@ class Offloader:
         self._stream: Any = None
         self._last_group: weakref.ref | None = None
         self.bytes_offloaded = self.bytes_prefetched = self.kept = 0
+        self.wait_seconds = 0.0  # backward's time blocked on reads (not yet done prefetches)
+        self._at_last_step = (0, 0, 0.0)  # the counters when step_stats last ran
 
     @property
     def tier(self) -> Any:
@@ -220,6 +226,28 @@ class Offloader:
             t = self._tier.stats()
             out.update(pages_in_use=t["pages_in_use"], high_water=t["high_water"],
                        overflows=t["overflows"])
+        return out
+
+
+    def step_stats(self) -> dict:
+        """This step's offloading, for the train record (``offload``), since the previous call:
+        bytes written to / read back from the tier, the tier's high-water mark (pages and bytes)
+        over the step, and the seconds backward waited on reads. Resets the high-water mark."""
+        b_off, b_pre, wait = self._at_last_step
+        self._at_last_step = (self.bytes_offloaded, self.bytes_prefetched, self.wait_seconds)
+        out = {"bytes_offloaded": self.bytes_offloaded - b_off,
+               "bytes_prefetched": self.bytes_prefetched - b_pre,
+               "prefetch_wait_s": self.wait_seconds - wait,
+               "high_water_pages": 0, "high_water_bytes": 0, "overflows": 0}
+        if self._tier is not None:
+            # The step's frees are queued behind its reads: let them run, so the mark the
+            # next step starts from is what it really still holds (nothing, normally).
+            self.stream.synchronize()
+            t = self._tier.stats()
+            out.update(high_water_pages=t["high_water"],
+                       high_water_bytes=t["high_water"] * self.page_bytes,
+                       overflows=t["overflows"])  # run total: a nonzero count is never silent
+            self._tier.reset_high_water()
         return out
 
 

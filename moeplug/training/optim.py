@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moeplug.config import TrainConfig
+from moeplug.ops.adamw import adamw_step_, kernel_applies, stochastic_round_bf16_
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -58,7 +59,18 @@ def stochastic_round_(dst: torch.Tensor, src32: torch.Tensor, step: int) -> None
     The random bits are a hash of each value's own bits and ``step``, not a generator's stream:
     the rounding of an element does not depend on how the tensor is cut (a distributed
     optimizer's slice rounds exactly as the whole tensor does) and a resumed run rounds as the
-    uninterrupted one did, with no generator state to checkpoint."""
+    uninterrupted one did, with no generator state to checkpoint.
+
+    CPU tensors take the C++ kernel (moeplug.ops.adamw, one pass); others the torch version,
+    :func:`stochastic_round_reference_`, which the kernel matches bitwise."""
+    if dst.dtype == torch.bfloat16 and kernel_applies(dst, src32):
+        stochastic_round_bf16_(dst, src32.float(), step)
+    else:
+        stochastic_round_reference_(dst, src32, step)
+
+
+def stochastic_round_reference_(dst: torch.Tensor, src32: torch.Tensor, step: int) -> None:
+    """The rounding of :func:`stochastic_round_` in torch ops (the kernel's reference)."""
     bits = src32.contiguous().view(torch.int32)
     h = (bits.to(torch.int64) & 0xFFFFFFFF) ^ ((step * 0x9E3779B9) & 0xFFFFFFFF)
     h = (h * 0x85EBCA6B) & 0xFFFFFFFF  # murmur3's finaliser: every input bit moves every output
@@ -77,13 +89,22 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
     reads them into fp32, updates in fp32 and rounds them back (Megatron precision-aware
     optimizer, ``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``). bf16 parameters (master
     weights in bf16, ``--main-params-dtype``) are updated in fp32 and stochastically rounded
-    back (:func:`stochastic_round_`)."""
+    back (:func:`stochastic_round_`).
+
+    ``fused`` (default): CPU parameters take one C++ pass per tensor (moeplug.ops.adamw): torch's
+    step (:func:`_torch_update`, which other devices and ``fused=False`` run) makes ~15 passes
+    and fp32 copies of the parameter, its grad and its moments. The kernel does torch's
+    arithmetic operation for operation with a correctly rounded sqrt, where torch's CPU sqrt
+    (MKL) is sometimes 1 ulp low: so it is bitwise ``_torch_update(..., ieee_sqrt=True)``, and
+    differs from ``fused=False`` in the last bit of some denominators (tests/test_adamw_kernel.py).
+    ``fused=False`` is bit for bit the optimizer as it was before the kernel."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float,
-                 moment_dtype: torch.dtype = torch.bfloat16, weight_decay: float = 0.0) -> None:
+                 moment_dtype: torch.dtype = torch.bfloat16, weight_decay: float = 0.0,
+                 fused: bool = True) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
-        self.moment_dtype = moment_dtype
+        self.moment_dtype, self.fused = moment_dtype, fused
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)  # torch casts the moments to the params' dtype
@@ -106,18 +127,36 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
                 state["step"] += 1
-                t = float(state["step"])
-                g32 = p.grad.float()
-                m32 = state["exp_avg"].float().lerp_(g32, 1 - beta1)
-                v32 = state["exp_avg_sq"].float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-                state["exp_avg"].copy_(m32)
-                state["exp_avg_sq"].copy_(v32)
-                p32 = p if p.dtype == torch.float32 else p.float()
-                p32.mul_(1 - lr * wd)
-                denom = (v32.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-                p32.addcdiv_(m32, denom, value=-lr / (1 - beta1 ** t))
-                if p32 is not p:
-                    stochastic_round_(p, p32, int(t))
+                t = int(state["step"])
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if self.fused and kernel_applies(p, p.grad, m, v) and p.grad.dtype == p.dtype:
+                    adamw_step_(p, p.grad, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                weight_decay=wd, step=t)
+                else:
+                    _torch_update(p, p.grad, m, v, lr, beta1, beta2, eps, wd, t)
+
+
+def _torch_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                  lr: float, beta1: float, beta2: float, eps: float, wd: float, t: int,
+                  ieee_sqrt: bool = False) -> None:
+    """One AdamW step of ``p`` in torch ops: the step before the fused kernel, bit for bit.
+
+    ``ieee_sqrt``: take the correctly rounded square root (via fp64, which rounds to the same
+    fp32) instead of torch's CPU ``sqrt``, which on MKL builds is MKL's vector sqrt and is not
+    correctly rounded (1 ulp low on some inputs). With it, this is the fused kernel's
+    reference, bitwise (tests/test_adamw_kernel.py)."""
+    g32 = grad.float()
+    m32 = m.float().lerp_(g32, 1 - beta1)
+    v32 = v.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+    m.copy_(m32)
+    v.copy_(v32)
+    p32 = p if p.dtype == torch.float32 else p.float()
+    p32.mul_(1 - lr * wd)
+    root = v32.double().sqrt_().float() if ieee_sqrt else v32.sqrt()
+    denom = (root / math.sqrt(1 - beta2 ** t)).add_(eps)
+    p32.addcdiv_(m32, denom, value=-lr / (1 - beta1 ** t))
+    if p32 is not p:
+        stochastic_round_(p, p32, t)
 
 
 def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -428,6 +428,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
 
     layout = None if groups is None else D.layout_manifest(cfg, groups)
     runtime = stash_runtime(model)  # what the model registered with the runtime at build
+    offloader = getattr(runtime, "offloader", None)  # model.offload's (None: nothing offloaded)
     write({"kind": "run", "start_step": start_step, "resumed_from": resume_from,
            "plugins": plugin_names, "peak_tflops": peak, "flops_per_token": flops_per_token,
            "num_params": num_params, "parallel": layout, "config": cfg.to_dict(),
@@ -487,6 +488,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                                                   else contextlib.nullcontext()):
                 stats = train_step(model, optimizer, batches, tc, precision, groups)
             window_times = add_times(window_times, times)
+            # This step's activation offloading (model.offload), read every step so each
+            # record holds its own step's figures whatever train.log_interval is.
+            offload = offloader.step_stats() if offloader is not None else None
             sums = stats.losses()
             grad_norm, counts_per_layer = stats.grad_norm, stats.expert_counts
             loss_step = sums["loss"]
@@ -532,6 +536,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                           "skipped_steps": skipped_total}
                 if stats.stash is not None:  # this step's pool stats (moeplug.stash)
                     record["stash"] = stats.stash
+                if offload is not None:  # this step's offloading (moeplug.modules.offload)
+                    record["offload"] = offload
                 if sync_free_reruns is not None:  # over-budget reruns so far (sync_free)
                     record["sync_free"] = {"reruns": sync_free_reruns}
                 # This step's, every rank's (one small all-gather).

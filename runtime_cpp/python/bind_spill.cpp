@@ -86,6 +86,8 @@ void register_spill(py::module_& m) {
             return d;
           },
           "pages_in_use, high_water, overflows, allocs, bytes_written, bytes_read, ...")
+      .def("reset_high_water", &SpillTier::reset_high_water,
+           "high_water <- pages_in_use (the trainer reports each step's peak).")
       .def_property_readonly("page_bytes", &SpillTier::page_bytes)
       .def_property_readonly("num_pages", &SpillTier::num_pages)
       .def_property_readonly("directory", &SpillTier::directory);

@@ -19,6 +19,7 @@ void register_route(pybind11::module_& m);
 void register_stash(pybind11::module_& m);
 void register_shm_heap(pybind11::module_& m);
 void register_spill(pybind11::module_& m);
+void register_adamw(pybind11::module_& m);
 
 // Tensors cross the boundary as tensor.data_ptr() integers; 0 means "absent".
 template <class T>

@@ -44,6 +44,8 @@ class SpillTier {
   void write(PageRun run, const void* src, int64_t n_bytes);
   void read(PageRun run, void* dst, int64_t n_bytes);
   SpillStats stats() const;
+  // high_water <- pages_in_use: the next stats() reports the peak from now on (one per step).
+  void reset_high_water() { pages_.reset_high_water(); }
 
   int64_t page_bytes() const { return pages_.page_bytes(); }
   int64_t num_pages() const { return pages_.num_pages(); }

@@ -1,0 +1,67 @@
+"""Fused AdamW step and bf16 stochastic rounding over the C++ kernels (moeplug/adamw.h).
+
+The precision-aware optimizer (moeplug.training.optim) calls these on CPU tensors; its torch
+version of the same step stays beside it as the reference they must match bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moeplug.ops._checks import check_cpu_contiguous
+from moeplug.runtime import dtype_code, get_runtime
+
+_U32 = 0xFFFFFFFF
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32, as torch rounds a Python scalar for a float32 tensor op."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def kernel_applies(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is a contiguous CPU float32/bfloat16 tensor (the kernels' input);
+    other devices use the torch step (no CUDA kernel is built for it)."""
+    return all(t.device.type == "cpu" and t.is_contiguous()
+               and t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
+
+
+def stochastic_round_bf16_(dst: torch.Tensor, src32: torch.Tensor, step: int) -> None:
+    """``dst`` (bf16) <- ``src32`` (fp32) rounded stochastically, bitwise as
+    :func:`moeplug.training.optim.stochastic_round_reference_` (finite values and infinities)."""
+    op = "stochastic_round_bf16_"
+    if src32.dtype != torch.float32 or dst.dtype != torch.bfloat16:
+        raise TypeError(f"{op}: src32 must be float32 and dst bfloat16, got {src32.dtype} and "
+                        f"{dst.dtype}. Fix: pass src32.float() and a bfloat16 dst")
+    if dst.numel() != src32.numel():
+        raise ValueError(f"{op}: dst has {dst.numel()} elements, src32 {src32.numel()}. Fix: "
+                         f"pass tensors of the same shape")
+    check_cpu_contiguous(op, "src32", src32)
+    check_cpu_contiguous(op, "dst", dst)
+    get_runtime().stochastic_round_bf16(src=src32.data_ptr(), dst=dst.data_ptr(),
+                                        n=dst.numel(), step=step & _U32)
+
+
+def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, step: int) -> None:
+    """One AdamW step of ``p`` in place (``step`` is the 1-based count after this update): the
+    arithmetic of LowPrecisionMomentsAdamW's torch step in one pass, bitwise equal to it."""
+    op = "adamw_step_"
+    for name, t in (("p", p), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        check_cpu_contiguous(op, name, t)
+        if t.numel() != p.numel():
+            raise ValueError(f"{op}: {name} has {t.numel()} elements, p {p.numel()}. Fix: pass "
+                             f"the parameter's own grad and moments")
+    if grad.dtype != p.dtype or exp_avg.dtype != exp_avg_sq.dtype:
+        raise TypeError(f"{op}: grad ({grad.dtype}) must match p ({p.dtype}) and exp_avg "
+                        f"({exp_avg.dtype}) exp_avg_sq ({exp_avg_sq.dtype}). Fix: cast them")
+    get_runtime().adamw_step(
+        param=p.data_ptr(), grad=grad.data_ptr(), param_dtype=dtype_code(p, op, "p"),
+        exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
+        moment_dtype=dtype_code(exp_avg, op, "exp_avg"), n=p.numel(),
+        lerp_weight=_f32(1 - beta1), beta2=_f32(beta2), grad_sq_coef=_f32(1 - beta2),
+        decay=_f32(1 - lr * weight_decay), bias2_sqrt=_f32(math.sqrt(1 - beta2 ** step)),
+        eps=_f32(eps), step_size=_f32(-lr / (1 - beta1 ** step)), step=step & _U32)

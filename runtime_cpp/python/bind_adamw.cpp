@@ -1,0 +1,36 @@
+#include "moeplug/adamw.h"
+#include "register.h"
+
+namespace py = pybind11;
+using std::uintptr_t;
+
+namespace moeplug::py_bind {
+
+void register_adamw(py::module_& m) {
+  def_kernel(
+      m, "adamw_step",
+      +[](uintptr_t param, uintptr_t grad, int param_dtype, uintptr_t exp_avg,
+          uintptr_t exp_avg_sq, int moment_dtype, int64_t n, float lerp_weight, float beta2,
+          float grad_sq_coef, float decay, float bias2_sqrt, float eps, float step_size,
+          uint32_t step) {
+        adamw_step(ptr<void>(param), ptr<const void>(grad),
+                   dtype_from_code(param_dtype, "adamw_step param_dtype"), ptr<void>(exp_avg),
+                   ptr<void>(exp_avg_sq), dtype_from_code(moment_dtype, "adamw_step moment_dtype"),
+                   n, {lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps, step_size, step});
+      },
+      py::arg("param"), py::arg("grad"), py::arg("param_dtype"), py::arg("exp_avg"),
+      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::arg("lerp_weight"),
+      py::arg("beta2"), py::arg("grad_sq_coef"), py::arg("decay"), py::arg("bias2_sqrt"),
+      py::arg("eps"), py::arg("step_size"), py::arg("step"),
+      "One fused AdamW step over n elements in place (torch's arithmetic, moeplug/adamw.h); a "
+      "bf16 param rounds stochastically with seed `step`, bf16 moments to nearest even.");
+  def_kernel(
+      m, "stochastic_round_bf16",
+      +[](uintptr_t src, uintptr_t dst, int64_t n, uint32_t step) {
+        stochastic_round_bf16(ptr<const float>(src), n, step, ptr<uint16_t>(dst));
+      },
+      py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("step"),
+      "dst (bf16) [n] <- src (fp32) [n] rounded stochastically (hash of the value and step).");
+}
+
+}  // namespace moeplug::py_bind
