@@ -6,6 +6,8 @@
   with uneven token counts (one rank with none), dropped choices, pad_to_capacity and
   pad_multiple, in fp32 and bf16 and under an FP8 quantize_dispatch recipe; and the heap grows
   when an op needs more than it holds, or fails naming the option when its size is fixed;
+* the received rows are the heap (no copy out), kept intact by later ops while their tensors
+  live and handed back (the same pages reused) when they die;
 * the heap leaves nothing in /dev/shm: a rank SIGKILLed mid-run (a real subprocess) leaves no
   segment, and its peer's wait fails naming the dead rank instead of hanging.
 
@@ -240,6 +242,59 @@ def test_heap_grows_on_demand_and_a_fixed_size_fails_naming_the_option():
         assert r["err"] == 0.0
         assert ("plugins.dispatcher_options.heap_bytes = 1048576 is too small" in r["fixed_error"]
                 and "Fix: set plugins.dispatcher_options.heap_bytes >=" in r["fixed_error"]), r
+
+
+def _zero_copy(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from moeplug.plugin_host import PluginHost
+    host = PluginHost.load()
+    group = dist.group.WORLD
+    dw = host.create("dispatcher", "direct_write", {}, _cfg(), group)
+    a2a = host.create("dispatcher", "alltoall", {}, _cfg(), group)
+    gen = torch.Generator().manual_seed(30 + rank)
+    xa, xb = torch.randn(11, D, generator=gen), torch.randn(11, D, generator=gen)
+    ra = _routing(11, gen, "pad_multiple", world)
+    rb = _routing(11, gen, "plain", world)
+    heap = dw._heap()
+    kept = dw.dispatch(xa, ra)  # x_SD of layer "a", kept (as autograd keeps it for backward)
+    lo = heap.data_ptr(heap.rank)
+    out = {"in_heap": lo <= kept.x_SD.data_ptr() < lo + heap.data_bytes,
+           "held": heap.held_bytes}
+    # Later ops (another layer's dispatch + combine) must not land on the kept rows.
+    other = dw.dispatch(xb, rb)
+    dw.combine(other.x_SD * 2, other.meta)
+    want = a2a.dispatch(xa, ra)
+    out["kept_equal"] = torch.equal(kept.x_SD, want.x_SD) and torch.equal(kept.probs_S,
+                                                                          want.probs_S)
+    addr = kept.x_SD.data_ptr()
+    del kept, other
+    out["held_after"] = heap.held_bytes
+    # Its bytes came back: the same dispatch lands on the same pages again (no fresh memory).
+    again = dw.dispatch(xa, ra)
+    out["reused"] = again.x_SD.data_ptr() == addr
+    return out
+
+
+def test_received_rows_live_in_the_heap_until_their_tensors_die():
+    for r in run_distributed(_zero_copy, 2, timeout=120):
+        assert r["in_heap"] and r["held"] > 0, r          # x_SD is the heap, not a copy of it
+        assert r["kept_equal"], r                        # untouched by the ops after it
+        assert r["held_after"] == 0 and r["reused"], r   # freed when its tensors died
+
+
+def test_arena_hands_out_first_fit_and_coalesces():
+    from moeplug.parallel.shm_heap import PAGE, _Arena
+    arena = _Arena(None, 8 * PAGE)
+    a, b, c = arena.take(PAGE), arena.take(2 * PAGE - 5), arena.take(PAGE)
+    assert (a, b, c) == (0, PAGE, 3 * PAGE)
+    assert arena.take(5 * PAGE) is None and arena.take(0) == 0  # 4 pages left; empty: no room
+    arena.give_back(b, 2 * PAGE - 5)
+    assert arena.take(3 * PAGE) == 4 * PAGE  # the 2-page hole is too small: first fit after it
+    arena.give_back(a, PAGE)
+    arena.give_back(c, PAGE)  # a, b, c coalesce into one 4-page run at 0
+    assert arena.free == [(0, 4 * PAGE), (7 * PAGE, PAGE)]
+    assert arena.take(4 * PAGE) == 0
 
 
 # ---- crash: nothing left in /dev/shm -----------------------------------------------------------

@@ -13,12 +13,21 @@ group is used) and leaves nothing behind, even after a crash:
        kernel frees the memory when the last rank holding a mapping exits - also on SIGKILL.
 
 An op on the heap is collective in the same order on every rank, like a torch.distributed
-collective; each op takes a sequence number and moves through two flags per rank:
+collective; each op takes a sequence number and moves through three flags per rank:
 
-    seq = heap.arrive(row_bytes, extra)  write own slots, store-release ARRIVE=seq, wait for all:
-                                          every peer has finished reading its area from op seq-1
-    ... write rows into peers' data regions (moeplug.parallel.shm_rows) ...
+    seq = heap.arrive(row_bytes, extra)  write own slots, store-release ARRIVE=seq, wait for all
+    area, addr_W = heap.receive_area(seq, nbytes_W)
+                                          take nbytes_W[rank] of own data region for the rows the
+                                          op brings here, publish its offset, READY=seq, wait for
+                                          all: addr_W[r] is where rank r's rows go
+    ... write rows into peers' areas (moeplug.parallel.shm_rows) ...
     heap.done(seq)                        store-release DONE=seq, wait for all: my area is full
+
+A receive area is a torch uint8 tensor over this rank's segment: the rows arrive where the caller
+uses them (x_SD is a view of the heap, no copy out). Its bytes go back to the rank's free list
+when the last tensor over them dies - autograd keeping x_SD for backward keeps the area too - so
+no later op writes there while anything can still read it. Each rank allocates only in its own
+segment (a first-fit free list, _Arena), so nothing but the offsets crosses ranks.
 
 A wait that outlasts ``timeout_s`` or whose peer process is gone raises ``PeerError`` naming that
 rank, instead of hanging.
@@ -26,18 +35,28 @@ rank, instead of hanging.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import os
 import secrets
 import socket
 import threading
+import weakref
 from typing import Any
 
 import torch
 
-ARRIVE, DONE = 0, 1  # flag indices (the C++ heap has ShmHeap::kNumFlags)
+ARRIVE, DONE, READY = 0, 1, 2  # flag indices (the C++ heap has ShmHeap::kNumFlags)
 SLOT_ROW_BYTES = 0    # slot 0 of every op: the row bytes it moves (must agree on every rank)
 MiB = 1 << 20
+PAGE = 4096  # receive areas start on a page: tensors over them are page-aligned
+
+
+def _rounded(nbytes: int) -> int:
+    """Area sizes on a ladder (pages, then 64 steps per power of two; <= 1/32 waste): a tensor
+    over an area needs a ctypes array type of its length, and a ladder keeps those few."""
+    step = max(PAGE, 1 << max(0, nbytes.bit_length() - 6))
+    return -(-nbytes // step) * step
 
 
 def machine_id() -> str:
@@ -65,9 +84,10 @@ def check_one_machine(machines: list[str], what: str = "the shared-memory heap")
 class SymmetricHeap:
     """One rank's handle on the heap of a group (``None``: a one-rank heap, no group).
 
-    ``data_bytes`` per rank; ``num_slots`` int64 payload slots per rank (slot 0 is the op's row
-    bytes). The heap can :meth:`grow` (collectively, with new segments); the op counter carries
-    over, so callers never see the swap.
+    ``data_bytes`` per rank; ``num_slots`` int64 payload slots per rank for the caller (slot 0 is
+    the op's row bytes), plus one of the heap's own (the receive area's offset). The heap grows
+    (collectively, with new segments) when a rank's area does not fit; the op counter carries
+    over, so callers never see the swap, and areas still alive keep their old segment mapped.
     """
 
     def __init__(self, group: Any, data_bytes: int, num_slots: int, timeout_s: float = 300.0,
@@ -77,7 +97,9 @@ class SymmetricHeap:
         self.timeout_s = float(timeout_s)
         self.tag = tag
         self._seq = 0
-        self._core = _create(group, int(data_bytes), self.num_slots, tag)
+        self._core = _create(group, int(data_bytes), self.num_slots + 1, tag)
+        self._arena = _Arena(self._core, self._core.data_bytes)
+        self._held = _Held()
 
     # ---- facts -------------------------------------------------------------------------
     @property
@@ -96,20 +118,25 @@ class SymmetricHeap:
     def name(self) -> str:
         return self._core.name
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of receive areas still alive on this rank (old segments' included)."""
+        return self._held.bytes
+
     def data_ptr(self, rank: int) -> int:
         return self._core.data_ptr(rank)
 
     def data(self, rank: int, nbytes: int, offset: int = 0) -> torch.Tensor:
-        """uint8 view of ``rank``'s data region [offset, offset + nbytes), valid until the next op
-        on this heap writes there (copy what you keep)."""
+        """uint8 view of ``rank``'s data region [offset, offset + nbytes), outside any receive
+        area's lifetime (tests and tools; ops use :meth:`receive_area`)."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.data_bytes:
             raise ValueError(f"heap.data: bytes [{offset}, {offset + nbytes}) are outside the "
                              f"{self.data_bytes}-byte data region")
         return _view(self._core.data_ptr(rank) + offset, nbytes)
 
     def slots(self, rank: int) -> torch.Tensor:
-        """int64 view of ``rank``'s payload slots."""
-        return _view(self._core.slots_ptr(rank), 8 * self.num_slots).view(torch.int64)
+        """int64 view of ``rank``'s payload slots (the caller's num_slots, then the heap's)."""
+        return _view(self._core.slots_ptr(rank), 8 * (self.num_slots + 1)).view(torch.int64)
 
     # ---- an op -------------------------------------------------------------------------
     def arrive(self, row_bytes: int, extra: list[int] | torch.Tensor = ()) -> int:
@@ -137,28 +164,129 @@ class SymmetricHeap:
         """[world, n] copy of slots 1..n of every rank (after :meth:`arrive`)."""
         return torch.stack([self.slots(r)[1:1 + n].clone() for r in range(self.world)])
 
+    def receive_area(self, seq: int, nbytes_W: list[int], fixed: bool, option: str
+                     ) -> tuple[torch.Tensor, list[int]]:
+        """Step 2 of op ``seq`` (after arrive): take ``nbytes_W[rank]`` bytes of this rank's data
+        region and learn every rank's area (every rank passes the same ``nbytes_W``). Returns
+        (this rank's area: a uint8 tensor whose bytes stay this rank's until the last tensor over
+        them dies, every rank's area address). When a rank has no room the heap grows
+        collectively (25 % headroom over what that rank holds plus its need), or, ``fixed``,
+        raises naming ``option`` - on every rank alike, so none is left waiting."""
+        need = int(nbytes_W[self.rank])
+        taken = self._arena.take(need)
+        slot = self.num_slots
+        # No room: publish -(bytes this rank would hold) - 1, so every rank sizes the new heap.
+        self.slots(self.rank)[slot] = taken if taken is not None else -(self._held.bytes + need) - 1
+        self._core.publish(READY, seq)
+        self._core.wait_all(READY, seq, self.timeout_s, "receive areas")
+        offsets = [int(self.slots(r)[slot]) for r in range(self.world)]
+        if min(offsets) >= 0:
+            return (self._arena.area(taken, need, self._held),
+                    [self._core.data_ptr(r) + off for r, off in enumerate(offsets)])
+        if taken is not None:
+            self._arena.give_back(taken, need)
+        want = max([-o - 1 for o in offsets if o < 0] + [int(n) for n in nbytes_W])
+        if fixed:
+            raise ValueError(f"{option} = {self.data_bytes} is too small: this op needs "
+                             f"{want} bytes per rank (the rows it brings plus those earlier ops' "
+                             f"tensors still hold). Fix: set {option} >= "
+                             f"{-(-want // MiB) * MiB} (or 0: sized from the model and grown on "
+                             f"demand)")
+        new_bytes = -(-(want * 5 // 4) // MiB) * MiB
+        # Every rank is between READY and its first row of this op: nobody writes into the old
+        # segments any more, and set-up's own barrier orders the swap. Live areas keep the old
+        # mappings (their _Arena holds the old core).
+        self._core = _create(self.group, new_bytes, self.num_slots + 1, self.tag)
+        self._arena = _Arena(self._core, self._core.data_bytes)
+        for flag, value in ((ARRIVE, seq), (READY, seq), (DONE, seq - 1)):
+            self._core.publish(flag, value)
+        # A fresh arena hands out offset 0 first, on every rank: no second exchange needed.
+        taken = self._arena.take(need)
+        assert taken == 0, taken
+        return (self._arena.area(0, need, self._held),
+                [self._core.data_ptr(r) for r in range(self.world)])
+
     def done(self, seq: int) -> None:
         """This rank has written everything of op ``seq``; wait until every rank has."""
         self._core.publish(DONE, seq)
         self._core.wait_all(DONE, seq, self.timeout_s, "rows written")
 
-    def ensure(self, need_bytes: int, fixed: bool, option: str) -> None:
-        """Make the data region hold ``need_bytes`` (the largest need of any rank: every rank
-        passes the same value). Grows collectively by 25 % headroom, or when ``fixed`` raises
-        naming ``option`` - on every rank alike, so none is left waiting."""
-        if need_bytes <= self.data_bytes:
+
+class _Held:
+    """Bytes of live receive areas on this rank, over every segment it has had."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.bytes += n
+
+
+class _Arena:
+    """First-fit free list over one segment's data region (this rank's only). Holds the core, so
+    the segment stays mapped while any area over it lives."""
+
+    def __init__(self, core: Any, nbytes: int):
+        self.core = core
+        self.free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []  # (offset, size)
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> int | None:
+        """Offset of ``nbytes`` (rounded up the ladder) now this rank's, or None: no room."""
+        size = _rounded(nbytes)
+        if size == 0:
+            return 0
+        with self.lock:
+            for i, (off, have) in enumerate(self.free):
+                if have >= size:
+                    self.free[i:i + 1] = [(off + size, have - size)] if have > size else []
+                    return off
+        return None
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        size = _rounded(nbytes)
+        if size == 0:
             return
-        if fixed:
-            raise ValueError(f"{option} = {self.data_bytes} is too small: this op needs "
-                             f"{need_bytes} bytes per rank. Fix: set {option} >= "
-                             f"{-(-need_bytes // MiB) * MiB} (or 0: sized from the model and "
-                             f"grown on demand)")
-        new_bytes = -(-(need_bytes * 5 // 4) // MiB) * MiB
-        # Every rank is past arrive() of this op and reads nothing more from the old segments;
-        # set-up's own barrier orders the swap, and the old mappings go with the old core.
-        self._core = _create(self.group, new_bytes, self.num_slots, self.tag)
-        for flag in (ARRIVE, DONE):
-            self._core.publish(flag, self._seq - 1)
+        with self.lock:
+            i = bisect.bisect(self.free, (offset, 0))
+            self.free.insert(i, (offset, size))
+            # Coalesce with the neighbours, so big areas come back whole.
+            if i + 1 < len(self.free) and offset + size == self.free[i + 1][0]:
+                self.free[i:i + 2] = [(offset, size + self.free[i + 1][1])]
+            if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == offset:
+                self.free[i - 1:i + 1] = [(self.free[i - 1][0],
+                                           self.free[i - 1][1] + self.free[i][1])]
+
+    def area(self, offset: int, nbytes: int, held: _Held) -> torch.Tensor:
+        """The uint8 tensor over [offset, offset + nbytes); its bytes come back to the free list
+        when its storage dies (torch.frombuffer holds the exporter until then)."""
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        region = _Region.of(_rounded(nbytes)).from_address(
+            self.core.data_ptr(self.core.rank) + offset)
+        held.add(nbytes)
+        weakref.finalize(region, _release, self, offset, nbytes, held)
+        return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
+
+
+def _release(arena: _Arena, offset: int, nbytes: int, held: _Held) -> None:
+    arena.give_back(offset, nbytes)
+    held.add(-nbytes)
+
+
+class _Region:
+    """ctypes array types by length: unlike the plain ones, their instances take weak refs."""
+    _types: dict[int, type] = {}
+
+    @classmethod
+    def of(cls, n: int) -> type:
+        t = cls._types.get(n)
+        if t is None:
+            t = cls._types[n] = type(f"HeapRegion{n}", (ctypes.Array,),
+                                     {"_type_": ctypes.c_uint8, "_length_": n})
+        return t
 
 
 def _view(address: int, nbytes: int) -> torch.Tensor:

@@ -12,7 +12,10 @@ dispatch:
                  layout, local-expert-major, then source rank, then (token, k) order)
     3. write     each token row goes straight to its K receivers' heaps (bf16/fp32 rows, or FP8
                  payload + scales under a quantize_dispatch recipe: moeplug.quant.wire); DONE
-    4. receive   a copy of this rank's region, padding rows zeroed: x_SD, probs_S
+    4. receive   x_SD, probs_S are tensors over this rank's receive area in the heap, where the
+                 senders wrote the rows (padding rows zeroed in place): one pass over the rows,
+                 read from x_TD and written to their final place; the area is reused only after
+                 the last tensor over it dies (autograd's saved x_SD included)
 combine: each rank writes its expert outputs back into the sources' heaps, one run per (source,
 local expert); each source sums its K rows per token straight out of its heap (fused sum on
 receipt). Backward: dispatch's is combine's forward (grads of probs ride along), combine's is
@@ -117,25 +120,28 @@ class DirectWriteDispatcher(Dispatcher):
 
 def _send_tokens(meta: DirectWriteMeta, t_T: torch.Tensor | None, seq: int | None = None,
                  probs_TK: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """[rows of t_T] (+ [probs_S] given probs_TK) at the experts' ranks: private copies with the
-    padding rows zeroed. A new op unless ``seq`` (dispatch's first op) is given."""
+    """[rows of t_T] (+ [probs_S] given probs_TK) at the experts' ranks, padding rows zeroed:
+    tensors over this rank's receive area in the heap, where the senders wrote them (no copy;
+    the area is this rank's while they live). A new op unless ``seq`` (dispatch's first op)."""
     streams = [] if t_T is None else [(t_T.contiguous(), False)]
     if probs_TK is not None:
         streams.append((probs_TK.reshape(-1, 1), True))
     if seq is None:
         seq = meta.heap.arrive(shm_rows.row_bytes(streams))
     plan = meta.plan
-    got = shm_rows.to_experts(meta.heap, seq, streams, plan.dest_rank_TK, plan.dest_row_TK,
+    out = shm_rows.to_experts(meta.heap, seq, streams, plan.dest_rank_TK, plan.dest_row_TK,
                               plan.recv_rows_W, meta.fixed, OPTION)
-    out = [shm_rows.copy_rows(g, plan.pad_rows) for g in got]
+    if plan.pad_rows is not None:  # nobody writes the padding rows: zero them where they lie
+        for o in out:
+            o.index_fill_(0, plan.pad_rows, 0)
     if probs_TK is not None:
         out[-1] = out[-1].view(-1)
     return out
 
 
 def _back(meta: DirectWriteMeta, streams: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Expert rows (real rows only are sent) back into their sources' heaps; returns the views of
-    this rank's returned rows, in its expert-major order, valid until the next op."""
+    """Expert rows (real rows only are sent) back into their sources' heaps; returns this rank's
+    returned rows, in its expert-major order, over its receive area (freed when they die)."""
     streams = [s.contiguous() for s in streams]
     seq = meta.heap.arrive(shm_rows.row_bytes([(s, False) for s in streams]))
     return shm_rows.to_sources(meta.heap, seq, streams, meta.plan.chunks_C4,
