@@ -283,18 +283,24 @@ def test_received_rows_live_in_the_heap_until_their_tensors_die():
         assert r["held_after"] == 0 and r["reused"], r   # freed when its tensors died
 
 
-def test_arena_hands_out_first_fit_and_coalesces():
+def test_arena_takes_from_the_largest_run_and_coalesces():
     from moeplug.parallel.shm_heap import PAGE, _Arena
     arena = _Arena(None, 8 * PAGE)
-    a, b, c = arena.take(PAGE), arena.take(2 * PAGE - 5), arena.take(PAGE)
-    assert (a, b, c) == (0, PAGE, 3 * PAGE)
-    assert arena.take(5 * PAGE) is None and arena.take(0) == 0  # 4 pages left; empty: no room
-    arena.give_back(b, 2 * PAGE - 5)
-    assert arena.take(3 * PAGE) == 4 * PAGE  # the 2-page hole is too small: first fit after it
-    arena.give_back(a, PAGE)
-    arena.give_back(c, PAGE)  # a, b, c coalesce into one 4-page run at 0
+    assert arena.largest() == (0, 8 * PAGE)
+    for at, n in ((0, PAGE), (PAGE, 2 * PAGE - 5), (3 * PAGE, PAGE)):  # a, b (rounded up), c
+        arena.take_at(at, n)
+    assert arena.largest() == (4 * PAGE, 4 * PAGE)
+    arena.give_back(PAGE, 2 * PAGE - 5)                      # b: a 2-page hole
+    assert arena.largest() == (4 * PAGE, 4 * PAGE)           # the larger run, not the first
+    arena.take_at(4 * PAGE, 3 * PAGE)
+    assert arena.largest() == (PAGE, 2 * PAGE)
+    arena.give_back(0, PAGE)
+    arena.give_back(3 * PAGE, PAGE)                          # a, hole, c coalesce: one run
     assert arena.free == [(0, 4 * PAGE), (7 * PAGE, PAGE)]
-    assert arena.take(4 * PAGE) == 0
+    with pytest.raises(RuntimeError, match="are not free"):
+        arena.take_at(6 * PAGE, PAGE)                        # still taken: a bug, said loudly
+    arena.take_at(0, 0)                                      # nothing to receive: no bytes
+    assert arena.largest() == (0, 4 * PAGE)
 
 
 # ---- crash: nothing left in /dev/shm -----------------------------------------------------------

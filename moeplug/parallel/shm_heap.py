@@ -13,13 +13,14 @@ group is used) and leaves nothing behind, even after a crash:
        kernel frees the memory when the last rank holding a mapping exits - also on SIGKILL.
 
 An op on the heap is collective in the same order on every rank, like a torch.distributed
-collective; each op takes a sequence number and moves through three flags per rank:
+collective; each op takes a sequence number and moves through two flags per rank:
 
-    seq = heap.arrive(row_bytes, extra)  write own slots, store-release ARRIVE=seq, wait for all
+    seq = heap.arrive(row_bytes, extra)  write own slots (and the largest free run of own data
+                                          region), store-release ARRIVE=seq, wait for all
     area, addr_W = heap.receive_area(seq, nbytes_W)
-                                          take nbytes_W[rank] of own data region for the rows the
-                                          op brings here, publish its offset, READY=seq, wait for
-                                          all: addr_W[r] is where rank r's rows go
+                                          no wait: every rank takes nbytes_W[rank] from the start
+                                          of the free run it published, so every rank knows where
+                                          each rank's rows go (addr_W) without another exchange
     ... write rows into peers' areas (moeplug.parallel.shm_rows) ...
     heap.done(seq)                        store-release DONE=seq, wait for all: my area is full
 
@@ -27,7 +28,8 @@ A receive area is a torch uint8 tensor over this rank's segment: the rows arrive
 uses them (x_SD is a view of the heap, no copy out). Its bytes go back to the rank's free list
 when the last tensor over them dies - autograd keeping x_SD for backward keeps the area too - so
 no later op writes there while anything can still read it. Each rank allocates only in its own
-segment (a first-fit free list, _Arena), so nothing but the offsets crosses ranks.
+segment (a free list, _Arena: each area from the start of the largest free run), so nothing
+but the offsets crosses ranks.
 
 A wait that outlasts ``timeout_s`` or whose peer process is gone raises ``PeerError`` naming that
 rank, instead of hanging.
@@ -46,7 +48,9 @@ from typing import Any
 
 import torch
 
-ARRIVE, DONE, READY = 0, 1, 2  # flag indices (the C++ heap has ShmHeap::kNumFlags)
+ARRIVE, DONE = 0, 1  # flag indices (the C++ heap has ShmHeap::kNumFlags)
+# The heap's own slots, after the caller's: this rank's largest free run and its held bytes.
+FREE_AT, FREE_BYTES, HELD, NUM_HEAP_SLOTS = 0, 1, 2, 3
 SLOT_ROW_BYTES = 0    # slot 0 of every op: the row bytes it moves (must agree on every rank)
 MiB = 1 << 20
 PAGE = 4096  # receive areas start on a page: tensors over them are page-aligned
@@ -85,7 +89,7 @@ class SymmetricHeap:
     """One rank's handle on the heap of a group (``None``: a one-rank heap, no group).
 
     ``data_bytes`` per rank; ``num_slots`` int64 payload slots per rank for the caller (slot 0 is
-    the op's row bytes), plus one of the heap's own (the receive area's offset). The heap grows
+    the op's row bytes), plus the heap's own (where this rank's next receive area goes). The heap grows
     (collectively, with new segments) when a rank's area does not fit; the op counter carries
     over, so callers never see the swap, and areas still alive keep their old segment mapped.
     """
@@ -97,7 +101,7 @@ class SymmetricHeap:
         self.timeout_s = float(timeout_s)
         self.tag = tag
         self._seq = 0
-        self._core = _create(group, int(data_bytes), self.num_slots + 1, tag)
+        self._core = _create(group, int(data_bytes), self.num_slots + NUM_HEAP_SLOTS, tag)
         self._arena = _Arena(self._core, self._core.data_bytes)
         self._held = _Held()
 
@@ -136,7 +140,7 @@ class SymmetricHeap:
 
     def slots(self, rank: int) -> torch.Tensor:
         """int64 view of ``rank``'s payload slots (the caller's num_slots, then the heap's)."""
-        return _view(self._core.slots_ptr(rank), 8 * (self.num_slots + 1)).view(torch.int64)
+        return _view(self._core.slots_ptr(rank), 8 * (self.num_slots + NUM_HEAP_SLOTS)).view(torch.int64)
 
     # ---- an op -------------------------------------------------------------------------
     def arrive(self, row_bytes: int, extra: list[int] | torch.Tensor = ()) -> int:
@@ -151,6 +155,12 @@ class SymmetricHeap:
         own = self.slots(self.rank)
         own[0] = int(row_bytes)
         own[1:1 + extra.numel()] = extra
+        # Where this op's receive area will start: published now, taken in receive_area. Only
+        # this rank allocates in its region and frees only widen the run, so it stays valid.
+        at, size = self._arena.largest()
+        own[self.num_slots + FREE_AT] = at
+        own[self.num_slots + FREE_BYTES] = size
+        own[self.num_slots + HELD] = self._held.bytes
         self._core.publish(ARRIVE, self._seq)
         self._core.wait_all(ARRIVE, self._seq, self.timeout_s, "arrive")
         got = [int(self.slots(r)[0]) for r in range(self.world)]
@@ -166,26 +176,24 @@ class SymmetricHeap:
 
     def receive_area(self, seq: int, nbytes_W: list[int], fixed: bool, option: str
                      ) -> tuple[torch.Tensor, list[int]]:
-        """Step 2 of op ``seq`` (after arrive): take ``nbytes_W[rank]`` bytes of this rank's data
-        region and learn every rank's area (every rank passes the same ``nbytes_W``). Returns
-        (this rank's area: a uint8 tensor whose bytes stay this rank's until the last tensor over
-        them dies, every rank's area address). When a rank has no room the heap grows
+        """Step 2 of op ``seq`` (after arrive; every rank passes the same ``nbytes_W``): take
+        ``nbytes_W[rank]`` bytes of this rank's data region, at the start of the free run it
+        published at arrive, and compute every rank's the same way - no wait. Returns (this
+        rank's area: a uint8 tensor whose bytes stay this rank's until the last tensor over them
+        dies, every rank's area address). When a rank's run is too short the heap grows
         collectively (25 % headroom over what that rank holds plus its need), or, ``fixed``,
         raises naming ``option`` - on every rank alike, so none is left waiting."""
+        k = self.num_slots
+        peers = [self.slots(r)[k:k + NUM_HEAP_SLOTS].tolist() for r in range(self.world)]
         need = int(nbytes_W[self.rank])
-        taken = self._arena.take(need)
-        slot = self.num_slots
-        # No room: publish -(bytes this rank would hold) - 1, so every rank sizes the new heap.
-        self.slots(self.rank)[slot] = taken if taken is not None else -(self._held.bytes + need) - 1
-        self._core.publish(READY, seq)
-        self._core.wait_all(READY, seq, self.timeout_s, "receive areas")
-        offsets = [int(self.slots(r)[slot]) for r in range(self.world)]
-        if min(offsets) >= 0:
-            return (self._arena.area(taken, need, self._held),
-                    [self._core.data_ptr(r) + off for r, off in enumerate(offsets)])
-        if taken is not None:
-            self._arena.give_back(taken, need)
-        want = max([-o - 1 for o in offsets if o < 0] + [int(n) for n in nbytes_W])
+        short = [held + int(n) for (_, free, held), n in zip(peers, nbytes_W)
+                 if _rounded(int(n)) > free]
+        if not short:
+            at = peers[self.rank][FREE_AT]
+            self._arena.take_at(at, need)
+            return (self._arena.area(at, need, self._held),
+                    [self._core.data_ptr(r) + p[FREE_AT] for r, p in enumerate(peers)])
+        want = max(short + [int(n) for n in nbytes_W])
         if fixed:
             raise ValueError(f"{option} = {self.data_bytes} is too small: this op needs "
                              f"{want} bytes per rank (the rows it brings plus those earlier ops' "
@@ -193,16 +201,15 @@ class SymmetricHeap:
                              f"{-(-want // MiB) * MiB} (or 0: sized from the model and grown on "
                              f"demand)")
         new_bytes = -(-(want * 5 // 4) // MiB) * MiB
-        # Every rank is between READY and its first row of this op: nobody writes into the old
-        # segments any more, and set-up's own barrier orders the swap. Live areas keep the old
-        # mappings (their _Arena holds the old core).
-        self._core = _create(self.group, new_bytes, self.num_slots + 1, self.tag)
+        # Every rank is past arrive() and before its first row of this op: nobody writes into
+        # the old segments any more, and set-up's own barrier orders the swap. Live areas keep
+        # the old mappings (their _Arena holds the old core).
+        self._core = _create(self.group, new_bytes, self.num_slots + NUM_HEAP_SLOTS, self.tag)
         self._arena = _Arena(self._core, self._core.data_bytes)
-        for flag, value in ((ARRIVE, seq), (READY, seq), (DONE, seq - 1)):
+        for flag, value in ((ARRIVE, seq), (DONE, seq - 1)):
             self._core.publish(flag, value)
-        # A fresh arena hands out offset 0 first, on every rank: no second exchange needed.
-        taken = self._arena.take(need)
-        assert taken == 0, taken
+        # A fresh arena's free run starts at 0 on every rank: no exchange needed.
+        self._arena.take_at(0, need)
         return (self._arena.area(0, need, self._held),
                 [self._core.data_ptr(r) for r in range(self.world)])
 
@@ -225,25 +232,34 @@ class _Held:
 
 
 class _Arena:
-    """First-fit free list over one segment's data region (this rank's only). Holds the core, so
-    the segment stays mapped while any area over it lives."""
+    """Free list over one segment's data region (this rank's only): an op's area is cut from the
+    start of the largest free run, published at arrive. Holds the core, so the segment stays
+    mapped while any area over it lives."""
 
     def __init__(self, core: Any, nbytes: int):
         self.core = core
         self.free: list[tuple[int, int]] = [(0, nbytes)] if nbytes else []  # (offset, size)
         self.lock = threading.Lock()
 
-    def take(self, nbytes: int) -> int | None:
-        """Offset of ``nbytes`` (rounded up the ladder) now this rank's, or None: no room."""
+    def largest(self) -> tuple[int, int]:
+        """(offset, bytes) of the largest free run, the first of equals; (0, 0): none."""
+        with self.lock:
+            return max(self.free, key=lambda run: (run[1], -run[0]), default=(0, 0))
+
+    def take_at(self, offset: int, nbytes: int) -> None:
+        """Make [offset, offset + nbytes (rounded up the ladder)) this rank's; it must lie in
+        one free run (the one :meth:`largest` named, perhaps widened by frees since)."""
         size = _rounded(nbytes)
         if size == 0:
-            return 0
+            return
         with self.lock:
-            for i, (off, have) in enumerate(self.free):
-                if have >= size:
-                    self.free[i:i + 1] = [(off + size, have - size)] if have > size else []
-                    return off
-        return None
+            i = bisect.bisect(self.free, (offset, float("inf"))) - 1
+            at, have = self.free[i] if i >= 0 else (0, 0)
+            if i < 0 or offset + size > at + have:
+                raise RuntimeError(f"shared-memory heap: bytes [{offset}, {offset + size}) are "
+                                   f"not free (free runs {self.free}); this is a bug")
+            self.free[i:i + 1] = [r for r in ((at, offset - at),
+                                              (offset + size, at + have - offset - size)) if r[1]]
 
     def give_back(self, offset: int, nbytes: int) -> None:
         size = _rounded(nbytes)
