@@ -92,6 +92,8 @@ class SymmetricHeap:
     the op's row bytes), plus the heap's own (where this rank's next receive area goes). The heap grows
     (collectively, with new segments) when a rank's area does not fit; the op counter carries
     over, so callers never see the swap, and areas still alive keep their old segment mapped.
+    ``pids``: every rank's process; ``single_copy``: every rank may read every peer's private
+    memory (process_vm_readv, probed at set-up), the same verdict on every rank.
     """
 
     def __init__(self, group: Any, data_bytes: int, num_slots: int, timeout_s: float = 300.0,
@@ -101,7 +103,8 @@ class SymmetricHeap:
         self.timeout_s = float(timeout_s)
         self.tag = tag
         self._seq = 0
-        self._core = _create(group, int(data_bytes), self.num_slots + NUM_HEAP_SLOTS, tag)
+        self._core, self.pids, self.single_copy = _create(
+            group, int(data_bytes), self.num_slots + NUM_HEAP_SLOTS, tag)
         self._arena = _Arena(self._core, self._core.data_bytes)
         self._held = _Held()
 
@@ -204,7 +207,8 @@ class SymmetricHeap:
         # Every rank is past arrive() and before its first row of this op: nobody writes into
         # the old segments any more, and set-up's own barrier orders the swap. Live areas keep
         # the old mappings (their _Arena holds the old core).
-        self._core = _create(self.group, new_bytes, self.num_slots + NUM_HEAP_SLOTS, self.tag)
+        self._core, self.pids, self.single_copy = _create(
+            self.group, new_bytes, self.num_slots + NUM_HEAP_SLOTS, self.tag)
         self._arena = _Arena(self._core, self._core.data_bytes)
         for flag, value in ((ARRIVE, seq), (DONE, seq - 1)):
             self._core.publish(flag, value)
@@ -311,8 +315,11 @@ def _view(address: int, nbytes: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
 
 
-def _create(group: Any, data_bytes: int, num_slots: int, tag: str) -> Any:
-    """Steps 1-4 of the module docstring; a failure on any rank raises on every rank."""
+def _create(group: Any, data_bytes: int, num_slots: int, tag: str
+            ) -> tuple[Any, list[int], bool]:
+    """Steps 1-4 of the module docstring; a failure on any rank raises on every rank. Returns
+    (the core heap, every rank's pid, whether every rank may read every peer's private memory
+    with process_vm_readv: the single-copy combine, probed here so all ranks agree)."""
     from moeplug.runtime import get_runtime
     core = get_runtime()
     if group is None:
@@ -331,22 +338,31 @@ def _create(group: Any, data_bytes: int, num_slots: int, tag: str) -> Any:
             raise RuntimeError(error)
         heap.attach([name])
         heap.unlink_all()
-        return heap
-    infos = _all_gather(group, (machine_id(), name, error))
-    errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(infos) if e]
+        return heap, [os.getpid()], True
+    # Private bytes each peer tries to read back: the cross-memory-attach probe (alive in this
+    # frame until after the second all-gather, when every peer has tried).
+    token = secrets.token_bytes(16)
+    probe = ctypes.create_string_buffer(token, 16)
+    infos = _all_gather(group, (machine_id(), name, error, os.getpid(),
+                                ctypes.addressof(probe), token))
+    errors = [f"rank {r}: {info[2]}" for r, info in enumerate(infos) if info[2]]
     if errors:
         raise RuntimeError("shared-memory heap set-up failed: " + "; ".join(errors))
-    check_one_machine([m for m, _, _ in infos])  # the same verdict on every rank
+    check_one_machine([info[0] for info in infos])  # the same verdict on every rank
     try:
-        heap.attach([n for _, n, _ in infos])
+        heap.attach([info[1] for info in infos])
     except (RuntimeError, ValueError) as exc:
         error = str(exc)
+    got = ctypes.create_string_buffer(16)
+    readable = all(core.can_read_process(pid, at, 16, ctypes.addressof(got)) and got.raw == tok
+                   for r, (_, _, _, pid, at, tok) in enumerate(infos) if r != rank)
     # The barrier: nobody unlinks before everyone has mapped every segment.
-    errors = [f"rank {r}: {e}" for r, e in enumerate(_all_gather(group, error)) if e]
+    after = _all_gather(group, (error, readable))
+    errors = [f"rank {r}: {e}" for r, (e, _) in enumerate(after) if e]
     heap.unlink_all()  # every rank unlinks every name: a rank dying here leaves nothing either
     if errors:
         raise RuntimeError("shared-memory heap set-up failed: " + "; ".join(errors))
-    return heap
+    return heap, [info[3] for info in infos], all(ok for _, ok in after)
 
 
 def _all_gather(group: Any, obj: Any) -> list[Any]:

@@ -8,6 +8,9 @@ Legend: T tokens, K choices per token, W ranks, P rows a rank receives, C row ru
     got = to_experts(heap, seq, [(x_TD, False), (p_TK, True)],   token t's row (or choice (t, k)'s
                      dest_rank_TK, dest_row_TK, rows_W)           row) to dest_rank's row dest_row
     got = to_sources(heap, seq, [y_PD], chunks_C4, rows_W)       runs (src_row, rank, row, n)
+    y_TD = pull_sum(heap, y_PD, src_rank_TK, src_row_TK)         the single-copy combine: each
+                                                                  rank sums its rows read straight
+                                                                  out of the peers' y_PD
 
 Both return this rank's received rows, ``rows_W[rank]`` per stream, as tensors over its receive
 area in the heap (SymmetricHeap.receive_area): the rows are written once, by the sender, where
@@ -84,6 +87,30 @@ def sum_rows(rows: torch.Tensor, row_map_TK: torch.Tensor,
                                     row_map=rm.data_ptr(), weights=0 if w is None else w.data_ptr(),
                                     y=y.data_ptr(), num_tokens=T, top_k=K, hidden=D,
                                     dtype=dtype_code(rows, "sum_rows", "rows"))
+    return y
+
+
+def pull_sum(heap: SymmetricHeap, y_PD: torch.Tensor, src_rank_TK: torch.Tensor,
+             src_row_TK: torch.Tensor) -> torch.Tensor:
+    """y[t] = sum_k row src_row[t, k] of rank src_rank[t, k]'s ``y_PD`` (rank < 0: nothing), one
+    op: every rank publishes where its y_PD lies, reads its rows out of the peers' memory with
+    process_vm_readv into a cache-sized block and sums them there (fp32, k order: bitwise
+    :func:`sum_rows` of the rows :func:`to_sources` would have brought), then waits until every
+    rank has read its rows, so y_PD may go. One pass over the rows, no heap in between. Needs
+    ``heap.single_copy`` (probed at set-up)."""
+    y_PD = y_PD.contiguous()
+    T, K = src_rank_TK.shape
+    D = y_PD.shape[1] if y_PD.dim() == 2 else 0
+    seq = heap.arrive(_row_bytes(y_PD), [y_PD.data_ptr()])
+    bases = heap.read_slots(1).reshape(-1).contiguous()
+    pids = torch.tensor(heap.pids, dtype=torch.int64)
+    y = host_buffers.empty((T, D), y_PD.dtype)
+    rank, row = src_rank_TK.contiguous(), src_row_TK.contiguous()
+    get_runtime().pull_sum_rows(pids=pids.data_ptr(), bases=bases.data_ptr(), rank=heap.rank,
+                                world=heap.world, src_rank=rank.data_ptr(),
+                                src_row=row.data_ptr(), y=y.data_ptr(), num_tokens=T, top_k=K,
+                                hidden=D, dtype=dtype_code(y_PD, "pull_sum", "y_PD"))
+    heap.done(seq)
     return y
 
 

@@ -16,9 +16,11 @@ dispatch:
                  senders wrote the rows (padding rows zeroed in place): one pass over the rows,
                  read from x_TD and written to their final place; the area is reused only after
                  the last tensor over it dies (autograd's saved x_SD included)
-combine: each rank writes its expert outputs back into the sources' heaps, one run per (source,
-local expert); each source sums its K rows per token straight out of its heap (fused sum on
-receipt). Backward: dispatch's is combine's forward (grads of probs ride along), combine's is
+combine: single copy (``single_copy``, the default where the heap's probe allows it): each
+source reads its K rows per token straight out of the expert ranks' y_SD (process_vm_readv into a
+cache-sized block) and sums them there - one pass over the rows. Else: each rank writes its
+expert outputs back into the sources' heaps, one run per (source, local expert), and each source
+sums its K rows per token out of its heap (fused sum on receipt, two passes). Backward: dispatch's is combine's forward (grads of probs ride along), combine's is
 dispatch's steps 3-4.
 Dropped choices (``routing.dropped_TK``) send no row; combine adds nothing for them.
 Quantized, each token row is quantized once and its bytes written to each of its ranks, so
@@ -27,6 +29,7 @@ Quantized, each token row is quantized once and its bytes written to each of its
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +58,7 @@ class DirectWriteMeta:
     heap: SymmetricHeap
     plan: DirectWritePlan
     fixed: bool  # heap_bytes was set: growing is an error
+    single_copy: bool  # combine pulls the rows (shm_rows.pull_sum)
 
     @property
     def pad_index_S(self) -> torch.Tensor | None:  # as the other dispatchers' meta
@@ -70,6 +74,7 @@ class DirectWriteDispatcher(Dispatcher):
         self.heap_bytes = options.heap_bytes or default_heap_bytes(model, self.ep_size)
         self.fixed = options.heap_bytes > 0
         self.timeout_s = options.timeout_s
+        self.single_copy = options.single_copy
 
     def _heap(self) -> SymmetricHeap:
         # Created collectively by the first dispatch on the group, shared by every layer.
@@ -98,7 +103,8 @@ class DirectWriteDispatcher(Dispatcher):
         capacity_W = None if cap < 0 else slots_W[:, 0].tolist()
         plan = build_plan(slots_W[:, 1:], ids_TK, self.ep_rank,
                           None if cap < 0 else cap, capacity_W, routing.pad_multiple)
-        meta = DirectWriteMeta(heap=heap, plan=plan, fixed=self.fixed)
+        meta = DirectWriteMeta(heap=heap, plan=plan, fixed=self.fixed,
+                               single_copy=self.single_copy and _single_copy(heap))
         # 3. write  4. receive
         if not quantized:
             x_SD, probs_S = _Dispatch.apply(meta, seq, x_TD, probs_TK)
@@ -171,10 +177,29 @@ class _Dispatch(torch.autograd.Function):
         return None, None, g_x, g_probs
 
 
+def _single_copy(heap: SymmetricHeap) -> bool:
+    if not heap.single_copy and not _warned:
+        _warned.append(True)
+        warnings.warn("direct_write: the ranks may not read each other's memory "
+                      "(process_vm_readv was refused at heap set-up: Yama ptrace_scope or "
+                      "seccomp), so combine takes two passes (write into the heap, sum out of "
+                      "it). Fix: allow ptrace between the ranks (same user, ptrace_scope 0, "
+                      "docker --cap-add SYS_PTRACE) or set "
+                      "plugins.dispatcher_options.single_copy=false to silence this",
+                      stacklevel=3)
+    return heap.single_copy
+
+
+_warned: list[bool] = []
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, y_SD):
         ctx.meta = meta
+        if meta.single_copy:
+            p = meta.plan
+            return shm_rows.pull_sum(meta.heap, y_SD, p.dest_rank_TK, p.dest_row_TK)
         return _sum_back(meta, y_SD)
 
     @staticmethod
