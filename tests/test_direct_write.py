@@ -1,9 +1,9 @@
 """The ``direct_write`` dispatcher and the shared-memory heap under it (moeplug.parallel.shm_heap).
 
 * one process: the public dispatcher contract (moeplug.testing.check_dispatcher);
-* 2 and 4 real gloo ranks: dispatch and combine (single-copy and two-pass) equal ``alltoall``'s - the same x_SD, probs_S and
-  counts_L row for row, the same combined output and the same gradients w.r.t. tokens and probs -
-  with uneven token counts (one rank with none), dropped choices, pad_to_capacity and
+* 2 and 4 real gloo ranks: dispatch and combine (single-copy and two-pass) equal ``alltoall``'s -
+  the same x_SD, probs_S and counts_L row for row, the same combined output and the same
+  gradients w.r.t. tokens and probs - with uneven token counts (one rank with none), dropped choices, pad_to_capacity and
   pad_multiple, in fp32 and bf16 and under an FP8 quantize_dispatch recipe; and the heap grows
   when an op needs more than it holds, or fails naming the option when its size is fixed;
 * the received rows are the heap (no copy out), kept intact by later ops while their tensors

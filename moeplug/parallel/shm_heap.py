@@ -89,11 +89,11 @@ class SymmetricHeap:
     """One rank's handle on the heap of a group (``None``: a one-rank heap, no group).
 
     ``data_bytes`` per rank; ``num_slots`` int64 payload slots per rank for the caller (slot 0 is
-    the op's row bytes), plus the heap's own (where this rank's next receive area goes). The heap grows
-    (collectively, with new segments) when a rank's area does not fit; the op counter carries
-    over, so callers never see the swap, and areas still alive keep their old segment mapped.
-    ``pids``: every rank's process; ``single_copy``: every rank may read every peer's private
-    memory (process_vm_readv, probed at set-up), the same verdict on every rank.
+    the op's row bytes), plus the heap's own (where this rank's next receive area goes). The
+    heap grows (collectively, with new segments) when a rank's area does not fit; the op counter
+    carries over, so callers never see the swap, and areas still alive keep their old segment
+    mapped. ``pids``: every rank's process; ``single_copy``: every rank may read every peer's
+    private memory (process_vm_readv, probed at set-up), the same verdict on every rank.
     """
 
     def __init__(self, group: Any, data_bytes: int, num_slots: int, timeout_s: float = 300.0,
@@ -143,7 +143,8 @@ class SymmetricHeap:
 
     def slots(self, rank: int) -> torch.Tensor:
         """int64 view of ``rank``'s payload slots (the caller's num_slots, then the heap's)."""
-        return _view(self._core.slots_ptr(rank), 8 * (self.num_slots + NUM_HEAP_SLOTS)).view(torch.int64)
+        n = self.num_slots + NUM_HEAP_SLOTS
+        return _view(self._core.slots_ptr(rank), 8 * n).view(torch.int64)
 
     # ---- an op -------------------------------------------------------------------------
     def arrive(self, row_bytes: int, extra: list[int] | torch.Tensor = ()) -> int:

@@ -431,7 +431,7 @@ void sum_received_rows(const void* rows, int64_t num_rows, const int64_t* row_ma
   });
 }
 
-// ---- single-copy combine (Linux cross-memory attach) ---------------------------------------------
+// ---- single-copy combine (Linux cross-memory attach) ------------------------------------------
 
 namespace {
 constexpr int64_t kPullTokens = 16;  // tokens per staged block: 16 * K rows stay in L2

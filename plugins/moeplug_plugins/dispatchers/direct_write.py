@@ -17,12 +17,12 @@ dispatch:
                  read from x_TD and written to their final place; the area is reused only after
                  the last tensor over it dies (autograd's saved x_SD included)
 combine: single copy (``single_copy``, the default where the heap's probe allows it, for rows of
-at least PULL_MIN_ROW_BYTES): each
-source reads its K rows per token straight out of the expert ranks' y_SD (process_vm_readv into a
-cache-sized block) and sums them there - one pass over the rows. Else: each rank writes its
-expert outputs back into the sources' heaps, one run per (source, local expert), and each source
-sums its K rows per token out of its heap (fused sum on receipt, two passes). Backward: dispatch's is combine's forward (grads of probs ride along), combine's is
-dispatch's steps 3-4.
+at least PULL_MIN_ROW_BYTES): each source reads its K rows per token straight out of the expert
+ranks' y_SD (process_vm_readv into a cache-sized block) and sums them there - one pass over the
+rows. Else: each rank writes its expert outputs back into the sources' heaps, one run per
+(source, local expert), and each source sums its K rows per token out of its heap (fused sum on
+receipt, two passes). Backward: dispatch's is the two-pass combine (grads of probs ride along),
+combine's is dispatch's steps 3-4.
 Dropped choices (``routing.dropped_TK``) send no row; combine adds nothing for them.
 Quantized, each token row is quantized once and its bytes written to each of its ranks, so
 ``moeplug.quant.wire.WIRE`` counts T token rows here where alltoall counts its T*K routed rows.
