@@ -8,10 +8,14 @@ Legend: T tokens, K choices per token, W ranks, P rows a rank receives, C row ru
     got = to_experts(heap, seq, [(x_TD, False), (p_TK, True)],   token t's row (or choice (t, k)'s
                      dest_rank_TK, dest_row_TK, rows_W)           row) to dest_rank's row dest_row
     got = to_sources(heap, seq, [y_PD], chunks_C4, rows_W)       runs (src_row, rank, row, n)
+    y_TD = pull_sum(heap, y_PD, src_rank_TK, src_row_TK)         the single-copy combine: each
+                                                                  rank sums its rows read straight
+                                                                  out of the peers' y_PD
 
-Both return views of this rank's data region laid out for ``rows_W[rank]`` rows per stream, valid
-until the next op on the heap: copy (:func:`copy_rows`) or reduce (:func:`sum_rows`) them first.
-Each stream's area in a receiver starts at a 64-byte boundary after the previous one's.
+Both return this rank's received rows, ``rows_W[rank]`` per stream, as tensors over its receive
+area in the heap (SymmetricHeap.receive_area): the rows are written once, by the sender, where
+the receiver uses them - no copy out. The area stays this rank's while any of them lives.
+Each stream's part of a receiver's area starts at a 64-byte boundary after the previous one's.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ def to_experts(heap: SymmetricHeap, seq: int, streams: list[tuple[torch.Tensor, 
     dest_rank = dest_rank_TK.contiguous()
     dest_row = dest_row_TK.contiguous()
     core = get_runtime()
-    for i, base_W in _prepare(heap, streams, rows_W, fixed, option):
+    area, bases = _areas(heap, seq, streams, rows_W, fixed, option)
+    for i, base_W in enumerate(bases):
         t, per_choice = streams[i]
         expect = T * K if per_choice else T
         if t.shape[0] != expect:
@@ -50,7 +55,7 @@ def to_experts(heap: SymmetricHeap, seq: int, streams: list[tuple[torch.Tensor, 
                           dest_row=dest_row.data_ptr(), dest_base=base_W.data_ptr(),
                           world=heap.world)
     heap.done(seq)
-    return _received(heap, streams, rows_W[heap.rank])
+    return _received(area, streams, rows_W[heap.rank])
 
 
 def to_sources(heap: SymmetricHeap, seq: int, streams: list[torch.Tensor],
@@ -60,28 +65,13 @@ def to_sources(heap: SymmetricHeap, seq: int, streams: list[torch.Tensor],
     pairs = [(t, False) for t in streams]
     chunks = chunks_C4.contiguous()
     core = get_runtime()
-    for i, base_W in _prepare(heap, pairs, rows_W, fixed, option):
-        t = streams[i]
+    area, bases = _areas(heap, seq, pairs, rows_W, fixed, option)
+    for t, base_W in zip(streams, bases):
         core.copy_chunks(src=t.data_ptr(), row_bytes=_row_bytes(t), chunks=chunks.data_ptr(),
                          num_chunks=chunks.shape[0], dest_base=base_W.data_ptr(),
                          world=heap.world)
     heap.done(seq)
-    return _received(heap, pairs, rows_W[heap.rank])
-
-
-def copy_rows(rows: torch.Tensor, zero_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """A private copy of received ``rows`` (parallel memcpy), with rows ``zero_rows`` zeroed; large
-    copies land in recycled memory (moeplug.parallel.host_buffers: no page faults per step)."""
-    out = host_buffers.empty(tuple(rows.shape), rows.dtype)
-    if rows.shape[0]:
-        chunk = torch.tensor([[0, 0, 0, rows.shape[0]]], dtype=torch.int64)
-        base = torch.tensor([out.data_ptr()], dtype=torch.int64)
-        get_runtime().copy_chunks(src=rows.data_ptr(), row_bytes=_row_bytes(rows),
-                                  chunks=chunk.data_ptr(), num_chunks=1,
-                                  dest_base=base.data_ptr(), world=1)
-    if zero_rows is not None and zero_rows.numel():
-        out.index_fill_(0, zero_rows, 0)
-    return out
+    return _received(area, pairs, rows_W[heap.rank])
 
 
 def sum_rows(rows: torch.Tensor, row_map_TK: torch.Tensor,
@@ -97,6 +87,30 @@ def sum_rows(rows: torch.Tensor, row_map_TK: torch.Tensor,
                                     row_map=rm.data_ptr(), weights=0 if w is None else w.data_ptr(),
                                     y=y.data_ptr(), num_tokens=T, top_k=K, hidden=D,
                                     dtype=dtype_code(rows, "sum_rows", "rows"))
+    return y
+
+
+def pull_sum(heap: SymmetricHeap, y_PD: torch.Tensor, src_rank_TK: torch.Tensor,
+             src_row_TK: torch.Tensor) -> torch.Tensor:
+    """y[t] = sum_k row src_row[t, k] of rank src_rank[t, k]'s ``y_PD`` (rank < 0: nothing), one
+    op: every rank publishes where its y_PD lies, reads its rows out of the peers' memory with
+    process_vm_readv into a cache-sized block and sums them there (fp32, k order: bitwise
+    :func:`sum_rows` of the rows :func:`to_sources` would have brought), then waits until every
+    rank has read its rows, so y_PD may go. One pass over the rows, no heap in between. Needs
+    ``heap.single_copy`` (probed at set-up)."""
+    y_PD = y_PD.contiguous()
+    T, K = src_rank_TK.shape
+    D = y_PD.shape[1] if y_PD.dim() == 2 else 0
+    seq = heap.arrive(_row_bytes(y_PD), [y_PD.data_ptr()])
+    bases = heap.read_slots(1).reshape(-1).contiguous()
+    pids = torch.tensor(heap.pids, dtype=torch.int64)
+    y = host_buffers.empty((T, D), y_PD.dtype)
+    rank, row = src_rank_TK.contiguous(), src_row_TK.contiguous()
+    get_runtime().pull_sum_rows(pids=pids.data_ptr(), bases=bases.data_ptr(), rank=heap.rank,
+                                world=heap.world, src_rank=rank.data_ptr(),
+                                src_row=row.data_ptr(), y=y.data_ptr(), num_tokens=T, top_k=K,
+                                hidden=D, dtype=dtype_code(y_PD, "pull_sum", "y_PD"))
+    heap.done(seq)
     return y
 
 
@@ -116,21 +130,21 @@ def _offsets(rows: int, sizes: list[int]) -> tuple[list[int], int]:
     return offs, at
 
 
-def _prepare(heap: SymmetricHeap, streams, rows_W: list[int], fixed: bool, option: str):
-    """Grow (or refuse) the heap for the largest receiver, then each stream's base per rank."""
+def _areas(heap: SymmetricHeap, seq: int, streams, rows_W: list[int], fixed: bool, option: str
+           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's receive area for the op, and each stream's base address in every rank's."""
     sizes = [_row_bytes(t) for t, _ in streams]
     layouts = [_offsets(int(n), sizes) for n in rows_W]
-    heap.ensure(max(total for _, total in layouts), fixed, option)
-    for i in range(len(streams)):
-        yield i, torch.tensor([heap.data_ptr(r) + layouts[r][0][i] for r in range(heap.world)],
-                              dtype=torch.int64)
+    area, addr_W = heap.receive_area(seq, [total for _, total in layouts], fixed, option)
+    return area, [torch.tensor([addr_W[r] + layouts[r][0][i] for r in range(heap.world)],
+                               dtype=torch.int64) for i in range(len(streams))]
 
 
-def _received(heap: SymmetricHeap, streams, rows: int) -> list[torch.Tensor]:
+def _received(area: torch.Tensor, streams, rows: int) -> list[torch.Tensor]:
     sizes = [_row_bytes(t) for t, _ in streams]
     offs, _ = _offsets(rows, sizes)
     out = []
     for (t, _), off, size in zip(streams, offs, sizes):
-        view = heap.data(heap.rank, rows * size, off).view(t.dtype)
+        view = area[off:off + rows * size].view(t.dtype)
         out.append(view.view(rows, *t.shape[1:]))
     return out

@@ -79,6 +79,27 @@ void register_shm_heap(py::module_& m) {
       py::arg("rows"), py::arg("num_rows"), py::arg("row_map"), py::arg("weights"), py::arg("y"),
       py::arg("num_tokens"), py::arg("top_k"), py::arg("hidden"), py::arg("dtype"),
       "y[t] = sum_k w[t, k] * rows[row_map[t, k]], skipping row_map < 0 (w = 0: plain sum).");
+  def_kernel(
+      m, "pull_sum_rows",
+      +[](uintptr_t pids, uintptr_t bases, int64_t rank, int64_t world, uintptr_t src_rank,
+          uintptr_t src_row, uintptr_t y, int64_t num_tokens, int64_t top_k, int64_t hidden,
+          int dtype) {
+        pull_sum_rows(ptr<const int64_t>(pids), ptr<const int64_t>(bases), rank, world,
+                      ptr<const int64_t>(src_rank), ptr<const int64_t>(src_row), num_tokens,
+                      top_k, hidden, dtype_from_code(dtype, "pull_sum_rows"), ptr<void>(y));
+      },
+      py::arg("pids"), py::arg("bases"), py::arg("rank"), py::arg("world"), py::arg("src_rank"),
+      py::arg("src_row"), py::arg("y"), py::arg("num_tokens"), py::arg("top_k"),
+      py::arg("hidden"), py::arg("dtype"),
+      "y[t] = sum_k row src_row[t, k] of process pids[src_rank[t, k]]'s rows at "
+      "bases[src_rank[t, k]] (process_vm_readv; src_rank < 0: skipped), fp32 in k order.");
+  m.def(
+      "can_read_process",
+      [](int64_t pid, uintptr_t remote, int64_t nbytes, uintptr_t local) {
+        return can_read_process(pid, ptr<const void>(remote), nbytes, ptr<void>(local));
+      },
+      py::arg("pid"), py::arg("remote"), py::arg("nbytes"), py::arg("local"),
+      "Whether process_vm_readv may read nbytes at remote in process pid (the set-up probe).");
 }
 
 }  // namespace moeplug::py_bind

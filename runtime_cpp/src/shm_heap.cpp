@@ -7,9 +7,11 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -17,6 +19,10 @@
 #include <vector>
 
 #include "moeplug/thread_pool.h"
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 namespace moeplug {
 
@@ -276,6 +282,31 @@ void ShmHeap::wait_all(int flag, uint64_t value, double timeout_s, const std::st
 namespace {
 constexpr int64_t kTokenGrain = 32;
 constexpr int64_t kRunRows = 64;  // copy_chunks splits runs into pieces of this many rows
+
+// Rows into a peer's heap: non-temporal stores where the row allows (SSE2, the x86_64 baseline).
+// The destination is far larger than the caches and read by another process later, so a plain
+// store would first read every destination line (read-for-ownership) and then evict it unused:
+// streaming halves the memory traffic of the write, as glibc's memcpy does for large copies.
+MOEPLUG_INLINE void put_rows(uint8_t* dst, const uint8_t* src, int64_t n) {
+#if defined(__x86_64__)
+  if (n >= 256 && (n & 15) == 0 && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    for (int64_t i = 0; i < n; i += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    }
+    return;
+  }
+#endif
+  std::memcpy(dst, src, static_cast<size_t>(n));
+}
+
+// Streamed stores are weakly ordered: fence them before this thread's part counts as done (the
+// pool's hand-back and then DONE's store-release publish them to the peers).
+MOEPLUG_INLINE void fence_rows() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
 }  // namespace
 
 void scatter_rows(const void* src, int64_t T, int64_t K, int64_t row_bytes, bool per_choice,
@@ -302,9 +333,10 @@ void scatter_rows(const void* src, int64_t T, int64_t K, int64_t row_bytes, bool
         const int64_t r = dest_rank_TK[i];
         if (r < 0) continue;
         auto* dst = reinterpret_cast<uint8_t*>(dest_base_W[r]) + dest_row_TK[i] * row_bytes;
-        std::memcpy(dst, s + (per_choice ? i : t) * row_bytes, static_cast<size_t>(row_bytes));
+        put_rows(dst, s + (per_choice ? i : t) * row_bytes, row_bytes);
       }
     }
+    fence_rows();
   });
 }
 
@@ -333,8 +365,9 @@ void copy_chunks(const void* src, int64_t row_bytes, const int64_t* chunks_C4, i
       const int64_t r0 = piece_row[p];
       const int64_t n = std::min(kRunRows, ch[3] - r0);
       auto* dst = reinterpret_cast<uint8_t*>(dest_base_W[ch[1]]) + (ch[2] + r0) * row_bytes;
-      std::memcpy(dst, s + (ch[0] + r0) * row_bytes, static_cast<size_t>(n * row_bytes));
+      put_rows(dst, s + (ch[0] + r0) * row_bytes, n * row_bytes);
     }
+    fence_rows();
   });
 }
 
@@ -394,6 +427,89 @@ void sum_received_rows(const void* rows, int64_t num_rows, const int64_t* row_ma
     } else {
       sum_rows_bf16(static_cast<const uint16_t*>(rows), row_map_TK, weights_TK, t0, t1, K, D,
                     acc_D.data(), static_cast<uint16_t*>(y_TD));
+    }
+  });
+}
+
+// ---- single-copy combine (Linux cross-memory attach) ------------------------------------------
+
+namespace {
+constexpr int64_t kPullTokens = 16;  // tokens per staged block: 16 * K rows stay in L2
+
+std::string read_error(int err, int64_t rank, int64_t pid) {
+  return "pull_sum_rows: process_vm_readv from rank " + std::to_string(rank) + " (pid " +
+         std::to_string(pid) + ") failed: " + errno_text(err) +
+         ". Fix: allow cross-memory attach between the ranks (same user; ptrace not denied by "
+         "Yama/seccomp) or set plugins.dispatcher_options.single_copy=false";
+}
+}  // namespace
+
+bool can_read_process(int64_t pid, const void* remote, int64_t nbytes, void* local) {
+  iovec l{local, static_cast<size_t>(nbytes)};
+  iovec r{const_cast<void*>(remote), static_cast<size_t>(nbytes)};
+  return process_vm_readv(static_cast<pid_t>(pid), &l, 1, &r, 1, 0) == nbytes;
+}
+
+void pull_sum_rows(const int64_t* pid_W, const int64_t* base_W, int64_t self, int64_t W,
+                   const int64_t* rank_TK, const int64_t* row_TK, int64_t T, int64_t K,
+                   int64_t D, DType dtype, void* y_TD) {
+  if (T < 0 || K < 1 || D < 1 || self < 0 || self >= W) {
+    throw std::invalid_argument("pull_sum_rows: expected num_tokens >= 0, top_k >= 1, "
+                                "hidden >= 1, 0 <= rank < world");
+  }
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (rank_TK[i] >= W) {
+      throw std::invalid_argument("pull_sum_rows: rank[" + std::to_string(i) + "] = " +
+                                  std::to_string(rank_TK[i]) + " is not a rank of the " +
+                                  std::to_string(W) + "-rank heap");
+    }
+  }
+  const int64_t elem = dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t row_bytes = D * elem;
+  parallel_for(0, T, kPullTokens, [&](int64_t lo, int64_t hi) {
+    std::vector<uint8_t> stage(static_cast<size_t>(kPullTokens * K * row_bytes));
+    std::vector<int64_t> map(static_cast<size_t>(kPullTokens * K));
+    std::vector<float> acc(static_cast<size_t>(D));
+    std::vector<std::vector<iovec>> local(W), remote(W);
+    for (int64_t t0 = lo; t0 < hi; t0 += kPullTokens) {
+      const int64_t t1 = std::min(hi, t0 + kPullTokens);
+      for (auto& v : local) v.clear();
+      for (auto& v : remote) v.clear();
+      // Stage the block's rows in (t, k) order: own rows by memcpy, peers' by one
+      // process_vm_readv per peer (the kernel copies straight out of the peer's y_SD).
+      for (int64_t i = 0; i < (t1 - t0) * K; ++i) {
+        const int64_t g = t0 * K + i;
+        const int64_t r = rank_TK[g];
+        map[i] = r < 0 ? -1 : i;
+        if (r < 0) continue;
+        uint8_t* dst = stage.data() + i * row_bytes;
+        auto* src = reinterpret_cast<uint8_t*>(base_W[r]) + row_TK[g] * row_bytes;
+        if (r == self) {
+          std::memcpy(dst, src, static_cast<size_t>(row_bytes));
+        } else {
+          local[r].push_back({dst, static_cast<size_t>(row_bytes)});
+          remote[r].push_back({src, static_cast<size_t>(row_bytes)});
+        }
+      }
+      for (int64_t r = 0; r < W; ++r) {
+        const size_t n = local[r].size();
+        for (size_t at = 0; at < n; at += IOV_MAX) {
+          const size_t cnt = std::min<size_t>(IOV_MAX, n - at);
+          const ssize_t want = static_cast<ssize_t>(cnt) * row_bytes;
+          const ssize_t got = process_vm_readv(static_cast<pid_t>(pid_W[r]), &local[r][at], cnt,
+                                               &remote[r][at], cnt, 0);
+          if (got != want) throw std::runtime_error(read_error(got < 0 ? errno : EFAULT, r,
+                                                               pid_W[r]));
+        }
+      }
+      // The same fp32, k-ordered sum as sum_received_rows (bitwise the same result).
+      if (dtype == DType::kFloat32) {
+        sum_rows_f32(reinterpret_cast<const float*>(stage.data()), map.data(), nullptr, 0,
+                     t1 - t0, K, D, acc.data(), static_cast<float*>(y_TD) + t0 * D);
+      } else {
+        sum_rows_bf16(reinterpret_cast<const uint16_t*>(stage.data()), map.data(), nullptr, 0,
+                      t1 - t0, K, D, acc.data(), static_cast<uint16_t*>(y_TD) + t0 * D);
+      }
     }
   });
 }

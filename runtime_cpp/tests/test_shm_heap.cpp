@@ -159,6 +159,56 @@ void test_row_copies_match_a_naive_loop() {
         "a row_map entry past the received rows is refused");
 }
 
+void test_streamed_rows_and_the_single_copy_sum() {
+  // Rows of 64 floats (256 B): the streamed-store path of scatter_rows; then pull_sum_rows reads
+  // them through process_vm_readv (this process stands in for the peer "rank 1") and must equal
+  // sum_received_rows over the same rows bitwise.
+  const int64_t T = 6, K = 3, D = 64, W = 2;
+  std::vector<float> x(T * D);
+  for (int64_t i = 0; i < T * D; ++i) x[i] = 0.37f * float(i % 97) - 3.0f;
+  std::vector<int64_t> rank(T * K), row(T * K);
+  int64_t next[2] = {0, 0};
+  for (int64_t i = 0; i < T * K; ++i) {
+    rank[i] = i % 5 == 4 ? -1 : (i * 7) % W;
+    row[i] = rank[i] < 0 ? 0 : next[rank[i]]++;
+  }
+  alignas(64) static float d0[T * K * D], d1[T * K * D];
+  const std::vector<int64_t> base = {int64_t(reinterpret_cast<uintptr_t>(d0)),
+                                     int64_t(reinterpret_cast<uintptr_t>(d1))};
+  moeplug::scatter_rows(x.data(), T, K, D * 4, false, rank.data(), row.data(), base.data(), W);
+  bool ok = true;
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (rank[i] < 0) continue;
+    const float* dst = (rank[i] == 0 ? d0 : d1) + row[i] * D;
+    for (int64_t d = 0; d < D; ++d) ok &= dst[d] == x[(i / K) * D + d];
+  }
+  check(ok, "scatter_rows with streamed stores puts every row in place");
+
+  const std::vector<int64_t> pids = {int64_t(getpid()), int64_t(getpid())};
+  std::vector<float> pulled(T * D, -1.0f), summed(T * D, -2.0f);
+  moeplug::pull_sum_rows(pids.data(), base.data(), 0, W, rank.data(), row.data(), T, K, D,
+                         moeplug::DType::kFloat32, pulled.data());
+  // The reference: gather the same rows into one buffer, then sum_received_rows.
+  std::vector<float> rows(T * K * D);
+  std::vector<int64_t> map(T * K);
+  for (int64_t i = 0; i < T * K; ++i) {
+    map[i] = rank[i] < 0 ? -1 : i;
+    if (rank[i] >= 0) {
+      std::memcpy(&rows[i * D], (rank[i] == 0 ? d0 : d1) + row[i] * D, D * 4);
+    }
+  }
+  moeplug::sum_received_rows(rows.data(), T * K, map.data(), nullptr, T, K, D,
+                             moeplug::DType::kFloat32, summed.data());
+  check(std::memcmp(pulled.data(), summed.data(), T * D * 4) == 0,
+        "pull_sum_rows (process_vm_readv) equals sum_received_rows bitwise");
+  const std::vector<int64_t> gone = {int64_t(getpid()), 0x7ffffff0};  // no such process
+  check(!error_of<std::runtime_error>([&] {
+          moeplug::pull_sum_rows(gone.data(), base.data(), 0, W, rank.data(), row.data(), T, K,
+                                 D, moeplug::DType::kFloat32, pulled.data());
+        }).empty(),
+        "a refused read throws naming the rank");
+}
+
 }  // namespace
 
 int main() {
@@ -167,5 +217,6 @@ int main() {
   test_wait_all_orders_and_times_out_naming_the_rank();
   test_bad_arguments_throw();
   test_row_copies_match_a_naive_loop();
+  test_streamed_rows_and_the_single_copy_sum();
   return moeplug_test::report("shm_heap");
 }

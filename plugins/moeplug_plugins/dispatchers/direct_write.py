@@ -12,11 +12,17 @@ dispatch:
                  layout, local-expert-major, then source rank, then (token, k) order)
     3. write     each token row goes straight to its K receivers' heaps (bf16/fp32 rows, or FP8
                  payload + scales under a quantize_dispatch recipe: moeplug.quant.wire); DONE
-    4. receive   a copy of this rank's region, padding rows zeroed: x_SD, probs_S
-combine: each rank writes its expert outputs back into the sources' heaps, one run per (source,
-local expert); each source sums its K rows per token straight out of its heap (fused sum on
-receipt). Backward: dispatch's is combine's forward (grads of probs ride along), combine's is
-dispatch's steps 3-4.
+    4. receive   x_SD, probs_S are tensors over this rank's receive area in the heap, where the
+                 senders wrote the rows (padding rows zeroed in place): one pass over the rows,
+                 read from x_TD and written to their final place; the area is reused only after
+                 the last tensor over it dies (autograd's saved x_SD included)
+combine: single copy (``single_copy``, the default where the heap's probe allows it, for rows of
+at least PULL_MIN_ROW_BYTES): each source reads its K rows per token straight out of the expert
+ranks' y_SD (process_vm_readv into a cache-sized block) and sums them there - one pass over the
+rows. Else: each rank writes its expert outputs back into the sources' heaps, one run per
+(source, local expert), and each source sums its K rows per token out of its heap (fused sum on
+receipt, two passes). Backward: dispatch's is the two-pass combine (grads of probs ride along),
+combine's is dispatch's steps 3-4.
 Dropped choices (``routing.dropped_TK``) send no row; combine adds nothing for them.
 Quantized, each token row is quantized once and its bytes written to each of its ranks, so
 ``moeplug.quant.wire.WIRE`` counts T token rows here where alltoall counts its T*K routed rows.
@@ -24,6 +30,8 @@ Quantized, each token row is quantized once and its bytes written to each of its
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +60,7 @@ class DirectWriteMeta:
     heap: SymmetricHeap
     plan: DirectWritePlan
     fixed: bool  # heap_bytes was set: growing is an error
+    single_copy: bool  # combine pulls the rows (shm_rows.pull_sum)
 
     @property
     def pad_index_S(self) -> torch.Tensor | None:  # as the other dispatchers' meta
@@ -67,6 +76,7 @@ class DirectWriteDispatcher(Dispatcher):
         self.heap_bytes = options.heap_bytes or default_heap_bytes(model, self.ep_size)
         self.fixed = options.heap_bytes > 0
         self.timeout_s = options.timeout_s
+        self.single_copy = options.single_copy
 
     def _heap(self) -> SymmetricHeap:
         # Created collectively by the first dispatch on the group, shared by every layer.
@@ -95,7 +105,8 @@ class DirectWriteDispatcher(Dispatcher):
         capacity_W = None if cap < 0 else slots_W[:, 0].tolist()
         plan = build_plan(slots_W[:, 1:], ids_TK, self.ep_rank,
                           None if cap < 0 else cap, capacity_W, routing.pad_multiple)
-        meta = DirectWriteMeta(heap=heap, plan=plan, fixed=self.fixed)
+        meta = DirectWriteMeta(heap=heap, plan=plan, fixed=self.fixed,
+                               single_copy=self.single_copy and _single_copy(heap))
         # 3. write  4. receive
         if not quantized:
             x_SD, probs_S = _Dispatch.apply(meta, seq, x_TD, probs_TK)
@@ -117,25 +128,28 @@ class DirectWriteDispatcher(Dispatcher):
 
 def _send_tokens(meta: DirectWriteMeta, t_T: torch.Tensor | None, seq: int | None = None,
                  probs_TK: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """[rows of t_T] (+ [probs_S] given probs_TK) at the experts' ranks: private copies with the
-    padding rows zeroed. A new op unless ``seq`` (dispatch's first op) is given."""
+    """[rows of t_T] (+ [probs_S] given probs_TK) at the experts' ranks, padding rows zeroed:
+    tensors over this rank's receive area in the heap, where the senders wrote them (no copy;
+    the area is this rank's while they live). A new op unless ``seq`` (dispatch's first op)."""
     streams = [] if t_T is None else [(t_T.contiguous(), False)]
     if probs_TK is not None:
         streams.append((probs_TK.reshape(-1, 1), True))
     if seq is None:
         seq = meta.heap.arrive(shm_rows.row_bytes(streams))
     plan = meta.plan
-    got = shm_rows.to_experts(meta.heap, seq, streams, plan.dest_rank_TK, plan.dest_row_TK,
+    out = shm_rows.to_experts(meta.heap, seq, streams, plan.dest_rank_TK, plan.dest_row_TK,
                               plan.recv_rows_W, meta.fixed, OPTION)
-    out = [shm_rows.copy_rows(g, plan.pad_rows) for g in got]
+    if plan.pad_rows is not None:  # nobody writes the padding rows: zero them where they lie
+        for o in out:
+            o.index_fill_(0, plan.pad_rows, 0)
     if probs_TK is not None:
         out[-1] = out[-1].view(-1)
     return out
 
 
 def _back(meta: DirectWriteMeta, streams: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Expert rows (real rows only are sent) back into their sources' heaps; returns the views of
-    this rank's returned rows, in its expert-major order, valid until the next op."""
+    """Expert rows (real rows only are sent) back into their sources' heaps; returns this rank's
+    returned rows, in its expert-major order, over its receive area (freed when they die)."""
     streams = [s.contiguous() for s in streams]
     seq = meta.heap.arrive(shm_rows.row_bytes([(s, False) for s in streams]))
     return shm_rows.to_sources(meta.heap, seq, streams, meta.plan.chunks_C4,
@@ -165,10 +179,35 @@ class _Dispatch(torch.autograd.Function):
         return None, None, g_x, g_probs
 
 
+def _single_copy(heap: SymmetricHeap) -> bool:
+    if not heap.single_copy and not _warned:
+        _warned.append(True)
+        warnings.warn("direct_write: the ranks may not read each other's memory "
+                      "(process_vm_readv was refused at heap set-up: Yama ptrace_scope or "
+                      "seccomp), so combine takes two passes (write into the heap, sum out of "
+                      "it). Fix: allow ptrace between the ranks (same user, ptrace_scope 0, "
+                      "docker --cap-add SYS_PTRACE) or set "
+                      "plugins.dispatcher_options.single_copy=false to silence this",
+                      stacklevel=3)
+    return heap.single_copy
+
+
+_warned: list[bool] = []
+# process_vm_readv pays per row (one iovec, its pages pinned): measured at 4 ranks, 4096 x 1024,
+# interleaved, the single copy won for fp32 rows (4 KiB: 486-503 ms against 514-529 pushed) and
+# lost for bf16 rows (2 KiB: 377-427 ms against 324-334), so smaller rows take the two passes.
+# Every rank has the same row bytes (arrive checks it), so all take the same path.
+PULL_MIN_ROW_BYTES = 4096
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, meta, y_SD):
         ctx.meta = meta
+        row_bytes = math.prod(y_SD.shape[1:]) * y_SD.element_size()
+        if meta.single_copy and row_bytes >= PULL_MIN_ROW_BYTES:
+            p = meta.plan
+            return shm_rows.pull_sum(meta.heap, y_SD, p.dest_rank_TK, p.dest_row_TK)
         return _sum_back(meta, y_SD)
 
     @staticmethod

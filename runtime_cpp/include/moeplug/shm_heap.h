@@ -111,4 +111,18 @@ void sum_received_rows(const void* rows, int64_t num_rows, const int64_t* row_ma
                        const float* weights_TK, int64_t T, int64_t K, int64_t D, DType dtype,
                        void* y_TD);
 
+// The single-copy combine (Linux cross-memory attach, as MPI's CMA transports): y_TD[t] = sum_k
+// of row row_TK[t, k] of rank rank_TK[t, k]'s rows at base_W[r] in process pid_W[r] (skipped when
+// rank < 0), read with process_vm_readv straight out of that process's memory into a small
+// staging block and summed there in fp32, k order (bitwise sum_received_rows). base_W[self] is
+// read directly. One pass over the rows instead of a copy into the heap and a sum out of it.
+// Throws std::runtime_error naming the rank and errno when a read is refused.
+void pull_sum_rows(const int64_t* pid_W, const int64_t* base_W, int64_t self, int64_t W,
+                   const int64_t* rank_TK, const int64_t* row_TK, int64_t T, int64_t K,
+                   int64_t D, DType dtype, void* y_TD);
+
+// Whether process `pid` lets this one read `nbytes` at `remote` (into `local`): the probe at heap
+// set-up that decides, on every rank alike, whether pull_sum_rows can run.
+bool can_read_process(int64_t pid, const void* remote, int64_t nbytes, void* local);
+
 }  // namespace moeplug
