@@ -186,7 +186,11 @@ CPU_MATRIX = {"single": (1, {}, 8, None),
 # same). Measured predicted/measured step time (slowest rank), 2026-11-23, three matrix runs:
 # EP2 0.88-0.94 / 0.89 / 0.81, EP2 + moe recompute 0.89-0.94 / 0.89 / 0.78, TP2 0.84-0.88 /
 # 0.79 / -. One process holds (0.99-1.17). The units at rank-local shapes plus the traced
-# collectives at measured link costs miss 0.1-0.2 s of a two-rank step; not located yet.
+# collectives at measured link costs miss 0.1-0.2 s of a two-rank step; not located yet. It is
+# work, not waiting: a gloo all-reduce / all-to-all whose peer comes 0.5 s late costs the
+# waiting rank 0.005 s of process CPU time (measured 2026-11-23), and step time is CPU time.
+# Candidate, not measured: what the parallel wrappers run on top of the units' ep=1 / tp=1
+# shapes (the EP dispatcher's split bookkeeping and re-sort of received rows, TP's region copies).
 TIME_GAP_LAYOUTS = {"ep2_gloo", "ep2_gloo_recompute_moe", "tp2_gloo"}
 
 
