@@ -232,3 +232,34 @@ def test_workspace_never_hands_out_a_live_buffer():
     assert c.data_ptr() != b.data_ptr()
     small = workspace.empty((4,), torch.float32)  # below MIN_BYTES: plain torch.empty
     assert small.shape == (4,)
+
+
+def test_workspace_never_grows_while_it_holds_free_bytes():
+    """The cache's footprint stays within the most bytes its buffers held live at once: a miss
+    drops free buffers of other sizes before allocating; sizes within one class share buffers."""
+    from moeplug.ops import workspace
+    workspace.clear()
+    try:
+        n = workspace.MIN_BYTES // 4
+        a = workspace.empty((4 * n,), torch.float32)
+        b = workspace.empty((2 * n,), torch.float32)
+        live = workspace.cached_bytes()
+        assert live == (4 * n + 2 * n) * 4  # powers of two are their own class
+        del a, b
+        c = workspace.empty((3 * n,), torch.float32)  # a third size: a miss, both are free
+        assert workspace.cached_bytes() <= live
+        assert workspace.cached_bytes() >= 3 * n * 4
+        ptr = c.data_ptr()
+        del c
+        # A row count a little off lands in the same class and gets the same buffer.
+        d = workspace.empty((3 * n - 7, 1), torch.float32)
+        assert d.data_ptr() == ptr and d.shape == (3 * n - 7, 1)
+        assert workspace.size_class(3 * n * 4 + 1) <= 3 * n * 4 * 9 // 8
+        e = workspace.empty((3 * n,), torch.float32)  # d is live: a new buffer, nothing free
+        assert e.data_ptr() != ptr
+        with workspace.bypassed():
+            before = workspace.cached_bytes()
+            workspace.empty((8 * n,), torch.float32)
+            assert workspace.cached_bytes() == before  # bypassed: neither read nor filled
+    finally:
+        workspace.clear()

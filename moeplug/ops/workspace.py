@@ -12,21 +12,43 @@ reused. Only buffers of at least ``MIN_BYTES`` are cached; ``clear()`` drops the
 the MoE path (expert inputs, FC1 outputs and their grads, weight grads) then comes from the cache
 after warm-up, so a steady-state step makes no activation allocations there
 (benchmarks/test_bench_stash.py counts them); smaller bookkeeping tensors still go to torch.
+
+The cache never grows while it holds free bytes it could give back. Keyed by exact size, it
+used to keep every buffer a step had freed, of every size, until ``clear()``: with row counts
+that change per layer and step (one expert's scratch, an EP rank's received rows) it held tens
+of MB of free buffers next to the step's live tensors (+30 MB, +19 %, at the ``moeplug plan``
+CPU matrix's full-recompute layout), and under EP it grew every step (107 -> 507 MB over six
+steps of the matrix's EP2 run; only MAX_CACHED_BYTES stopped it). Now (1) sizes are rounded up
+to one of eight classes per power of two (at most 1/8 over), (2) a request takes the smallest
+free buffer of its class or up to MAX_OVERSIZE larger, and (3) a miss first drops free
+buffers, at least as many bytes as it is about to allocate. So the cache's footprint never
+exceeds the most bytes its buffers ever held live at once: a miss that finds enough free bytes
+to drop does not grow it, and one that does not leaves only live buffers plus the new one.
+The price: a steady-state step allocates a few buffers again (same EP2 run: 16-28 per step
+instead of 11-15; one process: 4 instead of 0).
+``bypassed()`` turns the cache off in its scope (the plan's calibration traces every buffer's
+real lifetime through torch's allocator, moeplug.plan.calibrate_cpu).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+from typing import Iterator
 
 import torch
 
 MIN_BYTES = 256 << 10
 MAX_CACHED_BYTES = 8 << 30
+SIZE_CLASSES_PER_DOUBLING = 8
+MAX_OVERSIZE = 1.5
 
 _lock = threading.Lock()
-_cache: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+# size class in bytes -> buffers (uint8; handed out as a typed view of their first bytes)
+_cache: dict[int, list[torch.Tensor]] = {}
 _cached_bytes = 0
+_bypassed = 0
 
 
 def _is_free(buf: torch.Tensor) -> bool:
@@ -34,23 +56,66 @@ def _is_free(buf: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2
 
 
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to the next of SIZE_CLASSES_PER_DOUBLING steps per power of two."""
+    step = max(1, (1 << (max(nbytes, 1) - 1).bit_length()) // (2 * SIZE_CLASSES_PER_DOUBLING))
+    return -(-nbytes // step) * step
+
+
+def _drop_free(nbytes: int) -> None:
+    """Forget free buffers, oldest first, until at least ``nbytes`` are given back (or none is
+    left). Called with the lock held, on a miss, before allocating ``nbytes``."""
+    global _cached_bytes
+    dropped = 0
+    for key in list(_cache):
+        keep = []
+        for buf in _cache[key]:
+            if dropped < nbytes and _is_free(buf):
+                dropped += key
+                _cached_bytes -= key
+            else:
+                keep.append(buf)
+        if keep:
+            _cache[key] = keep
+        else:
+            del _cache[key]
+        if dropped >= nbytes:
+            return
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Like ``torch.empty(shape, dtype=dtype)`` on CPU (contents undefined)."""
     global _cached_bytes
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < MIN_BYTES:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * itemsize
+    if nbytes < MIN_BYTES or _bypassed:
         return torch.empty(shape, dtype=dtype)
-    key = (numel, dtype)
+    key = size_class(nbytes)
     with _lock:
-        for buf in _cache.get(key, ()):
-            if _is_free(buf):
-                return buf.view(shape)
-        buf = torch.empty(numel, dtype=dtype)
-        if _cached_bytes + nbytes <= MAX_CACHED_BYTES:
+        # The smallest free buffer that fits, up to MAX_OVERSIZE over (a row count that
+        # changes per layer and step lands here instead of allocating).
+        for size in sorted(k for k in _cache if key <= k <= key * MAX_OVERSIZE):
+            for buf in _cache[size]:
+                if _is_free(buf):
+                    return buf.view(dtype)[:numel].view(shape)
+        _drop_free(key)
+        buf = torch.empty(key, dtype=torch.uint8)
+        if _cached_bytes + key <= MAX_CACHED_BYTES:
             _cache.setdefault(key, []).append(buf)
-            _cached_bytes += nbytes
-        return buf.view(shape)
+            _cached_bytes += key
+        return buf.view(dtype)[:numel].view(shape)
+
+
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """In this scope ``empty`` is plain ``torch.empty`` (the cache is neither read nor filled)."""
+    global _bypassed
+    _bypassed += 1
+    try:
+        yield
+    finally:
+        _bypassed -= 1
 
 
 def clear() -> None:

@@ -233,6 +233,11 @@ class UnitCost:
     saved_bytes: int = 0   # held for backward at the end of the forward (autograd + checkpoints)
     peak_bytes: int = 0    # most bytes the unit's ops held at once over forward + backward
     saved_plain_bytes: int = 0  # saved_bytes without the run's full-block checkpointing
+    # The ops' workspace cache (moeplug.ops.workspace): its footprint after the unit's forward +
+    # backward from empty (kept, free, once the backward is done), and the part of saved_bytes
+    # that lives in it.
+    pool_bytes: int = 0
+    saved_pool_bytes: int = 0
 
     @property
     def total(self) -> float:
@@ -260,6 +265,36 @@ def _run_traced(fn: Callable[[], Any], keep_args: bool = True) -> tuple[_OpTrace
     return trace, core.seconds
 
 
+def _peak_bytes(fn: Callable[[], Any]) -> int:
+    """Most bytes ``fn``'s ops held at once. The ops' workspace cache is bypassed here: warm,
+    it hands out buffers no op of the trace allocates, and they would not be counted (the MoE
+    unit's [S, .] rows, ~2/3 of its peak). The run's cache holds no more than the bytes its
+    buffers hold live at once (moeplug.ops.workspace), which is what this counts."""
+    from moeplug.ops import workspace
+    with workspace.bypassed():
+        trace, _ = _run_traced(fn, keep_args=False)
+    return trace.peak
+
+
+def _pool_bytes(fn: Callable[[], Any]) -> tuple[int, int]:
+    """(footprint of the ops' workspace cache after one ``fn`` from empty, bytes of the saved
+    tensors that live in it). The cache is emptied after, as it was found."""
+    from moeplug.ops import workspace
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() in {b.data_ptr() for bs in workspace._cache.values() for b in bs}:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+    workspace.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    footprint = workspace.cached_bytes()
+    workspace.clear()
+    return footprint, sum(saved.values())
+
+
 def _saved_bytes(fn: Callable[[], Any], params: Any) -> int:
     """Bytes autograd holds for backward at the end of ``fn``'s forward (what stays between a
     layer's forward and its backward): the meter's high-water mark."""
@@ -277,10 +312,11 @@ def measure_unit(make_fn: Callable[[int], Callable[[], Any]], tokens_scale: int,
     fn = make_fn(tokens_scale)
     fn()  # warm-up outside the trace
     trace, kernels = _run_traced(fn)
-    peak = trace.peak
     parts = replay(trace)
     flops = _gemm_flops(trace)
     del trace
+    peak = _peak_bytes(fn)
+    pool, saved_pool = _pool_bytes(fn)
     saved = _saved_bytes(fn, params)
     # What the unit saves when not checkpointed: under full recompute the backward rebuilds a
     # whole block at once, so a block's attention tensors live while its MLP runs backward.
@@ -293,7 +329,7 @@ def measure_unit(make_fn: Callable[[int], Callable[[], Any]], tokens_scale: int,
     return UnitCost(gemm=parts["gemm"], attention=parts["attention"],
                     elementwise=parts["elementwise"], kernels=kernels, host=host,
                     gemm_flops=flops, saved_bytes=saved, peak_bytes=peak,
-                    saved_plain_bytes=plain)
+                    saved_plain_bytes=plain, pool_bytes=pool, saved_pool_bytes=saved_pool)
 
 
 # ---------------------------------------------------------------- collectives

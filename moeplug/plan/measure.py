@@ -50,10 +50,10 @@ def _timed_steps():
     real, steps, cached = trainer.train_step, [], []
 
     def timed(*args, **kwargs):
-        # moeplug.ops.workspace keeps freed activation buffers of >= 8 MB mapped, keyed by exact
-        # size, so with routing that changes every step it holds buffers earlier steps used
-        # (a reserve, like a CUDA caching allocator's). Emptied before each step, the step's
-        # peak is what it holds (and reuses within itself): what the plan predicts.
+        # moeplug.ops.workspace keeps freed activation buffers from 256 KiB mapped for the
+        # next step (a reserve, like a CUDA caching allocator's). Emptied before each step, the
+        # step's peak is what it holds and what the cache keeps of it within the step: what
+        # the plan predicts (moeplug.plan.memory.calibrated_cpu_memory).
         cached.append(workspace.cached_bytes())
         workspace.clear()
         c0, w0 = time.process_time(), time.perf_counter()

@@ -301,9 +301,17 @@ def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) ->
     grads = base.weights_grads * opt.grad_bytes / (opt.param_bytes + opt.grad_bytes)
     full = cfg.recompute.granularity == "full"
     worst, name = 0.0, ""
+    # The ops' workspace cache keeps what a unit's backward freed for the units before it: its
+    # footprint, once the backward of unit j has run, is the pool bytes live then (the saved
+    # ones of the units before j and j's own); the free part of it is held on top of what
+    # unit i (< j) holds live (moeplug.ops.workspace bounds it by that live peak).
+    saved_pool = [sum(u.saved_pool_bytes for u in order[:i]) for i in range(len(order) + 1)]
     for i in range(len(order)):
         held = sum(u.saved_bytes for u in order[:i]) + order[i].peak_bytes \
             + grads * (len(order) - 1 - i) / len(order)
+        footprint = max((saved_pool[j] + order[j].pool_bytes
+                         for j in range(i + 1, len(order))), default=0)
+        held += max(0.0, footprint - saved_pool[i] - order[i].pool_bytes)
         if full and i % 2 == 1 and i < len(order) - 1:
             # A checkpointed block is rebuilt whole: its attention unit's tensors are back
             # (and its kept input is part of them) while its MLP / MoE unit runs backward.
