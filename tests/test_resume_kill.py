@@ -17,8 +17,11 @@ from moeplug.testing.runs import count_train, latest_step, trajectory
 
 pytestmark = pytest.mark.slow
 
-STEPS = 24
-KILLS = 20
+STEPS = 12
+KILLS = 8
+# Every AIM-th launch waits for a checkpoint save to be under way before the kill, so kills
+# inside a save are certain with few launches (the others land wherever the random delay does).
+AIM = 3
 
 
 def _args(cfg_file: str, out: str) -> list[str]:
@@ -32,9 +35,11 @@ def _saving(out: str, pid: int) -> bool:
     return any(d.startswith(".tmp-step_") and d.endswith(f"-{pid}") for d in os.listdir(out))
 
 
-def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random) -> str:
+def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random,
+                    aim: bool) -> str:
     """Launch one resume; SIGKILL it once it has logged a random number (1-4) of further steps
-    plus a random delay. Returns 'killed', 'killed in save' or 'finished'."""
+    plus a random delay (``aim``: once a save is then under way). Returns 'killed',
+    'killed in save' or 'finished'."""
     os.makedirs(out, exist_ok=True)
     if latest_step(out) == STEPS:  # killed after its final save: nothing left to train
         return "finished"
@@ -48,6 +53,9 @@ def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random) -> s
         assert time.monotonic() < deadline, "a launch made no progress in 300 s"
         time.sleep(0.01)
     time.sleep(delay)
+    while aim and proc.poll() is None and not _saving(out, proc.pid):
+        assert time.monotonic() < deadline, "a launch made no progress in 300 s"
+        time.sleep(0.005)
     if proc.poll() is not None:
         assert proc.returncode == 0, open(os.path.join(out, "stderr.log")).read()[-2000:]
         return "finished"
@@ -76,7 +84,8 @@ def test_sigkill_at_random_steps_and_during_saves_resumes_bitwise(tiny_config_fi
     runs = 0
     while sum(o != "finished" for o in outcomes) < KILLS:
         out, runs = str(tmp_path / f"killed{runs}"), runs + 1
-        while (outcome := _kill_at_random(cfg_file, out, env, rng)) != "finished":
+        while (outcome := _kill_at_random(cfg_file, out, env, rng,
+                                          aim=len(outcomes) % AIM == 0)) != "finished":
             outcomes.append(outcome)
             assert len(outcomes) < 3 * KILLS, f"no end in sight: {outcomes}"
         outcomes.append(outcome)
@@ -90,4 +99,4 @@ def test_sigkill_at_random_steps_and_during_saves_resumes_bitwise(tiny_config_fi
     kills = sum(o != "finished" for o in outcomes)
     in_save = outcomes.count("killed in save")
     print(f"{kills} SIGKILLs survived over {runs} runs, {in_save} of them during a save")
-    assert kills >= KILLS and in_save >= 3, outcomes
+    assert kills >= KILLS and in_save >= 2, outcomes

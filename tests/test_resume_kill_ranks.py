@@ -24,8 +24,9 @@ from moeplug.testing.runs import count_train, latest_step, trajectory
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
-KILLS = 10
+STEPS = 6
+KILLS = 3
+HOWS = ("all", "rank 0", "rank 1")  # taken in turn, so each way to die occurs
 
 
 def _args(cfg_file: str, out: str) -> list[str]:
@@ -86,15 +87,17 @@ def _saving(out: str, pids) -> bool:
                for d in os.listdir(out))
 
 
-def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random) -> str:
-    """Launch one resume; kill it (all processes, or one rank) once it has logged a random
-    number (1-3) of further steps plus a random delay. Returns 'killed all', 'killed rank N'
-    (' in save' appended when a save was under way) or 'finished'."""
+def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random, how: str,
+                    aim: bool) -> str:
+    """Launch one resume; kill it (``how``: all processes, or one rank) once it has logged a
+    random number (1-3) of further steps plus a random delay (``aim``: once a save is then
+    under way). Returns 'killed all', 'killed rank N' (' in save' appended when a save was
+    under way) or 'finished'."""
     os.makedirs(out, exist_ok=True)
     if latest_step(out) == STEPS:  # killed after its final save: nothing left to train
         return "finished"
     start, target = count_train(out), rng.randint(1, 3)
-    delay, how = rng.uniform(0.0, 0.4), rng.choice(["all", "rank 0", "rank 1"])
+    delay = rng.uniform(0.0, 0.4)
     with open(os.path.join(out, "stderr.log"), "a") as err:
         proc = subprocess.Popen(_args(cfg_file, out), env=env, stdout=subprocess.DEVNULL,
                                 stderr=err)
@@ -105,6 +108,9 @@ def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random) -> s
     time.sleep(delay)
     tree = _tree(proc.pid)
     ranks = _ranks(tree)
+    while aim and proc.poll() is None and len(ranks) == 2 and not _saving(out, ranks.values()):
+        assert time.monotonic() < deadline, "a launch made no progress in 300 s"
+        time.sleep(0.005)
     if proc.poll() is not None or len(ranks) < 2:
         assert proc.wait() == 0, open(os.path.join(out, "stderr.log")).read()[-3000:]
         return "finished"
@@ -146,7 +152,9 @@ def test_two_ranks_killed_at_random_steps_and_during_saves_resume_bitwise(
     runs = 0
     while sum(o != "finished" for o in outcomes) < KILLS:
         out, runs = str(tmp_path / f"killed{runs}"), runs + 1
-        while (outcome := _kill_at_random(cfg_file, out, env, rng)) != "finished":
+        while (outcome := _kill_at_random(
+                cfg_file, out, env, rng, HOWS[len(outcomes) % len(HOWS)],
+                aim=len(outcomes) % 2 == 0)) != "finished":
             outcomes.append(outcome)
             assert len(outcomes) < 4 * KILLS, f"no end in sight: {outcomes}"
         outcomes.append(outcome)
