@@ -17,6 +17,7 @@ from moeplug.modules.moe_overlap import overlapped_routed
 from moeplug.modules.static_moe import static_moe
 from moeplug.observability.timing import stage
 from moeplug.ops import workspace
+from moeplug.ops.cast import cast
 from moeplug.parallel.tensor_parallel import average_over_token_group
 from moeplug.quant import active_recipe
 
@@ -30,7 +31,7 @@ def _rows_for_experts(x_TD: torch.Tensor) -> torch.Tensor:
             or not torch.is_autocast_enabled("cpu")
             or torch.get_autocast_dtype("cpu") != torch.bfloat16 or active_recipe() is not None):
         return x_TD
-    return x_TD.to(torch.bfloat16)
+    return cast(x_TD, torch.bfloat16)  # x_TD.to(bfloat16) into workspace buffers
 
 
 class MoEOutput(tuple):
