@@ -15,11 +15,12 @@ overflow; the trainer then applies ``runtime.stash_overflow`` (rerun | fail | ke
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
+from moeplug.ops.workspace import Arena
 from moeplug.runtime import get_runtime
 from moeplug.syncfree import SyncFreeState
 
@@ -37,6 +38,9 @@ class LayerHandle:
     stash_pages: int
     streams: tuple[str, ...]
     runtime: "ModelRuntime"
+    # The layer's small-buffer workspace (moeplug.ops.workspace.Arena), owned by the runtime
+    # for the model's life and reused every step; ModelRuntime.workspace_bytes() sums them.
+    workspace: Arena = field(default_factory=Arena)
 
     def stash_scope(self, params: Any) -> contextlib.AbstractContextManager:
         """Saved tensors of the enclosed ops go to the stash (no-op when the stash is off)."""
@@ -85,6 +89,7 @@ class ModelRuntime:
         self.cfg = cfg
         self.registry = get_runtime().Registry(cfg.stash_page_bytes)
         self.layers: list[dict] = []
+        self.handles: list[LayerHandle] = []
         self.pool: Any = None
         self._bytes: torch.Tensor | None = None
         self.stash_active = bool(cfg.stash)
@@ -102,7 +107,14 @@ class ModelRuntime:
                     streams=list(streams))
         handle, pages = self.registry.register_layer(**spec)
         self.layers.append({**spec, "handle": handle, "stash_pages": pages})
-        return LayerHandle(handle, index, pages, tuple(streams), self)
+        layer = LayerHandle(handle, index, pages, tuple(streams), self)
+        self.handles.append(layer)
+        return layer
+
+    def workspace_bytes(self) -> int:
+        """Bytes the registered layers' workspace arenas hold (small buffers, kept resident
+        after the first steps; the large ones live in moeplug.ops.workspace's shared cache)."""
+        return sum(h.workspace.nbytes for h in self.handles)
 
     def finalize(self) -> None:
         """Called once after every layer registered: creates the pool's page table."""

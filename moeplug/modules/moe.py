@@ -17,6 +17,8 @@ from moeplug.interfaces import Dispatcher, Experts, Router
 from moeplug.modules.moe_overlap import overlapped_routed
 from moeplug.modules.static_moe import static_moe
 from moeplug.observability.timing import stage
+from moeplug.ops import workspace
+from moeplug.ops.cast import cast
 from moeplug.parallel.tensor_parallel import average_over_token_group
 from moeplug.quant import active_recipe
 
@@ -30,7 +32,7 @@ def _rows_for_experts(x_TD: torch.Tensor) -> torch.Tensor:
             or not torch.is_autocast_enabled("cpu")
             or torch.get_autocast_dtype("cpu") != torch.bfloat16 or active_recipe() is not None):
         return x_TD
-    return x_TD.to(torch.bfloat16)
+    return cast(x_TD, torch.bfloat16)  # x_TD.to(bfloat16) into workspace buffers
 
 
 class MoEOutput(tuple):
@@ -110,8 +112,16 @@ class MoELayer(nn.Module):
         # runtime (None: built outside build_model); its stash_scope wraps the experts stage.
         self.runtime = runtime
         self.overlap_chunks = overlap_chunks
+        # Small buffers of this layer's ops, forward and backward (moeplug.ops.workspace.Arena):
+        # the one its runtime registration gave it, else its own. Reused every step, so after
+        # warm-up the layer's path allocates nothing (tests/test_moe_allocations.py).
+        self.workspace = runtime.workspace if runtime is not None else workspace.Arena()
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with workspace.arena_scope(self.workspace):
+            return self._forward(x_ND)
+
+    def _forward(self, x_ND: torch.Tensor) -> MoEOutput:
         x_TD = x_ND.reshape(-1, x_ND.shape[-1])
         if getattr(self.experts, "delay_wgrad_compute", False):
             x_TD = flush_at(x_TD)  # no expert weight gradient outlives this layer's backward
@@ -147,6 +157,11 @@ class MoELayer(nn.Module):
         # On the host, like the dispatcher's counts_L: these are logged, never differentiated.
         # Choices dropped by capacity reach no expert, so they are not counted.
         ids = routing.ids_TK.reshape(-1).detach()
+        if routing.dropped_TK is None and ids.device.type == "cpu":
+            # bincount's numbers, into workspace buffers (no allocation after warm-up).
+            ones = workspace.empty((ids.numel(),), ids.dtype).fill_(1)
+            counts_E = workspace.empty((self.router.num_experts,), ids.dtype).zero_()
+            return counts_E.scatter_add_(0, ids, ones)
         if routing.dropped_TK is not None:
             ids = ids[~routing.dropped_TK.reshape(-1)]
         return torch.bincount(ids.cpu(), minlength=self.router.num_experts)

@@ -1,7 +1,7 @@
 """Differentiable runtime ops over the C++ kernels (plain-torch versions in ``reference``)."""
 
 from moeplug.ops.expert_mlp import expert_mlp
-from moeplug.ops.permute import permute, unpermute
+from moeplug.ops.permute import permute, permute_probs, unpermute
 from moeplug.ops.swiglu import swiglu
 
-__all__ = ["permute", "unpermute", "swiglu", "expert_mlp"]
+__all__ = ["permute", "permute_probs", "unpermute", "swiglu", "expert_mlp"]

@@ -39,6 +39,14 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return workspace.empty(tuple(t.shape), dtype).copy_(t)
 
 
+def _scratch(max_rows: int, S: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """[max_rows, cols] one-expert scratch whose row count varies step to step: taken from a
+    buffer of min(S, next power of two) rows, so the workspace cache sees
+    a few sizes instead of a new one, and a new allocation, at every distinct max_rows."""
+    rows = min(S, 1 << max(0, max_rows - 1).bit_length()) if max_rows else 0
+    return workspace.empty((rows, cols), dtype)[:max_rows]
+
+
 def _weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]]) -> torch.Tensor:
     """Uninitialised [L, ...] grad whose experts without rows are zero (the rest get mm(out=)).
 
@@ -69,7 +77,8 @@ class _ExpertMLP(torch.autograd.Function):
         # recompute_act (moe_act recompute): a is never kept whole, one expert's rows at a time
         # in a scratch buffer, rebuilt from h in backward.
         max_rows = max((s1 - s0 for _, s0, s1 in slices), default=0)
-        a_SF = workspace.empty((max_rows if recompute_act else S, F2 // 2), compute_dtype)
+        a_SF = (_scratch(max_rows, S, F2 // 2, compute_dtype) if recompute_act else
+                workspace.empty((S, F2 // 2), compute_dtype))
         with torch.autocast("cpu", enabled=False):
             for e, s0, s1 in slices:
                 torch.mm(x_c[s0:s1], w13_c[e].t(), out=h_S2F[s0:s1])
@@ -85,12 +94,18 @@ class _ExpertMLP(torch.autograd.Function):
         ctx.weights = ((w13_L2FD, w2_LDF)
                        if delay_wgrad and delayed_wgrad.can_defer(w13_L2FD, w2_LDF) else None)
         ctx.slices = slices
+        ctx.arena = workspace.current_arena()
         ctx.dtypes = (x_SD.dtype, None if probs_S is None else probs_S.dtype, w13_L2FD.dtype,
                       w2_LDF.dtype)
         return y_SD
 
     @staticmethod
     def backward(ctx, grad_SD):
+        with workspace.ctx_arena(ctx):
+            return _ExpertMLP._backward(ctx, grad_SD)
+
+    @staticmethod
+    def _backward(ctx, grad_SD):
         x_c, h_S2F, a_SF, probs32_S, w13_c, w2_c = ctx.saved_tensors
         x_dtype, p_dtype, w13_dtype, w2_dtype = ctx.dtypes
         need_x, need_p, _, _, need_w13, need_w2 = ctx.needs_input_grad[:6]
@@ -104,9 +119,9 @@ class _ExpertMLP(torch.autograd.Function):
 
         want_dp = need_p and probs32_S is not None
         max_rows = max((s1 - s0 for _, s0, s1 in slices), default=0)
-        dA_nF = workspace.empty((max_rows, F_), x_c.dtype)  # one expert at a time: cache-sized
+        dA_nF = _scratch(max_rows, S, F_, x_c.dtype)  # one expert at a time: cache-sized
         dh_S2F = workspace.empty((S, 2 * F_), x_c.dtype)
-        dp_S = torch.empty(S, dtype=torch.float32) if want_dp else None
+        dp_S = workspace.empty((S,), torch.float32) if want_dp else None
         dX_SD = workspace.empty((S, D), x_c.dtype) if need_x else None
         wgrad = _WeightGrads(x_c, h_S2F, a_SF, probs32_S, dY_SD, dh_S2F, slices,
                              w13_c if need_w13 else None, w2_c if need_w2 else None)
@@ -157,7 +172,7 @@ class _WeightGrads:
         self.dW2 = _weight_grad(w2_c, slices) if w2_c is not None else None
         max_rows = max((s1 - s0 for _, s0, s1 in slices), default=0)
         # moe_act recompute: a is rebuilt from h, one expert at a time, in a scratch buffer.
-        self.a_nF = (workspace.empty((max_rows, h_S2F.shape[1] // 2), x_c.dtype)
+        self.a_nF = (_scratch(max_rows, x_c.shape[0], h_S2F.shape[1] // 2, x_c.dtype)
                      if a_SF is None and w2_c is not None else None)
 
     def down(self, e: int, s0: int, s1: int) -> None:

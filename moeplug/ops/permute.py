@@ -29,20 +29,26 @@ class _Permute(torch.autograd.Function):
         T, D = x_TD.shape
         K = ids_TK.shape[1]
         x_SD = workspace.empty((T * K, D), x_TD.dtype)
-        row_map_TK = torch.empty(T, K, dtype=torch.int64)
-        counts_E = torch.empty(num_experts, dtype=torch.int64)
+        row_map_TK = workspace.empty((T, K), torch.int64)
+        counts_E = workspace.empty((num_experts,), torch.int64)
         get_runtime().permute(x=x_TD.data_ptr(), ids=ids_TK.data_ptr(), x_out=x_SD.data_ptr(),
                               row_map=row_map_TK.data_ptr(), counts=counts_E.data_ptr(),
                               num_tokens=T, top_k=K, hidden=D, num_experts=num_experts,
                               dtype=check_rows("permute", "x_TD", x_TD, 2, "[T, D]"))
         ctx.save_for_backward(row_map_TK)
         ctx.mark_non_differentiable(row_map_TK, counts_E)
+        # No zero grads materialised for the two index outputs (they would be allocated).
+        ctx.set_materialize_grads(False)
+        ctx.arena = workspace.current_arena()
         return x_SD, row_map_TK, counts_E
 
     @staticmethod
     def backward(ctx, grad_SD, _grad_row_map, _grad_counts):
+        if grad_SD is None:
+            return None, None, None
         (row_map_TK,) = ctx.saved_tensors
-        return _sum_rows(grad_SD.contiguous(), row_map_TK), None, None
+        with workspace.ctx_arena(ctx):
+            return _sum_rows(grad_SD.contiguous(), row_map_TK), None, None
 
 
 def permute(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int
@@ -81,10 +87,16 @@ class _Unpermute(torch.autograd.Function):
         ctx.save_for_backward(row_map_TK, probs32_TK, y_SD if needs_probs_grad else None)
         ctx.num_rows = S
         ctx.probs_dtype = None if probs_TK is None else probs_TK.dtype
+        ctx.arena = workspace.current_arena()
         return y_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
+        with workspace.ctx_arena(ctx):
+            return _Unpermute._backward(ctx, grad_TD)
+
+    @staticmethod
+    def _backward(ctx, grad_TD):
         row_map_TK, probs32_TK, y_SD = ctx.saved_tensors
         grad_TD = grad_TD.contiguous()
         T, K = row_map_TK.shape
@@ -93,7 +105,7 @@ class _Unpermute(torch.autograd.Function):
         grad_SD = workspace.empty((S, D), grad_TD.dtype)
         if S != T * K:
             grad_SD.zero_()
-        grad_probs_TK = torch.empty(T, K, dtype=torch.float32) if y_SD is not None else None
+        grad_probs_TK = workspace.empty((T, K), torch.float32) if y_SD is not None else None
         get_runtime().unpermute_backward(
             grad=grad_TD.data_ptr(), y=ptr(y_SD), row_map=row_map_TK.data_ptr(),
             probs=ptr(probs32_TK), grad_y=grad_SD.data_ptr(), grad_probs=ptr(grad_probs_TK),
@@ -119,3 +131,33 @@ def unpermute(y_SD: torch.Tensor, row_map_TK: torch.Tensor,
     if probs_TK is not None:
         probs32_TK = check_probs("unpermute", "probs_TK", probs_TK, tuple(row_map_TK.shape))
     return _Unpermute.apply(y_SD, row_map_TK, probs_TK, probs32_TK)
+
+
+class _PermuteProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, probs_TK: torch.Tensor, row_map_TK: torch.Tensor):
+        # Every row is written: row_map_TK is a permutation of the T*K rows.
+        probs_R = workspace.empty((row_map_TK.numel(),), probs_TK.dtype)
+        probs_R.index_put_((row_map_TK.reshape(-1),), probs_TK.reshape(-1))
+        ctx.save_for_backward(row_map_TK)
+        ctx.arena = workspace.current_arena()
+        return probs_R
+
+    @staticmethod
+    def backward(ctx, grad_R):
+        (row_map_TK,) = ctx.saved_tensors
+        with workspace.ctx_arena(ctx):
+            grad_TK = workspace.empty(tuple(row_map_TK.shape), grad_R.dtype)
+        torch.index_select(grad_R, 0, row_map_TK.reshape(-1), out=grad_TK.view(-1))
+        return grad_TK, None
+
+
+def permute_probs(probs_TK: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
+    """``probs_R[row_map_TK[t, k]] = probs_TK[t, k]``: the routing weights in :func:`permute`'s
+    row order (``row_map_TK`` as it returns it, covering all T*K rows). Differentiable w.r.t.
+    ``probs_TK``; the same numbers as ``new_zeros(T*K).index_put((row_map,), probs)`` without
+    allocating after warm-up (buffers from the running layer's workspace arena)."""
+    if probs_TK.device.type != "cpu" or tuple(probs_TK.shape) != tuple(row_map_TK.shape):
+        return probs_TK.new_zeros(row_map_TK.numel()).index_put(
+            (row_map_TK.reshape(-1),), probs_TK.reshape(-1))
+    return _PermuteProbs.apply(probs_TK.contiguous(), row_map_TK)

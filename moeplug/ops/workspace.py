@@ -11,7 +11,8 @@ reused. Only buffers of at least ``MIN_BYTES`` are cached; ``clear()`` drops the
 ``MIN_BYTES`` is well below glibc's 32 MB threshold on purpose: every activation-sized buffer of
 the MoE path (expert inputs, FC1 outputs and their grads, weight grads) then comes from the cache
 after warm-up, so a steady-state step makes no activation allocations there
-(benchmarks/test_bench_stash.py counts them); smaller bookkeeping tensors still go to torch.
+(benchmarks/test_bench_stash.py counts them); smaller ones come from the running layer's
+arena (below).
 
 The cache never grows while it holds free bytes it could give back. Keyed by exact size, it
 used to keep every buffer a step had freed, of every size, until ``clear()``: with row counts
@@ -26,8 +27,16 @@ exceeds the most bytes its buffers ever held live at once: a miss that finds eno
 to drop does not grow it, and one that does not leaves only live buffers plus the new one.
 The price: a steady-state step allocates a few buffers again (same EP2 run: 16-28 per step
 instead of 11-15; one process: 4 instead of 0).
-``bypassed()`` turns the cache off in its scope (the plan's calibration traces every buffer's
+``bypassed()`` turns the cache and the arenas off in its scope (the plan's calibration traces every buffer's
 real lifetime through torch's allocator, moeplug.plan.calibrate_cpu).
+
+Smaller buffers (row maps, counts, routing weights, router logits and their grads, aux-loss
+scalars) come from the :class:`Arena` of the MoE layer that is running, when one is active
+(:func:`arena_scope`; each MoELayer enters its own, the one its runtime registration gave it):
+a per-layer set of power-of-two size classes, reused once free by the same reference-count rule.
+Per layer, not global, so its resident bytes are attributable (``Arena.nbytes``) and bounded by
+what one layer's step needs; outside any arena they go to torch as before. Autograd Functions
+record the arena in ``ctx`` during forward and re-enter it in backward (:func:`ctx_arena`).
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Iterator
+from contextvars import ContextVar
+from typing import Any, Iterator
 
 import torch
 
@@ -49,6 +59,7 @@ _lock = threading.Lock()
 _cache: dict[int, list[torch.Tensor]] = {}
 _cached_bytes = 0
 _bypassed = 0
+_arena: ContextVar["Arena | None"] = ContextVar("moeplug_workspace_arena", default=None)
 
 
 def _is_free(buf: torch.Tensor) -> bool:
@@ -87,10 +98,12 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Like ``torch.empty(shape, dtype=dtype)`` on CPU (contents undefined)."""
     global _cached_bytes
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize
-    if nbytes < MIN_BYTES or _bypassed:
+    nbytes = numel * dtype.itemsize
+    if _bypassed:
         return torch.empty(shape, dtype=dtype)
+    if nbytes < MIN_BYTES:
+        arena = _arena.get()
+        return torch.empty(shape, dtype=dtype) if arena is None else arena.empty(shape, dtype)
     key = size_class(nbytes)
     with _lock:
         # The smallest free buffer that fits, up to MAX_OVERSIZE over (a row count that
@@ -128,3 +141,53 @@ def clear() -> None:
 
 def cached_bytes() -> int:
     return _cached_bytes
+
+
+class Arena:
+    """One MoE layer's small buffers: power-of-two size classes (at least 64 bytes), each a list
+    of buffers handed out as prefix views once free (no tensor but the arena's shares the
+    storage). Sizes that vary step to step (per-expert row counts) land in the same class, so
+    after warm-up a step allocates nothing here. At most ``MAX_PER_CLASS`` buffers per class are
+    kept (a caller that hoards results gets fresh, uncached tensors instead of growing it)."""
+
+    MAX_PER_CLASS = 16
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._classes: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.nbytes = 0  # bytes the arena holds (resident for the life of the layer)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        size = max(64, 1 << max(0, numel * dtype.itemsize - 1).bit_length())
+        key = (size, dtype)
+        with self._lock:
+            bufs = self._classes.setdefault(key, [])
+            for buf in bufs:
+                if _is_free(buf):
+                    return buf[:numel].view(shape)
+            buf = torch.empty(size // dtype.itemsize, dtype=dtype)
+            if len(bufs) < self.MAX_PER_CLASS:
+                bufs.append(buf)
+                self.nbytes += size
+            return buf[:numel].view(shape)
+
+
+@contextlib.contextmanager
+def arena_scope(arena: Arena | None) -> Iterator[None]:
+    """Small :func:`empty` buffers of the enclosed code come from ``arena`` (None: from torch)."""
+    token = _arena.set(arena)
+    try:
+        yield
+    finally:
+        _arena.reset(token)
+
+
+def current_arena() -> Arena | None:
+    return _arena.get()
+
+
+def ctx_arena(ctx: Any) -> contextlib.AbstractContextManager:
+    """In an autograd Function's backward: the arena its forward ran in (``ctx.arena``, set by
+    ``ctx.arena = current_arena()`` in forward), so backward's buffers come from the same layer."""
+    return arena_scope(getattr(ctx, "arena", None))

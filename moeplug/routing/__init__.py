@@ -15,7 +15,8 @@ dispatchers may reuse any piece.
 from moeplug.routing.aux_losses import (AUX_LOSS_COUNTS, AUX_LOSS_TYPES, counts_for_aux,
                                         expert_counts, global_aux_loss, seq_aux_loss,
                                         seq_aux_loss_from_stats, sum_over_group,
-                                        switch_aux_loss, switch_aux_loss_from_mean, z_loss)
+                                        switch_aux_loss, switch_aux_loss_from_mean,
+                                        switch_aux_loss_from_stats, z_loss)
 from moeplug.routing.capacity import DROP_POLICIES, drop_over_capacity, expert_capacity
 from moeplug.routing.expert_bias import updated_expert_bias
 from moeplug.routing.fused import AuxStats, fused_routing_applies, fused_topk_routing
@@ -32,6 +33,7 @@ __all__ = [
     "fused_routing_applies", "fused_topk_routing", "global_aux_loss", "group_limited_topk",
     "group_members", "input_jitter", "pad_rows", "padded_counts", "router_logits", "score",
     "select_topk", "seq_aux_loss", "seq_aux_loss_from_stats", "sink_dropped", "sum_over_group",
-    "switch_aux_loss", "switch_aux_loss_from_mean", "topk_routing", "unpad_rows",
+    "switch_aux_loss", "switch_aux_loss_from_mean", "switch_aux_loss_from_stats",
+    "topk_routing", "unpad_rows",
     "updated_expert_bias", "z_loss",
 ]

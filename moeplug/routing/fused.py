@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeplug.ops import workspace
 from moeplug.routing.scores import SCORE_FUNCTIONS, group_members
 from moeplug.runtime import get_runtime
 
@@ -76,16 +77,19 @@ class _FusedRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TE, bias_E, spec):
         T, E, K, B = spec["num_tokens"], spec["num_experts"], spec["top_k"], spec["num_sequences"]
-        probs_TK = torch.empty(T, K, dtype=torch.float32)
-        ids_TK = torch.empty(T, K, dtype=torch.int64)
-        mean_BE = torch.zeros(B, E, dtype=torch.float32)
-        counts_BE = torch.zeros(B, E, dtype=torch.int64)
+        # From the running MoE layer's workspace arena (moeplug.ops.workspace): no allocation
+        # after warm-up.
+        probs_TK = workspace.empty((T, K), torch.float32)
+        ids_TK = workspace.empty((T, K), torch.int64)
+        mean_BE = workspace.empty((B, E), torch.float32).zero_()
+        counts_BE = workspace.empty((B, E), torch.int64).zero_()
         get_runtime().route_forward(
             logits=logits_TE.data_ptr(), bias=0 if bias_E is None else bias_E.data_ptr(),
             probs=probs_TK.data_ptr(), ids=ids_TK.data_ptr(), aux_mean=mean_BE.data_ptr(),
             counts=counts_BE.data_ptr(), **spec)
         ctx.save_for_backward(logits_TE, ids_TK)
         ctx.spec = spec
+        ctx.arena = workspace.current_arena()
         ctx.mark_non_differentiable(ids_TK, counts_BE)
         ctx.set_materialize_grads(False)  # an unused output's grad arrives as None: skipped
         return probs_TK, ids_TK, mean_BE, counts_BE
@@ -99,7 +103,8 @@ class _FusedRoute(torch.autograd.Function):
         gm = None
         if grad_mean_BE is not None and ctx.spec["aux_counts"]:
             gm = grad_mean_BE.float().contiguous()
-        grad_TE = torch.empty_like(logits_TE)
+        with workspace.ctx_arena(ctx):
+            grad_TE = workspace.empty(tuple(logits_TE.shape), logits_TE.dtype)
         get_runtime().route_backward(
             logits=logits_TE.data_ptr(), ids=ids_TK.data_ptr(),
             grad_probs=0 if gp is None else gp.data_ptr(),

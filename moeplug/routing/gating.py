@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from moeplug.ops import workspace
+
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -18,9 +20,46 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, dtype: torch.dtyp
     bf16 (``moe_router_dtype``). Autograd casts the gradients back to the inputs' dtypes; unlike
     Megatron's RouterGatingLinearFunction we keep the up-cast copies for backward, which costs
     T*D extra floats but needs no custom autograd function.
+
+    CPU inputs already in ``dtype`` take :class:`_Gate` instead: the same three GEMMs that
+    autograd runs for ``x @ W.t()`` (bitwise the same numbers), written into the running MoE
+    layer's workspace (no allocation after warm-up).
     """
+    if (x_TD.device.type == "cpu" and x_TD.dtype == dtype and weight_ED.dtype == dtype
+            and x_TD.dim() == 2 and x_TD.is_contiguous() and weight_ED.is_contiguous()):
+        return _Gate.apply(x_TD, weight_ED)
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
         return x_TD.to(dtype) @ weight_ED.to(dtype).t()
+
+
+class _Gate(torch.autograd.Function):
+    """``x_TD @ weight_ED.t()`` with outputs and grads in workspace buffers. Backward is what
+    torch's MmBackward0 computes for a row-major x and the column-major ``weight.t()``:
+    dX = dL @ W and dW = dL^T @ X (mm_mat2_backward's transposed form), so the weight's grad is
+    a contiguous [E, D] that AccumulateGrad adopts as ``weight.grad`` without a copy."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, weight_ED: torch.Tensor):
+        with torch.autocast(device_type="cpu", enabled=False):
+            logits_TE = workspace.empty((x_TD.shape[0], weight_ED.shape[0]), x_TD.dtype)
+            torch.mm(x_TD, weight_ED.t(), out=logits_TE)
+        ctx.save_for_backward(x_TD, weight_ED)
+        ctx.arena = workspace.current_arena()
+        return logits_TE
+
+    @staticmethod
+    def backward(ctx, grad_TE: torch.Tensor):
+        x_TD, weight_ED = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad
+        grad_x = grad_w = None
+        with workspace.ctx_arena(ctx):
+            if need_x:
+                grad_x = workspace.empty(tuple(x_TD.shape), x_TD.dtype)
+                torch.mm(grad_TE, weight_ED, out=grad_x)
+            if need_w:
+                grad_w = workspace.empty(tuple(weight_ED.shape), weight_ED.dtype)
+                torch.mm(grad_TE.t(), x_TD, out=grad_w)
+        return grad_x, grad_w
 
 
 def input_jitter(x_TD: torch.Tensor, eps: float) -> torch.Tensor:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moeplug import hookimpl
@@ -285,11 +286,19 @@ class TopKRouter(Router):
                     stats: R.AuxStats | None = None) -> torch.Tensor:
         """Sum of coeff * loss over the configured types; unscaled values go to ``losses``.
         ``stats``: the fused router's per-sequence means and counts (else computed here)."""
-        total = logits_TE.new_zeros(())
         active = self._active_aux_losses()
-        if not active or ids_TK.shape[0] == 0:
-            return total
         T, K, E = ids_TK.shape[0], self.top_k, self.num_experts
+        if (stats is not None and list(active) == ["aux_loss"] and T > 0
+                and (token_group is None or dist.get_world_size(token_group) == 1)):
+            # The common case in one autograd Function over workspace buffers: the same numbers
+            # as the general path below, no allocation after warm-up (issue 7).
+            total, value = R.switch_aux_loss_from_stats(stats.mean_BE, stats.counts_BE, T, K,
+                                                        active["aux_loss"])
+            losses["aux_loss"] = value
+            return total
+        total = logits_TE.new_zeros(())
+        if not active or T == 0:
+            return total
         S = T // num_sequences
         if stats is None:
             s_TE = R.aux_scores(logits_TE, self.options.score_function)

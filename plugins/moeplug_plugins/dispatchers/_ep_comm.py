@@ -28,17 +28,28 @@ class A2APlan:
     recv_W:    rows this rank receives from each EP rank.
     counts_WL: rows received from rank w for local expert l (int64 CPU); arrival order is
                (source rank, local expert)-major, the experts want (local expert, source rank).
-    order_S:   ``rows[order_S]`` sorts arrived rows expert-major (see :func:`chunk_order`).
+    order_S:   ``rows[order_S]`` sorts arrived rows expert-major (see :func:`chunk_order`);
+               None in a one-rank plan (:func:`local_plan`), where that sort is never run.
     """
 
     send_W: list[int]
     recv_W: list[int]
     counts_WL: torch.Tensor
-    order_S: torch.Tensor
+    order_S: torch.Tensor | None
 
     @property
     def counts_L(self) -> torch.Tensor:
+        if self.counts_WL.shape[0] == 1:  # one rank: its row, no reduction (no allocation)
+            return self.counts_WL[0]
         return self.counts_WL.sum(dim=0)
+
+
+def local_plan(counts_E: torch.Tensor, num_rows: int) -> A2APlan:
+    """The plan of a one-rank EP group, where rows go nowhere: :func:`exchange_counts`'s
+    numbers, built from views and ``num_rows`` (= counts_E.sum()) without a collective or an
+    allocation. ``order_S`` is None: the one-rank sort is the identity and is never run."""
+    return A2APlan(send_W=[num_rows], recv_W=[num_rows], counts_WL=counts_E.view(1, -1),
+                   order_S=None)
 
 
 def exchange_counts(counts_E: torch.Tensor, group: Any) -> A2APlan:

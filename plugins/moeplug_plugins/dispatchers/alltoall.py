@@ -33,7 +33,7 @@ import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.ops import permute, unpermute
+from moeplug.ops import permute, permute_probs, unpermute
 from moeplug.parallel import comm
 from moeplug.quant import active_recipe
 from moeplug.quant.wire import quantized_exchange
@@ -72,7 +72,7 @@ class AlltoAllDispatcher(Dispatcher):
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         x_SD, probs_S, row_map_TK, counts_E, num_sink = self._permute(x_TD, routing)
         # 2. counts  3. all-to-all  4. sort by local expert
-        plan = self._exchange_counts(counts_E)
+        plan = self._exchange_counts(counts_E, x_SD.shape[0])
         x_SD, probs_S = self._send_rows(x_SD, plan), self._all_to_all(probs_S, plan)
         meta = AlltoAllMeta(row_map_TK=row_map_TK, counts_E=counts_E, plan=plan,
                             num_sink_rows=num_sink)
@@ -80,7 +80,8 @@ class AlltoAllDispatcher(Dispatcher):
 
     def dispatch_start(self, x_TD: torch.Tensor, routing: RouterOutput) -> _PendingDispatch:
         x_SD, probs_S, row_map_TK, counts_E, num_sink = self._permute(x_TD, routing)
-        plan = self._exchange_counts(counts_E)  # small and blocking: the splits are needed now
+        # small and blocking: the splits are needed now
+        plan = self._exchange_counts(counts_E, x_SD.shape[0])
         recipe = active_recipe()
         x = (self._start(x_SD, plan) if recipe is None or not recipe.quantize_dispatch else
              self._send_rows(x_SD, plan))
@@ -109,8 +110,7 @@ class AlltoAllDispatcher(Dispatcher):
         has_sink = routing.dropped_TK is not None
         ids_TK = sink_dropped(routing.ids_TK, routing.dropped_TK, E)
         x_RD, row_map_TK, counts = permute(x_TD, ids_TK, E + 1 if has_sink else E)
-        probs_R = routing.probs_TK.new_zeros(x_RD.shape[0]).index_put(
-            (row_map_TK.reshape(-1),), routing.probs_TK.reshape(-1))
+        probs_R = permute_probs(routing.probs_TK, row_map_TK)
         num_sink = int(counts[E]) if has_sink else 0
         S = x_RD.shape[0] - num_sink
         x_SD, probs_S = x_RD, probs_R
@@ -141,7 +141,9 @@ class AlltoAllDispatcher(Dispatcher):
             return None
         return _ep_comm.gather_capacities(capacity, self.group)
 
-    def _exchange_counts(self, counts_E: torch.Tensor) -> _ep_comm.A2APlan:
+    def _exchange_counts(self, counts_E: torch.Tensor, num_rows: int) -> _ep_comm.A2APlan:
+        if self.ep_size == 1:
+            return _ep_comm.local_plan(counts_E, num_rows)
         return _ep_comm.exchange_counts(counts_E, self.group)
 
     def _start(self, rows: torch.Tensor, plan: _ep_comm.A2APlan) -> comm.PendingAllToAll:

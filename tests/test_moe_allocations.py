@@ -1,0 +1,158 @@
+"""After warm-up the MoE path allocates nothing (issue 7, paged stash: "the pool is reused every
+step, so after warm-up the MoE path allocates nothing").
+
+Counted by moeplug.testing.allocations: torch's profiler memory accounting inside every
+MoELayer.forward and the backward of every autograd node that forward created. The counter is
+shown to see allocations (the same step with the layers' workspace arenas switched off), and
+each allocation-free rewrite is compared bitwise with the torch composition it replaces.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeplug.config import config_from_dict
+from moeplug.modules import build_model
+from moeplug.modules.moe import MoELayer
+from moeplug.ops import permute, permute_probs, workspace
+from moeplug.plugin_host import PluginHost
+from moeplug.routing import router_logits, switch_aux_loss_from_mean, switch_aux_loss_from_stats
+from moeplug.testing.allocations import moe_path_allocations
+from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
+
+
+def _setup(stash: bool, precision: str = "fp32"):
+    cfg = config_from_dict({
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 32, "first_k_dense": 0,
+                  "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}},
+        "train": {"steps": 10, "micro_batch_size": 2, "seq_len": 32, "warmup_steps": 1,
+                  "grad_accum_steps": 2},
+        "runtime": {"stash": stash}})
+    host = PluginHost.load()
+    seed_everything(0)
+    model = build_model(cfg, host, 256)
+    opt = build_rank_optimizer(model, cfg)
+    ids = np.random.default_rng(0).integers(0, 256, 50_000).astype(np.int64)
+    prec = host.create("precision", precision, {})
+    steps = iter(range(1000))
+
+    def step():  # a new batch every step: routing (and per-expert row counts) change
+        train_step(model, opt, step_batches(ids, cfg.train, next(steps)), cfg.train, prec)
+    return model, step
+
+
+@pytest.mark.parametrize("stash, precision", [(True, "fp32"), (False, "fp32"), (True, "bf16")])
+def test_steady_state_step_allocates_nothing_on_the_moe_path(stash, precision):
+    torch.set_num_threads(1)
+    model, step = _setup(stash, precision)
+    for _ in range(3):  # warm-up: arenas, the workspace cache, the stash pool
+        step()
+    for _ in range(2):  # two steps, each with its own batch: nothing left to warm up
+        report = moe_path_allocations(model, step)
+        assert report.count == 0, report.describe()
+
+
+def test_the_counter_sees_allocations_when_the_arenas_are_off():
+    # Same model and step, the layers' workspace arenas replaced by None: their small buffers
+    # go to torch again, and the counter must report them (else the test above proves nothing).
+    model, step = _setup(True)
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.workspace = None
+    for _ in range(2):
+        step()
+    report = moe_path_allocations(model, step)
+    assert report.count >= 2 * 2 * 4, report.describe()  # layers x micro-batches x a few each
+    assert any("_FusedRoute" in k for k in report.where), report.describe()
+    assert any("moe_backward" in k for k in report.where), report.describe()
+
+
+def test_registered_layers_own_their_arena_and_it_stops_growing():
+    model, step = _setup(True)
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    rt = layers[0].runtime.runtime
+    assert [m.workspace for m in layers] == [h.workspace for h in rt.handles]
+    assert layers[0].workspace is not layers[1].workspace
+    for _ in range(3):
+        step()
+    held = rt.workspace_bytes()
+    assert held > 0
+    step()
+    assert rt.workspace_bytes() == held
+
+
+def test_arena_reuses_only_free_buffers_and_serves_varying_sizes_from_one_class():
+    arena = workspace.Arena()
+    with workspace.arena_scope(arena):
+        a = workspace.empty((10, 3), torch.float32)
+        b = workspace.empty((10, 3), torch.float32)
+        assert a.data_ptr() != b.data_ptr()  # a is held: not handed out twice
+        ptr = a.data_ptr()
+        del a
+        c = workspace.empty((7, 4), torch.float32)  # 112 bytes: the same 128-byte class
+        assert c.data_ptr() == ptr and c.shape == (7, 4)
+        big = workspace.empty((workspace.MIN_BYTES // 4,), torch.float32)
+    assert arena.nbytes == 2 * 128  # the large buffer came from the shared cache
+    assert big.numel() == workspace.MIN_BYTES // 4
+    assert workspace.empty((4,), torch.float32).data_ptr() not in (ptr, b.data_ptr())  # no arena
+
+
+def test_arena_keeps_a_bounded_number_of_buffers_per_class():
+    arena = workspace.Arena()
+    held = [arena.empty((16,), torch.int64) for _ in range(arena.MAX_PER_CLASS + 5)]
+    assert len({t.data_ptr() for t in held}) == len(held)
+    assert arena.nbytes == arena.MAX_PER_CLASS * 128
+
+
+def test_gate_gemm_matches_autograd_of_the_matmul_bitwise():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 96, generator=g, requires_grad=True)
+    w = torch.randn(12, 96, generator=g, requires_grad=True)
+    grad = torch.randn(300, 12, generator=g)
+    with workspace.arena_scope(workspace.Arena()):
+        ours = router_logits(x, w)
+        ours.backward(grad)
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    ref = x @ w.t()
+    ref.backward(grad)
+    assert ours.grad_fn.name().endswith("_GateBackward")
+    assert torch.equal(ours, ref) and torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
+
+
+@pytest.mark.parametrize("B, E", [(1, 8), (1, 64), (3, 16)])
+def test_aux_loss_from_stats_matches_the_torch_composition_bitwise(B, E):
+    g = torch.Generator().manual_seed(E)
+    mean_BE = torch.rand(B, E, generator=g).requires_grad_(True)
+    counts_BE = torch.randint(0, 50, (B, E), generator=g)
+    T, K, coeff = 777, 3, 1e-2
+    with workspace.arena_scope(workspace.Arena()):
+        total, value = switch_aux_loss_from_stats(mean_BE, counts_BE, T, K, coeff)
+        (total * 3.7).backward()
+    ours = mean_BE.grad.clone()
+    mean_BE.grad = None
+    ref_value = switch_aux_loss_from_mean(mean_BE.mean(dim=0), counts_BE.sum(dim=0), T, K)
+    ref_total = mean_BE.new_zeros(()) + coeff * ref_value
+    (ref_total * 3.7).backward()
+    assert torch.equal(total, ref_total) and torch.equal(value, ref_value)
+    assert not value.requires_grad
+    assert torch.equal(ours, mean_BE.grad)
+
+
+def test_permute_probs_matches_index_put_bitwise():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (50, 3), generator=g)
+    _, row_map, _ = permute(torch.randn(50, 8), ids, 6)
+    probs = torch.rand(50, 3, generator=g, requires_grad=True)
+    grad = torch.randn(150, generator=g)
+    with workspace.arena_scope(workspace.Arena()):
+        ours = permute_probs(probs, row_map)
+        ours.backward(grad)
+    gp = probs.grad.clone()
+    probs.grad = None
+    ref = probs.new_zeros(150).index_put((row_map.reshape(-1),), probs.reshape(-1))
+    ref.backward(grad)
+    assert torch.equal(ours, ref) and torch.equal(gp, probs.grad)
