@@ -78,6 +78,19 @@ def test_pool_pages_are_zero_copy_torch_views():
         pool.free(first, count)
 
 
+def test_core_argument_errors_reach_python_as_value_errors_naming_the_fix(tmp_path):
+    """The bindings call the core directly; its std::invalid_argument arrives as ValueError with
+    the core's message (pybind11's translation) for the spill tier and the shared-memory heap."""
+    rt = get_runtime()
+    with pytest.raises(ValueError, match="cannot create a file in .*Fix: set runtime.offload_dir"):
+        rt.SpillTier(str(tmp_path / "missing"), 4096, 4)
+    tier = rt.SpillTier(str(tmp_path), 4096, 4)
+    with pytest.raises(ValueError, match=r"SpillTier\.write: run \{3, 2\} of 4096-byte pages"):
+        tier.write(3, 2, 0, 16)  # checked before the (null) source is read
+    with pytest.raises(ValueError, match="segment name 'bad' must be '/' followed by"):
+        rt.ShmHeap("bad", 4096, 4, 0, 1)
+
+
 def test_stash_on_and_off_train_bitwise_identically():
     off = _train(_cfg(stash=False))
     on = _train(_cfg(stash=True))

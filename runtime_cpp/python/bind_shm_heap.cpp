@@ -16,12 +16,8 @@ void register_shm_heap(py::module_& m) {
       "moeplug.parallel.shm_heap sets it up over a torch.distributed group.")
       .def(py::init([](std::string name, int64_t data_bytes, int64_t num_slots, int rank,
                        int world) {
-             try {
-               return std::make_shared<ShmHeap>(std::move(name), data_bytes, num_slots, rank,
-                                                world);
-             } catch (const std::invalid_argument& e) {
-               throw py::value_error(e.what());
-             }
+             return std::make_shared<ShmHeap>(std::move(name), data_bytes, num_slots, rank,
+                                              world);
            }),
            py::arg("name"), py::arg("data_bytes"), py::arg("num_slots"), py::arg("rank"),
            py::arg("world"))

@@ -8,54 +8,33 @@ using std::uintptr_t;
 
 namespace moeplug::py_bind {
 
-namespace {
-
-template <class F>
-auto checked(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const std::invalid_argument& e) {
-    throw py::value_error(e.what());
-  }
-}
-
-}  // namespace
-
 void register_spill(py::module_& m) {
   py::class_<SpillTier, std::shared_ptr<SpillTier>>(
       m, "SpillTier",
       "The stash's second tier on the CPU: pages of an unlinked, sparse file in `directory`. "
       "write()/read() copy bytes between a pointer and a run; free() punches the run out.")
       .def(py::init([](const std::string& directory, int64_t page_bytes, int64_t num_pages) {
-             return checked([&] {
-               return std::make_shared<SpillTier>(directory, page_bytes, num_pages);
-             });
+             return std::make_shared<SpillTier>(directory, page_bytes, num_pages);
            }),
            py::arg("directory"), py::arg("page_bytes"), py::arg("num_pages"))
       .def(
           "alloc",
           [](SpillTier& t, int64_t n_bytes) {
-            PageRun r = checked([&] { return t.alloc(n_bytes); });
+            PageRun r = t.alloc(n_bytes);
             return py::make_tuple(r.first, r.count);
           },
           py::arg("n_bytes"), "(first_page, num_pages) for n_bytes; (-1, 0) on overflow.")
       .def(
           "free",
           [](SpillTier& t, int64_t first, int64_t count) {
-            checked([&] {
-              t.free({first, count});
-              return 0;
-            });
+            t.free({first, count});
           },
           py::arg("first"), py::arg("count"))
       .def(
           "write",
           [](SpillTier& t, int64_t first, int64_t count, uintptr_t src, int64_t n_bytes) {
             py::gil_scoped_release nogil;
-            checked([&] {
-              t.write({first, count}, ptr<const void>(src), n_bytes);
-              return 0;
-            });
+            t.write({first, count}, ptr<const void>(src), n_bytes);
           },
           py::arg("first"), py::arg("count"), py::arg("src"), py::arg("n_bytes"),
           "Copy n_bytes at address src into the run (now, on this thread, without the GIL).")
@@ -63,10 +42,7 @@ void register_spill(py::module_& m) {
           "read",
           [](SpillTier& t, int64_t first, int64_t count, uintptr_t dst, int64_t n_bytes) {
             py::gil_scoped_release nogil;
-            checked([&] {
-              t.read({first, count}, ptr<void>(dst), n_bytes);
-              return 0;
-            });
+            t.read({first, count}, ptr<void>(dst), n_bytes);
           },
           py::arg("first"), py::arg("count"), py::arg("dst"), py::arg("n_bytes"),
           "Copy n_bytes of the run to address dst (now, on this thread, without the GIL).")

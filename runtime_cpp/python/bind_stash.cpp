@@ -20,16 +20,6 @@ py::dict stats_dict(const PoolStats& s) {
   return d;
 }
 
-// Runs a core call and turns its std::invalid_argument into a Python ValueError.
-template <class F>
-auto checked(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const std::invalid_argument& e) {
-    throw py::value_error(e.what());
-  }
-}
-
 }  // namespace
 
 void register_stash(py::module_& m) {
@@ -38,9 +28,7 @@ void register_stash(py::module_& m) {
       "Fixed-size pages in one aligned allocation; alloc() gives a contiguous run of pages. "
       "Supports the buffer protocol (the whole pool as bytes): torch.frombuffer views it.")
       .def(py::init([](int64_t page_bytes, int64_t num_pages, bool own_memory) {
-             return checked([&] {
-               return std::make_shared<PagePool>(page_bytes, num_pages, own_memory);
-             });
+             return std::make_shared<PagePool>(page_bytes, num_pages, own_memory);
            }),
            py::arg("page_bytes"), py::arg("num_pages"), py::arg("own_memory") = true)
       .def_buffer([](PagePool& pool) -> py::buffer_info {
@@ -53,7 +41,7 @@ void register_stash(py::module_& m) {
       .def(
           "alloc",
           [](PagePool& pool, int64_t n_bytes) {
-            PageRun r = checked([&] { return pool.alloc(n_bytes); });
+            PageRun r = pool.alloc(n_bytes);
             return py::make_tuple(r.first, r.count);
           },
           py::arg("n_bytes"),
@@ -61,10 +49,7 @@ void register_stash(py::module_& m) {
       .def(
           "free",
           [](PagePool& pool, int64_t first, int64_t count) {
-            checked([&] {
-              pool.free({first, count});
-              return 0;
-            });
+            pool.free({first, count});
           },
           py::arg("first"), py::arg("count"), "Return a run from alloc() to the pool.")
       .def("stats", [](const PagePool& pool) { return stats_dict(pool.stats()); },
@@ -77,7 +62,7 @@ void register_stash(py::module_& m) {
   py::class_<Registry, std::shared_ptr<Registry>>(
       m, "Registry", "The model's MoE layers, registered once at build; handles are ints.")
       .def(py::init([](int64_t page_bytes) {
-             return checked([&] { return std::make_shared<Registry>(page_bytes); });
+             return std::make_shared<Registry>(page_bytes);
            }),
            py::arg("page_bytes"))
       .def(
@@ -89,7 +74,7 @@ void register_stash(py::module_& m) {
                         hidden, ffn_hidden,          num_local_experts,
                         dtype,  activation,          stash_bytes,
                         std::move(streams)};
-            LayerGrant g = checked([&] { return reg.register_layer(s); });
+            LayerGrant g = reg.register_layer(s);
             return py::make_tuple(g.handle, g.stash_pages);
           },
           py::arg("index"), py::arg("num_experts"), py::arg("top_k"), py::arg("hidden"),

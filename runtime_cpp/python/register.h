@@ -21,6 +21,9 @@ void register_shm_heap(pybind11::module_& m);
 void register_spill(pybind11::module_& m);
 void register_adamw(pybind11::module_& m);
 
+// A core call's std::invalid_argument reaches Python as ValueError with its message: pybind11's
+// built-in translation, so bindings call the core directly, with no try/catch of their own.
+
 // Tensors cross the boundary as tensor.data_ptr() integers; 0 means "absent".
 template <class T>
 inline T* ptr(std::uintptr_t address) {
