@@ -949,8 +949,8 @@ class RootConfig:
             # match by tag whichever thread sends them, and the pipeline schedule runs each
             # backward-then-forward pair of its op list side by side (moeplug.parallel.schedules).
             if getattr(par, degree) > 1:
-                _fail(par, name, True, f"supports expert and data parallelism only, but "
-                      f"parallel.{degree} = {getattr(par, degree)}",
+                _fail(par, name, True, f"supports expert, data and pipeline parallelism "
+                      f"only, but parallel.{degree} = {getattr(par, degree)}",
                       f"set parallel.{degree}: 1 or {name}: false")
         if self.train.grad_accum_steps < 2:
             _fail(par, name, True, f"needs two micro-batches in flight, but "

@@ -261,7 +261,10 @@ def test_overlap_is_not_model_defining():
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"parallel": {"tp": 2}}, "supports expert and data parallelism only, but parallel.tp = 2"),
+    ({"parallel": {"tp": 2}},
+     "supports expert, data and pipeline parallelism only, but parallel.tp = 2"),
+    ({"parallel": {"cp": 2}},
+     "supports expert, data and pipeline parallelism only, but parallel.cp = 2"),
     ({"train": {"grad_accum_steps": 1}}, "needs two micro-batches in flight"),
     ({"runtime": {"stash": True}}, "cannot be combined with runtime.stash"),
     ({"model": {"recompute": {"granularity": "full"}}}, "cannot be combined with recompute"),
@@ -272,7 +275,8 @@ def test_combined_1f1b_refuses_what_it_cannot_run(over, words):
             "train": {"grad_accum_steps": 2}, "model": {}, "runtime": {}}
     cfg = {k: {**v, **over.get(k, {})} for k, v in base.items()}
     with pytest.raises(ConfigError, match="ParallelConfig.overlap_moe_expert_parallel_comm = "
-                                          f"True: {words}"):
+                                          f"True: {words}.*Fix: .*"
+                                          "overlap_moe_expert_parallel_comm: false"):
         config_from_dict(cfg)
     config_from_dict(base)  # the base itself is valid
 
