@@ -211,6 +211,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
+    from moeplug.runtime import drain_streams
     from moeplug.training.faults import (EXIT_FAULT, TrainingFault, exit_on_sigterm,
                                          is_peer_failure, rank_failure_line)
     if groups is not None:
@@ -229,7 +230,18 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         summary = train(cfg, model, corpus, precision, plugin_names, groups=groups)
     except TrainingFault as e:  # a non-finite step under train.nonfinite=stop, ...
         print(f"moeplug: {e}", file=sys.stderr)
-        return EXIT_FAULT
+        if groups is None:
+            return EXIT_FAULT
+        # A rank skips interpreter teardown here. The fault was found by a collective just
+        # before (first_located's all_gather_object): a gloo worker thread may still be dropping
+        # that work's tensors, which takes the GIL, and a thread taking the GIL while the
+        # interpreter finalizes is pthread_exit'ed through a noexcept destructor: SIGABRT
+        # instead of EXIT_FAULT (CI at 9922f33; ~1 run in 25 at EP2, the core dump showed it).
+        D.shutdown(groups)
+        drain_streams()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAULT)
     except RuntimeError as e:  # gloo/NCCL: a collective failed because a peer died or hung
         if groups is None or not is_peer_failure(e):
             raise

@@ -224,7 +224,7 @@ def stream(name: str) -> Stream:
         s = _streams.get(name)
         if s is None:
             if not _streams:
-                atexit.register(_drain_streams)
+                atexit.register(drain_streams)
             s = _streams[name] = Stream(get_runtime().stream(name))
         return s
 
@@ -249,8 +249,9 @@ def launch(kernel: str, *keep: torch.Tensor, **args: Any) -> None:
     fn(**args)
 
 
-def _drain_streams() -> None:
-    # Queued Python callables must not run while the interpreter shuts down.
+def drain_streams() -> None:
+    """Run what every stream holds to the end (at exit: queued Python callables must not run
+    while the interpreter shuts down; a process leaving through os._exit calls it first)."""
     for s in list(_streams.values()):
         try:
             s.synchronize()
@@ -268,4 +269,4 @@ def __getattr__(name: str) -> Any:
 __all__ = ["RuntimeMissingError", "REBUILD_COMMAND", "get_runtime", "runtime_available",
            "runtime_info", "dtype_code", "CUDA_BUILD_COMMAND", "cuda_extension_built",
            "get_cuda_runtime", "cuda_runtime_status", "Stream", "stream", "current_stream",
-           "launch"]
+           "launch", "drain_streams"]

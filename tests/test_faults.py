@@ -134,7 +134,7 @@ def test_nan_step_stops_naming_step_and_layer(cli_env, tiny_config_file, tmp_pat
     rc, _, err, _, left = _run_train(
         cli_env, ["--config", tiny_config_file(str(tmp_path / "run")), *par, *STEPS],
         "nan:layer=1:step=2")
-    assert rc == 3 and not left  # EXIT_FAULT, also through the launcher
+    assert rc == 3 and not left, (rc, left, err[-3000:])  # EXIT_FAULT, also through the launcher
     assert "moeplug: non-finite step 2: loss nan" in err, err[-3000:]
     assert "first at the output of blocks.1" in err and "train.nonfinite = stop" in err
     assert "Traceback" not in err, err[-3000:]
