@@ -23,6 +23,8 @@ from hypothesis import strategies as st  # noqa: E402
 from moeplug import cli  # noqa: E402
 from moeplug.config import _SUBCONFIGS, ConfigError, RootConfig, config_from_dict  # noqa: E402
 
+pytestmark = pytest.mark.serial  # hypothesis deadlines are wall-clock time per example
+
 
 def _leaves(cls: type = RootConfig, prefix: str = "") -> dict[str, str]:
     """Dotted path -> annotated type of every leaf field of the config."""

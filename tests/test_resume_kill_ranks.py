@@ -22,7 +22,7 @@ import pytest
 
 from moeplug.testing.runs import count_train, latest_step, trajectory
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # kills aimed in time
 
 STEPS = 6
 KILLS = 3

@@ -17,6 +17,8 @@ import torch
 import moeplug.runtime as rt
 from moeplug.ops import reference
 
+pytestmark = pytest.mark.serial  # overlap and blocking are judged by wall-clock time
+
 T_US = 300_000  # one sleep kernel: 0.3 s
 
 
