@@ -206,6 +206,51 @@ CPU_MATRIX = {"single": (1, {}, 8, None),
 MEM_TOL = 0.10  # issue 12's target
 
 
+def _unit_ops_local_and_on_rank(rank: int, world: int, data: dict) -> dict:
+    """One rank of an EP2 layout: the aten ops of the MoE unit built alone at ep=1 shapes (what
+    sizes the plan's bytes) and of the same unit on this rank's own modules (what times it)."""
+    from moeplug.config import config_from_dict
+    from moeplug.modules import build_model
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plan import calibrate_cpu as C
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model
+    cfg = config_from_dict(data)
+    groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+    host = PluginHost.load()
+    precision = host.create("precision", "fp32", {})
+    local = C._local_root(cfg, 1, 2)
+    vocab = 256
+    shape = (cfg.train.micro_batch_size, cfg.train.seq_len)
+
+    def traced(fn):
+        fn()
+        trace, _ = C._run_traced(fn)
+        return {f.overloadpacket.__name__ for f, *_ in trace.ops.values()}, trace.collectives
+    local_ops, local_coll = traced(C._unit_fns(build_model(local, host, vocab), local,
+                                               precision, 1)["moe"](shape))
+    model = build_rank_model(cfg, host, vocab, groups)
+    rank_ops, rank_coll = traced(C._rank_unit_fns(model, cfg, precision, vocab,
+                                                  groups)["moe"](shape))
+    _, grad_sync = C._step_collectives(cfg, model, vocab, groups, precision)
+    return {"local": local_ops, "rank": rank_ops, "local_coll": local_coll,
+            "rank_coll": [k for k, _ in rank_coll], "grad_sync": grad_sync}
+
+
+def test_two_rank_units_are_timed_with_the_wrappers_work(tiny_corpus, cache_dir, tmp_path):
+    """The two-rank gap of issue 12, located: the EP dispatcher re-sorts the rows it received
+    (index_select forward, index_add backward), which the ep=1 unit never runs; the unit the
+    plan times on the rank's own modules runs it, and its all-to-alls are left to the links."""
+    from conftest import tiny_config_dict
+    from moeplug.testing.distributed import run_distributed
+    data = dict(tiny_config_dict(tiny_corpus, str(tmp_path / "run"), cache_dir),
+                parallel={"ep": 2})
+    for got in run_distributed(_unit_ops_local_and_on_rank, 2, data, timeout=300):
+        assert "index_add" in got["rank"] - got["local"], sorted(got["rank"] - got["local"])
+        assert not got["local_coll"] and "all_to_all" in got["rank_coll"]
+        assert got["grad_sync"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CPU_MATRIX))
 def test_cpu_run_matches_the_calibrated_plan(name, tiny_corpus, cache_dir, tmp_path, cli_env):
