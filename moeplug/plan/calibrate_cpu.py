@@ -16,7 +16,10 @@ then train, so the measurement and the run see the same load from the rest of th
                    attention    the SDPA kernels, forward and backward
                    elementwise  every other aten op (norms, RoPE, activations, softmax, ...)
                moeplug's C++ kernels (permute, unpermute, SwiGLU), called by pointer and so
-               invisible to the trace, are timed in that same run (``kernels``).
+               invisible to the trace, are timed in that same run (``kernels``). With process
+               groups the seconds come from the same units on the rank's own parallel modules
+               (``_rank_unit_fns``: the wrappers' work on top of the local shapes is timed with
+               them), the bytes from the local ones.
   host         what no kernel shows: Python, module calls, autograd bookkeeping. Measured as a
                unit's forward + backward wall time at a tiny batch (its kernels cost ~nothing
                there) minus the same replay + kernel timing at that tiny batch.
@@ -24,6 +27,8 @@ then train, so the measurement and the run see the same load from the rest of th
                (all-to-all, all-gather, reduce-scatter, all-reduce) from two message sizes;
                which calls a step makes (and their bytes) comes from a dispatch trace of one
                real micro-batch + the gradient sync on this rank's model.
+  grad sync    with process groups: the ops of the gradient sync and the global norm on a
+               real step's grads, replayed (its collectives are in ``collectives``).
   optimizer    seconds per parameter of one step of the run's optimizer class.
 
 Nothing here looks at the run's own step time: the plan composes these costs (per layer kind,
