@@ -16,7 +16,10 @@ then train, so the measurement and the run see the same load from the rest of th
                    attention    the SDPA kernels, forward and backward
                    elementwise  every other aten op (norms, RoPE, activations, softmax, ...)
                moeplug's C++ kernels (permute, unpermute, SwiGLU), called by pointer and so
-               invisible to the trace, are timed in that same run (``kernels``).
+               invisible to the trace, are timed in that same run (``kernels``). With process
+               groups the seconds come from the same units on the rank's own parallel modules
+               (``_rank_unit_fns``: the wrappers' work on top of the local shapes is timed with
+               them), the bytes from the local ones.
   host         what no kernel shows: Python, module calls, autograd bookkeeping. Measured as a
                unit's forward + backward wall time at a tiny batch (its kernels cost ~nothing
                there) minus the same replay + kernel timing at that tiny batch.
@@ -24,6 +27,8 @@ then train, so the measurement and the run see the same load from the rest of th
                (all-to-all, all-gather, reduce-scatter, all-reduce) from two message sizes;
                which calls a step makes (and their bytes) comes from a dispatch trace of one
                real micro-batch + the gradient sync on this rank's model.
+  grad sync    with process groups: the ops of the gradient sync and the global norm on a
+               real step's grads, replayed (its collectives are in ``collectives``).
   optimizer    seconds per parameter of one step of the run's optimizer class.
 
 Nothing here looks at the run's own step time: the plan composes these costs (per layer kind,
@@ -306,26 +311,34 @@ def _saved_bytes(fn: Callable[[], Any], params: Any) -> int:
 
 
 def measure_unit(make_fn: Callable[[int], Callable[[], Any]], tokens_scale: int,
-                 tiny_scale: int = 1, params: Any = None) -> UnitCost:
+                 tiny_scale: int = 1, params: Any = None,
+                 timed_make: Callable[[int], Callable[[], Any]] | None = None) -> UnitCost:
     """Cost of ``make_fn(scale)()`` (one forward + backward) at ``tokens_scale``; ``host`` from
-    the same at ``tiny_scale``."""
-    fn = make_fn(tokens_scale)
+    the same at ``tiny_scale``. ``timed_make``: where the seconds come from instead (the same
+    unit on the rank's own parallel modules, see :func:`_rank_unit_fns`); bytes always come
+    from ``make_fn``. Collective calls made under ``timed_make`` are not replayed (they are
+    costed from the links); all ranks must then call this together, in the same order."""
+    timed = timed_make or make_fn
+    fn = timed(tokens_scale)
     fn()  # warm-up outside the trace
     trace, kernels = _run_traced(fn)
     parts = replay(trace)
     flops = _gemm_flops(trace)
     del trace
+    tiny = timed(tiny_scale)
+    wall = _best_time(tiny, repeats=5)
+    tiny_trace, tiny_kernels = _run_traced(tiny)
+    tiny_parts = replay(tiny_trace, cold=False)  # a tiny unit's ops stay in cache anyway
+    host = max(0.0, wall - sum(tiny_parts.values()) - tiny_kernels)
+    if timed is not make_fn:
+        fn = make_fn(tokens_scale)
+        fn()  # warm-up, as above
     peak = _peak_bytes(fn)
     pool, saved_pool = _pool_bytes(fn)
     saved = _saved_bytes(fn, params)
     # What the unit saves when not checkpointed: under full recompute the backward rebuilds a
     # whole block at once, so a block's attention tensors live while its MLP runs backward.
     plain = _saved_bytes(make_fn(tokens_scale, plain=True), params)
-    tiny = make_fn(tiny_scale)
-    wall = _best_time(tiny, repeats=5)
-    tiny_trace, tiny_kernels = _run_traced(tiny)
-    tiny_parts = replay(tiny_trace, cold=False)  # a tiny unit's ops stay in cache anyway
-    host = max(0.0, wall - sum(tiny_parts.values()) - tiny_kernels)
     return UnitCost(gemm=parts["gemm"], attention=parts["attention"],
                     elementwise=parts["elementwise"], kernels=kernels, host=host,
                     gemm_flops=flops, saved_bytes=saved, peak_bytes=peak,
@@ -385,6 +398,7 @@ class CpuCosts:
     collectives: list           # (kind, bytes) of one optimizer step on this rank
     optimizer_s_per_param: float
     peak_tflops: float          # the 512^2 fp32 matmul: the efficiencies' reference
+    grad_sync: float = 0.0      # per step: ops of the gradient sync and global norm (ranks > 1)
 
     def mean(self, other: "CpuCosts") -> "CpuCosts":
         """The average of two calibrations (one before and one after a run brackets the load
@@ -399,7 +413,8 @@ class CpuCosts:
         return CpuCosts(units=units, links=links, collectives=self.collectives,
                         optimizer_s_per_param=avg(self.optimizer_s_per_param,
                                                   other.optimizer_s_per_param),
-                        peak_tflops=avg(self.peak_tflops, other.peak_tflops))
+                        peak_tflops=avg(self.peak_tflops, other.peak_tflops),
+                        grad_sync=avg(self.grad_sync, other.grad_sync))
 
     def gemm_efficiency(self, unit: str) -> float:
         u = self.units[unit]
@@ -485,6 +500,75 @@ def _unit_fns(model: Any, root: Any, precision: Any, tp: int) -> dict:
     return units
 
 
+def _rank_unit_fns(model: Any, root: Any, precision: Any, vocab: int, groups: Any) -> dict:
+    """The units of :func:`_unit_fns` on this rank's own model (built with the run's process
+    groups), as TransformerBlock.forward runs them: what the parallel wrappers add to the
+    ep=1 / tp=1 shapes is then in the unit's ops and host time -- the EP dispatcher's count
+    exchange, split bookkeeping and re-sort of received rows (and their backward), TP's region
+    entries and exits, the MoE layer's token scatter / gather over TP, the vocabulary-parallel
+    loss. Their collectives are costed from the links, not here. Timed, never sized: the
+    units' bytes still come from :func:`_unit_fns` (at ep=1 / tp=1 no buffer is held twice).
+    Under sequence parallelism the blocks take this rank's sequence chunk."""
+    from torch.utils.checkpoint import checkpoint
+
+    from moeplug.parallel import tensor_parallel as tpar
+    full = root.model.recompute.granularity == "full"
+    h = root.model.hidden_size
+    blocks = list(model.blocks)
+    pattern = root.model.moe_layer_pattern
+    moe_i = next((i for i in range(len(blocks)) if pattern[i]), None)
+    dense_i = next((i for i in range(len(blocks)) if not pattern[i]), None)
+    tp = groups.size("tp")
+    chunk = (tp if root.parallel.sequence_parallel else 1) * groups.size("cp")
+
+    def block_unit(fwd: Callable):
+        def make(shape):
+            b, s = shape
+            x = torch.randn(b, max(1, s // chunk), h, requires_grad=True)
+            g = torch.randn_like(x)
+
+            def run():
+                with precision.autocast("cpu"):
+                    y, extra = checkpoint(fwd, x, use_reentrant=False) if full else fwd(x)
+                if isinstance(extra, torch.Tensor):
+                    torch.autograd.backward([y, extra], [g, torch.ones_like(extra)])
+                else:
+                    y.backward(g)
+            return run
+        return make
+
+    def attn(x):
+        blk = blocks[0]
+        return x + blk.attn(blk.attn_norm(x)), 0.0
+
+    def mlp(x):
+        blk = blocks[dense_i]
+        return x + blk.ffn(blk.ffn_norm(x)), 0.0
+
+    def moe(x):
+        blk = blocks[moe_i]
+        out = blk.ffn(tpar.moe_tokens_in(blk.ffn_norm(x), blk._groups))
+        return x + tpar.moe_tokens_out(out[0], blk._groups), out[1].float()
+
+    def head(shape):
+        b, s = shape
+        tokens = torch.randint(0, vocab, (b, s))
+        targets = torch.randint(0, vocab, (b, s))
+
+        def run():
+            with precision.autocast("cpu"):
+                out = model.head_and_loss(model.embed_tokens(tokens), tokens, targets)
+            out.lm_loss.backward()
+        return run
+
+    units = {"attn": block_unit(attn), "head": head}
+    if dense_i is not None:
+        units["mlp"] = block_unit(mlp)
+    if moe_i is not None:
+        units["moe"] = block_unit(moe)
+    return units
+
+
 def _optimizer_s_per_param(model: Any, root: Any) -> float:
     from moeplug.training.optim import build_optimizer
     params = [p for p in model.parameters()]
@@ -496,13 +580,14 @@ def _optimizer_s_per_param(model: Any, root: Any) -> float:
     return t / sum(p.numel() for p in params)
 
 
-def _step_collectives(root: Any, host: Any, vocab: int, groups: Any, precision: Any) -> list:
+def _step_collectives(root: Any, model: Any, vocab: int, groups: Any,
+                      precision: Any) -> tuple[list, float]:
     """(kind, bytes) of every collective one real optimizer step of this rank makes, from a
-    traced step of a throw-away copy of the run's model (same layout, same micro-batches)."""
-    from moeplug.training import distributed as D
+    traced step of ``model``, a throw-away copy of the run's model (same layout, same
+    micro-batches); and the seconds of the ops around the gradient sync (see
+    :func:`_grad_sync_seconds`)."""
     from moeplug.training.trainer import build_rank_optimizer, train_step
     tc = root.train
-    model = D.build_rank_model(root, host, vocab, groups, "cpu")
     opt = build_rank_optimizer(model, root, groups)
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, vocab, (tc.micro_batch_size, tc.seq_len), generator=gen),
@@ -511,7 +596,27 @@ def _step_collectives(root: Any, host: Any, vocab: int, groups: Any, precision: 
     trace = _OpTrace(keep_args=False)
     with trace:
         train_step(model, opt, batches, tc, precision, groups)
-    return trace.collectives
+    return trace.collectives, _grad_sync_seconds(model, opt, tc, groups)
+
+
+def _grad_sync_seconds(model: Any, opt: Any, tc: Any, groups: Any) -> float:
+    """Seconds of the ops a parallel step runs between the backward and the optimizer: the
+    gradient sync's flatten / scale / copy-back and the global norm over the shards
+    (moeplug.parallel.grad_sync, or ZeRO-1's reduce-scatter into slices), on ``model``'s grads
+    of a real step. One pass under the trace (every rank calls it, its collectives are costed
+    from the links), then each op replayed as in :func:`replay`."""
+    if hasattr(opt, "reduce_gradients"):
+        def fn():
+            opt.reduce_gradients()
+            opt.clip_grad_norm(tc.grad_clip)
+    else:
+        from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
+
+        def fn():
+            sync_gradients(model, groups)
+            clip_grad_norm(model, groups, tc.grad_clip)
+    trace, kernels = _run_traced(fn)
+    return sum(replay(trace).values()) + kernels
 
 
 def _peak_tflops(n: int = 512) -> float:
@@ -538,13 +643,21 @@ def calibrate_run(root: Any, host: Any, vocab: int, groups: Any = None,
     vocab_local = -(-vocab // tp)
     model = build_model(local, host, vocab_local)
     tc = root.train
-    units = {name: measure_unit(make, (tc.micro_batch_size, tc.seq_len), (1, 16), model)
+    timed: dict = {}
+    rank_model = None
+    if groups is not None:
+        from moeplug.training import distributed as D
+        rank_model = D.build_rank_model(root, host, vocab, groups, "cpu")
+        timed = _rank_unit_fns(rank_model, root, precision, vocab, groups)
+    units = {name: measure_unit(make, (tc.micro_batch_size, tc.seq_len), (1, 16), model,
+                                timed_make=timed.get(name))
              for name, make in _unit_fns(model, local, precision, tp).items()}
     opt_s = _optimizer_s_per_param(model, local)
     del model
-    collectives, links = [], {}
+    collectives, links, grad_sync = [], {}, 0.0
     if groups is not None:
-        collectives = _step_collectives(root, host, vocab, groups, precision)
+        collectives, grad_sync = _step_collectives(root, rank_model, vocab, groups, precision)
+        del rank_model
         sizes: dict[str, int] = {}
         for kind, nbytes in collectives:
             sizes[kind] = max(sizes.get(kind, 0), nbytes)
@@ -554,7 +667,8 @@ def calibrate_run(root: Any, host: Any, vocab: int, groups: Any = None,
             if int(size):
                 links[kind] = measure_link(kind, None, int(size))
     return CpuCosts(units=units, links=links, collectives=collectives,
-                    optimizer_s_per_param=opt_s, peak_tflops=_peak_tflops())
+                    optimizer_s_per_param=opt_s, peak_tflops=_peak_tflops(),
+                    grad_sync=grad_sync)
 
 
 def calibrate_config(path: str) -> CpuCosts:

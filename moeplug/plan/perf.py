@@ -207,6 +207,7 @@ def calibrated_cpu_parts(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster
         parts[name] += getattr(k.units["head"], name)
         parts[name] *= mp.microbatches
     parts["collectives"] = k.collective_seconds()
+    parts["grad_sync"] = k.grad_sync
     dense, expert = stage_params(cfg, mp, 0)
     if opt.distributed_optimizer and mp.world > 1:
         dense, expert = dense / (mp.dp * mp.cp), expert / mp.edp
