@@ -437,33 +437,54 @@ def _local_root(root: Any, tp: int, ep: int) -> Any:
                                                             pp=1, dp=0))
 
 
+def _block_unit(fwd: Callable, hidden: int, tokens_div: int, full: bool,
+                precision: Any) -> Callable:
+    """make_fn((batch, seq), plain=False) -> one forward + backward of ``fwd`` (x -> (y, extra))
+    on [batch, seq // tokens_div, hidden]; checkpointed under full recompute unless ``plain``."""
+    from torch.utils.checkpoint import checkpoint
+
+    def make(shape, plain: bool = False):
+        b, s = shape
+        x = torch.randn(b, max(1, s // tokens_div), hidden, requires_grad=True)
+        g = torch.randn_like(x)
+
+        def run():
+            with precision.autocast("cpu"):
+                y, extra = (checkpoint(fwd, x, use_reentrant=False) if full and not plain
+                            else fwd(x))
+            # backward(g), not sum(y * g): a loss op would save g, which no layer keeps
+            if isinstance(extra, torch.Tensor):
+                torch.autograd.backward([y, extra], [g, torch.ones_like(extra)])
+            else:
+                y.backward(g)
+        return run
+    return make
+
+
+def _head_unit(model: Any, vocab: int, precision: Any) -> Callable:
+    """make_fn((batch, seq), plain=False) -> embedding, head and loss forward + backward (never
+    checkpointed)."""
+    def make(shape, plain: bool = False):
+        b, s = shape
+        tokens = torch.randint(0, vocab, (b, s))
+        targets = torch.randint(0, vocab, (b, s))
+
+        def run():
+            with precision.autocast("cpu"):
+                out = model.head_and_loss(model.embed_tokens(tokens), tokens, targets)
+            out.lm_loss.backward()
+        return run
+    return make
+
+
 def _unit_fns(model: Any, root: Any, precision: Any, tp: int) -> dict:
     """unit name -> make_fn((batch, seq)) -> one forward + backward of that unit."""
-    from torch.utils.checkpoint import checkpoint
     full = root.model.recompute.granularity == "full"
     h = root.model.hidden_size
     blocks = list(model.blocks)
     moe_i = next((i for i, b in enumerate(blocks) if root.model.moe_layer_pattern[i]), None)
     dense_i = next((i for i, b in enumerate(blocks) if not root.model.moe_layer_pattern[i]),
                    None)
-
-    def block_unit(fwd: Callable, tokens_div: int = 1):
-        def make(shape, plain: bool = False):
-            b, s = shape
-            x = torch.randn(b, max(1, s // tokens_div), h, requires_grad=True)
-            g = torch.randn_like(x)
-
-            def run():
-                with precision.autocast("cpu"):
-                    y, extra = (checkpoint(fwd, x, use_reentrant=False) if full and not plain
-                                else fwd(x))
-                # backward(g), not sum(y * g): a loss op would save g, which no layer keeps
-                if isinstance(extra, torch.Tensor):
-                    torch.autograd.backward([y, extra], [g, torch.ones_like(extra)])
-                else:
-                    y.backward(g)
-            return run
-        return make
 
     def attn(x):
         blk = blocks[0]
@@ -479,24 +500,12 @@ def _unit_fns(model: Any, root: Any, precision: Any, tp: int) -> dict:
             return x + out, 0.0
         return f
 
-    vocab = model.output_weight().shape[0]
-
-    def head(shape, plain: bool = False):  # never checkpointed
-        b, s = shape
-        tokens = torch.randint(0, vocab, (b, s))
-        targets = torch.randint(0, vocab, (b, s))
-
-        def run():
-            with precision.autocast("cpu"):
-                out = model.head_and_loss(model.embed_tokens(tokens), tokens, targets)
-            out.lm_loss.backward()
-        return run
-
-    units = {"attn": block_unit(attn), "head": head}
+    units = {"attn": _block_unit(attn, h, 1, full, precision),
+             "head": _head_unit(model, model.output_weight().shape[0], precision)}
     if dense_i is not None:
-        units["mlp"] = block_unit(ffn(dense_i))
+        units["mlp"] = _block_unit(ffn(dense_i), h, 1, full, precision)
     if moe_i is not None:
-        units["moe"] = block_unit(ffn(moe_i), tokens_div=tp)
+        units["moe"] = _block_unit(ffn(moe_i), h, tp, full, precision)
     return units
 
 
@@ -509,8 +518,6 @@ def _rank_unit_fns(model: Any, root: Any, precision: Any, vocab: int, groups: An
     loss. Their collectives are costed from the links, not here. Timed, never sized: the
     units' bytes still come from :func:`_unit_fns` (at ep=1 / tp=1 no buffer is held twice).
     Under sequence parallelism the blocks take this rank's sequence chunk."""
-    from torch.utils.checkpoint import checkpoint
-
     from moeplug.parallel import tensor_parallel as tpar
     full = root.model.recompute.granularity == "full"
     h = root.model.hidden_size
@@ -518,24 +525,7 @@ def _rank_unit_fns(model: Any, root: Any, precision: Any, vocab: int, groups: An
     pattern = root.model.moe_layer_pattern
     moe_i = next((i for i in range(len(blocks)) if pattern[i]), None)
     dense_i = next((i for i in range(len(blocks)) if not pattern[i]), None)
-    tp = groups.size("tp")
-    chunk = (tp if root.parallel.sequence_parallel else 1) * groups.size("cp")
-
-    def block_unit(fwd: Callable):
-        def make(shape):
-            b, s = shape
-            x = torch.randn(b, max(1, s // chunk), h, requires_grad=True)
-            g = torch.randn_like(x)
-
-            def run():
-                with precision.autocast("cpu"):
-                    y, extra = checkpoint(fwd, x, use_reentrant=False) if full else fwd(x)
-                if isinstance(extra, torch.Tensor):
-                    torch.autograd.backward([y, extra], [g, torch.ones_like(extra)])
-                else:
-                    y.backward(g)
-            return run
-        return make
+    chunk = (groups.size("tp") if root.parallel.sequence_parallel else 1) * groups.size("cp")
 
     def attn(x):
         blk = blocks[0]
@@ -550,22 +540,12 @@ def _rank_unit_fns(model: Any, root: Any, precision: Any, vocab: int, groups: An
         out = blk.ffn(tpar.moe_tokens_in(blk.ffn_norm(x), blk._groups))
         return x + tpar.moe_tokens_out(out[0], blk._groups), out[1].float()
 
-    def head(shape):
-        b, s = shape
-        tokens = torch.randint(0, vocab, (b, s))
-        targets = torch.randint(0, vocab, (b, s))
-
-        def run():
-            with precision.autocast("cpu"):
-                out = model.head_and_loss(model.embed_tokens(tokens), tokens, targets)
-            out.lm_loss.backward()
-        return run
-
-    units = {"attn": block_unit(attn), "head": head}
+    units = {"attn": _block_unit(attn, h, chunk, full, precision),
+             "head": _head_unit(model, vocab, precision)}
     if dense_i is not None:
-        units["mlp"] = block_unit(mlp)
+        units["mlp"] = _block_unit(mlp, h, chunk, full, precision)
     if moe_i is not None:
-        units["moe"] = block_unit(moe)
+        units["moe"] = _block_unit(moe, h, chunk, full, precision)
     return units
 
 
