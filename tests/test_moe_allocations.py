@@ -20,6 +20,8 @@ from moeplug.ops import permute, permute_probs, workspace
 from moeplug.plugin_host import PluginHost
 from moeplug.routing import (expert_counts, router_logits, seq_aux_loss_from_stats,
                              switch_aux_loss_from_mean, switch_aux_loss_from_stats, z_loss)
+from moeplug.routing import append_sink_rows, drop_over_capacity, first_rows, sink_dropped
+from moeplug.routing import capacity as capacity_mod
 from moeplug.routing import workspace_losses as WL
 from moeplug.testing.allocations import moe_path_allocations
 from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
@@ -72,6 +74,12 @@ ROUTER_FEATURES = {
     "expert_bias": ({"score_function": "sigmoid", "enable_expert_bias": True, "num_groups": 4,
                      "group_topk": 2, "load_balancing_type": "seq_aux_loss",
                      "aux_loss_coeff": 1e-4, "topk_scaling_factor": 2.5}, "_AuxFromStats"),
+    # Capacity dropping (sink rows in the alltoall dispatcher), with the expert bias's counts
+    # of the kept choices. The ``probs`` policy's torch.sort keeps one allocation of its own:
+    # test_capacity_probs_policy_allocates_only_inside_the_sort.
+    "capacity_position": ({"capacity_factor": 1.0, "token_drop_policy": "position",
+                           "score_function": "sigmoid", "enable_expert_bias": True},
+                          "_ZeroDropped"),
 }
 
 
@@ -91,22 +99,38 @@ def test_the_counter_sees_each_router_features_allocations_when_the_arenas_are_o
     # The same run with the arenas off: the feature's Function allocates in forward and
     # backward again, and the counter must say so (else the test above proves nothing).
     options, function = ROUTER_FEATURES[feature]
-    counts = {}
-    for name, opts in (("base", {}), (feature, options)):
-        model, step = _setup(True, router_options=opts)
+    model, step = _setup(True, router_options=options)
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.workspace = None
+    for _ in range(2):
+        step()
+    report = moe_path_allocations(model, step)
+    assert any(function in k for k in report.where), report.describe()
+    assert any(function + "Backward" in k for k in report.where), report.describe()
+    if feature == "expert_bias":
+        # Without the bias, the same run's count: the step counts' two buffers (ones, counts)
+        # per layer and micro-batch are what the bias adds.
+        model, step = _setup(True, router_options={**options, "enable_expert_bias": False})
         for m in model.modules():
             if isinstance(m, MoELayer):
                 m.workspace = None
         for _ in range(2):
             step()
-        counts[name] = report = moe_path_allocations(model, step)
-    assert any(function in k for k in report.where), report.describe()
-    assert any(function + "Backward" in k for k in report.where), report.describe()
-    if options.get("enable_expert_bias"):
-        # The step counts' two buffers (ones, counts) per layer and micro-batch on top of the
-        # base run's (its softmax, its plain aux loss; the feature's losses only add more).
-        assert report.count >= counts["base"].count + 2 * 2 * 2, (counts["base"].describe(),
-                                                                   report.describe())
+        base = moe_path_allocations(model, step)
+        assert report.count == base.count + 2 * 2 * 2, (base.describe(), report.describe())
+
+
+def test_capacity_probs_policy_allocates_only_inside_the_sort():
+    # torch.sort fills its index output from a fresh arange of its own (the CPU sort kernel's
+    # _fill_indices), out= or not: one T-element buffer per layer and micro-batch, nothing else.
+    torch.set_num_threads(1)
+    model, step = _setup(True, router_options={"capacity_factor": 1.0})
+    for _ in range(3):
+        step()
+    report = moe_path_allocations(model, step)
+    assert report.count == 2 * 2, report.describe()
+    assert all("aten::sort" in k for k in report.where), report.describe()
 
 
 def test_the_counter_sees_allocations_when_the_arenas_are_off():
@@ -288,3 +312,56 @@ def test_expert_counts_in_the_arena_match_bincount(keep):
         ours = expert_counts(ids, 12, keep_TK)
     ref = torch.bincount(ids.reshape(-1) if keep_TK is None else ids[keep_TK], minlength=12)
     assert torch.equal(ours, ref)
+
+
+def _routed(T=200, E=8, K=2, seed=0, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].contiguous()
+    probs = torch.rand(T, K, generator=g)
+    if ties:  # equal weights: the stable sort's token order decides
+        probs = (probs * 4).round() / 4
+    return probs.requires_grad_(True), ids
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("capacity", [1, 30, 49])
+def test_capacity_dropping_in_the_arena_matches_torch_exactly(policy, ties, capacity):
+    probs, ids = _routed(ties=ties)
+    grad = torch.randn(200, 2, generator=torch.Generator().manual_seed(1))
+    with workspace.arena_scope(workspace.Arena()):
+        ours_p, ours_d = drop_over_capacity(probs, ids, 8, capacity, policy)
+        ours_p.backward(grad)
+        frac = capacity_mod.dropped_fraction(ours_d)
+        keep = capacity_mod.kept(ours_d)
+    assert ours_p.grad_fn.name().endswith("_ZeroDroppedBackward")
+    gp = probs.grad.clone()
+    probs.grad = None
+    ref_d = capacity_mod._dropped_by_torch(probs, ids, 8, capacity, policy)
+    ref_p = probs.masked_fill(ref_d, 0.0)
+    ref_p.backward(grad)
+    assert ref_d.any() and not ref_d.all()  # something dropped, something kept
+    assert torch.equal(ours_d, ref_d) and torch.equal(ours_p, ref_p)
+    assert torch.equal(gp, probs.grad)
+    assert torch.equal(frac, ref_d.float().mean()) and torch.equal(keep, ~ref_d)
+
+
+def test_sink_rows_in_the_arena_match_torch_exactly():
+    g = torch.Generator().manual_seed(2)
+    probs, ids = _routed()
+    dropped = torch.rand(200, 2, generator=g) > 0.7
+    x = torch.randn(400, 16, generator=g, requires_grad=True)
+    y = torch.randn(300, 16, generator=g, requires_grad=True)
+    gx, gy = torch.randn(300, 16, generator=g), torch.randn(350, 16, generator=g)
+    with workspace.arena_scope(workspace.Arena()):
+        sunk = sink_dropped(ids, dropped, 8)
+        head, tail = first_rows(x, 300), append_sink_rows(y, 50)
+        head.backward(gx)
+        tail.backward(gy)
+    ours = x.grad.clone(), y.grad.clone()
+    x.grad = y.grad = None
+    x[:300].backward(gx)
+    torch.cat([y, y.new_zeros(50, 16)]).backward(gy)
+    assert torch.equal(sunk, ids.masked_fill(dropped, 8))
+    assert torch.equal(head, x[:300]) and torch.equal(tail, torch.cat([y, y.new_zeros(50, 16)]))
+    assert torch.equal(ours[0], x.grad) and torch.equal(ours[1], y.grad)

@@ -21,6 +21,7 @@ from moeplug.ops import workspace
 from moeplug.ops.cast import cast
 from moeplug.parallel.tensor_parallel import average_over_token_group
 from moeplug.quant import active_recipe
+from moeplug.routing import expert_counts, kept
 
 
 def _rows_for_experts(x_TD: torch.Tensor) -> torch.Tensor:
@@ -162,6 +163,9 @@ class MoELayer(nn.Module):
             ones = workspace.empty((ids.numel(),), ids.dtype).fill_(1)
             counts_E = workspace.empty((self.router.num_experts,), ids.dtype).zero_()
             return counts_E.scatter_add_(0, ids, ones)
+        if routing.dropped_TK is not None and ids.device.type == "cpu":
+            # The same counts, the dropped choices left out (from the arena: no allocation).
+            return expert_counts(ids, self.router.num_experts, kept(routing.dropped_TK))
         if routing.dropped_TK is not None:
             ids = ids[~routing.dropped_TK.reshape(-1)]
         return torch.bincount(ids.cpu(), minlength=self.router.num_experts)

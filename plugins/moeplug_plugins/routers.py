@@ -263,12 +263,12 @@ class TopKRouter(Router):
             losses["z_loss"] = z.detach().float()
             aux_loss = aux_loss + o.z_loss_coeff * z
         if dropped_TK is not None:
-            losses["dropped_fraction"] = dropped_TK.float().mean() if T else torch.zeros(())
+            losses["dropped_fraction"] = R.dropped_fraction(dropped_TK) if T else torch.zeros(())
         # 6. step counts for the expert-bias update
         if counting and self.step_counts_E is not None:
             with torch.no_grad():
                 self.step_counts_E += R.expert_counts(ids_TK, E, None if dropped_TK is None
-                                                      else ~dropped_TK)
+                                                      else R.kept(dropped_TK))
         return RouterOutput(probs_TK=probs_TK.float(), ids_TK=ids_TK, aux_loss=aux_loss.float(),
                             logits_TE=logits_TE.float(), losses=losses, dropped_TK=dropped_TK,
                             capacity=capacity if o.pad_to_capacity else None,
