@@ -27,11 +27,13 @@ from moeplug.testing.allocations import moe_path_allocations
 from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
 
 
-def _setup(stash: bool, precision: str = "fp32", router_options: dict | None = None):
+def _setup(stash: bool, precision: str = "fp32", router_options: dict | None = None,
+           moe_options: dict | None = None):
     cfg = config_from_dict({
         "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 32, "first_k_dense": 0,
-                  "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}},
+                  "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32,
+                          **(moe_options or {})}},
         "plugins": {"router_options": router_options or {}},
         "train": {"steps": 10, "micro_batch_size": 2, "seq_len": 32, "warmup_steps": 1,
                   "grad_accum_steps": 2},
@@ -60,8 +62,9 @@ def test_steady_state_step_allocates_nothing_on_the_moe_path(stash, precision):
         assert report.count == 0, report.describe()
 
 
-# Router features made allocation-free after the default path (issue 7), each with the
-# autograd Function (its profiler range) that must allocate once the arenas are off.
+# Features made allocation-free after the default path (issue 7): router options (and
+# model.moe options), each with the autograd Function (its profiler range) that must allocate
+# once the arenas are off.
 ROUTER_FEATURES = {
     "seq_aux_loss": ({"load_balancing_type": "seq_aux_loss"}, "_AuxFromStats"),
     "global_aux_loss": ({"load_balancing_type": "global_aux_loss"}, "_AuxFromStats"),
@@ -80,13 +83,17 @@ ROUTER_FEATURES = {
     "capacity_position": ({"capacity_factor": 1.0, "token_drop_policy": "position",
                            "score_function": "sigmoid", "enable_expert_bias": True},
                           "_ZeroDropped"),
+    # Shared experts (SwiGLU, fp32, no output gate) beside capacity dropping.
+    "shared_experts": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
+                       "_SwiGLUParts", {"shared_expert_ffn_hidden_size": 48}),
 }
 
 
 @pytest.mark.parametrize("feature", list(ROUTER_FEATURES))
 def test_router_features_allocate_nothing_after_warm_up(feature):
     torch.set_num_threads(1)
-    model, step = _setup(True, router_options=ROUTER_FEATURES[feature][0])
+    options, _, *moe = ROUTER_FEATURES[feature]
+    model, step = _setup(True, router_options=options, moe_options=moe[0] if moe else None)
     for _ in range(3):
         step()
     for _ in range(2):
@@ -98,8 +105,8 @@ def test_router_features_allocate_nothing_after_warm_up(feature):
 def test_the_counter_sees_each_router_features_allocations_when_the_arenas_are_off(feature):
     # The same run with the arenas off: the feature's Function allocates in forward and
     # backward again, and the counter must say so (else the test above proves nothing).
-    options, function = ROUTER_FEATURES[feature]
-    model, step = _setup(True, router_options=options)
+    options, function, *moe = ROUTER_FEATURES[feature]
+    model, step = _setup(True, router_options=options, moe_options=moe[0] if moe else None)
     for m in model.modules():
         if isinstance(m, MoELayer):
             m.workspace = None
@@ -365,3 +372,29 @@ def test_sink_rows_in_the_arena_match_torch_exactly():
     assert torch.equal(sunk, ids.masked_fill(dropped, 8))
     assert torch.equal(head, x[:300]) and torch.equal(tail, torch.cat([y, y.new_zeros(50, 16)]))
     assert torch.equal(ours[0], x.grad) and torch.equal(ours[1], y.grad)
+
+
+@pytest.mark.parametrize("T", [1, 64, 77])
+def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T):
+    from moeplug.config import MoEConfig
+    from moeplug.modules.shared_experts import SharedExperts, add_shared
+    torch.manual_seed(T)
+    m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
+                                    shared_expert_ffn_hidden_size=48))
+    x = torch.randn(T, 32, requires_grad=True)
+    y = torch.randn(T, 32, requires_grad=True)
+    grad = torch.randn(T, 32)
+    assert m._in_workspace(x)
+    with workspace.arena_scope(workspace.Arena()):
+        out = add_shared(y, m(x))
+        out.backward(grad)
+    params = [x, y, *m.parameters()]
+    ours = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    m._in_workspace = lambda _x: False  # the nn.Linear / cat / activations path
+    ref = y + m(x)
+    ref.backward(grad)
+    assert out.grad_fn.name().endswith("_AddOutputsBackward")
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, p.grad) for a, p in zip(ours, params))
