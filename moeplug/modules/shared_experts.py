@@ -16,6 +16,7 @@ from torch import nn
 from moeplug.config import MoEConfig
 from moeplug.ops import workspace
 from moeplug.ops.activations import activation_fn, is_gated
+from moeplug.quant import active_recipe
 from moeplug.routing.gating import _Gate
 
 
@@ -53,12 +54,14 @@ class SharedExperts(nn.Module):
         return y_TD
 
     def _in_workspace(self, x_TD: torch.Tensor) -> bool:
-        """fp32 CPU SwiGLU without the output gate, autocast off (under autocast nn.Linear
-        computes in the autocast dtype; the gate and other activations keep plain torch)."""
+        """fp32 CPU SwiGLU without the output gate, autocast off and no quantization recipe
+        (under autocast nn.Linear computes in the autocast dtype, under a recipe F.linear is
+        QuantLinear; the gate and other activations keep plain torch too)."""
         return (self.activation == "swiglu" and self.output_gate is None
                 and x_TD.device.type == "cpu" and x_TD.dtype == torch.float32 and x_TD.dim() == 2
                 and x_TD.is_contiguous() and not torch.is_autocast_enabled("cpu")
-                and all(p.dtype == torch.float32 for p in self.parameters()))
+                and active_recipe() is None
+                and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
 
 
 def _linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
