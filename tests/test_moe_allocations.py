@@ -18,16 +18,23 @@ from moeplug.modules import build_model
 from moeplug.modules.moe import MoELayer
 from moeplug.ops import permute, permute_probs, workspace
 from moeplug.plugin_host import PluginHost
-from moeplug.routing import router_logits, switch_aux_loss_from_mean, switch_aux_loss_from_stats
+from moeplug.routing import (expert_counts, router_logits, seq_aux_loss_from_stats,
+                             switch_aux_loss_from_mean, switch_aux_loss_from_stats, z_loss)
+from moeplug.routing import append_sink_rows, drop_over_capacity, first_rows, sink_dropped
+from moeplug.routing import capacity as capacity_mod
+from moeplug.routing import workspace_losses as WL
 from moeplug.testing.allocations import moe_path_allocations
 from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
 
 
-def _setup(stash: bool, precision: str = "fp32"):
+def _setup(stash: bool, precision: str = "fp32", router_options: dict | None = None,
+           moe_options: dict | None = None):
     cfg = config_from_dict({
         "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 32, "first_k_dense": 0,
-                  "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}},
+                  "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32,
+                          **(moe_options or {})}},
+        "plugins": {"router_options": router_options or {}},
         "train": {"steps": 10, "micro_batch_size": 2, "seq_len": 32, "warmup_steps": 1,
                   "grad_accum_steps": 2},
         "runtime": {"stash": stash}})
@@ -53,6 +60,84 @@ def test_steady_state_step_allocates_nothing_on_the_moe_path(stash, precision):
     for _ in range(2):  # two steps, each with its own batch: nothing left to warm up
         report = moe_path_allocations(model, step)
         assert report.count == 0, report.describe()
+
+
+# Features made allocation-free after the default path (issue 7): router options (and
+# model.moe options), each with the autograd Function (its profiler range) that must allocate
+# once the arenas are off.
+ROUTER_FEATURES = {
+    "seq_aux_loss": ({"load_balancing_type": "seq_aux_loss"}, "_AuxFromStats"),
+    "global_aux_loss": ({"load_balancing_type": "global_aux_loss"}, "_AuxFromStats"),
+    "all_aux_losses": ({"load_balancing_type": ["aux_loss", "seq_aux_loss", "global_aux_loss"],
+                        "aux_loss_coeff": [1e-2, 2e-2, 3e-2]}, "_AuxFromStats"),
+    "z_loss": ({"load_balancing_type": "none", "z_loss_coeff": 1e-3}, "_AddZLoss"),
+    "aux_and_z_loss": ({"z_loss_coeff": 1e-3}, "_AddZLoss"),
+    # DeepSeek-V3 routing: sigmoid scores, the expert bias (its step counts), group-limited
+    # top-k, seq aux loss.
+    "expert_bias": ({"score_function": "sigmoid", "enable_expert_bias": True, "num_groups": 4,
+                     "group_topk": 2, "load_balancing_type": "seq_aux_loss",
+                     "aux_loss_coeff": 1e-4, "topk_scaling_factor": 2.5}, "_AuxFromStats"),
+    # Capacity dropping (sink rows in the alltoall dispatcher), with the expert bias's counts
+    # of the kept choices. The ``probs`` policy's torch.sort keeps one allocation of its own:
+    # test_capacity_probs_policy_allocates_only_inside_the_sort.
+    "capacity_position": ({"capacity_factor": 1.0, "token_drop_policy": "position",
+                           "score_function": "sigmoid", "enable_expert_bias": True},
+                          "_ZeroDropped"),
+    # Shared experts (SwiGLU, fp32, no output gate) beside capacity dropping.
+    "shared_experts": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
+                       "_SwiGLUParts", {"shared_expert_ffn_hidden_size": 48}),
+}
+
+
+@pytest.mark.parametrize("feature", list(ROUTER_FEATURES))
+def test_router_features_allocate_nothing_after_warm_up(feature):
+    torch.set_num_threads(1)
+    options, _, *moe = ROUTER_FEATURES[feature]
+    model, step = _setup(True, router_options=options, moe_options=moe[0] if moe else None)
+    for _ in range(3):
+        step()
+    for _ in range(2):
+        report = moe_path_allocations(model, step)
+        assert report.count == 0, report.describe()
+
+
+@pytest.mark.parametrize("feature", list(ROUTER_FEATURES))
+def test_the_counter_sees_each_router_features_allocations_when_the_arenas_are_off(feature):
+    # The same run with the arenas off: the feature's Function allocates in forward and
+    # backward again, and the counter must say so (else the test above proves nothing).
+    options, function, *moe = ROUTER_FEATURES[feature]
+    model, step = _setup(True, router_options=options, moe_options=moe[0] if moe else None)
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.workspace = None
+    for _ in range(2):
+        step()
+    report = moe_path_allocations(model, step)
+    assert any(function in k for k in report.where), report.describe()
+    assert any(function + "Backward" in k for k in report.where), report.describe()
+    if feature == "expert_bias":
+        # Without the bias, the same run's count: the step counts' two buffers (ones, counts)
+        # per layer and micro-batch are what the bias adds.
+        model, step = _setup(True, router_options={**options, "enable_expert_bias": False})
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.workspace = None
+        for _ in range(2):
+            step()
+        base = moe_path_allocations(model, step)
+        assert report.count == base.count + 2 * 2 * 2, (base.describe(), report.describe())
+
+
+def test_capacity_probs_policy_allocates_only_inside_the_sort():
+    # torch.sort fills its index output from a fresh arange of its own (the CPU sort kernel's
+    # _fill_indices), out= or not: one T-element buffer per layer and micro-batch, nothing else.
+    torch.set_num_threads(1)
+    model, step = _setup(True, router_options={"capacity_factor": 1.0})
+    for _ in range(3):
+        step()
+    report = moe_path_allocations(model, step)
+    assert report.count == 2 * 2, report.describe()
+    assert all("aten::sort" in k for k in report.where), report.describe()
 
 
 def test_the_counter_sees_allocations_when_the_arenas_are_off():
@@ -156,3 +241,160 @@ def test_permute_probs_matches_index_put_bitwise():
     ref = probs.new_zeros(150).index_put((row_map.reshape(-1),), probs.reshape(-1))
     ref.backward(grad)
     assert torch.equal(ours, ref) and torch.equal(gp, probs.grad)
+
+
+def _aux_composition(mean_BE, counts_BE, T, K, terms, acc_counts_E, acc_tokens):
+    # The router's general path over the fused router's statistics (plugins routers.py).
+    B = mean_BE.shape[0]
+    total, values = mean_BE.new_zeros(()), {}
+    for loss_type, coeff in terms:
+        if loss_type == "aux_loss":
+            value = switch_aux_loss_from_mean(mean_BE.mean(dim=0), counts_BE.sum(dim=0), T, K)
+        elif loss_type == "global_aux_loss":
+            value = switch_aux_loss_from_mean(mean_BE.mean(dim=0), acc_counts_E, acc_tokens, K)
+        else:
+            value = seq_aux_loss_from_stats(mean_BE, counts_BE, T // B, K)
+        values[loss_type] = value.detach()
+        total = total + coeff * value
+    return total, values
+
+
+@pytest.mark.parametrize("B, E", [(1, 8), (4, 16), (3, 64)])
+@pytest.mark.parametrize("types", [["seq_aux_loss"], ["global_aux_loss"],
+                                   ["aux_loss", "seq_aux_loss"],
+                                   ["seq_aux_loss", "global_aux_loss"],
+                                   ["aux_loss", "seq_aux_loss", "global_aux_loss"],
+                                   ["global_aux_loss", "aux_loss", "seq_aux_loss"]])
+def test_aux_losses_from_stats_match_the_torch_composition_bitwise(types, B, E):
+    g = torch.Generator().manual_seed(E + B)
+    mean_BE = torch.rand(B, E, generator=g).requires_grad_(True)
+    counts_BE = torch.randint(0, 50, (B, E), generator=g)
+    acc_counts_E = counts_BE.sum(0) + torch.randint(0, 90, (E,), generator=g)
+    T, K, acc_tokens = 777 * B, 3, 777 * B * 3
+    terms = [(t, c) for t, c in zip(types, (1e-2, 3.3e-3, 7e-4))]
+    with workspace.arena_scope(workspace.Arena()):
+        total, values = WL.aux_losses_from_stats(mean_BE, counts_BE, T, K, terms, acc_counts_E,
+                                                 acc_tokens)
+        (total * 3.7).backward()
+    ours = mean_BE.grad.clone()
+    mean_BE.grad = None
+    ref_total, ref_values = _aux_composition(mean_BE, counts_BE, T, K, terms, acc_counts_E,
+                                             acc_tokens)
+    (ref_total * 3.7).backward()
+    assert torch.equal(total, ref_total)
+    assert values.keys() == ref_values.keys()
+    assert all(torch.equal(values[t], ref_values[t]) and not values[t].requires_grad
+               for t in types)
+    assert torch.equal(ours, mean_BE.grad)
+
+
+@pytest.mark.parametrize("T, E, scale", [(1, 8, 1.0), (300, 16, 3.0), (77, 64, 30.0)])
+@pytest.mark.parametrize("total_grad", [True, False])
+def test_add_z_loss_matches_the_torch_composition_bitwise(T, E, scale, total_grad):
+    g = torch.Generator().manual_seed(T)
+    logits = (scale * torch.randn(T, E, generator=g)).requires_grad_(True)
+    with torch.no_grad():
+        logits[0, 0] = float("-inf")  # a masked expert: exp(-inf) = 0 in the sum and the grad
+    total_in = torch.rand((), generator=g).requires_grad_(total_grad)
+    with workspace.arena_scope(workspace.Arena()):
+        total, z = WL.add_z_loss(total_in, logits, 1e-3)
+        (total * 3.7).backward()
+    ours = logits.grad.clone(), None if total_in.grad is None else total_in.grad.clone()
+    logits.grad = total_in.grad = None
+    ref_z = z_loss(logits)
+    ref_total = total_in + 1e-3 * ref_z
+    (ref_total * 3.7).backward()
+    assert torch.equal(total, ref_total) and torch.equal(z, ref_z) and not z.requires_grad
+    assert torch.equal(ours[0], logits.grad)
+    assert (ours[1] is None) == (total_in.grad is None)
+    assert ours[1] is None or torch.equal(ours[1], total_in.grad)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_expert_counts_in_the_arena_match_bincount(keep):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 12, (500, 4), generator=g)
+    keep_TK = torch.rand(500, 4, generator=g) > 0.3 if keep else None
+    with workspace.arena_scope(workspace.Arena()):
+        ours = expert_counts(ids, 12, keep_TK)
+    ref = torch.bincount(ids.reshape(-1) if keep_TK is None else ids[keep_TK], minlength=12)
+    assert torch.equal(ours, ref)
+
+
+def _routed(T=200, E=8, K=2, seed=0, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K].contiguous()
+    probs = torch.rand(T, K, generator=g)
+    if ties:  # equal weights: the stable sort's token order decides
+        probs = (probs * 4).round() / 4
+    return probs.requires_grad_(True), ids
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("capacity", [1, 30, 49])
+def test_capacity_dropping_in_the_arena_matches_torch_exactly(policy, ties, capacity):
+    probs, ids = _routed(ties=ties)
+    grad = torch.randn(200, 2, generator=torch.Generator().manual_seed(1))
+    with workspace.arena_scope(workspace.Arena()):
+        ours_p, ours_d = drop_over_capacity(probs, ids, 8, capacity, policy)
+        ours_p.backward(grad)
+        frac = capacity_mod.dropped_fraction(ours_d)
+        keep = capacity_mod.kept(ours_d)
+    assert ours_p.grad_fn.name().endswith("_ZeroDroppedBackward")
+    gp = probs.grad.clone()
+    probs.grad = None
+    ref_d = capacity_mod._dropped_by_torch(probs, ids, 8, capacity, policy)
+    ref_p = probs.masked_fill(ref_d, 0.0)
+    ref_p.backward(grad)
+    assert ref_d.any() and not ref_d.all()  # something dropped, something kept
+    assert torch.equal(ours_d, ref_d) and torch.equal(ours_p, ref_p)
+    assert torch.equal(gp, probs.grad)
+    assert torch.equal(frac, ref_d.float().mean()) and torch.equal(keep, ~ref_d)
+
+
+def test_sink_rows_in_the_arena_match_torch_exactly():
+    g = torch.Generator().manual_seed(2)
+    probs, ids = _routed()
+    dropped = torch.rand(200, 2, generator=g) > 0.7
+    x = torch.randn(400, 16, generator=g, requires_grad=True)
+    y = torch.randn(300, 16, generator=g, requires_grad=True)
+    gx, gy = torch.randn(300, 16, generator=g), torch.randn(350, 16, generator=g)
+    with workspace.arena_scope(workspace.Arena()):
+        sunk = sink_dropped(ids, dropped, 8)
+        head, tail = first_rows(x, 300), append_sink_rows(y, 50)
+        head.backward(gx)
+        tail.backward(gy)
+    ours = x.grad.clone(), y.grad.clone()
+    x.grad = y.grad = None
+    x[:300].backward(gx)
+    torch.cat([y, y.new_zeros(50, 16)]).backward(gy)
+    assert torch.equal(sunk, ids.masked_fill(dropped, 8))
+    assert torch.equal(head, x[:300]) and torch.equal(tail, torch.cat([y, y.new_zeros(50, 16)]))
+    assert torch.equal(ours[0], x.grad) and torch.equal(ours[1], y.grad)
+
+
+@pytest.mark.parametrize("T", [1, 64, 77])
+def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T):
+    from moeplug.config import MoEConfig
+    from moeplug.modules.shared_experts import SharedExperts, add_shared
+    torch.manual_seed(T)
+    m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
+                                    shared_expert_ffn_hidden_size=48))
+    x = torch.randn(T, 32, requires_grad=True)
+    y = torch.randn(T, 32, requires_grad=True)
+    grad = torch.randn(T, 32)
+    assert m._in_workspace(x)
+    with workspace.arena_scope(workspace.Arena()):
+        out = add_shared(y, m(x))
+        out.backward(grad)
+    params = [x, y, *m.parameters()]
+    ours = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    m._in_workspace = lambda _x: False  # the nn.Linear / cat / activations path
+    ref = y + m(x)
+    ref.backward(grad)
+    assert out.grad_fn.name().endswith("_AddOutputsBackward")
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, p.grad) for a, p in zip(ours, params))

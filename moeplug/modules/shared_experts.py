@@ -14,7 +14,10 @@ import torch
 from torch import nn
 
 from moeplug.config import MoEConfig
+from moeplug.ops import workspace
 from moeplug.ops.activations import activation_fn, is_gated
+from moeplug.quant import active_recipe
+from moeplug.routing.gating import _Gate
 
 
 class SharedExperts(nn.Module):
@@ -37,6 +40,11 @@ class SharedExperts(nn.Module):
         self.output_gate = nn.Linear(D, 1, bias=False) if moe.shared_expert_gate else None
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self._in_workspace(x_TD):
+            # The same ops into the running MoE layer's arena: no allocation after warm-up.
+            up_TF = _linear(x_TD, self.up_proj.weight)
+            a_TF = _SwiGLUParts.apply(_linear(x_TD, self.gate_proj.weight), up_TF)
+            return _linear(a_TF, self.down_proj.weight)
         up_TF = self.up_proj(x_TD)
         # activations.py takes FC1's output: [gate | up] halves for gated activations.
         h_TX = up_TF if self.gate_proj is None else torch.cat([self.gate_proj(x_TD), up_TF], -1)
@@ -44,3 +52,76 @@ class SharedExperts(nn.Module):
         if self.output_gate is not None:
             y_TD = y_TD * torch.sigmoid(self.output_gate(x_TD))
         return y_TD
+
+    def _in_workspace(self, x_TD: torch.Tensor) -> bool:
+        """fp32 CPU SwiGLU without the output gate, autocast off and no quantization recipe
+        (under autocast nn.Linear computes in the autocast dtype, under a recipe F.linear is
+        QuantLinear; the gate and other activations keep plain torch too)."""
+        return (self.activation == "swiglu" and self.output_gate is None
+                and x_TD.device.type == "cpu" and x_TD.dtype == torch.float32 and x_TD.dim() == 2
+                and x_TD.is_contiguous() and not torch.is_autocast_enabled("cpu")
+                and active_recipe() is None
+                and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
+
+
+def _linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
+    # nn.Linear without a bias is x @ W.t() (one mm, MmBackward0): routing.gating's _Gate runs
+    # exactly those GEMMs into workspace buffers.
+    return _Gate.apply(x_NI, weight_OI)
+
+
+class _SwiGLUParts(torch.autograd.Function):
+    """``silu(h[:, :F]) * h[:, F:]`` with ``h = cat([g, u], -1)``, as
+    :func:`moeplug.ops.activations` computes it, into workspace buffers. The halves stay strided
+    views of one [T, 2F] buffer as in torch: silu's vector kernel takes a scalar tail per row of
+    a view but not of a contiguous tensor, so the layout is part of the numbers. Backward
+    repeats MulBackward0 (dS = dA * u, dU = dA * S), SiluBackward0 (aten::silu_backward on the
+    gate view), SplitBackward0 (the halves' grads into one [T, 2F] buffer) and CatBackward0
+    (its two halves, as views, to the two GEMMs)."""
+
+    @staticmethod
+    def forward(ctx, gate_TF, up_TF):
+        (T, F), dt = gate_TF.shape, gate_TF.dtype
+        h_T2F = workspace.empty((T, 2 * F), dt)
+        h_T2F[:, :F].copy_(gate_TF)
+        h_T2F[:, F:].copy_(up_TF)
+        gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
+        silu_TF = torch.ops.aten.silu.out(gate_TF, out=workspace.empty((T, F), dt))
+        a_TF = torch.mul(silu_TF, up_TF, out=workspace.empty((T, F), dt))
+        ctx.save_for_backward(h_T2F, silu_TF)
+        ctx.arena = workspace.current_arena()
+        return a_TF
+
+    @staticmethod
+    def backward(ctx, grad_TF):
+        h_T2F, silu_TF = ctx.saved_tensors
+        gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
+        (T, F), dt = silu_TF.shape, silu_TF.dtype
+        with workspace.ctx_arena(ctx):
+            grad_silu = torch.mul(grad_TF, up_TF, out=workspace.empty((T, F), dt))
+            grad_up = torch.mul(grad_TF, silu_TF, out=workspace.empty((T, F), dt))
+            grad_gate = torch.ops.aten.silu_backward.grad_input(
+                grad_silu, gate_TF, grad_input=workspace.empty((T, F), dt))
+            grad_T2F = workspace.empty((T, 2 * F), dt)
+        grad_T2F[:, :F].copy_(grad_gate)
+        grad_T2F[:, F:].copy_(grad_up)
+        return grad_T2F[:, :F], grad_T2F[:, F:]
+
+
+class _AddOutputs(torch.autograd.Function):
+    """``y_TD + s_TD`` into a workspace buffer; AddBackward0 hands both the same grad."""
+
+    @staticmethod
+    def forward(ctx, y_TD, s_TD):
+        return torch.add(y_TD, s_TD, out=workspace.empty(tuple(y_TD.shape), y_TD.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        return grad_TD, grad_TD
+
+
+def add_shared(y_TD: torch.Tensor, s_TD: torch.Tensor) -> torch.Tensor:
+    """``y_TD + s_TD`` (stage 6); for same-dtype CPU tensors into the running layer's arena."""
+    if (y_TD.device.type == "cpu" and y_TD.dtype == s_TD.dtype and y_TD.shape == s_TD.shape):
+        return _AddOutputs.apply(y_TD, s_TD)
+    return y_TD + s_TD

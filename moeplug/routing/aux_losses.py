@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from moeplug.ops import workspace
 from moeplug.routing.scores import select_topk
+from moeplug.routing.workspace_losses import aux_losses_from_stats
 
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 AUX_LOSS_COUNTS = ("plain_topk", "routed")
@@ -35,6 +36,11 @@ def expert_counts(ids_TK: torch.Tensor, num_experts: int, keep_TK: torch.Tensor 
     # scatter_add, not bincount or a boolean mask: the output size is known without reading
     # the ids on the host (runtime.sync_free; on a GPU bincount and x[mask] wait for the device).
     ids = ids_TK.reshape(-1)
+    if ids.device.type == "cpu":  # the same integers in the running MoE layer's arena
+        ones = workspace.empty((ids.numel(),), ids.dtype)
+        ones.fill_(1) if keep_TK is None else ones.copy_(keep_TK.reshape(-1))
+        counts = workspace.empty((num_experts,), ids.dtype).zero_()
+        return counts.scatter_add_(0, ids, ones)
     ones = torch.ones_like(ids) if keep_TK is None else keep_TK.reshape(-1).to(ids.dtype)
     return ids.new_zeros(num_experts).scatter_add_(0, ids, ones)
 
@@ -70,63 +76,15 @@ def switch_aux_loss_from_mean(mean_E: torch.Tensor, counts_E: torch.Tensor, num_
     return mean_E.shape[0] * torch.sum(f_E * mean_E)
 
 
-class _SwitchAuxFromStats(torch.autograd.Function):
-    """``coeff * switch_aux_loss_from_mean(mean_BE.mean(0), counts_BE.sum(0), T, K)`` and the
-    unscaled loss, every intermediate written into the running MoE layer's workspace arena.
-    Forward and backward run the very ops (out= forms) that autograd runs for the composition
-    ``zeros(()) + coeff * (E * sum(counts.to(f32) / (T*K) * mean_BE.mean(0)))``, in its order,
-    so values and gradients are bitwise the same (tests/test_moe_allocations.py compares).
-    Python numbers enter as 0-d fp32 workspace tensors: torch would cast each wrapped number to
-    the tensor's dtype through a fresh 0-d tensor; IEEE operations on the same fp32 operands
-    give the same results either way."""
-
-    @staticmethod
-    def forward(ctx, mean_BE, counts_BE, num_tokens, top_k, coeff):
-        B, E = mean_BE.shape
-        dt = mean_BE.dtype
-        # torch.mean on the CPU is sum_out(...).div_(count): the same two ops, the count as fp32.
-        mean_E = torch.sum(mean_BE, 0, out=workspace.empty((E,), dt)).div_(_number(B, dt))
-        counts_E = torch.sum(counts_BE, 0, out=workspace.empty((E,), counts_BE.dtype))
-        f_E = workspace.empty((E,), dt).copy_(counts_E).div_(_number(num_tokens * top_k, dt))
-        prod_E = torch.mul(f_E, mean_E, out=workspace.empty((E,), dt))
-        value = torch.mul(torch.sum(prod_E, 0, out=workspace.empty((), dt)), _number(E, dt),
-                          out=workspace.empty((), dt))
-        scaled = torch.mul(value, _number(coeff, dt), out=workspace.empty((), dt))
-        total = workspace.empty((), dt).zero_()
-        torch.add(total, scaled, out=total)
-        ctx.save_for_backward(f_E)
-        ctx.consts = (B, E, coeff)
-        ctx.arena = workspace.current_arena()
-        ctx.mark_non_differentiable(value)
-        ctx.set_materialize_grads(False)  # no zero grad allocated for ``value``
-        return total, value
-
-    @staticmethod
-    def backward(ctx, grad_total, _grad_value):
-        if grad_total is None:
-            return None, None, None, None, None
-        (f_E,) = ctx.saved_tensors
-        B, E, coeff = ctx.consts
-        dt = f_E.dtype
-        with workspace.ctx_arena(ctx):  # MulBackward1, MulBackward1, Sum-, Mul-, MeanBackward
-            g = torch.mul(grad_total, _number(coeff, dt), out=workspace.empty((), dt))
-            g = torch.mul(g, _number(E, dt), out=workspace.empty((), dt))
-            g_E = torch.mul(g.expand(E), f_E, out=workspace.empty((E,), dt))
-            g_BE = torch.div(g_E.unsqueeze(0).expand(B, E), _number(B, dt),
-                             out=workspace.empty((B, E), dt))
-        return g_BE, None, None, None, None
-
-
-def _number(value: float, dtype: torch.dtype) -> torch.Tensor:
-    return workspace.empty((), dtype).fill_(value)
-
-
 def switch_aux_loss_from_stats(mean_BE: torch.Tensor, counts_BE: torch.Tensor, num_tokens: int,
                                top_k: int, coeff: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(coeff * aux_loss, aux_loss detached) from the fused router's per-sequence means and
     counts (:class:`moeplug.routing.fused.AuxStats`): the Switch aux loss with f_i from the
-    summed counts and P_i the mean of ``mean_BE``. CPU only; no allocation after warm-up."""
-    return _SwitchAuxFromStats.apply(mean_BE, counts_BE, num_tokens, top_k, float(coeff))
+    summed counts and P_i the mean of ``mean_BE``. CPU only; no allocation after warm-up
+    (:func:`moeplug.routing.workspace_losses.aux_losses_from_stats` with the one term)."""
+    total, values = aux_losses_from_stats(mean_BE, counts_BE, num_tokens, top_k,
+                                          [("aux_loss", coeff)])
+    return total, values["aux_loss"]
 
 
 def sum_over_group(counts: torch.Tensor, group) -> tuple[torch.Tensor, int]:

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from moeplug.ops import workspace
+
 DROP_POLICIES = ("probs", "position")
 
 
@@ -34,6 +36,18 @@ def drop_over_capacity(probs_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts
         raise ValueError(f"token_drop_policy = {policy!r}: unknown. Fix: use 'probs' or 'position'")
     if capacity >= T or T == 0:  # an expert can receive at most T choices: nothing can drop
         return probs_TK, torch.zeros_like(ids_TK, dtype=torch.bool)
+    if ids_TK.device.type == "cpu" and probs_TK.device.type == "cpu":
+        # The same ops in out=/in-place forms over the running MoE layer's arena (issue 7).
+        dropped_TK = _dropped_in_workspace(probs_TK, ids_TK, num_experts, capacity, policy)
+    else:
+        dropped_TK = _dropped_by_torch(probs_TK, ids_TK, num_experts, capacity, policy)
+    return zero_dropped(probs_TK, dropped_TK), dropped_TK
+
+
+def _dropped_by_torch(probs_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts: int,
+                      capacity: int, policy: str) -> torch.Tensor:
+    """:func:`drop_over_capacity`'s ``dropped_TK`` in plain torch (any device)."""
+    T, K = ids_TK.shape
     chosen_TE = torch.zeros(T, num_experts, dtype=torch.bool, device=ids_TK.device)
     chosen_TE.scatter_(1, ids_TK, True)
     if policy == "position":
@@ -45,5 +59,73 @@ def drop_over_capacity(probs_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts
         order_TE = torch.sort(key_TE, dim=0, descending=True, stable=True).indices
         rank_TE = torch.empty_like(order_TE).scatter_(
             0, order_TE, torch.arange(T, device=ids_TK.device).unsqueeze(1).expand(T, num_experts))
-    dropped_TK = rank_TE.gather(1, ids_TK) >= capacity
-    return probs_TK.masked_fill(dropped_TK, 0.0), dropped_TK
+    return rank_TE.gather(1, ids_TK) >= capacity
+
+
+def _dropped_in_workspace(probs_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts: int,
+                          capacity: int, policy: str) -> torch.Tensor:
+    """:func:`drop_over_capacity`'s ``dropped_TK`` (CPU), every buffer from the workspace.
+    Integer and boolean results, and a stable sort of the same keys: exactly the same."""
+    T, K = ids_TK.shape
+    ws = workspace.empty
+    chosen_TE = ws((T, num_experts), torch.bool).zero_().scatter_(1, ids_TK, True)
+    rank_TE = ws((T, num_experts), torch.int64)
+    if policy == "position":
+        # cumsum - 1 >= C  <=>  cumsum >= C + 1 (integers; cumsum of int32 counts in int64)
+        rank_TE.copy_(chosen_TE).cumsum_(0)
+        threshold = capacity + 1
+    else:
+        key_TE = ws((T, num_experts), torch.float64).fill_(-1.0)
+        key_TE.scatter_(1, ids_TK, ws((T, K), torch.float64).copy_(probs_TK.detach()))
+        order_TE = ws((T, num_experts), torch.int64)
+        torch.sort(key_TE, dim=0, descending=True, stable=True,
+                   out=(ws((T, num_experts), torch.float64), order_TE))
+        position_T1 = torch.arange(T, out=ws((T,), torch.int64)).unsqueeze(1)
+        rank_TE.scatter_(0, order_TE, position_T1.expand(T, num_experts))
+        threshold = capacity
+    ranks_TK = torch.gather(rank_TE, 1, ids_TK, out=ws((T, K), torch.int64))
+    return torch.ge(ranks_TK, threshold, out=ws((T, K), torch.bool))
+
+
+class _ZeroDropped(torch.autograd.Function):
+    """``probs_TK.masked_fill(dropped_TK, 0.0)`` into workspace buffers: masked_fill is clone +
+    masked_fill_, and MaskedFillBackward0 is ``grad.masked_fill(mask, 0)``."""
+
+    @staticmethod
+    def forward(ctx, probs_TK, dropped_TK):
+        ctx.save_for_backward(dropped_TK)
+        ctx.arena = workspace.current_arena()
+        out = workspace.empty(tuple(probs_TK.shape), probs_TK.dtype).copy_(probs_TK)
+        return out.masked_fill_(dropped_TK, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_TK):
+        (dropped_TK,) = ctx.saved_tensors
+        with workspace.ctx_arena(ctx):
+            grad = workspace.empty(tuple(grad_TK.shape), grad_TK.dtype).copy_(grad_TK)
+        return grad.masked_fill_(dropped_TK, 0.0), None
+
+
+def zero_dropped(probs_TK: torch.Tensor, dropped_TK: torch.Tensor) -> torch.Tensor:
+    """``probs_TK.masked_fill(dropped_TK, 0.0)`` (CPU: into the running layer's arena)."""
+    if probs_TK.device.type != "cpu":
+        return probs_TK.masked_fill(dropped_TK, 0.0)
+    return _ZeroDropped.apply(probs_TK, dropped_TK)
+
+
+def dropped_fraction(dropped_TK: torch.Tensor) -> torch.Tensor:
+    """``dropped_TK.float().mean()`` (T > 0); on the CPU into the running layer's arena: the
+    cast, then torch's CPU mean (sum over every element, then ``div_`` by their count)."""
+    if dropped_TK.device.type != "cpu":
+        return dropped_TK.float().mean()
+    f = workspace.empty(tuple(dropped_TK.shape), torch.float32).copy_(dropped_TK)
+    total = torch.sum(f, tuple(range(f.dim())), out=workspace.empty((), torch.float32))
+    return total.div_(workspace.empty((), torch.float32).fill_(f.numel()))
+
+
+def kept(dropped_TK: torch.Tensor) -> torch.Tensor:
+    """``~dropped_TK`` (CPU: into the running layer's arena)."""
+    if dropped_TK.device.type != "cpu":
+        return ~dropped_TK
+    return torch.bitwise_not(dropped_TK, out=workspace.empty(tuple(dropped_TK.shape),
+                                                             torch.bool))

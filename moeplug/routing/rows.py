@@ -17,12 +17,45 @@ from __future__ import annotations
 
 import torch
 
+from moeplug.ops import workspace
+
 
 def sink_dropped(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, sink: int) -> torch.Tensor:
     """``ids_TK`` with every dropped choice sent to expert ``sink``."""
     if dropped_TK is None:
         return ids_TK
+    if ids_TK.device.type == "cpu":  # masked_fill (clone + masked_fill_) into the arena
+        out = workspace.empty(tuple(ids_TK.shape), ids_TK.dtype).copy_(ids_TK)
+        return out.masked_fill_(dropped_TK, sink)
     return ids_TK.masked_fill(dropped_TK, sink)
+
+
+class _FirstRows(torch.autograd.Function):
+    """``x_RD[:S]``; backward is SliceBackward0's (zeros of x's shape, the grad copied into the
+    first S rows) written into a workspace buffer."""
+
+    @staticmethod
+    def forward(ctx, x_RD, num_rows):
+        ctx.shape = tuple(x_RD.shape)
+        ctx.arena = workspace.current_arena()
+        return x_RD[:num_rows]
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        with workspace.ctx_arena(ctx):
+            grad_RD = workspace.empty(ctx.shape, grad_SD.dtype)
+        S = grad_SD.shape[0]
+        grad_RD[S:].zero_()
+        grad_RD[:S].copy_(grad_SD)
+        return grad_RD, None
+
+
+def first_rows(x_RD: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``x_RD[:num_rows]`` (the rows before the sink's); on the CPU its backward's buffer comes
+    from the workspace (a slice's backward allocates a zero-filled copy of the whole input)."""
+    if x_RD.device.type != "cpu":
+        return x_RD[:num_rows]
+    return _FirstRows.apply(x_RD, num_rows)
 
 
 def padded_counts(counts_L: torch.Tensor, capacity: int | None, pad_multiple: int,
@@ -77,4 +110,24 @@ def append_sink_rows(y_SD: torch.Tensor, num_sink_rows: int) -> torch.Tensor:
     """Zero rows standing in for the dropped choices, so unpermute sums nothing for them."""
     if num_sink_rows == 0:
         return y_SD
+    if y_SD.device.type == "cpu":
+        return _AppendZeroRows.apply(y_SD, num_sink_rows)
     return torch.cat([y_SD, y_SD.new_zeros(num_sink_rows, y_SD.shape[1])])
+
+
+class _AppendZeroRows(torch.autograd.Function):
+    """``cat([y_SD, zeros(n, D)])`` into a workspace buffer; CatBackward0 hands y_SD the first
+    S rows of the grad (a view, as torch's narrow)."""
+
+    @staticmethod
+    def forward(ctx, y_SD, num_rows):
+        S, D = y_SD.shape
+        out = workspace.empty((S + num_rows, D), y_SD.dtype)
+        out[:S].copy_(y_SD)
+        out[S:].zero_()
+        ctx.num_real = S
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        return grad_RD[:ctx.num_real], None

@@ -37,6 +37,8 @@ from moeplug.config import ConfigError, ModelConfig
 from moeplug.interfaces import Router, RouterOutput
 from moeplug.modules.recompute import recomputing, will_recompute
 from moeplug import routing as R
+from moeplug.ops import workspace
+from moeplug.routing import workspace_losses as WL
 from moeplug.quant import row_alignment
 
 
@@ -253,17 +255,20 @@ class TopKRouter(Router):
         losses: dict[str, torch.Tensor] = {}
         aux_loss = self._aux_losses(logits_TE, ids_TK, num_sequences, counting, losses, token_group,
                                     stats)
-        if o.z_loss_coeff > 0:
+        if o.z_loss_coeff > 0 and WL.z_loss_applies(logits_TE):
+            # The composition below in one Function over workspace buffers (issue 7).
+            aux_loss, losses["z_loss"] = WL.add_z_loss(aux_loss, logits_TE, o.z_loss_coeff)
+        elif o.z_loss_coeff > 0:
             z = R.z_loss(logits_TE)
             losses["z_loss"] = z.detach().float()
             aux_loss = aux_loss + o.z_loss_coeff * z
         if dropped_TK is not None:
-            losses["dropped_fraction"] = dropped_TK.float().mean() if T else torch.zeros(())
+            losses["dropped_fraction"] = R.dropped_fraction(dropped_TK) if T else torch.zeros(())
         # 6. step counts for the expert-bias update
         if counting and self.step_counts_E is not None:
             with torch.no_grad():
                 self.step_counts_E += R.expert_counts(ids_TK, E, None if dropped_TK is None
-                                                      else ~dropped_TK)
+                                                      else R.kept(dropped_TK))
         return RouterOutput(probs_TK=probs_TK.float(), ids_TK=ids_TK, aux_loss=aux_loss.float(),
                             logits_TE=logits_TE.float(), losses=losses, dropped_TK=dropped_TK,
                             capacity=capacity if o.pad_to_capacity else None,
@@ -288,14 +293,22 @@ class TopKRouter(Router):
         ``stats``: the fused router's per-sequence means and counts (else computed here)."""
         active = self._active_aux_losses()
         T, K, E = ids_TK.shape[0], self.top_k, self.num_experts
-        if (stats is not None and list(active) == ["aux_loss"] and T > 0
+        if (stats is not None and T > 0
                 and (token_group is None or dist.get_world_size(token_group) == 1)):
-            # The common case in one autograd Function over workspace buffers: the same numbers
-            # as the general path below, no allocation after warm-up (issue 7).
-            total, value = R.switch_aux_loss_from_stats(stats.mean_BE, stats.counts_BE, T, K,
-                                                        active["aux_loss"])
-            losses["aux_loss"] = value
+            # One autograd Function over workspace buffers: the same numbers as the general
+            # path below, no allocation after warm-up (issue 7).
+            acc_counts_E, acc_tokens = None, 0
+            if "global_aux_loss" in active:
+                counts_E = torch.sum(stats.counts_BE, 0,
+                                     out=workspace.empty((E,), stats.counts_BE.dtype))
+                acc_counts_E, acc_tokens = self._accumulate_global(counts_E, T, counting)
+            total, values = WL.aux_losses_from_stats(
+                stats.mean_BE, stats.counts_BE, T, K, list(active.items()),
+                acc_counts_E, acc_tokens)
+            losses.update(values)
             return total
+        if not active and logits_TE.device.type == "cpu":
+            return workspace.empty((), logits_TE.dtype).zero_()  # new_zeros, from the arena
         total = logits_TE.new_zeros(())
         if not active or T == 0:
             return total
@@ -327,24 +340,34 @@ class TopKRouter(Router):
                 value = R.seq_aux_loss_from_stats(stats.mean_BE, stats.counts_BE, S, K,
                                                   token_group)
             else:
-                acc_counts_E, acc_tokens = counts_E, T
-                if self.global_counts_E is not None and recomputing():
-                    # The counts already hold this micro-batch: replay the forward's values
-                    # (backward runs micro-batches in forward order, also under 1F1B).
-                    acc_counts_E, acc_tokens = self._replay.pop(0)
-                elif self.global_counts_E is not None:
-                    acc_counts_E = self.global_counts_E + counts_E
-                    acc_tokens = int(self.global_tokens) + T
-                    if counting:
-                        with torch.no_grad():
-                            self.global_counts_E.copy_(acc_counts_E)
-                            self.global_tokens += T
-                        if will_recompute():
-                            self._replay.append((acc_counts_E, acc_tokens))
-                value = switch(acc_counts_E, acc_tokens)
+                value = switch(*self._accumulate_global(counts_E, T, counting))
             losses[loss_type] = value.detach().float()
             total = total + coeff * value
         return total
+
+    @torch.no_grad()
+    def _accumulate_global(self, counts_E: torch.Tensor, T: int, counting: bool
+                           ) -> tuple[torch.Tensor, int]:
+        """The global aux loss's (counts, tokens) so far this step, this micro-batch's
+        included; counted into the step's buffers when ``counting``."""
+        if self.global_counts_E is None:
+            return counts_E, T
+        if recomputing():
+            # The counts already hold this micro-batch: replay the forward's values
+            # (backward runs micro-batches in forward order, also under 1F1B).
+            return self._replay.pop(0)
+        if counts_E.device.type == "cpu":  # into the layer's arena (no allocation)
+            acc_counts_E = torch.add(self.global_counts_E, counts_E,
+                                     out=workspace.empty(tuple(counts_E.shape), counts_E.dtype))
+        else:
+            acc_counts_E = self.global_counts_E + counts_E
+        acc_tokens = int(self.global_tokens) + T
+        if counting:
+            self.global_counts_E.copy_(acc_counts_E)
+            self.global_tokens.fill_(acc_tokens)
+            if will_recompute():
+                self._replay.append((acc_counts_E, acc_tokens))
+        return acc_counts_E, acc_tokens
 
     @torch.no_grad()
     def finalize_step(self, group=None) -> None:

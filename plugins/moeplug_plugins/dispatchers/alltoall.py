@@ -37,7 +37,8 @@ from moeplug.ops import permute, permute_probs, unpermute
 from moeplug.parallel import comm
 from moeplug.quant import active_recipe
 from moeplug.quant.wire import quantized_exchange
-from moeplug.routing import append_sink_rows, pad_rows, padded_counts, sink_dropped, unpad_rows
+from moeplug.routing import (append_sink_rows, first_rows, pad_rows, padded_counts,
+                             sink_dropped, unpad_rows)
 from moeplug_plugins.dispatchers import _ep_comm
 from moeplug_plugins.dispatchers._group import ep_layout
 
@@ -115,7 +116,7 @@ class AlltoAllDispatcher(Dispatcher):
         S = x_RD.shape[0] - num_sink
         x_SD, probs_S = x_RD, probs_R
         if num_sink:  # a slice's backward zero-fills and copies the whole buffer: only if needed
-            x_SD, probs_S = x_RD[:S], probs_R[:S]
+            x_SD, probs_S = first_rows(x_RD, S), first_rows(probs_R, S)
         return x_SD, probs_S, row_map_TK, counts[:E], num_sink
 
     def _sort_and_pad(self, x_SD: torch.Tensor, probs_S: torch.Tensor, meta: AlltoAllMeta,
