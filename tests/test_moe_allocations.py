@@ -106,26 +106,25 @@ def test_the_counter_sees_each_router_features_allocations_when_the_arenas_are_o
     # The same run with the arenas off: the feature's Function allocates in forward and
     # backward again, and the counter must say so (else the test above proves nothing).
     options, function, *moe = ROUTER_FEATURES[feature]
-    model, step = _setup(True, router_options=options, moe_options=moe[0] if moe else None)
-    for m in model.modules():
-        if isinstance(m, MoELayer):
-            m.workspace = None
-    for _ in range(2):
-        step()
-    report = moe_path_allocations(model, step)
+    report = _allocations_without_arenas(options, moe[0] if moe else None)
     assert any(function in k for k in report.where), report.describe()
     assert any(function + "Backward" in k for k in report.where), report.describe()
     if feature == "expert_bias":
         # Without the bias, the same run's count: the step counts' two buffers (ones, counts)
         # per layer and micro-batch are what the bias adds.
-        model, step = _setup(True, router_options={**options, "enable_expert_bias": False})
-        for m in model.modules():
-            if isinstance(m, MoELayer):
-                m.workspace = None
-        for _ in range(2):
-            step()
-        base = moe_path_allocations(model, step)
+        base = _allocations_without_arenas({**options, "enable_expert_bias": False}, None)
         assert report.count == base.count + 2 * 2 * 2, (base.describe(), report.describe())
+
+
+def _allocations_without_arenas(router_options: dict, moe_options: dict | None):
+    """The MoE path's allocations in a step after two warm-up steps, every layer's arena off."""
+    model, step = _setup(True, router_options=router_options, moe_options=moe_options)
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.workspace = None
+    for _ in range(2):
+        step()
+    return moe_path_allocations(model, step)
 
 
 def test_capacity_probs_policy_allocates_only_inside_the_sort():
