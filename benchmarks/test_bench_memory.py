@@ -1,9 +1,9 @@
 """Memory levers at the standard MoE shape: peak memory and step time of each vs the baseline.
 
 Model: 2 MoE blocks at the standard shape (D=1024, F=1408, E=16, top-4, SwiGLU, gqa 8 heads),
-T = B*S tokens per step (512; MOEPLUG_BENCH_SEQ=2048 gives the issue's standard 4096, which the
-shared 2-core machine times in reasonable time only for a few levers: pick them with
-MOEPLUG_BENCH_LEVERS, a comma-separated list of the names below, whose references are added),
+T = B*S tokens per step (512; MOEPLUG_BENCH_SEQ=2048 gives the issue's standard 4096: every
+lever in ~6 minutes on a quiet 2-core machine, far longer under load; MOEPLUG_BENCH_LEVERS picks
+a comma-separated subset of the names below, whose references are added),
 vocabulary 512. MOEPLUG_BENCH_REPEATS sets the timed rounds (3). One model; each lever switches
 on it, the baseline with one change:
     recompute <names>   model.recompute selective
