@@ -134,7 +134,7 @@ class MoELayer(nn.Module):
             with stage("experts"):
                 y_TD, counts_E = self._static_stages(x_TD, routing, sync_free)
             if self.shared is not None:
-                y_TD = add_shared(y_TD, self.shared(x_TD))                       # 5. shared, 6. sum
+                y_TD = add_shared(y_TD, self.shared(x_TD))            # 5. shared, 6. sum
         # Fewer tokens than chunks (a decode step): unchunked. Every EP rank holds the same T,
         # so all of them take the same branch and issue the same collectives.
         elif 1 < self.overlap_chunks <= x_TD.shape[0]:                # 2.-6. pipelined
@@ -150,7 +150,7 @@ class MoELayer(nn.Module):
                 y_TD = self.dispatcher.combine(y_SD, d.meta)          # 4. combine
             counts_E = self._host_counts(routing)
             if self.shared is not None:
-                y_TD = add_shared(y_TD, self.shared(x_TD))                       # 5. shared, 6. sum
+                y_TD = add_shared(y_TD, self.shared(x_TD))            # 5. shared, 6. sum
         y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
         return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
                          counts_E, dict(routing.losses))
@@ -159,14 +159,10 @@ class MoELayer(nn.Module):
         # On the host, like the dispatcher's counts_L: these are logged, never differentiated.
         # Choices dropped by capacity reach no expert, so they are not counted.
         ids = routing.ids_TK.reshape(-1).detach()
-        if routing.dropped_TK is None and ids.device.type == "cpu":
-            # bincount's numbers, into workspace buffers (no allocation after warm-up).
-            ones = workspace.empty((ids.numel(),), ids.dtype).fill_(1)
-            counts_E = workspace.empty((self.router.num_experts,), ids.dtype).zero_()
-            return counts_E.scatter_add_(0, ids, ones)
-        if routing.dropped_TK is not None and ids.device.type == "cpu":
-            # The same counts, the dropped choices left out (from the arena: no allocation).
-            return expert_counts(ids, self.router.num_experts, kept(routing.dropped_TK))
+        if ids.device.type == "cpu":
+            # bincount's numbers, dropped choices left out, from the arena (no allocation).
+            keep = None if routing.dropped_TK is None else kept(routing.dropped_TK)
+            return expert_counts(ids, self.router.num_experts, keep)
         if routing.dropped_TK is not None:
             ids = ids[~routing.dropped_TK.reshape(-1)]
         return torch.bincount(ids.cpu(), minlength=self.router.num_experts)

@@ -134,7 +134,6 @@ def aux_losses_from_stats(mean_BE: torch.Tensor, counts_BE: torch.Tensor, num_to
     return out[0], {t: v for (t, _), v in zip(terms, out[1:])}
 
 
-
 class _AddZLoss(torch.autograd.Function):
     """``(total + coeff * z_loss(logits_TE), z_loss(logits_TE))``. Forward repeats torch's CPU
     logsumexp (amax, non-finite maxima set to 0, sum of exp(x - max), log, + max), square
