@@ -207,6 +207,19 @@ def test_gate_gemm_matches_autograd_of_the_matmul_bitwise():
     assert torch.equal(ours, ref) and torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
 
 
+@pytest.mark.parametrize("terms, acc, words", [
+    ([("z_loss", 1e-3)], None, ["loss type 'z_loss' unknown", "Fix: use one of aux_loss"]),
+    ([("global_aux_loss", 1e-2)], None, ["global_aux_loss needs acc_counts_E",
+                                          "Fix: pass the step's accumulated expert counts"]),
+])
+def test_aux_losses_from_stats_refuses_bad_terms_naming_the_fix(terms, acc, words):
+    mean_BE, counts_BE = torch.rand(1, 8), torch.randint(0, 5, (1, 8))
+    with workspace.arena_scope(workspace.Arena()), pytest.raises(ValueError) as e:
+        WL.aux_losses_from_stats(mean_BE, counts_BE, 16, 2, terms, acc)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("B, E", [(1, 8), (1, 64), (3, 16)])
 def test_aux_loss_from_stats_matches_the_torch_composition_bitwise(B, E):
     g = torch.Generator().manual_seed(E)
