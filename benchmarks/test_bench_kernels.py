@@ -61,7 +61,9 @@ def test_unpermute(benchmark, report, dtype_name):
     }, repeats=7)
     nbytes = S * D * y_SD.element_size()
     name = f"unpermute {dtype_name}"
-    report.row(name, "speed vs memcpy", times["memcpy"] / times["kernel"],
+    # Issue 7's target (bf16; fp32 holds it too): the combine reads the expert outputs at >= 60 %
+    # of a plain copy's bandwidth.
+    report.row(name, "speed vs memcpy", times["memcpy"] / times["kernel"], target=0.60,
                note=f"{gbytes_per_s(nbytes, times['kernel']):.1f} GB/s read")
     report.row(name, "speedup vs torch ref", times["reference"] / times["kernel"])
     benchmark.extra_info.update({k: v * 1e3 for k, v in times.items()})

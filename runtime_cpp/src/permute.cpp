@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moeplug/thread_pool.h"
+#include "moeplug/vec16.h"
 
 namespace moeplug {
 
@@ -48,10 +49,10 @@ void check_row_map(const char* op, const int64_t* row_map_TK, int64_t T, int64_t
 }
 
 // y_TD rows for tokens [t0, t1): acc = sum_k p * y_SD[row], accumulated in fp32 (k in order).
-// D is walked in fixed blocks of kSumBlock columns whose accumulators stay in registers (4 zmm
-// / 8 ymm): each source row is read once, and the output is written once, converted. A
-// [D]-float accumulator in memory instead costs a load and a store per column and k, and made
-// bf16 unpermute run at 0.44 of memcpy.
+// D is walked in blocks of kSumBlock columns held in four 16-lane registers: each source row is
+// read once, and the output is written once, converted. Written with vec16.h's vector types:
+// as a plain loop over a float[64] block, GCC scalarised the block for the first k rows (an
+// unroll-and-jam it chose), and bf16 unpermute ran at 0.3 of memcpy, no faster than fp32.
 constexpr int64_t kSumBlock = 64;
 
 template <class T_>
@@ -62,16 +63,28 @@ MOEPLUG_INLINE void gather_sum_rows(const T_* y_SD, const int64_t* row_map_TK, c
     for (int64_t k = 0; k < K; ++k) src_K[k] = y_SD + row_map_TK[t * K + k] * D;
     const float* p_K = probs_TK ? probs_TK + t * K : nullptr;
     T_* __restrict dst = y_TD + t * D;
+    // The next token's rows are elsewhere in y_SD (no hardware prefetcher guesses the jump):
+    // ask for the same block of them while this block's sums run.
+    const int64_t* next_K = t + 1 < t1 ? row_map_TK + (t + 1) * K : nullptr;
     int64_t d0 = 0;
     for (; d0 + kSumBlock <= D; d0 += kSumBlock) {
-      float acc[kSumBlock];
-      for (int64_t i = 0; i < kSumBlock; ++i) acc[i] = 0.0f;
+      v16f a0{}, a1{}, a2{}, a3{};
       for (int64_t k = 0; k < K; ++k) {
-        const T_* __restrict src = src_K[k] + d0;
-        const float p = p_K ? p_K[k] : 1.0f;
-        for (int64_t i = 0; i < kSumBlock; ++i) acc[i] += p * load_f32(src, i);
+        const T_* src = src_K[k] + d0;
+        if (next_K) {
+          const char* nxt = reinterpret_cast<const char*>(y_SD + next_K[k] * D + d0);
+          for (size_t off = 0; off < kSumBlock * sizeof(T_); off += 64) __builtin_prefetch(nxt + off);
+        }
+        const v16f p = splat16(p_K ? p_K[k] : 1.0f);
+        a0 += p * load16(src);
+        a1 += p * load16(src + 16);
+        a2 += p * load16(src + 32);
+        a3 += p * load16(src + 48);
       }
-      for (int64_t i = 0; i < kSumBlock; ++i) store_f32(dst, d0 + i, acc[i]);
+      store16(dst + d0, a0);
+      store16(dst + d0 + 16, a1);
+      store16(dst + d0 + 32, a2);
+      store16(dst + d0 + 48, a3);
     }
     for (int64_t d = d0; d < D; ++d) {  // the tail, column by column
       float acc = 0.0f;
