@@ -12,7 +12,8 @@
 #include "moeplug/dtype.h"
 
 // The helpers below are always_inline into the target_clones bodies, so no v16f ever crosses a
-// call boundary; GCC's note that passing one by value would change the ABI does not apply.
+// call boundary; GCC's note that passing one by value would change the ABI does not apply. It
+// is given where the helpers are used too, so the pragma stays on for the including file.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace moeplug {
