@@ -20,19 +20,36 @@ from typing import Any, Callable
 import pytest
 
 
-def interleave(candidates: dict[str, Callable[[], Any]], repeats: int = 5,
-               warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each candidate, timed round-robin ``repeats`` times."""
+def interleave_samples(candidates: dict[str, Callable[[], Any]], repeats: int = 5,
+                       warmup: int = 1) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each candidate timed round-robin ``repeats`` times: per-round wall seconds and process
+    CPU seconds (all threads, user + sys). Round r of every candidate ran in the same stretch of
+    time, so ratios of round-r samples pair up; CPU time does not count the time this process
+    sat descheduled while another one ran, which moves wall time most on a shared machine."""
     for _ in range(warmup):
         for fn in candidates.values():
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    wall: dict[str, list[float]] = {name: [] for name in candidates}
+    cpu: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
-            start = time.perf_counter()
+            c0, w0 = time.process_time(), time.perf_counter()
             fn()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(s) for name, s in samples.items()}
+            wall[name].append(time.perf_counter() - w0)
+            cpu[name].append(time.process_time() - c0)
+    return wall, cpu
+
+
+def interleave(candidates: dict[str, Callable[[], Any]], repeats: int = 5,
+               warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each candidate, timed round-robin ``repeats`` times."""
+    wall, _ = interleave_samples(candidates, repeats, warmup)
+    return {name: statistics.median(s) for name, s in wall.items()}
+
+
+def paired_ratios(samples: dict[str, list[float]], name: str, ref: str) -> list[float]:
+    """Round-by-round ratios of ``name`` to ``ref`` (both from one interleave_samples run)."""
+    return [a / b for a, b in zip(samples[name], samples[ref])]
 
 
 def gflops(flop: float, seconds: float) -> float:

@@ -17,8 +17,10 @@ Per lever, in an untimed pass: the peak bytes held for backward (ActivationMeter
 saves, parameters excluded; offloaded tensors are not held) and the process's resident peak
 over one step above its resident size before it (VmHWM, reset first; the workspace cache
 cleared, so buffers a lever frees are not counted as held). Step time: forward + backward +
-AdamW step, interleaved round-robin (medians), as a ratio to the baseline timed in the same run
-("bf16 master" to "bf16 autocast"). Memory-efficient permutation has no switch (the permuted
+AdamW step, interleaved round-robin, as per-round ratios to the baseline timed in the same round
+("bf16 master" to "bf16 autocast"): the wall-time median, and the process CPU time's median
+and range. The baseline is timed twice per round; its ratio to itself is the run's noise band,
+and a lever's cost is stated only when all its rounds lie outside that band. Memory-efficient permutation has no switch (the permuted
 rows are always kept unweighted, tests/test_memory.py); the row it saves, one [T*K, D] fp32
 copy per MoE layer, is printed as arithmetic.
 
@@ -32,11 +34,12 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import tempfile
 
 import torch
 
-from benchmarks.conftest import interleave
+from benchmarks.conftest import interleave, interleave_samples, paired_ratios
 from moeplug.config import (ModelConfig, MoEConfig, RecomputeConfig, RootConfig, RuntimeSection,
                             TrainConfig)
 from moeplug.modules import build_model
@@ -95,6 +98,19 @@ def _recompute_cfg(lever: dict) -> RecomputeConfig:
     if "modules" in lever:
         return RecomputeConfig(granularity="selective", modules=lever["modules"])
     return RecomputeConfig(granularity=lever.get("granularity", "none"))
+
+
+AGAIN = "baseline (again)"
+
+
+def _verdict(ratios: list[float], noise: list[float]) -> str:
+    """A lever's per-round CPU-time ratios against the baseline-vs-itself band of the same run:
+    a cost only when every round lies outside the band (3 rounds: no single lucky sample)."""
+    if min(ratios) > max(noise):
+        return f"+{(statistics.median(ratios) - 1) * 100:.0f} %"
+    if max(ratios) < min(noise):
+        return f"{(statistics.median(ratios) - 1) * 100:.0f} %"
+    return "noise"
 
 
 def _rss() -> int:
@@ -169,8 +185,14 @@ def test_memory_levers(report):
         params = list(mdl.parameters())
         peaks[name], opt_bytes[name] = meter.peak, tensor_bytes(optimizer_tensors(opt))
         wg_bytes[name] = tensor_bytes(params) + tensor_bytes(p.grad for p in params)
-    times = interleave({name: (lambda lv=lever: one_step(lv)) for name, lever in levers.items()},
-                       repeats=repeats, warmup=0)
+    # The baseline timed twice per round: how far two runs of the same step drift apart in this
+    # run is the noise band a lever's step-time cost must leave to count as a cost.
+    timed = {**levers, AGAIN: levers["baseline"]}
+    wall, cpu = interleave_samples({name: (lambda lv=lever: one_step(lv))
+                                    for name, lever in timed.items()}, repeats=repeats, warmup=0)
+    times = {name: statistics.median(s) for name, s in wall.items()}
+    noise = {kind: paired_ratios(samples, AGAIN, "baseline")
+             for kind, samples in (("wall", wall), ("cpu", cpu))}
     base = peaks["baseline"]
     mib = 2 ** 20
     print(f"\nT = {B * S} tokens, 2 MoE blocks (D {D}, F {F}, E {E}, top-{K}); baseline "
@@ -179,21 +201,31 @@ def test_memory_levers(report):
           "weights + grads + optimizer bytes below the lever's reference's")
     print(f"{'lever':<28} {'held MiB':>9} {'saved MiB':>10} {'RSS peak MiB':>13} "
           f"{'weights+grads MiB':>18} {'optimizer MiB':>14} {'state saved MiB':>16} "
-          f"{'step time x':>12}  vs")
+          f"{'step time x':>12} {'CPU time x [range]':>20} {'cost':>12}  vs")
     section = f"memory levers T={B * S}"
     for name in levers:
         ref = _reference(name)
-        ratio = times[name] / times[ref]
+        ratio = statistics.median(paired_ratios(wall, name, ref))
+        cpu_r = paired_ratios(cpu, name, ref)
+        verdict = _verdict(cpu_r, noise["cpu"]) if name != ref else ""
         saved = base - peaks[name]
         state_saved = (wg_bytes[ref] + opt_bytes[ref]) - (wg_bytes[name] + opt_bytes[name])
+        cpu_txt = f"{statistics.median(cpu_r):.2f} [{min(cpu_r):.2f}-{max(cpu_r):.2f}]"
         print(f"{name:<28} {peaks[name] / mib:>9.1f} {saved / mib:>10.1f} "
               f"{rss[name] / mib:>13.1f} {wg_bytes[name] / mib:>18.1f} "
-              f"{opt_bytes[name] / mib:>14.1f} {state_saved / mib:>16.1f} {ratio:>12.2f}  {ref}")
+              f"{opt_bytes[name] / mib:>14.1f} {state_saved / mib:>16.1f} {ratio:>12.2f} "
+              f"{cpu_txt:>20} {verdict:>12}  {ref}")
         report.row(section, f"{name} held", peaks[name] / base, "x",
                    note=f"{saved / mib:.1f} MiB saved")
         report.row(section, f"{name} RSS peak", rss[name] / rss["baseline"], "x",
                    note=f"{(rss['baseline'] - rss[name]) / mib:.1f} MiB saved")
         report.row(section, f"{name} step time", ratio, "x", note=f"vs {ref}")
+        report.row(section, f"{name} step CPU time", statistics.median(cpu_r), "x",
+                   note=f"vs {ref}, rounds {min(cpu_r):.2f}-{max(cpu_r):.2f}: {verdict}")
+    lo, hi = min(noise["cpu"]), max(noise["cpu"])
+    print(f"noise: the baseline against itself, per round: CPU time {lo:.2f}-{hi:.2f}, wall "
+          f"{min(noise['wall']):.2f}-{max(noise['wall']):.2f}. cost = every round of the lever "
+          f"above {hi:.2f} (a real cost), below {lo:.2f} (faster), else within noise")
     perm = 2 * B * S * K * D * 4
     print(f"memory-efficient permutation: the unkept weighted copy is {perm / mib:.1f} MiB "
           f"(2 layers x T*K x D fp32)")
