@@ -18,6 +18,8 @@ import math
 import torch
 
 from moeplug.ops import workspace
+from moeplug.ops._checks import ptr
+from moeplug.runtime import get_runtime
 
 DROP_POLICIES = ("probs", "position")
 
@@ -37,7 +39,7 @@ def drop_over_capacity(probs_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts
     if capacity >= T or T == 0:  # an expert can receive at most T choices: nothing can drop
         return probs_TK, torch.zeros_like(ids_TK, dtype=torch.bool)
     if ids_TK.device.type == "cpu" and probs_TK.device.type == "cpu":
-        # The same ops in out=/in-place forms over the running MoE layer's arena (issue 7).
+        # The runtime's kernel over the running MoE layer's arena (issue 7).
         dropped_TK = _dropped_in_workspace(probs_TK, ids_TK, num_experts, capacity, policy)
     else:
         dropped_TK = _dropped_by_torch(probs_TK, ids_TK, num_experts, capacity, policy)
@@ -64,27 +66,27 @@ def _dropped_by_torch(probs_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts:
 
 def _dropped_in_workspace(probs_TK: torch.Tensor, ids_TK: torch.Tensor, num_experts: int,
                           capacity: int, policy: str) -> torch.Tensor:
-    """:func:`drop_over_capacity`'s ``dropped_TK`` (CPU), every buffer from the workspace.
-    Integer and boolean results, and a stable sort of the same keys: exactly the same."""
+    """:func:`drop_over_capacity`'s ``dropped_TK`` (CPU) from the runtime's kernel, every buffer
+    from the running layer's workspace: no allocation (torch.sort's CPU kernel made its own
+    index range even with ``out=``). Integer and boolean results, the same selection as the
+    torch path's stable sort: exactly equal (tests/test_capacity*.py)."""
     T, K = ids_TK.shape
     ws = workspace.empty
-    chosen_TE = ws((T, num_experts), torch.bool).zero_().scatter_(1, ids_TK, True)
-    rank_TE = ws((T, num_experts), torch.int64)
-    if policy == "position":
-        # cumsum - 1 >= C  <=>  cumsum >= C + 1 (integers; cumsum of int32 counts in int64)
-        rank_TE.copy_(chosen_TE).cumsum_(0)
-        threshold = capacity + 1
-    else:
-        key_TE = ws((T, num_experts), torch.float64).fill_(-1.0)
-        key_TE.scatter_(1, ids_TK, ws((T, K), torch.float64).copy_(probs_TK.detach()))
-        order_TE = ws((T, num_experts), torch.int64)
-        torch.sort(key_TE, dim=0, descending=True, stable=True,
-                   out=(ws((T, num_experts), torch.float64), order_TE))
-        position_T1 = torch.arange(T, out=ws((T,), torch.int64)).unsqueeze(1)
-        rank_TE.scatter_(0, order_TE, position_T1.expand(T, num_experts))
-        threshold = capacity
-    ranks_TK = torch.gather(rank_TE, 1, ids_TK, out=ws((T, K), torch.int64))
-    return torch.ge(ranks_TK, threshold, out=ws((T, K), torch.bool))
+    by_probs = policy == "probs"
+    probs32 = None
+    if by_probs:
+        probs32 = probs_TK.detach()
+        if probs32.dtype != torch.float32 or not probs32.is_contiguous():
+            probs32 = ws((T, K), torch.float32).copy_(probs32)
+    ids = ids_TK if ids_TK.dtype == torch.int64 and ids_TK.is_contiguous() else \
+        ws((T, K), torch.int64).copy_(ids_TK)
+    dropped_TK = ws((T, K), torch.bool)
+    scratch = ws((T * K + num_experts + 1,), torch.int64)
+    get_runtime().drop_over_capacity(
+        probs=ptr(probs32), ids=ids.data_ptr(), num_tokens=T, top_k=K, num_experts=num_experts,
+        capacity=capacity, by_probs=by_probs, scratch=scratch.data_ptr(),
+        dropped=dropped_TK.data_ptr())
+    return dropped_TK
 
 
 class _ZeroDropped(torch.autograd.Function):

@@ -3,12 +3,13 @@
 #include "register.h"
 
 PYBIND11_MODULE(_runtime_core, m) {
-  m.doc() = "moeplug C++ runtime core: thread pool, streams/events, permute/unpermute, "
+  m.doc() = "moeplug C++ runtime core: thread pool, streams/events, permute/unpermute, capacity dropping, "
           "fused SwiGLU, fused top-k routing, paged stash pool + layer registry, "
           "shared-memory heap, file-backed spill tier, fused AdamW + bf16 stochastic rounding";
   moeplug::py_bind::register_runtime(m);
   moeplug::py_bind::register_stream(m);  // before the kernels: they add Stream.enqueue_*
   moeplug::py_bind::register_permute(m);
+  moeplug::py_bind::register_capacity(m);
   moeplug::py_bind::register_swiglu(m);
   moeplug::py_bind::register_route(m);
   moeplug::py_bind::register_stash(m);

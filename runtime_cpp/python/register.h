@@ -14,6 +14,7 @@ namespace moeplug::py_bind {
 void register_runtime(pybind11::module_& m);
 void register_stream(pybind11::module_& m);
 void register_permute(pybind11::module_& m);
+void register_capacity(pybind11::module_& m);
 void register_swiglu(pybind11::module_& m);
 void register_route(pybind11::module_& m);
 void register_stash(pybind11::module_& m);

@@ -2,6 +2,7 @@
 //   cmake -S . -B build/cpp-tests -DMOEPLUG_BUILD_TESTS=ON -DMOEPLUG_BUILD_PYTHON=OFF
 //   cmake --build build/cpp-tests -j2 && ctest --test-dir build/cpp-tests
 // Each check compares a kernel against a naive loop written here.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "check.h"
+#include "moeplug/capacity.h"
 #include "moeplug/permute.h"
 #include "moeplug/swiglu.h"
 #include "moeplug/thread_pool.h"
@@ -99,11 +101,51 @@ void test_swiglu_matches_naive() {
                           std::to_string(worst));
 }
 
+// Against a naive rank count: a choice of expert e is kept iff fewer than C other choices of e
+// come before it (larger prob, or equal prob and earlier).
+void test_capacity_matches_naive_ranks() {
+  const int64_t T = 300, K = 3, E = 7, C = 40;
+  std::vector<int64_t> ids(T * K);
+  std::vector<float> p(T * K);
+  std::mt19937 rng(3);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int64_t> all(E);
+    for (int64_t e = 0; e < E; ++e) all[e] = e;
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int64_t k = 0; k < K; ++k) {
+      ids[t * K + k] = all[k];
+      p[t * K + k] = float(rng() % 5) / 4.0f;  // many ties
+    }
+  }
+  std::vector<int64_t> scratch(T * K + E + 1);
+  std::vector<uint8_t> dropped(T * K);
+  for (const bool by_probs : {true, false}) {
+    moeplug::drop_over_capacity(p.data(), ids.data(), T, K, E, C, by_probs, scratch.data(),
+                                dropped.data());
+    int64_t wrong = 0, num_dropped = 0;
+    for (int64_t i = 0; i < T * K; ++i) {
+      int64_t ahead = 0;
+      for (int64_t j = 0; j < T * K; ++j) {
+        if (ids[j] != ids[i] || j == i) continue;
+        const bool earlier = j < i;
+        ahead += by_probs ? (p[j] > p[i] || (p[j] == p[i] && earlier)) : earlier;
+      }
+      wrong += (ahead >= C) != bool(dropped[i]);
+      num_dropped += dropped[i];
+    }
+    check(wrong == 0 && num_dropped > 0,
+          std::string("drop_over_capacity ") + (by_probs ? "probs" : "position") +
+              " policy keeps exactly the first C by rank; wrong " + std::to_string(wrong) +
+              ", dropped " + std::to_string(num_dropped));
+  }
+}
+
 }  // namespace
 
 int main() {
   test_parallel_for_covers_range_once();
   test_permute_matches_naive();
   test_swiglu_matches_naive();
+  test_capacity_matches_naive_ranks();
   return moeplug_test::report("moeplug core");
 }
