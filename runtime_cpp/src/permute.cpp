@@ -48,38 +48,39 @@ void check_row_map(const char* op, const int64_t* row_map_TK, int64_t T, int64_t
   }
 }
 
-// y_TD rows for tokens [t0, t1): acc = sum_k p * y_SD[row], accumulated in fp32 (k in order).
-// D is walked in blocks of kSumBlock columns held in four 16-lane registers: each source row is
-// read once, and the output is written once, converted. Written with vec16.h's vector types:
-// as a plain loop over a float[64] block, GCC scalarised the block for the first k rows (an
-// unroll-and-jam it chose), and bf16 unpermute ran at 0.3 of memcpy, no faster than fp32.
+// Rows for tokens [t0, t1) (weighted_row_sums). D is walked in blocks of kSumBlock columns
+// held in four 16-lane registers: each source row is read once, and the output is written once,
+// converted. Written with vec16.h's vector types: as a plain loop over a float[64] block, GCC
+// scalarised the block for the first k rows (an unroll-and-jam it chose), and bf16 unpermute
+// ran at 0.3 of memcpy, no faster than fp32; the direct-write combine's [D]-float accumulator
+// in memory cost a load and a store per column and k.
 constexpr int64_t kSumBlock = 64;
 
 template <class T_>
-MOEPLUG_INLINE void gather_sum_rows(const T_* y_SD, const int64_t* row_map_TK, const float* probs_TK,
-                                    int64_t t0, int64_t t1, int64_t K, int64_t D,
-                                    const T_** src_K, T_* y_TD) {
+MOEPLUG_INLINE void sum_rows(const T_* rows, const int64_t* row_map_TK, const float* w_TK,
+                             int64_t t0, int64_t t1, int64_t K, int64_t D, T_* y_TD) {
   for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t k = 0; k < K; ++k) src_K[k] = y_SD + row_map_TK[t * K + k] * D;
-    const float* p_K = probs_TK ? probs_TK + t * K : nullptr;
+    const int64_t* r_K = row_map_TK + t * K;
+    const float* w_K = w_TK ? w_TK + t * K : nullptr;
     T_* __restrict dst = y_TD + t * D;
-    // The next token's rows are elsewhere in y_SD (no hardware prefetcher guesses the jump):
+    // The next token's rows are elsewhere in rows (no hardware prefetcher guesses the jump):
     // ask for the same block of them while this block's sums run.
-    const int64_t* next_K = t + 1 < t1 ? row_map_TK + (t + 1) * K : nullptr;
+    const int64_t* next_K = t + 1 < t1 ? r_K + K : nullptr;
     int64_t d0 = 0;
     for (; d0 + kSumBlock <= D; d0 += kSumBlock) {
       v16f a0{}, a1{}, a2{}, a3{};
       for (int64_t k = 0; k < K; ++k) {
-        const T_* src = src_K[k] + d0;
-        if (next_K) {
-          const char* nxt = reinterpret_cast<const char*>(y_SD + next_K[k] * D + d0);
+        if (next_K && next_K[k] >= 0) {
+          const char* nxt = reinterpret_cast<const char*>(rows + next_K[k] * D + d0);
           for (size_t off = 0; off < kSumBlock * sizeof(T_); off += 64) __builtin_prefetch(nxt + off);
         }
-        const v16f p = splat16(p_K ? p_K[k] : 1.0f);
-        a0 += p * load16(src);
-        a1 += p * load16(src + 16);
-        a2 += p * load16(src + 32);
-        a3 += p * load16(src + 48);
+        if (r_K[k] < 0) continue;
+        const T_* src = rows + r_K[k] * D + d0;
+        const v16f w = splat16(w_K ? w_K[k] : 1.0f);
+        a0 += w * load16(src);
+        a1 += w * load16(src + 16);
+        a2 += w * load16(src + 32);
+        a3 += w * load16(src + 48);
       }
       store16(dst + d0, a0);
       store16(dst + d0 + 16, a1);
@@ -88,21 +89,12 @@ MOEPLUG_INLINE void gather_sum_rows(const T_* y_SD, const int64_t* row_map_TK, c
     }
     for (int64_t d = d0; d < D; ++d) {  // the tail, column by column
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += (p_K ? p_K[k] : 1.0f) * load_f32(src_K[k], d);
+      for (int64_t k = 0; k < K; ++k) {
+        if (r_K[k] >= 0) acc += (w_K ? w_K[k] : 1.0f) * load_f32(rows + r_K[k] * D, d);
+      }
       store_f32(dst, d, acc);
     }
   }
-}
-
-MOEPLUG_MULTIVERSION void gather_sum_f32(const float* y, const int64_t* rm, const float* p,
-                                         int64_t t0, int64_t t1, int64_t K, int64_t D,
-                                         const float** src, float* out) {
-  gather_sum_rows(y, rm, p, t0, t1, K, D, src, out);
-}
-MOEPLUG_MULTIVERSION void gather_sum_bf16(const uint16_t* y, const int64_t* rm, const float* p,
-                                          int64_t t0, int64_t t1, int64_t K, int64_t D,
-                                          const uint16_t** src, uint16_t* out) {
-  gather_sum_rows(y, rm, p, t0, t1, K, D, src, out);
 }
 
 // For tokens [t0, t1): grad_y_SD[row] = p * g[t]; grad_p[t, k] = dot(g[t], y_SD[row]).
@@ -144,6 +136,17 @@ MOEPLUG_MULTIVERSION void scatter_bf16(const uint16_t* g, const uint16_t* y, con
 }
 
 }  // namespace
+
+MOEPLUG_MULTIVERSION void weighted_row_sums(const float* rows, const int64_t* row_map_TK,
+                                            const float* w_TK, int64_t t0, int64_t t1, int64_t K,
+                                            int64_t D, float* y_TD) {
+  sum_rows(rows, row_map_TK, w_TK, t0, t1, K, D, y_TD);
+}
+MOEPLUG_MULTIVERSION void weighted_row_sums(const uint16_t* rows, const int64_t* row_map_TK,
+                                            const float* w_TK, int64_t t0, int64_t t1, int64_t K,
+                                            int64_t D, uint16_t* y_TD) {
+  sum_rows(rows, row_map_TK, w_TK, t0, t1, K, D, y_TD);
+}
 
 void permute(const void* x_TD, const int64_t* ids_TK, int64_t T, int64_t K, int64_t D, int64_t E,
              DType dtype, void* x_SD, int64_t* row_map_TK, int64_t* counts_E) {
@@ -222,13 +225,11 @@ void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_T
   check_row_map("unpermute", row_map_TK, T, K, S);
   parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
     if (dtype == DType::kFloat32) {
-      std::vector<const float*> src_K(static_cast<size_t>(K));
-      gather_sum_f32(static_cast<const float*>(y_SD), row_map_TK, probs_TK, t0, t1, K, D,
-                     src_K.data(), static_cast<float*>(y_TD));
+      weighted_row_sums(static_cast<const float*>(y_SD), row_map_TK, probs_TK, t0, t1, K, D,
+                        static_cast<float*>(y_TD));
     } else {
-      std::vector<const uint16_t*> src_K(static_cast<size_t>(K));
-      gather_sum_bf16(static_cast<const uint16_t*>(y_SD), row_map_TK, probs_TK, t0, t1, K, D,
-                      src_K.data(), static_cast<uint16_t*>(y_TD));
+      weighted_row_sums(static_cast<const uint16_t*>(y_SD), row_map_TK, probs_TK, t0, t1, K, D,
+                        static_cast<uint16_t*>(y_TD));
     }
   });
 }

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "moeplug/permute.h"
 #include "moeplug/thread_pool.h"
 
 #if defined(__x86_64__)
@@ -371,40 +372,6 @@ void copy_chunks(const void* src, int64_t row_bytes, const int64_t* chunks_C4, i
   });
 }
 
-namespace {
-
-template <class T_>
-MOEPLUG_INLINE void sum_rows(const T_* rows, const int64_t* row_map_TK, const float* w_TK,
-                             int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc_D,
-                             T_* y_TD) {
-  float* __restrict acc = acc_D;
-  for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
-    for (int64_t k = 0; k < K; ++k) {
-      const int64_t r = row_map_TK[t * K + k];
-      if (r < 0) continue;
-      const T_* __restrict src = rows + r * D;
-      const float p = w_TK ? w_TK[t * K + k] : 1.0f;
-      for (int64_t d = 0; d < D; ++d) acc[d] += p * load_f32(src, d);
-    }
-    T_* __restrict dst = y_TD + t * D;
-    for (int64_t d = 0; d < D; ++d) store_f32(dst, d, acc[d]);
-  }
-}
-
-MOEPLUG_MULTIVERSION void sum_rows_f32(const float* rows, const int64_t* rm, const float* w,
-                                       int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc,
-                                       float* y) {
-  sum_rows(rows, rm, w, t0, t1, K, D, acc, y);
-}
-MOEPLUG_MULTIVERSION void sum_rows_bf16(const uint16_t* rows, const int64_t* rm, const float* w,
-                                        int64_t t0, int64_t t1, int64_t K, int64_t D, float* acc,
-                                        uint16_t* y) {
-  sum_rows(rows, rm, w, t0, t1, K, D, acc, y);
-}
-
-}  // namespace
-
 void sum_received_rows(const void* rows, int64_t num_rows, const int64_t* row_map_TK,
                        const float* weights_TK, int64_t T, int64_t K, int64_t D, DType dtype,
                        void* y_TD) {
@@ -420,13 +387,12 @@ void sum_received_rows(const void* rows, int64_t num_rows, const int64_t* row_ma
     }
   }
   parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc_D(static_cast<size_t>(D));
     if (dtype == DType::kFloat32) {
-      sum_rows_f32(static_cast<const float*>(rows), row_map_TK, weights_TK, t0, t1, K, D,
-                   acc_D.data(), static_cast<float*>(y_TD));
+      weighted_row_sums(static_cast<const float*>(rows), row_map_TK, weights_TK, t0, t1, K, D,
+                        static_cast<float*>(y_TD));
     } else {
-      sum_rows_bf16(static_cast<const uint16_t*>(rows), row_map_TK, weights_TK, t0, t1, K, D,
-                    acc_D.data(), static_cast<uint16_t*>(y_TD));
+      weighted_row_sums(static_cast<const uint16_t*>(rows), row_map_TK, weights_TK, t0, t1, K,
+                        D, static_cast<uint16_t*>(y_TD));
     }
   });
 }
@@ -469,7 +435,6 @@ void pull_sum_rows(const int64_t* pid_W, const int64_t* base_W, int64_t self, in
   parallel_for(0, T, kPullTokens, [&](int64_t lo, int64_t hi) {
     std::vector<uint8_t> stage(static_cast<size_t>(kPullTokens * K * row_bytes));
     std::vector<int64_t> map(static_cast<size_t>(kPullTokens * K));
-    std::vector<float> acc(static_cast<size_t>(D));
     std::vector<std::vector<iovec>> local(W), remote(W);
     for (int64_t t0 = lo; t0 < hi; t0 += kPullTokens) {
       const int64_t t1 = std::min(hi, t0 + kPullTokens);
@@ -504,11 +469,11 @@ void pull_sum_rows(const int64_t* pid_W, const int64_t* base_W, int64_t self, in
       }
       // The same fp32, k-ordered sum as sum_received_rows (bitwise the same result).
       if (dtype == DType::kFloat32) {
-        sum_rows_f32(reinterpret_cast<const float*>(stage.data()), map.data(), nullptr, 0,
-                     t1 - t0, K, D, acc.data(), static_cast<float*>(y_TD) + t0 * D);
+        weighted_row_sums(reinterpret_cast<const float*>(stage.data()), map.data(), nullptr, 0,
+                          t1 - t0, K, D, static_cast<float*>(y_TD) + t0 * D);
       } else {
-        sum_rows_bf16(reinterpret_cast<const uint16_t*>(stage.data()), map.data(), nullptr, 0,
-                      t1 - t0, K, D, acc.data(), static_cast<uint16_t*>(y_TD) + t0 * D);
+        weighted_row_sums(reinterpret_cast<const uint16_t*>(stage.data()), map.data(), nullptr,
+                          0, t1 - t0, K, D, static_cast<uint16_t*>(y_TD) + t0 * D);
       }
     }
   });

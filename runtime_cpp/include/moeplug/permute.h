@@ -30,4 +30,13 @@ void unpermute_backward(const void* grad_TD, const void* y_SD, const int64_t* ro
                         const float* probs_TK, int64_t T, int64_t K, int64_t D, int64_t S,
                         DType dtype, void* grad_y_SD, float* grad_probs_TK);
 
+// The weighted row sum under unpermute and the direct-write combines (shm_heap.h), for tokens
+// [t0, t1): y_TD[t] = sum_k w[t, k] * rows[row_map[t, k]] (w null: plain sum), accumulated in
+// fp32 in k order; a choice with row_map < 0 adds nothing (a token with none gets zeros). No
+// checks: the callers validate row_map. One definition, so every combine is bitwise the same.
+void weighted_row_sums(const float* rows, const int64_t* row_map_TK, const float* w_TK,
+                       int64_t t0, int64_t t1, int64_t K, int64_t D, float* y_TD);
+void weighted_row_sums(const uint16_t* rows, const int64_t* row_map_TK, const float* w_TK,
+                       int64_t t0, int64_t t1, int64_t K, int64_t D, uint16_t* y_TD);
+
 }  // namespace moeplug
