@@ -198,9 +198,9 @@ def test_overlap_equals_no_overlap_world4(world4_reports, name):
 
 def test_single_process_layer_matches_unchunked():
     """At one rank the exchanges are the identity: chunking alone may change only the order
-    of sums. With 3 chunks (>= 4 rows per expert GEMM here) the forward is bitwise and so are
-    the router's and shared experts' gradients; with 1-2 rows per chunk and expert the GEMM
-    library picks other kernels (measured ~1e-8 off), so there only the tolerance holds."""
+    of sums, and the GEMM library's rounding of a row can depend on how many rows the call has
+    (MKL's kernels for AMD Zen 4 round the 3-chunk forward ~7e-9 off, its Intel kernels did
+    not): every chunking is held to TOL, and the unchunked path (chunks > T) to bitwise."""
     from moeplug.modules import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import seed_everything
@@ -226,9 +226,7 @@ def test_single_process_layer_matches_unchunked():
         assert torch.allclose(gx, gx1, rtol=0, atol=TOL), chunks
         for n in g1:
             assert torch.allclose(g[n], g1[n], rtol=0, atol=TOL), (chunks, n)
-    y, _, _, _, g = outs[CHUNKS]
-    assert torch.equal(y, y1)
-    assert all(torch.equal(g[n], g1[n]) for n in g1 if not n.startswith("experts."))
+    assert not torch.equal(outs[CHUNKS][3], torch.zeros_like(gx1))  # a real backward ran
     assert torch.equal(outs[33][0], y1) and torch.equal(outs[33][3], gx1)
 
 
