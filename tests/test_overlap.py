@@ -9,8 +9,10 @@ EP2 with capacity dropping + pad-to-capacity, EP2 with the ``allgather`` dispatc
 interface's default split methods), and with shared experts everywhere (they run during the
 first chunk's dispatch). The combined 1F1B schedule
 (``parallel.overlap_moe_expert_parallel_comm``, moeplug.parallel.ep_overlap) is compared the
-same way at EP2 (3 micro-batches), EP4 and EP2 x DP2, alone (must be bitwise: same ops, same
-order) and together with chunking.
+same way at EP2 (3 micro-batches), EP4, EP2 x DP2 and PP2 x EP2, alone (must be bitwise: same
+ops, same order) and together with chunking, and with TP / SP / CP (WORLD4_TPCP: TP2 x SP x EP2,
+TP2 x DP2 without SP, CP2 x EP2 with the ring and the all-gather K/V exchange, TP2 x SP x PP2 x
+EP2), whose collectives must then run on the twin groups too.
 
 Tolerance (fp32): the forward is bitwise identical here (every token's rows meet the same
 weights and are summed in the same order; chunks of >= 4 rows per expert keep the GEMM
