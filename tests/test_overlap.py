@@ -12,7 +12,8 @@ first chunk's dispatch). The combined 1F1B schedule
 same way at EP2 (3 micro-batches), EP4, EP2 x DP2 and PP2 x EP2, alone (must be bitwise: same
 ops, same order) and together with chunking, and with TP / SP / CP (WORLD4_TPCP: TP2 x SP x EP2,
 TP2 x DP2 without SP, CP2 x EP2 with the ring and the all-gather K/V exchange, TP2 x SP x PP2 x
-EP2), whose collectives must then run on the twin groups too.
+EP2, TP2 x SP x EP2 with the dense MLP recomputed), whose collectives must then run on the
+twin groups too.
 
 Tolerance (fp32): the forward is bitwise identical here (every token's rows meet the same
 weights and are summed in the same order; chunks of >= 4 rows per expert keep the GEMM
@@ -68,11 +69,17 @@ WORLD4_TPCP = {"tp2_sp_ep2_1f1b": ({**SP, "ep": 2}, 2, {}, MERGED),
                "tp2_dp2_1f1b": ({"tp": 2}, 2, {}, MERGED),  # TP without SP (needs ep = 1)
                "cp2_ep2_ring_1f1b": ({"cp": 2, "ep": 2, "cp_comm": "ring"}, 2, {}, MERGED),
                "cp2_ep2_allgather_1f1b": ({"cp": 2, "ep": 2}, 2, {}, MERGED),
-               "tp2_sp_pp2_ep2_1f1b": ({**SP, "pp": 2, "ep": 2}, 3, {}, MERGED)}
+               "tp2_sp_pp2_ep2_1f1b": ({**SP, "pp": 2, "ep": 2}, 3, {}, MERGED),
+               # the dense MLP and norms recomputed: their forward (SP gather, TP
+               # reduce-scatter) reruns inside the overlapped backward, on the twins
+               "tp2_sp_ep2_1f1b_recompute": ({**SP, "ep": 2}, 2, {}, MERGED,
+                                             {"granularity": "selective",
+                                              "modules": ["mlp", "layernorm"]})}
 
 
 def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
-         merged: bool = False, dispatcher: str = "alltoall", delay: bool = False):
+         merged: bool = False, dispatcher: str = "alltoall", delay: bool = False,
+         recompute: dict | None = None):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -80,7 +87,8 @@ def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
                   "init_std": 0.1,
                   "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
                           "aux_loss_coeff": 0.05, "shared_expert_ffn_hidden_size": 8,
-                          "overlap_chunks": chunks, "delay_wgrad_compute": delay}},
+                          "overlap_chunks": chunks, "delay_wgrad_compute": delay},
+                  "recompute": recompute or {}},
         "plugins": {"dispatcher": dispatcher, "router_options": router_options},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
                   "grad_accum_steps": grad_accum, "lr": 1e-2, "min_lr": 1e-3,
@@ -109,14 +117,16 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(3).integers(0, V, 4096).astype(np.int64)
     report = {}
-    for name, (parallel, accum, router_options, on) in layouts.items():
+    for name, (parallel, accum, router_options, on, *both) in layouts.items():
         runs = {}
+        recompute = both[0] if both else None  # a 5th entry: recompute, in both variants
         for variant in ("off", "on"):
             dispatcher = on.get("dispatcher", "alltoall")
-            cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher)
+            cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher,
+                        recompute=recompute)
                    if variant == "off" else
                    _cfg(parallel, accum, router_options, on.get("chunks", 1),
-                        on.get("merged", False), dispatcher, on.get("delay", False)))
+                        on.get("merged", False), dispatcher, on.get("delay", False), recompute))
             groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
             seed_everything(cfg.train.seed)
             model = build_rank_model(cfg, host, V, groups)
