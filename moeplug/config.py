@@ -577,8 +577,9 @@ class ParallelConfig:
     # Combined 1F1B EP overlap (Megatron overlap_moe_expert_parallel_comm; see
     # moeplug.parallel.ep_overlap): the backward of micro-batch m-1 runs on a second thread, over
     # a twin of every process group, while micro-batch m runs forward, so each one's exchanges
-    # hide behind the other's compute. Needs grad_accum_steps >= 2 and tp = cp = 1; with pp > 1
-    # every "backward, then forward" step of the 1F1B op list runs side by side.
+    # hide behind the other's compute. Needs grad_accum_steps >= 2; composes with tp (with or
+    # without sequence_parallel), cp, ep, dp, and with pp > 1 every "backward, then forward"
+    # step of the 1F1B op list runs side by side.
     overlap_moe_expert_parallel_comm: bool = False
     # Process-group timeout: a rank waiting this long on a dead or hung peer stops instead of
     # hanging (moeplug.training.faults). 90 s keeps a CPU run's abort under 2 minutes; raise it
@@ -942,16 +943,11 @@ class RootConfig:
                   f"set train.grad_accum_steps to a multiple of {par.pp}, or parallel.vpp: 1")
 
     def _check_combined_1f1b(self) -> None:
+        # Every layout composes: TP/SP, CP (both cp_comm modes), EP/ETP and DP collectives
+        # all pass their group through moeplug.parallel.comm.active_group, which puts the
+        # overlapped backward's on the twin groups; PP's tagged p2p messages match by tag
+        # whichever thread sends them (moeplug.parallel.schedules).
         par, name = self.parallel, "overlap_moe_expert_parallel_comm"
-        for degree in ("tp", "cp"):
-            # Their collectives outside moeplug.parallel.comm (vocab-parallel loss, CP K/V
-            # exchange) are not moved to the twin groups. PP is fine: its tagged p2p messages
-            # match by tag whichever thread sends them, and the pipeline schedule runs each
-            # backward-then-forward pair of its op list side by side (moeplug.parallel.schedules).
-            if getattr(par, degree) > 1:
-                _fail(par, name, True, f"supports expert, data and pipeline parallelism "
-                      f"only, but parallel.{degree} = {getattr(par, degree)}",
-                      f"set parallel.{degree}: 1 or {name}: false")
         if self.train.grad_accum_steps < 2:
             _fail(par, name, True, f"needs two micro-batches in flight, but "
                   f"train.grad_accum_steps = {self.train.grad_accum_steps}",

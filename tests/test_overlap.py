@@ -9,8 +9,11 @@ EP2 with capacity dropping + pad-to-capacity, EP2 with the ``allgather`` dispatc
 interface's default split methods), and with shared experts everywhere (they run during the
 first chunk's dispatch). The combined 1F1B schedule
 (``parallel.overlap_moe_expert_parallel_comm``, moeplug.parallel.ep_overlap) is compared the
-same way at EP2 (3 micro-batches), EP4 and EP2 x DP2, alone (must be bitwise: same ops, same
-order) and together with chunking.
+same way at EP2 (3 micro-batches), EP4, EP2 x DP2 and PP2 x EP2, alone (must be bitwise: same
+ops, same order) and together with chunking, and with TP / SP / CP (WORLD4_TPCP: TP2 x SP x EP2,
+TP2 x DP2 without SP, CP2 x EP2 with the ring and the all-gather K/V exchange, TP2 x SP x PP2 x
+EP2, TP2 x SP x EP2 with the dense MLP recomputed), whose collectives must then run on the
+twin groups too.
 
 Tolerance (fp32): the forward is bitwise identical here (every token's rows meet the same
 weights and are summed in the same order; chunks of >= 4 rows per expert keep the GEMM
@@ -58,10 +61,25 @@ WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "pp2_ep2": ({"pp": 2, "ep": 2}, 2,
           # rank 1 F0 B0 F1 B1 F2 B2 (B0 || F1, B1 || F2).
           "pp2_ep2_1f1b": ({"pp": 2, "ep": 2}, 3, {}, MERGED),
           "pp2_ep2_1f1b_delay_wgrad": ({"pp": 2, "ep": 2}, 3, {}, MERGED_DELAY)}
+# Combined 1F1B with tensor / sequence / context parallelism: their collectives (SP gathers and
+# reduce-scatters, TP all-reduces, the vocab-parallel loss, the CP K/V exchange) run inside the
+# overlapped backward on the twin groups; still bitwise. 2 micro-batches (3 with PP2).
+SP = {"tp": 2, "sequence_parallel": True}
+WORLD4_TPCP = {"tp2_sp_ep2_1f1b": ({**SP, "ep": 2}, 2, {}, MERGED),
+               "tp2_dp2_1f1b": ({"tp": 2}, 2, {}, MERGED),  # TP without SP (needs ep = 1)
+               "cp2_ep2_ring_1f1b": ({"cp": 2, "ep": 2, "cp_comm": "ring"}, 2, {}, MERGED),
+               "cp2_ep2_allgather_1f1b": ({"cp": 2, "ep": 2}, 2, {}, MERGED),
+               "tp2_sp_pp2_ep2_1f1b": ({**SP, "pp": 2, "ep": 2}, 3, {}, MERGED),
+               # the dense MLP and norms recomputed: their forward (SP gather, TP
+               # reduce-scatter) reruns inside the overlapped backward, on the twins
+               "tp2_sp_ep2_1f1b_recompute": ({**SP, "ep": 2}, 2, {}, MERGED,
+                                             {"granularity": "selective",
+                                              "modules": ["mlp", "layernorm"]})}
 
 
 def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
-         merged: bool = False, dispatcher: str = "alltoall", delay: bool = False):
+         merged: bool = False, dispatcher: str = "alltoall", delay: bool = False,
+         recompute: dict | None = None):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -69,7 +87,8 @@ def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
                   "init_std": 0.1,
                   "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
                           "aux_loss_coeff": 0.05, "shared_expert_ffn_hidden_size": 8,
-                          "overlap_chunks": chunks, "delay_wgrad_compute": delay}},
+                          "overlap_chunks": chunks, "delay_wgrad_compute": delay},
+                  "recompute": recompute or {}},
         "plugins": {"dispatcher": dispatcher, "router_options": router_options},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
                   "grad_accum_steps": grad_accum, "lr": 1e-2, "min_lr": 1e-3,
@@ -98,14 +117,16 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(3).integers(0, V, 4096).astype(np.int64)
     report = {}
-    for name, (parallel, accum, router_options, on) in layouts.items():
+    for name, (parallel, accum, router_options, on, *both) in layouts.items():
         runs = {}
+        recompute = both[0] if both else None  # a 5th entry: recompute, in both variants
         for variant in ("off", "on"):
             dispatcher = on.get("dispatcher", "alltoall")
-            cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher)
+            cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher,
+                        recompute=recompute)
                    if variant == "off" else
                    _cfg(parallel, accum, router_options, on.get("chunks", 1),
-                        on.get("merged", False), dispatcher, on.get("delay", False)))
+                        on.get("merged", False), dispatcher, on.get("delay", False), recompute))
             groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
             seed_everything(cfg.train.seed)
             model = build_rank_model(cfg, host, V, groups)
@@ -124,7 +145,8 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
                 grads = {n: p.grad.clone() for n, p in _named(model).items() if p.grad is not None}
                 steps.append((stats.losses(), stats.grad_norm, grads))
             if variant == "on" and on.get("merged"):
-                assert groups.twins and groups.ep in groups.twins
+                handles = [getattr(groups, k) for k in ("tp", "cp", "ep", "dp", "pp")]
+                assert groups.twins and all(g in groups.twins for g in handles if g is not None)
                 assert any(t.startswith("moeplug-backward-") for t in threads), threads
             if variant == "on":
                 report.setdefault(name, {})["wgrad"] = delayed_wgrad.stats()
@@ -152,7 +174,7 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
 
 
 def _check(reports: list[dict], name: str) -> None:
-    on = {**WORLD2, **WORLD4}[name][3]
+    on = {**WORLD2, **WORLD4, **WORLD4_TPCP}[name][3]
     for rank, report in enumerate(reports):
         r = report[name]
         print(f"{name} rank {rank}: {r['errs']}, {r['bitwise_grads']}/{r['num_grads']} "
@@ -192,6 +214,65 @@ def test_overlap_equals_no_overlap_world2(world2_reports, name):
 @pytest.mark.parametrize("name", sorted(WORLD4))
 def test_overlap_equals_no_overlap_world4(world4_reports, name):
     _check(world4_reports, name)
+
+
+@pytest.fixture(scope="module")
+def world4_tpcp_reports():
+    return run_distributed(_compare, 4, WORLD4_TPCP, timeout=500)
+
+
+@pytest.mark.parametrize("name", sorted(WORLD4_TPCP))
+def test_combined_1f1b_with_tp_cp_equals_plain(world4_tpcp_reports, name):
+    _check(world4_tpcp_reports, name)
+
+
+def _tp_cp_collectives_on_twins(rank: int, world: int) -> dict:
+    """Ring attention (CP) and the vocab-parallel loss (TP) under ``on_twin_groups``: with a
+    twin of the group they give the plain results; without one they raise (before the fix
+    they silently used the base group, racing the forward's collectives on it)."""
+    import torch.distributed as dist
+    from moeplug.parallel import comm
+    from moeplug.parallel.context_parallel import cp_attention
+    from moeplug.parallel.ep_overlap import run_beside
+    from moeplug.parallel.tensor_parallel import vocab_parallel_cross_entropy
+
+    group, twin = dist.group.WORLD, dist.new_group(ranks=list(range(world)))
+    gen = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen, requires_grad=True) for _ in range(3))
+    logits = torch.randn(6, 5, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 5 * world, (6,), generator=torch.Generator().manual_seed(9))
+
+    def ring():
+        out = cp_attention(q, k, v, group, "ring")
+        return torch.autograd.grad(out.square().sum(), (q, k, v))
+
+    def loss():
+        ce = vocab_parallel_cross_entropy(logits, targets, group)
+        return (ce, *torch.autograd.grad(ce.sum(), logits))
+
+    ring_ref, loss_ref = ring(), loss()
+    with comm.on_twin_groups({group: twin}):
+        ring_twin, loss_twin = ring(), loss()
+    errors = []
+    for fn in (ring, loss):
+        with comm.on_twin_groups({}), pytest.raises(RuntimeError, match="without a twin") as e:
+            fn()
+        errors.append(str(e.value))
+    # The overlapped backward's thread: forward here, backward there, on the twins.
+    out = cp_attention(q, k, v, group, "ring")
+    box = []
+    run_beside(lambda: box.append(torch.autograd.grad(out.square().sum(), (q, k, v))),
+               lambda: None, {group: twin})
+    return {"ring": all(torch.equal(a, b) for a, b in zip(ring_ref, ring_twin)),
+            "loss": all(torch.equal(a, b) for a, b in zip(loss_ref, loss_twin)),
+            "helper": all(torch.equal(a, b) for a, b in zip(ring_ref, box[0])),
+            "errors": errors}
+
+
+def test_tp_cp_collectives_use_the_twin_groups():
+    for rank, r in enumerate(run_distributed(_tp_cp_collectives_on_twins, 2, timeout=120)):
+        assert r["ring"] and r["loss"] and r["helper"], (rank, r)
+        assert all("Fix:" in e for e in r["errors"]), r["errors"]
 
 
 # ---- one process: the layer itself, and config ----------------------------------------------
@@ -259,10 +340,6 @@ def test_overlap_is_not_model_defining():
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"parallel": {"tp": 2}},
-     "supports expert, data and pipeline parallelism only, but parallel.tp = 2"),
-    ({"parallel": {"cp": 2}},
-     "supports expert, data and pipeline parallelism only, but parallel.cp = 2"),
     ({"train": {"grad_accum_steps": 1}}, "needs two micro-batches in flight"),
     ({"runtime": {"stash": True}}, "cannot be combined with runtime.stash"),
     ({"model": {"recompute": {"granularity": "full"}}}, "cannot be combined with recompute"),
@@ -277,6 +354,16 @@ def test_combined_1f1b_refuses_what_it_cannot_run(over, words):
                                           "overlap_moe_expert_parallel_comm: false"):
         config_from_dict(cfg)
     config_from_dict(base)  # the base itself is valid
+    # TP (with and without SP) and CP compose: no longer refused
+    for par in ({"tp": 2, "sequence_parallel": True}, {"tp": 2, "ep": 1}, {"cp": 2},
+                {"cp": 2, "cp_comm": "ring", "tp": 2, "sequence_parallel": True, "pp": 2}):
+        config_from_dict({**base, "parallel": {**base["parallel"], **par}})
+    # what stays refused still names field, value and fix under TP x CP
+    with pytest.raises(ConfigError, match="overlap_moe_expert_parallel_comm = True: needs two "
+                                          "micro-batches.*Fix: set train.grad_accum_steps >= 2"):
+        config_from_dict({**base, "parallel": {**base["parallel"], "tp": 2, "cp": 2,
+                                               "sequence_parallel": True},
+                          "train": {"grad_accum_steps": 1}})
 
 
 def test_chunked_overlap_with_the_paged_stash():

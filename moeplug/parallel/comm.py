@@ -35,7 +35,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # Combined 1F1B (moeplug.parallel.ep_overlap) runs one micro-batch's backward on a second
 # thread while the next one's forward runs here. Both issue collectives; each thread must keep
 # one order on all ranks, so the backward thread sends its collectives through a twin of every
-# group (same ranks, its own context). ``_on(group)`` is the group a collective really uses.
+# group (same ranks, its own context). ``active_group(group)`` is the group a collective really
+# uses.
 _thread = threading.local()
 
 
@@ -50,7 +51,12 @@ def on_twin_groups(twins: Mapping[Any, Any]) -> Iterator[None]:
         _thread.twins = previous
 
 
-def _on(group: Any) -> Any:
+def active_group(group: Any) -> Any:
+    """The group a collective on ``group`` issued by this thread must really use: its twin
+    inside :func:`on_twin_groups`, else ``group``. Every collective outside this module that can
+    run inside a backward (or a forward recomputed there) passes its group through this: the
+    vocab-parallel loss and the CP K/V ring (moeplug.parallel.tensor_parallel,
+    context_parallel), the routers' count sums (moeplug.routing)."""
     twins = getattr(_thread, "twins", None)
     if twins is None or group is None:
         return group
@@ -91,9 +97,9 @@ def _run(collective, *args, group: Any) -> None:
     thread (model.moe.delay_wgrad_compute: this is the dispatch's backward exchange carrying
     the experts' dX), start it asynchronously and run them while the rows travel."""
     if not delayed_wgrad.pending():
-        collective(*args, group=_on(group))
+        collective(*args, group=active_group(group))
         return
-    work = collective(*args, group=_on(group), async_op=True)
+    work = collective(*args, group=active_group(group), async_op=True)
     delayed_wgrad.run_pending(in_flight=True)
     work.wait()
 
@@ -122,7 +128,8 @@ def _reduce_scatter_even(x_M: torch.Tensor, group: Any) -> torch.Tensor:
 
 def _gather_sizes(rows: int, group: Any) -> list[int]:
     sizes_W = torch.zeros(group_size(group), dtype=torch.int64)
-    _all_gather_single(sizes_W, torch.tensor([rows], dtype=torch.int64), group=_on(group))
+    _all_gather_single(sizes_W, torch.tensor([rows], dtype=torch.int64),
+                       group=active_group(group))
     return sizes_W.tolist()
 
 
@@ -204,7 +211,7 @@ class _AllReduce(Function):
     def forward(ctx, x, group, grad_is_replicated):
         ctx.group, ctx.grad_is_replicated = group, grad_is_replicated
         out = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=_on(group))
+        dist.all_reduce(out, group=active_group(group))
         return out
 
     @staticmethod
@@ -288,9 +295,9 @@ class _AllToAllStart(Function):
         ctx.pending = pending
         out_M = x_N.new_empty((sum(pending.out_splits), *x_N.shape[1:]))
         # The work handle keeps x_N and out_M alive until the exchange completes.
-        pending.work = dist.all_to_all_single(out_M, x_N.contiguous(), pending.out_splits,
-                                              pending.in_splits, group=_on(pending.group),
-                                              async_op=True)
+        pending.work = dist.all_to_all_single(
+            out_M, x_N.contiguous(), pending.out_splits, pending.in_splits,
+            group=active_group(pending.group), async_op=True)
         return out_M
 
     @staticmethod
@@ -321,7 +328,7 @@ class _AllToAllWait(Function):
         grad_M = grad_M.contiguous()
         p.grad_N = grad_M.new_empty((sum(p.in_splits), *grad_M.shape[1:]))
         p.grad_work = dist.all_to_all_single(p.grad_N, grad_M, p.in_splits, p.out_splits,
-                                             group=_on(p.group), async_op=True)
+                                             group=active_group(p.group), async_op=True)
         # Delayed expert weight gradients (model.moe.delay_wgrad_compute) run in its shadow.
         delayed_wgrad.run_pending(in_flight=True)
         # grad_M stands in for the gradient of the buffer; _AllToAllStart.backward returns

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from moeplug.parallel.comm import all_gather, all_reduce, group_rank, group_size
+from moeplug.parallel.comm import active_group, all_gather, all_reduce, group_rank, group_size
 from moeplug.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 CP_COMMS = ("allgather", "ring")
@@ -168,7 +168,7 @@ def cp_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, group: 
         sum_ = (loss_N * keep_N).sum()
     count = keep_N.sum().to(sum_.dtype)
     if group_size(group) > 1:
-        dist.all_reduce(count, group=group)
+        dist.all_reduce(count, group=active_group(group))
     return all_reduce(sum_, group) / count
 
 
@@ -232,9 +232,16 @@ def _allgather_attention(q_BHSDh, k_BGSDh, v_BGSDh, group):
 
 def _ring_exchange(send: torch.Tensor, group: Any, tag: int) -> tuple[torch.Tensor, list]:
     """Start sending ``send`` to the next CP rank and receiving the previous rank's tensor of the
-    same shape; returns the receive buffer and the requests to wait on."""
+    same shape; returns the receive buffer and the requests to wait on.
+
+    On ``active_group(group)``: under combined 1F1B (moeplug.parallel.ep_overlap) the backward
+    ring of micro-batch m-1 runs on the helper thread while the forward ring of m runs here.
+    Tags alone cannot keep them apart (both rings carry _TAG_KV blocks of one shape between the
+    same neighbours, so a block could land in the other micro-batch's buffer); the twin group
+    is its own channel."""
     W, r = group_size(group), group_rank(group)
     recv = torch.empty_like(send)
+    group = active_group(group)  # same ranks in the same order: group_dst/src are unchanged
     reqs = [dist.isend(send, group=group, group_dst=(r + 1) % W, tag=tag),
             dist.irecv(recv, group=group, group_src=(r - 1) % W, tag=tag)]
     return recv, reqs

@@ -19,6 +19,17 @@ process groups (``ParallelGroups.twins``, same ranks, own gloo context;
 ``moeplug.parallel.comm.on_twin_groups``): the main thread's order on the groups is
 F_0..F_{M-1}, B_{M-1} and the helper's on the twins is B_0..B_{M-2}, each fixed on all ranks.
 
+Every layout's collectives take that path, so the schedule composes with all of them: EP/ETP
+exchanges and TP/SP regions (moeplug.parallel.comm), the vocab-parallel loss
+(tensor_parallel), the CP K/V exchange, all-gather or ring (context_parallel: the ring's
+isend/irecv would otherwise share (group, tag) with the next micro-batch's forward ring and
+swap blocks between them), and the routers' count sums all pass their group through
+``comm.active_group``. A collective on a group without a twin raises instead of hanging.
+Tested bitwise, overlap on vs off, at EP2, EP4, EP2 x DP2, PP2 x EP2, TP2 x SP x EP2,
+TP2 x DP2 (no SP), CP2 x EP2 (both CP modes), TP2 x SP x PP2 x EP2 and TP2 x SP x EP2 with
+the dense MLP recomputed (its TP collectives rerun inside the backward; tests/test_overlap.py).
+Still refused by config: one micro-batch, recompute of the MoE layer, runtime.stash.
+
 Numerics: every micro-batch runs the same ops as in the plain loop and the backwards still run
 one after another in micro-batch order (B_{m-1} is joined before B_m starts), so parameter
 gradients accumulate in the same order: losses and gradients are bitwise those of the plain

@@ -162,7 +162,9 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCE(Function):
     """Megatron's vocab-parallel cross-entropy: three all-reduces of [N] vectors (max, target
     logit, sum of exps) instead of gathering [N, V] logits. Every rank returns the same per-token
-    loss; the backward needs no communication (softmax - one_hot on this rank's columns)."""
+    loss; the backward needs no communication (softmax - one_hot on this rank's columns).
+    Its all-reduces go through ``comm.active_group``: a forward rerun by recompute inside the
+    combined 1F1B's overlapped backward must use the twin group (moeplug.parallel.ep_overlap)."""
 
     @staticmethod
     def forward(ctx, logits_NVl, targets_N, group):
@@ -170,7 +172,7 @@ class _VocabParallelCE(Function):
         Vl = logits_NVl.shape[1]
         max_N = logits_NVl.max(dim=1).values
         if group is not None:
-            dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=comm.active_group(group))
         shifted_NVl = logits_NVl - max_N.unsqueeze(1)
         local_N = targets_N - comm.group_rank(group) * Vl
         outside_N = (local_N < 0) | (local_N >= Vl)
@@ -181,7 +183,7 @@ class _VocabParallelCE(Function):
         sum_exp_N = exp_NVl.sum(dim=1)
         if group is not None:
             both_2N = torch.stack([target_logit_N, sum_exp_N])  # one collective for two sums
-            dist.all_reduce(both_2N, group=group)
+            dist.all_reduce(both_2N, group=comm.active_group(group))
             target_logit_N, sum_exp_N = both_2N[0], both_2N[1]
         loss_N = sum_exp_N.log() - target_logit_N
         exp_NVl.div_(sum_exp_N.unsqueeze(1))  # now this rank's softmax columns
@@ -310,6 +312,6 @@ def sum_partial_grads_over_tp(model: nn.Module, tp_group: Any) -> None:
     if not params:
         return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, group=tp_group)
+    dist.all_reduce(flat, group=comm.active_group(tp_group))
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p.grad))

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moeplug.ops import workspace
+from moeplug.parallel.comm import active_group
 from moeplug.routing.scores import select_topk
 from moeplug.routing.workspace_losses import aux_losses_from_stats
 
@@ -93,7 +94,7 @@ def sum_over_group(counts: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     if group is None or dist.get_world_size(group) == 1:
         return counts, 1
     counts = counts.clone()
-    dist.all_reduce(counts, group=group)
+    dist.all_reduce(counts, group=active_group(group))  # the twin inside combined 1F1B's backward
     return counts, dist.get_world_size(group)
 
 
