@@ -20,6 +20,7 @@ namespace moeplug {
 namespace {
 
 using route_topk::offer;
+using route_topk::top_sum;
 using route_topk::topk;
 
 constexpr float kNormEps = 1e-20f;      // moeplug.routing.scores.NORM_EPS
@@ -79,11 +80,7 @@ MOEPLUG_INLINE void select(const float* sel, const RouteSpec& sp, float* vals, i
   const int64_t G = sp.num_groups, N = E / G, M = sp.group_members;
   int64_t ng = 0;
   for (int64_t g = 0; g < G; ++g) {
-    int64_t nm = 0;
-    topk(sel + g * N, N, M, 0, mvals, mids, nm);
-    float score = 0.0f;
-    for (int64_t j = 0; j < nm; ++j) score += mvals[j];
-    offer(score, g, sp.group_topk, gvals, gids, ng);
+    offer(top_sum(sel + g * N, N, M, mvals, mids), g, sp.group_topk, gvals, gids, ng);
   }
   std::sort(gids, gids + ng);  // ascending expert ids, so ties still go to the lower id
   for (int64_t i = 0; i < ng; ++i) {
