@@ -93,7 +93,8 @@ MOEPLUG_AVX512_FN inline bool topk_avx512(const float* x, int64_t n, int64_t cap
   const __mmask16 top = _mm512_cmplt_epi32_mask(above, _mm512_set1_epi32(static_cast<int>(cap)));
   const float bound = _mm512_mask_reduce_min_ps(top, lane_max);
   // Candidates (v >= bound) packed in id order; rows with more than kMaxCandidates (ties en
-  // masse) offer them one by one instead.
+  // masse) offer them one by one instead. Branch-free: a block without candidates stores
+  // nothing new (nc does not move), which costs less than the mispredicted skip it replaced.
   constexpr int kMaxCandidates = 64;
   alignas(64) float cv[kMaxCandidates + 16];
   alignas(64) int32_t ci[kMaxCandidates + 16];
@@ -104,11 +105,13 @@ MOEPLUG_AVX512_FN inline bool topk_avx512(const float* x, int64_t n, int64_t cap
     const __mmask16 live = i < full ? static_cast<__mmask16>(0xffff) : tail;
     const __m512 v = _mm512_mask_loadu_ps(neg_inf, live, x + i);
     const __mmask16 hit = _mm512_mask_cmp_ps_mask(live, v, vb, _CMP_GE_OQ);
-    if (!hit) continue;
-    if (nc > kMaxCandidates) break;
-    _mm512_mask_compressstoreu_ps(cv + nc, hit, v);
-    _mm512_mask_compressstoreu_epi32(
-        ci + nc, hit, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i))));
+    // Compress in registers, then a plain store (the slack after kMaxCandidates takes the
+    // unused lanes): a compress straight to memory is microcoded and slow on AMD Zen 4.
+    const int at = nc < kMaxCandidates ? nc : kMaxCandidates;
+    _mm512_storeu_ps(cv + at, _mm512_maskz_compress_ps(hit, v));
+    _mm512_storeu_si512(
+        ci + at, _mm512_maskz_compress_epi32(
+                     hit, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i)))));
     nc += __builtin_popcount(hit);
   }
   if (nc > kMaxCandidates) {
