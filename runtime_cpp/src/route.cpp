@@ -106,9 +106,11 @@ struct Scratch {
   std::vector<float> gsel;
 };
 
-MOEPLUG_INLINE void forward_tokens(const float* logits_TE, const float* bias_E, const RouteSpec& sp, int64_t t0,
-                    int64_t t1, float* probs_TK, int64_t* ids_TK, double* aux_sum_BE,
-                    int64_t* counts_BE) {
+// always_inline (like everything the per-token loops call): GCC compiles a plain function for
+// the default ISA and will not inline it into forward_chunk's AVX-512 / AVX2 clones (dtype.h).
+MOEPLUG_INLINE void forward_tokens(const float* logits_TE, const float* bias_E,
+                                   const RouteSpec& sp, int64_t t0, int64_t t1, float* probs_TK,
+                                   int64_t* ids_TK, double* aux_sum_BE, int64_t* counts_BE) {
   const int64_t E = sp.num_experts, K = sp.top_k;
   const int64_t S = sp.num_tokens / std::max<int64_t>(sp.num_sequences, 1);
   Scratch w(sp);
@@ -170,9 +172,9 @@ MOEPLUG_INLINE float score_grad(float z, float s, ScoreFunction fn) {
   return sig / (2.0f * s);
 }
 
-MOEPLUG_INLINE void backward_tokens(const float* logits_TE, const int64_t* ids_TK, const float* gp_TK,
-                     const float* gaux_BE, const RouteSpec& sp, int64_t t0, int64_t t1,
-                     float* dz_TE) {
+MOEPLUG_INLINE void backward_tokens(const float* logits_TE, const int64_t* ids_TK,
+                                    const float* gp_TK, const float* gaux_BE, const RouteSpec& sp,
+                                    int64_t t0, int64_t t1, float* dz_TE) {
   const int64_t E = sp.num_experts, K = sp.top_k;
   const int64_t S = sp.num_tokens / std::max<int64_t>(sp.num_sequences, 1);
   const float inv_S = 1.0f / static_cast<float>(S);
