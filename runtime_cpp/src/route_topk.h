@@ -5,10 +5,11 @@
 // test is a branch per element and it was most of the router's forward time. The AVX-512 path
 // first bounds the answer: the cap-th largest of the 16 lane maxima is <= the cap-th largest
 // element (cap distinct elements reach it), so only elements >= that bound can be in the
-// top-cap. One vector compare per 16 elements finds them (typically ~1.5 cap of them) and
-// only those are offered, still in ascending id order, so the result and the tie order are
-// exactly the scalar path's. Rows with a NaN take the scalar path (its NaN handling is the
-// reference). Internal header: included by route.cpp only.
+// top-cap. One vector compare per 16 elements packs them (typically ~1.5 cap of them), and
+// each one's rank (larger value, or equal value and lower id, before it) places it without a
+// data-dependent branch: exactly the scalar path's list and tie order. Rows with a NaN take
+// the scalar path (its NaN handling is the reference), so do rows under 16 and cap over 16.
+// Internal header: route.cpp and runtime_cpp/tests/test_route_topk.cpp include it.
 #pragma once
 
 #include <cmath>
