@@ -124,6 +124,31 @@ def test_ties_go_to_the_lower_expert_id():
     assert out.ids_TK.tolist() == [[1, 2, 3]]
 
 
+def test_ties_at_the_deepseek_v3_shape_go_to_the_lower_id():
+    """E=256 takes the kernel's vectorised top-k (16+ scores per row); logits of -100, 0 and 100
+    give sigmoid scores of exactly 0, 0.5 and 1 in torch and in the kernel, so nearly every
+    choice is a tie. Reference: stable descending sorts (equal scores keep the lower id first)
+    for the groups, the experts and the plain top-k counts."""
+    T, E, K, G, KG = 64, 256, 8, 8, 4
+    gen = torch.Generator().manual_seed(11)
+    logits_TE = (torch.randint(-1, 2, (T, E), generator=gen) * 100).float()
+    bias_E = torch.randint(-2, 3, (E,), generator=gen).float() * 0.25  # exact sums with s
+    out = R.fused_topk_routing(logits_TE, K, score_function="sigmoid", renormalize=True,
+                               expert_bias_E=bias_E, num_groups=G, group_topk=KG,
+                               aux_counts="plain_topk")
+    s_TE = torch.sigmoid(logits_TE)
+    sel_TGN = (s_TE + bias_E).view(T, G, E // G)
+    group_TG = sel_TGN.sort(dim=-1, descending=True).values[..., :K // KG].sum(-1)
+    kept_TG = group_TG.sort(dim=-1, descending=True, stable=True).indices[:, :KG]
+    masked_TGN = sel_TGN.clone()
+    masked_TGN[~torch.zeros(T, G, dtype=torch.bool).scatter(1, kept_TG, True)] = float("-inf")
+    ids_TK = masked_TGN.view(T, E).sort(dim=-1, descending=True, stable=True).indices[:, :K]
+    assert torch.equal(out.ids_TK, ids_TK)
+    a_TE = s_TE / (s_TE.sum(-1, keepdim=True) + 1e-20)
+    plain_TK = a_TE.sort(dim=-1, descending=True, stable=True).indices[:, :K]
+    assert torch.equal(out.stats.counts_E, torch.bincount(plain_TK.reshape(-1), minlength=E))
+
+
 def test_fused_refuses_what_it_does_not_cover():
     assert not R.fused_routing_applies(torch.zeros(4, 8, dtype=torch.float64))
     assert not R.fused_routing_applies(torch.zeros(0, 8))

@@ -13,10 +13,15 @@
 
 #include "moeplug/fastmath.h"
 #include "moeplug/thread_pool.h"
+#include "route_topk.h"
 
 namespace moeplug {
 
 namespace {
+
+using route_topk::offer;
+using route_topk::top_sum;
+using route_topk::topk;
 
 constexpr float kNormEps = 1e-20f;      // moeplug.routing.scores.NORM_EPS
 constexpr float kSoftplusLimit = 20.0f;  // torch's softplus threshold: softplus(z) = z above it
@@ -61,47 +66,28 @@ MOEPLUG_INLINE void aux_dist(const float* __restrict s, int64_t E, ScoreFunction
   for (int64_t e = 0; e < E; ++e) a[e] = s[e] / z;
 }
 
-// Keeps the n best (value, id) pairs seen so far in descending order; equal values keep the
-// earlier (lower) id first, and candidates are offered in ascending id order.
-MOEPLUG_INLINE void offer(float v, int64_t id, int64_t cap, float* vals, int64_t* ids,
-                          int64_t& n) {
-  if (n == cap && !(v > vals[n - 1])) return;
-  int64_t pos = n < cap ? n : cap - 1;
-  while (pos > 0 && v > vals[pos - 1]) {
-    vals[pos] = vals[pos - 1];
-    ids[pos] = ids[pos - 1];
-    --pos;
-  }
-  vals[pos] = v;
-  ids[pos] = id;
-  if (n < cap) ++n;
-}
-
 // Top-K of sel over all E, or over the kept groups only. vals/ids get K entries, descending.
-void select(const float* sel, const RouteSpec& sp, float* vals, int64_t* ids, float* gvals,
-            int64_t* gids, float* mvals, int64_t* mids) {
+// gsel (E floats) holds the kept groups' scores side by side, in ascending expert order.
+MOEPLUG_INLINE void select(const float* sel, const RouteSpec& sp, float* vals, int64_t* ids,
+                           float* gvals, int64_t* gids, float* mvals, int64_t* mids,
+                           float* gsel) {
   const int64_t E = sp.num_experts, K = sp.top_k;
   int64_t n = 0;
   if (sp.num_groups <= 1) {
-    for (int64_t e = 0; e < E; ++e) offer(sel[e], e, K, vals, ids, n);
+    topk(sel, E, K, 0, vals, ids, n);
     return;
   }
   const int64_t G = sp.num_groups, N = E / G, M = sp.group_members;
   int64_t ng = 0;
   for (int64_t g = 0; g < G; ++g) {
-    int64_t nm = 0;
-    for (int64_t j = 0; j < N; ++j) offer(sel[g * N + j], j, M, mvals, mids, nm);
-    float score = 0.0f;
-    for (int64_t j = 0; j < nm; ++j) score += mvals[j];
-    offer(score, g, sp.group_topk, gvals, gids, ng);
+    offer(top_sum(sel + g * N, N, M, mvals, mids), g, sp.group_topk, gvals, gids, ng);
   }
   std::sort(gids, gids + ng);  // ascending expert ids, so ties still go to the lower id
   for (int64_t i = 0; i < ng; ++i) {
-    for (int64_t j = 0; j < N; ++j) {
-      const int64_t e = gids[i] * N + j;
-      offer(sel[e], e, K, vals, ids, n);
-    }
+    std::copy(sel + gids[i] * N, sel + (gids[i] + 1) * N, gsel + i * N);
   }
+  topk(gsel, ng * N, K, 0, vals, ids, n);
+  for (int64_t k = 0; k < n; ++k) ids[k] = gids[ids[k] / N] * N + ids[k] % N;
 }
 
 // Scratch for one chunk of tokens.
@@ -110,18 +96,21 @@ struct Scratch {
       : s(sp.num_experts), sel(sp.num_experts), a(sp.num_experts), grad(sp.num_experts),
         vals(sp.num_experts), ids(sp.num_experts), gvals(std::max<int64_t>(sp.num_groups, 1)),
         gids(std::max<int64_t>(sp.num_groups, 1)), mvals(sp.num_experts),
-        mids(sp.num_experts) {}
+        mids(sp.num_experts), gsel(sp.num_experts) {}
   std::vector<float> s, sel, a, grad, vals;
   std::vector<int64_t> ids;
   std::vector<float> gvals;
   std::vector<int64_t> gids;
   std::vector<float> mvals;
   std::vector<int64_t> mids;
+  std::vector<float> gsel;
 };
 
-void forward_tokens(const float* logits_TE, const float* bias_E, const RouteSpec& sp, int64_t t0,
-                    int64_t t1, float* probs_TK, int64_t* ids_TK, double* aux_sum_BE,
-                    int64_t* counts_BE) {
+// always_inline (like everything the per-token loops call): GCC compiles a plain function for
+// the default ISA and will not inline it into forward_chunk's AVX-512 / AVX2 clones (dtype.h).
+MOEPLUG_INLINE void forward_tokens(const float* logits_TE, const float* bias_E,
+                                   const RouteSpec& sp, int64_t t0, int64_t t1, float* probs_TK,
+                                   int64_t* ids_TK, double* aux_sum_BE, int64_t* counts_BE) {
   const int64_t E = sp.num_experts, K = sp.top_k;
   const int64_t S = sp.num_tokens / std::max<int64_t>(sp.num_sequences, 1);
   Scratch w(sp);
@@ -141,7 +130,8 @@ void forward_tokens(const float* logits_TE, const float* bias_E, const RouteSpec
     }
     float* top = w.vals.data();
     int64_t* ids = ids_TK + t * K;
-    select(choose, sp, top, ids, w.gvals.data(), w.gids.data(), w.mvals.data(), w.mids.data());
+    select(choose, sp, top, ids, w.gvals.data(), w.gids.data(), w.mvals.data(), w.mids.data(),
+           w.gsel.data());
     float* p = probs_TK + t * K;
     if (post_softmax(sp)) {
       float sum = 0.0f;
@@ -169,7 +159,7 @@ void forward_tokens(const float* logits_TE, const float* bias_E, const RouteSpec
     } else {
       int64_t n = 0;
       int64_t* plain = w.ids.data();
-      for (int64_t e = 0; e < E; ++e) offer(a[e], e, K, top, plain, n);
+      topk(a, E, K, 0, top, plain, n);
       for (int64_t k = 0; k < K; ++k) ++counts[plain[k]];
     }
   }
@@ -182,9 +172,9 @@ MOEPLUG_INLINE float score_grad(float z, float s, ScoreFunction fn) {
   return sig / (2.0f * s);
 }
 
-void backward_tokens(const float* logits_TE, const int64_t* ids_TK, const float* gp_TK,
-                     const float* gaux_BE, const RouteSpec& sp, int64_t t0, int64_t t1,
-                     float* dz_TE) {
+MOEPLUG_INLINE void backward_tokens(const float* logits_TE, const int64_t* ids_TK,
+                                    const float* gp_TK, const float* gaux_BE, const RouteSpec& sp,
+                                    int64_t t0, int64_t t1, float* dz_TE) {
   const int64_t E = sp.num_experts, K = sp.top_k;
   const int64_t S = sp.num_tokens / std::max<int64_t>(sp.num_sequences, 1);
   const float inv_S = 1.0f / static_cast<float>(S);
