@@ -68,6 +68,8 @@ class DirectWriteMeta:
 
 
 class DirectWriteDispatcher(Dispatcher):
+    overlaps_comm = True  # *_start write (or pull) and publish; *_wait wait for the peers
+
     def __init__(self, model: ModelConfig, options: DirectWriteOptions | None = None, group=None):
         options = options or DirectWriteOptions()
         self.group = group
@@ -83,6 +85,11 @@ class DirectWriteDispatcher(Dispatcher):
         return heap_for(self.group, self.heap_bytes, 2 + self.num_experts, self.timeout_s)
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
+        return self.dispatch_wait(self.dispatch_start(x_TD, routing))
+
+    def dispatch_start(self, x_TD: torch.Tensor, routing: RouterOutput
+                       ) -> _PendingDispatch | Dispatched:
+        """Steps 1-3: counts (a barrier), plan, this rank's rows written, DONE published."""
         if x_TD.device.type != "cpu":
             # GPU transports (CUDA IPC / NVSHMEM / NCCL) are not built: say so, never stage
             # through host memory silently.
@@ -107,53 +114,114 @@ class DirectWriteDispatcher(Dispatcher):
                           None if cap < 0 else cap, capacity_W, routing.pad_multiple)
         meta = DirectWriteMeta(heap=heap, plan=plan, fixed=self.fixed,
                                single_copy=self.single_copy and _single_copy(heap))
-        # 3. write  4. receive
+        # 3. write
         if not quantized:
-            x_SD, probs_S = _Dispatch.apply(meta, seq, x_TD, probs_TK)
-            return Dispatched(x_SD, probs_S, plan.counts_L, meta)
-        # Quantized: probs first (this op's arrive is already done), then payload and scales
-        # as two ops of token rows; gradients come back in full precision (moeplug.quant.wire).
-        (probs_S,) = _Dispatch.apply(meta, seq, None, probs_TK)
+            landing = _write_tokens(meta, x_TD.detach(), seq, probs_TK.detach())
+            return _PendingDispatch(meta, landing, x_TD, probs_TK)
+        # Quantized: synchronous. Probs first (this op's arrive is already done), then payload
+        # and scales as two ops of token rows; gradients come back in full precision
+        # (moeplug.quant.wire).
+        landing = _write_tokens(meta, None, seq, probs_TK.detach())
+        (probs_S,) = _Dispatch.apply(meta, landing, None, probs_TK)
         x_SD = quantized_exchange(x_TD, recipe, lambda t: _send_tokens(meta, t)[0],
                                   lambda g: _sum_back(meta, g))
         if plan.pad_rows is not None:
             x_SD = x_SD.index_fill(0, plan.pad_rows, 0)
         return Dispatched(x_SD, probs_S, plan.counts_L, meta)
 
+    def dispatch_wait(self, pending: _PendingDispatch | Dispatched) -> Dispatched:
+        """Step 4: every peer's rows of this dispatch are in; x_SD, probs_S over them."""
+        if isinstance(pending, Dispatched):  # quantized: done in dispatch_start
+            return pending
+        p = pending
+        x_SD, probs_S = _Dispatch.apply(p.meta, p.landing, p.x_TD, p.probs_TK)
+        return Dispatched(x_SD, probs_S, p.meta.plan.counts_L, p.meta)
+
     def combine(self, y_SD: torch.Tensor, meta: DirectWriteMeta) -> torch.Tensor:
-        return _Combine.apply(meta, y_SD.contiguous())
+        return self.combine_wait(self.combine_start(y_SD, meta))
+
+    def combine_start(self, y_SD: torch.Tensor, meta: DirectWriteMeta) -> _PendingCombine:
+        """This rank's part: pulled and summed its rows (single copy), or written its expert
+        outputs back into the sources' heaps (two passes); DONE published."""
+        y_SD = y_SD.contiguous()
+        row_bytes = math.prod(y_SD.shape[1:]) * y_SD.element_size()
+        if meta.single_copy and row_bytes >= PULL_MIN_ROW_BYTES:
+            p = meta.plan
+            op = shm_rows.pull_sum_start(meta.heap, y_SD.detach(), p.dest_rank_TK,
+                                         p.dest_row_TK)
+        else:
+            op = _back_start(meta, [y_SD.detach()])
+        return _PendingCombine(meta, op, y_SD)
+
+    def combine_wait(self, pending: _PendingCombine) -> torch.Tensor:
+        """Every peer is done (has read our rows / written us theirs): y_TD."""
+        return _Combine.apply(pending.meta, pending.op, pending.y_SD)
+
+
+@dataclass(frozen=True)
+class _PendingDispatch:
+    """A dispatch between start and wait: its rows written, its area held (moeplug.parallel.
+    shm_rows.Landing); x_TD, probs_TK are the inputs autograd links the result to."""
+    meta: DirectWriteMeta
+    landing: shm_rows.Landing
+    x_TD: torch.Tensor
+    probs_TK: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _PendingCombine:
+    meta: DirectWriteMeta
+    op: shm_rows.Landing | shm_rows.Pull
+    y_SD: torch.Tensor
 
 
 # ---- the two directions, each an op on the heap ------------------------------------------------
 
-def _send_tokens(meta: DirectWriteMeta, t_T: torch.Tensor | None, seq: int | None = None,
-                 probs_TK: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """[rows of t_T] (+ [probs_S] given probs_TK) at the experts' ranks, padding rows zeroed:
-    tensors over this rank's receive area in the heap, where the senders wrote them (no copy;
-    the area is this rank's while they live). A new op unless ``seq`` (dispatch's first op)."""
+def _write_tokens(meta: DirectWriteMeta, t_T: torch.Tensor | None, seq: int | None = None,
+                  probs_TK: torch.Tensor | None = None) -> shm_rows.Landing:
+    """Rows of t_T (+ probs_TK's, per choice) written to the experts' ranks, DONE published. A
+    new op unless ``seq`` (dispatch's first op)."""
     streams = [] if t_T is None else [(t_T.contiguous(), False)]
     if probs_TK is not None:
         streams.append((probs_TK.reshape(-1, 1), True))
     if seq is None:
         seq = meta.heap.arrive(shm_rows.row_bytes(streams))
     plan = meta.plan
-    out = shm_rows.to_experts(meta.heap, seq, streams, plan.dest_rank_TK, plan.dest_row_TK,
-                              plan.recv_rows_W, meta.fixed, OPTION)
-    if plan.pad_rows is not None:  # nobody writes the padding rows: zero them where they lie
+    return shm_rows.to_experts_start(meta.heap, seq, streams, plan.dest_rank_TK,
+                                     plan.dest_row_TK, plan.recv_rows_W, meta.fixed, OPTION)
+
+
+def _tokens_landed(meta: DirectWriteMeta, landing: shm_rows.Landing, with_probs: bool
+                   ) -> list[torch.Tensor]:
+    """[rows] (+ [probs_S]) at this expert rank, padding rows zeroed: tensors over this rank's
+    receive area in the heap, where the senders wrote them (no copy; the area is this rank's
+    while they live)."""
+    out = shm_rows.landed(landing)
+    if meta.plan.pad_rows is not None:  # nobody writes the padding rows: zero them where they lie
         for o in out:
-            o.index_fill_(0, plan.pad_rows, 0)
-    if probs_TK is not None:
+            o.index_fill_(0, meta.plan.pad_rows, 0)
+    if with_probs:
         out[-1] = out[-1].view(-1)
     return out
 
 
-def _back(meta: DirectWriteMeta, streams: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Expert rows (real rows only are sent) back into their sources' heaps; returns this rank's
-    returned rows, in its expert-major order, over its receive area (freed when they die)."""
+def _send_tokens(meta: DirectWriteMeta, t_T: torch.Tensor) -> list[torch.Tensor]:
+    """Rows of t_T at the experts' ranks, as one synchronous op (backward, quantized payload)."""
+    return _tokens_landed(meta, _write_tokens(meta, t_T), False)
+
+
+def _back_start(meta: DirectWriteMeta, streams: list[torch.Tensor]) -> shm_rows.Landing:
+    """Expert rows (real rows only are sent) back into their sources' heaps, DONE published."""
     streams = [s.contiguous() for s in streams]
     seq = meta.heap.arrive(shm_rows.row_bytes([(s, False) for s in streams]))
-    return shm_rows.to_sources(meta.heap, seq, streams, meta.plan.chunks_C4,
-                               meta.plan.send_rows_W, meta.fixed, OPTION)
+    return shm_rows.to_sources_start(meta.heap, seq, streams, meta.plan.chunks_C4,
+                                     meta.plan.send_rows_W, meta.fixed, OPTION)
+
+
+def _back(meta: DirectWriteMeta, streams: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`_back_start` and its wait: this rank's returned rows, in its expert-major order,
+    over its receive area (freed when they die)."""
+    return shm_rows.landed(_back_start(meta, streams))
 
 
 def _sum_back(meta: DirectWriteMeta, y_SD: torch.Tensor) -> torch.Tensor:
@@ -162,10 +230,13 @@ def _sum_back(meta: DirectWriteMeta, y_SD: torch.Tensor) -> torch.Tensor:
 
 
 class _Dispatch(torch.autograd.Function):
+    """dispatch's step 4 (the rows were written by dispatch_start): forward waits and returns
+    (x_SD, probs_S) over the receive area; backward is the two-pass combine, synchronous."""
+
     @staticmethod
-    def forward(ctx, meta, seq, x_TD, probs_TK):
+    def forward(ctx, meta, landing, x_TD, probs_TK):
         ctx.meta, ctx.has_x = meta, x_TD is not None
-        return tuple(_send_tokens(meta, x_TD, seq, probs_TK))
+        return tuple(_tokens_landed(meta, landing, True))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -201,15 +272,17 @@ PULL_MIN_ROW_BYTES = 4096
 
 
 class _Combine(torch.autograd.Function):
+    """combine's wait (the rows were pushed or pulled by combine_start); backward is dispatch's
+    steps 3-4, synchronous."""
+
     @staticmethod
-    def forward(ctx, meta, y_SD):
+    def forward(ctx, meta, op, y_SD):
         ctx.meta = meta
-        row_bytes = math.prod(y_SD.shape[1:]) * y_SD.element_size()
-        if meta.single_copy and row_bytes >= PULL_MIN_ROW_BYTES:
-            p = meta.plan
-            return shm_rows.pull_sum(meta.heap, y_SD, p.dest_rank_TK, p.dest_row_TK)
-        return _sum_back(meta, y_SD)
+        if isinstance(op, shm_rows.Pull):
+            return shm_rows.pulled(op)
+        (rows,) = shm_rows.landed(op)
+        return shm_rows.sum_rows(rows, meta.plan.row_map_TK)
 
     @staticmethod
     def backward(ctx, g_TD):
-        return None, _send_tokens(ctx.meta, g_TD.contiguous())[0]
+        return None, None, _send_tokens(ctx.meta, g_TD.contiguous())[0]
