@@ -382,6 +382,16 @@ def _growth(rank: int, world: int) -> dict:
     got, want = _round_trip(dw, x, routing, 1), _round_trip(a2a, x, routing, 1)
     out = {"before": before, "after": dw._heap().data_bytes,
            "err": max((got[k].float() - want[k].float()).abs().max().item() for k in want)}
+    # Grown while another dispatch is in flight (its rows in the old segment, its DONE to be
+    # waited for on the new one): both still land.
+    fresh = host.create("dispatcher", "direct_write", {}, cfg, dist.new_group([0, 1]))
+    small = _routing(8, gen, "plain", world)
+    p_small = fresh.dispatch_start(x[:8], small)
+    p_big = fresh.dispatch_start(x, routing)
+    rows = [fresh.dispatch_wait(p).x_SD for p in (p_small, p_big)]
+    out["in_flight_grew"] = fresh._heap().data_bytes > MiB
+    out["in_flight_equal"] = (torch.equal(rows[0], a2a.dispatch(x[:8], small).x_SD)
+                              and torch.equal(rows[1], want["x_SD"]))
     fixed = host.create("dispatcher", "direct_write", {"heap_bytes": MiB}, cfg,
                         dist.new_group([0, 1]))
     try:
@@ -396,6 +406,7 @@ def test_heap_grows_on_demand_and_a_fixed_size_fails_naming_the_option():
     for r in results:
         assert r["before"] == 1 << 20 and r["after"] > 4 << 20, r
         assert r["err"] == 0.0
+        assert r["in_flight_grew"] and r["in_flight_equal"], r
         assert ("plugins.dispatcher_options.heap_bytes = 1048576 is too small" in r["fixed_error"]
                 and "Fix: set plugins.dispatcher_options.heap_bytes >=" in r["fixed_error"]), r
 
