@@ -23,6 +23,13 @@ rows. Else: each rank writes its expert outputs back into the sources' heaps, on
 (source, local expert), and each source sums its K rows per token out of its heap (fused sum on
 receipt, two passes). Backward: dispatch's is the two-pass combine (grads of probs ride along),
 combine's is dispatch's steps 3-4.
+Split for overlap (``model.moe.overlap_chunks`` > 1; overlaps_comm): dispatch_start is steps 1-3
+with this rank's DONE published, dispatch_wait waits for every peer's DONE of the op and does
+step 4; combine_start pulls and sums (or writes back) this rank's rows and publishes,
+combine_wait waits for the peers (their rows in / their reads of our y_SD done) and sums.
+Several ops may be in flight (moeplug.parallel.shm_heap: growing flags, two slot banks, each
+pending op holding its area). Synchronous: the count barrier in each start, the quantized
+dispatch, and both backwards (each exchange runs whole inside its autograd node).
 Dropped choices (``routing.dropped_TK``) send no row; combine adds nothing for them.
 Quantized, each token row is quantized once and its bytes written to each of its ranks, so
 ``moeplug.quant.wire.WIRE`` counts T token rows here where alltoall counts its T*K routed rows.
