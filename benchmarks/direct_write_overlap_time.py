@@ -6,8 +6,12 @@ Not in the suite (a script beside benchmarks/test_bench_overlap.py):
 
     python benchmarks/direct_write_overlap_time.py [EP ranks, default 2]
 """
-import statistics, sys, time
+import statistics
+import sys
+import time
+
 import numpy as np
+
 from moeplug.testing.distributed import run_distributed
 
 WORLD, ROUNDS, WARMUP = int(sys.argv[1]) if len(sys.argv) > 1 else 2, 10, 2
@@ -26,13 +30,27 @@ def _cfg(chunks, dispatcher):
         "parallel": {"ep": WORLD}})
 
 
+def _unsplit(d):
+    """``d`` with the whole exchange in *_start, *_wait returning it (Dispatcher's defaults)."""
+    from moeplug_plugins.dispatchers.direct_write import DirectWriteDispatcher as DW
+    d.dispatch_start = lambda x, r: DW.dispatch_wait(d, DW.dispatch_start(d, x, r))
+    d.dispatch_wait = lambda p: p
+    d.combine_start = lambda y, meta: DW.combine_wait(d, DW.combine_start(d, y, meta))
+    d.combine_wait = lambda p: p
+
+
 def _run(rank, world):
     import torch.distributed as dist
-    from moeplug.parallel import shm_heap
-    from moeplug.parallel import ParallelGroups
+
+    from moeplug.parallel import ParallelGroups, shm_heap
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model
-    from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
+    from moeplug.training.trainer import (
+        build_rank_optimizer,
+        seed_everything,
+        step_batches,
+        train_step,
+    )
     clock = {"done": 0.0, "arrive": 0.0}
     real_wait, real_arrive = shm_heap.SymmetricHeap.wait_done, shm_heap.SymmetricHeap.arrive
 
@@ -57,16 +75,11 @@ def _run(rank, world):
         seed_everything(0)
         model = build_rank_model(cfg, host, 256, groups)
         if name.endswith("unsplit"):  # the base class's split: whole exchange in *_start
-            found = False
-            for m in model.modules():
-                d = getattr(m, "dispatcher", None)
-                if isinstance(d, DW):
-                    d.dispatch_start = (lambda d: lambda x, r: DW.dispatch_wait(d, DW.dispatch_start(d, x, r)))(d)
-                    d.dispatch_wait = lambda p: p
-                    d.combine_start = (lambda d: lambda y, meta: DW.combine_wait(d, DW.combine_start(d, y, meta)))(d)
-                    d.combine_wait = lambda p: p
-                    found = True
-            assert found
+            dws = [m.dispatcher for m in model.modules()
+                   if isinstance(getattr(m, "dispatcher", None), DW)]
+            assert dws
+            for d in dws:
+                _unsplit(d)
         runs[name] = (cfg, groups, model, build_rank_optimizer(model, cfg, groups))
     s = {n: {"step": [], "done": [], "arrive": []} for n in runs}
     for rnd in range(ROUNDS + WARMUP):
