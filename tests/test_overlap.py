@@ -7,7 +7,8 @@ on every rank after every step: the logged loss terms, the global grad norm, eve
 the rank; after 3 steps every parameter. Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
 EP2 with capacity dropping + pad-to-capacity, EP2 with the ``allgather`` dispatcher (the
 interface's default split methods), EP2 and EP4 with ``direct_write`` (its own split over the
-shared-memory heap; capacity on and off, single-copy and two-pass combine), and with shared experts everywhere (they run during the
+shared-memory heap; capacity on and off, single-copy and two-pass combine; and under the
+combined 1F1B at EP2, alone and chunked), and with shared experts everywhere (they run during the
 first chunk's dispatch). The combined 1F1B schedule
 (``parallel.overlap_moe_expert_parallel_comm``, moeplug.parallel.ep_overlap) is compared the
 same way at EP2 (3 micro-batches), EP4, EP2 x DP2 and PP2 x EP2, alone (must be bitwise: same
@@ -60,7 +61,10 @@ WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAP
           # small rows (direct_write.PULL_MIN_ROW_BYTES = 0), else the two-pass one
           "ep2_direct_write": ({"ep": 2}, 1, {}, DW_PULL),
           "ep2_direct_write_capacity": ({"ep": 2}, 1, CAPACITY, DW_PUSH),
-          "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH),
+          "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED),
+          # direct_write's backward on the helper thread uses the twin group's own heap
+          "ep2_1f1b_direct_write": ({"ep": 2}, 3, {}, {**MERGED, "dispatcher": "direct_write"}),
+          "ep2_1f1b_chunked_direct_write": ({"ep": 2}, 2, {}, {**BOTH, **DW_PUSH}), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH),
           "ep2_delay_wgrad": ({"ep": 2}, 2, {}, DELAY),
           "ep2_1f1b_delay_wgrad": ({"ep": 2}, 3, {}, MERGED_DELAY)}
 WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "ep4_direct_write": ({"ep": 4}, 1, {}, DW_PUSH),

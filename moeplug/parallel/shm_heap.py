@@ -400,7 +400,8 @@ def _all_gather(group: Any, obj: Any) -> list[Any]:
 
 # ---- one heap per group -----------------------------------------------------------------------
 # Dispatchers of every MoE layer share their group's heap (ops are collective and ordered, so
-# they never overlap). The cache holds the group object itself, so its id() cannot be reused by
+# they never overlap). A thread of its own issues its ops on a group of its own: the combined
+# 1F1B's backward thread on the twin group (moeplug.parallel.comm.active_group), another heap. The cache holds the group object itself, so its id() cannot be reused by
 # a later group while the entry lives.
 _heaps: dict[tuple[int, int], tuple[Any, SymmetricHeap]] = {}
 _heaps_lock = threading.Lock()

@@ -37,14 +37,17 @@ Quantized, each token row is quantized once and its bytes written to each of its
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
+from moeplug.parallel.comm import active_group
 from moeplug.parallel import shm_rows
 from moeplug.parallel.shm_heap import MiB, SymmetricHeap, heap_for
 from moeplug.quant import active_recipe
@@ -68,6 +71,7 @@ class DirectWriteMeta:
     plan: DirectWritePlan
     fixed: bool  # heap_bytes was set: growing is an error
     single_copy: bool  # combine pulls the rows (shm_rows.pull_sum)
+    heap_of: Callable[[], SymmetricHeap]  # the heap of the calling thread's group (_here)
 
     @property
     def pad_index_S(self) -> torch.Tensor | None:  # as the other dispatchers' meta
@@ -88,8 +92,11 @@ class DirectWriteDispatcher(Dispatcher):
         self.single_copy = options.single_copy
 
     def _heap(self) -> SymmetricHeap:
-        # Created collectively by the first dispatch on the group, shared by every layer.
-        return heap_for(self.group, self.heap_bytes, 2 + self.num_experts, self.timeout_s)
+        # Created collectively by the first op on the group, shared by every layer. Inside the
+        # combined 1F1B's overlapped backward (moeplug.parallel.ep_overlap) the group's twin
+        # has a heap of its own: the two threads' ops never share a sequence.
+        return heap_for(active_group(self.group), self.heap_bytes, 2 + self.num_experts,
+                        self.timeout_s)
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         return self.dispatch_wait(self.dispatch_start(x_TD, routing))
@@ -120,7 +127,8 @@ class DirectWriteDispatcher(Dispatcher):
         plan = build_plan(slots_W[:, 1:], ids_TK, self.ep_rank,
                           None if cap < 0 else cap, capacity_W, routing.pad_multiple)
         meta = DirectWriteMeta(heap=heap, plan=plan, fixed=self.fixed,
-                               single_copy=self.single_copy and _single_copy(heap))
+                               single_copy=self.single_copy and _single_copy(heap),
+                               heap_of=self._heap)
         # 3. write
         if not quantized:
             landing = _write_tokens(meta, x_TD.detach(), seq, probs_TK.detach())
@@ -131,7 +139,7 @@ class DirectWriteDispatcher(Dispatcher):
         landing = _write_tokens(meta, None, seq, probs_TK.detach())
         (probs_S,) = _Dispatch.apply(meta, landing, None, probs_TK)
         x_SD = quantized_exchange(x_TD, recipe, lambda t: _send_tokens(meta, t)[0],
-                                  lambda g: _sum_back(meta, g))
+                                  lambda g: _sum_back(_here(meta), g))
         if plan.pad_rows is not None:
             x_SD = x_SD.index_fill(0, plan.pad_rows, 0)
         return Dispatched(x_SD, probs_S, plan.counts_L, meta)
@@ -198,6 +206,13 @@ def _write_tokens(meta: DirectWriteMeta, t_T: torch.Tensor | None, seq: int | No
                                      plan.dest_row_TK, plan.recv_rows_W, meta.fixed, OPTION)
 
 
+def _here(meta: DirectWriteMeta) -> DirectWriteMeta:
+    """``meta`` with the heap of the calling thread's group: a backward may run on the combined
+    1F1B's helper thread, whose ops go to the twin group's heap (the plan is the same)."""
+    heap = meta.heap_of()
+    return meta if heap is meta.heap else dataclasses.replace(meta, heap=heap)
+
+
 def _tokens_landed(meta: DirectWriteMeta, landing: shm_rows.Landing, with_probs: bool
                    ) -> list[torch.Tensor]:
     """[rows] (+ [probs_S]) at this expert rank, padding rows zeroed: tensors over this rank's
@@ -247,7 +262,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        meta = ctx.meta
+        meta = _here(ctx.meta)
         g_probs_S = grads[-1]
         streams = ([grads[0]] if ctx.has_x else []) + [g_probs_S.float().reshape(-1, 1)]
         rows = _back(meta, streams)
@@ -292,4 +307,4 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TD):
-        return None, None, _send_tokens(ctx.meta, g_TD.contiguous())[0]
+        return None, None, _send_tokens(_here(ctx.meta), g_TD.contiguous())[0]
