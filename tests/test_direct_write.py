@@ -216,11 +216,38 @@ def _split_round_trip(disp, xs, routings, w_seed: int, split: bool):
         ds = [disp.dispatch(x, r) for x, r in zip(xs, rs)]
         ys = [disp.combine(experts(d), d.meta) for d in ds]
     gen = torch.Generator().manual_seed(w_seed)
-    sum((y.float() * torch.randn(y.shape, generator=gen)).sum() for y in ys).backward()
+    loss = sum((y.float() * torch.randn(y.shape, generator=gen)).sum() for y in ys)
+    in_flight = _InFlight.most
+    _InFlight.most = 0
+    loss.backward()
+    _InFlight.seen.append((in_flight, _InFlight.most))
+    _InFlight.most = 0
     return {**{f"x_SD{i}": d.x_SD.detach().clone() for i, d in enumerate(ds)},
             **{f"y{i}": y.detach() for i, y in enumerate(ys)},
             **{f"grad_x{i}": x.grad for i, x in enumerate(xs)},
             **{f"grad_probs{i}": p.grad for i, p in enumerate(probs)}}
+
+
+class _InFlight:
+    """Heap ops published and not yet waited for (most at once, per phase)."""
+    open: set = set()
+    most = 0
+    seen: list = []  # (forward, backward) per round trip
+
+    @classmethod
+    def install(cls):
+        from moeplug.parallel.shm_heap import SymmetricHeap
+        publish, wait = SymmetricHeap.publish_done, SymmetricHeap.wait_done
+
+        def publish_done(heap, seq):
+            cls.open.add(seq)
+            cls.most = max(cls.most, len(cls.open))
+            publish(heap, seq)
+
+        def wait_done(heap, seq):
+            wait(heap, seq)
+            cls.open.discard(seq)
+        SymmetricHeap.publish_done, SymmetricHeap.wait_done = publish_done, wait_done
 
 
 def _split(rank: int, world: int) -> dict[str, float]:
@@ -233,6 +260,7 @@ def _split(rank: int, world: int) -> dict[str, float]:
     group = dist.group.WORLD
     errs = {"overlaps_comm": float(host.create("dispatcher", "direct_write", {}, _cfg(),
                                                group).overlaps_comm)}
+    _InFlight.install()
     for mode, options in (("pull", {}), ("push", {"single_copy": False})):
         dw = host.create("dispatcher", "direct_write", options, _cfg(), group)
         for case in ("dropped", "pad_to_capacity"):
@@ -241,6 +269,9 @@ def _split(rank: int, world: int) -> dict[str, float]:
             routings = [_routing(x.shape[0], gen, case, world) for x in xs]
             want = _split_round_trip(dw, xs, routings, 9 + rank, split=False)
             got = _split_round_trip(dw, xs, routings, 9 + rank, split=True)
+            # ops in flight (forward, backward): one at a time, then up to three - the
+            # backward too (each wait node's backward starts its op, the start node's waits)
+            errs[f"{mode}/{case}/in_flight"] = float(_InFlight.seen[-2:] != [(1, 1), (3, 3)])
             for key in want:
                 a, b = got[key], want[key]
                 errs[f"{mode}/{case}/{key}"] = (
@@ -252,14 +283,14 @@ def _split(rank: int, world: int) -> dict[str, float]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_start_wait_with_exchanges_in_flight_equals_one_at_a_time(world):
     """Three micro-batches pipelined through dispatch_start/_wait and combine_start/_wait (up to
-    three exchanges in flight, waited for out of order; pulled and pushed combine; dropped
-    choices and pad-to-capacity) equal the synchronous exchanges bitwise: rows, outputs and the
-    gradients w.r.t. tokens and probs."""
+    three exchanges in flight, waited for out of order, in the forward and in the backward;
+    pulled and pushed combine; dropped choices and pad-to-capacity) equal the synchronous
+    exchanges bitwise: rows, outputs and the gradients w.r.t. tokens and probs."""
     results = run_distributed(_split, world, timeout=120)
     bad = {f"rank {r}: {k}": v for r, e in enumerate(results) for k, v in e.items()
            if v != (1.0 if k == "overlaps_comm" else 0.0)}
     assert not bad, bad
-    assert len(results[0]) == 1 + 2 * 2 * 12
+    assert len(results[0]) == 1 + 2 * 2 * 13
 
 
 def _slow_peer(rank: int, world: int, delay_s: float) -> dict:

@@ -28,8 +28,11 @@ with this rank's DONE published, dispatch_wait waits for every peer's DONE of th
 step 4; combine_start pulls and sums (or writes back) this rank's rows and publishes,
 combine_wait waits for the peers (their rows in / their reads of our y_SD done) and sums.
 Several ops may be in flight (moeplug.parallel.shm_heap: growing flags, two slot banks, each
-pending op holding its area). Synchronous: the count barrier in each start, the quantized
-dispatch, and both backwards (each exchange runs whole inside its autograd node).
+pending op holding its area). Each call is two autograd nodes, start -> token -> wait, and the
+backward splits the same way: the wait node's backward starts the gradient's op (writes,
+publishes), the start node's waits for it, with other ready nodes (another chunk's) in between.
+Synchronous: the count barrier in each start (the plan needs every rank's counts) and the
+quantized dispatch (its payload op runs inside moeplug.quant.wire's autograd node).
 Dropped choices (``routing.dropped_TK``) send no row; combine adds nothing for them.
 Quantized, each token row is quantized once and its bytes written to each of its ranks, so
 ``moeplug.quant.wire.WIRE`` counts T token rows here where alltoall counts its T*K routed rows.
@@ -40,15 +43,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.parallel.comm import active_group
 from moeplug.parallel import shm_rows
+from moeplug.parallel.comm import active_group
 from moeplug.parallel.shm_heap import MiB, SymmetricHeap, heap_for
 from moeplug.quant import active_recipe
 from moeplug.quant.wire import quantized_exchange
@@ -102,7 +105,7 @@ class DirectWriteDispatcher(Dispatcher):
         return self.dispatch_wait(self.dispatch_start(x_TD, routing))
 
     def dispatch_start(self, x_TD: torch.Tensor, routing: RouterOutput
-                       ) -> _PendingDispatch | Dispatched:
+                       ) -> _Pending | Dispatched:
         """Steps 1-3: counts (a barrier), plan, this rank's rows written, DONE published."""
         if x_TD.device.type != "cpu":
             # GPU transports (CUDA IPC / NVSHMEM / NCCL) are not built: say so, never stage
@@ -131,63 +134,75 @@ class DirectWriteDispatcher(Dispatcher):
                                heap_of=self._heap)
         # 3. write
         if not quantized:
-            landing = _write_tokens(meta, x_TD.detach(), seq, probs_TK.detach())
-            return _PendingDispatch(meta, landing, x_TD, probs_TK)
+            handoff = _Handoff()
+            token = _DispatchStart.apply(meta, seq, handoff, x_TD, probs_TK)
+            return _Pending(meta, handoff, token)
         # Quantized: synchronous. Probs first (this op's arrive is already done), then payload
         # and scales as two ops of token rows; gradients come back in full precision
         # (moeplug.quant.wire).
-        landing = _write_tokens(meta, None, seq, probs_TK.detach())
-        (probs_S,) = _Dispatch.apply(meta, landing, None, probs_TK)
+        handoff = _Handoff()
+        token = _DispatchStart.apply(meta, seq, handoff, None, probs_TK)
+        (probs_S,) = _DispatchWait.apply(meta, handoff, token)
         x_SD = quantized_exchange(x_TD, recipe, lambda t: _send_tokens(meta, t)[0],
                                   lambda g: _sum_back(_here(meta), g))
         if plan.pad_rows is not None:
             x_SD = x_SD.index_fill(0, plan.pad_rows, 0)
         return Dispatched(x_SD, probs_S, plan.counts_L, meta)
 
-    def dispatch_wait(self, pending: _PendingDispatch | Dispatched) -> Dispatched:
+    def dispatch_wait(self, pending: _Pending | Dispatched) -> Dispatched:
         """Step 4: every peer's rows of this dispatch are in; x_SD, probs_S over them."""
         if isinstance(pending, Dispatched):  # quantized: done in dispatch_start
             return pending
         p = pending
-        x_SD, probs_S = _Dispatch.apply(p.meta, p.landing, p.x_TD, p.probs_TK)
+        x_SD, probs_S = _DispatchWait.apply(p.meta, p.handoff, p.token)
         return Dispatched(x_SD, probs_S, p.meta.plan.counts_L, p.meta)
 
     def combine(self, y_SD: torch.Tensor, meta: DirectWriteMeta) -> torch.Tensor:
         return self.combine_wait(self.combine_start(y_SD, meta))
 
-    def combine_start(self, y_SD: torch.Tensor, meta: DirectWriteMeta) -> _PendingCombine:
+    def combine_start(self, y_SD: torch.Tensor, meta: DirectWriteMeta) -> _Pending:
         """This rank's part: pulled and summed its rows (single copy), or written its expert
         outputs back into the sources' heaps (two passes); DONE published."""
-        y_SD = y_SD.contiguous()
-        row_bytes = math.prod(y_SD.shape[1:]) * y_SD.element_size()
-        if meta.single_copy and row_bytes >= PULL_MIN_ROW_BYTES:
-            p = meta.plan
-            op = shm_rows.pull_sum_start(meta.heap, y_SD.detach(), p.dest_rank_TK,
-                                         p.dest_row_TK)
-        else:
-            op = _back_start(meta, [y_SD.detach()])
-        return _PendingCombine(meta, op, y_SD)
+        handoff = _Handoff()
+        return _Pending(meta, handoff, _CombineStart.apply(meta, handoff, y_SD.contiguous()))
 
-    def combine_wait(self, pending: _PendingCombine) -> torch.Tensor:
+    def combine_wait(self, pending: _Pending) -> torch.Tensor:
         """Every peer is done (has read our rows / written us theirs): y_TD."""
-        return _Combine.apply(pending.meta, pending.op, pending.y_SD)
+        return _CombineWait.apply(pending.meta, pending.handoff, pending.token)
 
 
 @dataclass(frozen=True)
-class _PendingDispatch:
-    """A dispatch between start and wait: its rows written, its area held (moeplug.parallel.
-    shm_rows.Landing); x_TD, probs_TK are the inputs autograd links the result to."""
+class _Pending:
+    """A dispatch or combine between start and wait (one per call): ``token`` links the start
+    node to the wait node in autograd, ``handoff`` carries the op between them."""
     meta: DirectWriteMeta
-    landing: shm_rows.Landing
-    x_TD: torch.Tensor
-    probs_TK: torch.Tensor
+    handoff: _Handoff
+    token: torch.Tensor
 
 
-@dataclass(frozen=True)
-class _PendingCombine:
-    meta: DirectWriteMeta
-    op: shm_rows.Landing | shm_rows.Pull
-    y_SD: torch.Tensor
+class _Handoff:
+    """One call's heap op in flight between its two autograd nodes: the forward's (started by
+    the start node, waited for by the wait node) and the backward's (started by the wait node's
+    backward, waited for by the start node's: autograd runs other ready nodes - another chunk's
+    experts - in between, as for alltoall's async collectives)."""
+    __slots__ = ("backward", "forward")
+
+    def __init__(self) -> None:
+        self.forward: shm_rows.Landing | shm_rows.Pull | None = None
+        self.backward: shm_rows.Landing | None = None
+
+    def take(self, which: str) -> shm_rows.Landing | shm_rows.Pull:
+        op = getattr(self, which)
+        if op is None:
+            raise RuntimeError(f"direct_write: no {which} op in flight for this call (a wait "
+                               f"without its start, or a start's backward without its wait's)")
+        setattr(self, which, None)  # the op's area is the caller's now, not the handoff's
+        return op
+
+
+def _token() -> torch.Tensor:
+    """The start node's output, the wait node's input: no data, only the autograd edge."""
+    return torch.empty(0)
 
 
 # ---- the two directions, each an op on the heap ------------------------------------------------
@@ -251,25 +266,39 @@ def _sum_back(meta: DirectWriteMeta, y_SD: torch.Tensor) -> torch.Tensor:
     return shm_rows.sum_rows(rows, meta.plan.row_map_TK)
 
 
-class _Dispatch(torch.autograd.Function):
-    """dispatch's step 4 (the rows were written by dispatch_start): forward waits and returns
-    (x_SD, probs_S) over the receive area; backward is the two-pass combine, synchronous."""
+class _DispatchStart(torch.autograd.Function):
+    """dispatch_start (step 3: rows written, DONE published) -> token. Backward: waits for the
+    gradient rows that the wait node's backward sent back and sums them (two-pass combine)."""
 
     @staticmethod
-    def forward(ctx, meta, landing, x_TD, probs_TK):
-        ctx.meta, ctx.has_x = meta, x_TD is not None
-        return tuple(_tokens_landed(meta, landing, True))
+    def forward(ctx, meta, seq, handoff, x_TD, probs_TK):
+        ctx.meta, ctx.handoff, ctx.has_x = meta, handoff, x_TD is not None
+        handoff.forward = _write_tokens(meta, x_TD, seq, probs_TK)
+        return _token()
+
+    @staticmethod
+    def backward(ctx, _g_token):
+        rows = shm_rows.landed(ctx.handoff.take("backward"))
+        rm = ctx.meta.plan.row_map_TK
+        g_x = shm_rows.sum_rows(rows[0], rm) if ctx.has_x else None
+        g_probs = rows[-1].reshape(-1)[rm.clamp(min=0)].masked_fill(rm < 0, 0.0)
+        return None, None, None, g_x, g_probs
+
+
+class _DispatchWait(torch.autograd.Function):
+    """dispatch_wait (step 4): (x_SD,) probs_S over the receive area. Backward: writes the
+    gradient rows back into their sources' heaps and publishes, without waiting."""
+
+    @staticmethod
+    def forward(ctx, meta, handoff, token):
+        ctx.meta, ctx.handoff = meta, handoff
+        return tuple(_tokens_landed(meta, handoff.take("forward"), True))
 
     @staticmethod
     def backward(ctx, *grads):
-        meta = _here(ctx.meta)
-        g_probs_S = grads[-1]
-        streams = ([grads[0]] if ctx.has_x else []) + [g_probs_S.float().reshape(-1, 1)]
-        rows = _back(meta, streams)
-        rm = meta.plan.row_map_TK
-        g_x = shm_rows.sum_rows(rows[0], rm) if ctx.has_x else None
-        g_probs = rows[-1].reshape(-1)[rm.clamp(min=0)].masked_fill(rm < 0, 0.0)
-        return None, None, g_x, g_probs
+        streams = list(grads[:-1]) + [grads[-1].float().reshape(-1, 1)]
+        ctx.handoff.backward = _back_start(_here(ctx.meta), streams)
+        return None, None, _token()
 
 
 def _single_copy(heap: SymmetricHeap) -> bool:
@@ -293,13 +322,36 @@ _warned: list[bool] = []
 PULL_MIN_ROW_BYTES = 4096
 
 
-class _Combine(torch.autograd.Function):
-    """combine's wait (the rows were pushed or pulled by combine_start); backward is dispatch's
-    steps 3-4, synchronous."""
+class _CombineStart(torch.autograd.Function):
+    """combine_start: this rank's rows pulled and summed, or written back; DONE published ->
+    token. Backward: waits for the gradient rows the wait node's backward sent (dispatch's
+    step 4)."""
 
     @staticmethod
-    def forward(ctx, meta, op, y_SD):
-        ctx.meta = meta
+    def forward(ctx, meta, handoff, y_SD):
+        ctx.meta, ctx.handoff = meta, handoff
+        row_bytes = math.prod(y_SD.shape[1:]) * y_SD.element_size()
+        if meta.single_copy and row_bytes >= PULL_MIN_ROW_BYTES:
+            p = meta.plan
+            handoff.forward = shm_rows.pull_sum_start(meta.heap, y_SD, p.dest_rank_TK,
+                                                      p.dest_row_TK)
+        else:
+            handoff.forward = _back_start(meta, [y_SD])
+        return _token()
+
+    @staticmethod
+    def backward(ctx, _g_token):
+        return None, None, _tokens_landed(ctx.meta, ctx.handoff.take("backward"), False)[0]
+
+
+class _CombineWait(torch.autograd.Function):
+    """combine_wait: the peers are done; y_TD. Backward: dispatch's step 3 for the gradient
+    (rows written to the experts' ranks, DONE published), without waiting."""
+
+    @staticmethod
+    def forward(ctx, meta, handoff, token):
+        ctx.meta, ctx.handoff = meta, handoff
+        op = handoff.take("forward")
         if isinstance(op, shm_rows.Pull):
             return shm_rows.pulled(op)
         (rows,) = shm_rows.landed(op)
@@ -307,4 +359,5 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TD):
-        return None, None, _send_tokens(_here(ctx.meta), g_TD.contiguous())[0]
+        ctx.handoff.backward = _write_tokens(_here(ctx.meta), g_TD.contiguous())
+        return None, None, _token()
