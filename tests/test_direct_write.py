@@ -6,6 +6,9 @@
   gradients w.r.t. tokens and probs - with uneven token counts (one rank with none), dropped choices, pad_to_capacity and
   pad_multiple, in fp32 and bf16 and under an FP8 quantize_dispatch recipe; and the heap grows
   when an op needs more than it holds, or fails naming the option when its size is fixed;
+* split start / wait (overlap): several exchanges in flight, waited for out of order, equal
+  the synchronous ones bitwise at 2 and 4 ranks; a slow peer's rows are waited for in the wait,
+  not in the start;
 * the received rows are the heap (no copy out), kept intact by later ops while their tensors
   live and handed back (the same pages reused) when they die;
 * the heap leaves nothing in /dev/shm: a rank SIGKILLed mid-run (a real subprocess) leaves no
@@ -183,6 +186,178 @@ def test_dispatch_and_combine_equal_alltoall(world):
                     "single-copy combine fell back to the two-pass one (which matched)")
 
 
+# ---- split start / wait (overlap): several exchanges in flight -------------------------------
+
+def _split_round_trip(disp, xs, routings, w_seed: int, split: bool):
+    """Three micro-batches through dispatch -> stand-in experts -> combine, then one backward.
+    ``split``: as moeplug.modules.moe_overlap pipelines them - up to three exchanges in flight,
+    waited for out of order; else one synchronous exchange after the other."""
+    xs = [x.clone().requires_grad_() for x in xs]
+    probs = [r.probs_TK.detach().clone().requires_grad_() for r in routings]
+    rs = [type(r)(**{**r.__dict__, "probs_TK": p}) for r, p in zip(routings, probs)]
+
+    def experts(d):
+        scale_S = torch.arange(1, d.x_SD.shape[0] + 1, dtype=torch.float32) / d.x_SD.shape[0]
+        return d.x_SD * (d.probs_S * scale_S).unsqueeze(-1).to(d.x_SD.dtype)
+
+    if split:
+        p0, p1 = disp.dispatch_start(xs[0], rs[0]), disp.dispatch_start(xs[1], rs[1])
+        d0 = disp.dispatch_wait(p0)
+        p2 = disp.dispatch_start(xs[2], rs[2])
+        c0 = disp.combine_start(experts(d0), d0.meta)
+        d1 = disp.dispatch_wait(p1)
+        c1 = disp.combine_start(experts(d1), d1.meta)
+        d2 = disp.dispatch_wait(p2)
+        c2 = disp.combine_start(experts(d2), d2.meta)
+        ys = [None, disp.combine_wait(c1), None]
+        ys[0], ys[2] = disp.combine_wait(c0), disp.combine_wait(c2)
+        ds = [d0, d1, d2]
+    else:
+        ds = [disp.dispatch(x, r) for x, r in zip(xs, rs)]
+        ys = [disp.combine(experts(d), d.meta) for d in ds]
+    gen = torch.Generator().manual_seed(w_seed)
+    loss = sum((y.float() * torch.randn(y.shape, generator=gen)).sum() for y in ys)
+    in_flight = _InFlight.most
+    _InFlight.most = 0
+    loss.backward()
+    _InFlight.seen.append((in_flight, _InFlight.most))
+    _InFlight.most = 0
+    return {**{f"x_SD{i}": d.x_SD.detach().clone() for i, d in enumerate(ds)},
+            **{f"y{i}": y.detach() for i, y in enumerate(ys)},
+            **{f"grad_x{i}": x.grad for i, x in enumerate(xs)},
+            **{f"grad_probs{i}": p.grad for i, p in enumerate(probs)}}
+
+
+class _InFlight:
+    """Heap ops published and not yet waited for (most at once, per phase)."""
+    open: set = set()
+    most = 0
+    seen: list = []  # (forward, backward) per round trip
+
+    @classmethod
+    def install(cls):
+        from moeplug.parallel.shm_heap import SymmetricHeap
+        publish, wait = SymmetricHeap.publish_done, SymmetricHeap.wait_done
+
+        def publish_done(heap, seq):
+            cls.open.add(seq)
+            cls.most = max(cls.most, len(cls.open))
+            publish(heap, seq)
+
+        def wait_done(heap, seq):
+            wait(heap, seq)
+            cls.open.discard(seq)
+        SymmetricHeap.publish_done, SymmetricHeap.wait_done = publish_done, wait_done
+
+
+def _split(rank: int, world: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from moeplug.plugin_host import PluginHost
+    from moeplug_plugins.dispatchers import direct_write
+    direct_write.PULL_MIN_ROW_BYTES = 0  # tiny rows: take the single copy all the same
+    host = PluginHost.load()
+    group = dist.group.WORLD
+    errs = {"overlaps_comm": float(host.create("dispatcher", "direct_write", {}, _cfg(),
+                                               group).overlaps_comm)}
+    _InFlight.install()
+    for mode, options in (("pull", {}), ("push", {"single_copy": False})):
+        dw = host.create("dispatcher", "direct_write", options, _cfg(), group)
+        for case in ("dropped", "pad_to_capacity"):
+            gen = torch.Generator().manual_seed(200 + rank)
+            xs = [torch.randn(TOKENS[(rank + i) % 4], D, generator=gen) for i in range(3)]
+            routings = [_routing(x.shape[0], gen, case, world) for x in xs]
+            want = _split_round_trip(dw, xs, routings, 9 + rank, split=False)
+            got = _split_round_trip(dw, xs, routings, 9 + rank, split=True)
+            # ops in flight (forward, backward): one at a time, then up to three - the
+            # backward too (each wait node's backward starts its op, the start node's waits)
+            errs[f"{mode}/{case}/in_flight"] = float(_InFlight.seen[-2:] != [(1, 1), (3, 3)])
+            for key in want:
+                a, b = got[key], want[key]
+                errs[f"{mode}/{case}/{key}"] = (
+                    float("inf") if a.shape != b.shape else 0.0 if not a.numel()
+                    else (a - b).abs().max().item())
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_start_wait_with_exchanges_in_flight_equals_one_at_a_time(world):
+    """Three micro-batches pipelined through dispatch_start/_wait and combine_start/_wait (up to
+    three exchanges in flight, waited for out of order, in the forward and in the backward;
+    pulled and pushed combine; dropped choices and pad-to-capacity) equal the synchronous
+    exchanges bitwise: rows, outputs and the gradients w.r.t. tokens and probs."""
+    results = run_distributed(_split, world, timeout=120)
+    bad = {f"rank {r}: {k}": v for r, e in enumerate(results) for k, v in e.items()
+           if v != (1.0 if k == "overlaps_comm" else 0.0)}
+    assert not bad, bad
+    assert len(results[0]) == 1 + 2 * 2 * 13
+
+
+def _slow_peer(rank: int, world: int, delay_s: float) -> dict:
+    """Rank 1 writes its rows ``delay_s`` late (after arriving: its counts are in time). Rank 0
+    starts, then waits at once: its start must not wait for rank 1's rows, its wait must."""
+    import time
+
+    import torch.distributed as dist
+
+    from moeplug.parallel import shm_rows
+    from moeplug.plugin_host import PluginHost
+    from moeplug.runtime import get_runtime
+    from moeplug_plugins.dispatchers import direct_write
+
+    class _Late:  # the runtime, with this rank's row writes (and pulls) delayed
+        def __getattr__(self, name):
+            fn = getattr(get_runtime(), name)
+            if rank != 1 or name not in ("scatter_rows", "copy_chunks", "pull_sum_rows"):
+                return fn
+            return lambda **kw: (time.sleep(delay_s), fn(**kw))[1]
+
+    direct_write.PULL_MIN_ROW_BYTES = 0
+    host = PluginHost.load()
+    group = dist.group.WORLD
+    a2a = host.create("dispatcher", "alltoall", {}, _cfg(), group)
+    out = {}
+    for mode, options in (("push", {"single_copy": False}), ("pull", {})):
+        dw = host.create("dispatcher", "direct_write", options, _cfg(), group)
+        gen = torch.Generator().manual_seed(40 + rank)
+        x = torch.randn(12, D, generator=gen)
+        routing = _routing(12, gen, "plain", world)
+        want = a2a.dispatch(x, routing)
+        want_y = a2a.combine(want.x_SD * 3, want.meta)
+        heap = dw._heap()
+        heap.data(heap.rank, heap.data_bytes).view(torch.float32).fill_(float("nan"))
+        dist.barrier()  # no rank writes before every rank has poisoned its heap
+        shm_rows.get_runtime = _Late
+        try:
+            t0 = time.perf_counter()
+            pending = dw.dispatch_start(x, routing)
+            t1 = time.perf_counter()
+            d = dw.dispatch_wait(pending)
+            t2 = time.perf_counter()
+            rows = d.x_SD.clone()  # as the wait left them (x_SD is the heap: it changes on)
+            c = dw.combine_start(d.x_SD * 3, d.meta)
+            t3 = time.perf_counter()
+            y = dw.combine_wait(c)
+            t4 = time.perf_counter()
+        finally:
+            shm_rows.get_runtime = get_runtime
+        out[mode] = {"rows": torch.equal(rows, want.x_SD), "y": torch.equal(y, want_y),
+                     "start": t1 - t0, "wait": t2 - t1, "cstart": t3 - t2, "cwait": t4 - t3}
+    return out
+
+
+def test_wait_waits_for_a_slow_peers_rows_and_start_does_not():
+    delay = 1.0
+    results = run_distributed(_slow_peer, 2, delay, timeout=120)
+    for mode in ("push", "pull"):
+        r0 = results[0][mode]
+        assert all(r[mode]["rows"] and r[mode]["y"] for r in results), (mode, results)
+        # rank 0's own work is quick; it blocks in the waits, for rank 1's late writes (dispatch,
+        # pushed combine) or late reads of its y_SD (pulled combine)
+        assert r0["start"] < delay / 2 and r0["wait"] > delay * 0.8, (mode, r0)
+        assert r0["cstart"] < delay / 2 and r0["cwait"] > delay * 0.8, (mode, r0)
+
+
 def _quantized(rank: int, world: int) -> dict[str, float]:
     import torch.distributed as dist
 
@@ -238,6 +413,16 @@ def _growth(rank: int, world: int) -> dict:
     got, want = _round_trip(dw, x, routing, 1), _round_trip(a2a, x, routing, 1)
     out = {"before": before, "after": dw._heap().data_bytes,
            "err": max((got[k].float() - want[k].float()).abs().max().item() for k in want)}
+    # Grown while another dispatch is in flight (its rows in the old segment, its DONE to be
+    # waited for on the new one): both still land.
+    fresh = host.create("dispatcher", "direct_write", {}, cfg, dist.new_group([0, 1]))
+    small = _routing(8, gen, "plain", world)
+    p_small = fresh.dispatch_start(x[:8], small)
+    p_big = fresh.dispatch_start(x, routing)
+    rows = [fresh.dispatch_wait(p).x_SD for p in (p_small, p_big)]
+    out["in_flight_grew"] = fresh._heap().data_bytes > MiB
+    out["in_flight_equal"] = (torch.equal(rows[0], a2a.dispatch(x[:8], small).x_SD)
+                              and torch.equal(rows[1], want["x_SD"]))
     fixed = host.create("dispatcher", "direct_write", {"heap_bytes": MiB}, cfg,
                         dist.new_group([0, 1]))
     try:
@@ -252,6 +437,7 @@ def test_heap_grows_on_demand_and_a_fixed_size_fails_naming_the_option():
     for r in results:
         assert r["before"] == 1 << 20 and r["after"] > 4 << 20, r
         assert r["err"] == 0.0
+        assert r["in_flight_grew"] and r["in_flight_equal"], r
         assert ("plugins.dispatcher_options.heap_bytes = 1048576 is too small" in r["fixed_error"]
                 and "Fix: set plugins.dispatcher_options.heap_bytes >=" in r["fixed_error"]), r
 

@@ -6,7 +6,9 @@ per micro-batch into 3), and runs 3 real ``train_step``s of each on the same bat
 on every rank after every step: the logged loss terms, the global grad norm, every gradient of
 the rank; after 3 steps every parameter. Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
 EP2 with capacity dropping + pad-to-capacity, EP2 with the ``allgather`` dispatcher (the
-interface's default split methods), and with shared experts everywhere (they run during the
+interface's default split methods), EP2 and EP4 with ``direct_write`` (its own split over the
+shared-memory heap; capacity on and off, single-copy and two-pass combine; and under the
+combined 1F1B at EP2, alone and chunked), and with shared experts everywhere (they run during the
 first chunk's dispatch). The combined 1F1B schedule
 (``parallel.overlap_moe_expert_parallel_comm``, moeplug.parallel.ep_overlap) is compared the
 same way at EP2 (3 micro-batches), EP4, EP2 x DP2 and PP2 x EP2, alone (must be bitwise: same
@@ -47,15 +49,27 @@ TRAIN_TOL = 1e-4  # steps 2-3 and the final parameters, absolute (lr = 1e-2)
 CAPACITY = {"capacity_factor": 1.0, "pad_to_capacity": True}
 CHUNKED, MERGED = {"chunks": CHUNKS}, {"merged": True}
 BOTH = {"chunks": CHUNKS, "merged": True}
+DW_PULL = {"chunks": CHUNKS, "dispatcher": "direct_write", "pull": True}
+DW_PUSH = {"chunks": CHUNKS, "dispatcher": "direct_write"}
 # delay = model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): bitwise like MERGED alone.
 DELAY, MERGED_DELAY = {"delay": True}, {"merged": True, "delay": True}
 WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAPACITY, CHUNKED),
           # allgather keeps the Dispatcher base class's split methods (exchange in *_start)
           "ep2_allgather": ({"ep": 2}, 1, {}, {"chunks": CHUNKS, "dispatcher": "allgather"}),
-          "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH),
+          # direct_write splits its exchanges itself (shared-memory heap: *_start writes and
+          # publishes, *_wait waits for the peers); "pull": its single-copy combine on these
+          # small rows (direct_write.PULL_MIN_ROW_BYTES = 0), else the two-pass one
+          "ep2_direct_write": ({"ep": 2}, 1, {}, DW_PULL),
+          "ep2_direct_write_capacity": ({"ep": 2}, 1, CAPACITY, DW_PUSH),
+          "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED),
+          # direct_write's backward on the helper thread uses the twin group's own heap
+          "ep2_1f1b_direct_write": ({"ep": 2}, 3, {}, {**MERGED, "dispatcher": "direct_write"}),
+          "ep2_1f1b_chunked_direct_write": ({"ep": 2}, 2, {}, {**BOTH, **DW_PUSH}), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH),
           "ep2_delay_wgrad": ({"ep": 2}, 2, {}, DELAY),
           "ep2_1f1b_delay_wgrad": ({"ep": 2}, 3, {}, MERGED_DELAY)}
-WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "pp2_ep2": ({"pp": 2, "ep": 2}, 2, {}, CHUNKED),
+WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "ep4_direct_write": ({"ep": 4}, 1, {}, DW_PUSH),
+          "ep4_direct_write_capacity": ({"ep": 4}, 1, CAPACITY, DW_PULL),
+          "pp2_ep2": ({"pp": 2, "ep": 2}, 2, {}, CHUNKED),
           "ep4_1f1b": ({"ep": 4}, 2, {}, MERGED), "ep2_dp2_1f1b": ({"ep": 2}, 2, {}, MERGED),
           # 3 micro-batches: pipeline rank 0 runs F0 F1 B0 F2 B1 B2 (B0 || F2 overlapped),
           # rank 1 F0 B0 F1 B1 F2 B2 (B0 || F1, B1 || F2).
@@ -114,13 +128,16 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
     from moeplug.training.optim import lr_at
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
 
+    from moeplug_plugins.dispatchers import direct_write
     host = PluginHost.load()
     precision = host.create("precision", "fp32", {})
+    pull_min_row_bytes = direct_write.PULL_MIN_ROW_BYTES
     ids = np.random.default_rng(3).integers(0, V, 4096).astype(np.int64)
     report = {}
     for name, (parallel, accum, router_options, on, *both) in layouts.items():
         runs = {}
         recompute = both[0] if both else None  # a 5th entry: recompute, in both variants
+        direct_write.PULL_MIN_ROW_BYTES = 0 if on.get("pull") else pull_min_row_bytes
         for variant in ("off", "on"):
             dispatcher = on.get("dispatcher", "alltoall")
             cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher,

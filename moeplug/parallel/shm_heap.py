@@ -23,6 +23,18 @@ collective; each op takes a sequence number and moves through two flags per rank
                                           each rank's rows go (addr_W) without another exchange
     ... write rows into peers' areas (moeplug.parallel.shm_rows) ...
     heap.done(seq)                        store-release DONE=seq, wait for all: my area is full
+                                          (= heap.publish_done(seq), later heap.wait_done(seq))
+
+Two ops in flight (the split of ``done``, for overlap): a rank may publish DONE=seq, return, and
+start op seq+1 (or more) before it waits for op seq's DONE from every rank; op seq's rows are
+then read only after wait_done(seq). This is safe because
+  * flags only grow and waits are ``>= seq``: a peer already at op seq+2 still reads as done
+    with seq, and a rank writes all its rows of an op before publishing DONE, its ops in order;
+  * the slots come in two banks, op seq's in bank seq % 2: a rank writes op seq+1's slots while
+    a slower peer may still read its op seq slots (other bank), and it reaches op seq+2 (the
+    same bank again) only past arrive(seq+1), i.e. once every peer is done with op seq's start;
+  * each op's receive area is taken at that op's arrive and held by the tensors over it (the
+    pending op keeps them), so a later op in flight never lands on it.
 
 A receive area is a torch uint8 tensor over this rank's segment: the rows arrive where the caller
 uses them (x_SD is a view of the heap, no copy out). Its bytes go back to the rank's free list
@@ -104,7 +116,7 @@ class SymmetricHeap:
         self.tag = tag
         self._seq = 0
         self._core, self.pids, self.single_copy = _create(
-            group, int(data_bytes), self.num_slots + NUM_HEAP_SLOTS, tag)
+            group, int(data_bytes), 2 * (self.num_slots + NUM_HEAP_SLOTS), tag)
         self._arena = _Arena(self._core, self._core.data_bytes)
         self._held = _Held()
 
@@ -141,10 +153,12 @@ class SymmetricHeap:
                              f"{self.data_bytes}-byte data region")
         return _view(self._core.data_ptr(rank) + offset, nbytes)
 
-    def slots(self, rank: int) -> torch.Tensor:
-        """int64 view of ``rank``'s payload slots (the caller's num_slots, then the heap's)."""
+    def slots(self, rank: int, seq: int | None = None) -> torch.Tensor:
+        """int64 view of ``rank``'s payload slots of op ``seq`` (default: the latest arrived):
+        the caller's num_slots, then the heap's, in bank seq % 2 (see the module docstring)."""
         n = self.num_slots + NUM_HEAP_SLOTS
-        return _view(self._core.slots_ptr(rank), 8 * n).view(torch.int64)
+        bank = (self._seq if seq is None else seq) % 2
+        return _view(self._core.slots_ptr(rank) + 8 * n * bank, 8 * n).view(torch.int64)
 
     # ---- an op -------------------------------------------------------------------------
     def arrive(self, row_bytes: int, extra: list[int] | torch.Tensor = ()) -> int:
@@ -188,7 +202,7 @@ class SymmetricHeap:
         collectively (25 % headroom over what that rank holds plus its need), or, ``fixed``,
         raises naming ``option`` - on every rank alike, so none is left waiting."""
         k = self.num_slots
-        peers = [self.slots(r)[k:k + NUM_HEAP_SLOTS].tolist() for r in range(self.world)]
+        peers = [self.slots(r, seq)[k:k + NUM_HEAP_SLOTS].tolist() for r in range(self.world)]
         need = int(nbytes_W[self.rank])
         short = [held + int(n) for (_, free, held), n in zip(peers, nbytes_W)
                  if _rounded(int(n)) > free]
@@ -209,7 +223,7 @@ class SymmetricHeap:
         # the old segments any more, and set-up's own barrier orders the swap. Live areas keep
         # the old mappings (their _Arena holds the old core).
         self._core, self.pids, self.single_copy = _create(
-            self.group, new_bytes, self.num_slots + NUM_HEAP_SLOTS, self.tag)
+            self.group, new_bytes, 2 * (self.num_slots + NUM_HEAP_SLOTS), self.tag)
         self._arena = _Arena(self._core, self._core.data_bytes)
         for flag, value in ((ARRIVE, seq), (DONE, seq - 1)):
             self._core.publish(flag, value)
@@ -220,7 +234,18 @@ class SymmetricHeap:
 
     def done(self, seq: int) -> None:
         """This rank has written everything of op ``seq``; wait until every rank has."""
+        self.publish_done(seq)
+        self.wait_done(seq)
+
+    def publish_done(self, seq: int) -> None:
+        """This rank has written everything of op ``seq`` (store-release DONE=seq); no wait."""
         self._core.publish(DONE, seq)
+
+    def wait_done(self, seq: int) -> None:
+        """Wait until every rank has published DONE >= ``seq``: op ``seq``'s rows are all in
+        this rank's area (and every peer is done reading what it read of this rank). Another op
+        may have started since (see the module docstring); after a grow the new segments' DONE
+        already reads seq - 1, and every rank publishes seq there once it has written."""
         self._core.wait_all(DONE, seq, self.timeout_s, "rows written")
 
 
@@ -375,7 +400,8 @@ def _all_gather(group: Any, obj: Any) -> list[Any]:
 
 # ---- one heap per group -----------------------------------------------------------------------
 # Dispatchers of every MoE layer share their group's heap (ops are collective and ordered, so
-# they never overlap). The cache holds the group object itself, so its id() cannot be reused by
+# they never overlap). A thread of its own issues its ops on a group of its own: the combined
+# 1F1B's backward thread on the twin group (moeplug.parallel.comm.active_group), another heap. The cache holds the group object itself, so its id() cannot be reused by
 # a later group while the entry lives.
 _heaps: dict[tuple[int, int], tuple[Any, SymmetricHeap]] = {}
 _heaps_lock = threading.Lock()

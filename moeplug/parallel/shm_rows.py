@@ -12,6 +12,11 @@ Legend: T tokens, K choices per token, W ranks, P rows a rank receives, C row ru
                                                                   rank sums its rows read straight
                                                                   out of the peers' y_PD
 
+Split for overlap (two ops in flight: moeplug.parallel.shm_heap): ``*_start`` does this rank's
+part - its rows written into the peers' areas (or, pulling, read out of theirs), DONE published -
+and returns a pending op; :func:`landed` / :func:`pulled` wait for every peer's DONE and hand
+the rows over. to_experts(...) is landed(to_experts_start(...)), and so on.
+
 Both return this rank's received rows, ``rows_W[rank]`` per stream, as tensors over its receive
 area in the heap (SymmetricHeap.receive_area): the rows are written once, by the sender, where
 the receiver uses them - no copy out. The area stays this rank's while any of them lives.
@@ -21,6 +26,7 @@ Each stream's part of a receiver's area starts at a 64-byte boundary after the p
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -34,11 +40,30 @@ def row_bytes(streams: list[tuple[torch.Tensor, bool]]) -> int:
     return sum(_row_bytes(t) for t, _ in streams)
 
 
+@dataclass(frozen=True)
+class Landing:
+    """An op whose rows this rank has written (DONE published); its receive area is held here,
+    so no later op lands on it, until :func:`landed` hands the rows over."""
+    heap: SymmetricHeap
+    seq: int
+    area: torch.Tensor
+    specs: tuple[tuple[torch.dtype, tuple[int, ...]], ...]  # each stream's dtype, row shape
+    rows: int
+
+
 def to_experts(heap: SymmetricHeap, seq: int, streams: list[tuple[torch.Tensor, bool]],
                dest_rank_TK: torch.Tensor, dest_row_TK: torch.Tensor, rows_W: list[int],
                fixed: bool = False, option: str = "heap_bytes") -> list[torch.Tensor]:
     """Scatter token rows ([T, ...], per_choice False) or choice rows ([T*K, ...], True) to
     ``dest_rank_TK``/``dest_row_TK`` (rank -1: skip); ``rows_W``: rows each rank receives."""
+    return landed(to_experts_start(heap, seq, streams, dest_rank_TK, dest_row_TK, rows_W, fixed,
+                                   option))
+
+
+def to_experts_start(heap: SymmetricHeap, seq: int, streams: list[tuple[torch.Tensor, bool]],
+                     dest_rank_TK: torch.Tensor, dest_row_TK: torch.Tensor, rows_W: list[int],
+                     fixed: bool = False, option: str = "heap_bytes") -> Landing:
+    """:func:`to_experts` up to this rank's DONE (no wait for the peers')."""
     T, K = dest_rank_TK.shape
     dest_rank = dest_rank_TK.contiguous()
     dest_row = dest_row_TK.contiguous()
@@ -54,14 +79,21 @@ def to_experts(heap: SymmetricHeap, seq: int, streams: list[tuple[torch.Tensor, 
                           per_choice=per_choice, dest_rank=dest_rank.data_ptr(),
                           dest_row=dest_row.data_ptr(), dest_base=base_W.data_ptr(),
                           world=heap.world)
-    heap.done(seq)
-    return _received(area, streams, rows_W[heap.rank])
+    heap.publish_done(seq)
+    return _landing(heap, seq, area, streams, rows_W)
 
 
 def to_sources(heap: SymmetricHeap, seq: int, streams: list[torch.Tensor],
                chunks_C4: torch.Tensor, rows_W: list[int], fixed: bool = False,
                option: str = "heap_bytes") -> list[torch.Tensor]:
     """Copy row runs of each stream ``[P, ...]``: chunk (src_row, rank, dest_row, rows)."""
+    return landed(to_sources_start(heap, seq, streams, chunks_C4, rows_W, fixed, option))
+
+
+def to_sources_start(heap: SymmetricHeap, seq: int, streams: list[torch.Tensor],
+                     chunks_C4: torch.Tensor, rows_W: list[int], fixed: bool = False,
+                     option: str = "heap_bytes") -> Landing:
+    """:func:`to_sources` up to this rank's DONE (no wait for the peers')."""
     pairs = [(t, False) for t in streams]
     chunks = chunks_C4.contiguous()
     core = get_runtime()
@@ -70,8 +102,14 @@ def to_sources(heap: SymmetricHeap, seq: int, streams: list[torch.Tensor],
         core.copy_chunks(src=t.data_ptr(), row_bytes=_row_bytes(t), chunks=chunks.data_ptr(),
                          num_chunks=chunks.shape[0], dest_base=base_W.data_ptr(),
                          world=heap.world)
-    heap.done(seq)
-    return _received(area, pairs, rows_W[heap.rank])
+    heap.publish_done(seq)
+    return _landing(heap, seq, area, pairs, rows_W)
+
+
+def landed(op: Landing) -> list[torch.Tensor]:
+    """Wait until every rank has written its rows of ``op``; this rank's rows, per stream."""
+    op.heap.wait_done(op.seq)
+    return _received(op.area, op.specs, op.rows)
 
 
 def sum_rows(rows: torch.Tensor, row_map_TK: torch.Tensor,
@@ -90,6 +128,16 @@ def sum_rows(rows: torch.Tensor, row_map_TK: torch.Tensor,
     return y
 
 
+@dataclass(frozen=True)
+class Pull:
+    """A pull this rank has done (DONE published): ``y`` is its sum; ``y_PD`` (its own rows,
+    which slower peers may still be reading) is held here until :func:`pulled`."""
+    heap: SymmetricHeap
+    seq: int
+    y: torch.Tensor
+    y_PD: torch.Tensor
+
+
 def pull_sum(heap: SymmetricHeap, y_PD: torch.Tensor, src_rank_TK: torch.Tensor,
              src_row_TK: torch.Tensor) -> torch.Tensor:
     """y[t] = sum_k row src_row[t, k] of rank src_rank[t, k]'s ``y_PD`` (rank < 0: nothing), one
@@ -98,6 +146,13 @@ def pull_sum(heap: SymmetricHeap, y_PD: torch.Tensor, src_rank_TK: torch.Tensor,
     :func:`sum_rows` of the rows :func:`to_sources` would have brought), then waits until every
     rank has read its rows, so y_PD may go. One pass over the rows, no heap in between. Needs
     ``heap.single_copy`` (probed at set-up)."""
+    return pulled(pull_sum_start(heap, y_PD, src_rank_TK, src_row_TK))
+
+
+def pull_sum_start(heap: SymmetricHeap, y_PD: torch.Tensor, src_rank_TK: torch.Tensor,
+                   src_row_TK: torch.Tensor) -> Pull:
+    """:func:`pull_sum` up to this rank's DONE: arrive (every y_PD is ready once it returns),
+    pull and sum, publish; the wait for the peers to finish reading ours is :func:`pulled`."""
     y_PD = y_PD.contiguous()
     T, K = src_rank_TK.shape
     D = y_PD.shape[1] if y_PD.dim() == 2 else 0
@@ -110,8 +165,14 @@ def pull_sum(heap: SymmetricHeap, y_PD: torch.Tensor, src_rank_TK: torch.Tensor,
                                 world=heap.world, src_rank=rank.data_ptr(),
                                 src_row=row.data_ptr(), y=y.data_ptr(), num_tokens=T, top_k=K,
                                 hidden=D, dtype=dtype_code(y_PD, "pull_sum", "y_PD"))
-    heap.done(seq)
-    return y
+    heap.publish_done(seq)
+    return Pull(heap, seq, y, y_PD)
+
+
+def pulled(op: Pull) -> torch.Tensor:
+    """Wait until every rank has read its rows of ``op`` out of ours; the sum."""
+    op.heap.wait_done(op.seq)
+    return op.y
 
 
 # ---- layout -----------------------------------------------------------------------------------
@@ -140,11 +201,18 @@ def _areas(heap: SymmetricHeap, seq: int, streams, rows_W: list[int], fixed: boo
                                dtype=torch.int64) for i in range(len(streams))]
 
 
-def _received(area: torch.Tensor, streams, rows: int) -> list[torch.Tensor]:
-    sizes = [_row_bytes(t) for t, _ in streams]
+def _landing(heap: SymmetricHeap, seq: int, area: torch.Tensor, streams, rows_W: list[int]
+             ) -> Landing:
+    specs = tuple((t.dtype, tuple(t.shape[1:])) for t, _ in streams)
+    return Landing(heap, seq, area, specs, int(rows_W[heap.rank]))
+
+
+def _received(area: torch.Tensor, specs, rows: int) -> list[torch.Tensor]:
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+             for dtype, shape in specs]
     offs, _ = _offsets(rows, sizes)
     out = []
-    for (t, _), off, size in zip(streams, offs, sizes):
-        view = area[off:off + rows * size].view(t.dtype)
-        out.append(view.view(rows, *t.shape[1:]))
+    for (dtype, shape), off, size in zip(specs, offs, sizes):
+        view = area[off:off + rows * size].view(dtype)
+        out.append(view.view(rows, *shape))
     return out

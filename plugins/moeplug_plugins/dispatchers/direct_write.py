@@ -23,6 +23,16 @@ rows. Else: each rank writes its expert outputs back into the sources' heaps, on
 (source, local expert), and each source sums its K rows per token out of its heap (fused sum on
 receipt, two passes). Backward: dispatch's is the two-pass combine (grads of probs ride along),
 combine's is dispatch's steps 3-4.
+Split for overlap (``model.moe.overlap_chunks`` > 1; overlaps_comm): dispatch_start is steps 1-3
+with this rank's DONE published, dispatch_wait waits for every peer's DONE of the op and does
+step 4; combine_start pulls and sums (or writes back) this rank's rows and publishes,
+combine_wait waits for the peers (their rows in / their reads of our y_SD done) and sums.
+Several ops may be in flight (moeplug.parallel.shm_heap: growing flags, two slot banks, each
+pending op holding its area). Each call is two autograd nodes, start -> token -> wait, and the
+backward splits the same way: the wait node's backward starts the gradient's op (writes,
+publishes), the start node's waits for it, with other ready nodes (another chunk's) in between.
+Synchronous: the count barrier in each start (the plan needs every rank's counts) and the
+quantized dispatch (its payload op runs inside moeplug.quant.wire's autograd node).
 Dropped choices (``routing.dropped_TK``) send no row; combine adds nothing for them.
 Quantized, each token row is quantized once and its bytes written to each of its ranks, so
 ``moeplug.quant.wire.WIRE`` counts T token rows here where alltoall counts its T*K routed rows.
@@ -30,8 +40,10 @@ Quantized, each token row is quantized once and its bytes written to each of its
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +51,7 @@ import torch
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
 from moeplug.parallel import shm_rows
+from moeplug.parallel.comm import active_group
 from moeplug.parallel.shm_heap import MiB, SymmetricHeap, heap_for
 from moeplug.quant import active_recipe
 from moeplug.quant.wire import quantized_exchange
@@ -61,6 +74,7 @@ class DirectWriteMeta:
     plan: DirectWritePlan
     fixed: bool  # heap_bytes was set: growing is an error
     single_copy: bool  # combine pulls the rows (shm_rows.pull_sum)
+    heap_of: Callable[[], SymmetricHeap]  # the heap of the calling thread's group (_here)
 
     @property
     def pad_index_S(self) -> torch.Tensor | None:  # as the other dispatchers' meta
@@ -68,6 +82,8 @@ class DirectWriteMeta:
 
 
 class DirectWriteDispatcher(Dispatcher):
+    overlaps_comm = True  # *_start write (or pull) and publish; *_wait wait for the peers
+
     def __init__(self, model: ModelConfig, options: DirectWriteOptions | None = None, group=None):
         options = options or DirectWriteOptions()
         self.group = group
@@ -79,10 +95,18 @@ class DirectWriteDispatcher(Dispatcher):
         self.single_copy = options.single_copy
 
     def _heap(self) -> SymmetricHeap:
-        # Created collectively by the first dispatch on the group, shared by every layer.
-        return heap_for(self.group, self.heap_bytes, 2 + self.num_experts, self.timeout_s)
+        # Created collectively by the first op on the group, shared by every layer. Inside the
+        # combined 1F1B's overlapped backward (moeplug.parallel.ep_overlap) the group's twin
+        # has a heap of its own: the two threads' ops never share a sequence.
+        return heap_for(active_group(self.group), self.heap_bytes, 2 + self.num_experts,
+                        self.timeout_s)
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
+        return self.dispatch_wait(self.dispatch_start(x_TD, routing))
+
+    def dispatch_start(self, x_TD: torch.Tensor, routing: RouterOutput
+                       ) -> _Pending | Dispatched:
+        """Steps 1-3: counts (a barrier), plan, this rank's rows written, DONE published."""
         if x_TD.device.type != "cpu":
             # GPU transports (CUDA IPC / NVSHMEM / NCCL) are not built: say so, never stage
             # through host memory silently.
@@ -106,54 +130,135 @@ class DirectWriteDispatcher(Dispatcher):
         plan = build_plan(slots_W[:, 1:], ids_TK, self.ep_rank,
                           None if cap < 0 else cap, capacity_W, routing.pad_multiple)
         meta = DirectWriteMeta(heap=heap, plan=plan, fixed=self.fixed,
-                               single_copy=self.single_copy and _single_copy(heap))
-        # 3. write  4. receive
+                               single_copy=self.single_copy and _single_copy(heap),
+                               heap_of=self._heap)
+        # 3. write
         if not quantized:
-            x_SD, probs_S = _Dispatch.apply(meta, seq, x_TD, probs_TK)
-            return Dispatched(x_SD, probs_S, plan.counts_L, meta)
-        # Quantized: probs first (this op's arrive is already done), then payload and scales
-        # as two ops of token rows; gradients come back in full precision (moeplug.quant.wire).
-        (probs_S,) = _Dispatch.apply(meta, seq, None, probs_TK)
+            handoff = _Handoff()
+            token = _DispatchStart.apply(meta, seq, handoff, x_TD, probs_TK)
+            return _Pending(meta, handoff, token)
+        # Quantized: synchronous. Probs first (this op's arrive is already done), then payload
+        # and scales as two ops of token rows; gradients come back in full precision
+        # (moeplug.quant.wire).
+        handoff = _Handoff()
+        token = _DispatchStart.apply(meta, seq, handoff, None, probs_TK)
+        (probs_S,) = _DispatchWait.apply(meta, handoff, token)
         x_SD = quantized_exchange(x_TD, recipe, lambda t: _send_tokens(meta, t)[0],
-                                  lambda g: _sum_back(meta, g))
+                                  lambda g: _sum_back(_here(meta), g))
         if plan.pad_rows is not None:
             x_SD = x_SD.index_fill(0, plan.pad_rows, 0)
         return Dispatched(x_SD, probs_S, plan.counts_L, meta)
 
+    def dispatch_wait(self, pending: _Pending | Dispatched) -> Dispatched:
+        """Step 4: every peer's rows of this dispatch are in; x_SD, probs_S over them."""
+        if isinstance(pending, Dispatched):  # quantized: done in dispatch_start
+            return pending
+        p = pending
+        x_SD, probs_S = _DispatchWait.apply(p.meta, p.handoff, p.token)
+        return Dispatched(x_SD, probs_S, p.meta.plan.counts_L, p.meta)
+
     def combine(self, y_SD: torch.Tensor, meta: DirectWriteMeta) -> torch.Tensor:
-        return _Combine.apply(meta, y_SD.contiguous())
+        return self.combine_wait(self.combine_start(y_SD, meta))
+
+    def combine_start(self, y_SD: torch.Tensor, meta: DirectWriteMeta) -> _Pending:
+        """This rank's part: pulled and summed its rows (single copy), or written its expert
+        outputs back into the sources' heaps (two passes); DONE published."""
+        handoff = _Handoff()
+        return _Pending(meta, handoff, _CombineStart.apply(meta, handoff, y_SD.contiguous()))
+
+    def combine_wait(self, pending: _Pending) -> torch.Tensor:
+        """Every peer is done (has read our rows / written us theirs): y_TD."""
+        return _CombineWait.apply(pending.meta, pending.handoff, pending.token)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A dispatch or combine between start and wait (one per call): ``token`` links the start
+    node to the wait node in autograd, ``handoff`` carries the op between them."""
+    meta: DirectWriteMeta
+    handoff: _Handoff
+    token: torch.Tensor
+
+
+class _Handoff:
+    """One call's heap op in flight between its two autograd nodes: the forward's (started by
+    the start node, waited for by the wait node) and the backward's (started by the wait node's
+    backward, waited for by the start node's: autograd runs other ready nodes - another chunk's
+    experts - in between, as for alltoall's async collectives)."""
+    __slots__ = ("backward", "forward")
+
+    def __init__(self) -> None:
+        self.forward: shm_rows.Landing | shm_rows.Pull | None = None
+        self.backward: shm_rows.Landing | None = None
+
+    def take(self, which: str) -> shm_rows.Landing | shm_rows.Pull:
+        op = getattr(self, which)
+        if op is None:
+            raise RuntimeError(f"direct_write: no {which} op in flight for this call (a wait "
+                               f"without its start, or a start's backward without its wait's)")
+        setattr(self, which, None)  # the op's area is the caller's now, not the handoff's
+        return op
+
+
+def _token() -> torch.Tensor:
+    """The start node's output, the wait node's input: no data, only the autograd edge."""
+    return torch.empty(0)
 
 
 # ---- the two directions, each an op on the heap ------------------------------------------------
 
-def _send_tokens(meta: DirectWriteMeta, t_T: torch.Tensor | None, seq: int | None = None,
-                 probs_TK: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """[rows of t_T] (+ [probs_S] given probs_TK) at the experts' ranks, padding rows zeroed:
-    tensors over this rank's receive area in the heap, where the senders wrote them (no copy;
-    the area is this rank's while they live). A new op unless ``seq`` (dispatch's first op)."""
+def _write_tokens(meta: DirectWriteMeta, t_T: torch.Tensor | None, seq: int | None = None,
+                  probs_TK: torch.Tensor | None = None) -> shm_rows.Landing:
+    """Rows of t_T (+ probs_TK's, per choice) written to the experts' ranks, DONE published. A
+    new op unless ``seq`` (dispatch's first op)."""
     streams = [] if t_T is None else [(t_T.contiguous(), False)]
     if probs_TK is not None:
         streams.append((probs_TK.reshape(-1, 1), True))
     if seq is None:
         seq = meta.heap.arrive(shm_rows.row_bytes(streams))
     plan = meta.plan
-    out = shm_rows.to_experts(meta.heap, seq, streams, plan.dest_rank_TK, plan.dest_row_TK,
-                              plan.recv_rows_W, meta.fixed, OPTION)
-    if plan.pad_rows is not None:  # nobody writes the padding rows: zero them where they lie
+    return shm_rows.to_experts_start(meta.heap, seq, streams, plan.dest_rank_TK,
+                                     plan.dest_row_TK, plan.recv_rows_W, meta.fixed, OPTION)
+
+
+def _here(meta: DirectWriteMeta) -> DirectWriteMeta:
+    """``meta`` with the heap of the calling thread's group: a backward may run on the combined
+    1F1B's helper thread, whose ops go to the twin group's heap (the plan is the same)."""
+    heap = meta.heap_of()
+    return meta if heap is meta.heap else dataclasses.replace(meta, heap=heap)
+
+
+def _tokens_landed(meta: DirectWriteMeta, landing: shm_rows.Landing, with_probs: bool
+                   ) -> list[torch.Tensor]:
+    """[rows] (+ [probs_S]) at this expert rank, padding rows zeroed: tensors over this rank's
+    receive area in the heap, where the senders wrote them (no copy; the area is this rank's
+    while they live)."""
+    out = shm_rows.landed(landing)
+    if meta.plan.pad_rows is not None:  # nobody writes the padding rows: zero them where they lie
         for o in out:
-            o.index_fill_(0, plan.pad_rows, 0)
-    if probs_TK is not None:
+            o.index_fill_(0, meta.plan.pad_rows, 0)
+    if with_probs:
         out[-1] = out[-1].view(-1)
     return out
 
 
-def _back(meta: DirectWriteMeta, streams: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Expert rows (real rows only are sent) back into their sources' heaps; returns this rank's
-    returned rows, in its expert-major order, over its receive area (freed when they die)."""
+def _send_tokens(meta: DirectWriteMeta, t_T: torch.Tensor) -> list[torch.Tensor]:
+    """Rows of t_T at the experts' ranks, as one synchronous op (backward, quantized payload)."""
+    return _tokens_landed(meta, _write_tokens(meta, t_T), False)
+
+
+def _back_start(meta: DirectWriteMeta, streams: list[torch.Tensor]) -> shm_rows.Landing:
+    """Expert rows (real rows only are sent) back into their sources' heaps, DONE published."""
     streams = [s.contiguous() for s in streams]
     seq = meta.heap.arrive(shm_rows.row_bytes([(s, False) for s in streams]))
-    return shm_rows.to_sources(meta.heap, seq, streams, meta.plan.chunks_C4,
-                               meta.plan.send_rows_W, meta.fixed, OPTION)
+    return shm_rows.to_sources_start(meta.heap, seq, streams, meta.plan.chunks_C4,
+                                     meta.plan.send_rows_W, meta.fixed, OPTION)
+
+
+def _back(meta: DirectWriteMeta, streams: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`_back_start` and its wait: this rank's returned rows, in its expert-major order,
+    over its receive area (freed when they die)."""
+    return shm_rows.landed(_back_start(meta, streams))
 
 
 def _sum_back(meta: DirectWriteMeta, y_SD: torch.Tensor) -> torch.Tensor:
@@ -161,22 +266,39 @@ def _sum_back(meta: DirectWriteMeta, y_SD: torch.Tensor) -> torch.Tensor:
     return shm_rows.sum_rows(rows, meta.plan.row_map_TK)
 
 
-class _Dispatch(torch.autograd.Function):
+class _DispatchStart(torch.autograd.Function):
+    """dispatch_start (step 3: rows written, DONE published) -> token. Backward: waits for the
+    gradient rows that the wait node's backward sent back and sums them (two-pass combine)."""
+
     @staticmethod
-    def forward(ctx, meta, seq, x_TD, probs_TK):
-        ctx.meta, ctx.has_x = meta, x_TD is not None
-        return tuple(_send_tokens(meta, x_TD, seq, probs_TK))
+    def forward(ctx, meta, seq, handoff, x_TD, probs_TK):
+        ctx.meta, ctx.handoff, ctx.has_x = meta, handoff, x_TD is not None
+        handoff.forward = _write_tokens(meta, x_TD, seq, probs_TK)
+        return _token()
+
+    @staticmethod
+    def backward(ctx, _g_token):
+        rows = shm_rows.landed(ctx.handoff.take("backward"))
+        rm = ctx.meta.plan.row_map_TK
+        g_x = shm_rows.sum_rows(rows[0], rm) if ctx.has_x else None
+        g_probs = rows[-1].reshape(-1)[rm.clamp(min=0)].masked_fill(rm < 0, 0.0)
+        return None, None, None, g_x, g_probs
+
+
+class _DispatchWait(torch.autograd.Function):
+    """dispatch_wait (step 4): (x_SD,) probs_S over the receive area. Backward: writes the
+    gradient rows back into their sources' heaps and publishes, without waiting."""
+
+    @staticmethod
+    def forward(ctx, meta, handoff, token):
+        ctx.meta, ctx.handoff = meta, handoff
+        return tuple(_tokens_landed(meta, handoff.take("forward"), True))
 
     @staticmethod
     def backward(ctx, *grads):
-        meta = ctx.meta
-        g_probs_S = grads[-1]
-        streams = ([grads[0]] if ctx.has_x else []) + [g_probs_S.float().reshape(-1, 1)]
-        rows = _back(meta, streams)
-        rm = meta.plan.row_map_TK
-        g_x = shm_rows.sum_rows(rows[0], rm) if ctx.has_x else None
-        g_probs = rows[-1].reshape(-1)[rm.clamp(min=0)].masked_fill(rm < 0, 0.0)
-        return None, None, g_x, g_probs
+        streams = list(grads[:-1]) + [grads[-1].float().reshape(-1, 1)]
+        ctx.handoff.backward = _back_start(_here(ctx.meta), streams)
+        return None, None, _token()
 
 
 def _single_copy(heap: SymmetricHeap) -> bool:
@@ -200,16 +322,42 @@ _warned: list[bool] = []
 PULL_MIN_ROW_BYTES = 4096
 
 
-class _Combine(torch.autograd.Function):
+class _CombineStart(torch.autograd.Function):
+    """combine_start: this rank's rows pulled and summed, or written back; DONE published ->
+    token. Backward: waits for the gradient rows the wait node's backward sent (dispatch's
+    step 4)."""
+
     @staticmethod
-    def forward(ctx, meta, y_SD):
-        ctx.meta = meta
+    def forward(ctx, meta, handoff, y_SD):
+        ctx.meta, ctx.handoff = meta, handoff
         row_bytes = math.prod(y_SD.shape[1:]) * y_SD.element_size()
         if meta.single_copy and row_bytes >= PULL_MIN_ROW_BYTES:
             p = meta.plan
-            return shm_rows.pull_sum(meta.heap, y_SD, p.dest_rank_TK, p.dest_row_TK)
-        return _sum_back(meta, y_SD)
+            handoff.forward = shm_rows.pull_sum_start(meta.heap, y_SD, p.dest_rank_TK,
+                                                      p.dest_row_TK)
+        else:
+            handoff.forward = _back_start(meta, [y_SD])
+        return _token()
+
+    @staticmethod
+    def backward(ctx, _g_token):
+        return None, None, _tokens_landed(ctx.meta, ctx.handoff.take("backward"), False)[0]
+
+
+class _CombineWait(torch.autograd.Function):
+    """combine_wait: the peers are done; y_TD. Backward: dispatch's step 3 for the gradient
+    (rows written to the experts' ranks, DONE published), without waiting."""
+
+    @staticmethod
+    def forward(ctx, meta, handoff, token):
+        ctx.meta, ctx.handoff = meta, handoff
+        op = handoff.take("forward")
+        if isinstance(op, shm_rows.Pull):
+            return shm_rows.pulled(op)
+        (rows,) = shm_rows.landed(op)
+        return shm_rows.sum_rows(rows, meta.plan.row_map_TK)
 
     @staticmethod
     def backward(ctx, g_TD):
-        return None, _send_tokens(ctx.meta, g_TD.contiguous())[0]
+        ctx.handoff.backward = _write_tokens(_here(ctx.meta), g_TD.contiguous())
+        return None, None, _token()
