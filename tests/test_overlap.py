@@ -64,7 +64,8 @@ WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAP
           "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED),
           # direct_write's backward on the helper thread uses the twin group's own heap
           "ep2_1f1b_direct_write": ({"ep": 2}, 3, {}, {**MERGED, "dispatcher": "direct_write"}),
-          "ep2_1f1b_chunked_direct_write": ({"ep": 2}, 2, {}, {**BOTH, **DW_PUSH}), "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH),
+          "ep2_1f1b_chunked_direct_write": ({"ep": 2}, 2, {}, {**BOTH, **DW_PUSH}),
+          "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH),
           "ep2_delay_wgrad": ({"ep": 2}, 2, {}, DELAY),
           "ep2_1f1b_delay_wgrad": ({"ep": 2}, 3, {}, MERGED_DELAY)}
 WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "ep4_direct_write": ({"ep": 4}, 1, {}, DW_PUSH),
