@@ -20,9 +20,9 @@ cleared, so buffers a lever frees are not counted as held). Step time: forward +
 AdamW step, interleaved round-robin, as per-round ratios to the baseline timed in the same round
 ("bf16 master" to "bf16 autocast"): the wall-time median, and the process CPU time's median
 and range. The baseline is timed twice per round; its ratio to itself is the run's noise band,
-and a lever's cost is stated only when all its rounds lie outside that band. Memory-efficient permutation has no switch (the permuted
-rows are always kept unweighted, tests/test_memory.py); the row it saves, one [T*K, D] fp32
-copy per MoE layer, is printed as arithmetic.
+and a lever's cost is stated only when all its rounds lie outside that band. Memory-efficient
+permutation has no switch (the permuted rows are always kept unweighted, tests/test_memory.py);
+the row it saves, one [T*K, D] fp32 copy per MoE layer, is printed as arithmetic.
 
 Run: pytest -q benchmarks/test_bench_memory.py -s -k levers    (~15 minutes on 2 loaded cores)
      MOEPLUG_BENCH_SEQ=2048 \
