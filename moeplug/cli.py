@@ -211,7 +211,6 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
-    from moeplug.runtime import drain_streams
     from moeplug.training.faults import (EXIT_FAULT, TrainingFault, exit_on_sigterm,
                                          is_peer_failure, rank_failure_line)
     if groups is not None:
@@ -232,16 +231,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         print(f"moeplug: {e}", file=sys.stderr)
         if groups is None:
             return EXIT_FAULT
-        # A rank skips interpreter teardown here. The fault was found by a collective just
-        # before (first_located's all_gather_object): a gloo worker thread may still be dropping
-        # that work's tensors, which takes the GIL, and a thread taking the GIL while the
-        # interpreter finalizes is pthread_exit'ed through a noexcept destructor: SIGABRT
-        # instead of EXIT_FAULT (CI at 9922f33; ~1 run in 25 at EP2, the core dump showed it).
-        D.shutdown(groups)
-        drain_streams()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_FAULT)
+        # The fault was found by a collective just before (first_located's all_gather_object).
+        _leave_rank(groups, EXIT_FAULT)
     except RuntimeError as e:  # gloo/NCCL: a collective failed because a peer died or hung
         if groups is None or not is_peer_failure(e):
             raise
@@ -250,15 +241,33 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         os._exit(EXIT_FAULT)  # skip teardown: it would wait on the failed peer again
     finally:
         D.shutdown(groups)
-    if not D.is_main_rank(groups):
-        return 0
-    verdict = "below" if summary.val_loss < summary.unigram_entropy else "NOT below"
-    print(f"done: {summary.steps} steps, {summary.tokens_per_s:.0f} tokens/s, "
-          f"final train loss {summary.final_train_loss:.4f}")
-    print(f"validation loss {summary.val_loss:.4f} nats/token vs unigram entropy "
-          f"{summary.unigram_entropy:.4f} nats/token ({verdict})")
-    print(f"checkpoint: {summary.checkpoint}\nmetrics: {summary.metrics_path}")
+    if D.is_main_rank(groups):
+        verdict = "below" if summary.val_loss < summary.unigram_entropy else "NOT below"
+        print(f"done: {summary.steps} steps, {summary.tokens_per_s:.0f} tokens/s, "
+              f"final train loss {summary.final_train_loss:.4f}")
+        print(f"validation loss {summary.val_loss:.4f} nats/token vs unigram entropy "
+              f"{summary.unigram_entropy:.4f} nats/token ({verdict})")
+        print(f"checkpoint: {summary.checkpoint}\nmetrics: {summary.metrics_path}")
+    if groups is not None:
+        _leave_rank(groups, 0)
     return 0
+
+
+def _leave_rank(groups, code: int) -> None:
+    """A rank under torchrun leaves without interpreter teardown. A gloo worker thread may
+    still be dropping a finished collective's tensors, which takes the GIL, and a thread that
+    takes the GIL while the interpreter finalizes is pthread_exit'ed through a noexcept
+    destructor: SIGABRT instead of the exit status (a fault stop at EP2 ~1 run in 25, CI at
+    9922f33, core dump; a clean DP2 run's rank 1 in CI at 5c9e5ce). Nothing is lost: train()
+    closed its writers, checkpoints were renamed into place, the shm heap and the spill tier's
+    files are unlinked at creation; the runtime streams are drained here (atexit would)."""
+    from moeplug.runtime import drain_streams
+    from moeplug.training import distributed as D
+    D.shutdown(groups)
+    drain_streams()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
