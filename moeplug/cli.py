@@ -258,7 +258,7 @@ def _leave_rank(groups, code: int) -> None:
     still be dropping a finished collective's tensors, which takes the GIL, and a thread that
     takes the GIL while the interpreter finalizes is pthread_exit'ed through a noexcept
     destructor: SIGABRT instead of the exit status (a fault stop at EP2 ~1 run in 25, CI at
-    9922f33, core dump; a clean DP2 run's rank 1 in CI at 5c9e5ce). Nothing is lost: train()
+    9922f33, core dump; a clean DP2 run's rank 1 in CI at f780329). Nothing is lost: train()
     closed its writers, checkpoints were renamed into place, the shm heap and the spill tier's
     files are unlinked at creation; the runtime streams are drained here (atexit would)."""
     from moeplug.runtime import drain_streams
