@@ -69,7 +69,7 @@ def _dropped_in_workspace(probs_TK: torch.Tensor, ids_TK: torch.Tensor, num_expe
     """:func:`drop_over_capacity`'s ``dropped_TK`` (CPU) from the runtime's kernel, every buffer
     from the running layer's workspace: no allocation (torch.sort's CPU kernel made its own
     index range even with ``out=``). Integer and boolean results, the same selection as the
-    torch path's stable sort: exactly equal (tests/test_capacity*.py)."""
+    torch path's stable sort: exactly equal (tests/test_moe_allocations.py)."""
     T, K = ids_TK.shape
     ws = workspace.empty
     by_probs = policy == "probs"

@@ -72,7 +72,9 @@ MOEPLUG_INLINE void sum_rows(const T_* rows, const int64_t* row_map_TK, const fl
       for (int64_t k = 0; k < K; ++k) {
         if (next_K && next_K[k] >= 0) {
           const char* nxt = reinterpret_cast<const char*>(rows + next_K[k] * D + d0);
-          for (size_t off = 0; off < kSumBlock * sizeof(T_); off += 64) __builtin_prefetch(nxt + off);
+          for (size_t off = 0; off < kSumBlock * sizeof(T_); off += 64) {
+            __builtin_prefetch(nxt + off);
+          }
         }
         if (r_K[k] < 0) continue;
         const T_* src = rows + r_K[k] * D + d0;
