@@ -21,18 +21,26 @@ import pytest
 
 
 def interleave_samples(candidates: dict[str, Callable[[], Any]], repeats: int = 5,
-                       warmup: int = 1) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+                       warmup: int = 1, sync: Callable[[], Any] | None = None
+                       ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Each candidate timed round-robin ``repeats`` times: per-round wall seconds and process
     CPU seconds (all threads, user + sys). Round r of every candidate ran in the same stretch of
     time, so ratios of round-r samples pair up; CPU time does not count the time this process
-    sat descheduled while another one ran, which moves wall time most on a shared machine."""
+    sat descheduled while another one ran, which moves wall time most on a shared machine.
+    ``sync`` (untimed) runs before every call: a barrier makes the ranks of a multi-rank
+    benchmark start each candidate together, so a one-rank reference (a memcpy) competes for
+    cores and memory as the collective it is compared with does, not with whatever candidate
+    the other ranks are still finishing."""
+    sync = sync or (lambda: None)
     for _ in range(warmup):
         for fn in candidates.values():
+            sync()
             fn()
     wall: dict[str, list[float]] = {name: [] for name in candidates}
     cpu: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
+            sync()
             c0, w0 = time.process_time(), time.perf_counter()
             fn()
             wall[name].append(time.perf_counter() - w0)
@@ -41,9 +49,9 @@ def interleave_samples(candidates: dict[str, Callable[[], Any]], repeats: int = 
 
 
 def interleave(candidates: dict[str, Callable[[], Any]], repeats: int = 5,
-               warmup: int = 1) -> dict[str, float]:
+               warmup: int = 1, sync: Callable[[], Any] | None = None) -> dict[str, float]:
     """Median seconds per call of each candidate, timed round-robin ``repeats`` times."""
-    wall, _ = interleave_samples(candidates, repeats, warmup)
+    wall, _ = interleave_samples(candidates, repeats, warmup, sync)
     return {name: statistics.median(s) for name, s in wall.items()}
 
 

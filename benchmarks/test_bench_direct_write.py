@@ -6,8 +6,9 @@ experts (uniform random routing), fp32 and bf16, timed interleaved on every rank
   with ``ctypes.memmove`` (one thread per rank, as the ranks' kernels): target >= 50 %.
 
 Every rank runs one thread (moeplug.testing.distributed), so 4 ranks share the machine's cores
-with each other and with whatever else runs there; ratios come from one run, rank 0's medians.
-``MOEPLUG_BENCH_DW_REPEATS`` (default 3) sets the rounds per candidate.
+with each other and with whatever else runs there; the ranks start every timed call together (a
+barrier, untimed), and ratios come from one run, rank 0's medians.
+``MOEPLUG_BENCH_DW_REPEATS`` (default 7) sets the rounds per candidate.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from benchmarks.conftest import interleave
 from moeplug.testing.distributed import run_distributed
 
 WORLD, T, D, E, K = 4, 4096, 1024, 64, 8
-REPEATS = int(os.environ.get("MOEPLUG_BENCH_DW_REPEATS", "3"))
+REPEATS = int(os.environ.get("MOEPLUG_BENCH_DW_REPEATS", "7"))
 
 
 def _model():
@@ -64,7 +65,10 @@ def _round_trips(rank: int, world: int, dtypes: list[str]) -> dict[str, dict[str
 
         candidates = {"direct_write": round_trip(disp["direct_write"]),
                       "alltoall": round_trip(disp["alltoall"]), "memcpy": memcpy}
-        out[dtype] = interleave(candidates, repeats=REPEATS, warmup=1)
+        # lock step: every rank starts each candidate together, so the memcpy runs while the
+        # other ranks copy too (as direct_write's writes do), not while they still finish the
+        # alltoall timed before it: staggered, rank 0's memcpy read 18-28 ms, in lock step 45-50
+        out[dtype] = interleave(candidates, repeats=REPEATS, warmup=1, sync=dist.barrier)
         out[dtype]["bytes"] = 2 * nbytes
         dist.barrier()
     return out

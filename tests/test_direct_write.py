@@ -143,7 +143,8 @@ def _parity(rank: int, world: int, dtypes: list[str]) -> dict[str, float]:
     group = dist.group.WORLD
     a2a = host.create("dispatcher", "alltoall", {}, _cfg(), group)
     # single_copy: combine pulls the rows out of the peers' memory; off: the two-pass combine
-    dws = {"pull": host.create("dispatcher", "direct_write", {}, _cfg(), group),
+    dws = {"pull": host.create("dispatcher", "direct_write", {"single_copy": True}, _cfg(),
+                               group),
            "push": host.create("dispatcher", "direct_write", {"single_copy": False}, _cfg(),
                                group)}
     errs: dict[str, float] = {}
@@ -261,7 +262,7 @@ def _split(rank: int, world: int) -> dict[str, float]:
     errs = {"overlaps_comm": float(host.create("dispatcher", "direct_write", {}, _cfg(),
                                                group).overlaps_comm)}
     _InFlight.install()
-    for mode, options in (("pull", {}), ("push", {"single_copy": False})):
+    for mode, options in (("pull", {"single_copy": True}), ("push", {})):
         dw = host.create("dispatcher", "direct_write", options, _cfg(), group)
         for case in ("dropped", "pad_to_capacity"):
             gen = torch.Generator().manual_seed(200 + rank)
@@ -317,7 +318,7 @@ def _slow_peer(rank: int, world: int, delay_s: float) -> dict:
     group = dist.group.WORLD
     a2a = host.create("dispatcher", "alltoall", {}, _cfg(), group)
     out = {}
-    for mode, options in (("push", {"single_copy": False}), ("pull", {})):
+    for mode, options in (("push", {}), ("pull", {"single_copy": True})):
         dw = host.create("dispatcher", "direct_write", options, _cfg(), group)
         gen = torch.Generator().manual_seed(40 + rank)
         x = torch.randn(12, D, generator=gen)

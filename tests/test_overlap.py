@@ -57,8 +57,9 @@ WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAP
           # allgather keeps the Dispatcher base class's split methods (exchange in *_start)
           "ep2_allgather": ({"ep": 2}, 1, {}, {"chunks": CHUNKS, "dispatcher": "allgather"}),
           # direct_write splits its exchanges itself (shared-memory heap: *_start writes and
-          # publishes, *_wait waits for the peers); "pull": its single-copy combine on these
-          # small rows (direct_write.PULL_MIN_ROW_BYTES = 0), else the two-pass one
+          # publishes, *_wait waits for the peers); "pull": its single-copy combine (option
+          # single_copy, on these small rows with direct_write.PULL_MIN_ROW_BYTES = 0), else
+          # the two-pass one
           "ep2_direct_write": ({"ep": 2}, 1, {}, DW_PULL),
           "ep2_direct_write_capacity": ({"ep": 2}, 1, CAPACITY, DW_PUSH),
           "ep2_1f1b": ({"ep": 2}, 3, {}, MERGED),
@@ -95,7 +96,7 @@ WORLD4.update(WORLD4_TPCP)  # one 4-rank launch runs them all
 
 def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
          merged: bool = False, dispatcher: str = "alltoall", delay: bool = False,
-         recompute: dict | None = None):
+         recompute: dict | None = None, pull: bool = False):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -105,7 +106,8 @@ def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
                           "aux_loss_coeff": 0.05, "shared_expert_ffn_hidden_size": 8,
                           "overlap_chunks": chunks, "delay_wgrad_compute": delay},
                   "recompute": recompute or {}},
-        "plugins": {"dispatcher": dispatcher, "router_options": router_options},
+        "plugins": {"dispatcher": dispatcher, "router_options": router_options,
+                    "dispatcher_options": {"single_copy": True} if pull else {}},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
                   "grad_accum_steps": grad_accum, "lr": 1e-2, "min_lr": 1e-3,
                   "warmup_steps": 1, "grad_clip": 0.05, "seed": 7},
@@ -141,11 +143,13 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
         direct_write.PULL_MIN_ROW_BYTES = 0 if on.get("pull") else pull_min_row_bytes
         for variant in ("off", "on"):
             dispatcher = on.get("dispatcher", "alltoall")
+            pull = on.get("pull", False)
             cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher,
-                        recompute=recompute)
+                        recompute=recompute, pull=pull)
                    if variant == "off" else
                    _cfg(parallel, accum, router_options, on.get("chunks", 1),
-                        on.get("merged", False), dispatcher, on.get("delay", False), recompute))
+                        on.get("merged", False), dispatcher, on.get("delay", False), recompute,
+                        pull))
             groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
             seed_everything(cfg.train.seed)
             model = build_rank_model(cfg, host, V, groups)

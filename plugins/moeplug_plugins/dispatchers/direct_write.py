@@ -16,12 +16,12 @@ dispatch:
                  senders wrote the rows (padding rows zeroed in place): one pass over the rows,
                  read from x_TD and written to their final place; the area is reused only after
                  the last tensor over it dies (autograd's saved x_SD included)
-combine: single copy (``single_copy``, the default where the heap's probe allows it, for rows of
+combine (the default): each rank writes its expert outputs back into the sources' heaps, one
+run per (source, local expert), and each source sums its K rows per token out of its heap (fused
+sum on receipt, two passes). With ``single_copy`` (where the heap's probe allows it, for rows of
 at least PULL_MIN_ROW_BYTES): each source reads its K rows per token straight out of the expert
 ranks' y_SD (process_vm_readv into a cache-sized block) and sums them there - one pass over the
-rows. Else: each rank writes its expert outputs back into the sources' heaps, one run per
-(source, local expert), and each source sums its K rows per token out of its heap (fused sum on
-receipt, two passes). Backward: dispatch's is the two-pass combine (grads of probs ride along),
+rows, but a system call per row: slower than the two passes since they were vectorised. Backward: dispatch's is the two-pass combine (grads of probs ride along),
 combine's is dispatch's steps 3-4.
 Split for overlap (``model.moe.overlap_chunks`` > 1; overlaps_comm): dispatch_start is steps 1-3
 with this rank's DONE published, dispatch_wait waits for every peer's DONE of the op and does
@@ -315,10 +315,12 @@ def _single_copy(heap: SymmetricHeap) -> bool:
 
 
 _warned: list[bool] = []
-# process_vm_readv pays per row (one iovec, its pages pinned): measured at 4 ranks, 4096 x 1024,
-# interleaved, the single copy won for fp32 rows (4 KiB: 486-503 ms against 514-529 pushed) and
-# lost for bf16 rows (2 KiB: 377-427 ms against 324-334), so smaller rows take the two passes.
-# Every rank has the same row bytes (arrive checks it), so all take the same path.
+# process_vm_readv pays per row (one iovec, its pages pinned). When the two-pass kernels were
+# scalar, the single copy won for fp32 rows at 4 ranks (4 KiB: 486-503 ms against 514-529
+# pushed) and lost for bf16 rows (2 KiB: 377-427 ms against 324-334), so smaller rows take the
+# two passes even when single_copy is asked for. (Since the two-pass kernels were vectorised it
+# loses at 4-16 KiB too, so single_copy is off by default: _dw_options.py.) Every rank has the
+# same row bytes (arrive checks it), so all take the same path.
 PULL_MIN_ROW_BYTES = 4096
 
 
