@@ -6,8 +6,9 @@ experts (uniform random routing), fp32 and bf16, timed interleaved on every rank
   with ``ctypes.memmove`` (one thread per rank, as the ranks' kernels): target >= 50 %.
 
 Every rank runs one thread (moeplug.testing.distributed), so 4 ranks share the machine's cores
-with each other and with whatever else runs there; the ranks start every timed call together (a
-barrier, untimed), and ratios come from one run, rank 0's medians.
+with each other and with whatever else runs there. Every candidate is timed from a barrier to a
+barrier, so each figure is the time all 4 ranks take to move their bytes (a barrier's ~0.1 ms
+is in every figure); ratios come from one run, rank 0's medians.
 ``MOEPLUG_BENCH_DW_REPEATS`` (default 7) sets the rounds per candidate.
 """
 
@@ -63,12 +64,17 @@ def _round_trips(rank: int, world: int, dtypes: list[str]) -> dict[str, dict[str
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
             ctypes.memmove(src.data_ptr(), dst.data_ptr(), nbytes)
 
+        def all_ranks(fn):  # timed until every rank is done
+            return lambda: (fn(), dist.barrier())
+
         candidates = {"direct_write": round_trip(disp["direct_write"]),
                       "alltoall": round_trip(disp["alltoall"]), "memcpy": memcpy}
-        # lock step: every rank starts each candidate together, so the memcpy runs while the
-        # other ranks copy too (as direct_write's writes do), not while they still finish the
-        # alltoall timed before it: staggered, rank 0's memcpy read 18-28 ms, in lock step 45-50
-        out[dtype] = interleave(candidates, repeats=REPEATS, warmup=1, sync=dist.barrier)
+        # Every candidate is timed from a barrier to the next one: the time the 4 ranks take to
+        # move their bytes. Timed alone on rank 0, the memcpy read whatever share of the 2 cores
+        # rank 0 happened to get while the others were still finishing the previous candidate
+        # or not yet started (16-50 ms for the same bytes), where a collective must wait for all.
+        out[dtype] = interleave({k: all_ranks(fn) for k, fn in candidates.items()},
+                                repeats=REPEATS, warmup=1, sync=dist.barrier)
         out[dtype]["bytes"] = 2 * nbytes
         dist.barrier()
     return out

@@ -44,6 +44,37 @@ def test_contract_one_process():
     check_dispatcher(PluginHost.load(), "direct_write")
 
 
+@pytest.mark.parametrize("E_, L, N", [(8, 2, 64), (64, 16, 32768), (6, 6, 1), (4, 1, 0)])
+def test_place_rows_kernel_equals_the_stable_sort(E_, L, N):
+    """The runtime's place_rows (the plan's per-choice part) equals the torch stable-sort form
+    exactly: every expert present or absent, dropped choices (id E) scattered among them."""
+    from moeplug_plugins.dispatchers._dw_plan import place_rows_reference
+
+    from moeplug.runtime import get_runtime
+    gen = torch.Generator().manual_seed(N + E_)
+    # skewed ids so some experts get nothing; about 1 in 8 dropped
+    ids = torch.randint(0, E_, (N,), generator=gen) * torch.randint(0, 2, (N,), generator=gen)
+    ids = torch.where(torch.rand(N, generator=gen) < 0.125, E_, ids)
+    base = torch.randint(0, 1000, (E_,), generator=gen)
+    got = [torch.full_like(ids, 7) for _ in range(3)]
+    scratch = torch.empty(2 * E_ + 1, dtype=torch.int64)
+    get_runtime().place_rows(ids=ids.data_ptr(), num_choices=N, num_experts=E_, local_experts=L,
+                             base=base.data_ptr(), scratch=scratch.data_ptr(),
+                             row_map=got[0].data_ptr(), dest_rank=got[1].data_ptr(),
+                             dest_row=got[2].data_ptr())
+    for name, g, want in zip(("row_map", "dest_rank", "dest_row"), got,
+                             place_rows_reference(ids, E_, L, base)):
+        assert torch.equal(g, want), name
+    if N:
+        bad = ids.clone()
+        bad[N // 2] = E_ + 1
+        with pytest.raises(ValueError, match=rf"ids\[{N // 2}\] = {E_ + 1} is not an expert id"):
+            get_runtime().place_rows(ids=bad.data_ptr(), num_choices=N, num_experts=E_,
+                                     local_experts=L, base=base.data_ptr(),
+                                     scratch=scratch.data_ptr(), row_map=got[0].data_ptr(),
+                                     dest_rank=got[1].data_ptr(), dest_row=got[2].data_ptr())
+
+
 def test_listed_available_with_its_options_validated():
     from moeplug.plugin_host import PluginError, PluginHost
     host = PluginHost.load()

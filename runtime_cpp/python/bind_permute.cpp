@@ -1,4 +1,5 @@
 #include "moeplug/permute.h"
+#include "moeplug/row_plan.h"
 #include "register.h"
 
 namespace py = pybind11;
@@ -7,6 +8,21 @@ using std::uintptr_t;
 namespace moeplug::py_bind {
 
 void register_permute(py::module_& m) {
+  def_kernel(
+      m, "place_rows",
+      +[](uintptr_t ids, int64_t num_choices, int64_t num_experts, int64_t local_experts,
+          uintptr_t base, uintptr_t scratch, uintptr_t row_map, uintptr_t dest_rank,
+          uintptr_t dest_row) {
+        place_rows(ptr<const int64_t>(ids), num_choices, num_experts, local_experts,
+                   ptr<const int64_t>(base), ptr<int64_t>(scratch), ptr<int64_t>(row_map),
+                   ptr<int64_t>(dest_rank), ptr<int64_t>(dest_row));
+      },
+      py::arg("ids"), py::arg("num_choices"), py::arg("num_experts"), py::arg("local_experts"),
+      py::arg("base"), py::arg("scratch"), py::arg("row_map"), py::arg("dest_rank"),
+      py::arg("dest_row"),
+      "Direct-write plan of N choices (id E: dropped): row_map (expert-major row here), "
+      "dest_rank (id / local_experts), dest_row (base[id] + index among this rank's choices of "
+      "that expert); -1 for dropped. scratch holds 2*E + 1 int64.");
   def_kernel(
       m, "permute",
       +[](uintptr_t x, uintptr_t ids, uintptr_t x_out, uintptr_t row_map, uintptr_t counts,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moeplug.routing import padded_counts
+from moeplug.runtime import get_runtime
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,16 @@ def build_plan(counts_WE: torch.Tensor, ids_TK: torch.Tensor, rank: int,
     off_SRL = estart_RL.unsqueeze(0) + torch.cumsum(c_SRL, 0) - c_SRL
     prefix_WE = torch.cumsum(counts_WE, 1) - counts_WE
 
-    # This rank's rows: a stable sort by expert gives each (t, k) its place in its expert's run.
-    flat = ids_TK.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(flat.numel(), dtype=order.dtype)
-    keep = flat < E
-    e = flat.clamp(max=E - 1)
-    dest_rank = torch.where(keep, e // L, -1)
-    dest_row = off_SRL[rank, e // L, e % L] + pos - prefix_WE[rank, e]
-    row_map = torch.where(keep, pos, -1)
+    # This rank's rows: a stable counting sort by expert gives each (t, k) its place in its
+    # expert's run (the runtime's place_rows; place_rows_reference is the same in torch).
+    flat = ids_TK.reshape(-1).contiguous()
+    row_map, dest_rank, dest_row = (torch.empty_like(flat) for _ in range(3))
+    base_E = off_SRL[rank].reshape(E).contiguous()
+    scratch = torch.empty(2 * E + 1, dtype=torch.int64)
+    get_runtime().place_rows(ids=flat.data_ptr(), num_choices=flat.numel(), num_experts=E,
+                             local_experts=L, base=base_E.data_ptr(), scratch=scratch.data_ptr(),
+                             row_map=row_map.data_ptr(), dest_rank=dest_rank.data_ptr(),
+                             dest_row=dest_row.data_ptr())
 
     # Combine runs from this rank's rows back to each source s, per local expert l.
     rows_SL = c_SRL[:, rank, :]
@@ -97,3 +98,19 @@ def build_plan(counts_WE: torch.Tensor, ids_TK: torch.Tensor, rank: int,
         send_rows_W=counts_WE.sum(1).tolist(), chunks_C4=chunks, counts_L=target_L.clone(),
         counts_WL=rows_SL.clone(),
         pad_index_S=pad_index, pad_rows=pad_rows)
+
+
+def place_rows_reference(ids_N: torch.Tensor, E: int, L: int, base_E: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_map, dest_rank, dest_row) of the runtime's place_rows in plain torch: a stable sort
+    by expert, -1 for the dropped choices (id E). The tests' reference."""
+    order = torch.sort(ids_N, stable=True).indices
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(ids_N.numel(), dtype=order.dtype)
+    keep = ids_N < E
+    e = ids_N.clamp(max=E - 1)
+    first_E = torch.cumsum(torch.bincount(ids_N, minlength=E + 1)[:E], 0)
+    first_E = first_E - torch.bincount(ids_N, minlength=E + 1)[:E]
+    dest_row = base_E[e] + pos - first_E[e]
+    return (torch.where(keep, pos, -1), torch.where(keep, e // L, -1),
+            torch.where(keep, dest_row, -1))
