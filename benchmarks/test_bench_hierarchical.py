@@ -7,8 +7,10 @@
    floats + K probs + K one-byte node-local ids). Expected: the row payload shrinks to
    1 / top-k-per-node of flat's, where top-k-per-node = a token's choices on a remote node,
    averaged over the (token, remote node) pairs it hits; the per-row metadata adds a little.
-2. Time of dispatch + combine (forward, no autograd), both dispatchers interleaved round-robin
-   with a barrier around each call (the slowest rank's time, as in a step). On one machine the
+2. Time of dispatch + combine (forward, no autograd), the dispatchers interleaved round-robin
+   with a barrier around each call (the slowest rank's time, as in a step): flat, hierarchical
+   with its default intra-node stage (direct writes through the node's shared-memory heap) and
+   with ``intra_node: torch`` (a gloo all-to-all inside the node). On one machine the
    "network" is the same loopback as the node, so this measures the cost of the extra stage,
    not the saving of a slow inter-node link.
 
@@ -42,7 +44,10 @@ def _bench(rank: int, world: int) -> dict:
     group = dist.group.WORLD
     disps = {"flat": host.create("dispatcher", "alltoall", {}, cfg, group),
              "hierarchical": host.create("dispatcher", "hierarchical", {"node_size": NODE_SIZE},
-                                         cfg, group)}
+                                         cfg, group),
+             "hier_torch_intra": host.create("dispatcher", "hierarchical",
+                                             {"node_size": NODE_SIZE, "intra_node": "torch"},
+                                             cfg, group)}
     gen = torch.Generator().manual_seed(rank)
     ids_TK = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K].contiguous()
     routing = RouterOutput(torch.rand(T, K, generator=gen), ids_TK, torch.zeros(()))
@@ -101,9 +106,13 @@ def test_hierarchical_vs_flat_at_2_nodes_x_2_ranks(report):
     report.row("hierarchical 2x2 inter-node", "flat rows / hier rows", 1 / row_ratio,
                target=per_node, note="x rows only (the payload)")
     t_flat, t_hier = res[0]["flat_s"], res[0]["hierarchical_s"]
+    t_torch = res[0]["hier_torch_intra_s"]
     report.row("hierarchical 2x2 dispatch+combine", "flat time / hier time", t_flat / t_hier,
                note=f"{t_hier * 1e3:.0f} ms vs flat {t_flat * 1e3:.0f} ms (one machine: the "
                     "'network' is loopback too)")
+    report.row("hierarchical 2x2 dispatch+combine", "gloo intra-node / shm intra-node",
+               t_torch / t_hier, note=f"intra_node torch {t_torch * 1e3:.0f} ms vs shm (default) "
+                                      f"{t_hier * 1e3:.0f} ms")
     print(f"\nhierarchical 2x2: inter-node rows {hier_rows} vs flat {flat_rows} "
           f"({row_ratio:.3f}), bytes {byte_ratio:.3f} of flat, top-k-per-node {per_node:.2f}; "
           f"dispatch+combine {t_hier * 1e3:.0f} ms vs flat {t_flat * 1e3:.0f} ms")

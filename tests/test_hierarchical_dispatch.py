@@ -46,7 +46,9 @@ def _parity(rank: int, world: int, runs: list[tuple]) -> list[str]:
         # FP8 rows went out under the recipe (a rank without tokens sends none either way)
         assert (WIRE["rows"] > 0) == bool(recipe and _tokens(rank)), WIRE
         d = host.create("dispatcher", "hierarchical", options, _cfg(), dist.group.WORLD)
-        done.append(f"{d.split.num_nodes}x{d.split.node_size}")
+        from moeplug_plugins.dispatchers.intra_node import ShmIntraNode
+        done.append(f"{d.split.num_nodes}x{d.split.node_size}"
+                    f"{' shm' if isinstance(d.intra, ShmIntraNode) else ''}")
         # the subgroups time out with the EP group (run_distributed: 60 s), not torch's 30 min
         from moeplug_plugins.dispatchers._nodes import group_timeout
         for sub in (d.intra.group, d.inter):
@@ -62,17 +64,21 @@ def _cfg():
 
 def test_equals_alltoall_at_world4_every_node_split():
     runs = [({"node_size": 2}, None), ({"node_size": 1}, None), ({"node_size": 4}, None),
-            ({}, None), ({}, "2")]
+            ({}, None), ({}, "2"), ({"node_size": 2, "intra_node": "torch"}, None),
+            ({"node_size": 4, "intra_node": "shm"}, None)]
     results = run_distributed(_parity, 4, runs, timeout=240)
     # the runs really had the splits they claim: 2 nodes of 2, 4 of 1, one of 4, none set
-    # (no launcher: one node), and $LOCAL_WORLD_SIZE=2 (2 nodes of 2)
-    assert results == [["2x2", "4x1", "1x4", "1x4", "2x2"]] * 4
+    # (no launcher: one node), and $LOCAL_WORLD_SIZE=2 (2 nodes of 2); inside a node of
+    # several ranks the rows moved through the shared-memory heap unless intra_node=torch
+    # (a node of one rank moves nothing)
+    assert results == [["2x2 shm", "4x1", "1x4 shm", "1x4 shm", "2x2 shm", "2x2",
+                        "1x4 shm"]] * 4
 
 
 def test_equals_alltoall_at_world2():
     results = run_distributed(_parity, 2, [({"node_size": 1}, None), ({"node_size": 2}, None),
                                            ({"node_size": 1}, None, "mxfp8")], timeout=180)
-    assert results == [["2x1", "1x2", "2x1"]] * 2
+    assert results == [["2x1", "1x2 shm", "2x1"]] * 2
 
 
 def _subgroup_parity(rank: int, world: int) -> str:
@@ -152,6 +158,8 @@ def test_launcher_node_size_refuses_uneven_nodes():
            r"node_size to one of 1, 2, 4, or 0 to take \$LOCAL_WORLD_SIZE"),
     (2, 1, r"node_size = 2: does not divide parallel.ep = 1"),
     (-1, 4, r"node_size = -1: must be >= 0. Fix: set node_size"),
+    ({"node_size": 2, "intra_node": "nvlink"}, 4,
+     r"intra_node = 'nvlink': unknown. Fix: use 'auto', 'shm' or 'torch'"),
 ])
 def test_bad_node_size_fails_before_any_process_group(node_size, ep, msg):
     import torch.distributed as dist
@@ -159,8 +167,9 @@ def test_bad_node_size_fails_before_any_process_group(node_size, ep, msg):
     from moeplug.cli import check_plugins
     from moeplug.config import config_from_dict
     from moeplug.plugin_host import PluginError, PluginHost
+    options = node_size if isinstance(node_size, dict) else {"node_size": node_size}
     cfg = config_from_dict({"plugins": {"dispatcher": "hierarchical",
-                                        "dispatcher_options": {"node_size": node_size}},
+                                        "dispatcher_options": options},
                             "parallel": {"ep": ep}})
     with pytest.raises(PluginError, match=r"dispatcher 'hierarchical' \(from moeplug\).*" + msg):
         check_plugins(PluginHost.load(), cfg)

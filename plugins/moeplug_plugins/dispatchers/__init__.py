@@ -14,19 +14,31 @@ from moeplug import hookimpl
 class HierarchicalOptions:
     """``plugins.dispatcher_options`` of ``hierarchical``.
 
-    node_size: EP ranks per node (EP rank r sits on node r // node_size); 0 takes
-               $LOCAL_WORLD_SIZE from the launcher (one node without one). Tests set it to run
-               two "nodes" on one machine.
+    node_size:  EP ranks per node (EP rank r sits on node r // node_size); 0 takes
+                $LOCAL_WORLD_SIZE from the launcher (one node without one). Tests set it to run
+                two "nodes" on one machine.
+    intra_node: how rows move inside a node. "shm": direct writes into the owners' memory
+                through the node's shared-memory heap (as ``direct_write``; CPU tensors);
+                "torch": a torch.distributed all-to-all on the node's subgroup (gloo, NCCL);
+                "auto": shm where the platform and runtime have the heap and the tokens are on
+                the CPU, else torch.
     """
 
     node_size: int = 0
+    intra_node: str = "auto"
 
     def __post_init__(self) -> None:
+        from moeplug.config import ConfigError
         if self.node_size < 0:
-            from moeplug.config import ConfigError
             raise ConfigError(f"plugins.dispatcher_options.node_size = {self.node_size}: must be "
                               ">= 0. Fix: set node_size to the EP ranks per node, or 0 to take "
                               "$LOCAL_WORLD_SIZE from the launcher")
+        if self.intra_node not in ("auto", "shm", "torch"):
+            raise ConfigError(f"plugins.dispatcher_options.intra_node = {self.intra_node!r}: "
+                              "unknown. Fix: use 'auto', 'shm' or 'torch'")
+        if self.intra_node == "shm" and direct_write_unavailable():
+            raise ConfigError(f"plugins.dispatcher_options.intra_node = 'shm': "
+                              f"{direct_write_unavailable()}; or use intra_node 'torch'")
 
     def check_parallel(self, parallel) -> None:
         """Before any process group exists (the CLI's plugin check): the nodes split EP evenly."""
@@ -46,7 +58,8 @@ def make_allgather(model, options, group):
 
 def make_hierarchical(model, options: HierarchicalOptions, group):
     from moeplug_plugins.dispatchers.hierarchical import HierarchicalDispatcher
-    return HierarchicalDispatcher(model, group, node_size=options.node_size)
+    return HierarchicalDispatcher(model, group, node_size=options.node_size,
+                                  intra_node=options.intra_node)
 def make_direct_write(model, options, group):
     from moeplug_plugins.dispatchers.direct_write import DirectWriteDispatcher
     return DirectWriteDispatcher(model, options, group)
@@ -77,7 +90,8 @@ def moeplug_register_dispatchers(registry) -> None:
                              "(Megatron allgather)")
     registry.add("hierarchical", make_hierarchical, options_cls=HierarchicalOptions,
                  description="one row per (token, destination node) over the network, then "
-                             "fan-out inside the node (HybridEP); option node_size")
+                             "fan-out inside the node by direct writes into shared memory "
+                             "(HybridEP); options node_size, intra_node")
     from moeplug_plugins.dispatchers._dw_options import DirectWriteOptions
     registry.add("direct_write", make_direct_write, options_cls=DirectWriteOptions,
                  unavailable=direct_write_unavailable(),

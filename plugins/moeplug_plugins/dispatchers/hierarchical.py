@@ -15,8 +15,10 @@ dispatch:
                     quantize_dispatch is active (moeplug.quant.wire), as alltoall
     3. node permute group the arrived rows' choices in my node by node-local expert (a stable
                     sort: only real choices are copied, no sink rows)
-    4. fan out      the intra-node stage (moeplug_plugins.dispatchers.intra_node: the seam a
-                    shared-memory transport replaces) sends each expert's rows to its owner
+    4. fan out      the intra-node stage (moeplug_plugins.dispatchers.intra_node) sends each
+                    expert's rows to its owner: on the CPU by direct writes into the owner's
+                    receive area in the node's shared-memory heap (counts in the heap's slots,
+                    no count all-to-all), else a torch.distributed all-to-all in the node
     5. sort         arrival is (node rank j, local expert, source node a)-major: reorder to
                     (local expert, a, j), i.e. (expert, source EP rank a*n + j) - the order the
                     alltoall dispatcher gives, so the experts see the same rows in the same order
@@ -31,6 +33,7 @@ identity (one node of one rank).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +46,14 @@ from moeplug.quant.wire import quantized_exchange
 from moeplug.routing import pad_rows, padded_counts, sink_dropped, unpad_rows
 from moeplug_plugins.dispatchers import _ep_comm, _nodes
 from moeplug_plugins.dispatchers._group import ep_layout
-from moeplug_plugins.dispatchers.intra_node import TorchIntraNode
+from moeplug_plugins.dispatchers.direct_write import default_heap_bytes
+from moeplug_plugins.dispatchers.intra_node import ShmIntraNode, TorchIntraNode
+
+
+def _timeout_s(group: Any) -> float:
+    """The EP group's timeout in seconds (the heap's waits fail with it), 300 if torch hides it."""
+    timeout = _nodes.group_timeout(group)
+    return timeout.total_seconds() if timeout is not None else 300.0
 
 
 def _id_dtype(num_node_experts: int) -> torch.dtype:
@@ -65,11 +75,13 @@ class HierarchicalMeta:
     num_rows_B: int            # rows that arrived over the network
     row_R: torch.Tensor        # arrived row of each node-permuted row (expert-major)
     intra: _ep_comm.A2APlan    # the intra-node exchange (counts and sort order)
+    mover: Any                 # the intra-node transport that planned it (moves it back too)
     pad_index_S: torch.Tensor | None = None  # padded-buffer position of each real row
 
 
 class HierarchicalDispatcher(Dispatcher):
-    def __init__(self, model: ModelConfig, group=None, node_size: int = 0):
+    def __init__(self, model: ModelConfig, group=None, node_size: int = 0,
+                 intra_node: str = "torch"):
         self.group = group
         self.ep_size, self.ep_rank, self.num_local_experts = ep_layout(model, group)
         self.num_experts = model.moe.num_experts
@@ -81,7 +93,17 @@ class HierarchicalDispatcher(Dispatcher):
             self.split = _nodes.split(members, self.ep_rank, node_size)
             intra, self.inter = _nodes.node_groups(members, self.split,
                                                    _nodes.group_timeout(group))
-        self.intra = TorchIntraNode(intra)
+        self._torch_intra = TorchIntraNode(intra)
+        # the node's rows move through its shared-memory heap, unless asked otherwise or the
+        # platform lacks it (plugins.dispatcher_options.intra_node); CUDA tokens take torch's
+        # all-to-all under "auto" (moved by NCCL, no host staging)
+        self.intra_node = intra_node
+        if intra_node == "auto":
+            from moeplug_plugins.dispatchers import direct_write_unavailable
+            intra_node = "torch" if direct_write_unavailable() else "shm"
+        self.intra = (ShmIntraNode(intra, default_heap_bytes(model, self.split.node_size),
+                                   _timeout_s(group))
+                      if intra_node == "shm" and intra is not None else self._torch_intra)
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         N, n, L = self.split.num_nodes, self.split.node_size, self.num_local_experts
@@ -117,9 +139,10 @@ class HierarchicalDispatcher(Dispatcher):
         src_B = torch.repeat_interleave(torch.arange(N), torch.tensor(net.recv_N, dtype=torch.int64))
         counts_MN = torch.bincount(expert_R.cpu() * N + src_B[row_R.cpu()], minlength=M * N)
         # 4. fan out inside the node  5. sort to (local expert, source EP rank)
-        intra = self.intra.plan(counts_MN.view(n, L * N))
-        x_SD = _ep_comm.sort_by_local_expert(self.intra.there(x_RD, intra), intra)
-        probs_S = _ep_comm.sort_by_local_expert(self.intra.there(probs_R, intra), intra)
+        mover = self._intra_for(x_TD)
+        intra = mover.plan(counts_MN.view(n, L * N))
+        x_SD = _ep_comm.sort_by_local_expert(mover.there(x_RD, intra), intra)
+        probs_S = _ep_comm.sort_by_local_expert(mover.there(probs_R, intra), intra)
         # 6. pad
         counts_L = intra.counts_WL.view(n, L, N).sum(dim=(0, 2))
         target_L = padded_counts(counts_L, routing.capacity, routing.pad_multiple, self.ep_size,
@@ -128,15 +151,20 @@ class HierarchicalDispatcher(Dispatcher):
         return Dispatched(x_SD, probs_S, target_L,
                           HierarchicalMeta(num_tokens=x_TD.shape[0], token_A=token_A, net=net,
                                            num_rows_B=x_BD.shape[0], row_R=row_R, intra=intra,
-                                           pad_index_S=pad_index_S))
+                                           mover=mover, pad_index_S=pad_index_S))
 
     def combine(self, y_SD: torch.Tensor, meta: HierarchicalMeta) -> torch.Tensor:
         y_SD = _ep_comm.unsort_by_local_expert(unpad_rows(y_SD, meta.pad_index_S), meta.intra)
-        y_RD = self.intra.back(y_SD, meta.intra)
+        y_RD = meta.mover.back(y_SD, meta.intra)
         # the partial sum of each arrived row's choices in my node: one row per (token, node)
         y_BD = y_RD.new_zeros(meta.num_rows_B, y_RD.shape[1]).index_add(0, meta.row_R, y_RD)
         y_AD = self._network_back(y_BD, meta.net)
         return y_AD.new_zeros(meta.num_tokens, y_AD.shape[1]).index_add(0, meta.token_A, y_AD)
+
+    def _intra_for(self, x_TD: torch.Tensor) -> Any:
+        if x_TD.device.type != "cpu" and self.intra_node == "auto":
+            return self._torch_intra
+        return self.intra
 
     # ---- the network stage (identity with one node; see _ep_comm / comm) --------------------
     def _network_plan(self, send_N: torch.Tensor) -> NetworkPlan:
