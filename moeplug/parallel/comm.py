@@ -38,6 +38,23 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # group (same ranks, its own context). ``active_group(group)`` is the group a collective really
 # uses.
 _thread = threading.local()
+# Twins of every group that has one, for the code that builds groups of its own from them: a
+# plugin asks has_twin(the group it was given) and, if so, builds a twin of each subgroup
+# (same ranks, same creation order on every rank) and registers it. active_group consults
+# this after the mapping the overlapped backward entered.
+_registered_twins: dict[Any, Any] = {}
+
+
+def register_twin(group: Any, twin: Any) -> None:
+    """``twin`` (same ranks, its own context) is what ``group``'s collectives use inside the
+    overlapped backward. ParallelGroups registers its own; plugins register their subgroups'."""
+    _registered_twins[group] = twin
+
+
+def has_twin(group: Any) -> bool:
+    """Whether ``group`` has a twin (combined 1F1B is on): a plugin that splits it into
+    subgroups then builds and registers theirs."""
+    return group in _registered_twins
 
 
 @contextlib.contextmanager
@@ -61,6 +78,8 @@ def active_group(group: Any) -> Any:
     if twins is None or group is None:
         return group
     twin = twins.get(group)
+    if twin is None:
+        twin = _registered_twins.get(group)
     if twin is None:
         raise RuntimeError("a collective inside the overlapped backward uses a process group "
                            "without a twin; it would interleave with the forward's collectives "

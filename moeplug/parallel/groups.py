@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch.distributed as dist
 
 from moeplug.config import ConfigError
+from moeplug.parallel import comm
 from moeplug.parallel.layout import GROUP_KINDS, ParallelConfig, layout_rank_groups
 
 
@@ -93,6 +94,7 @@ class ParallelGroups:
                     g = dist.new_group(ranks=ranks, timeout=timeout)
                     if rank in ranks:
                         twins[handles[kind]] = g
+                        comm.register_twin(handles[kind], g)
         return cls(config=resolved, rank=rank, world_size=world_size, members=members,
                    twins=twins, **handles)
 

@@ -93,6 +93,13 @@ class HierarchicalDispatcher(Dispatcher):
             self.split = _nodes.split(members, self.ep_rank, node_size)
             intra, self.inter = _nodes.node_groups(members, self.split,
                                                    _nodes.group_timeout(group))
+            if comm.has_twin(group):
+                # combined 1F1B: the overlapped backward's exchanges need twins of these
+                # subgroups too (built in the same order on every member, as the subgroups)
+                twins = _nodes.node_groups(members, self.split, _nodes.group_timeout(group))
+                for sub, twin in zip((intra, self.inter), twins):
+                    if sub is not None:
+                        comm.register_twin(sub, twin)
         self._torch_intra = TorchIntraNode(intra)
         # the node's rows move through its shared-memory heap, unless asked otherwise or the
         # platform lacks it (plugins.dispatcher_options.intra_node); CUDA tokens take torch's
