@@ -35,14 +35,18 @@ from moeplug.testing.distributed import run_distributed
 
 WORLD = 4
 # name -> (model.moe.overlap_chunks, parallel.overlap_moe_expert_parallel_comm,
-#          model.moe.delay_wgrad_compute)
+#          model.moe.delay_wgrad_compute[, plugins.dispatcher (default alltoall)])
 VARIANTS = {"off": (1, False, False), "chunks=2": (2, False, False), "chunks=4": (4, False, False),
             "1f1b": (1, True, False), "1f1b+chunks=4": (4, True, False),
-            "delay_wgrad": (1, False, True), "1f1b+delay_wgrad": (1, True, True)}
+            "delay_wgrad": (1, False, True), "1f1b+delay_wgrad": (1, True, True),
+            # not overlap: the shared-memory transport instead of gloo (no all_to_all_single to
+            # clock); its row says how much of the off variant's a2a time the step no longer has
+            "direct_write": (1, False, False, "direct_write"),
+            "direct_write+1f1b": (1, True, False, "direct_write")}
 ROUNDS, WARMUP = 10, 2
 
 
-def _cfg(chunks: int, merged: bool, delay: bool = False):
+def _cfg(chunks: int, merged: bool, delay: bool = False, dispatcher: str = "alltoall"):
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -50,7 +54,7 @@ def _cfg(chunks: int, merged: bool, delay: bool = False):
                   "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 256,
                           "shared_expert_ffn_hidden_size": 256, "overlap_chunks": chunks,
                           "delay_wgrad_compute": delay}},
-        "plugins": {"dispatcher": "alltoall"},
+        "plugins": {"dispatcher": dispatcher},
         "train": {"steps": 100, "micro_batch_size": 4, "seq_len": 128, "warmup_steps": 1,
                   "grad_accum_steps": 2},
         "parallel": {"ep": WORLD, "overlap_moe_expert_parallel_comm": merged},
@@ -87,8 +91,8 @@ def _run(rank: int, world: int) -> dict:
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(0).integers(0, 256, 200_000).astype(np.int64)
     runs = {}
-    for name, (chunks, merged, delay) in VARIANTS.items():
-        cfg = _cfg(chunks, merged, delay)
+    for name, variant in VARIANTS.items():
+        cfg = _cfg(*variant)
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         seed_everything(0)
         model = build_rank_model(cfg, host, 256, groups)
@@ -138,7 +142,10 @@ def test_overlap_hides_ep_communication(report):
             continue
         on = res[name]
         hidden = (off["step"] - on["step"]) / off["comm"]
-        report.row(f"overlap EP4 {name}", "hidden share of a2a time", hidden, target=0.8,
+        removed = len(VARIANTS[name]) > 3  # another transport: time saved, not hidden
+        report.row(f"overlap EP4 {name}",
+                   "share of a2a time removed" if removed else "hidden share of a2a time",
+                   hidden, target=None if removed else 0.8,
                    note=f"step {off['step'] * 1e3:.0f} -> {on['step'] * 1e3:.0f} ms, a2a off "
                         f"{off['comm'] * 1e3:.0f} ms; dispatch+combine stages "
                         f"{(off['dispatch'] + off['combine']) * 1e3:.0f} -> "
