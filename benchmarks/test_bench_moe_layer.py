@@ -6,6 +6,9 @@ one run compare):
     matmul      square 2048^3 matmul of the same dtype: the practical GEMM limit
     dense_ffn   a dense SwiGLU FFN (D -> F -> D) over the same S = T*K rows: same useful FLOPs,
                 no routing
+    gemms       only the routed experts' six GEMMs per expert (fwd 2, dX 2, dW 2) at S/E rows
+                each, in the compute dtype, nothing else: the ceiling of any layer built on
+                torch's GEMMs at this shape
     hf_mixtral  Hugging Face transformers' MixtralSparseMoeBlock with the same weights, its
                 `grouped_mm` experts implementation
     moeplug     MoELayer(topk router, alltoall dispatcher, sequential|grouped experts)
@@ -115,8 +118,20 @@ def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
     def hf_call(x):
         return hf(x.unsqueeze(0)).squeeze(0)
 
+    R = S // E  # rows per expert with balanced routing
+    g_x, g_dy = torch.randn(R, D, dtype=dtype), torch.randn(R, D, dtype=dtype)
+    g_h, g_a = torch.randn(R, 2 * F, dtype=dtype), torch.randn(R, F, dtype=dtype)
+    g_w1, g_w2 = torch.randn(2 * F, D, dtype=dtype), torch.randn(D, F, dtype=dtype)
+
+    def gemms():
+        for _ in range(E):
+            torch.mm(g_x, g_w1.t()), torch.mm(g_a, g_w2.t())      # forward
+            torch.mm(g_dy, g_w2), torch.mm(g_h, g_w1)              # dX
+            torch.mm(g_dy.t(), g_a), torch.mm(g_h.t(), g_x)        # dW
+
     candidates = {
         "matmul": lambda: torch.mm(a_mm, b_mm),
+        "gemms": gemms,
         "dense_ffn": _fwd_bwd(under_autocast(dense_ffn), x_SD, [w13, w2], grad_SD),
         "hf_mixtral": _fwd_bwd(under_autocast(hf_call), x_TD, list(hf.parameters()), grad_TD),
         "sequential": _fwd_bwd(under_autocast(moe(layers["sequential"])), x_TD,
@@ -133,7 +148,7 @@ def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
 
     times = interleave(candidates, repeats=5)
     matmul_gflops = gflops(2 * MATMUL_N ** 3, times["matmul"])
-    for name in ("dense_ffn", "hf_mixtral", "sequential", "grouped"):
+    for name in ("gemms", "dense_ffn", "hf_mixtral", "sequential", "grouped"):
         g = gflops(USEFUL_FLOP, times[name])
         target = TARGET_GROUPED_FP32 if (name == "grouped" and dtype_name == "fp32") else None
         report.row(f"moe layer {dtype_name} fwd+bwd", f"{name} / matmul", g / matmul_gflops,
