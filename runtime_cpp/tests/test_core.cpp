@@ -14,6 +14,7 @@
 #include "check.h"
 #include "moeplug/capacity.h"
 #include "moeplug/permute.h"
+#include "moeplug/row_plan.h"
 #include "moeplug/swiglu.h"
 #include "moeplug/thread_pool.h"
 
@@ -140,6 +141,43 @@ void test_capacity_matches_naive_ranks() {
   }
 }
 
+// place_rows against a naive count: a kept choice's row is the number of kept choices of lower
+// experts plus those of its expert before it; its destination row adds that index to the base.
+void test_place_rows_matches_naive() {
+  const int64_t N = 300, E = 8, L = 2;
+  std::vector<int64_t> ids(N), base(E), scratch(2 * E + 1), row(N), rank(N), dest(N);
+  for (int64_t i = 0; i < N; ++i) ids[i] = (i * 7 + i / 13) % (E + 1);  // E: dropped
+  for (int64_t e = 0; e < E; ++e) base[e] = 1000 * e + 3;
+  moeplug::place_rows(ids.data(), N, E, L, base.data(), scratch.data(), row.data(), rank.data(),
+                      dest.data());
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t e = ids[i];
+    if (e == E) {
+      wrong += row[i] != -1 || rank[i] != -1 || dest[i] != -1;
+      continue;
+    }
+    int64_t lower = 0, same_before = 0;
+    for (int64_t j = 0; j < N; ++j) {
+      lower += ids[j] < e;
+      same_before += ids[j] == e && j < i;
+    }
+    wrong += row[i] != lower + same_before || rank[i] != e / L ||
+             dest[i] != base[e] + same_before;
+  }
+  check(wrong == 0, "place_rows: rows and destinations as a stable count gives them; wrong " +
+                        std::to_string(wrong));
+  ids[17] = E + 1;
+  bool threw = false;
+  try {
+    moeplug::place_rows(ids.data(), N, E, L, base.data(), scratch.data(), row.data(),
+                        rank.data(), dest.data());
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("ids[17] = 9") != std::string::npos;
+  }
+  check(threw, "place_rows names the first bad id");
+}
+
 }  // namespace
 
 int main() {
@@ -147,5 +185,6 @@ int main() {
   test_permute_matches_naive();
   test_swiglu_matches_naive();
   test_capacity_matches_naive_ranks();
+  test_place_rows_matches_naive();
   return moeplug_test::report("moeplug core");
 }
