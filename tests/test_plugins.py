@@ -33,6 +33,7 @@ BUILTINS = {
     ("dispatcher", "allgather"): "builtin_dispatchers",
     ("dispatcher", "hierarchical"): "builtin_dispatchers",
     ("dispatcher", "direct_write"): "builtin_dispatchers",
+    ("dispatcher", "deepep"): "builtin_dispatchers",
     ("experts", "sequential"): "builtin_experts",
     ("experts", "grouped"): "builtin_experts",
     ("precision", "fp32"): "builtin_precisions",
@@ -104,8 +105,9 @@ def test_discovers_every_builtin_through_moeplug_entry_points():
         info = infos[(kind, name)]
         assert (info.dist, info.entry_point) == ("moeplug", ep), info
         assert info.description
-    assert not infos[("precision", "te_fp8")].available  # no transformer_engine here
-    assert all(infos[k].available for k in BUILTINS if k != ("precision", "te_fp8"))
+    gpu_only = {("precision", "te_fp8"), ("dispatcher", "deepep")}
+    assert not any(infos[k].available for k in gpu_only)  # no transformer_engine, deep_ep here
+    assert all(infos[k].available for k in BUILTINS if k not in gpu_only)
 
 
 def test_core_does_not_import_builtin_plugins_directly():

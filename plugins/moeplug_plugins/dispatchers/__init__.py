@@ -1,9 +1,10 @@
-"""Built-in token dispatchers: ``alltoall`` (default), ``allgather``, ``hierarchical`` and
-``direct_write``, one file each."""
+"""Built-in token dispatchers: ``alltoall`` (default), ``allgather``, ``hierarchical``,
+``direct_write`` and ``deepep`` (GPU, when the deep_ep module imports), one file each."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass
 
@@ -65,6 +66,21 @@ def make_direct_write(model, options, group):
     return DirectWriteDispatcher(model, options, group)
 
 
+def make_deepep(model, options, group):
+    from moeplug_plugins.dispatchers.deepep import DeepEPDispatcher
+    return DeepEPDispatcher(model, group)
+
+
+def deepep_unavailable() -> str:
+    """Why ``deepep`` cannot run here ("" when it can); imports nothing."""
+    if importlib.util.find_spec("deep_ep") is None:
+        return ("needs module 'deep_ep' (DeepEP: NVIDIA GPUs, NVLink within a node, NVSHMEM "
+                "across nodes), which is not installed. Fix: build and install DeepEP "
+                "(github.com/deepseek-ai/DeepEP); or use dispatcher alltoall on GPU, "
+                "direct_write or hierarchical on the CPU")
+    return ""
+
+
 def direct_write_unavailable() -> str:
     """Why ``direct_write`` cannot run here ("" when it can): it needs POSIX shared memory and a
     runtime core built with the shared-memory heap."""
@@ -98,3 +114,7 @@ def moeplug_register_dispatchers(registry) -> None:
                  description="ranks of one machine write rows straight into the expert owner's "
                              "shared-memory heap; counts and ready flags in the heap (DeepEP "
                              "intranode, CPU)")
+    registry.add("deepep", make_deepep, unavailable=deepep_unavailable(),
+                 description="DeepEP's normal NVLink/RDMA kernels (deep_ep.Buffer dispatch / "
+                             "combine, as Megatron's flex dispatcher), then a local permute; "
+                             "GPU only")
