@@ -108,7 +108,10 @@ WORLD2.update({"etp2_1f1b": ({"etp": 2}, 2, {}, MERGED),  # ETP without EP: dens
                "ep2_mtp_1f1b": ({"ep": 2}, 2, {}, MERGED, MTP)})
 WORLD4.update({"etp2_ep2_1f1b": ({"etp": 2, "ep": 2}, 2, {}, MERGED),
                "tp2_sp_etp2_ep2_1f1b": ({**SP, "etp": 2, "ep": 2}, 2, {}, MERGED),
-               "pp2_ep2_mla_mtp_1f1b": ({"pp": 2, "ep": 2}, 3, {}, MERGED, {**MLA, **MTP})})
+               "pp2_ep2_mla_mtp_1f1b": ({"pp": 2, "ep": 2}, 3, {}, MERGED, {**MLA, **MTP}),
+               # MLA under SP gathers the whole sequence (tensor_parallel.on_whole_sequence):
+               # that gather's reduce-scatter runs in the overlapped backward, on the twins
+               "tp2_sp_ep2_mla_1f1b": ({**SP, "ep": 2}, 2, {}, MERGED, MLA)})
 
 
 def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
