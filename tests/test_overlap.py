@@ -4,7 +4,8 @@ Every rank of a real gloo group builds the same model twice from one seed, once 
 ``overlap_chunks = 1`` (the plain layer) and once with ``CHUNKS`` (uneven chunks: T = 32 tokens
 per micro-batch into 3), and runs 3 real ``train_step``s of each on the same batches. Compared
 on every rank after every step: the logged loss terms, the global grad norm, every gradient of
-the rank; after 3 steps every parameter. Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
+the rank; after 3 steps every parameter and the trainer's validation loss (``evaluate`` on
+held-out batches). Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
 EP2 with capacity dropping + pad-to-capacity, EP2 with the ``allgather`` dispatcher (the
 interface's default split methods), EP2 and EP4 with ``direct_write`` (its own split over the
 shared-memory heap; capacity on and off, single-copy and two-pass combine; and under the
@@ -15,7 +16,9 @@ same way at EP2 (3 micro-batches), EP4, EP2 x DP2 and PP2 x EP2, alone (must be 
 ops, same order) and together with chunking, and with TP / SP / CP (WORLD4_TPCP: TP2 x SP x EP2,
 TP2 x DP2 without SP, CP2 x EP2 with the ring and the all-gather K/V exchange, TP2 x SP x PP2 x
 EP2, TP2 x SP x EP2 with the dense MLP recomputed), whose collectives must then run on the
-twin groups too.
+twin groups too; and with expert tensor parallelism (ETP2, ETP2 x EP2, TP2 x SP x ETP2 x EP2),
+MLA attention (EP2 with its up projections recomputed, TP2 x SP x EP2) and MTP layers (EP2,
+PP2 x EP2 with MLA).
 
 Tolerance (fp32): the forward is bitwise identical here (every token's rows meet the same
 weights and are summed in the same order; chunks of >= 4 rows per expert keep the GEMM
