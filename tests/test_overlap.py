@@ -16,7 +16,8 @@ same way at EP2 (3 micro-batches), EP4, EP2 x DP2 and PP2 x EP2, alone (must be 
 ops, same order) and together with chunking, and with TP / SP / CP (WORLD4_TPCP: TP2 x SP x EP2,
 TP2 x DP2 without SP, CP2 x EP2 with the ring and the all-gather K/V exchange, TP2 x SP x PP2 x
 EP2, TP2 x SP x EP2 with the dense MLP recomputed), whose collectives must then run on the
-twin groups too; and with expert tensor parallelism (ETP2, ETP2 x EP2, TP2 x SP x ETP2 x EP2),
+twin groups too; and with expert tensor parallelism (ETP2, ETP2 x EP2, TP2 x SP x ETP2 x EP2,
+PP2 x ETP2, ETP2 x EP2 with delayed expert weight gradients),
 MLA attention (EP2 with its up projections recomputed, TP2 x SP x EP2) and MTP layers (EP2,
 PP2 x EP2 with MLA).
 
@@ -110,6 +111,10 @@ WORLD2.update({"etp2_1f1b": ({"etp": 2}, 2, {}, MERGED),  # ETP without EP: dens
                                                       "modules": ["mla_up_proj"]}}),
                "ep2_mtp_1f1b": ({"ep": 2}, 2, {}, MERGED, MTP)})
 WORLD4.update({"etp2_ep2_1f1b": ({"etp": 2, "ep": 2}, 2, {}, MERGED),
+               "pp2_etp2_1f1b": ({"pp": 2, "etp": 2}, 3, {}, MERGED),
+               # the deferred expert dW run during the ETP reduce-scatter (the dispatch's
+               # backward exchange), on the helper thread's own queue
+               "etp2_ep2_1f1b_delay_wgrad": ({"etp": 2, "ep": 2}, 2, {}, MERGED_DELAY),
                "tp2_sp_etp2_ep2_1f1b": ({**SP, "etp": 2, "ep": 2}, 2, {}, MERGED),
                "pp2_ep2_mla_mtp_1f1b": ({"pp": 2, "ep": 2}, 3, {}, MERGED, {**MLA, **MTP}),
                # MLA under SP gathers the whole sequence (tensor_parallel.on_whole_sequence):

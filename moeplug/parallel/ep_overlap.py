@@ -28,7 +28,7 @@ swap blocks between them), and the routers' count sums all pass their group thro
 Tested bitwise, overlap on vs off, at EP2, EP4, EP2 x DP2, PP2 x EP2, TP2 x SP x EP2,
 TP2 x DP2 (no SP), CP2 x EP2 (both CP modes), TP2 x SP x PP2 x EP2, TP2 x SP x EP2 with
 the dense MLP recomputed (its TP collectives rerun inside the backward), ETP2, ETP2 x EP2,
-TP2 x SP x ETP2 x EP2, MLA (EP2 with its up projections recomputed, TP2 x SP x EP2), MTP (EP2)
+TP2 x SP x ETP2 x EP2, PP2 x ETP2, MLA (EP2 with its up projections recomputed, TP2 x SP x EP2), MTP (EP2)
 and PP2 x EP2 with MLA and MTP (tests/test_overlap.py; the validation loss after the steps
 too).
 Still refused by config: one micro-batch, recompute of the MoE layer, runtime.stash.
