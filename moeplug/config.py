@@ -944,9 +944,10 @@ class RootConfig:
 
     def _check_combined_1f1b(self) -> None:
         # Every layout composes: TP/SP, CP (both cp_comm modes), EP/ETP and DP collectives
-        # all pass their group through moeplug.parallel.comm.active_group, which puts the
-        # overlapped backward's on the twin groups; PP's tagged p2p messages match by tag
-        # whichever thread sends them (moeplug.parallel.schedules).
+        # (MLA's and MTP's included) all pass their group through
+        # moeplug.parallel.comm.active_group, which puts the overlapped backward's on the twin
+        # groups; PP's tagged p2p messages match by tag whichever thread sends them
+        # (moeplug.parallel.schedules).
         par, name = self.parallel, "overlap_moe_expert_parallel_comm"
         if self.train.grad_accum_steps < 2:
             _fail(par, name, True, f"needs two micro-batches in flight, but "

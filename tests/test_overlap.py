@@ -4,7 +4,8 @@ Every rank of a real gloo group builds the same model twice from one seed, once 
 ``overlap_chunks = 1`` (the plain layer) and once with ``CHUNKS`` (uneven chunks: T = 32 tokens
 per micro-batch into 3), and runs 3 real ``train_step``s of each on the same batches. Compared
 on every rank after every step: the logged loss terms, the global grad norm, every gradient of
-the rank; after 3 steps every parameter. Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
+the rank; after 3 steps every parameter and the trainer's validation loss (``evaluate`` on
+held-out batches). Layouts: EP2, EP4, PP2 x EP2 (1F1B, two micro-batches)
 EP2 with capacity dropping + pad-to-capacity, EP2 with the ``allgather`` dispatcher (the
 interface's default split methods), EP2 and EP4 with ``direct_write`` (its own split over the
 shared-memory heap; capacity on and off, single-copy and two-pass combine; and under the
@@ -15,7 +16,10 @@ same way at EP2 (3 micro-batches), EP4, EP2 x DP2 and PP2 x EP2, alone (must be 
 ops, same order) and together with chunking, and with TP / SP / CP (WORLD4_TPCP: TP2 x SP x EP2,
 TP2 x DP2 without SP, CP2 x EP2 with the ring and the all-gather K/V exchange, TP2 x SP x PP2 x
 EP2, TP2 x SP x EP2 with the dense MLP recomputed), whose collectives must then run on the
-twin groups too.
+twin groups too; and with expert tensor parallelism (ETP2, ETP2 x EP2, TP2 x SP x ETP2 x EP2,
+PP2 x ETP2, ETP2 x EP2 with delayed expert weight gradients),
+MLA attention (EP2 with its up projections recomputed, TP2 x SP x EP2) and MTP layers (EP2,
+PP2 x EP2 with MLA).
 
 Tolerance (fp32): the forward is bitwise identical here (every token's rows meet the same
 weights and are summed in the same order; chunks of >= 4 rows per expert keep the GEMM
@@ -89,14 +93,39 @@ WORLD4_TPCP = {"tp2_sp_ep2_1f1b": ({**SP, "ep": 2}, 2, {}, MERGED),
                # the dense MLP and norms recomputed: their forward (SP gather, TP
                # reduce-scatter) reruns inside the overlapped backward, on the twins
                "tp2_sp_ep2_1f1b_recompute": ({**SP, "ep": 2}, 2, {}, MERGED,
-                                             {"granularity": "selective",
-                                              "modules": ["mlp", "layernorm"]})}
+                                             {"recompute": {"granularity": "selective",
+                                                            "modules": ["mlp", "layernorm"]}})}
 WORLD4.update(WORLD4_TPCP)  # one 4-rank launch runs them all
+# Combined 1F1B with expert tensor parallelism (ETP: the experts' all-gather / reduce-scatter
+# over groups.etp, moeplug.parallel.expert_tp, inside the overlapped backward), DeepSeek-V3's
+# MLA attention (its up projections recomputed there too) and MTP (MoE blocks after the last
+# layer, their loss and the shared embedding / head; under PP2 on the last stage, whose
+# embedding copy is summed over the embedding group after the backwards). The 5th entry is
+# model-section overrides for both variants.
+MLA = {"attention": "mla", "mla": {"q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
+                                   "qk_rope_head_dim": 4, "v_head_dim": 4}}
+MTP = {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3}
+WORLD2.update({"etp2_1f1b": ({"etp": 2}, 2, {}, MERGED),  # ETP without EP: dense DP2
+               "ep2_mla_1f1b": ({"ep": 2}, 2, {}, MERGED,
+                                {**MLA, "recompute": {"granularity": "selective",
+                                                      "modules": ["mla_up_proj"]}}),
+               "ep2_mtp_1f1b": ({"ep": 2}, 2, {}, MERGED, MTP)})
+WORLD4.update({"etp2_ep2_1f1b": ({"etp": 2, "ep": 2}, 2, {}, MERGED),
+               "pp2_etp2_1f1b": ({"pp": 2, "etp": 2}, 3, {}, MERGED),
+               # the deferred expert dW run during the ETP reduce-scatter (the dispatch's
+               # backward exchange), on the helper thread's own queue
+               "etp2_ep2_1f1b_delay_wgrad": ({"etp": 2, "ep": 2}, 2, {}, MERGED_DELAY),
+               "tp2_sp_etp2_ep2_1f1b": ({**SP, "etp": 2, "ep": 2}, 2, {}, MERGED),
+               "pp2_ep2_mla_mtp_1f1b": ({"pp": 2, "ep": 2}, 3, {}, MERGED, {**MLA, **MTP}),
+               # MLA under SP gathers the whole sequence (tensor_parallel.on_whole_sequence):
+               # that gather's reduce-scatter runs in the overlapped backward, on the twins
+               "tp2_sp_ep2_mla_1f1b": ({**SP, "ep": 2}, 2, {}, MERGED, MLA)})
 
 
 def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
          merged: bool = False, dispatcher: str = "alltoall", delay: bool = False,
-         recompute: dict | None = None, pull: bool = False):
+         model: dict | None = None, pull: bool = False):
+    """``model``: overrides of the model section (recompute, attention, MTP...)."""
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -105,7 +134,7 @@ def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
                   "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8,
                           "aux_loss_coeff": 0.05, "shared_expert_ffn_hidden_size": 8,
                           "overlap_chunks": chunks, "delay_wgrad_compute": delay},
-                  "recompute": recompute or {}},
+                  **(model or {})},
         "plugins": {"dispatcher": dispatcher, "router_options": router_options,
                     "dispatcher_options": {"single_copy": True} if pull else {}},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
@@ -129,26 +158,30 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model
     from moeplug.training.optim import lr_at
-    from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
+    from moeplug.data import get_batch
+    from moeplug.parallel.layout import GROUP_KINDS
+    from moeplug.training.trainer import (_VAL_STREAM, batch_generator, build_rank_optimizer,
+                                          evaluate, seed_everything, step_batches, train_step)
 
     from moeplug_plugins.dispatchers import direct_write
     host = PluginHost.load()
     precision = host.create("precision", "fp32", {})
     pull_min_row_bytes = direct_write.PULL_MIN_ROW_BYTES
     ids = np.random.default_rng(3).integers(0, V, 4096).astype(np.int64)
+    val_ids = np.random.default_rng(4).integers(0, V, 1024).astype(np.int64)  # held out
     report = {}
     for name, (parallel, accum, router_options, on, *both) in layouts.items():
         runs = {}
-        recompute = both[0] if both else None  # a 5th entry: recompute, in both variants
+        model_over = both[0] if both else None  # a 5th entry: model overrides, both variants
         direct_write.PULL_MIN_ROW_BYTES = 0 if on.get("pull") else pull_min_row_bytes
         for variant in ("off", "on"):
             dispatcher = on.get("dispatcher", "alltoall")
             pull = on.get("pull", False)
             cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher,
-                        recompute=recompute, pull=pull)
+                        model=model_over, pull=pull)
                    if variant == "off" else
                    _cfg(parallel, accum, router_options, on.get("chunks", 1),
-                        on.get("merged", False), dispatcher, on.get("delay", False), recompute,
+                        on.get("merged", False), dispatcher, on.get("delay", False), model_over,
                         pull))
             groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
             seed_everything(cfg.train.seed)
@@ -167,14 +200,20 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
                                    cfg.train, precision, groups)
                 grads = {n: p.grad.clone() for n, p in _named(model).items() if p.grad is not None}
                 steps.append((stats.losses(), stats.grad_norm, grads))
+            # The trainer's validation after the steps: its fixed batches, forward only.
+            gen = batch_generator(cfg.train.seed, 0, _VAL_STREAM)
+            val_batches = [get_batch(val_ids, cfg.train.micro_batch_size, cfg.train.seq_len,
+                                     gen) for _ in range(2)]
+            val_loss = evaluate(model, val_batches, precision, groups)
             if variant == "on" and on.get("merged"):
-                handles = [getattr(groups, k) for k in ("tp", "cp", "ep", "dp", "pp")]
+                handles = [getattr(groups, k) for k in GROUP_KINDS]
                 assert groups.twins and all(g in groups.twins for g in handles if g is not None)
                 assert any(t.startswith("moeplug-backward-") for t in threads), threads
             if variant == "on":
                 report.setdefault(name, {})["wgrad"] = delayed_wgrad.stats()
-            runs[variant] = (steps, {n: p.detach().clone() for n, p in _named(model).items()})
-        (off, off_params), (on, on_params) = runs["off"], runs["on"]
+            runs[variant] = (steps, {n: p.detach().clone() for n, p in _named(model).items()},
+                             val_loss)
+        (off, off_params, off_val), (on, on_params, on_val) = runs["off"], runs["on"]
         # Step 1 starts from the same parameters: its grads are the parity proof (TOL). Steps
         # 2-3 start from parameters AdamW has already moved apart (TRAIN_TOL, see the top).
         errs = {}
@@ -188,6 +227,7 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
                 errs[at + key] = max(errs.get(at + key, 0.0), value)
         errs["later_param"] = max((off_params[k] - on_params[k]).abs().max().item()
                                   for k in off_params)
+        errs["later_val_loss"] = abs(off_val - on_val)  # a NaN fails every check below
         first_off, first_on = off[0][0], on[0][0]
         report[name] = {**report.get(name, {}), "errs": errs, "first_step_losses_equal": first_off == first_on,
                         "bitwise_grads": sum(torch.equal(off[0][2][k], on[0][2][k])

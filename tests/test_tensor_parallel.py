@@ -28,16 +28,23 @@ V, B_PER_DP, SEQ = 64, 2, 8
 TOL = 2e-5
 
 # name -> (ParallelConfig kwargs, dispatcher, model overrides)
+MLA = {"attention": "mla", "mla": {"q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
+                                   "qk_rope_head_dim": 4, "v_head_dim": 4}}
 LAYOUTS_2 = {
     "tp2": (dict(tp=2), "alltoall", {}),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), "alltoall", {"qk_norm": True}),
     "tp2_sp_tied": (dict(tp=2, sequence_parallel=True), "allgather", {"tie_embeddings": True}),
     "etp2_ep1": (dict(etp=2), "allgather", {}),
+    # MLA is not split over TP: every TP rank runs it on the whole sequence (under SP on the
+    # gathered chunks, keeping its own chunk of the output; its weights' grads then summed)
+    "tp2_mla": (dict(tp=2), "alltoall", MLA),
+    "tp2_sp_mla": (dict(tp=2, sequence_parallel=True), "alltoall", MLA),
 }
 LAYOUTS_4 = {
     "etp2_ep2": (dict(etp=2, ep=2), "alltoall", {}),
     "tp2_ep4_sp": (dict(tp=2, ep=4, sequence_parallel=True), "alltoall", {}),
     "tp2_etp2_ep2_sp": (dict(tp=2, etp=2, ep=2, sequence_parallel=True), "alltoall", {}),
+    "tp2_ep2_sp_mla": (dict(tp=2, ep=2, sequence_parallel=True), "alltoall", MLA),
 }
 
 

@@ -69,7 +69,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         with stage("attention"):
-            x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
+            h_BSD = self.attn_norm(x_BSD)
+            if isinstance(self.attn, MLAttention):  # not split over TP: the whole sequence
+                x_BSD = x_BSD + tpar.on_whole_sequence(self.attn, h_BSD, self._groups)
+            else:
+                x_BSD = x_BSD + self.attn(h_BSD)
         if isinstance(self.ffn, MoELayer):
             # TP: the MoE layer routes only this rank's sequence chunk (tpar.moe_tokens_in).
             moe_out = self.ffn(tpar.moe_tokens_in(self.ffn_norm(x_BSD), self._groups))

@@ -26,8 +26,11 @@ isend/irecv would otherwise share (group, tag) with the next micro-batch's forwa
 swap blocks between them), and the routers' count sums all pass their group through
 ``comm.active_group``. A collective on a group without a twin raises instead of hanging.
 Tested bitwise, overlap on vs off, at EP2, EP4, EP2 x DP2, PP2 x EP2, TP2 x SP x EP2,
-TP2 x DP2 (no SP), CP2 x EP2 (both CP modes), TP2 x SP x PP2 x EP2 and TP2 x SP x EP2 with
-the dense MLP recomputed (its TP collectives rerun inside the backward; tests/test_overlap.py).
+TP2 x DP2 (no SP), CP2 x EP2 (both CP modes), TP2 x SP x PP2 x EP2, TP2 x SP x EP2 with
+the dense MLP recomputed (its TP collectives rerun inside the backward), ETP2, ETP2 x EP2,
+TP2 x SP x ETP2 x EP2, PP2 x ETP2, MLA (EP2 with its up projections recomputed, TP2 x SP x EP2), MTP (EP2)
+and PP2 x EP2 with MLA and MTP (tests/test_overlap.py; the validation loss after the steps
+too).
 Still refused by config: one micro-batch, recompute of the MoE layer, runtime.stash.
 
 Numerics: every micro-batch runs the same ops as in the plain loop and the backwards still run

@@ -8,7 +8,9 @@ Layout (Shoeybi et al. 2019; Korthikanti et al. 2022):
     so GQA groups never straddle ranks), o row-parallel;
   * dense SwiGLU: gate/up column-parallel, down row-parallel;
   * embedding: vocab-parallel (rows [r*Vl, (r+1)*Vl)); output head: column-parallel over the
-    vocabulary, fed to :func:`vocab_parallel_cross_entropy`, which never gathers the logits.
+    vocabulary, fed to :func:`vocab_parallel_cross_entropy`, which never gathers the logits;
+  * MLA attention: not split (replicated on every TP rank); under SP it runs on the gathered
+    sequence (:func:`on_whole_sequence`).
 
 The column-parallel layer is *only* the local matmul over a weight shard: the region is entered
 once by :func:`enter_tp_region`, so one sequence all-gather feeds q, k and v (Megatron gets the
@@ -249,6 +251,20 @@ def parallelize_mlp(mlp: nn.Module, hidden_size: int, ffn_hidden_size: int, grou
     mlp.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp)
     mlp.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp)
     mlp.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, tp, sp)
+
+
+def on_whole_sequence(module: nn.Module, x_BsD: torch.Tensor, groups: Any) -> torch.Tensor:
+    """``module(x)`` for a module replicated over TP (not split, e.g. MLA). Without SP every
+    rank already holds the whole sequence. Under SP a causal attention must see every earlier
+    chunk: gather the sequence, run it, keep this rank's chunk of the output. Backward: the
+    slice passes on only this rank's chunk of the grad (the others' come from their ranks), so
+    the gather reduce-scatters the partial input grads and the module's weight grads are partial
+    too (flagged ``sequence_parallel`` by moeplug.parallel.tp_model, summed over TP)."""
+    tp, sp = tp_of(groups)
+    if tp is None or not sp:
+        return module(x_BsD)
+    y_BSD = module(gather_sequence(x_BsD, tp))
+    return y_BSD.chunk(comm.group_size(tp), dim=1)[comm.group_rank(tp)]
 
 
 def moe_tokens_in(x_BSD: torch.Tensor, groups: Any) -> torch.Tensor:

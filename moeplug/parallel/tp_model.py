@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from moeplug.modules.mla import MLAttention
 from moeplug.modules.moe import MoELayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.parallel.experts import expert_param_names
@@ -21,8 +22,9 @@ def parallelize_transformer(model: nn.Module, groups: Any) -> None:
     """The model-level TP pieces, called by MoETransformer before its parameter init:
     vocab-parallel embedding (and head, column-parallel over V; tied heads reuse the embedding
     shard), and the ``sequence_parallel`` flag on parameters whose grads are partial over TP:
-    norms under SP, and every non-expert parameter of the MoE layers (router, shared experts),
-    whose tokens are always split over TP (see moeplug.parallel.tensor_parallel.moe_tokens_in)."""
+    norms and MLA attention (replicated, its output kept per chunk: tensor_parallel.
+    on_whole_sequence) under SP, and every non-expert parameter of the MoE layers (router, shared
+    experts), whose tokens are always split over TP (see tensor_parallel.moe_tokens_in)."""
     tp, sp = tp_of(groups)
     if tp is None:
         return
@@ -32,7 +34,7 @@ def parallelize_transformer(model: nn.Module, groups: Any) -> None:
         model.head = ColumnParallelLinear(D, V, tp)
     expert_names = expert_param_names(model)
     for name, module in model.named_modules():
-        if isinstance(module, RMSNorm) and sp:
+        if isinstance(module, (RMSNorm, MLAttention)) and sp:
             mark_sequence_parallel(module)
         if isinstance(module, MoELayer):
             for pname, p in module.named_parameters():
