@@ -55,6 +55,7 @@ CHUNKED, MERGED = {"chunks": CHUNKS}, {"merged": True}
 BOTH = {"chunks": CHUNKS, "merged": True}
 DW_PULL = {"chunks": CHUNKS, "dispatcher": "direct_write", "pull": True}
 DW_PUSH = {"chunks": CHUNKS, "dispatcher": "direct_write"}
+HIER = {"dispatcher": "hierarchical", "options": {"node_size": 2}}
 # delay = model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): bitwise like MERGED alone.
 DELAY, MERGED_DELAY = {"delay": True}, {"merged": True, "delay": True}
 WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAPACITY, CHUNKED),
@@ -80,7 +81,11 @@ WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "ep4_direct_write": ({"ep": 4}, 1,
           # 3 micro-batches: pipeline rank 0 runs F0 F1 B0 F2 B1 B2 (B0 || F2 overlapped),
           # rank 1 F0 B0 F1 B1 F2 B2 (B0 || F1, B1 || F2).
           "pp2_ep2_1f1b": ({"pp": 2, "ep": 2}, 3, {}, MERGED),
-          "pp2_ep2_1f1b_delay_wgrad": ({"pp": 2, "ep": 2}, 3, {}, MERGED_DELAY)}
+          "pp2_ep2_1f1b_delay_wgrad": ({"pp": 2, "ep": 2}, 3, {}, MERGED_DELAY),
+          # hierarchical as 2 nodes x 2 ranks: its node and network subgroups have twins of
+          # their own (comm.register_twin), the node heap is the twin group's on the helper
+          "ep4_hierarchical_1f1b": ({"ep": 4}, 2, {}, {**MERGED, **HIER}),
+          "ep4_hierarchical_chunked": ({"ep": 4}, 1, {}, {"chunks": CHUNKS, **HIER})}
 # Combined 1F1B with tensor / sequence / context parallelism: their collectives (SP gathers and
 # reduce-scatters, TP all-reduces, the vocab-parallel loss, the CP K/V exchange) run inside the
 # overlapped backward on the twin groups; still bitwise. 2 micro-batches (3 with PP2).
@@ -124,8 +129,9 @@ WORLD4.update({"etp2_ep2_1f1b": ({"etp": 2, "ep": 2}, 2, {}, MERGED),
 
 def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
          merged: bool = False, dispatcher: str = "alltoall", delay: bool = False,
-         model: dict | None = None, pull: bool = False):
-    """``model``: overrides of the model section (recompute, attention, MTP...)."""
+         model: dict | None = None, options: dict | None = None):
+    """``model``: overrides of the model section (recompute, attention, MTP...); ``options``:
+    the dispatcher's."""
     from moeplug.config import config_from_dict
     return config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
@@ -136,7 +142,7 @@ def _cfg(parallel: dict, grad_accum: int, router_options: dict, chunks: int,
                           "overlap_chunks": chunks, "delay_wgrad_compute": delay},
                   **(model or {})},
         "plugins": {"dispatcher": dispatcher, "router_options": router_options,
-                    "dispatcher_options": {"single_copy": True} if pull else {}},
+                    "dispatcher_options": options or {}},
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 16,
                   "grad_accum_steps": grad_accum, "lr": 1e-2, "min_lr": 1e-3,
                   "warmup_steps": 1, "grad_clip": 0.05, "seed": 7},
@@ -176,13 +182,14 @@ def _compare(rank: int, world: int, layouts: dict) -> dict:
         direct_write.PULL_MIN_ROW_BYTES = 0 if on.get("pull") else pull_min_row_bytes
         for variant in ("off", "on"):
             dispatcher = on.get("dispatcher", "alltoall")
-            pull = on.get("pull", False)
+            options = {**on.get("options", {}), **({"single_copy": True} if on.get("pull")
+                                                     else {})}
             cfg = (_cfg(parallel, accum, router_options, 1, dispatcher=dispatcher,
-                        model=model_over, pull=pull)
+                        model=model_over, options=options)
                    if variant == "off" else
                    _cfg(parallel, accum, router_options, on.get("chunks", 1),
                         on.get("merged", False), dispatcher, on.get("delay", False), model_over,
-                        pull))
+                        options))
             groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
             seed_everything(cfg.train.seed)
             model = build_rank_model(cfg, host, V, groups)
