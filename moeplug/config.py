@@ -947,17 +947,14 @@ class RootConfig:
         # (MLA's and MTP's included) all pass their group through
         # moeplug.parallel.comm.active_group, which puts the overlapped backward's on the twin
         # groups; PP's tagged p2p messages match by tag whichever thread sends them
-        # (moeplug.parallel.schedules).
+        # (moeplug.parallel.schedules). Recompute of the MoE layer (or full) reruns its forward
+        # exchanges inside the overlapped backward: on the twins too, so it composes as well
+        # (tests/test_overlap.py, bitwise).
         par, name = self.parallel, "overlap_moe_expert_parallel_comm"
         if self.train.grad_accum_steps < 2:
             _fail(par, name, True, f"needs two micro-batches in flight, but "
                   f"train.grad_accum_steps = {self.train.grad_accum_steps}",
                   f"set train.grad_accum_steps >= 2 or {name}: false")
-        rc = self.model.recompute
-        if rc.granularity == "full" or "moe" in (rc.modules or []):
-            _fail(par, name, True, "cannot be combined with recompute of the MoE layer (its "
-                  "forward exchanges would rerun inside the overlapped backward)",
-                  f"recompute other modules, or {name}: false")
         if self.runtime.stash:
             _fail(par, name, True, "cannot be combined with runtime.stash (the stash pool "
                   "serves one forward or backward at a time)",
