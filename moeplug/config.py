@@ -304,16 +304,10 @@ class ModelConfig:
         if self.first_k_dense > self.num_layers:
             _fail(self, "first_k_dense", self.first_k_dense,
                   f"exceeds num_layers ({self.num_layers})", f"set first_k_dense <= {self.num_layers}")
-        rc = self.recompute
-        if isinstance(self.moe.overlap_chunks, int) and self.moe.overlap_chunks > 1 and (
-                rc.granularity == "full" or "moe" in (rc.modules or [])):
-            # Recomputing the MoE layer would re-issue its exchanges inside the backward, next
-            # to the backward's own in-flight gradient exchanges: not supported (Megatron's
-            # EP overlap likewise excludes full recompute).
-            _fail(self.moe, "overlap_chunks", self.moe.overlap_chunks,
-                  f"cannot be combined with recompute of the MoE layer (model.recompute "
-                  f"granularity {rc.granularity!r}, modules {rc.modules})",
-                  "set model.moe.overlap_chunks: 1, or recompute other modules (e.g. moe_act)")
+        # overlap_chunks composes with recompute of the MoE layer (selective "moe" or full):
+        # the recomputed forward re-issues its chunks' exchanges inside the backward, on the
+        # same thread and in the same order on every rank, next to the backward's own
+        # (tests/test_overlap.py; Megatron's EP overlap excludes full recompute).
         freq = self.moe.layer_freq
         if isinstance(freq, list) and len(freq) != self.num_layers:
             _fail(self.moe, "layer_freq", freq,

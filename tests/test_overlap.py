@@ -80,7 +80,9 @@ WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAP
           # the MoE layer recomputed (selective "moe", and full): its forward exchanges rerun
           # inside the overlapped backward, on the twin groups (direct_write: the twin's heap)
           "ep2_1f1b_recompute_moe": ({"ep": 2}, 2, {}, MERGED, RECOMPUTE_MOE),
-          "ep2_1f1b_recompute_full_direct_write": ({"ep": 2}, 2, {}, DW_MERGED, RECOMPUTE_FULL)}
+          "ep2_1f1b_recompute_full_direct_write": ({"ep": 2}, 2, {}, DW_MERGED, RECOMPUTE_FULL),
+          # the chunked pipeline recomputed: its chunks' exchanges re-issued in the backward
+          "ep2_chunked_recompute_moe": ({"ep": 2}, 1, {}, CHUNKED, RECOMPUTE_MOE)}
 WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "ep4_direct_write": ({"ep": 4}, 1, {}, DW_PUSH),
           "ep4_direct_write_capacity": ({"ep": 4}, 1, CAPACITY, DW_PULL),
           "pp2_ep2": ({"pp": 2, "ep": 2}, 2, {}, CHUNKED),
@@ -93,7 +95,9 @@ WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "ep4_direct_write": ({"ep": 4}, 1,
           # their own (comm.register_twin), the node heap is the twin group's on the helper
           "ep4_hierarchical_1f1b": ({"ep": 4}, 2, {}, {**MERGED, **HIER}),
           "ep4_hierarchical_chunked": ({"ep": 4}, 1, {}, {"chunks": CHUNKS, **HIER}),
-          "pp2_ep2_1f1b_recompute_moe": ({"pp": 2, "ep": 2}, 3, {}, MERGED, RECOMPUTE_MOE)}
+          "pp2_ep2_1f1b_recompute_moe": ({"pp": 2, "ep": 2}, 3, {}, MERGED, RECOMPUTE_MOE),
+          "ep4_chunked_direct_write_recompute_full": ({"ep": 4}, 1, {}, DW_PUSH,
+                                                      RECOMPUTE_FULL)}
 # Combined 1F1B with tensor / sequence / context parallelism: their collectives (SP gathers and
 # reduce-scatters, TP all-reduces, the vocab-parallel loss, the CP K/V exchange) run inside the
 # overlapped backward on the twin groups; still bitwise. 2 micro-batches (3 with PP2).
@@ -391,14 +395,12 @@ def test_overlap_chunks_validated(value, words):
 
 
 @pytest.mark.parametrize("recompute", [{"granularity": "full"},
-                                       {"granularity": "selective", "modules": ["moe"]}])
-def test_overlap_refuses_moe_recompute(recompute):
-    from moeplug.config import ConfigError, config_from_dict
-    with pytest.raises(ConfigError, match="overlap_chunks = 2: cannot be combined with recompute"):
-        config_from_dict({"model": {"moe": {"overlap_chunks": 2}, "recompute": recompute}})
-    # recomputing only the activation is fine
-    config_from_dict({"model": {"moe": {"overlap_chunks": 2},
-                                "recompute": {"granularity": "selective", "modules": ["moe_act"]}}})
+                                       {"granularity": "selective", "modules": ["moe"]},
+                                       {"granularity": "selective", "modules": ["moe_act"]}])
+def test_overlap_accepts_moe_recompute(recompute):
+    """Once refused (exchanges re-issued inside the backward); proven in the matrix above."""
+    from moeplug.config import config_from_dict
+    config_from_dict({"model": {"moe": {"overlap_chunks": 2}, "recompute": recompute}})
 
 
 def test_overlap_is_not_model_defining():
