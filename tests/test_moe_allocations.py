@@ -86,14 +86,24 @@ ROUTER_FEATURES = {
     # Shared experts (SwiGLU, fp32, no output gate) beside capacity dropping.
     "shared_experts": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
                        "_SwiGLUParts", {"shared_expert_ffn_hidden_size": 48}),
+    # The same under bf16 autocast (plugins.precision: bf16): nn.Linear's casts and GEMMs.
+    "shared_experts_bf16": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
+                            "_CastLinear", {"shared_expert_ffn_hidden_size": 48}, "bf16"),
 }
+
+
+def _feature(feature: str) -> tuple:
+    """(router options, the Function that must allocate with the arenas off, model.moe
+    options, precision) of ROUTER_FEATURES[feature]."""
+    options, function, *rest = ROUTER_FEATURES[feature]
+    return options, function, rest[0] if rest else None, rest[1] if len(rest) > 1 else "fp32"
 
 
 @pytest.mark.parametrize("feature", list(ROUTER_FEATURES))
 def test_router_features_allocate_nothing_after_warm_up(feature):
     torch.set_num_threads(1)
-    options, _, *moe = ROUTER_FEATURES[feature]
-    model, step = _setup(True, router_options=options, moe_options=moe[0] if moe else None)
+    options, _, moe, precision = _feature(feature)
+    model, step = _setup(True, precision, router_options=options, moe_options=moe)
     for _ in range(3):
         step()
     for _ in range(2):
@@ -105,20 +115,22 @@ def test_router_features_allocate_nothing_after_warm_up(feature):
 def test_the_counter_sees_each_router_features_allocations_when_the_arenas_are_off(feature):
     # The same run with the arenas off: the feature's Function allocates in forward and
     # backward again, and the counter must say so (else the test above proves nothing).
-    options, function, *moe = ROUTER_FEATURES[feature]
-    report = _allocations_without_arenas(options, moe[0] if moe else None)
+    options, function, moe, precision = _feature(feature)
+    report = _allocations_without_arenas(options, moe, precision)
     assert any(function in k for k in report.where), report.describe()
     assert any(function + "Backward" in k for k in report.where), report.describe()
     if feature == "expert_bias":
         # Without the bias, the same run's count: the step counts' two buffers (ones, counts)
         # per layer and micro-batch are what the bias adds.
-        base = _allocations_without_arenas({**options, "enable_expert_bias": False}, None)
+        base = _allocations_without_arenas({**options, "enable_expert_bias": False}, None,
+                                           precision)
         assert report.count == base.count + 2 * 2 * 2, (base.describe(), report.describe())
 
 
-def _allocations_without_arenas(router_options: dict, moe_options: dict | None):
+def _allocations_without_arenas(router_options: dict, moe_options: dict | None,
+                                precision: str = "fp32"):
     """The MoE path's allocations in a step after two warm-up steps, every layer's arena off."""
-    model, step = _setup(True, router_options=router_options, moe_options=moe_options)
+    model, step = _setup(True, precision, router_options=router_options, moe_options=moe_options)
     for m in model.modules():
         if isinstance(m, MoELayer):
             m.workspace = None
@@ -396,27 +408,55 @@ def test_sink_rows_in_the_arena_match_torch_exactly():
     assert torch.equal(ours[0], x.grad) and torch.equal(ours[1], y.grad)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("T", [1, 64, 77])
-def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T):
+def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T, autocast):
     from moeplug.config import MoEConfig
     from moeplug.modules.shared_experts import SharedExperts, add_shared
     torch.manual_seed(T)
     m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
                                     shared_expert_ffn_hidden_size=48))
-    x = torch.randn(T, 32, requires_grad=True)
-    y = torch.randn(T, 32, requires_grad=True)
-    grad = torch.randn(T, 32)
-    assert m._in_workspace(x)
-    with workspace.arena_scope(workspace.Arena()):
-        out = add_shared(y, m(x))
+    # x is a layer's output, as in the MoE layer (autocast caches the cast of a leaf); both
+    # linears use it, so its grad is the sum of their cast-back grads. Under bf16 autocast the
+    # routed output is bf16 too.
+    x_leaf = torch.randn(T, 32, requires_grad=True)
+    y = torch.randn(T, 32, dtype=torch.bfloat16 if autocast else torch.float32,
+                    requires_grad=True)
+    grad = torch.randn(T, 32, dtype=y.dtype)
+    params = [x_leaf, y, *m.parameters()]
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            x = x_leaf * 2.0
+            assert m._in_workspace(x) == (m._in_workspace is not _torch_path)
+            out = add_shared(y, m(x))
         out.backward(grad)
-    params = [x, y, *m.parameters()]
-    ours = [p.grad.clone() for p in params]
-    for p in params:
-        p.grad = None
-    m._in_workspace = lambda _x: False  # the nn.Linear / cat / activations path
-    ref = y + m(x)
-    ref.backward(grad)
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return out, grads
+
+    with workspace.arena_scope(workspace.Arena()):
+        out, ours = run()
     assert out.grad_fn.name().endswith("_AddOutputsBackward")
-    assert torch.equal(out, ref)
-    assert all(torch.equal(a, p.grad) for a, p in zip(ours, params))
+    m._in_workspace = _torch_path  # the nn.Linear / cat / activations path
+    ref, theirs = run()
+    assert out.dtype == ref.dtype == y.dtype and torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_shared_experts_leave_an_autocast_cached_input_to_torch():
+    # Autocast casts a leaf that requires grad once per region and sums its grads in bf16
+    # before the cast back; the per-linear casts would not, so such an input keeps torch.
+    from moeplug.config import MoEConfig
+    from moeplug.modules.shared_experts import SharedExperts
+    m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
+                                    shared_expert_ffn_hidden_size=48))
+    x = torch.randn(4, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not m._in_workspace(x) and m._in_workspace(x * 1.0)
+    assert m._in_workspace(x)
+
+
+def _torch_path(_x):
+    return False
