@@ -21,6 +21,7 @@ from moeplug.plugin_host import PluginHost
 from moeplug.routing import (expert_counts, router_logits, seq_aux_loss_from_stats,
                              switch_aux_loss_from_mean, switch_aux_loss_from_stats, z_loss)
 from moeplug.routing import append_sink_rows, drop_over_capacity, first_rows, sink_dropped
+from moeplug.routing import pad_rows, padded_counts, unpad_rows
 from moeplug.routing import capacity as capacity_mod
 from moeplug.routing import workspace_losses as WL
 from moeplug.testing.allocations import moe_path_allocations
@@ -89,6 +90,11 @@ ROUTER_FEATURES = {
     # The same under bf16 autocast (plugins.precision: bf16): nn.Linear's casts and GEMMs.
     "shared_experts_bf16": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
                             "_CastLinear", {"shared_expert_ffn_hidden_size": 48}, "bf16"),
+    # Padded rows (routing.rows): every expert to its capacity, or to a multiple of 16 rows
+    # (padding_for_quantization), the latter under bf16 too.
+    "pad_to_capacity": ({"capacity_factor": 1.0, "pad_to_capacity": True}, "_PadRows"),
+    "pad_multiple": ({"padding_for_quantization": 16}, "_UnpadRows"),
+    "pad_multiple_bf16": ({"padding_for_quantization": 16}, "_PadRows", None, "bf16"),
 }
 
 
@@ -460,3 +466,56 @@ def test_shared_experts_leave_an_autocast_cached_input_to_torch():
 
 def _torch_path(_x):
     return False
+
+
+@pytest.mark.parametrize("capacity, multiple", [(None, 16), (None, 5), (40, 1), (20, 1)])
+def test_padded_counts_in_the_arena_match_torch(capacity, multiple):
+    counts_L = torch.tensor([3, 0, 17, 16, 1, 20])
+    with workspace.arena_scope(workspace.Arena()):
+        ours = padded_counts(counts_L, capacity, multiple, ep_size=1 if capacity == 40 else 2)
+    limit = 40
+    ref = (torch.full_like(counts_L, limit) if capacity else
+           (counts_L + multiple - 1) // multiple * multiple)
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref)
+
+
+def _pad_composition(x_SD, probs_S, counts_L, target_L):
+    # rows.pad_rows's torch path (taken off the CPU), written out.
+    src_start_L = torch.cumsum(counts_L, 0) - counts_L
+    dst_start_L = torch.cumsum(target_L, 0) - target_L
+    expert_S = torch.repeat_interleave(torch.arange(len(counts_L)), counts_L)
+    index_S = torch.arange(x_SD.shape[0]) - src_start_L[expert_S] + dst_start_L[expert_S]
+    P = int(target_L.sum())
+    return (x_SD.new_zeros(P, x_SD.shape[1]).index_copy(0, index_S, x_SD),
+            probs_S.new_zeros(P).index_copy(0, index_S, probs_S), index_S)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("capacity, multiple", [(None, 16), (25, 1)])
+def test_pad_and_unpad_rows_in_the_arena_match_torch_bitwise(dtype, capacity, multiple):
+    g = torch.Generator().manual_seed(3)
+    counts_L = torch.tensor([3, 0, 17, 16, 25, 1])  # an empty expert, one already full
+    S = int(counts_L.sum())
+    x_SD = torch.randn(S, 24, generator=g).to(dtype).requires_grad_(True)
+    probs_S = torch.rand(S, generator=g).requires_grad_(True)
+    target_L = padded_counts(counts_L, capacity, multiple)
+    grad_S = torch.randn(S, 24, generator=g).to(dtype)
+    grad_S[::7] = -0.0  # 0 + (-0.0) is +0.0 in the unpad's backward: not a plain copy
+    grad_P = torch.randn(int(target_L.sum()), generator=g)
+
+    def run(pad, unpad):
+        x_PD, probs_P, index_S = pad(x_SD, probs_S, counts_L, target_L)
+        y_SD = unpad(x_PD * 3, index_S)  # the experts' output, back to the real rows
+        torch.autograd.backward([y_SD, probs_P], [grad_S, grad_P])
+        out = [x_PD, probs_P, index_S, y_SD, x_SD.grad, probs_S.grad]
+        x_SD.grad = probs_S.grad = None
+        return out, x_PD
+
+    with workspace.arena_scope(workspace.Arena()):
+        ours, x_PD = run(pad_rows, unpad_rows)
+    assert x_PD.grad_fn.name().endswith("_PadRowsBackward")
+    theirs, _ = run(_pad_composition, lambda y, i: y.index_select(0, i))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ours, theirs))
+    # the -0.0 grads: unpad's backward made them +0.0, which 3 * keeps apart from -0.0
+    assert torch.equal(ours[4].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       theirs[4].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
