@@ -95,7 +95,17 @@ ROUTER_FEATURES = {
     "pad_to_capacity": ({"capacity_factor": 1.0, "pad_to_capacity": True}, "_PadRows"),
     "pad_multiple": ({"padding_for_quantization": 16}, "_UnpadRows"),
     "pad_multiple_bf16": ({"padding_for_quantization": 16}, "_PadRows", None, "bf16"),
+    # Megatron moe_apply_probs_on_input (top-1): the rows scaled by p, in fp32 and bf16 (where
+    # p is cast to the rows' dtype first).
+    "apply_probs_on_input": ({}, "_ScaleRows", {"top_k": 1, "apply_probs_on_input": True}),
+    "apply_probs_on_input_bf16": ({}, "_ScaleRows", {"top_k": 1, "apply_probs_on_input": True},
+                                  "bf16"),
 }
+
+# Top-1 routing spreads the rows per expert wider: at fp32 the experts' one-expert scratch
+# (moeplug.ops.expert_mlp, sized by the largest expert's rows) first needs its 4 KiB arena class
+# in step 5, then nothing over the next 12 steps.
+WARM_UP_STEPS = {"apply_probs_on_input": 5}
 
 
 def _feature(feature: str) -> tuple:
@@ -110,7 +120,7 @@ def test_router_features_allocate_nothing_after_warm_up(feature):
     torch.set_num_threads(1)
     options, _, moe, precision = _feature(feature)
     model, step = _setup(True, precision, router_options=options, moe_options=moe)
-    for _ in range(3):
+    for _ in range(WARM_UP_STEPS.get(feature, 3)):
         step()
     for _ in range(2):
         report = moe_path_allocations(model, step)
@@ -519,3 +529,24 @@ def test_pad_and_unpad_rows_in_the_arena_match_torch_bitwise(dtype, capacity, mu
     # the -0.0 grads: unpad's backward made them +0.0, which 3 * keeps apart from -0.0
     assert torch.equal(ours[4].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        theirs[4].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_rows_in_the_arena_matches_the_broadcast_mul_bitwise(dtype):
+    from moeplug.ops.scale_rows import ones, scale_rows
+    g = torch.Generator().manual_seed(5)
+    x_SD = torch.randn(77, 40, generator=g).to(dtype).requires_grad_(True)
+    probs_S = torch.rand(77, generator=g).requires_grad_(True)
+    grad = torch.randn(77, 40, generator=g).to(dtype)
+    with workspace.arena_scope(workspace.Arena()):
+        ours = scale_rows(x_SD, probs_S)
+        ours.backward(grad)
+        one = ones(probs_S)
+    assert ours.grad_fn.name().endswith("_ScaleRowsBackward")
+    gx, gp = x_SD.grad.clone(), probs_S.grad.clone()
+    x_SD.grad = probs_S.grad = None
+    ref = x_SD * probs_S.unsqueeze(-1).to(dtype)  # moe.py's composition before
+    ref.backward(grad)
+    assert torch.equal(ours, ref) and torch.equal(one, torch.ones_like(probs_S))
+    assert gx.dtype == dtype and gp.dtype == torch.float32
+    assert torch.equal(gx, x_SD.grad) and torch.equal(gp, probs_S.grad)
