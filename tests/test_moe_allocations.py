@@ -21,7 +21,7 @@ from moeplug.plugin_host import PluginHost
 from moeplug.routing import (expert_counts, router_logits, seq_aux_loss_from_stats,
                              switch_aux_loss_from_mean, switch_aux_loss_from_stats, z_loss)
 from moeplug.routing import append_sink_rows, drop_over_capacity, first_rows, sink_dropped
-from moeplug.routing import pad_rows, padded_counts, unpad_rows
+from moeplug.routing import cat_rows, pad_rows, padded_counts, row_range, unpad_rows
 from moeplug.routing import capacity as capacity_mod
 from moeplug.routing import workspace_losses as WL
 from moeplug.testing.allocations import moe_path_allocations
@@ -100,6 +100,11 @@ ROUTER_FEATURES = {
     "apply_probs_on_input": ({}, "_ScaleRows", {"top_k": 1, "apply_probs_on_input": True}),
     "apply_probs_on_input_bf16": ({}, "_ScaleRows", {"top_k": 1, "apply_probs_on_input": True},
                                   "bf16"),
+    # Chunked overlap (moe_overlap): each chunk's rows and weights sliced, the outputs joined;
+    # with shared experts, capacity and bf16 too.
+    "overlap": ({}, "_RowRange", {"overlap_chunks": 2}),
+    "overlap_shared_bf16": ({"capacity_factor": 1.0}, "_RowRange",
+                            {"overlap_chunks": 3, "shared_expert_ffn_hidden_size": 48}, "bf16"),
 }
 
 # Top-1 routing spreads the rows per expert wider: at fp32 the experts' one-expert scratch
@@ -550,3 +555,26 @@ def test_scale_rows_in_the_arena_matches_the_broadcast_mul_bitwise(dtype):
     assert torch.equal(ours, ref) and torch.equal(one, torch.ones_like(probs_S))
     assert gx.dtype == dtype and gp.dtype == torch.float32
     assert torch.equal(gx, x_SD.grad) and torch.equal(gp, probs_S.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_ranges_and_their_cat_in_the_arena_match_slicing_and_torch_cat_bitwise(dtype):
+    # moe_overlap's chunks: x sliced per chunk (three slices, so x's grad is a sum of three
+    # slice backwards), the chunks' outputs joined.
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(77, 16, generator=g).to(dtype).requires_grad_(True)
+    grad = torch.randn(77, 16, generator=g).to(dtype)
+    spans = [(0, 25), (25, 51), (51, 77)]
+
+    def run(rows, cat):
+        out = cat([rows(x, t0, t1) * (i + 2) for i, (t0, t1) in enumerate(spans)])
+        out.backward(grad)
+        gx = x.grad
+        x.grad = None
+        return out, gx
+
+    with workspace.arena_scope(workspace.Arena()):
+        ours = run(row_range, cat_rows)
+    assert ours[0].grad_fn.name().endswith("_CatRowsBackward")
+    theirs = run(lambda t, t0, t1: t[t0:t1], torch.cat)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

@@ -32,32 +32,66 @@ def sink_dropped(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, sink: in
     return ids_TK.masked_fill(dropped_TK, sink)
 
 
-class _FirstRows(torch.autograd.Function):
-    """``x_RD[:S]``; backward is SliceBackward0's (zeros of x's shape, the grad copied into the
-    first S rows) written into a workspace buffer."""
+class _RowRange(torch.autograd.Function):
+    """``x_RD[t0:t1]``; backward is SliceBackward0's (zeros of x's shape, the grad copied into
+    rows t0:t1) written into a workspace buffer."""
 
     @staticmethod
-    def forward(ctx, x_RD, num_rows):
-        ctx.shape = tuple(x_RD.shape)
+    def forward(ctx, x_RD, t0, t1):
+        ctx.shape, ctx.t0 = tuple(x_RD.shape), t0
         ctx.arena = workspace.current_arena()
-        return x_RD[:num_rows]
+        return x_RD[t0:t1]
 
     @staticmethod
     def backward(ctx, grad_SD):
         with workspace.ctx_arena(ctx):
             grad_RD = workspace.empty(ctx.shape, grad_SD.dtype)
-        S = grad_SD.shape[0]
-        grad_RD[S:].zero_()
-        grad_RD[:S].copy_(grad_SD)
-        return grad_RD, None
+        t0, t1 = ctx.t0, ctx.t0 + grad_SD.shape[0]
+        grad_RD[:t0].zero_()
+        grad_RD[t1:].zero_()
+        grad_RD[t0:t1].copy_(grad_SD)
+        return grad_RD, None, None
+
+
+def row_range(x_RD: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """``x_RD[t0:t1]``; on the CPU its backward's buffer comes from the workspace (a slice's
+    backward allocates a zero-filled copy of the whole input)."""
+    if x_RD.device.type != "cpu":
+        return x_RD[t0:t1]
+    return _RowRange.apply(x_RD, t0, t1)
 
 
 def first_rows(x_RD: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``x_RD[:num_rows]`` (the rows before the sink's); on the CPU its backward's buffer comes
-    from the workspace (a slice's backward allocates a zero-filled copy of the whole input)."""
-    if x_RD.device.type != "cpu":
-        return x_RD[:num_rows]
-    return _FirstRows.apply(x_RD, num_rows)
+    """``x_RD[:num_rows]`` (the rows before the sink's): :func:`row_range` from row 0."""
+    return row_range(x_RD, 0, num_rows)
+
+
+class _CatRows(torch.autograd.Function):
+    """``torch.cat(parts)`` along rows into a workspace buffer; CatBackward0 hands each part
+    its rows of the grad as a view (narrow)."""
+
+    @staticmethod
+    def forward(ctx, *parts):
+        out = workspace.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
+                              parts[0].dtype)
+        t = 0
+        for p in parts:
+            out[t:t + p.shape[0]].copy_(p)
+            t += p.shape[0]
+        ctx.rows = [p.shape[0] for p in parts]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(grad.split(ctx.rows))
+
+
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` (dim 0); same-dtype CPU parts into a workspace buffer."""
+    if len(parts) < 2 or any(p.device.type != "cpu" or p.dtype != parts[0].dtype
+                             for p in parts):
+        return torch.cat(parts)
+    return _CatRows.apply(*parts)
 
 
 def padded_counts(counts_L: torch.Tensor, capacity: int | None, pad_multiple: int,
