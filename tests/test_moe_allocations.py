@@ -21,6 +21,7 @@ from moeplug.plugin_host import PluginHost
 from moeplug.routing import (expert_counts, router_logits, seq_aux_loss_from_stats,
                              switch_aux_loss_from_mean, switch_aux_loss_from_stats, z_loss)
 from moeplug.routing import append_sink_rows, drop_over_capacity, first_rows, sink_dropped
+from moeplug.routing import cat_rows, pad_rows, padded_counts, row_range, unpad_rows
 from moeplug.routing import capacity as capacity_mod
 from moeplug.routing import workspace_losses as WL
 from moeplug.testing.allocations import moe_path_allocations
@@ -86,15 +87,45 @@ ROUTER_FEATURES = {
     # Shared experts (SwiGLU, fp32, no output gate) beside capacity dropping.
     "shared_experts": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
                        "_SwiGLUParts", {"shared_expert_ffn_hidden_size": 48}),
+    # The same under bf16 autocast (plugins.precision: bf16): nn.Linear's casts and GEMMs.
+    "shared_experts_bf16": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
+                            "_CastLinear", {"shared_expert_ffn_hidden_size": 48}, "bf16"),
+    # Padded rows (routing.rows): every expert to its capacity, or to a multiple of 16 rows
+    # (padding_for_quantization), the latter under bf16 too.
+    "pad_to_capacity": ({"capacity_factor": 1.0, "pad_to_capacity": True}, "_PadRows"),
+    "pad_multiple": ({"padding_for_quantization": 16}, "_UnpadRows"),
+    "pad_multiple_bf16": ({"padding_for_quantization": 16}, "_PadRows", None, "bf16"),
+    # Megatron moe_apply_probs_on_input (top-1): the rows scaled by p, in fp32 and bf16 (where
+    # p is cast to the rows' dtype first).
+    "apply_probs_on_input": ({}, "_ScaleRows", {"top_k": 1, "apply_probs_on_input": True}),
+    "apply_probs_on_input_bf16": ({}, "_ScaleRows", {"top_k": 1, "apply_probs_on_input": True},
+                                  "bf16"),
+    # Chunked overlap (moe_overlap): each chunk's rows and weights sliced, the outputs joined;
+    # with shared experts, capacity and bf16 too.
+    "overlap": ({}, "_RowRange", {"overlap_chunks": 2}),
+    "overlap_shared_bf16": ({"capacity_factor": 1.0}, "_RowRange",
+                            {"overlap_chunks": 3, "shared_expert_ffn_hidden_size": 48}, "bf16"),
 }
+
+# Top-1 routing spreads the rows per expert wider: at fp32 the experts' one-expert scratch
+# (moeplug.ops.expert_mlp, sized by the largest expert's rows) first needs its 4 KiB arena class
+# in step 5, then nothing over the next 12 steps.
+WARM_UP_STEPS = {"apply_probs_on_input": 5}
+
+
+def _feature(feature: str) -> tuple:
+    """(router options, the Function that must allocate with the arenas off, model.moe
+    options, precision) of ROUTER_FEATURES[feature]."""
+    options, function, *rest = ROUTER_FEATURES[feature]
+    return options, function, rest[0] if rest else None, rest[1] if len(rest) > 1 else "fp32"
 
 
 @pytest.mark.parametrize("feature", list(ROUTER_FEATURES))
 def test_router_features_allocate_nothing_after_warm_up(feature):
     torch.set_num_threads(1)
-    options, _, *moe = ROUTER_FEATURES[feature]
-    model, step = _setup(True, router_options=options, moe_options=moe[0] if moe else None)
-    for _ in range(3):
+    options, _, moe, precision = _feature(feature)
+    model, step = _setup(True, precision, router_options=options, moe_options=moe)
+    for _ in range(WARM_UP_STEPS.get(feature, 3)):
         step()
     for _ in range(2):
         report = moe_path_allocations(model, step)
@@ -105,20 +136,22 @@ def test_router_features_allocate_nothing_after_warm_up(feature):
 def test_the_counter_sees_each_router_features_allocations_when_the_arenas_are_off(feature):
     # The same run with the arenas off: the feature's Function allocates in forward and
     # backward again, and the counter must say so (else the test above proves nothing).
-    options, function, *moe = ROUTER_FEATURES[feature]
-    report = _allocations_without_arenas(options, moe[0] if moe else None)
+    options, function, moe, precision = _feature(feature)
+    report = _allocations_without_arenas(options, moe, precision)
     assert any(function in k for k in report.where), report.describe()
     assert any(function + "Backward" in k for k in report.where), report.describe()
     if feature == "expert_bias":
         # Without the bias, the same run's count: the step counts' two buffers (ones, counts)
         # per layer and micro-batch are what the bias adds.
-        base = _allocations_without_arenas({**options, "enable_expert_bias": False}, None)
+        base = _allocations_without_arenas({**options, "enable_expert_bias": False}, None,
+                                           precision)
         assert report.count == base.count + 2 * 2 * 2, (base.describe(), report.describe())
 
 
-def _allocations_without_arenas(router_options: dict, moe_options: dict | None):
+def _allocations_without_arenas(router_options: dict, moe_options: dict | None,
+                                precision: str = "fp32"):
     """The MoE path's allocations in a step after two warm-up steps, every layer's arena off."""
-    model, step = _setup(True, router_options=router_options, moe_options=moe_options)
+    model, step = _setup(True, precision, router_options=router_options, moe_options=moe_options)
     for m in model.modules():
         if isinstance(m, MoELayer):
             m.workspace = None
@@ -396,27 +429,152 @@ def test_sink_rows_in_the_arena_match_torch_exactly():
     assert torch.equal(ours[0], x.grad) and torch.equal(ours[1], y.grad)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("T", [1, 64, 77])
-def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T):
+def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T, autocast):
     from moeplug.config import MoEConfig
     from moeplug.modules.shared_experts import SharedExperts, add_shared
     torch.manual_seed(T)
     m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
                                     shared_expert_ffn_hidden_size=48))
-    x = torch.randn(T, 32, requires_grad=True)
-    y = torch.randn(T, 32, requires_grad=True)
-    grad = torch.randn(T, 32)
-    assert m._in_workspace(x)
-    with workspace.arena_scope(workspace.Arena()):
-        out = add_shared(y, m(x))
+    # x is a layer's output, as in the MoE layer (autocast caches the cast of a leaf); both
+    # linears use it, so its grad is the sum of their cast-back grads. Under bf16 autocast the
+    # routed output is bf16 too.
+    x_leaf = torch.randn(T, 32, requires_grad=True)
+    y = torch.randn(T, 32, dtype=torch.bfloat16 if autocast else torch.float32,
+                    requires_grad=True)
+    grad = torch.randn(T, 32, dtype=y.dtype)
+    params = [x_leaf, y, *m.parameters()]
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            x = x_leaf * 2.0
+            assert m._in_workspace(x) == (m._in_workspace is not _torch_path)
+            out = add_shared(y, m(x))
         out.backward(grad)
-    params = [x, y, *m.parameters()]
-    ours = [p.grad.clone() for p in params]
-    for p in params:
-        p.grad = None
-    m._in_workspace = lambda _x: False  # the nn.Linear / cat / activations path
-    ref = y + m(x)
-    ref.backward(grad)
+        grads = [p.grad.clone() for p in params]
+        for p in params:
+            p.grad = None
+        return out, grads
+
+    with workspace.arena_scope(workspace.Arena()):
+        out, ours = run()
     assert out.grad_fn.name().endswith("_AddOutputsBackward")
-    assert torch.equal(out, ref)
-    assert all(torch.equal(a, p.grad) for a, p in zip(ours, params))
+    m._in_workspace = _torch_path  # the nn.Linear / cat / activations path
+    ref, theirs = run()
+    assert out.dtype == ref.dtype == y.dtype and torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_shared_experts_leave_an_autocast_cached_input_to_torch():
+    # Autocast casts a leaf that requires grad once per region and sums its grads in bf16
+    # before the cast back; the per-linear casts would not, so such an input keeps torch.
+    from moeplug.config import MoEConfig
+    from moeplug.modules.shared_experts import SharedExperts
+    m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
+                                    shared_expert_ffn_hidden_size=48))
+    x = torch.randn(4, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not m._in_workspace(x) and m._in_workspace(x * 1.0)
+    assert m._in_workspace(x)
+
+
+def _torch_path(_x):
+    return False
+
+
+@pytest.mark.parametrize("capacity, multiple", [(None, 16), (None, 5), (40, 1), (20, 1)])
+def test_padded_counts_in_the_arena_match_torch(capacity, multiple):
+    counts_L = torch.tensor([3, 0, 17, 16, 1, 20])
+    with workspace.arena_scope(workspace.Arena()):
+        ours = padded_counts(counts_L, capacity, multiple, ep_size=1 if capacity == 40 else 2)
+    limit = 40
+    ref = (torch.full_like(counts_L, limit) if capacity else
+           (counts_L + multiple - 1) // multiple * multiple)
+    assert ours.dtype == ref.dtype and torch.equal(ours, ref)
+
+
+def _pad_composition(x_SD, probs_S, counts_L, target_L):
+    # rows.pad_rows's torch path (taken off the CPU), written out.
+    src_start_L = torch.cumsum(counts_L, 0) - counts_L
+    dst_start_L = torch.cumsum(target_L, 0) - target_L
+    expert_S = torch.repeat_interleave(torch.arange(len(counts_L)), counts_L)
+    index_S = torch.arange(x_SD.shape[0]) - src_start_L[expert_S] + dst_start_L[expert_S]
+    P = int(target_L.sum())
+    return (x_SD.new_zeros(P, x_SD.shape[1]).index_copy(0, index_S, x_SD),
+            probs_S.new_zeros(P).index_copy(0, index_S, probs_S), index_S)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("capacity, multiple", [(None, 16), (25, 1)])
+def test_pad_and_unpad_rows_in_the_arena_match_torch_bitwise(dtype, capacity, multiple):
+    g = torch.Generator().manual_seed(3)
+    counts_L = torch.tensor([3, 0, 17, 16, 25, 1])  # an empty expert, one already full
+    S = int(counts_L.sum())
+    x_SD = torch.randn(S, 24, generator=g).to(dtype).requires_grad_(True)
+    probs_S = torch.rand(S, generator=g).requires_grad_(True)
+    target_L = padded_counts(counts_L, capacity, multiple)
+    grad_S = torch.randn(S, 24, generator=g).to(dtype)
+    grad_S[::7] = -0.0  # 0 + (-0.0) is +0.0 in the unpad's backward: not a plain copy
+    grad_P = torch.randn(int(target_L.sum()), generator=g)
+
+    def run(pad, unpad):
+        x_PD, probs_P, index_S = pad(x_SD, probs_S, counts_L, target_L)
+        y_SD = unpad(x_PD * 3, index_S)  # the experts' output, back to the real rows
+        torch.autograd.backward([y_SD, probs_P], [grad_S, grad_P])
+        out = [x_PD, probs_P, index_S, y_SD, x_SD.grad, probs_S.grad]
+        x_SD.grad = probs_S.grad = None
+        return out, x_PD
+
+    with workspace.arena_scope(workspace.Arena()):
+        ours, x_PD = run(pad_rows, unpad_rows)
+    assert x_PD.grad_fn.name().endswith("_PadRowsBackward")
+    theirs, _ = run(_pad_composition, lambda y, i: y.index_select(0, i))
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ours, theirs))
+    # the -0.0 grads: unpad's backward made them +0.0, which 3 * keeps apart from -0.0
+    assert torch.equal(ours[4].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       theirs[4].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_rows_in_the_arena_matches_the_broadcast_mul_bitwise(dtype):
+    from moeplug.ops.scale_rows import ones, scale_rows
+    g = torch.Generator().manual_seed(5)
+    x_SD = torch.randn(77, 40, generator=g).to(dtype).requires_grad_(True)
+    probs_S = torch.rand(77, generator=g).requires_grad_(True)
+    grad = torch.randn(77, 40, generator=g).to(dtype)
+    with workspace.arena_scope(workspace.Arena()):
+        ours = scale_rows(x_SD, probs_S)
+        ours.backward(grad)
+        one = ones(probs_S)
+    assert ours.grad_fn.name().endswith("_ScaleRowsBackward")
+    gx, gp = x_SD.grad.clone(), probs_S.grad.clone()
+    x_SD.grad = probs_S.grad = None
+    ref = x_SD * probs_S.unsqueeze(-1).to(dtype)  # moe.py's composition before
+    ref.backward(grad)
+    assert torch.equal(ours, ref) and torch.equal(one, torch.ones_like(probs_S))
+    assert gx.dtype == dtype and gp.dtype == torch.float32
+    assert torch.equal(gx, x_SD.grad) and torch.equal(gp, probs_S.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_ranges_and_their_cat_in_the_arena_match_slicing_and_torch_cat_bitwise(dtype):
+    # moe_overlap's chunks: x sliced per chunk (three slices, so x's grad is a sum of three
+    # slice backwards), the chunks' outputs joined.
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(77, 16, generator=g).to(dtype).requires_grad_(True)
+    grad = torch.randn(77, 16, generator=g).to(dtype)
+    spans = [(0, 25), (25, 51), (51, 77)]
+
+    def run(rows, cat):
+        out = cat([rows(x, t0, t1) * (i + 2) for i, (t0, t1) in enumerate(spans)])
+        out.backward(grad)
+        gx = x.grad
+        x.grad = None
+        return out, gx
+
+    with workspace.arena_scope(workspace.Arena()):
+        ours = run(row_range, cat_rows)
+    assert ours[0].grad_fn.name().endswith("_CatRowsBackward")
+    theirs = run(lambda t, t0, t1: t[t0:t1], torch.cat)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

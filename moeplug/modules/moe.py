@@ -19,6 +19,7 @@ from moeplug.modules.static_moe import static_moe
 from moeplug.observability.timing import stage
 from moeplug.ops import workspace
 from moeplug.ops.cast import cast
+from moeplug.ops.scale_rows import ones, scale_rows
 from moeplug.parallel.tensor_parallel import average_over_token_group
 from moeplug.quant import active_recipe
 from moeplug.modules.shared_experts import add_shared
@@ -209,8 +210,8 @@ class MoELayer(nn.Module):
             return self.experts(d.x_SD, d.probs_S, d.counts_L)
         # Megatron moe_apply_probs_on_input: FC2(act(FC1(p * x))). The weight moves onto the
         # rows and the experts get p = 1, so any Experts backend supports it unchanged.
-        p_S1 = d.probs_S.unsqueeze(-1).to(d.x_SD.dtype)
-        return self.experts(d.x_SD * p_S1, torch.ones_like(d.probs_S), d.counts_L)
+        # (x * p, ones) into the arena: moeplug.ops.scale_rows.
+        return self.experts(scale_rows(d.x_SD, d.probs_S), ones(d.probs_S), d.counts_L)
 
     def _route(self, x_TD: torch.Tensor, num_sequences: int):
         # Sequence boundaries only go to routers that declare they take them (see Router), so

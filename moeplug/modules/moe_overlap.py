@@ -35,16 +35,19 @@ from typing import Any, Callable
 import torch
 
 from moeplug.interfaces import Dispatcher, RouterOutput
+from moeplug.modules.shared_experts import add_shared
 from moeplug.observability.timing import stage
+from moeplug.routing import cat_rows, row_range
 
 
 def chunk_routing(routing: RouterOutput, t0: int, t1: int) -> RouterOutput:
     """The routing of tokens [t0, t1). Capacity padding is not repeated per chunk (each chunk
     would pad every expert to the whole batch's capacity); ``pad_multiple`` is kept, so
-    quantized GEMMs still get aligned groups. Padding rows carry prob 0: outputs do not change."""
+    quantized GEMMs still get aligned groups. Padding rows carry prob 0: outputs do not change.
+    The weights' slice backward writes into the workspace (routing.row_range)."""
     def cut(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t[t0:t1]
-    return dataclasses.replace(routing, probs_TK=routing.probs_TK[t0:t1],
+    return dataclasses.replace(routing, probs_TK=row_range(routing.probs_TK, t0, t1),
                                ids_TK=routing.ids_TK[t0:t1], logits_TE=cut(routing.logits_TE),
                                dropped_TK=cut(routing.dropped_TK), capacity=None)
 
@@ -63,7 +66,8 @@ def overlapped_routed(x_TD: torch.Tensor, routing: RouterOutput, num_chunks: int
     def start(c: int) -> Any:
         t0, t1 = spans[c]
         with stage("dispatch"):
-            return dispatcher.dispatch_start(x_TD[t0:t1], chunk_routing(routing, t0, t1))
+            return dispatcher.dispatch_start(row_range(x_TD, t0, t1),
+                                             chunk_routing(routing, t0, t1))
 
     dispatching = start(0)
     s_TD = shared(x_TD) if shared is not None else None        # during dispatch 0
@@ -82,5 +86,5 @@ def overlapped_routed(x_TD: torch.Tensor, routing: RouterOutput, num_chunks: int
                 y_parts.append(dispatcher.combine_wait(combining[c - 1]))
     with stage("combine"):
         y_parts.append(dispatcher.combine_wait(combining[-1]))
-    y_TD = torch.cat(y_parts)
-    return y_TD if s_TD is None else y_TD + s_TD
+    y_TD = cat_rows(y_parts)  # torch.cat and the sum, into the workspace
+    return y_TD if s_TD is None else add_shared(y_TD, s_TD)

@@ -54,20 +54,74 @@ class SharedExperts(nn.Module):
         return y_TD
 
     def _in_workspace(self, x_TD: torch.Tensor) -> bool:
-        """fp32 CPU SwiGLU without the output gate, autocast off and no quantization recipe
-        (under autocast nn.Linear computes in the autocast dtype, under a recipe F.linear is
-        QuantLinear; the gate and other activations keep plain torch too)."""
+        """CPU SwiGLU without the output gate, fp32 weights and input, autocast off or bf16, no
+        quantization recipe (under a recipe F.linear is QuantLinear; the gate and other
+        activations keep plain torch too). Under autocast not for a leaf that requires grad:
+        autocast would cast it once for both linears and sum their grads in bf16."""
         return (self.activation == "swiglu" and self.output_gate is None
                 and x_TD.device.type == "cpu" and x_TD.dtype == torch.float32 and x_TD.dim() == 2
-                and x_TD.is_contiguous() and not torch.is_autocast_enabled("cpu")
-                and active_recipe() is None
+                and x_TD.is_contiguous() and active_recipe() is None
+                and (_gemm_dtype() is None or _gemm_dtype() == torch.bfloat16
+                     and not (x_TD.is_leaf and x_TD.requires_grad))
                 and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
+
+
+def _gemm_dtype() -> torch.dtype | None:
+    """The CPU autocast dtype, or None when autocast is off."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
 
 
 def _linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
     # nn.Linear without a bias is x @ W.t() (one mm, MmBackward0): routing.gating's _Gate runs
-    # exactly those GEMMs into workspace buffers.
-    return _Gate.apply(x_NI, weight_OI)
+    # exactly those GEMMs into workspace buffers; under autocast, _CastLinear adds its casts.
+    dtype = _gemm_dtype()
+    if dtype is None:
+        return _Gate.apply(x_NI, weight_OI)
+    return _CastLinear.apply(x_NI, weight_OI, dtype)
+
+
+class _CastLinear(torch.autograd.Function):
+    """``nn.Linear`` without a bias under CPU autocast, into workspace buffers. Autocast runs
+    ``x.to(dtype)`` (skipped when x already is), ``W.to(dtype)`` and ``mm(x_c, W_c.t())``;
+    backward is MmBackward0 (dX_c = dY W_c, dW_c = dY^T X_c, as routing.gating's _Gate) and
+    each ToCopyBackward0 (the grad cast back to its input's dtype). One node per linear, so x
+    still gets one grad per linear, summed by the engine in fp32 as before.
+
+    Autocast caches a leaf weight's cast for the rest of its region and then sums a weight
+    used twice in the region in ``dtype`` before the cast back; this casts per call, which is
+    the same numbers because the MoE layer uses each shared weight once per forward (one
+    micro-batch is one region; a recompute runs in a region of its own)."""
+
+    @staticmethod
+    def forward(ctx, x_NI, weight_OI, dtype):
+        with torch.autocast(device_type="cpu", enabled=False):
+            x_c = x_NI
+            if x_NI.dtype != dtype:
+                x_c = workspace.empty(tuple(x_NI.shape), dtype).copy_(x_NI)
+            w_c = workspace.empty(tuple(weight_OI.shape), dtype).copy_(weight_OI)
+            y_NO = workspace.empty((x_NI.shape[0], weight_OI.shape[0]), dtype)
+            torch.mm(x_c, w_c.t(), out=y_NO)
+        ctx.save_for_backward(x_c, w_c)
+        ctx.dtypes = x_NI.dtype, weight_OI.dtype
+        ctx.arena = workspace.current_arena()
+        return y_NO
+
+    @staticmethod
+    def backward(ctx, grad_NO):
+        x_c, w_c = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        need_x, need_w, _ = ctx.needs_input_grad
+        grad_x = grad_w = None
+        with workspace.ctx_arena(ctx):
+            if need_x:
+                grad_x = torch.mm(grad_NO, w_c, out=workspace.empty(tuple(x_c.shape), x_c.dtype))
+                if x_dtype != x_c.dtype:
+                    grad_x = workspace.empty(tuple(x_c.shape), x_dtype).copy_(grad_x)
+            if need_w:
+                grad_wc = torch.mm(grad_NO.t(), x_c,
+                                   out=workspace.empty(tuple(w_c.shape), w_c.dtype))
+                grad_w = workspace.empty(tuple(w_c.shape), w_dtype).copy_(grad_wc)
+        return grad_x, grad_w, None
 
 
 class _SwiGLUParts(torch.autograd.Function):

@@ -22,19 +22,21 @@ from moeplug.routing.capacity import (DROP_POLICIES, drop_over_capacity, dropped
 from moeplug.routing.expert_bias import updated_expert_bias
 from moeplug.routing.fused import AuxStats, fused_routing_applies, fused_topk_routing
 from moeplug.routing.gating import ROUTER_DTYPES, force_balanced_logits, input_jitter, router_logits
-from moeplug.routing.rows import (append_sink_rows, first_rows, pad_rows, padded_counts,
-                                  sink_dropped, unpad_rows)
+from moeplug.routing.rows import (append_sink_rows, cat_rows, first_rows, pad_rows,
+                                  padded_counts, row_range, sink_dropped, unpad_rows)
 from moeplug.routing.scores import (GROUP_SCORES, NORM_EPS, SCORE_FUNCTIONS, aux_scores,
                                     group_limited_topk, group_members, score, select_topk,
                                     topk_routing)
 
 __all__ = [
     "AUX_LOSS_COUNTS", "AUX_LOSS_TYPES", "AuxStats", "DROP_POLICIES", "GROUP_SCORES", "NORM_EPS",
-    "ROUTER_DTYPES", "SCORE_FUNCTIONS", "append_sink_rows", "aux_scores", "counts_for_aux",
+    "ROUTER_DTYPES", "SCORE_FUNCTIONS", "append_sink_rows", "aux_scores", "cat_rows",
+    "counts_for_aux",
     "drop_over_capacity", "dropped_fraction", "expert_capacity", "expert_counts", "first_rows",
     "force_balanced_logits",
     "fused_routing_applies", "fused_topk_routing", "global_aux_loss", "group_limited_topk",
-    "group_members", "input_jitter", "kept", "pad_rows", "padded_counts", "router_logits", "score",
+    "group_members", "input_jitter", "kept", "pad_rows", "padded_counts", "router_logits",
+    "row_range", "score",
     "select_topk", "seq_aux_loss", "seq_aux_loss_from_stats", "sink_dropped", "sum_over_group",
     "switch_aux_loss", "switch_aux_loss_from_mean", "switch_aux_loss_from_stats",
     "topk_routing", "unpad_rows",
