@@ -115,8 +115,28 @@ def report() -> Report:
     return _REPORT
 
 
+_ALLOCATOR: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_allocator():
+    """glibc's default, as ``moeplug train`` by default; MOEPLUG_BENCH_RETAIN_MEMORY=1 keeps
+    freed memory for reuse (train.retain_freed_memory: true) for every candidate alike. (Ranks
+    of multi-rank benchmarks are fresh processes and keep glibc's default.)"""
+    import os
+    if os.environ.get("MOEPLUG_BENCH_RETAIN_MEMORY") == "1":
+        from moeplug.runtime import retain_freed_memory
+        why_not = retain_freed_memory()
+        _ALLOCATOR.append("freed memory retained (MOEPLUG_BENCH_RETAIN_MEMORY=1)" if not why_not
+                          else f"glibc default ({why_not})")
+    else:
+        _ALLOCATOR.append("glibc default")
+    yield
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     text = _REPORT.table()
     if text:
         terminalreporter.section("moeplug benchmark ratios (interleaved, medians)")
+        terminalreporter.write_line(f"host allocator: {', '.join(_ALLOCATOR) or 'not set'}")
         terminalreporter.write_line(text)

@@ -119,15 +119,19 @@ def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
         return hf(x.unsqueeze(0)).squeeze(0)
 
     R = S // E  # rows per expert with balanced routing
-    g_x, g_dy = torch.randn(R, D, dtype=dtype), torch.randn(R, D, dtype=dtype)
-    g_h, g_a = torch.randn(R, 2 * F, dtype=dtype), torch.randn(R, F, dtype=dtype)
-    g_w1, g_w2 = torch.randn(2 * F, D, dtype=dtype), torch.randn(D, F, dtype=dtype)
+    # every expert its own weights and rows, as in the layer (one expert's reused weights
+    # would stay in cache: 0.82 -> 1.0 of the matmul in bf16 on this CPU)
+    g_x, g_dy = torch.randn(S, D, dtype=dtype), torch.randn(S, D, dtype=dtype)
+    g_h, g_a = torch.randn(S, 2 * F, dtype=dtype), torch.randn(S, F, dtype=dtype)
+    g_w1, g_w2 = torch.randn(E, 2 * F, D, dtype=dtype), torch.randn(E, D, F, dtype=dtype)
 
     def gemms():
-        for _ in range(E):
-            torch.mm(g_x, g_w1.t()), torch.mm(g_a, g_w2.t())      # forward
-            torch.mm(g_dy, g_w2), torch.mm(g_h, g_w1)              # dX
-            torch.mm(g_dy.t(), g_a), torch.mm(g_h.t(), g_x)        # dW
+        for e in range(E):
+            r = slice(e * R, (e + 1) * R)
+            x, dy, h, a = g_x[r], g_dy[r], g_h[r], g_a[r]
+            torch.mm(x, g_w1[e].t()), torch.mm(a, g_w2[e].t())      # forward
+            torch.mm(dy, g_w2[e]), torch.mm(h, g_w1[e])              # dX
+            torch.mm(dy.t(), a), torch.mm(h.t(), x)                  # dW
 
     candidates = {
         "matmul": lambda: torch.mm(a_mm, b_mm),

@@ -58,6 +58,17 @@ def get_runtime() -> ModuleType:
         return core
 
 
+def retain_freed_memory() -> str:
+    """Keep freed host memory in this process for the next allocation (the runtime core's
+    ``retain_freed_memory``: glibc's large blocks stop being mmap'd per allocation and unmapped
+    on free, so a step's large tensors reuse the last step's pages instead of faulting in fresh
+    zeroed ones). Process-wide. "" when applied, else why not (no runtime core, not glibc)."""
+    try:
+        return get_runtime().retain_freed_memory()
+    except RuntimeMissingError as exc:
+        return f"the runtime core is missing: {exc}"
+
+
 def runtime_available() -> bool:
     try:
         get_runtime()

@@ -383,6 +383,14 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     main_rank = D.is_main_rank(groups)
     if not main_rank:
         log, use_bar = (lambda _msg: None), False
+    host_allocator = "default (train.retain_freed_memory: false)"
+    if tc.retain_freed_memory:
+        from moeplug.runtime import retain_freed_memory
+        why_not = retain_freed_memory()
+        host_allocator = "freed memory retained" if not why_not else f"default ({why_not})"
+        if why_not:
+            log(f"train.retain_freed_memory: not applied ({why_not}); freed memory goes back "
+                f"to the system as usual")
     optimizer = build_rank_optimizer(model, cfg, groups)
     num_params = sum(p.numel() for p in model.parameters())
 
@@ -432,7 +440,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     write({"kind": "run", "start_step": start_step, "resumed_from": resume_from,
            "plugins": plugin_names, "peak_tflops": peak, "flops_per_token": flops_per_token,
            "num_params": num_params, "parallel": layout, "config": cfg.to_dict(),
-           "device": str(device), "runtime": None if runtime is None else runtime.record()})
+           "device": str(device), "runtime": None if runtime is None else runtime.record(),
+           "host_allocator": host_allocator})
     log(f"{num_params / 1e6:.2f}M parameters{' on rank 0' if groups else ''}, "
         f"{tokens_per_step} tokens/step on {device}, measured GEMM peak {peak:.3f} TFLOP/s"
         f"{f' over {world} ranks' if groups else ''}; plugins {plugin_names}")

@@ -1,5 +1,6 @@
 #include <thread>
 
+#include "moeplug/host_memory.h"
 #include "moeplug/thread_pool.h"
 #include "register.h"
 
@@ -45,6 +46,9 @@ void register_runtime(py::module_& m) {
         "Resize the worker pool (the calling thread counts as one).",
         py::call_guard<py::gil_scoped_release>());
   m.def("get_num_threads", &get_num_threads, "Current worker pool size.");
+  m.def("retain_freed_memory", &retain_freed_memory,
+        "Keep freed host memory in the process for reuse (glibc: no per-block mmap, trim above "
+        "2 GiB). Process-wide; returns '' when applied, else why not.");
 }
 
 }  // namespace moeplug::py_bind
