@@ -215,3 +215,12 @@ def test_cli_trains_2_nodes_x_2_ranks_like_alltoall(run_cli, tiny_config_file, t
         losses[name] = [r["loss"] for r in records if r["kind"] == "train"]
     assert len(losses["alltoall"]) == 3
     assert max(abs(a - b) for a, b in zip(losses["alltoall"], losses["hierarchical"])) < 1e-5
+
+
+def test_shm_intra_node_refuses_non_cpu_rows_naming_the_fix():
+    """intra_node=shm moves CPU tensors only; rows elsewhere (here on the meta device, as CUDA
+    rows would be) are refused before any heap op, naming the option to set."""
+    from moeplug_plugins.dispatchers.intra_node import ShmIntraNode
+    with pytest.raises(ValueError, match=r"moves CPU tensors; got rows on meta\. Fix: set "
+                                         r"plugins\.dispatcher_options\.intra_node=torch"):
+        ShmIntraNode(None, 1 << 20).move(torch.empty(2, 4, device="meta"), None, True)

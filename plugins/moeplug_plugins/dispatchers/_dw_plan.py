@@ -109,8 +109,8 @@ def place_rows_reference(ids_N: torch.Tensor, E: int, L: int, base_E: torch.Tens
     pos[order] = torch.arange(ids_N.numel(), dtype=order.dtype)
     keep = ids_N < E
     e = ids_N.clamp(max=E - 1)
-    first_E = torch.cumsum(torch.bincount(ids_N, minlength=E + 1)[:E], 0)
-    first_E = first_E - torch.bincount(ids_N, minlength=E + 1)[:E]
+    counts_E = torch.bincount(ids_N, minlength=E + 1)[:E]
+    first_E = torch.cumsum(counts_E, 0) - counts_E
     dest_row = base_E[e] + pos - first_E[e]
     return (torch.where(keep, pos, -1), torch.where(keep, e // L, -1),
             torch.where(keep, dest_row, -1))

@@ -130,11 +130,9 @@ class ShmIntraNode:
         seq = heap.arrive(shm_rows.row_bytes([(rows, False)]))
         chunks, rows_n = ((plan.there_C4, plan.recv_rows_n) if there
                           else (plan.back_C4, plan.sent_rows_n))
-        (got,) = shm_rows.to_sources(heap, seq, [rows], chunks, rows_n, False, HEAP_OPTION)
+        # the heap grows on demand (no fixed size, so no size option to name)
+        (got,) = shm_rows.to_sources(heap, seq, [rows], chunks, rows_n)
         return got
-
-
-HEAP_OPTION = "plugins.dispatcher_options.heap_bytes"
 
 
 class _ShmMove(torch.autograd.Function):
