@@ -955,15 +955,17 @@ class RootConfig:
                   f"train.grad_accum_steps = {self.train.grad_accum_steps}",
                   f"set train.grad_accum_steps >= 2 or {name}: false")
         rc = self.model.recompute
-        if rc.granularity == "full" or "moe" in (rc.modules or []):
-            # Its exchanges would take the twins like every other collective, and five layouts
-            # ran bitwise; but a fresh-clone CI run hung in PP2 x EP2: the forward's checkpoint
-            # and the helper thread's recompute both waited forever inside torch.get_rng_state
-            # (torch.utils.checkpoint's RNG save), so the pairing is refused until that is fixed.
-            _fail(par, name, True, "cannot be combined with recompute of the MoE layer (its "
-                  "checkpoint and the overlapped backward's recompute run on two threads, and "
-                  "torch's RNG-state save deadlocked between them)",
-                  f"recompute other modules, or {name}: false")
+        jitter = self.plugins.router_options.get("input_jitter_eps", 0.0)
+        if isinstance(jitter, (int, float)) and jitter > 0 and (rc.granularity == "full" or rc.modules):
+            # A recompute replays the forward's RNG state on the helper thread (set, run,
+            # restore) while this thread's forward draws the jitter from the same global
+            # generator: the forward's draws would depend on the threads' timing.
+            _fail(par, name, True, f"cannot be combined with recompute while the router "
+                  f"draws input jitter (plugins.router_options.input_jitter_eps = {jitter}: "
+                  f"the overlapped backward's recompute replays torch's global RNG while the "
+                  f"forward draws from it)",
+                  f"set plugins.router_options.input_jitter_eps: 0, recompute nothing "
+                  f"(model.recompute.granularity: selective, modules: []) or {name}: false")
         if self.runtime.stash:
             _fail(par, name, True, "cannot be combined with runtime.stash (the stash pool "
                   "serves one forward or backward at a time)",

@@ -56,6 +56,7 @@ BOTH = {"chunks": CHUNKS, "merged": True}
 DW_PULL = {"chunks": CHUNKS, "dispatcher": "direct_write", "pull": True}
 DW_PUSH = {"chunks": CHUNKS, "dispatcher": "direct_write"}
 HIER = {"dispatcher": "hierarchical", "options": {"node_size": 2}}
+DW_MERGED = {"merged": True, "dispatcher": "direct_write"}
 RECOMPUTE_MOE = {"recompute": {"granularity": "selective", "modules": ["moe"]}}
 RECOMPUTE_FULL = {"recompute": {"granularity": "full"}}
 # delay = model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): bitwise like MERGED alone.
@@ -76,6 +77,11 @@ WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAP
           "ep2_1f1b_chunked": ({"ep": 2}, 2, {}, BOTH),
           "ep2_delay_wgrad": ({"ep": 2}, 2, {}, DELAY),
           "ep2_1f1b_delay_wgrad": ({"ep": 2}, 3, {}, MERGED_DELAY),
+          # the MoE layer recomputed (selective "moe", and full): its forward exchanges rerun
+          # inside the overlapped backward, on the twin groups (direct_write: the twin's heap),
+          # and the checkpoints' RNG saves on both threads (moeplug.modules.recompute._RNG_LOCK)
+          "ep2_1f1b_recompute_moe": ({"ep": 2}, 2, {}, MERGED, RECOMPUTE_MOE),
+          "ep2_1f1b_recompute_full_direct_write": ({"ep": 2}, 2, {}, DW_MERGED, RECOMPUTE_FULL),
           # the chunked pipeline recomputed: its chunks' exchanges re-issued in the backward
           "ep2_chunked_recompute_moe": ({"ep": 2}, 1, {}, CHUNKED, RECOMPUTE_MOE)}
 WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "ep4_direct_write": ({"ep": 4}, 1, {}, DW_PUSH),
@@ -90,6 +96,7 @@ WORLD4 = {"ep4": ({"ep": 4}, 1, {}, CHUNKED), "ep4_direct_write": ({"ep": 4}, 1,
           # their own (comm.register_twin), the node heap is the twin group's on the helper
           "ep4_hierarchical_1f1b": ({"ep": 4}, 2, {}, {**MERGED, **HIER}),
           "ep4_hierarchical_chunked": ({"ep": 4}, 1, {}, {"chunks": CHUNKS, **HIER}),
+          "pp2_ep2_1f1b_recompute_moe": ({"pp": 2, "ep": 2}, 3, {}, MERGED, RECOMPUTE_MOE),
           "ep4_chunked_direct_write_recompute_full": ({"ep": 4}, 1, {}, DW_PUSH,
                                                       RECOMPUTE_FULL)}
 # Combined 1F1B with tensor / sequence / context parallelism: their collectives (SP gathers and
@@ -105,7 +112,9 @@ WORLD4_TPCP = {"tp2_sp_ep2_1f1b": ({**SP, "ep": 2}, 2, {}, MERGED),
                # reduce-scatter) reruns inside the overlapped backward, on the twins
                "tp2_sp_ep2_1f1b_recompute": ({**SP, "ep": 2}, 2, {}, MERGED,
                                              {"recompute": {"granularity": "selective",
-                                                            "modules": ["mlp", "layernorm"]}})}
+                                                            "modules": ["mlp", "layernorm"]}}),
+               "tp2_sp_ep2_1f1b_recompute_full": ({**SP, "ep": 2}, 2, {}, MERGED,
+                                                  RECOMPUTE_FULL)}
 WORLD4.update(WORLD4_TPCP)  # one 4-rank launch runs them all
 # Combined 1F1B with expert tensor parallelism (ETP: the experts' all-gather / reduce-scatter
 # over groups.etp, moeplug.parallel.expert_tp, inside the overlapped backward), DeepSeek-V3's
@@ -406,24 +415,26 @@ def test_overlap_is_not_model_defining():
 @pytest.mark.parametrize("over, words", [
     ({"train": {"grad_accum_steps": 1}}, "needs two micro-batches in flight"),
     ({"runtime": {"stash": True}}, "cannot be combined with runtime.stash"),
-    ({"model": {"recompute": {"granularity": "full"}}}, "cannot be combined with recompute"),
-    ({"model": {"recompute": {"granularity": "selective", "modules": ["moe"]}}},
-     "cannot be combined with recompute"),
+    ({"model": {"recompute": {"granularity": "full"}},
+      "plugins": {"router_options": {"input_jitter_eps": 0.1}}},
+     "cannot be combined with recompute while the router draws input jitter"),
 ])
 def test_combined_1f1b_refuses_what_it_cannot_run(over, words):
     from moeplug.config import ConfigError, config_from_dict
     base = {"parallel": {"ep": 2, "overlap_moe_expert_parallel_comm": True},
-            "train": {"grad_accum_steps": 2}, "model": {}, "runtime": {}}
+            "train": {"grad_accum_steps": 2}, "model": {}, "runtime": {}, "plugins": {}}
     cfg = {k: {**v, **over.get(k, {})} for k, v in base.items()}
     with pytest.raises(ConfigError, match="ParallelConfig.overlap_moe_expert_parallel_comm = "
                                           f"True: {words}.*Fix: .*"
                                           "overlap_moe_expert_parallel_comm: false"):
         config_from_dict(cfg)
     config_from_dict(base)  # the base itself is valid
-    # TP (with and without SP) and CP compose: no longer refused
+    # TP (with and without SP) and CP compose: no longer refused; nor is MoE / full recompute
     for par in ({"tp": 2, "sequence_parallel": True}, {"tp": 2, "ep": 1}, {"cp": 2},
                 {"cp": 2, "cp_comm": "ring", "tp": 2, "sequence_parallel": True, "pp": 2}):
         config_from_dict({**base, "parallel": {**base["parallel"], **par}})
+    for rc in ({"granularity": "full"}, {"granularity": "selective", "modules": ["moe"]}):
+        config_from_dict({**base, "model": {"recompute": rc}})
     # what stays refused still names field, value and fix under TP x CP
     with pytest.raises(ConfigError, match="overlap_moe_expert_parallel_comm = True: needs two "
                                           "micro-batches.*Fix: set train.grad_accum_steps >= 2"):

@@ -25,7 +25,7 @@ ROUTER = {"score_function": "sigmoid", "enable_expert_bias": True,
 
 
 def model_for(recompute: RecomputeConfig | None, seed: int = 0, attention: str = "gqa",
-              activation: str = "swiglu"):
+              activation: str = "swiglu", router: dict | None = None):
     moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=24, shared_expert_ffn_hidden_size=16,
                     activation=activation)
     m = ModelConfig(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=32,
@@ -34,7 +34,7 @@ def model_for(recompute: RecomputeConfig | None, seed: int = 0, attention: str =
                                   qk_rope_head_dim=4, v_head_dim=8),
                     recompute=recompute or RecomputeConfig())
     cfg = RootConfig(model=m, train=TrainConfig(seq_len=16, warmup_steps=0))
-    cfg.plugins.router_options.update(ROUTER)
+    cfg.plugins.router_options.update(router or ROUTER)
     torch.manual_seed(seed)
     return build_model(cfg, PluginHost.load(), VOCAB)
 
@@ -91,6 +91,84 @@ def test_full_recompute_holds_about_one_input_per_chunk():
     _, _, _, full = run(model_for(RecomputeConfig(granularity="full")), micro_batches=1)
     _, _, _, none = run(model_for(None), micro_batches=1)
     assert full < none / 2, (full, none)
+
+
+def test_recomputed_random_draws_repeat_the_forwards():
+    """Input jitter draws from torch's global RNG inside the MoE layer: its recompute must draw
+    the same noise (the checkpoint's RNG replay, moeplug.modules.recompute._replaying_rng) and
+    leave the RNG where the plain run leaves it. Without the replay the recomputed routing
+    differs and so do the gradients."""
+    jitter = {**ROUTER, "input_jitter_eps": 0.3}
+    for rc in (RecomputeConfig(granularity="selective", modules=["moe"]),
+               RecomputeConfig(granularity="full")):
+        ref_losses, ref_grads, _, _ = run(model_for(None, router=jitter))
+        ref_next = torch.rand(4)
+        losses, grads, _, _ = run(model_for(rc, router=jitter))
+        assert torch.equal(torch.rand(4), ref_next), rc  # the RNG advanced as without recompute
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses)), rc
+        for name, g in ref_grads.items():
+            assert torch.equal(grads[name], g), (rc, name)
+
+
+_TWO_THREADS = r"""
+import gc, os, sys, threading, time, torch
+from torch.utils.checkpoint import checkpoint
+from moeplug.modules.recompute import checkpointed
+
+
+class Garbage:  # a cycle, so only the collector frees it; its finalizer leaves another behind
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        Garbage()
+        time.sleep(0)  # hands the GIL to the other thread
+
+
+def torchs(fn, x):
+    return checkpoint(fn, x, use_reentrant=False, preserve_rng_state=True)
+
+
+run = torchs if sys.argv[1] == "torch" else checkpointed
+
+
+def loop():
+    for _ in range(200):
+        x = torch.ones(4, requires_grad=True)
+        run(lambda v: (v * 2).sin(), x).sum().backward()
+
+
+loop()  # warm (the first backward imports what it needs) before the collector is pushed
+gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation: one inside every RNG save
+Garbage()
+t = threading.Thread(target=loop)
+t.start()
+loop()
+t.join()
+print("finished", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("which", ["ours", "torch"])
+def test_checkpoints_on_two_threads_do_not_deadlock_in_the_rng_save(which):
+    """Combined 1F1B checkpoints forwards on one thread while the overlapped backward recomputes
+    on another. torch.get_rng_state holds the generator's mutex while it builds the state
+    tensor; a collection there runs a finalizer that hands the GIL over, and the other thread's
+    RNG save then waits on the mutex holding the GIL: a hang (a fresh-clone CI run hung so).
+    ``checkpointed`` saves and replays the RNG under a lock of its own and finishes; torch's own
+    preserve_rng_state, run the same way, is expected to hang - if it ever stops hanging, the
+    lock can go."""
+    import subprocess
+    import sys
+    try:
+        out = subprocess.run([sys.executable, "-c", _TWO_THREADS, which], capture_output=True,
+                             text=True, timeout=20 if which == "torch" else 120)
+    except subprocess.TimeoutExpired:
+        assert which == "torch", "checkpointed() deadlocked on two threads"
+        return
+    assert out.returncode == 0 and "finished" in out.stdout, out.stderr[-2000:]
+    assert which == "ours", "torch's RNG save no longer hangs on two threads: drop _RNG_LOCK?"
 
 
 def test_config_errors_name_valid_modules():

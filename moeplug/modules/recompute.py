@@ -25,12 +25,13 @@ count a micro-batch twice. Routing is deterministic, so the recomputed routing i
 from __future__ import annotations
 
 import contextlib
+import threading
 from contextvars import ContextVar
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from moeplug.config import RecomputeConfig
 from moeplug.quant.linear import active_recipe, recipe_scope
@@ -67,6 +68,49 @@ def _contexts():
     return _flag(_CHECKPOINTED), _flag(_RECOMPUTING)
 
 
+# torch.get_rng_state / set_rng_state hold the generator's mutex while they build or read a
+# Python object; a garbage collection there can run a finalizer that hands the GIL to another
+# thread, and if that thread calls them too it blocks on the mutex holding the GIL: both hang.
+# Combined 1F1B hit it (a fresh-clone CI run, PP2 x EP2): the forward's checkpoint saving the
+# RNG state on one thread, the overlapped backward's recompute forking it on the other. So a
+# checkpoint's RNG save and replay are ours and go through this lock, and a thread waiting for
+# it waits with the GIL released (tests/test_recompute.py reproduces the hang without it).
+_RNG_LOCK = threading.Lock()
+
+
+def _rng_state(args: tuple) -> tuple:
+    """The CPU generator's state and those of the devices ``args`` live on."""
+    with _RNG_LOCK:
+        return (torch.get_rng_state(), *get_device_states(*args))
+
+
+def _set_rng_state(state: tuple, args: tuple) -> None:
+    cpu, devices, states = state
+    kind = next((a.device.type for a in args if isinstance(a, torch.Tensor)
+                 and a.device.type not in ("cpu", "meta")), None)
+    with _RNG_LOCK:
+        torch.set_rng_state(cpu)
+        if devices:
+            set_device_states(devices, states, device_type=kind)
+
+
+def _replaying_rng(fn: Callable, args: tuple) -> Callable:
+    """``fn`` that, when recomputed, draws what its first run drew (torch.utils.checkpoint's
+    preserve_rng_state, saved and restored under _RNG_LOCK) and leaves the RNG as it found it."""
+    saved = _rng_state(args)
+
+    def run(*a):
+        if not recomputing():
+            return fn(*a)
+        now = _rng_state(a)
+        _set_rng_state(saved, a)
+        try:
+            return fn(*a)
+        finally:
+            _set_rng_state(now, a)
+    return run
+
+
 def checkpointed(fn: Callable, *args: Any) -> Any:
     """``fn(*args)`` keeping only ``args`` for backward; a plain call when no grad is recorded
     or inside another checkpoint (which keeps only its own inputs anyway)."""
@@ -86,7 +130,8 @@ def checkpointed(fn: Callable, *args: Any) -> Any:
         def fn(*a):  # the checkpoint keeps fn until its backward, and so the handles
             assert handles is not None
             return inner(*a)
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=_contexts)
+    return checkpoint(_replaying_rng(fn, args), *args, use_reentrant=False,
+                      preserve_rng_state=False, context_fn=_contexts)
 
 
 _SUBCLASSES: dict[type, type] = {}

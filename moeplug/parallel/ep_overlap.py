@@ -29,11 +29,15 @@ Tested bitwise, overlap on vs off, at EP2, EP4, EP2 x DP2, PP2 x EP2, TP2 x SP x
 TP2 x DP2 (no SP), CP2 x EP2 (both CP modes), TP2 x SP x PP2 x EP2, TP2 x SP x EP2 with
 the dense MLP recomputed (its TP collectives rerun inside the backward), ETP2, ETP2 x EP2,
 TP2 x SP x ETP2 x EP2, PP2 x ETP2, MLA (EP2 with its up projections recomputed, TP2 x SP x
-EP2), MTP (EP2), PP2 x EP2 with MLA and MTP and the hierarchical dispatcher (2 nodes x 2
-ranks: its subgroups register twins) (tests/test_overlap.py; the validation loss after the
-steps too).
-Still refused by config: one micro-batch, recompute of the MoE layer (a torch RNG-state
-deadlock between the two threads' checkpoints, seen once in CI), runtime.stash.
+EP2), MTP (EP2), PP2 x EP2 with MLA and MTP, the MoE layer recomputed (EP2, PP2 x EP2; full
+recompute at TP2 x SP x EP2 and with direct_write) and the hierarchical dispatcher (2 nodes x
+2 ranks: its subgroups register twins) (tests/test_overlap.py; the validation loss after the
+steps too). Both threads checkpoint (the forward saves the RNG state, the backward's recompute
+replays it): torch's own RNG save can deadlock between two threads, so checkpoints save and
+replay it under moeplug.modules.recompute._RNG_LOCK.
+Still refused by config: one micro-batch, runtime.stash, and any recompute while the router
+draws input jitter (the replay on the helper thread would move the generator the forward
+draws from).
 
 Numerics: every micro-batch runs the same ops as in the plain loop and the backwards still run
 one after another in micro-batch order (B_{m-1} is joined before B_m starts), so parameter
