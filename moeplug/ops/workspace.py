@@ -14,21 +14,25 @@ after warm-up, so a steady-state step makes no activation allocations there
 (benchmarks/test_bench_stash.py counts them); smaller ones come from the running layer's
 arena (below).
 
-The cache never grows while it holds free bytes it could give back. Keyed by exact size, it
+The cache's footprint never exceeds 9/8 of the most bytes its buffers ever held live at once
+(its high-water mark, like the reserve a CUDA caching allocator keeps). Keyed by exact size, it
 used to keep every buffer a step had freed, of every size, until ``clear()``: with row counts
 that change per layer and step (one expert's scratch, an EP rank's received rows) it held tens
 of MB of free buffers next to the step's live tensors (+30 MB, +19 %, at the ``moeplug plan``
 CPU matrix's full-recompute layout), and under EP it grew every step (107 -> 507 MB over six
-steps of the matrix's EP2 run; only MAX_CACHED_BYTES stopped it). Now (1) sizes are rounded up
+steps of the matrix's EP2 run; only MAX_CACHED_BYTES stopped it). So (1) sizes are rounded up
 to one of eight classes per power of two (at most 1/8 over), (2) a request takes the smallest
-free buffer of its class or up to MAX_OVERSIZE larger, and (3) a miss first drops free
-buffers, at least as many bytes as it is about to allocate. So the cache's footprint never
-exceeds the most bytes its buffers ever held live at once: a miss that finds enough free bytes
-to drop does not grow it, and one that does not leaves only live buffers plus the new one.
-The price: a steady-state step allocates a few buffers again (same EP2 run: 16-28 per step
-instead of 11-15; one process: 4 instead of 0).
-``bypassed()`` turns the cache and the arenas off in its scope (the plan's calibration traces every buffer's
-real lifetime through torch's allocator, moeplug.plan.calibrate_cpu).
+free buffer of its class or up to MAX_OVERSIZE larger, and (3) a miss drops free buffers,
+oldest first, only as far as it must to stay within the high-water mark (plus SLACK, 1/8). (3)
+once dropped at least as many free bytes as every miss allocated: that also bounded the
+footprint, but in a steady state it dropped buffers the same step needed later (a forward's
+miss dropped the freed weight-gradient buffers, whose misses in backward dropped the
+forward's), so every step reallocated ~600 MB and page-faulted it back in (the bf16 MoE layer
+at the standard shape: 0.62 of the square matmul, 0.81 with the same pages kept, glibc's policy
+aside).
+
+``bypassed()`` turns the cache and the arenas off in its scope (the plan's calibration traces
+every buffer's real lifetime through torch's allocator, moeplug.plan.calibrate_cpu).
 
 Smaller buffers (row maps, counts, routing weights, router logits and their grads, aux-loss
 scalars) come from the :class:`Arena` of the MoE layer that is running, when one is active
@@ -53,11 +57,19 @@ MIN_BYTES = 256 << 10
 MAX_CACHED_BYTES = 8 << 30
 SIZE_CLASSES_PER_DOUBLING = 8
 MAX_OVERSIZE = 1.5
+# The footprint may pass the high-water mark by one size class's rounding: buffers serve
+# requests of other sizes (a [S, 2F] bf16 activation and an [L, D, F] fp32 weight gradient are
+# the same bytes at the standard shape), so one step's pattern can need a little more than its
+# live peak; with no slack the standard-shape layer still missed (and page-faulted) 5 buffers a
+# step, with 1/8 none.
+SLACK = 1 + 1 / SIZE_CLASSES_PER_DOUBLING
 
 _lock = threading.Lock()
 # size class in bytes -> buffers (uint8; handed out as a typed view of their first bytes)
 _cache: dict[int, list[torch.Tensor]] = {}
 _cached_bytes = 0
+_high_water = 0  # the most bytes the cache's buffers held live at once (since clear())
+_misses = 0  # requests that allocated (since clear())
 _bypassed = 0
 _arena: ContextVar["Arena | None"] = ContextVar("moeplug_workspace_arena", default=None)
 
@@ -74,15 +86,18 @@ def size_class(nbytes: int) -> int:
 
 
 def _drop_free(nbytes: int) -> None:
-    """Forget free buffers, oldest first, until at least ``nbytes`` are given back (or none is
-    left). Called with the lock held, on a miss, before allocating ``nbytes``."""
-    global _cached_bytes
-    dropped = 0
+    """Forget free buffers, oldest first, until ``nbytes`` more fit under the high-water mark
+    plus SLACK (or none is left). Called with the lock held, on a miss, before allocating."""
+    global _cached_bytes, _high_water
+    live = sum(key for key, bufs in _cache.items() for buf in bufs if not _is_free(buf))
+    _high_water = max(_high_water, live + nbytes)
+    limit = _high_water * SLACK
     for key in list(_cache):
+        if _cached_bytes + nbytes <= limit:
+            return
         keep = []
         for buf in _cache[key]:
-            if dropped < nbytes and _is_free(buf):
-                dropped += key
+            if _cached_bytes + nbytes > limit and _is_free(buf):
                 _cached_bytes -= key
             else:
                 keep.append(buf)
@@ -90,13 +105,11 @@ def _drop_free(nbytes: int) -> None:
             _cache[key] = keep
         else:
             del _cache[key]
-        if dropped >= nbytes:
-            return
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Like ``torch.empty(shape, dtype=dtype)`` on CPU (contents undefined)."""
-    global _cached_bytes
+    global _cached_bytes, _misses
     numel = math.prod(shape)
     nbytes = numel * dtype.itemsize
     if _bypassed:
@@ -113,6 +126,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
                 if _is_free(buf):
                     return buf.view(dtype)[:numel].view(shape)
         _drop_free(key)
+        _misses += 1
         buf = torch.empty(key, dtype=torch.uint8)
         if _cached_bytes + key <= MAX_CACHED_BYTES:
             _cache.setdefault(key, []).append(buf)
@@ -133,14 +147,19 @@ def bypassed() -> Iterator[None]:
 
 def clear() -> None:
     """Forget every cached buffer (live tensors keep theirs)."""
-    global _cached_bytes
+    global _cached_bytes, _high_water, _misses
     with _lock:
         _cache.clear()
-        _cached_bytes = 0
+        _cached_bytes = _high_water = _misses = 0
 
 
 def cached_bytes() -> int:
     return _cached_bytes
+
+
+def misses() -> int:
+    """Requests of at least MIN_BYTES that found no free buffer and allocated (since clear())."""
+    return _misses
 
 
 class Arena:
