@@ -75,6 +75,30 @@ def test_bf16_autocast_matches_loop_and_keeps_fp32_weight_grads():
         assert err < 3e-2, (label, err.item())
 
 
+def test_bf16_autocast_casts_fp32_weights_per_expert_and_keeps_no_copy():
+    """Under bf16 autocast with fp32 weights, each expert's weight is cast right before its GEMM
+    and each weight gradient is cast into its fp32 slice per expert: the same values as casting
+    the whole weights first (bf16 weights, no autocast; gradients then cast to fp32), bitwise,
+    and nothing saved for backward is a bf16 copy of a weight."""
+    x_SD, probs_S, counts_L, w13, w2 = make_inputs([10, 0, 22, 5], D=32, F=48, seed=6)
+    g_SD = torch.randn(x_SD.shape, generator=torch.Generator().manual_seed(7)).bfloat16()
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.dim()))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, grads = run(ops.expert_mlp, x_SD, probs_S, counts_L, w13, w2, g_SD,
+                       autocast=torch.bfloat16)
+    assert (torch.bfloat16, 3) not in saved, saved
+    by, bgrads = run(ops.expert_mlp, x_SD.bfloat16(), probs_S, counts_L, w13.bfloat16(),
+                     w2.bfloat16(), g_SD)
+    assert torch.equal(y, by)
+    for label, got, want in zip(("x", "probs", "gate_up_proj", "down_proj"), grads, bgrads):
+        assert got.dtype == torch.float32, label
+        assert torch.equal(got, want.float()), label
+
+
 def test_bf16_inputs_without_autocast():
     x_SD, probs_S, counts_L, w13, w2 = make_inputs([6, 9], seed=5)
     args = (x_SD.bfloat16(), probs_S, counts_L, w13.bfloat16(), w2.bfloat16())
