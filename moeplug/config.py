@@ -481,10 +481,11 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     # Keep freed host memory in the process for reuse (moeplug.runtime.retain_freed_memory):
     # by default glibc maps every large tensor fresh and the kernel zero-fills its pages on
-    # first touch, every step (the MoE layer's bf16 fwd+bwd: 0.821 of the square matmul with
-    # this on, 0.648 off, in two runs of benchmarks/test_bench_moe_layer.py). Off by default:
-    # glibc's heap then fragments - a loop of 64 MiB tensors settled at 732 MB resident - so
-    # the footprint can grow well past the peak.
+    # first touch. The MoE layer's large buffers come from moeplug.ops.workspace's cache, so
+    # it buys little there (benchmarks/test_bench_moe_layer.py: fp32 0.97 of the square
+    # matmul with it, 0.93 without; bf16 no better). Off by default: glibc's heap then
+    # fragments - a loop of 64 MiB tensors settled at 732 MB resident - so the footprint can
+    # grow well past the peak.
     retain_freed_memory: bool = False
     tensorboard: bool = False  # also write TensorBoard events to out_dir/tb (rank 0)
     time_breakdown: bool = True  # per-stage seconds in train records (CPU runs)
