@@ -13,6 +13,10 @@ one run compare):
     hf_mixtral  Hugging Face transformers' MixtralSparseMoeBlock with the same weights, its
                 `grouped_mm` experts implementation
     moeplug     MoELayer(topk router, alltoall dispatcher, sequential|grouped experts)
+    grouped_bf16_weights  (bf16 only) the grouped layer as Megatron's bf16 module runs it:
+                expert weights and the layer's input in bf16 (the fp32 main copy lives in the
+                optimizer), the router fp32; what autocast's casts of fp32 weights and
+                activations cost is the gap to ``grouped``
 Useful FLOPs count the routed-expert matmuls only: 3 (fwd + 2 bwd) x 2*S*3*D*F.
 Each figure is reported as a ratio of its GFLOP/s to the matmul's.
 
@@ -91,6 +95,9 @@ def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
         ref.experts.down_proj.normal_(0.0, 0.02)
         layers["sequential"].load_state_dict(ref.state_dict())
     hf = _hf_block(ref)
+    bf16_module = _moeplug_layer(host, "grouped")
+    bf16_module.load_state_dict(ref.state_dict())
+    bf16_module.experts.to(torch.bfloat16)
 
     x_TD = torch.randn(T, D).requires_grad_(True)
     grad_TD = torch.randn(T, D)
@@ -138,6 +145,7 @@ def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
             torch.mm(dy, g_w2[e]), torch.mm(h, g_w1[e])              # dX
             torch.mm(dy.t(), a), torch.mm(h.t(), x)                  # dW
 
+    x16_TD = x_TD.detach().bfloat16().requires_grad_(True)
     candidates = {
         "matmul": lambda: torch.mm(a_mm, b_mm, out=c_mm),
         "gemms": gemms,
@@ -148,6 +156,10 @@ def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
         "grouped": _fwd_bwd(under_autocast(moe(layers["grouped"])), x_TD,
                             list(layers["grouped"].parameters()), grad_TD),
     }
+    if dtype is torch.bfloat16:
+        candidates["grouped_bf16_weights"] = _fwd_bwd(
+            under_autocast(moe(bf16_module)), x16_TD, list(bf16_module.parameters()),
+            grad_TD.bfloat16())
     # Sanity before timing: moeplug and HF compute the same function with the same weights.
     # Checked in fp32: under bf16 autocast HF's gate GEMM runs in bf16 (ours stays fp32), so
     # near-tied experts may be chosen differently and the outputs legitimately differ.
@@ -157,7 +169,7 @@ def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
 
     times = interleave(candidates, repeats=5)
     matmul_gflops = gflops(2 * MATMUL_N ** 3, times["matmul"])
-    for name in ("gemms", "dense_ffn", "hf_mixtral", "sequential", "grouped"):
+    for name in [n for n in candidates if n != "matmul"]:
         g = gflops(USEFUL_FLOP, times[name])
         target = TARGET_GROUPED_FP32 if (name == "grouped" and dtype_name == "fp32") else None
         report.row(f"moe layer {dtype_name} fwd+bwd", f"{name} / matmul", g / matmul_gflops,
