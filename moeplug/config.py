@@ -957,7 +957,8 @@ class RootConfig:
                   f"set train.grad_accum_steps >= 2 or {name}: false")
         rc = self.model.recompute
         jitter = self.plugins.router_options.get("input_jitter_eps", 0.0)
-        if isinstance(jitter, (int, float)) and jitter > 0 and (rc.granularity == "full" or rc.modules):
+        recomputes = rc.granularity == "full" or bool(rc.modules)
+        if isinstance(jitter, (int, float)) and jitter > 0 and recomputes:
             # A recompute replays the forward's RNG state on the helper thread (set, run,
             # restore) while this thread's forward draws the jitter from the same global
             # generator: the forward's draws would depend on the threads' timing.
