@@ -105,7 +105,14 @@ ROUTER_FEATURES = {
     "overlap": ({}, "_RowRange", {"overlap_chunks": 2}),
     "overlap_shared_bf16": ({"capacity_factor": 1.0}, "_RowRange",
                             {"overlap_chunks": 3, "shared_expert_ffn_hidden_size": 48}, "bf16"),
+    # Switch Transformer's input jitter (the noise, the product and its gradient), and the
+    # benchmarks' force_load_balancing (random logits; its backward passes the gradient on).
+    "input_jitter": ({"input_jitter_eps": 0.1}, "_Jitter"),
+    "input_jitter_bf16": ({"input_jitter_eps": 0.1}, "_Jitter", None, "bf16"),
+    "force_load_balancing": ({"force_load_balancing": True}, "_RandomLogits"),
 }
+# Features whose Function's backward allocates nothing even without the arenas.
+NO_BACKWARD_BUFFERS = {"force_load_balancing"}
 
 # Top-1 routing spreads the rows per expert wider: at fp32 the experts' one-expert scratch
 # (moeplug.ops.expert_mlp, sized by the largest expert's rows) first needs its 4 KiB arena class
@@ -139,7 +146,8 @@ def test_the_counter_sees_each_router_features_allocations_when_the_arenas_are_o
     options, function, moe, precision = _feature(feature)
     report = _allocations_without_arenas(options, moe, precision)
     assert any(function in k for k in report.where), report.describe()
-    assert any(function + "Backward" in k for k in report.where), report.describe()
+    if feature not in NO_BACKWARD_BUFFERS:
+        assert any(function + "Backward" in k for k in report.where), report.describe()
     if feature == "expert_bias":
         # Without the bias, the same run's count: the step counts' two buffers (ones, counts)
         # per layer and micro-batch are what the bias adds.
@@ -534,6 +542,42 @@ def test_pad_and_unpad_rows_in_the_arena_match_torch_bitwise(dtype, capacity, mu
     # the -0.0 grads: unpad's backward made them +0.0, which 3 * keeps apart from -0.0
     assert torch.equal(ours[4].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        theirs[4].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_jitter_in_the_arena_matches_the_torch_composition_bitwise(dtype):
+    """_Jitter draws the same noise from the global RNG as ``empty_like(x).uniform_`` and gives
+    the same product and gradient as ``x * noise``; a non-contiguous x takes the torch path."""
+    from moeplug.routing.gating import input_jitter
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 24, generator=g).to(dtype).requires_grad_(True)
+    grad = torch.randn(37, 24, generator=g).to(dtype)
+
+    def run(fn):
+        torch.manual_seed(11)
+        y = fn(x)
+        y.backward(grad)
+        out = (y.detach().clone(), x.grad.clone(), torch.rand(3))  # the RNG moved alike
+        x.grad = None
+        return out
+    with workspace.arena_scope(workspace.Arena()):
+        ours = run(lambda t: input_jitter(t, 0.3))
+    ref = run(lambda t: t * torch.empty_like(t).uniform_(0.7, 1.3))
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert not torch.equal(ours[0], x.detach())  # noise was applied
+    strided = run(lambda t: input_jitter(t.t(), 0.3).t())  # the torch path, same noise order
+    assert strided[0].shape == x.shape
+
+
+def test_force_balanced_logits_in_the_arena_match_randn_bitwise():
+    from moeplug.routing.gating import force_balanced_logits
+    logits = torch.randn(29, 8).requires_grad_(True)
+    with workspace.arena_scope(workspace.Arena()):
+        ours = force_balanced_logits(logits, seed=7)
+    ref = torch.randn(29, 8, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(ours, ref)
+    ours.sum().backward()
+    assert torch.equal(logits.grad, torch.ones(29, 8))  # straight through
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

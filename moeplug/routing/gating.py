@@ -64,19 +64,54 @@ class _Gate(torch.autograd.Function):
 
 def input_jitter(x_TD: torch.Tensor, eps: float) -> torch.Tensor:
     """Multiplicative uniform noise ``x * U(1 - eps, 1 + eps)`` (Switch Transformer); a new
-    draw per call from torch's global RNG, so seed it for reproducible runs."""
+    draw per call from torch's global RNG, so seed it for reproducible runs.
+
+    Contiguous CPU inputs take :class:`_Jitter`: the same draw and products in the running MoE
+    layer's workspace (no allocation after warm-up)."""
     if eps <= 0.0:
         return x_TD
+    if x_TD.device.type == "cpu" and x_TD.is_contiguous():
+        return _Jitter.apply(x_TD, eps)
     noise_TD = torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
     return x_TD * noise_TD
 
 
+class _Jitter(torch.autograd.Function):
+    """``x * noise`` with the noise drawn into a workspace buffer (``uniform_`` on a contiguous
+    buffer of x's shape and dtype: the draw ``torch.empty_like(x).uniform_`` makes, bitwise) and
+    the product and its gradient (``grad * noise``, what MulBackward0 computes) there too."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, eps: float):
+        shape = tuple(x_TD.shape)
+        noise_TD = workspace.empty(shape, x_TD.dtype).uniform_(1.0 - eps, 1.0 + eps)
+        out_TD = workspace.empty(shape, x_TD.dtype)
+        torch.mul(x_TD, noise_TD, out=out_TD)
+        ctx.save_for_backward(noise_TD)
+        ctx.arena = workspace.current_arena()
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor):
+        (noise_TD,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None
+        with workspace.ctx_arena(ctx):
+            grad_x = workspace.empty(tuple(grad_TD.shape), grad_TD.dtype)
+            torch.mul(grad_TD, noise_TD, out=grad_x)
+        return grad_x, None
+
+
 class _RandomLogits(torch.autograd.Function):
-    """Forward: random normal logits; backward: the gradient passes straight through."""
+    """Forward: random normal logits (drawn into a workspace buffer on CPU: ``normal_`` is what
+    ``torch.randn`` fills with, bitwise); backward: the gradient passes straight through."""
 
     @staticmethod
     def forward(ctx, logits_TE: torch.Tensor, seed: int):
         gen = torch.Generator(device=logits_TE.device).manual_seed(seed)
+        if logits_TE.device.type == "cpu":
+            return workspace.empty(tuple(logits_TE.shape), logits_TE.dtype).normal_(
+                generator=gen)
         return torch.randn(logits_TE.shape, generator=gen, dtype=logits_TE.dtype,
                            device=logits_TE.device)
 
