@@ -265,34 +265,24 @@ def test_default_config_steps_reuse_every_workspace_buffer(precision):
     """The packaged default config at micro-batch 4, whole train steps: after warm-up no step
     allocates a workspace buffer (a new batch each step, so the experts' row counts change).
     With a slack of 1/8 over the high-water mark (not 1/4) the bf16 run missed 5 buffers a step."""
-    import numpy as np
     import yaml
 
     from moeplug.cli import default_config_path
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
     from moeplug.ops import workspace
-    from moeplug.plugin_host import PluginHost
-    from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
-                                          train_step)
+    from moeplug.testing.steps import one_process_trainer
     with open(default_config_path()) as f:
         raw = yaml.safe_load(f)
     raw.setdefault("train", {})["micro_batch_size"] = 4
-    cfg = config_from_dict(raw)
-    host = PluginHost.load()
-    seed_everything(0)
-    model = build_model(cfg, host, 256)
-    opt = build_rank_optimizer(model, cfg)
-    ids = np.random.default_rng(0).integers(0, 256, 200_000).astype(np.int64)
-    prec = host.create("precision", precision, {})
+    _, step = one_process_trainer(config_from_dict(raw), precision, num_tokens=200_000)
     workspace.clear()
     try:
-        for i in range(4):
-            train_step(model, opt, step_batches(ids, cfg.train, i), cfg.train, prec)
+        for _ in range(4):
+            step()
         before = workspace.misses()
         assert before > 0
-        for i in range(4, 7):
-            train_step(model, opt, step_batches(ids, cfg.train, i), cfg.train, prec)
+        for _ in range(3):
+            step()
         assert workspace.misses() == before, "steady-state steps allocated"
     finally:
         workspace.clear()

@@ -9,15 +9,12 @@ each allocation-free rewrite is compared bitwise with the torch composition it r
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from moeplug.config import config_from_dict
-from moeplug.modules import build_model
 from moeplug.modules.moe import MoELayer
 from moeplug.ops import permute, permute_probs, workspace
-from moeplug.plugin_host import PluginHost
 from moeplug.routing import (expert_counts, router_logits, seq_aux_loss_from_stats,
                              switch_aux_loss_from_mean, switch_aux_loss_from_stats, z_loss)
 from moeplug.routing import append_sink_rows, drop_over_capacity, first_rows, sink_dropped
@@ -25,7 +22,7 @@ from moeplug.routing import cat_rows, pad_rows, padded_counts, row_range, unpad_
 from moeplug.routing import capacity as capacity_mod
 from moeplug.routing import workspace_losses as WL
 from moeplug.testing.allocations import moe_path_allocations
-from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
+from moeplug.testing.steps import one_process_trainer
 
 
 def _setup(stash: bool, precision: str = "fp32", router_options: dict | None = None,
@@ -39,17 +36,7 @@ def _setup(stash: bool, precision: str = "fp32", router_options: dict | None = N
         "train": {"steps": 10, "micro_batch_size": 2, "seq_len": 32, "warmup_steps": 1,
                   "grad_accum_steps": 2},
         "runtime": {"stash": stash}})
-    host = PluginHost.load()
-    seed_everything(0)
-    model = build_model(cfg, host, 256)
-    opt = build_rank_optimizer(model, cfg)
-    ids = np.random.default_rng(0).integers(0, 256, 50_000).astype(np.int64)
-    prec = host.create("precision", precision, {})
-    steps = iter(range(1000))
-
-    def step():  # a new batch every step: routing (and per-expert row counts) change
-        train_step(model, opt, step_batches(ids, cfg.train, next(steps)), cfg.train, prec)
-    return model, step
+    return one_process_trainer(cfg, precision)
 
 
 @pytest.mark.parametrize("stash, precision", [(True, "fp32"), (False, "fp32"), (True, "bf16")])

@@ -1,6 +1,7 @@
 """Forward and backward of a few random micro-batches through a built model (recompute and
-offloading: on vs off must give the same losses and grads), and a few EP2 training steps per
-config (stash and sync-free: on vs off must give the same losses and parameters)."""
+offloading: on vs off must give the same losses and grads), one-process train steps on fresh
+batches (allocation and workspace counts), and a few EP2 training steps per config (stash and
+sync-free: on vs off must give the same losses and parameters)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,30 @@ def backward_micro_batches(model, vocab: int, micro_batches: int = 2) -> tuple:
             losses.append(out.loss.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return losses, grads, meter.peak
+
+
+def one_process_trainer(cfg, precision: str = "fp32", vocab: int = 256,
+                        num_tokens: int = 50_000) -> tuple:
+    """(model, step): ``cfg``'s model built from seed 0 with its optimizer, and ``step()``, one
+    train step on the next batch of a fixed random token stream (a new batch every call, so the
+    routing and the experts' row counts change step to step)."""
+    import numpy as np
+
+    from moeplug.modules import build_model
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
+                                          train_step)
+    host = PluginHost.load()
+    seed_everything(0)
+    model = build_model(cfg, host, vocab)
+    opt = build_rank_optimizer(model, cfg)
+    ids = np.random.default_rng(0).integers(0, vocab, num_tokens).astype(np.int64)
+    prec = host.create("precision", precision, {})
+    steps = iter(range(1 << 30))
+
+    def step() -> None:
+        train_step(model, opt, step_batches(ids, cfg.train, next(steps)), cfg.train, prec)
+    return model, step
 
 
 def train_ep2_variants(rank: int, world: int, cfgs: dict, vocab: int, stat: str) -> dict:
