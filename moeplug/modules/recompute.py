@@ -86,11 +86,11 @@ def _rng_state(args: tuple) -> tuple:
 
 def _set_rng_state(state: tuple, args: tuple) -> None:
     cpu, devices, states = state
-    kind = next((a.device.type for a in args if isinstance(a, torch.Tensor)
-                 and a.device.type not in ("cpu", "meta")), None)
     with _RNG_LOCK:
         torch.set_rng_state(cpu)
-        if devices:
+        if devices:  # get_device_states found them on these args' non-CPU tensors
+            kind = next(a.device.type for a in args if isinstance(a, torch.Tensor)
+                        and a.device.type not in ("cpu", "meta"))
             set_device_states(devices, states, device_type=kind)
 
 

@@ -23,9 +23,9 @@ CPU matrix's full-recompute layout), and under EP it grew every step (107 -> 507
 steps of the matrix's EP2 run; only MAX_CACHED_BYTES stopped it). So (1) sizes are rounded up
 to one of eight classes per power of two (at most 1/8 over), (2) a request takes the smallest
 free buffer of its class or up to MAX_OVERSIZE larger, and (3) a miss drops free buffers,
-oldest first, only as far as it must to stay within the high-water mark (plus SLACK, 1/4). (3)
-once dropped at least as many free bytes as every miss allocated: that also bounded the
-footprint, but in a steady state it dropped buffers the same step needed later (a forward's
+oldest size class first, only as far as it must to stay within the high-water mark (plus SLACK,
+1/4). (3) once dropped at least as many free bytes as every miss allocated: that also bounded
+the footprint, but in a steady state it dropped buffers the same step needed later (a forward's
 miss dropped the freed weight-gradient buffers, whose misses in backward dropped the
 forward's), so every step reallocated ~600 MB and page-faulted it back in (the bf16 MoE layer
 at the standard shape: 0.62 of the square matmul, 0.81 with the same pages kept, glibc's policy
@@ -87,8 +87,9 @@ def size_class(nbytes: int) -> int:
 
 
 def _drop_free(nbytes: int) -> None:
-    """Forget free buffers, oldest first, until ``nbytes`` more fit under the high-water mark
-    plus SLACK (or none is left). Called with the lock held, on a miss, before allocating."""
+    """Forget free buffers, size class by size class in the order the classes were first
+    cached, until ``nbytes`` more fit under the high-water mark plus SLACK (or none is left).
+    Called with the lock held, on a miss, before allocating."""
     global _cached_bytes, _high_water
     live = sum(key for key, bufs in _cache.items() for buf in bufs if not _is_free(buf))
     _high_water = max(_high_water, live + nbytes)
