@@ -52,9 +52,9 @@ class _ExpertWeights:
     that dtype already, else cast into a one-expert scratch right before its GEMM. Under bf16
     autocast with fp32 weights this writes no whole-layer bf16 copy (and keeps none for
     backward, which casts again): at the standard shape the layer holds 138 MB less between
-    forward and backward. Speed is unchanged (bf16 layer 0.814-0.818 of the square matmul
-    against 0.78-0.83 before, interleaved runs): the backward's second read of the fp32 weights
-    costs what the whole-layer copy's write and read did."""
+    forward and backward. No speed difference was measured (a scratch A/B of the layer against
+    the square matmul: 0.814-0.818 against 0.78-0.83 before, within the noise): the backward's
+    second read of the fp32 weights costs about what the whole-layer copy's write and read did."""
 
     def __init__(self, w: torch.Tensor, dtype: torch.dtype):
         self.w = w
