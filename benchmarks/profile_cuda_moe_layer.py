@@ -1,0 +1,67 @@
+"""Where the MoE layer's fwd+bwd spends GPU time at the Qwen3-30B-A3B-like shape of
+benchmarks/test_bench_cuda.py: a torch.profiler table of 3 steady-state steps (moeplug, then HF's
+Qwen3-MoE block), kernels sorted by their own device time. A diagnostic, not a benchmark.
+
+Run (on a GPU): python benchmarks/profile_cuda_moe_layer.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, ".")
+from benchmarks.test_bench_cuda import D, E, F, K, T, _qwen3_block  # noqa: E402
+from moeplug.config import ModelConfig, MoEConfig  # noqa: E402
+from moeplug.modules.moe import MoELayer  # noqa: E402
+from moeplug.plugin_host import PluginHost  # noqa: E402
+
+
+def main(rows: int = 22) -> None:
+    torch.manual_seed(0)
+    m = ModelConfig(hidden_size=D, num_heads=16, num_kv_heads=4, num_layers=1, first_k_dense=0,
+                    moe=MoEConfig(num_experts=E, top_k=K, ffn_hidden_size=F, aux_loss_coeff=1e-3))
+    host = PluginHost.load()
+    layer = MoELayer(host.create("router", "topk", {"renormalize": True}, m),
+                     host.create("dispatcher", "alltoall", {}, m, None),
+                     host.create("experts", "grouped", {}, m, E))
+    with torch.no_grad():
+        for p in (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj):
+            p.normal_(0.0, 0.02)
+    hf = _qwen3_block(layer).to("cuda", torch.bfloat16)
+    layer.to("cuda")
+    layer.experts.to(torch.bfloat16)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+
+    def ours():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(x)[0]
+        out.backward(dy)
+
+    def theirs():
+        out = hf(x.unsqueeze(0))
+        (out[0] if isinstance(out, tuple) else out).backward(dy.unsqueeze(0))
+
+    for name, step in (("moeplug", ours), ("hf_qwen3", theirs)):
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        print(f"==== {name}: 3 steps")
+        keys = prof.key_averages()
+        for sort in ("self_device_time_total", "self_cuda_time_total"):
+            try:
+                print(keys.table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+                break
+            except (AttributeError, KeyError, ValueError):
+                continue
+
+
+if __name__ == "__main__":
+    main()
