@@ -126,8 +126,10 @@ def test_permute_and_unpermute_on_cuda_equal_the_cpu_kernels():
     probs_TK = torch.rand(37, 2, generator=g)
     results = {}
     for device in ("cpu", "cuda"):
-        x = x_TD.to(device).requires_grad_()
-        p = probs_TK.to(device).requires_grad_()
+        # detached copies: on the CPU pass .to() returns the tensor itself, so without it the
+        # CUDA pass would copy a leaf that requires grad and its .grad would stay None
+        x = x_TD.to(device, copy=True).requires_grad_()
+        p = probs_TK.to(device, copy=True).requires_grad_()
         x_SD, row_map_TK, counts_E = permute(x, ids_TK.to(device), 5)
         assert counts_E.device.type == "cpu" and row_map_TK.device.type == device
         y_TD = unpermute(x_SD * 2.0, row_map_TK, p)

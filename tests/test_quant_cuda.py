@@ -28,8 +28,13 @@ def test_scaled_mm_tensorwise_equals_the_emulation():
     emulated = (xq.float() / sx) @ (wq.float() / sw).t()
     real = torch._scaled_mm(xq.cuda(), wq.cuda().t(), scale_a=(1 / sx).cuda(),
                             scale_b=(1 / sw).cuda(), out_dtype=torch.float32)
-    # FP8 products are exact in fp32: only the summation order differs.
-    assert torch.allclose(real.cpu(), emulated, rtol=1e-4, atol=1e-3)
+    # FP8 products are exact in fp32, but Hopper's FP8 tensor cores accumulate with fewer
+    # mantissa bits than fp32 (the limit DeepSeek-V3 works around by promoting partial sums):
+    # on an H200 the largest difference was 3.9e-3 at |x| ~ 35 over a 512-long dot product.
+    # A wrong scale (1/s for s) or operand would be off by orders of magnitude more.
+    rel = (real.cpu() - emulated).norm() / emulated.norm()
+    assert rel < 2e-4, rel
+    assert torch.allclose(real.cpu(), emulated, rtol=1e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("recipe", [Tensorwise(), Delayed(), Blockwise(), MXFP8(), NVFP4()],

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moeplug import delayed_wgrad
-from moeplug.ops import reference, workspace
+from moeplug.ops import cuda_ops, reference, workspace
 from moeplug.ops._grouped import check_counts_and_probs, compute_dtype, expert_slices
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
 from moeplug.ops.offload_marks import note
@@ -250,11 +250,13 @@ def _check(x_SD, probs_S, counts_L, w13_L2FD, w2_LDF) -> list[int]:
 
 
 def _grouped_mm_path(x_SD, probs_S, counts, w13_L2FD, w2_LDF, compute_dtype):
-    """CUDA: torch's grouped GEMM (autograd included) plus the plain SwiGLU."""
+    """CUDA: torch's grouped GEMM (autograd included) plus the fused CUDA SwiGLU (the plain
+    one where the extension is not loaded)."""
     offs = torch.tensor(counts, device=x_SD.device).cumsum(0).to(torch.int32)
     x_c = x_SD.to(compute_dtype)
     h_S2F = F.grouped_mm(x_c, w13_L2FD.to(compute_dtype).transpose(-2, -1), offs=offs)
-    a_SF = reference.swiglu(h_S2F, probs_S)
+    a_SF = (cuda_ops.swiglu(h_S2F, probs_S) if cuda_ops.available(h_S2F)
+            else reference.swiglu(h_S2F, probs_S))
     return F.grouped_mm(a_SF, w2_LDF.to(compute_dtype).transpose(-2, -1), offs=offs)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import reference, workspace
+from moeplug.ops import cuda_ops, reference, workspace
 from moeplug.ops._checks import check_index, check_probs, check_rows, ptr
 from moeplug.runtime import get_runtime
 
@@ -58,7 +58,9 @@ def permute(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int
     Stable: inside an expert, rows are in (token, k) order. ``x_SD[row_map_TK[t, k]] == x_TD[t]``.
     Differentiable w.r.t. ``x_TD``; ``counts_E`` is an int64 CPU tensor.
     """
-    if x_TD.device.type != "cpu":  # the runtime kernels are CPU-only: plain torch (autograd)
+    if x_TD.device.type != "cpu":  # the CUDA kernels where loaded, else plain torch (autograd)
+        if cuda_ops.available(x_TD):
+            return cuda_ops.permute(x_TD, ids_TK, num_experts)
         x_SD, row_map_TK, counts_E = reference.permute(x_TD, ids_TK, num_experts)
         return x_SD, row_map_TK, counts_E.cpu()
     check_rows("permute", "x_TD", x_TD, 2, "[T, D]")
@@ -123,7 +125,9 @@ def unpermute(y_SD: torch.Tensor, row_map_TK: torch.Tensor,
     Sums in fp32 (also for bf16 rows). ``row_map_TK`` entries must be distinct rows of ``y_SD``
     (as :func:`permute` returns them); rows no entry reads get zero gradient.
     """
-    if y_SD.device.type != "cpu":  # the runtime kernels are CPU-only: plain torch (autograd)
+    if y_SD.device.type != "cpu":  # the CUDA kernels where loaded, else plain torch (autograd)
+        if probs_TK is None and cuda_ops.available(y_SD):
+            return cuda_ops.unpermute(y_SD, row_map_TK)
         return reference.unpermute(y_SD, row_map_TK, probs_TK)
     check_rows("unpermute", "y_SD", y_SD, 2, "[S, D]")
     check_index("unpermute", "row_map_TK", row_map_TK, None, "[T, K]")

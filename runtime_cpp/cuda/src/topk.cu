@@ -42,9 +42,12 @@ __global__ void topk_route_kernel(const T* logits_TE, const float* bias_E, int64
     }
     float* p = probs_TK + t * K;
     if (score == ScoreFunction::kSoftmax && renormalize) {
-      // softmax over the K chosen logits; p[0] is their max (chosen in descending order)
+      // softmax over the K chosen logits; p[0] is their max (chosen in descending order). Read
+      // it once: the loop overwrites p[0] first (reading p[0] inside it was a bug, seen on an
+      // H200 as every renormalised prob wrong while the ids were right).
+      const float zk = p[0];
       float denom = 0.0f;
-      for (int k = 0; k < K; ++k) denom += (p[k] = expf(p[k] - p[0]));
+      for (int k = 0; k < K; ++k) denom += (p[k] = expf(p[k] - zk));
       for (int k = 0; k < K; ++k) p[k] /= denom;
     } else if (score == ScoreFunction::kSigmoid && renormalize && K > 1) {
       for (int k = 0; k < K; ++k) p[k] /= sum + kNormEps;
