@@ -45,6 +45,20 @@ def main(rows: int = 22) -> None:
         out = hf(x.unsqueeze(0))
         (out[0] if isinstance(out, tuple) else out).backward(dy.unsqueeze(0))
 
+    # Where the layer's step waits for the GPU: torch's sync detector, one warning per sync.
+    import warnings
+    for _ in range(2):
+        ours()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        ours()
+        torch.cuda.set_sync_debug_mode(0)
+    print(f"==== moeplug: {len(caught)} host syncs in one fwd+bwd")
+    for w in caught:
+        print(f"  {w.filename}:{w.lineno}: {str(w.message)[:80]}")
+
     for name, step in (("moeplug", ours), ("hf_qwen3", theirs)):
         for _ in range(3):
             step()

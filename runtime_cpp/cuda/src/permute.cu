@@ -4,42 +4,11 @@
 // row length and the three pointers allow it (8 bf16 or 4 fp32 per access): with 2- or 4-byte
 // accesses the kernels reached 0.28 / 0.38 of a device-to-device copy's bandwidth on an H200
 // (docs/GPU.md), far from the memory system's limit.
-#include <cstdint>
-
 #include "common.cuh"
 
 namespace moeplug::cuda {
 
 namespace {
-
-// V = elements per access: 16 bytes / sizeof(T) on the vector path, 1 on the scalar one.
-template <class T, int V>
-struct Vec {
-  T v[V];
-};
-
-template <class T, int V>
-__device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
-  if constexpr (V * sizeof(T) == 16) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    return *reinterpret_cast<const Vec<T, V>*>(&raw);
-  } else {
-    Vec<T, V> out;
-#pragma unroll
-    for (int i = 0; i < V; ++i) out.v[i] = p[i];
-    return out;
-  }
-}
-
-template <class T, int V>
-__device__ __forceinline__ void store_vec(T* p, const Vec<T, V>& val) {
-  if constexpr (V * sizeof(T) == 16) {
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&val);
-  } else {
-#pragma unroll
-    for (int i = 0; i < V; ++i) p[i] = val.v[i];
-  }
-}
 
 template <class T, int V>
 __global__ void permute_kernel(const T* x_TD, const int64_t* row_map_TK, int64_t T_, int64_t K,
@@ -75,15 +44,6 @@ __global__ void unpermute_kernel(const T* y_SD, const int64_t* row_map_TK, const
       store_vec<T, V>(y_TD + t * D + d * V, out);
     }
   }
-}
-
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
-// The vector width for rows of D elements of T at these pointers: 16 bytes when every row
-// start is 16-byte aligned, else 1 element.
-template <class T>
-bool vector_ok(int64_t D, const void* a, const void* b) {
-  return (D * int64_t(sizeof(T))) % 16 == 0 && aligned16(a) && aligned16(b);
 }
 
 void check_dims(const char* op, int64_t T, int64_t K, int64_t D) {
