@@ -19,6 +19,7 @@ from moeplug.modules.static_moe import static_moe
 from moeplug.observability.timing import stage
 from moeplug.ops import workspace
 from moeplug.ops.cast import cast
+from moeplug.ops.cuda_ops import device_counts
 from moeplug.ops.scale_rows import ones, scale_rows
 from moeplug.parallel.tensor_parallel import average_over_token_group
 from moeplug.quant import active_recipe
@@ -164,9 +165,9 @@ class MoELayer(nn.Module):
             # bincount's numbers, dropped choices left out, from the arena (no allocation).
             keep = None if routing.dropped_TK is None else kept(routing.dropped_TK)
             return expert_counts(ids, self.router.num_experts, keep)
-        if routing.dropped_TK is not None:
-            ids = ids[~routing.dropped_TK.reshape(-1)]
-        return torch.bincount(ids.cpu(), minlength=self.router.num_experts)
+        # Counted on the device (no boolean-mask gather, no bincount: each syncs), then one copy.
+        keep = None if routing.dropped_TK is None else ~routing.dropped_TK.reshape(-1)
+        return device_counts(ids, self.router.num_experts, keep).cpu()
 
     def _sync_free(self):
         # The runtime's SyncFreeState when runtime.sync_free is on and not paused for a rerun.

@@ -89,8 +89,18 @@ def row_map(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch
     order_S = torch.argsort(ids_TK.reshape(-1), stable=True)
     row_map_TK = torch.empty_like(order_S)
     row_map_TK[order_S] = torch.arange(T * K, device=ids_TK.device)
-    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=num_experts)
+    # scatter_add, not bincount: CUDA bincount syncs twice to size its output; the one sync
+    # left is the .cpu() the dynamic-shape path needs.
+    counts_E = device_counts(ids_TK, num_experts)
     return row_map_TK.view(T, K), counts_E.cpu()
+
+
+def device_counts(ids_TK: torch.Tensor, num_experts: int,
+                  keep_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """Choices per expert on the ids' device without a host sync (``keep_TK``: only those)."""
+    ids = ids_TK.reshape(-1)
+    ones = (torch.ones_like(ids) if keep_TK is None else keep_TK.reshape(-1).to(ids.dtype))
+    return torch.zeros(num_experts, dtype=ids.dtype, device=ids.device).scatter_add_(0, ids, ones)
 
 
 def permute(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int
