@@ -268,3 +268,20 @@ def test_cuda_ops_swiglu_autograd_matches_the_torch_reference(cu, dtype, weighte
     for g, w in zip(grads["cuda"], grads["ref"]):
         if w is not None:
             torch.testing.assert_close(g, w, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_device_counts_and_row_map_equal_bincount_and_the_reference(dropped):
+    """The sync-free counting and row numbering of the CUDA path are plain torch, so they are
+    checked on the CPU too (on a GPU they run as they do here, on device tensors)."""
+    from moeplug.ops import cuda_ops
+    torch.manual_seed(4)
+    T, K, E = 61, 3, 9
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    keep = torch.rand(T, K) > 0.3 if dropped else None
+    want = torch.bincount(ids.reshape(-1)[keep.reshape(-1)] if dropped else ids.reshape(-1),
+                          minlength=E)
+    assert torch.equal(cuda_ops.device_counts(ids, E, keep), want)
+    row_map, counts = cuda_ops.row_map(ids, E)
+    _, want_row_map, want_counts = reference.permute(torch.zeros(T, 1), ids, E)
+    assert torch.equal(row_map, want_row_map) and torch.equal(counts, want_counts)
