@@ -252,10 +252,11 @@ def _check(x_SD, probs_S, counts_L, w13_L2FD, w2_LDF) -> list[int]:
 def _grouped_mm_path(x_SD, probs_S, counts, w13_L2FD, w2_LDF, compute_dtype):
     """CUDA: torch's grouped GEMM (autograd included) plus the fused CUDA SwiGLU (the plain
     one where the extension is not loaded)."""
-    # From pinned memory, non-blocking: a pageable host->device copy would wait for the stream
-    # to drain (one more host sync per layer).
-    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).pin_memory()
-    offs = offs.to(x_SD.device, non_blocking=True)
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if x_SD.device.type == "cuda":
+        # From pinned memory, non-blocking: a pageable host->device copy would wait for the
+        # stream to drain (one more host sync per layer). (This path also runs on CPU tensors.)
+        offs = offs.pin_memory().to(x_SD.device, non_blocking=True)
     x_c = x_SD.to(compute_dtype)
     h_S2F = F.grouped_mm(x_c, w13_L2FD.to(compute_dtype).transpose(-2, -1), offs=offs)
     a_SF = (cuda_ops.swiglu(h_S2F, probs_S) if cuda_ops.available(h_S2F)
