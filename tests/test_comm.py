@@ -292,3 +292,21 @@ def test_harness_timeout_kills_children():
         run_distributed(_sleep_forever, 2, timeout=8)
     assert time.monotonic() - start < 20
     assert sorted(e.value.failures) == [0, 1] and "timeout" in str(e.value)
+
+
+def test_twin_registry_does_not_keep_groups_alive():
+    """register_twin holds its keys weakly: a group nobody else holds is dropped, twin and all
+    (a strong dict held every group a long-lived process ever built)."""
+    import gc
+    import weakref
+
+    class Group:  # stands in for a ProcessGroup (which takes weak references too)
+        pass
+
+    group, twin = Group(), Group()
+    comm.register_twin(group, twin)
+    assert comm.has_twin(group)
+    group_ref, twin_ref = weakref.ref(group), weakref.ref(twin)
+    del group, twin
+    gc.collect()
+    assert group_ref() is None and twin_ref() is None

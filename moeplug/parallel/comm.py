@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -42,7 +43,9 @@ _thread = threading.local()
 # plugin asks has_twin(the group it was given) and, if so, builds a twin of each subgroup
 # (same ranks, same creation order on every rank) and registers it. active_group consults
 # this after the mapping the overlapped backward entered.
-_registered_twins: dict[Any, Any] = {}
+# Weak keys: a registry that outlived its groups would hold every group a long-lived process
+# (a test session, a notebook) ever built, and their twins with them.
+_registered_twins: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def register_twin(group: Any, twin: Any) -> None:
