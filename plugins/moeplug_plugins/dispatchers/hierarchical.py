@@ -81,7 +81,7 @@ class HierarchicalMeta:
 
 class HierarchicalDispatcher(Dispatcher):
     def __init__(self, model: ModelConfig, group=None, node_size: int = 0,
-                 intra_node: str = "torch"):
+                 intra_node: str = "auto"):  # as the plugin option
         self.group = group
         self.ep_size, self.ep_rank, self.num_local_experts = ep_layout(model, group)
         self.num_experts = model.moe.num_experts
