@@ -111,7 +111,7 @@ def test_recomputed_random_draws_repeat_the_forwards():
 
 
 _TWO_THREADS = r"""
-import gc, os, sys, threading, time, torch
+import functools, gc, os, sys, threading, time, torch
 from torch.utils.checkpoint import checkpoint
 from moeplug.modules.recompute import checkpointed
 
@@ -132,15 +132,19 @@ def torchs(fn, x):
 run = torchs if sys.argv[1] == "torch" else checkpointed
 
 
-def loop():
-    for _ in range(200):
+def loop(seconds):
+    # For a time, not a count: the hang is a race, and 200 pairs per thread once went through
+    # torch's save without it (a CI run under load); ~12 s of pairs makes that vanishingly rare.
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         x = torch.ones(4, requires_grad=True)
         run(lambda v: (v * 2).sin(), x).sum().backward()
 
 
-loop()  # warm (the first backward imports what it needs) before the collector is pushed
+loop(0.5)  # warm (the first backward imports what it needs) before the collector is pushed
 gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation: one inside every RNG save
 Garbage()
+loop = functools.partial(loop, float(sys.argv[2]))
 t = threading.Thread(target=loop)
 t.start()
 loop()
@@ -162,8 +166,9 @@ def test_checkpoints_on_two_threads_do_not_deadlock_in_the_rng_save(which):
     import subprocess
     import sys
     try:
-        out = subprocess.run([sys.executable, "-c", _TWO_THREADS, which], capture_output=True,
-                             text=True, timeout=20 if which == "torch" else 120)
+        out = subprocess.run([sys.executable, "-c", _TWO_THREADS, which, "12"],
+                             capture_output=True, text=True,
+                             timeout=30 if which == "torch" else 180)
     except subprocess.TimeoutExpired:
         assert which == "torch", "checkpointed() deadlocked on two threads"
         return
