@@ -111,7 +111,7 @@ def test_recomputed_random_draws_repeat_the_forwards():
 
 
 _TWO_THREADS = r"""
-import functools, gc, os, sys, threading, time, torch
+import gc, os, sys, threading, time, torch
 from torch.utils.checkpoint import checkpoint
 from moeplug.modules.recompute import checkpointed
 
@@ -144,10 +144,10 @@ def loop(seconds):
 loop(0.5)  # warm (the first backward imports what it needs) before the collector is pushed
 gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation: one inside every RNG save
 Garbage()
-loop = functools.partial(loop, float(sys.argv[2]))
-t = threading.Thread(target=loop)
+seconds = float(sys.argv[2])
+t = threading.Thread(target=loop, args=(seconds,))
 t.start()
-loop()
+loop(seconds)
 t.join()
 print("finished", flush=True)
 os._exit(0)

@@ -32,14 +32,13 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
-def _sum_rows(rows_SD: torch.Tensor, row_map_TK: torch.Tensor,
-              probs_TK: torch.Tensor | None = None) -> torch.Tensor:
+def _sum_rows(rows_SD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
     T, K = row_map_TK.shape
     rows_SD = rows_SD.contiguous()
     out_TD = torch.empty(T, rows_SD.shape[1], dtype=rows_SD.dtype, device=rows_SD.device)
     get_cuda_runtime().unpermute(
         y=rows_SD.data_ptr(), row_map=row_map_TK.data_ptr(),
-        probs=0 if probs_TK is None else probs_TK.data_ptr(), y_out=out_TD.data_ptr(),
+        probs=0, y_out=out_TD.data_ptr(),  # the plain sum: weighted unpermute stays in torch
         num_tokens=T, top_k=K, hidden=rows_SD.shape[1], dtype=DTYPE_CODES[rows_SD.dtype],
         stream=_stream())
     return out_TD
