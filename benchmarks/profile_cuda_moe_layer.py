@@ -13,23 +13,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
-from benchmarks.test_bench_cuda import D, E, F, K, T, _qwen3_block  # noqa: E402
-from moeplug.config import ModelConfig, MoEConfig  # noqa: E402
-from moeplug.modules.moe import MoELayer  # noqa: E402
-from moeplug.plugin_host import PluginHost  # noqa: E402
+from benchmarks.test_bench_cuda import D, T, _qwen3_block, qwen3_layer  # noqa: E402
 
 
 def main(rows: int = 22) -> None:
     torch.manual_seed(0)
-    m = ModelConfig(hidden_size=D, num_heads=16, num_kv_heads=4, num_layers=1, first_k_dense=0,
-                    moe=MoEConfig(num_experts=E, top_k=K, ffn_hidden_size=F, aux_loss_coeff=1e-3))
-    host = PluginHost.load()
-    layer = MoELayer(host.create("router", "topk", {"renormalize": True}, m),
-                     host.create("dispatcher", "alltoall", {}, m, None),
-                     host.create("experts", "grouped", {}, m, E))
-    with torch.no_grad():
-        for p in (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj):
-            p.normal_(0.0, 0.02)
+    layer = qwen3_layer()
     hf = _qwen3_block(layer).to("cuda", torch.bfloat16)
     layer.to("cuda")
     layer.experts.to(torch.bfloat16)

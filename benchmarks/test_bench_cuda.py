@@ -146,13 +146,14 @@ def _qwen3_block(layer):
     return block
 
 
-def test_cuda_moe_layer_qwen3_shape(benchmark, report):
+def qwen3_layer():
+    """moeplug's MoELayer at the Qwen3 shape (topk router with renormalize, alltoall, grouped
+    experts), fp32 on the CPU, weights ~ N(0, 0.02) so routing is near balance. Also built by
+    benchmarks/profile_cuda_moe_layer.py."""
     from moeplug.config import ModelConfig, MoEConfig
     from moeplug.modules.moe import MoELayer
     from moeplug.plugin_host import PluginHost
 
-    torch.manual_seed(0)
-    dev = "cuda"
     m = ModelConfig(hidden_size=D, num_heads=16, num_kv_heads=4, num_layers=1, first_k_dense=0,
                     moe=MoEConfig(num_experts=E, top_k=K, ffn_hidden_size=F, aux_loss_coeff=1e-3))
     host = PluginHost.load()
@@ -160,10 +161,15 @@ def test_cuda_moe_layer_qwen3_shape(benchmark, report):
                      host.create("dispatcher", "alltoall", {}, m, None),
                      host.create("experts", "grouped", {}, m, E))
     with torch.no_grad():
-        layer.router.weight.normal_(0.0, 0.02)
-        layer.experts.gate_up_proj.normal_(0.0, 0.02)
-        layer.experts.down_proj.normal_(0.0, 0.02)
-    layer.to(dev)
+        for p in (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj):
+            p.normal_(0.0, 0.02)
+    return layer
+
+
+def test_cuda_moe_layer_qwen3_shape(benchmark, report):
+    torch.manual_seed(0)
+    dev = "cuda"
+    layer = qwen3_layer().to(dev)
     hf = _qwen3_block(layer).to(dev)
     # Same function before timing, checked in fp32 (in bf16 near-tied experts may differ).
     with torch.no_grad():
