@@ -1,5 +1,5 @@
-// Fused SwiGLU forward/backward. Inner loops are branch-free over f so GCC vectorises them
-// (exp is the polynomial of fastmath.h, not libm's scalar expf).
+// Fused SwiGLU forward/backward over sixteen-lane vectors (exp is the polynomial of
+// fastmath.h, not libm's scalar expf).
 //
 // Shape legend: S rows, F expert FFN hidden size.
 #include "moeplug/swiglu.h"
@@ -11,6 +11,7 @@
 
 #include "moeplug/fastmath.h"
 #include "moeplug/thread_pool.h"
+#include "moeplug/vec16.h"
 
 namespace moeplug {
 
@@ -18,6 +19,10 @@ namespace {
 
 constexpr int64_t kRowGrain = 16;
 
+// Written with vec16.h's vector types, sixteen columns at a time, and the scalar loop for the
+// tail. Left to GCC, the bf16 loops did not vectorise: a one-expert slice (1024 x 1408)
+// took 0.48 ms forward and 0.99 ms backward in bf16 against 0.30 / 0.39 in fp32, with half
+// the bytes (compute-bound, ~5 cycles an element).
 template <class T_>
 MOEPLUG_INLINE void fwd_rows(const T_* h, const float* probs, int64_t s0, int64_t s1, int64_t F,
                              T_* a) {
@@ -26,12 +31,26 @@ MOEPLUG_INLINE void fwd_rows(const T_* h, const float* probs, int64_t s0, int64_
     const T_* u_F = g_F + F;
     T_* a_F = a + s * F;
     const float p = probs ? probs[s] : 1.0f;
-    for (int64_t f = 0; f < F; ++f) {
+    int64_t f = 0;
+    for (; f + 16 <= F; f += 16) {
+      const v16f g = load16(g_F + f);
+      const v16f silu = g / (1.0f + exp_approx16(-g));
+      store16(a_F + f, silu * load16(u_F + f) * p);
+    }
+    for (; f < F; ++f) {
       const float g = load_f32(g_F, f);
       const float silu = g / (1.0f + exp_approx(-g));
       store_f32(a_F, f, silu * load_f32(u_F, f) * p);
     }
   }
+}
+
+MOEPLUG_INLINE float sum16(v16f v) {
+  float lanes[16];
+  std::memcpy(lanes, &v, sizeof lanes);
+  float s = 0.0f;
+  for (float x : lanes) s += x;
+  return s;
 }
 
 template <class T_>
@@ -44,9 +63,21 @@ MOEPLUG_INLINE void bwd_rows(const T_* da, const T_* h, const float* probs, int6
     T_* dg_F = dh + s * 2 * F;
     T_* du_F = dg_F + F;
     const float p = probs ? probs[s] : 1.0f;
-    float dp = 0.0f;
-#pragma omp simd reduction(+ : dp)
-    for (int64_t f = 0; f < F; ++f) {
+    v16f dp16{};
+    int64_t f = 0;
+    for (; f + 16 <= F; f += 16) {
+      const v16f g = load16(g_F + f);
+      const v16f u = load16(u_F + f);
+      const v16f d = load16(da_F + f);
+      const v16f sig = 1.0f / (1.0f + exp_approx16(-g));
+      const v16f silu = g * sig;
+      const v16f dsilu = sig * (1.0f + g * (1.0f - sig));
+      store16(dg_F + f, d * p * u * dsilu);
+      store16(du_F + f, d * p * silu);
+      dp16 += d * silu * u;
+    }
+    float dp = sum16(dp16);
+    for (; f < F; ++f) {
       const float g = load_f32(g_F, f);
       const float u = load_f32(u_F, f);
       const float d = load_f32(da_F, f);

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include "check.h"
 #include "moeplug/capacity.h"
+#include "moeplug/fastmath.h"
 #include "moeplug/permute.h"
 #include "moeplug/row_plan.h"
 #include "moeplug/swiglu.h"
@@ -102,6 +104,25 @@ void test_swiglu_matches_naive() {
                           std::to_string(worst));
 }
 
+// The SwiGLU loops run sixteen columns on exp_approx16 and the tail on exp_approx: a column's
+// result must not depend on which of the two it fell in.
+void test_exp_approx16_equals_the_scalar_lanes() {
+  int64_t differ = 0;
+  for (int i = 0; i < 4096; i += 16) {
+    float in[16];
+    for (int l = 0; l < 16; ++l) in[l] = -100.0f + 200.0f * float(i + l) / 4096.0f;  // past both clamps
+    float out[16];
+    const moeplug::v16f v = moeplug::exp_approx16(moeplug::load16(in));
+    std::memcpy(out, &v, sizeof out);
+    for (int l = 0; l < 16; ++l) {
+      const float want = moeplug::exp_approx(in[l]);
+      differ += std::memcmp(&want, &out[l], sizeof want) != 0;
+    }
+  }
+  check(differ == 0, "exp_approx16 lanes equal exp_approx bit for bit, " +
+                         std::to_string(differ) + " of 4096 differ");
+}
+
 // Against a naive rank count: a choice of expert e is kept iff fewer than C other choices of e
 // come before it (larger prob, or equal prob and earlier).
 void test_capacity_matches_naive_ranks() {
@@ -184,6 +205,7 @@ int main() {
   test_parallel_for_covers_range_once();
   test_permute_matches_naive();
   test_swiglu_matches_naive();
+  test_exp_approx16_equals_the_scalar_lanes();
   test_capacity_matches_naive_ranks();
   test_place_rows_matches_naive();
   return moeplug_test::report("moeplug core");

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "moeplug/dtype.h"
+#include "moeplug/vec16.h"
 
 namespace moeplug {
 
@@ -28,6 +29,30 @@ MOEPLUG_INLINE float exp_approx(float x) {
   const float y = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// exp_approx on sixteen lanes: the same operations in the same order, so each lane equals
+// the scalar version bit for bit (the loops' scalar tails use that one).
+MOEPLUG_INLINE v16f exp_approx16(v16f x) {
+  x = x < -87.0f ? splat16(-87.0f) : x;
+  x = x > 88.0f ? splat16(88.0f) : x;
+  const v16f fx = x * 1.44269504088896341f;
+  const v16f half = fx >= 0.0f ? splat16(0.5f) : splat16(-0.5f);
+  const v16i32 ni = __builtin_convertvector(fx + half, v16i32);
+  const v16f n = __builtin_convertvector(ni, v16f);
+  v16f r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16f p = splat16(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const v16f y = p * r * r + r + 1.0f;
+  const v16i32 bits = (ni + 127) << 23;
+  v16f scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return y * scale;
 }
