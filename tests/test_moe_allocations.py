@@ -74,6 +74,11 @@ ROUTER_FEATURES = {
     # Shared experts (SwiGLU, fp32, no output gate) beside capacity dropping.
     "shared_experts": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
                        "_SwiGLUParts", {"shared_expert_ffn_hidden_size": 48}),
+    # With the output gate (Qwen2-MoE's shared_expert_gate): y * sigmoid(x . w_g).
+    "shared_experts_gate": ({}, "_SigmoidScale", {"shared_expert_ffn_hidden_size": 48,
+                                                  "shared_expert_gate": True}),
+    "shared_experts_gate_bf16": ({}, "_SigmoidScale", {"shared_expert_ffn_hidden_size": 48,
+                                                       "shared_expert_gate": True}, "bf16"),
     # The same under bf16 autocast (plugins.precision: bf16): nn.Linear's casts and GEMMs.
     "shared_experts_bf16": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
                             "_CastLinear", {"shared_expert_ffn_hidden_size": 48}, "bf16"),
@@ -424,14 +429,16 @@ def test_sink_rows_in_the_arena_match_torch_exactly():
     assert torch.equal(ours[0], x.grad) and torch.equal(ours[1], y.grad)
 
 
+@pytest.mark.parametrize("gate", [False, True])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("T", [1, 64, 77])
-def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T, autocast):
+def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T, autocast,
+                                                                               gate):
     from moeplug.config import MoEConfig
     from moeplug.modules.shared_experts import SharedExperts, add_shared
     torch.manual_seed(T)
     m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
-                                    shared_expert_ffn_hidden_size=48))
+                                    shared_expert_ffn_hidden_size=48, shared_expert_gate=gate))
     # x is a layer's output, as in the MoE layer (autocast caches the cast of a leaf); both
     # linears use it, so its grad is the sum of their cast-back grads. Under bf16 autocast the
     # routed output is bf16 too.

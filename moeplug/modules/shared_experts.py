@@ -44,7 +44,10 @@ class SharedExperts(nn.Module):
             # The same ops into the running MoE layer's arena: no allocation after warm-up.
             up_TF = _linear(x_TD, self.up_proj.weight)
             a_TF = _SwiGLUParts.apply(_linear(x_TD, self.gate_proj.weight), up_TF)
-            return _linear(a_TF, self.down_proj.weight)
+            y_TD = _linear(a_TF, self.down_proj.weight)
+            if self.output_gate is not None:
+                y_TD = _SigmoidScale.apply(y_TD, _linear(x_TD, self.output_gate.weight))
+            return y_TD
         up_TF = self.up_proj(x_TD)
         # activations.py takes FC1's output: [gate | up] halves for gated activations.
         h_TX = up_TF if self.gate_proj is None else torch.cat([self.gate_proj(x_TD), up_TF], -1)
@@ -54,11 +57,11 @@ class SharedExperts(nn.Module):
         return y_TD
 
     def _in_workspace(self, x_TD: torch.Tensor) -> bool:
-        """CPU SwiGLU without the output gate, fp32 weights and input, autocast off or bf16, no
-        quantization recipe (under a recipe F.linear is QuantLinear; the gate and other
+        """CPU SwiGLU (with or without the output gate), fp32 weights and input, autocast off
+        or bf16, no quantization recipe (under a recipe F.linear is QuantLinear; the other
         activations keep plain torch too). Under autocast not for a leaf that requires grad:
         autocast would cast it once for both linears and sum their grads in bf16."""
-        return (self.activation == "swiglu" and self.output_gate is None
+        return (self.activation == "swiglu"
                 and x_TD.device.type == "cpu" and x_TD.dtype == torch.float32 and x_TD.dim() == 2
                 and x_TD.is_contiguous() and active_recipe() is None
                 and (_gemm_dtype() is None or _gemm_dtype() == torch.bfloat16
@@ -160,6 +163,32 @@ class _SwiGLUParts(torch.autograd.Function):
         grad_T2F[:, :F].copy_(grad_gate)
         grad_T2F[:, F:].copy_(grad_up)
         return grad_T2F[:, :F], grad_T2F[:, F:]
+
+
+class _SigmoidScale(torch.autograd.Function):
+    """``y * sigmoid(z)`` with z = x . w_g [T, 1] (the shared expert's output gate), into
+    workspace buffers. Backward repeats MulBackward0 (dY = dOut * s; dS = dOut * y summed to
+    [T, 1], as autograd's sum_to) and SigmoidBackward0 (aten::sigmoid_backward on s)."""
+
+    @staticmethod
+    def forward(ctx, y_TD, z_T1):
+        s_T1 = torch.sigmoid(z_T1, out=workspace.empty(tuple(z_T1.shape), z_T1.dtype))
+        out_TD = torch.mul(y_TD, s_T1, out=workspace.empty(tuple(y_TD.shape), y_TD.dtype))
+        ctx.save_for_backward(y_TD, s_T1)
+        ctx.arena = workspace.current_arena()
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_TD, s_T1 = ctx.saved_tensors
+        with workspace.ctx_arena(ctx):
+            grad_y = torch.mul(grad_TD, s_T1, out=workspace.empty(tuple(y_TD.shape), y_TD.dtype))
+            prod_TD = torch.mul(grad_TD, y_TD, out=workspace.empty(tuple(y_TD.shape), y_TD.dtype))
+            grad_s = torch.sum(prod_TD, dim=1, keepdim=True,
+                               out=workspace.empty(tuple(s_T1.shape), s_T1.dtype))
+            grad_z = torch.ops.aten.sigmoid_backward.grad_input(
+                grad_s, s_T1, grad_input=workspace.empty(tuple(s_T1.shape), s_T1.dtype))
+        return grad_y, grad_z
 
 
 class _AddOutputs(torch.autograd.Function):
