@@ -73,7 +73,7 @@ ROUTER_FEATURES = {
     "capacity_probs": ({"capacity_factor": 1.0, "token_drop_policy": "probs"}, "_ZeroDropped"),
     # Shared experts (SwiGLU, fp32, no output gate) beside capacity dropping.
     "shared_experts": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
-                       "_SwiGLUParts", {"shared_expert_ffn_hidden_size": 48}),
+                       "_ActivationParts", {"shared_expert_ffn_hidden_size": 48}),
     # With the output gate (Qwen2-MoE's shared_expert_gate): y * sigmoid(x . w_g).
     "shared_experts_gate": ({}, "_SigmoidScale", {"shared_expert_ffn_hidden_size": 48,
                                                   "shared_expert_gate": True}),
@@ -82,6 +82,13 @@ ROUTER_FEATURES = {
     # The same under bf16 autocast (plugins.precision: bf16): nn.Linear's casts and GEMMs.
     "shared_experts_bf16": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
                             "_CastLinear", {"shared_expert_ffn_hidden_size": 48}, "bf16"),
+    # The routed experts' other activations (moeplug.ops.grouped_mlp), and a shared expert's.
+    "geglu": ({}, "_GroupedMLP", {"activation": "geglu"}),
+    "gelu": ({}, "_GroupedMLP", {"activation": "gelu"}),
+    "squared_relu": ({}, "_GroupedMLP", {"activation": "squared_relu"}),
+    "squared_relu_bf16": ({}, "_GroupedMLP", {"activation": "squared_relu"}, "bf16"),
+    "shared_experts_gelu": ({}, "_ActivationParts", {"activation": "gelu",
+                                                     "shared_expert_ffn_hidden_size": 48}),
     # Padded rows (routing.rows): every expert to its capacity, or to a multiple of 16 rows
     # (padding_for_quantization), the latter under bf16 too.
     "pad_to_capacity": ({"capacity_factor": 1.0, "pad_to_capacity": True}, "_PadRows"),
@@ -429,16 +436,18 @@ def test_sink_rows_in_the_arena_match_torch_exactly():
     assert torch.equal(ours[0], x.grad) and torch.equal(ours[1], y.grad)
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "squared_relu"])
 @pytest.mark.parametrize("gate", [False, True])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("T", [1, 64, 77])
 def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T, autocast,
-                                                                               gate):
+                                                                               gate, activation):
     from moeplug.config import MoEConfig
     from moeplug.modules.shared_experts import SharedExperts, add_shared
     torch.manual_seed(T)
     m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
-                                    shared_expert_ffn_hidden_size=48, shared_expert_gate=gate))
+                                    shared_expert_ffn_hidden_size=48, shared_expert_gate=gate,
+                                    activation=activation))
     # x is a layer's output, as in the MoE layer (autocast caches the cast of a leaf); both
     # linears use it, so its grad is the sum of their cast-back grads. Under bf16 autocast the
     # routed output is bf16 too.
@@ -618,3 +627,38 @@ def test_row_ranges_and_their_cat_in_the_arena_match_slicing_and_torch_cat_bitwi
     assert ours[0].grad_fn.name().endswith("_CatRowsBackward")
     theirs = run(lambda t, t0, t1: t[t0:t1], torch.cat)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("probs_dtype", [None, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "squared_relu"])
+def test_activation_times_probs_into_buffers_matches_autograd_bitwise(activation, dtype,
+                                                                      probs_dtype):
+    # grouped_mlp's act(h) * p and its vjp (moeplug.ops.activations) against autograd over
+    # activation_fn's composition: same values, dp in the routing weights' own dtype.
+    from moeplug.ops.activations import (act_times_probs, act_times_probs_backward,
+                                         activation_fn, fc1_rows)
+    g = torch.Generator().manual_seed(5)
+    S, F = 37, 21  # odd widths: the vector kernels' scalar tails
+    h = (torch.randn(S, fc1_rows(activation, F), generator=g) * 3).to(dtype)
+    h[0, :4] = torch.tensor([0.0, -0.0, 1e-3, -1e-3]).to(dtype)  # relu's and gelu's kinks
+    p = None if probs_dtype is None else torch.rand(S, generator=g).to(probs_dtype)
+    grad = torch.randn(S, F, generator=g).to(dtype)
+
+    h_ref = h.clone().requires_grad_(True)
+    p_ref = None if p is None else p.clone().requires_grad_(True)
+    a_ref = activation_fn(activation)(h_ref)
+    if p_ref is not None:
+        a_ref = a_ref * p_ref.unsqueeze(-1).to(a_ref.dtype)
+    want = torch.autograd.grad(a_ref, [h_ref] + ([p_ref] if p is not None else []), grad)
+
+    def empty(shape, dt):
+        return torch.full(shape, float("nan"), dtype=dt)  # poisoned: every element is written
+
+    a = act_times_probs(h, p, activation, empty)
+    dh, dp = act_times_probs_backward(grad, h, p, activation, p is not None, empty)
+    assert torch.equal(a, a_ref) and torch.equal(dh, want[0])
+    if p is not None:
+        assert dp.dtype == p.dtype and torch.equal(dp, want[1])
+    else:
+        assert dp is None

@@ -15,7 +15,8 @@ from torch import nn
 
 from moeplug.config import MoEConfig
 from moeplug.ops import workspace
-from moeplug.ops.activations import activation_fn, is_gated
+from moeplug.ops.activations import (act_times_probs, act_times_probs_backward, activation_fn,
+                                     is_gated)
 from moeplug.quant import active_recipe
 from moeplug.routing.gating import _Gate
 
@@ -43,7 +44,8 @@ class SharedExperts(nn.Module):
         if self._in_workspace(x_TD):
             # The same ops into the running MoE layer's arena: no allocation after warm-up.
             up_TF = _linear(x_TD, self.up_proj.weight)
-            a_TF = _SwiGLUParts.apply(_linear(x_TD, self.gate_proj.weight), up_TF)
+            gate_TF = None if self.gate_proj is None else _linear(x_TD, self.gate_proj.weight)
+            a_TF = _ActivationParts.apply(gate_TF, up_TF, self.activation)
             y_TD = _linear(a_TF, self.down_proj.weight)
             if self.output_gate is not None:
                 y_TD = _SigmoidScale.apply(y_TD, _linear(x_TD, self.output_gate.weight))
@@ -57,12 +59,11 @@ class SharedExperts(nn.Module):
         return y_TD
 
     def _in_workspace(self, x_TD: torch.Tensor) -> bool:
-        """CPU SwiGLU (with or without the output gate), fp32 weights and input, autocast off
-        or bf16, no quantization recipe (under a recipe F.linear is QuantLinear; the other
-        activations keep plain torch too). Under autocast not for a leaf that requires grad:
-        autocast would cast it once for both linears and sum their grads in bf16."""
-        return (self.activation == "swiglu"
-                and x_TD.device.type == "cpu" and x_TD.dtype == torch.float32 and x_TD.dim() == 2
+        """CPU, any activation, with or without the output gate; fp32 weights and input,
+        autocast off or bf16, no quantization recipe (under a recipe F.linear is QuantLinear).
+        Under autocast not for a leaf that requires grad: autocast would cast it once for both
+        linears and sum their grads in bf16."""
+        return (x_TD.device.type == "cpu" and x_TD.dtype == torch.float32 and x_TD.dim() == 2
                 and x_TD.is_contiguous() and active_recipe() is None
                 and (_gemm_dtype() is None or _gemm_dtype() == torch.bfloat16
                      and not (x_TD.is_leaf and x_TD.requires_grad))
@@ -127,42 +128,39 @@ class _CastLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-class _SwiGLUParts(torch.autograd.Function):
-    """``silu(h[:, :F]) * h[:, F:]`` with ``h = cat([g, u], -1)``, as
-    :func:`moeplug.ops.activations` computes it, into workspace buffers. The halves stay strided
-    views of one [T, 2F] buffer as in torch: silu's vector kernel takes a scalar tail per row of
-    a view but not of a contiguous tensor, so the layout is part of the numbers. Backward
-    repeats MulBackward0 (dS = dA * u, dU = dA * S), SiluBackward0 (aten::silu_backward on the
-    gate view), SplitBackward0 (the halves' grads into one [T, 2F] buffer) and CatBackward0
-    (its two halves, as views, to the two GEMMs)."""
+class _ActivationParts(torch.autograd.Function):
+    """``act(cat([g, u], -1))`` for gated activations, ``act(u)`` for the others, as
+    :func:`moeplug.ops.activations.activation_fn` computes it, into workspace buffers. A gated
+    input is copied into one [T, 2F] buffer whose halves stay strided views as in torch: silu's
+    vector kernel takes a scalar tail per row of a view but not of a contiguous tensor, so the
+    layout is part of the numbers. Backward is activations.py's vjp (MulBackward0 and the
+    gate's own backward, bitwise autograd's), whose [T, 2F] grad hands its halves, as views, to
+    the two GEMMs (SplitBackward0 then CatBackward0)."""
 
     @staticmethod
-    def forward(ctx, gate_TF, up_TF):
-        (T, F), dt = gate_TF.shape, gate_TF.dtype
-        h_T2F = workspace.empty((T, 2 * F), dt)
-        h_T2F[:, :F].copy_(gate_TF)
-        h_T2F[:, F:].copy_(up_TF)
-        gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
-        silu_TF = torch.ops.aten.silu.out(gate_TF, out=workspace.empty((T, F), dt))
-        a_TF = torch.mul(silu_TF, up_TF, out=workspace.empty((T, F), dt))
-        ctx.save_for_backward(h_T2F, silu_TF)
+    def forward(ctx, gate_TF, up_TF, name):
+        if gate_TF is None:
+            h_TX = up_TF
+        else:
+            (T, F), dt = gate_TF.shape, gate_TF.dtype
+            h_TX = workspace.empty((T, 2 * F), dt)
+            h_TX[:, :F].copy_(gate_TF)
+            h_TX[:, F:].copy_(up_TF)
+        ctx.save_for_backward(h_TX)
+        ctx.name, ctx.gated = name, gate_TF is not None
         ctx.arena = workspace.current_arena()
-        return a_TF
+        return act_times_probs(h_TX, None, name, workspace.empty)
 
     @staticmethod
     def backward(ctx, grad_TF):
-        h_T2F, silu_TF = ctx.saved_tensors
-        gate_TF, up_TF = h_T2F.chunk(2, dim=-1)
-        (T, F), dt = silu_TF.shape, silu_TF.dtype
+        (h_TX,) = ctx.saved_tensors
         with workspace.ctx_arena(ctx):
-            grad_silu = torch.mul(grad_TF, up_TF, out=workspace.empty((T, F), dt))
-            grad_up = torch.mul(grad_TF, silu_TF, out=workspace.empty((T, F), dt))
-            grad_gate = torch.ops.aten.silu_backward.grad_input(
-                grad_silu, gate_TF, grad_input=workspace.empty((T, F), dt))
-            grad_T2F = workspace.empty((T, 2 * F), dt)
-        grad_T2F[:, :F].copy_(grad_gate)
-        grad_T2F[:, F:].copy_(grad_up)
-        return grad_T2F[:, :F], grad_T2F[:, F:]
+            dh_TX, _ = act_times_probs_backward(grad_TF, h_TX, None, ctx.name, False,
+                                                workspace.empty)
+        if not ctx.gated:
+            return None, dh_TX, None
+        F = grad_TF.shape[1]
+        return dh_TX[:, :F], dh_TX[:, F:], None
 
 
 class _SigmoidScale(torch.autograd.Function):

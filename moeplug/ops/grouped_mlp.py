@@ -8,6 +8,8 @@ the others (see :mod:`moeplug.ops.activations`):
     forward   h_e = x_e W1_e^T (per expert)   a = act(h) * p (all rows at once)   y_e = a_e W2_e^T
     backward  dA_e = dY_e W2_e   dW2_e = dY_e^T a_e   (dh, dp) = vjp of act(h) * p
               dX_e = dh_e W1_e   dW1_e = dh_e^T x_e
+The activation and its vjp are activations.py's out= versions (bitwise autograd's), and on CPU
+every buffer comes from the layer's workspace: a steady-state step allocates nothing.
 Experts without rows get zero weight gradients and no GEMM. Under CPU autocast the GEMMs run in
 the autocast dtype and gradients come back in each input's own dtype (fp32 master weights).
 """
@@ -17,35 +19,54 @@ from __future__ import annotations
 import torch
 
 from moeplug import delayed_wgrad
+from moeplug.ops import workspace
 from moeplug.ops._grouped import check_counts_and_probs, compute_dtype, expert_slices
-from moeplug.ops.activations import activation_fn, fc1_rows
+from moeplug.ops.activations import act_times_probs, act_times_probs_backward, fc1_rows
 from moeplug.ops.offload_marks import note
 
 
-def _act_times_probs(h_SX: torch.Tensor, probs32_S: torch.Tensor | None, activation: str):
-    a_SF = activation_fn(activation)(h_SX)
-    if probs32_S is None:
-        return a_SF
-    # The routing weight scales the activation (Megatron weighted activation), not the rows.
-    return a_SF * probs32_S.unsqueeze(-1).to(a_SF.dtype)
+def _allocator(device: torch.device):
+    """Where the op's buffers come from: the layer's workspace on CPU (a steady-state step
+    allocates nothing), torch's allocator elsewhere."""
+    if device.type == "cpu":
+        return workspace.empty
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, empty) -> torch.Tensor:
+    """``t.to(dtype).contiguous()``."""
+    if t.dtype == dtype:
+        return t.contiguous()
+    return empty(tuple(t.shape), dtype).copy_(t)
+
+
+def _zero_unused(buf: torch.Tensor, slices) -> torch.Tensor:
+    """A per-expert [L, ...] weight grad: experts without rows get zeros (the rest mm(out=))."""
+    used = {e for e, _, _ in slices}
+    for e in range(buf.shape[0]):
+        if e not in used:
+            buf[e].zero_()
+    return buf
 
 
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, probs_S, counts, w1_LXD, w2_LDF, activation, compute_dtype,
                 recompute_act, delay_wgrad):
-        x_c, w1_c, w2_c = (t.to(compute_dtype).contiguous() for t in (x_SD, w1_LXD, w2_LDF))
+        empty = _allocator(x_SD.device)
+        x_c, w1_c, w2_c = (_cast(t, compute_dtype, empty) for t in (x_SD, w1_LXD, w2_LDF))
         # Routing weights at least fp32 (as the fused kernel takes them); fp64 stays fp64.
         probs32_S = (None if probs_S is None else
-                     probs_S.detach().to(torch.promote_types(probs_S.dtype, torch.float32)))
+                     _cast(probs_S.detach(), torch.promote_types(probs_S.dtype, torch.float32),
+                           empty))
         S, D = x_c.shape
-        slices = expert_slices(counts)
-        h_SX = x_c.new_empty(S, w1_c.shape[1])
-        y_SD = x_c.new_empty(S, D)
+        slices = expert_slices(counts)  # they cover all S rows (check_counts_and_probs)
+        h_SX = empty((S, w1_c.shape[1]), x_c.dtype)
+        y_SD = empty((S, D), x_c.dtype)
         with torch.autocast(x_c.device.type, enabled=False):
             for e, s0, s1 in slices:
                 torch.mm(x_c[s0:s1], w1_c[e].t(), out=h_SX[s0:s1])
-            a_SF = _act_times_probs(h_SX, probs32_S, activation)
+            a_SF = act_times_probs(h_SX, probs32_S, activation, empty)
             for e, s0, s1 in slices:
                 torch.mm(a_SF[s0:s1], w2_c[e].t(), out=y_SD[s0:s1])
         note("expert_fc1", x_c)  # model.offload names (moeplug.modules.offload)
@@ -53,6 +74,7 @@ class _GroupedMLP(torch.autograd.Function):
         # recompute_act (moe_act recompute): a is dropped here and rebuilt from h in backward.
         ctx.save_for_backward(x_c, h_SX, None if recompute_act else a_SF, probs32_S, w1_c, w2_c)
         ctx.slices, ctx.activation = slices, activation
+        ctx.arena = workspace.current_arena()
         # delay_wgrad: the weights themselves (leaves), into whose .grad the deferred GEMMs sum.
         ctx.weights = ((w1_LXD, w2_LDF)
                        if delay_wgrad and delayed_wgrad.can_defer(w1_LXD, w2_LDF) else None)
@@ -62,54 +84,56 @@ class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_SD):
+        with workspace.ctx_arena(ctx):
+            return _GroupedMLP._backward(ctx, grad_SD)
+
+    @staticmethod
+    def _backward(ctx, grad_SD):
         x_c, h_SX, a_SF, probs32_S, w1_c, w2_c = ctx.saved_tensors
         x_dtype, p_dtype, w1_dtype, w2_dtype = ctx.dtypes
         need_x, need_p, _, need_w1, need_w2 = ctx.needs_input_grad[:5]
         slices, activation = ctx.slices, ctx.activation
-        dY_SD = grad_SD.to(x_c.dtype).contiguous()
+        empty = _allocator(x_c.device)
+        dY_SD = _cast(grad_SD, x_c.dtype, empty)
         # delay_wgrad_compute: only dX and dp here; dW2 and dW1 are queued (moeplug.delayed_wgrad)
         # and run while the dispatch's backward exchange carries dX.
         delay = ctx.weights is not None and (need_w1 or need_w2)
 
         def grad_w2(a_SF):
             if a_SF is None:  # moe_act recompute
-                a_SF = _act_times_probs(h_SX, probs32_S, activation)
-            dW2 = torch.zeros_like(w2_c)
+                a_SF = act_times_probs(h_SX, probs32_S, activation, empty)
+            dW2 = _zero_unused(empty(tuple(w2_c.shape), w2_c.dtype), slices)
             for e, s0, s1 in slices:
                 torch.mm(dY_SD[s0:s1].t(), a_SF[s0:s1], out=dW2[e])
             return dW2
 
         def grad_w1(dh_SX):
-            dW1 = torch.zeros_like(w1_c)
+            dW1 = _zero_unused(empty(tuple(w1_c.shape), w1_c.dtype), slices)
             for e, s0, s1 in slices:
                 torch.mm(dh_SX[s0:s1].t(), x_c[s0:s1], out=dW1[e])
             return dW1
 
         with torch.autocast(x_c.device.type, enabled=False):
             if a_SF is None and need_w2 and not delay:
-                a_SF = _act_times_probs(h_SX, probs32_S, activation)
-            dA_SF = x_c.new_zeros(h_SX.shape[0], w2_c.shape[2])  # rows of no expert stay 0
+                a_SF = act_times_probs(h_SX, probs32_S, activation, empty)
+            dA_SF = empty((h_SX.shape[0], w2_c.shape[2]), x_c.dtype)
             for e, s0, s1 in slices:
                 torch.mm(dY_SD[s0:s1], w2_c[e], out=dA_SF[s0:s1])
             dW2 = grad_w2(a_SF) if need_w2 and not delay else None
-            # The activation's derivative by autograd on a recomputed (cheap, elementwise) graph:
-            # one implementation of every activation, forward and backward, in activations.py.
+            # The activation's vector-Jacobian product: the ops autograd would run for
+            # activations.py's composition, into workspace buffers.
             want_dp = need_p and probs32_S is not None
-            with torch.enable_grad():
-                h = h_SX.detach().requires_grad_()
-                p = probs32_S.detach().requires_grad_(want_dp) if probs32_S is not None else None
-                a = _act_times_probs(h, p, activation)
-                grads = torch.autograd.grad(a, [h, p] if want_dp else [h], dA_SF)
-            dh_SX = grads[0]
-            dp_S = grads[1] if want_dp else None
-            dX = torch.zeros_like(x_c) if need_x else None
-            for e, s0, s1 in slices:
-                if need_x:
+            dh_SX, dp_S = act_times_probs_backward(dA_SF, h_SX, probs32_S, activation, want_dp,
+                                                   empty)
+            dX = None
+            if need_x:
+                dX = empty(tuple(x_c.shape), x_c.dtype)
+                for e, s0, s1 in slices:
                     torch.mm(dh_SX[s0:s1], w1_c[e], out=dX[s0:s1])
             dW1 = grad_w1(dh_SX) if need_w1 and not delay else None
 
         def back(t, dtype):
-            return None if t is None else t.to(dtype)
+            return None if t is None else _cast(t, dtype, empty)
 
         if delay:
             w1, w2 = ctx.weights
