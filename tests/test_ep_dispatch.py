@@ -182,8 +182,9 @@ def test_skewed_case_really_starves_the_other_ranks():
 
 # --- single process: chunk sorting against a plain loop, and the shard helper's errors ---------
 
-def test_chunk_order_sorts_arrival_chunks_expert_major_and_unsort_inverts_it():
-    from moeplug_plugins.dispatchers._ep_comm import (A2APlan, chunk_order, sort_by_local_expert,
+def test_chunk_sort_orders_arrival_chunks_expert_major_and_unsort_inverts_it():
+    from moeplug_plugins.dispatchers._ep_comm import (A2APlan, _MoveChunks, gather_index,
+                                                      sort_by_local_expert,
                                                       unsort_by_local_expert)
     gen = torch.Generator().manual_seed(3)
     for W, L in ((1, 3), (2, 2), (4, 3)):
@@ -192,12 +193,21 @@ def test_chunk_order_sorts_arrival_chunks_expert_major_and_unsort_inverts_it():
         # rows tagged (w, l, i) in arrival order: (w, l)-major
         tags = [(w, l, i) for w in range(W) for l in range(L) for i in range(int(counts_WL[w, l]))]
         want = sorted(tags, key=lambda t: (t[1], t[0], t[2]))  # expert-major, then source rank
-        idx_S = chunk_order(counts_WL)
-        assert [tags[i] for i in idx_S.tolist()] == want
-        rows = torch.randn(len(tags), 2, requires_grad=True)
-        plan = A2APlan(send_W=[], recv_W=[], counts_WL=counts_WL, order_S=idx_S)
-        assert torch.equal(unsort_by_local_expert(sort_by_local_expert(rows, plan), plan), rows)
+        rows = torch.tensor([[w, l, i] for w, l, i in tags], dtype=torch.float32).reshape(-1, 3)
+        rows.requires_grad_(True)
+        plan = A2APlan(send_W=[], recv_W=[], counts_WL=counts_WL)
+        sorted_rows = sort_by_local_expert(rows, plan)
+        assert [tuple(int(v) for v in r) for r in sorted_rows.tolist()] == want
+        assert torch.equal(unsort_by_local_expert(sorted_rows, plan), rows)
+        # backward is the inverse move: the gradient of row i lands where row i came from
+        g = torch.randn(len(tags), 3, generator=gen)
+        sorted_rows.backward(g)
+        assert torch.equal(rows.grad, unsort_by_local_expert(g, plan))
         assert torch.equal(plan.counts_L, counts_WL.sum(0))
+        # the GPU's path: one index_select with the same moves
+        for moves in (plan.chunks, [(b, a, n) for a, b, n in plan.chunks]):
+            assert torch.equal(rows.detach().index_select(0, gather_index(moves)),
+                               _MoveChunks.apply(rows.detach(), moves))
 
 
 def test_local_expert_ids_and_its_errors():

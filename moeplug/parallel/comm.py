@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from moeplug import delayed_wgrad
+from moeplug.ops import workspace
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch < 2.13 has only
 # the old ones. Same signatures: (output, input, ..., group=).
@@ -126,9 +127,18 @@ def _run(collective, *args, group: Any) -> None:
     work.wait()
 
 
+def _rows_buffer(x_N: torch.Tensor, rows: int) -> torch.Tensor:
+    """An uninitialised [rows, ...] like x_N: on CPU from the workspace (the running MoE
+    layer's arena or the large-buffer cache), so a steady-state exchange allocates nothing."""
+    shape = (rows, *x_N.shape[1:])
+    if x_N.device.type == "cpu":
+        return workspace.empty(shape, x_N.dtype)
+    return x_N.new_empty(shape)
+
+
 def _all_to_all(x_N: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: Any) -> torch.Tensor:
-    out_M = x_N.new_empty((sum(out_splits), *x_N.shape[1:]))
+    out_M = _rows_buffer(x_N, sum(out_splits))
     _run(dist.all_to_all_single, out_M, x_N.contiguous(), out_splits, in_splits, group=group)
     return out_M
 
@@ -196,12 +206,15 @@ class _AllToAll(Function):
     @staticmethod
     def forward(ctx, x_N, out_splits, in_splits, group):
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        ctx.arena = workspace.current_arena()  # backward's small buffers: the same layer's
         return _all_to_all(x_N, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad_M):
         # Rows go back the way they came: swap the splits.
-        return _AllToAll.apply(grad_M, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+        with workspace.ctx_arena(ctx):
+            grad_N = _AllToAll.apply(grad_M, ctx.in_splits, ctx.out_splits, ctx.group)
+        return grad_N, None, None, None
 
 
 class _AllGather(Function):
@@ -315,7 +328,7 @@ class _AllToAllStart(Function):
     @staticmethod
     def forward(ctx, x_N, pending):
         ctx.pending = pending
-        out_M = x_N.new_empty((sum(pending.out_splits), *x_N.shape[1:]))
+        out_M = _rows_buffer(x_N, sum(pending.out_splits))
         # The work handle keeps x_N and out_M alive until the exchange completes.
         pending.work = dist.all_to_all_single(
             out_M, x_N.contiguous(), pending.out_splits, pending.in_splits,
@@ -342,13 +355,15 @@ class _AllToAllWait(Function):
         pending.work.wait()
         pending.work = None
         ctx.pending = pending
+        ctx.arena = workspace.current_arena()
         return out_M.view_as(out_M)
 
     @staticmethod
     def backward(ctx, grad_M):
         p = ctx.pending
         grad_M = grad_M.contiguous()
-        p.grad_N = grad_M.new_empty((sum(p.in_splits), *grad_M.shape[1:]))
+        with workspace.ctx_arena(ctx):
+            p.grad_N = _rows_buffer(grad_M, sum(p.in_splits))
         p.grad_work = dist.all_to_all_single(p.grad_N, grad_M, p.in_splits, p.out_splits,
                                              group=active_group(p.group), async_op=True)
         # Delayed expert weight gradients (model.moe.delay_wgrad_compute) run in its shadow.

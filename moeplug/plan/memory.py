@@ -320,7 +320,9 @@ def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) ->
             worst, name = held, f"backward of unit {i} of {len(order)}"
     weights = base.weights_grads - grads  # gradients are in the walk above
     # The units run without expert parallelism: the all-to-all's send and receive rows
-    # (stage_memory's comm_buffers) come on top.
+    # (stage_memory's comm_buffers) come on top, twice: on the CPU the dispatcher's re-sort by
+    # local expert writes workspace buffers of the same rows (expert-major on the way there,
+    # arrival order on the way back), which the workspace cache keeps with the exchange's.
     return MemoryBreakdown(rank=0, weights_grads=weights, optimizer=base.optimizer,
                            activations={f"activations + grads ({name})": worst},
-                           comm_buffers=base.comm_buffers)
+                           comm_buffers=2 * base.comm_buffers)

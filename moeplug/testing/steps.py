@@ -77,3 +77,48 @@ def train_ep2_variants(rank: int, world: int, cfgs: dict, vocab: int, stat: str)
         out[name] = {"losses": losses, stat: stats,
                      "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     return out
+
+
+def ep2_moe_allocations(rank: int, world: int, dispatcher: str, arenas: bool) -> tuple:
+    """On each rank of a 2-rank gloo run: a 2-layer EP2 model (8 experts top-2, the stash on)
+    trained 5 steps of 2 micro-batches, then the MoE path's allocations in the next two steps,
+    summed, as (count, where) of :func:`moeplug.testing.allocations.moe_path_allocations`. ``arenas``
+    False switches every layer's workspace arena off (the counter must then see the
+    exchanges' buffers)."""
+    from moeplug.config import config_from_dict
+    from moeplug.modules.moe import MoELayer
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    from moeplug.testing.allocations import moe_path_allocations
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
+    torch.set_num_threads(1)
+    cfg = config_from_dict({
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 32, "first_k_dense": 0,
+                  "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}},
+        "plugins": {"dispatcher": dispatcher},
+        "parallel": {"ep": 2},
+        "train": {"steps": 10, "micro_batch_size": 2, "seq_len": 32, "warmup_steps": 1,
+                  "grad_accum_steps": 2},
+        "runtime": {"stash": True}})
+    host = PluginHost.load()
+    precision = host.create("precision", "fp32", {})
+    groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+    seed_everything(0)
+    model = build_rank_model(cfg, host, 256, groups)
+    opt = build_rank_optimizer(model, cfg, groups)
+    if not arenas:
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.workspace = None
+    gen = torch.Generator().manual_seed(5 + rank)  # each rank its own batches: new routing
+
+    def step() -> None:
+        batches = [(torch.randint(0, 256, (2, 32), generator=gen),
+                    torch.randint(0, 256, (2, 32), generator=gen)) for _ in range(2)]
+        train_step(model, opt, batches, cfg.train, precision, groups)
+    for _ in range(5):  # EP2 spreads the rows per expert wider: the scratch classes warm later
+        step()
+    reports = [moe_path_allocations(model, step) for _ in range(2)]
+    return sum(r.count for r in reports), {k: n for r in reports for k, n in r.where.items()}

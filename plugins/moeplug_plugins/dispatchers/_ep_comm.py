@@ -12,11 +12,14 @@ destination rank: row r goes to rank r.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd import Function
 
+from moeplug.ops import workspace
 from moeplug.parallel import comm
 
 
@@ -28,28 +31,31 @@ class A2APlan:
     recv_W:    rows this rank receives from each EP rank.
     counts_WL: rows received from rank w for local expert l (int64 CPU); arrival order is
                (source rank, local expert)-major, the experts want (local expert, source rank).
-    order_S:   ``rows[order_S]`` sorts arrived rows expert-major (see :func:`chunk_order`);
-               None in a one-rank plan (:func:`local_plan`), where that sort is never run.
     """
 
     send_W: list[int]
     recv_W: list[int]
     counts_WL: torch.Tensor
-    order_S: torch.Tensor | None
 
     @property
     def counts_L(self) -> torch.Tensor:
         if self.counts_WL.shape[0] == 1:  # one rank: its row, no reduction (no allocation)
             return self.counts_WL[0]
-        return self.counts_WL.sum(dim=0)
+        L = self.counts_WL.shape[1]
+        return torch.sum(self.counts_WL, dim=0, out=workspace.empty((L,), torch.int64))
+
+    @functools.cached_property
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """(arrival start, expert-major start, rows) of every non-empty (w, l) chunk: see
+        :func:`sort_by_local_expert`."""
+        return chunk_moves(self.counts_WL.tolist())
 
 
 def local_plan(counts_E: torch.Tensor, num_rows: int) -> A2APlan:
     """The plan of a one-rank EP group, where rows go nowhere: :func:`exchange_counts`'s
     numbers, built from views and ``num_rows`` (= counts_E.sum()) without a collective or an
-    allocation. ``order_S`` is None: the one-rank sort is the identity and is never run."""
-    return A2APlan(send_W=[num_rows], recv_W=[num_rows], counts_WL=counts_E.view(1, -1),
-                   order_S=None)
+    allocation. Its sort is the identity (one source rank), and is never run."""
+    return A2APlan(send_W=[num_rows], recv_W=[num_rows], counts_WL=counts_E.view(1, -1))
 
 
 def exchange_counts(counts_E: torch.Tensor, group: Any) -> A2APlan:
@@ -60,11 +66,13 @@ def exchange_counts(counts_E: torch.Tensor, group: Any) -> A2APlan:
         raise ValueError(f"counts_E has {counts_E.numel()} experts, not divisible by the EP size "
                          f"{W}. Fix: choose num_experts a multiple of the expert-parallel size")
     L = counts_E.numel() // W
-    send_WL = counts_E.view(W, L)
     with torch.no_grad():
-        counts_WL = comm.all_to_all(send_WL, [1] * W, [1] * W, group)
-    return A2APlan(send_W=send_WL.sum(dim=1).tolist(), recv_W=counts_WL.sum(dim=1).tolist(),
-                   counts_WL=counts_WL, order_S=chunk_order(counts_WL))
+        counts_WL = comm.all_to_all(counts_E.view(W, L), [1] * W, [1] * W, group)
+    # The row sums in Python: the lists are what the collectives take, and torch's sums would
+    # each allocate a result.
+    sent, received = counts_E.tolist(), counts_WL.tolist()
+    return A2APlan(send_W=[sum(sent[w * L:(w + 1) * L]) for w in range(W)],
+                   recv_W=[sum(row) for row in received], counts_WL=counts_WL)
 
 
 def all_to_all_there(rows_N: torch.Tensor, plan: A2APlan, group: Any) -> torch.Tensor:
@@ -77,34 +85,75 @@ def all_to_all_back(rows_S: torch.Tensor, plan: A2APlan, group: Any) -> torch.Te
     return comm.all_to_all(rows_S, plan.send_W, plan.recv_W, group)
 
 
-def chunk_order(counts_WL: torch.Tensor) -> torch.Tensor:
-    """idx_S such that ``rows[idx_S]`` turns (w, l)-major chunks into (l, w)-major ones.
+def chunk_moves(counts_WL: list[list[int]]) -> list[tuple[int, int, int]]:
+    """(arrival start, expert-major start, rows) per non-empty chunk, for rows that arrive
+    (w, l)-major in chunks of ``counts_WL[w][l]`` rows and are wanted (l, w)-major: the order a
+    single process would give the concatenation of every rank's tokens (each chunk keeps its
+    rows' (token, k) order)."""
+    W, L = len(counts_WL), len(counts_WL[0]) if counts_WL else 0
+    arrival, start = [[0] * L for _ in range(W)], 0
+    for w in range(W):
+        for l in range(L):
+            arrival[w][l], start = start, start + counts_WL[w][l]
+    moves, out = [], 0
+    for l in range(L):
+        for w in range(W):
+            n = counts_WL[w][l]
+            if n:
+                moves.append((arrival[w][l], out, n))
+            out += n
+    return moves
 
-    Stable inside each chunk, so rows of one expert stay in (source rank, token, k) order -
-    the same order a single process would give the concatenation of every rank's tokens.
-    """
-    W, L = counts_WL.shape
-    flat = counts_WL.reshape(-1)
-    start_WL = (torch.cumsum(flat, 0) - flat).view(W, L)   # where each chunk starts on arrival
-    sizes_LW = counts_WL.t().reshape(-1)
-    starts_LW = start_WL.t().reshape(-1)
-    S = int(flat.sum())
-    # For output row i in chunk c: arrival row = start of c on arrival + (i - start of c in output).
-    out_start_LW = torch.cumsum(sizes_LW, 0) - sizes_LW
-    offset_S = torch.arange(S, dtype=torch.int64) - torch.repeat_interleave(out_start_LW, sizes_LW)
-    return torch.repeat_interleave(starts_LW, sizes_LW) + offset_S
+
+class _MoveChunks(Function):
+    """``out[b:b+n] = rows[a:a+n]`` for each (a, b, n) of a permutation of row chunks, into a
+    workspace buffer; backward moves the gradient's chunks back the same way. Contiguous chunk
+    copies instead of an index_select: no [S] index, no zero-filled gradient buffer."""
+
+    @staticmethod
+    def forward(ctx, rows, moves):
+        ctx.moves = moves
+        ctx.arena = workspace.current_arena()
+        return _move(rows, moves, forward=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with workspace.ctx_arena(ctx):
+            return _move(grad, ctx.moves, forward=False), None
+
+
+def _move(rows: torch.Tensor, moves: list[tuple[int, int, int]], forward: bool) -> torch.Tensor:
+    out = workspace.empty(tuple(rows.shape), rows.dtype)
+    for a, b, n in moves:
+        src, dst = (a, b) if forward else (b, a)
+        out[dst:dst + n].copy_(rows[src:src + n])
+    return out
+
+
+def _apply_moves(rows: torch.Tensor, moves: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``rows`` with its chunks moved. On a GPU one index_select (a copy kernel per chunk would
+    be a launch per (source rank, expert) pair); on CPU the chunk copies."""
+    if rows.device.type == "cpu":
+        return _MoveChunks.apply(rows, moves)
+    return rows.index_select(0, gather_index(moves).to(rows.device))
+
+
+def gather_index(moves: list[tuple[int, int, int]]) -> torch.Tensor:
+    """idx with ``rows[idx]`` = ``rows`` with its chunks moved (the moves cover every row)."""
+    by_dst = sorted(moves, key=lambda m: m[1])
+    if not by_dst:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.cat([torch.arange(a, a + n) for a, _, n in by_dst])
 
 
 def sort_by_local_expert(rows_S: torch.Tensor, plan: A2APlan) -> torch.Tensor:
-    return rows_S.index_select(0, plan.order_S.to(rows_S.device))
+    """Arrived rows ((source rank, local expert)-major) in local-expert-major order."""
+    return _apply_moves(rows_S, plan.chunks)
 
 
 def unsort_by_local_expert(rows_S: torch.Tensor, plan: A2APlan) -> torch.Tensor:
     """Inverse of :func:`sort_by_local_expert`: expert-major rows back to arrival order."""
-    idx_S = plan.order_S.to(rows_S.device)
-    inverse_S = torch.empty_like(idx_S)
-    inverse_S[idx_S] = torch.arange(idx_S.numel(), dtype=idx_S.dtype, device=idx_S.device)
-    return rows_S.index_select(0, inverse_S)
+    return _apply_moves(rows_S, [(b, a, n) for a, b, n in plan.chunks])
 
 
 # --- allgather dispatcher ----------------------------------------------------------------------

@@ -14,8 +14,8 @@ Contract of a transport (what a replacement must keep):
     plan(counts_nX)  counts_nX[j, x]: rows this rank sends to node rank j in chunk x. Returns a
                      frozen plan holding, as :class:`~moeplug_plugins.dispatchers._ep_comm.A2APlan`
                      does, send_W / recv_W (rows per peer), counts_WL (rows received from node
-                     rank j in chunk x, int64 CPU [n, X]) and order_S (sorts arrival order
-                     (source j, chunk x)-major into (chunk x, source j)-major).
+                     rank j in chunk x, int64 CPU [n, X]; the plan's ``chunks`` sort arrival
+                     order (source j, chunk x)-major into (chunk x, source j)-major).
     there(rows, plan) rows grouped by destination (j-major, chunk-major inside) -> this rank's
                      rows in arrival order (source j, chunk x)-major; differentiable, its backward
                      is ``back``.
@@ -46,7 +46,7 @@ class TorchIntraNode:
         counts_nX = counts_nX.to(torch.int64).cpu()
         if self.group is None:
             return _ep_comm.A2APlan(send_W=[int(counts_nX.sum())], recv_W=[int(counts_nX.sum())],
-                                    counts_WL=counts_nX, order_S=_ep_comm.chunk_order(counts_nX))
+                                    counts_WL=counts_nX)
         # exchange_counts views the flat counts as [n, X]: peer j gets row j.
         return _ep_comm.exchange_counts(counts_nX.reshape(-1), self.group)
 
@@ -106,7 +106,7 @@ class ShmIntraNode:
         back = torch.stack([before_S[:, me], ranks, before_R[:, me], rows_SR[:, me]], dim=1)
         counts_WL = all_SRX[:, me, :].clone()
         return ShmPlan(send_W=rows_SR[me].tolist(), recv_W=rows_SR[:, me].tolist(),
-                       counts_WL=counts_WL, order_S=_ep_comm.chunk_order(counts_WL),
+                       counts_WL=counts_WL,
                        there_C4=there[there[:, 3] > 0].contiguous(),
                        back_C4=back[back[:, 3] > 0].contiguous(),
                        recv_rows_n=rows_SR.sum(0).tolist(), sent_rows_n=rows_SR.sum(1).tolist(),
