@@ -112,3 +112,50 @@ def test_expert_mlp_vs_square_matmul(benchmark, report, dtype_name, target):
     benchmark.extra_info.update({"expert_mlp_gflops": mlp, "matmul_gflops": mm,
                                  "ratio": mlp / mm})
     benchmark.pedantic(fwd_bwd, rounds=1, iterations=1)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_swiglu_per_expert_slice(benchmark, report, dtype_name):
+    """The fused SwiGLU forward and backward as the grouped experts call them: one expert's
+    S/E rows at a time, right after its FC1 GEMM wrote them (so one slice, reused, stays in
+    the last-level cache as in the layer), E times, against the torch composition on the same
+    slice and a memcpy of the bytes a backward moves (read dA and h, write dh: 5F per row)."""
+    from moeplug.ops.swiglu import swiglu_backward_raw, swiglu_forward_raw
+    dtype = DTYPES[dtype_name]
+    gen = torch.Generator().manual_seed(2)
+    R = S // E
+    h = torch.randn(R, 2 * F, generator=gen).to(dtype)
+    da = torch.randn(R, F, generator=gen).to(dtype)
+    p = torch.rand(R, generator=gen)
+    a, dh, dp = torch.empty(R, F, dtype=dtype), torch.empty(R, 2 * F, dtype=dtype), torch.empty(R)
+    src, dst = torch.randn(R, 5 * F).to(dtype), torch.empty(R, 5 * F, dtype=dtype)
+
+    def per_expert(fn):
+        def run():
+            for _ in range(E):
+                fn()
+        return run
+
+    def torch_bwd():
+        hh, pp = h.detach().requires_grad_(), p.detach().requires_grad_()
+        torch.autograd.grad(ref.swiglu(hh, pp), [hh, pp], da)
+
+    bwd = per_expert(lambda: swiglu_backward_raw(da, h, p, True, dh, dp))
+    times = interleave({
+        "fwd": per_expert(lambda: swiglu_forward_raw(h, p, a)),
+        "bwd": bwd,
+        "torch_fwd": per_expert(lambda: ref.swiglu(h, p)),
+        "torch_bwd": per_expert(torch_bwd),
+        "memcpy": per_expert(lambda: dst.copy_(src)),
+    }, repeats=7)
+    name = f"swiglu {dtype_name} ({E} x [{R}, {F}])"
+    nbytes = E * R * 5 * F * h.element_size()
+    report.row(name, "bwd speed vs memcpy", times["memcpy"] / times["bwd"],
+               note=f"{gbytes_per_s(nbytes, times['bwd']):.1f} GB/s; fwd "
+                    f"{times['fwd'] * 1e3:.1f} ms, bwd {times['bwd'] * 1e3:.1f} ms a layer")
+    report.row(name, "fwd speedup vs torch", times["torch_fwd"] / times["fwd"])
+    report.row(name, "bwd speedup vs torch", times["torch_bwd"] / times["bwd"])
+    benchmark.extra_info.update({k: v * 1e3 for k, v in times.items()})
+    benchmark.pedantic(bwd, rounds=3, iterations=1)
+    torch.testing.assert_close(swiglu_forward_raw(h, p), ref.swiglu(h.float(), p).to(dtype),
+                               rtol=1e-2, atol=1e-5)
