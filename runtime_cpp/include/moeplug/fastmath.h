@@ -10,6 +10,21 @@
 
 namespace moeplug {
 
+// e^x for x = n ln2 + r: the reduction of r and the degree-5 polynomial, for a float or a
+// v16f (the same operations in the same order, so a lane equals the scalar bit for bit).
+template <class V>
+MOEPLUG_INLINE V exp_of_reduced(V x, V n) {
+  V r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // Cephes-style expf: range reduction to [-ln2/2, ln2/2] plus a degree-5 polynomial, ~1 ulp.
 // Inputs are clamped so 2^n never overflows the exponent field; sigmoid only needs the
 // saturated ends to be 0 or huge, which the clamp preserves.
@@ -17,44 +32,24 @@ MOEPLUG_INLINE float exp_approx(float x) {
   x = x < -87.0f ? -87.0f : x;
   x = x > 88.0f ? 88.0f : x;
   const float fx = x * 1.44269504088896341f;
-  const float n = static_cast<float>(static_cast<int32_t>(fx + (fx >= 0.0f ? 0.5f : -0.5f)));
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const int32_t ni = static_cast<int32_t>(fx + (fx >= 0.0f ? 0.5f : -0.5f));
+  const int32_t bits = (ni + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
+  return exp_of_reduced(x, static_cast<float>(ni)) * scale;
 }
 
-// exp_approx on sixteen lanes: the same operations in the same order, so each lane equals
-// the scalar version bit for bit (the loops' scalar tails use that one).
+// exp_approx on sixteen lanes (the SwiGLU loops' body; their scalar tails use exp_approx).
 MOEPLUG_INLINE v16f exp_approx16(v16f x) {
   x = x < -87.0f ? splat16(-87.0f) : x;
   x = x > 88.0f ? splat16(88.0f) : x;
   const v16f fx = x * 1.44269504088896341f;
   const v16f half = fx >= 0.0f ? splat16(0.5f) : splat16(-0.5f);
   const v16i32 ni = __builtin_convertvector(fx + half, v16i32);
-  const v16f n = __builtin_convertvector(ni, v16f);
-  v16f r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  v16f p = splat16(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const v16f y = p * r * r + r + 1.0f;
   const v16i32 bits = (ni + 127) << 23;
   v16f scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
+  return exp_of_reduced(x, __builtin_convertvector(ni, v16f)) * scale;
 }
 
 }  // namespace moeplug
