@@ -205,9 +205,10 @@ def test_chunk_sort_orders_arrival_chunks_expert_major_and_unsort_inverts_it():
         assert torch.equal(rows.grad, unsort_by_local_expert(g, plan))
         assert torch.equal(plan.counts_L, counts_WL.sum(0))
         # the GPU's path: one index_select with the same moves
-        for moves in (plan.chunks, [(b, a, n) for a, b, n in plan.chunks]):
+        for moves, forward in ((plan.chunks, True),
+                               ([(b, a, n) for a, b, n in plan.chunks], False)):
             assert torch.equal(rows.detach().index_select(0, gather_index(moves)),
-                               _MoveChunks.apply(rows.detach(), moves))
+                               _MoveChunks.apply(rows.detach(), counts_WL, forward))
 
 
 def test_local_expert_ids_and_its_errors():

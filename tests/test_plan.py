@@ -226,34 +226,34 @@ def _unit_ops_local_and_on_rank(rank: int, world: int, data: dict) -> dict:
 
     def traced(fn):
         fn()
-        trace, _ = C._run_traced(fn)
+        with C._timed_kernels() as core:
+            trace, _ = C._run_traced(fn)
         names = {f.overloadpacket.__name__ for f, *_ in trace.ops.values()}
-        copies = sum(n for f, _, _, n in trace.ops.values() if f.overloadpacket.__name__ == "copy_")
-        return names, copies, trace.collectives
-    local_ops, local_copies, local_coll = traced(
+        return names, core.calls.get("move_row_chunks", 0), trace.collectives
+    local_ops, local_sorts, local_coll = traced(
         C._unit_fns(build_model(local, host, vocab), local, precision, 1)["moe"](shape))
     model = build_rank_model(cfg, host, vocab, groups)
-    rank_ops, rank_copies, rank_coll = traced(
+    rank_ops, rank_sorts, rank_coll = traced(
         C._rank_unit_fns(model, cfg, precision, vocab, groups)["moe"](shape))
     _, grad_sync = C._step_collectives(cfg, model, vocab, groups, precision)
-    return {"local": local_ops, "rank": rank_ops, "local_copies": local_copies,
-            "rank_copies": rank_copies, "local_coll": local_coll,
+    return {"local": local_ops, "rank": rank_ops, "local_sorts": local_sorts,
+            "rank_sorts": rank_sorts, "local_coll": local_coll,
             "rank_coll": [k for k, _ in rank_coll], "grad_sync": grad_sync}
 
 
 def test_two_rank_units_are_timed_with_the_wrappers_work(tiny_corpus, cache_dir, tmp_path):
     """The two-rank gap of issue 12, located: the EP dispatcher re-sorts the rows it received
-    (a copy per (source rank, local expert) chunk, forward and backward), which the ep=1 unit
-    never runs; the unit the plan times on the rank's own modules runs it, and its all-to-alls
-    are left to the links."""
+    (the runtime's move_row_chunks, forward and backward), which the ep=1 unit never runs; the
+    unit the plan times on the rank's own modules runs it (and times it as a kernel), and its
+    all-to-alls are left to the links."""
     from conftest import tiny_config_dict
     from moeplug.testing.distributed import run_distributed
     data = dict(tiny_config_dict(tiny_corpus, str(tmp_path / "run"), cache_dir),
                 parallel={"ep": 2})
     for got in run_distributed(_unit_ops_local_and_on_rank, 2, data, timeout=300):
-        # 2 ranks x 2 local experts: up to 4 chunk copies each way, per tensor (rows, probs)
-        assert got["rank_copies"] >= got["local_copies"] + 4, (got["rank_copies"],
-                                                               got["local_copies"])
+        # sort and unsort of the rows and their probs, forward and backward
+        assert got["local_sorts"] == 0 and got["rank_sorts"] >= 4, (got["local_sorts"],
+                                                                     got["rank_sorts"])
         assert not got["local_coll"] and "all_to_all" in got["rank_coll"]
         assert got["grad_sync"] > 0
 

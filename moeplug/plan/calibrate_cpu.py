@@ -50,7 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm"}
 COLLECTIVE_SIZES_ORDER = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter")
-KERNELS = ("permute", "unpermute", "unpermute_backward", "swiglu_forward", "swiglu_backward")
+KERNELS = ("permute", "unpermute", "unpermute_backward", "swiglu_forward", "swiglu_backward",
+           "move_row_chunks")
 COLLECTIVE_KIND = {"alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
                    "allgather_": "all_gather", "_allgather_base_": "all_gather",
                    "allgather_into_tensor_coalesced_": "all_gather",
@@ -157,6 +158,7 @@ class _TimedCore:
 
     def __init__(self, core: Any) -> None:
         self._core, self.seconds = core, 0.0
+        self.calls: dict[str, int] = {}  # kernel name -> calls
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._core, name)
@@ -164,6 +166,7 @@ class _TimedCore:
             return attr
 
         def timed(*a, **k):
+            self.calls[name] = self.calls.get(name, 0) + 1
             t0 = _clock()
             try:
                 return attr(*a, **k)

@@ -323,6 +323,9 @@ def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) ->
     # (stage_memory's comm_buffers) come on top, twice: on the CPU the dispatcher's re-sort by
     # local expert writes workspace buffers of the same rows (expert-major on the way there,
     # arrival order on the way back), which the workspace cache keeps with the exchange's.
+    # When the MoE layer's forward is recomputed, its exchange runs again inside the backward,
+    # beside the backward's own: twice that.
+    rerun = full or "moe" in cfg.recompute.modules
     return MemoryBreakdown(rank=0, weights_grads=weights, optimizer=base.optimizer,
                            activations={f"activations + grads ({name})": worst},
-                           comm_buffers=2 * base.comm_buffers)
+                           comm_buffers=(4 if rerun else 2) * base.comm_buffers)

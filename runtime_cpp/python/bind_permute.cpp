@@ -24,6 +24,17 @@ void register_permute(py::module_& m) {
       "dest_rank (id / local_experts), dest_row (base[id] + index among this rank's choices of "
       "that expert); -1 for dropped. scratch holds 2*E + 1 int64.");
   def_kernel(
+      m, "move_row_chunks",
+      +[](uintptr_t src, uintptr_t dst, int64_t row_bytes, uintptr_t counts, int64_t num_ranks,
+          int64_t local_experts, bool to_expert_major) {
+        move_row_chunks(ptr<const void>(src), ptr<void>(dst), row_bytes,
+                        ptr<const int64_t>(counts), num_ranks, local_experts, to_expert_major);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("row_bytes"), py::arg("counts"),
+      py::arg("num_ranks"), py::arg("local_experts"), py::arg("to_expert_major"),
+      "Rows arrived (rank, local expert)-major in chunks of counts [W, L] rows: into dst "
+      "(local expert, rank)-major (to_expert_major), or back.");
+  def_kernel(
       m, "permute",
       +[](uintptr_t x, uintptr_t ids, uintptr_t x_out, uintptr_t row_map, uintptr_t counts,
           int64_t num_tokens, int64_t top_k, int64_t hidden, int64_t num_experts, int dtype) {

@@ -4,8 +4,12 @@
 #include "moeplug/row_plan.h"
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
+
+#include "moeplug/thread_pool.h"
 
 namespace moeplug {
 
@@ -48,6 +52,53 @@ void place_rows(const int64_t* ids_N, int64_t N, int64_t E, int64_t L, const int
     dest_rank_N[i] = e / L;
     dest_row_N[i] = shift_E[e] + row;
   }
+}
+
+void move_row_chunks(const void* src, void* dst, int64_t row_bytes, const int64_t* counts_WL,
+                     int64_t W, int64_t L, bool to_expert_major) {
+  if (W < 0 || L < 0 || row_bytes < 0) {
+    throw std::invalid_argument("move_row_chunks: expected ranks, local experts and row bytes "
+                                ">= 0; got " + std::to_string(W) + ", " + std::to_string(L) +
+                                ", " + std::to_string(row_bytes));
+  }
+  // Each chunk's start in arrival order ((w, l)-major) and in expert-major order ((l, w)-major).
+  std::vector<int64_t> arrival(W * L), expert(W * L);
+  int64_t start = 0;
+  for (int64_t c = 0; c < W * L; ++c) {
+    if (counts_WL[c] < 0) {
+      throw std::invalid_argument("move_row_chunks: counts[" + std::to_string(c / L) + ", " +
+                                  std::to_string(c % L) + "] = " +
+                                  std::to_string(counts_WL[c]) + " is negative");
+    }
+    arrival[c] = start;
+    start += counts_WL[c];
+  }
+  start = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t w = 0; w < W; ++w) {
+      expert[w * L + l] = start;
+      start += counts_WL[w * L + l];
+    }
+  }
+  // (source row, destination row, rows) pieces of at most kPiece rows.
+  constexpr int64_t kPiece = 256;
+  struct Piece { int64_t from, to, rows; };
+  std::vector<Piece> pieces;
+  for (int64_t c = 0; c < W * L; ++c) {
+    const int64_t from = to_expert_major ? arrival[c] : expert[c];
+    const int64_t to = to_expert_major ? expert[c] : arrival[c];
+    for (int64_t r = 0; r < counts_WL[c]; r += kPiece) {
+      pieces.push_back({from + r, to + r, std::min(kPiece, counts_WL[c] - r)});
+    }
+  }
+  const char* s = static_cast<const char*>(src);
+  char* d = static_cast<char*>(dst);
+  parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const Piece& q = pieces[p];
+      std::memcpy(d + q.to * row_bytes, s + q.from * row_bytes, q.rows * row_bytes);
+    }
+  });
 }
 
 }  // namespace moeplug

@@ -3,6 +3,7 @@
 //   cmake --build build/cpp-tests -j2 && ctest --test-dir build/cpp-tests
 // Each check compares a kernel against a naive loop written here.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -199,6 +200,35 @@ void test_place_rows_matches_naive() {
   check(threw, "place_rows names the first bad id");
 }
 
+// Rows tagged by (w, l, i) arrive (w, l)-major; expert-major order sorts by (l, w, i). Chunks
+// over 256 rows are split into pieces: one of 600 rows checks the split.
+void test_move_row_chunks_sorts_expert_major_and_back() {
+  const int64_t W = 3, L = 2;
+  const std::vector<int64_t> counts = {2, 0, 600, 1, 3, 4};  // [W, L]
+  std::vector<std::array<int64_t, 3>> rows, want;
+  for (int64_t w = 0; w < W; ++w)
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t i = 0; i < counts[w * L + l]; ++i) rows.push_back({w, l, i});
+  want = rows;
+  std::stable_sort(want.begin(), want.end(), [](const auto& a, const auto& b) {
+    return a[1] != b[1] ? a[1] < b[1] : a[0] < b[0];
+  });
+  std::vector<std::array<int64_t, 3>> sorted(rows.size()), back(rows.size());
+  const int64_t row_bytes = sizeof(rows[0]);
+  moeplug::move_row_chunks(rows.data(), sorted.data(), row_bytes, counts.data(), W, L, true);
+  check(sorted == want, "move_row_chunks puts the rows in (local expert, rank) order");
+  moeplug::move_row_chunks(sorted.data(), back.data(), row_bytes, counts.data(), W, L, false);
+  check(back == rows, "move_row_chunks' inverse restores arrival order");
+  const std::vector<int64_t> bad = {1, -1};
+  bool threw = false;
+  try {
+    moeplug::move_row_chunks(rows.data(), sorted.data(), row_bytes, bad.data(), 1, 2, true);
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("counts[0, 1] = -1") != std::string::npos;
+  }
+  check(threw, "move_row_chunks names a negative count");
+}
+
 }  // namespace
 
 int main() {
@@ -208,5 +238,6 @@ int main() {
   test_exp_approx16_equals_the_scalar_lanes();
   test_capacity_matches_naive_ranks();
   test_place_rows_matches_naive();
+  test_move_row_chunks_sorts_expert_major_and_back();
   return moeplug_test::report("moeplug core");
 }

@@ -21,6 +21,7 @@ from torch.autograd import Function
 
 from moeplug.ops import workspace
 from moeplug.parallel import comm
+from moeplug.runtime import get_runtime
 
 
 @dataclass(frozen=True)
@@ -106,35 +107,42 @@ def chunk_moves(counts_WL: list[list[int]]) -> list[tuple[int, int, int]]:
 
 
 class _MoveChunks(Function):
-    """``out[b:b+n] = rows[a:a+n]`` for each (a, b, n) of a permutation of row chunks, into a
-    workspace buffer; backward moves the gradient's chunks back the same way. Contiguous chunk
-    copies instead of an index_select: no [S] index, no zero-filled gradient buffer."""
+    """The sort by local expert on CPU: each (source rank, expert) chunk of ``rows`` copied to
+    its place in a workspace buffer, by the runtime's ``move_row_chunks`` (contiguous copies in
+    parallel pieces, no per-chunk Python); backward moves the gradient's chunks back. Replaces
+    an index_select, whose backward zero-filled a fresh buffer, and its [S] index."""
 
     @staticmethod
-    def forward(ctx, rows, moves):
-        ctx.moves = moves
+    def forward(ctx, rows, counts_WL, to_expert_major):
+        ctx.counts_WL, ctx.to_expert_major = counts_WL, to_expert_major
         ctx.arena = workspace.current_arena()
-        return _move(rows, moves, forward=True)
+        return _move(rows, counts_WL, to_expert_major)
 
     @staticmethod
     def backward(ctx, grad):
         with workspace.ctx_arena(ctx):
-            return _move(grad, ctx.moves, forward=False), None
+            return _move(grad, ctx.counts_WL, not ctx.to_expert_major), None, None
 
 
-def _move(rows: torch.Tensor, moves: list[tuple[int, int, int]], forward: bool) -> torch.Tensor:
+def _move(rows: torch.Tensor, counts_WL: torch.Tensor, to_expert_major: bool) -> torch.Tensor:
+    rows = rows.contiguous()
     out = workspace.empty(tuple(rows.shape), rows.dtype)
-    for a, b, n in moves:
-        src, dst = (a, b) if forward else (b, a)
-        out[dst:dst + n].copy_(rows[src:src + n])
+    W, L = counts_WL.shape
+    get_runtime().move_row_chunks(
+        src=rows.data_ptr(), dst=out.data_ptr(),
+        row_bytes=rows[0].numel() * rows.element_size() if rows.shape[0] else 0,
+        counts=counts_WL.data_ptr(), num_ranks=W, local_experts=L,
+        to_expert_major=to_expert_major)
     return out
 
 
-def _apply_moves(rows: torch.Tensor, moves: list[tuple[int, int, int]]) -> torch.Tensor:
+def _apply_moves(rows: torch.Tensor, plan: A2APlan, to_expert_major: bool) -> torch.Tensor:
     """``rows`` with its chunks moved. On a GPU one index_select (a copy kernel per chunk would
-    be a launch per (source rank, expert) pair); on CPU the chunk copies."""
+    be a launch per (source rank, expert) pair); on CPU the runtime's chunk copies."""
+    counts_WL = plan.counts_WL.to(torch.int64).contiguous()
     if rows.device.type == "cpu":
-        return _MoveChunks.apply(rows, moves)
+        return _MoveChunks.apply(rows, counts_WL, to_expert_major)
+    moves = plan.chunks if to_expert_major else [(b, a, n) for a, b, n in plan.chunks]
     return rows.index_select(0, gather_index(moves).to(rows.device))
 
 
@@ -148,12 +156,12 @@ def gather_index(moves: list[tuple[int, int, int]]) -> torch.Tensor:
 
 def sort_by_local_expert(rows_S: torch.Tensor, plan: A2APlan) -> torch.Tensor:
     """Arrived rows ((source rank, local expert)-major) in local-expert-major order."""
-    return _apply_moves(rows_S, plan.chunks)
+    return _apply_moves(rows_S, plan, True)
 
 
 def unsort_by_local_expert(rows_S: torch.Tensor, plan: A2APlan) -> torch.Tensor:
     """Inverse of :func:`sort_by_local_expert`: expert-major rows back to arrival order."""
-    return _apply_moves(rows_S, [(b, a, n) for a, b, n in plan.chunks])
+    return _apply_moves(rows_S, plan, False)
 
 
 # --- allgather dispatcher ----------------------------------------------------------------------

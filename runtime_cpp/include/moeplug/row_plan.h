@@ -21,4 +21,13 @@ void place_rows(const int64_t* ids_N, int64_t N, int64_t E, int64_t L, const int
                 int64_t* scratch, int64_t* row_map_N, int64_t* dest_rank_N,
                 int64_t* dest_row_N);
 
+// The EP dispatcher's sort by local expert (moeplug_plugins/dispatchers/_ep_comm.py). Rows
+// arrive (source rank w, local expert l)-major, in chunks of counts_WL[w * L + l] rows of
+// row_bytes each; with to_expert_major, dst gets them (l, w)-major (each chunk's rows keep
+// their order), else the inverse (src expert-major, dst arrival order). src and dst must not
+// overlap. Pieces of at most a few hundred rows run in parallel, so one big chunk still uses
+// every thread. Throws std::invalid_argument on a negative count or shape.
+void move_row_chunks(const void* src, void* dst, int64_t row_bytes, const int64_t* counts_WL,
+                     int64_t W, int64_t L, bool to_expert_major);
+
 }  // namespace moeplug
