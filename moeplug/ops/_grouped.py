@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from moeplug.ops import workspace
+from moeplug.ops.workspace import Empty
+
 
 def expert_slices(counts: list[int]) -> list[tuple[int, int, int]]:
     """(expert, start, end) for every expert that received rows; empty experts get no GEMM."""
@@ -18,6 +21,29 @@ def expert_slices(counts: list[int]) -> list[tuple[int, int, int]]:
             out.append((e, start, start + n))
         start += n
     return out
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype, empty: Empty = workspace.empty) -> torch.Tensor:
+    """``t.to(dtype).contiguous()``, into a buffer from ``empty`` when it is a cast."""
+    if t.dtype == dtype:
+        return t.contiguous()
+    return empty(tuple(t.shape), dtype).copy_(t)
+
+
+def weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]],
+                empty: Empty = workspace.empty) -> torch.Tensor:
+    """Uninitialised [L, ...] grad like ``w`` whose experts without rows are zero (the rest get
+    mm(out=)).
+
+    From the workspace too: AccumulateGrad usually adopts it as ``param.grad``, and the cache
+    only hands it out again once that grad has been dropped (zero_grad) or summed into.
+    """
+    grad = empty(tuple(w.shape), w.dtype)
+    used = {e for e, _, _ in slices}
+    for e in range(w.shape[0]):
+        if e not in used:
+            grad[e].zero_()
+    return grad
 
 
 def compute_dtype(x_SD: torch.Tensor) -> torch.dtype:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from moeplug.config import ACTIVATIONS, GATED_ACTIVATIONS
+from moeplug.ops.workspace import Empty
 
 
 def _swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,6 @@ def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
                          f"{', '.join(map(repr, ACTIVATIONS))}") from None
 
 
-Empty = Callable[[tuple, torch.dtype], torch.Tensor]
 aten = torch.ops.aten
 
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from moeplug import delayed_wgrad
 from moeplug.ops import cuda_ops, reference, workspace
-from moeplug.ops._grouped import check_counts_and_probs, compute_dtype, expert_slices
+from moeplug.ops._grouped import (cast as _cast, check_counts_and_probs, compute_dtype,
+                                  expert_slices, weight_grad as _weight_grad)
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
 from moeplug.ops.offload_marks import note
 from moeplug.ops.swiglu import swiglu_backward_raw, swiglu_forward_raw
@@ -31,12 +32,6 @@ from moeplug.runtime import DTYPE_CODES
 
 def _rows(t: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor | None:
     return None if t is None else t[s0:s1]
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if t.dtype == dtype:
-        return t.contiguous()
-    return workspace.empty(tuple(t.shape), dtype).copy_(t)
 
 
 def _scratch(max_rows: int, S: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
@@ -64,20 +59,6 @@ class _ExpertWeights:
         if self.scratch is None:
             return self.w[e]
         return self.scratch.copy_(self.w[e])
-
-
-def _weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]]) -> torch.Tensor:
-    """Uninitialised [L, ...] grad whose experts without rows are zero (the rest get mm(out=)).
-
-    From the workspace too: AccumulateGrad usually adopts it as ``param.grad``, and the cache
-    only hands it out again once that grad has been dropped (zero_grad) or summed into.
-    """
-    grad = workspace.empty(tuple(w.shape), w.dtype)
-    used = {e for e, _, _ in slices}
-    for e in range(w.shape[0]):
-        if e not in used:
-            grad[e].zero_()
-    return grad
 
 
 class _ExpertMLP(torch.autograd.Function):

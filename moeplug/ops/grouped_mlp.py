@@ -20,40 +20,17 @@ import torch
 
 from moeplug import delayed_wgrad
 from moeplug.ops import workspace
-from moeplug.ops._grouped import check_counts_and_probs, compute_dtype, expert_slices
+from moeplug.ops._grouped import cast as _cast, check_counts_and_probs, compute_dtype
+from moeplug.ops._grouped import expert_slices, weight_grad
 from moeplug.ops.activations import act_times_probs, act_times_probs_backward, fc1_rows
 from moeplug.ops.offload_marks import note
-
-
-def _allocator(device: torch.device):
-    """Where the op's buffers come from: the layer's workspace on CPU (a steady-state step
-    allocates nothing), torch's allocator elsewhere."""
-    if device.type == "cpu":
-        return workspace.empty
-    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype, empty) -> torch.Tensor:
-    """``t.to(dtype).contiguous()``."""
-    if t.dtype == dtype:
-        return t.contiguous()
-    return empty(tuple(t.shape), dtype).copy_(t)
-
-
-def _zero_unused(buf: torch.Tensor, slices) -> torch.Tensor:
-    """A per-expert [L, ...] weight grad: experts without rows get zeros (the rest mm(out=))."""
-    used = {e for e, _, _ in slices}
-    for e in range(buf.shape[0]):
-        if e not in used:
-            buf[e].zero_()
-    return buf
 
 
 class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, probs_S, counts, w1_LXD, w2_LDF, activation, compute_dtype,
                 recompute_act, delay_wgrad):
-        empty = _allocator(x_SD.device)
+        empty = workspace.allocator(x_SD.device)
         x_c, w1_c, w2_c = (_cast(t, compute_dtype, empty) for t in (x_SD, w1_LXD, w2_LDF))
         # Routing weights at least fp32 (as the fused kernel takes them); fp64 stays fp64.
         probs32_S = (None if probs_S is None else
@@ -93,7 +70,7 @@ class _GroupedMLP(torch.autograd.Function):
         x_dtype, p_dtype, w1_dtype, w2_dtype = ctx.dtypes
         need_x, need_p, _, need_w1, need_w2 = ctx.needs_input_grad[:5]
         slices, activation = ctx.slices, ctx.activation
-        empty = _allocator(x_c.device)
+        empty = workspace.allocator(x_c.device)
         dY_SD = _cast(grad_SD, x_c.dtype, empty)
         # delay_wgrad_compute: only dX and dp here; dW2 and dW1 are queued (moeplug.delayed_wgrad)
         # and run while the dispatch's backward exchange carries dX.
@@ -102,13 +79,13 @@ class _GroupedMLP(torch.autograd.Function):
         def grad_w2(a_SF):
             if a_SF is None:  # moe_act recompute
                 a_SF = act_times_probs(h_SX, probs32_S, activation, empty)
-            dW2 = _zero_unused(empty(tuple(w2_c.shape), w2_c.dtype), slices)
+            dW2 = weight_grad(w2_c, slices, empty)
             for e, s0, s1 in slices:
                 torch.mm(dY_SD[s0:s1].t(), a_SF[s0:s1], out=dW2[e])
             return dW2
 
         def grad_w1(dh_SX):
-            dW1 = _zero_unused(empty(tuple(w1_c.shape), w1_c.dtype), slices)
+            dW1 = weight_grad(w1_c, slices, empty)
             for e, s0, s1 in slices:
                 torch.mm(dh_SX[s0:s1].t(), x_c[s0:s1], out=dW1[e])
             return dW1

@@ -49,7 +49,7 @@ import contextlib
 import math
 import threading
 from contextvars import ContextVar
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -134,6 +134,18 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             _cache.setdefault(key, []).append(buf)
             _cached_bytes += key
         return buf.view(dtype)[:numel].view(shape)
+
+
+# What ops that take "an empty" call for a buffer: ``empty`` itself, or :func:`allocator`'s.
+Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def allocator(device: torch.device) -> Empty:
+    """``empty`` for CPU tensors, torch's own allocator on ``device`` otherwise: for ops that
+    run on every device and take their buffers from the workspace where there is one."""
+    if device.type == "cpu":
+        return empty
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
 
 
 @contextlib.contextmanager

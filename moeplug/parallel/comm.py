@@ -130,10 +130,7 @@ def _run(collective, *args, group: Any) -> None:
 def _rows_buffer(x_N: torch.Tensor, rows: int) -> torch.Tensor:
     """An uninitialised [rows, ...] like x_N: on CPU from the workspace (the running MoE
     layer's arena or the large-buffer cache), so a steady-state exchange allocates nothing."""
-    shape = (rows, *x_N.shape[1:])
-    if x_N.device.type == "cpu":
-        return workspace.empty(shape, x_N.dtype)
-    return x_N.new_empty(shape)
+    return workspace.allocator(x_N.device)((rows, *x_N.shape[1:]), x_N.dtype)
 
 
 def _all_to_all(x_N: torch.Tensor, out_splits: list[int], in_splits: list[int],
