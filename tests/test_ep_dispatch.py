@@ -204,10 +204,10 @@ def test_chunk_sort_orders_arrival_chunks_expert_major_and_unsort_inverts_it():
         sorted_rows.backward(g)
         assert torch.equal(rows.grad, unsort_by_local_expert(g, plan))
         assert torch.equal(plan.counts_L, counts_WL.sum(0))
-        # the GPU's path: one index_select with the same moves
-        for moves, forward in ((plan.chunks, True),
-                               ([(b, a, n) for a, b, n in plan.chunks], False)):
-            assert torch.equal(rows.detach().index_select(0, gather_index(moves)),
+        # the GPU's path: one index_select with the index the same kernel gives
+        assert [tags[i] for i in gather_index(counts_WL, True).tolist()] == want
+        for forward in (True, False):
+            assert torch.equal(rows.detach().index_select(0, gather_index(counts_WL, forward)),
                                _MoveChunks.apply(rows.detach(), counts_WL, forward))
 
 

@@ -12,7 +12,6 @@ destination rank: row r goes to rank r.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,12 +43,6 @@ class A2APlan:
             return self.counts_WL[0]
         L = self.counts_WL.shape[1]
         return torch.sum(self.counts_WL, dim=0, out=workspace.empty((L,), torch.int64))
-
-    @functools.cached_property
-    def chunks(self) -> list[tuple[int, int, int]]:
-        """(arrival start, expert-major start, rows) of every non-empty (w, l) chunk: see
-        :func:`sort_by_local_expert`."""
-        return chunk_moves(self.counts_WL.tolist())
 
 
 def local_plan(counts_E: torch.Tensor, num_rows: int) -> A2APlan:
@@ -86,26 +79,6 @@ def all_to_all_back(rows_S: torch.Tensor, plan: A2APlan, group: Any) -> torch.Te
     return comm.all_to_all(rows_S, plan.send_W, plan.recv_W, group)
 
 
-def chunk_moves(counts_WL: list[list[int]]) -> list[tuple[int, int, int]]:
-    """(arrival start, expert-major start, rows) per non-empty chunk, for rows that arrive
-    (w, l)-major in chunks of ``counts_WL[w][l]`` rows and are wanted (l, w)-major: the order a
-    single process would give the concatenation of every rank's tokens (each chunk keeps its
-    rows' (token, k) order)."""
-    W, L = len(counts_WL), len(counts_WL[0]) if counts_WL else 0
-    arrival, start = [[0] * L for _ in range(W)], 0
-    for w in range(W):
-        for l in range(L):
-            arrival[w][l], start = start, start + counts_WL[w][l]
-    moves, out = [], 0
-    for l in range(L):
-        for w in range(W):
-            n = counts_WL[w][l]
-            if n:
-                moves.append((arrival[w][l], out, n))
-            out += n
-    return moves
-
-
 class _MoveChunks(Function):
     """The sort by local expert on CPU: each (source rank, expert) chunk of ``rows`` copied to
     its place in a workspace buffer, by the runtime's ``move_row_chunks`` (contiguous copies in
@@ -137,21 +110,20 @@ def _move(rows: torch.Tensor, counts_WL: torch.Tensor, to_expert_major: bool) ->
 
 
 def _apply_moves(rows: torch.Tensor, plan: A2APlan, to_expert_major: bool) -> torch.Tensor:
-    """``rows`` with its chunks moved. On a GPU one index_select (a copy kernel per chunk would
-    be a launch per (source rank, expert) pair); on CPU the runtime's chunk copies."""
+    """``rows`` with its chunks moved. On CPU the runtime's chunk copies; on a GPU one
+    index_select (a copy kernel per chunk would be a launch per (source rank, expert) pair)."""
     counts_WL = plan.counts_WL.to(torch.int64).contiguous()
     if rows.device.type == "cpu":
         return _MoveChunks.apply(rows, counts_WL, to_expert_major)
-    moves = plan.chunks if to_expert_major else [(b, a, n) for a, b, n in plan.chunks]
-    return rows.index_select(0, gather_index(moves).to(rows.device))
+    return rows.index_select(0, gather_index(counts_WL, to_expert_major).to(rows.device))
 
 
-def gather_index(moves: list[tuple[int, int, int]]) -> torch.Tensor:
-    """idx with ``rows[idx]`` = ``rows`` with its chunks moved (the moves cover every row)."""
-    by_dst = sorted(moves, key=lambda m: m[1])
-    if not by_dst:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.cat([torch.arange(a, a + n) for a, _, n in by_dst])
+def gather_index(counts_WL: torch.Tensor, to_expert_major: bool) -> torch.Tensor:
+    """idx with ``rows[idx]`` = the rows moved as :func:`_move` moves them: the row numbers
+    0..S-1 moved by the same kernel (one definition of the chunk layout)."""
+    S = int(counts_WL.sum())
+    return _move(torch.arange(S, dtype=torch.int64).view(S, 1), counts_WL,
+                 to_expert_major).view(S)
 
 
 def sort_by_local_expert(rows_S: torch.Tensor, plan: A2APlan) -> torch.Tensor:

@@ -14,8 +14,9 @@ Contract of a transport (what a replacement must keep):
     plan(counts_nX)  counts_nX[j, x]: rows this rank sends to node rank j in chunk x. Returns a
                      frozen plan holding, as :class:`~moeplug_plugins.dispatchers._ep_comm.A2APlan`
                      does, send_W / recv_W (rows per peer), counts_WL (rows received from node
-                     rank j in chunk x, int64 CPU [n, X]; the plan's ``chunks`` sort arrival
-                     order (source j, chunk x)-major into (chunk x, source j)-major).
+                     rank j in chunk x, int64 CPU [n, X]; the sort by local expert reads it
+                     to turn arrival order (source j, chunk x)-major into (chunk x, source
+                     j)-major).
     there(rows, plan) rows grouped by destination (j-major, chunk-major inside) -> this rank's
                      rows in arrival order (source j, chunk x)-major; differentiable, its backward
                      is ``back``.
