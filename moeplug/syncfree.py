@@ -11,8 +11,9 @@ Capture, CPU: each pure piece of the static region is compiled once by ``torch.c
 (inductor, ``fullgraph=True``: a graph break is an error, so capture also proves the region
 has no host sync) and that compiled code - forward and its AOTAutograd backward - is replayed
 every step with no per-op Python dispatch. Why this and not a recorded kernel plan: see
-docs/ARCHITECTURE.md "Sync-free MoE and capture/replay". CUDA: moeplug.cuda_graph
-(runtime-owned CUDA graphs).
+docs/ARCHITECTURE.md "Sync-free MoE and capture/replay". CUDA: each piece of each layer is
+recorded once as a runtime-owned forward graph and backward graph (moeplug.cuda_graph
+.GraphedPieces) and replayed under autograd, one launch each.
 """
 
 from __future__ import annotations
@@ -39,11 +40,29 @@ class SyncFreeState:
     def __init__(self, cfg: Any):
         self.cfg = cfg
         self.active = bool(cfg.sync_free)
+        self.capture = bool(cfg.capture)  # a benchmark may flip it to time eager beside replay
         self._overflow: torch.Tensor | None = None
+        self._graphs: Any = None  # moeplug.cuda_graph.GraphedPieces, made on first CUDA call
 
-    def wrap(self, fn: Callable) -> Callable:
-        """The piece the layer runs: captured with ``runtime.capture``, else eager."""
-        return captured(fn) if self.cfg.capture else fn
+    def wrap(self, fn: Callable, owner: Any = None) -> Callable:
+        """The piece ``owner`` (a layer) runs: with ``runtime.capture`` compiled (CPU) or
+        recorded as CUDA graphs per owner (a GPU), else eager."""
+        if not self.capture:
+            return fn
+
+        def run(*args: Any) -> Any:
+            if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+                return self.graphs(owner, fn, *args)
+            return captured(fn)(*args)
+        return run
+
+    @property
+    def graphs(self) -> Any:
+        """The CUDA recordings (moeplug.cuda_graph.GraphedPieces) of every layer."""
+        if self._graphs is None:
+            from moeplug.cuda_graph import GraphedPieces  # CUDA only: loads the CUDA runtime
+            self._graphs = GraphedPieces()
+        return self._graphs
 
     def note_overflow(self, flag: torch.Tensor) -> None:
         """OR a layer's device-side over-budget flag into the step's (no host sync)."""
@@ -67,7 +86,8 @@ class SyncFreeState:
     def record(self) -> dict:
         """What the run record lists about the mode."""
         how = "off"
-        if self.cfg.capture:
-            how = "torch.compile(fullgraph=True, inductor), compiled once, replayed every step"
+        if self.capture:
+            how = ("CPU: torch.compile(fullgraph=True, inductor), compiled once, replayed every "
+                   "step; CUDA: runtime CUDA graphs, forward + backward per layer and piece")
         return {"sync_free": bool(self.cfg.sync_free), "token_budget": self.cfg.token_budget,
                 "capture": how}

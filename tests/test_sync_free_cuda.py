@@ -103,3 +103,120 @@ def test_runtime_graph_replay_equals_eager_forward_and_backward():
         torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-5)
         torch.testing.assert_close(gx, gx_ref, rtol=0, atol=1e-5)
     assert replay.graph.replays == 2
+
+
+# ---- runtime.capture on CUDA: the layer's pieces as runtime forward and backward graphs -------
+
+def _cfg(**runtime):
+    from moeplug.config import config_from_dict
+    return config_from_dict({
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 32, "first_k_dense": 0,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}},
+        "train": {"micro_batch_size": 4, "seq_len": 16, "grad_accum_steps": 2, "lr": 1e-2},
+        "runtime": runtime})  # token_budget 2.0: C = T, so no expert can overflow
+
+
+def _cuda_model(**runtime):
+    from moeplug.modules.build import build_model
+    from moeplug.plugin_host import PluginHost
+    torch.manual_seed(0)
+    return build_model(_cfg(**runtime), PluginHost.load(), 64).cuda()
+
+
+def _cuda_train(steps: int, **runtime):
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.optim import build_optimizer
+    from moeplug.training.trainer import train_step
+    model = _cuda_model(**runtime)
+    cfg = _cfg(**runtime)
+    opt = build_optimizer(model, cfg.train)
+    precision = PluginHost.load().create("precision", "fp32", {})
+    gen = torch.Generator().manual_seed(1)
+    history = []
+    for _ in range(steps):
+        batches = [tuple(torch.randint(0, 64, (4, 16), generator=gen).cuda() for _ in range(2))
+                   for _ in range(cfg.train.grad_accum_steps)]
+        stats = train_step(model, opt, batches, cfg.train, precision, None)
+        history.append((stats, {n: p.grad.detach().cpu() for n, p in model.named_parameters()
+                                if p.grad is not None}))
+    return model, history
+
+
+@pytest.mark.cuda
+@NEEDS_GPU
+def test_capture_on_cuda_trains_like_eager_replaying_runtime_graphs():
+    from moeplug.training.trainer import stash_runtime
+    steps = 3
+    eager = _cuda_train(steps, sync_free=True)
+    replay = _cuda_train(steps, sync_free=True, capture=True)
+    graphs = stash_runtime(replay[0]).sync_free.graphs
+    # 2 layers x one piece (one_rank: EP 1, no stash), recorded once each, then one forward
+    # and one backward replay per layer and micro-batch.
+    assert graphs.recordings == 2
+    assert graphs.replays == steps * 2 * 2
+    assert stash_runtime(eager[0]).sync_free._graphs is None  # eager never recorded
+    for (sa, ga), (sb, gb) in zip(replay[1], eager[1]):
+        assert sa.sync_free == {"overflows": 0, "reruns": 0}
+        assert abs(sa.loss - sb.loss) < 1e-5
+        assert ga.keys() == gb.keys()
+        for n in gb:
+            torch.testing.assert_close(ga[n], gb[n], rtol=0, atol=1e-5, msg=n)
+    for (n, pa), pb in zip(replay[0].named_parameters(), eager[0].parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=1e-5, msg=n)
+
+
+def _two_layers():
+    from moeplug.modules.moe import MoELayer
+    layers = []
+    for runtime in ({"sync_free": True}, {"sync_free": True, "capture": True}):
+        model = _cuda_model(**runtime)
+        layers.append(next(m for m in model.modules() if isinstance(m, MoELayer)))
+    return layers
+
+
+@pytest.mark.cuda
+@NEEDS_GPU
+def test_forwards_in_flight_take_their_own_recordings():
+    # Pipeline micro-batches: a layer's second forward comes before the first's backward. Each
+    # takes its own recording (the first's saved tensors are still needed), and both
+    # backwards equal eager; the next round reuses the two recordings.
+    eager, replay = _two_layers()
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        x1, x2, w = (torch.randn(2, 16, 32, generator=g).cuda() for _ in range(3))
+        results = []
+        for layer in (eager, replay):
+            layer.zero_grad(set_to_none=True)
+            a, b = x1.clone().requires_grad_(True), x2.clone().requires_grad_(True)
+            y1, aux1, _ = layer(a)
+            y2, aux2, _ = layer(b)
+            ((y1 * w).sum() + (y2 * w).square().sum() + aux1 + aux2).backward()
+            results.append([y1.detach().clone(), y2.detach().clone(), a.grad, b.grad]
+                           + [p.grad.clone() for p in layer.parameters()])
+        for r, e in zip(results[1], results[0]):
+            torch.testing.assert_close(r, e, rtol=0, atol=1e-5)
+    assert replay.runtime.runtime.sync_free.graphs.recordings == 2
+
+
+@pytest.mark.cuda
+@NEEDS_GPU
+def test_checkpointed_layer_recomputes_eagerly_and_leaks_no_recording():
+    # A checkpoint's recompute runs inside backward: eager there (its outputs only refill saved
+    # tensors), while the backward replays the forward's recording, which is then free again.
+    from torch.utils.checkpoint import checkpoint
+    eager, replay = _two_layers()
+    g = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        x, w = (torch.randn(2, 16, 32, generator=g).cuda() for _ in range(2))
+        results = []
+        for layer in (eager, replay):
+            layer.zero_grad(set_to_none=True)
+            xx = x.clone().requires_grad_(True)
+            y = checkpoint(lambda t, layer=layer: layer(t)[0] * 1.5, xx, use_reentrant=False)
+            (y * w).sum().backward()
+            results.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
+        for r, e in zip(results[1], results[0]):
+            torch.testing.assert_close(r, e, rtol=0, atol=1e-5)
+    graphs = replay.runtime.runtime.sync_free.graphs
+    assert graphs.recordings == 1 and graphs.replays == 3

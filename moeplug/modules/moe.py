@@ -7,6 +7,7 @@ S routed rows held by the local experts, L local experts.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -184,7 +185,7 @@ class MoELayer(nn.Module):
             num_experts=self.router.num_experts, token_budget=state.cfg.token_budget,
             activation=self.experts.activation, weighted_input=self.apply_probs_on_input,
             ep_size=self._ep_size(), group=getattr(self.dispatcher, "group", None),
-            wrap=state.wrap,
+            wrap=functools.partial(state.wrap, owner=self),
             stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None)
         state.note_overflow(overflow)
         return y_TD, counts_E.detach()
