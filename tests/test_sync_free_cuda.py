@@ -220,3 +220,36 @@ def test_checkpointed_layer_recomputes_eagerly_and_leaks_no_recording():
             torch.testing.assert_close(r, e, rtol=0, atol=1e-5)
     graphs = replay.runtime.runtime.sync_free.graphs
     assert graphs.recordings == 1 and graphs.replays == 3
+
+
+@pytest.mark.cuda
+@NEEDS_GPU
+@pytest.mark.parametrize("budget_of_balanced, dropped, over", [
+    (3.0, False, False), (0.5, False, True), (1.0, True, None)])
+def test_fused_static_layer_on_cuda_equals_the_torch_stages(budget_of_balanced, dropped, over):
+    # one_rank on a GPU runs the runtime's kernels (slots spread, SwiGLU with the weights,
+    # slot sum); the same function on the CPU runs the torch stages. Over budget (0.5) and
+    # router-dropped choices reach no row on either.
+    from moeplug.modules.static_moe import budget_rows, one_rank
+    g = torch.Generator().manual_seed(7)
+    T, D, F, E, K = 96, 64, 48, 8, 2
+    C = budget_rows(T, K, E, budget_of_balanced)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[: T // 3] = torch.tensor([0, 1])  # two hot experts: over a tight budget
+    drop = torch.rand(T, K, generator=g) < 0.2 if dropped else None
+    leaves = {"x": torch.randn(T, D, generator=g), "p": torch.rand(T, K, generator=g),
+              "w13": torch.randn(E, 2 * F, D, generator=g) * 0.1,
+              "w2": torch.randn(E, D, F, generator=g) * 0.1}
+    w_TD = torch.randn(T, D, generator=g)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        t = {k: v.to(device, copy=True).requires_grad_() for k, v in leaves.items()}
+        y, overflow, counts = one_rank(t["x"], ids.to(device), None if drop is None else
+                                       drop.to(device), t["p"], t["w13"], t["w2"], E, C,
+                                       "swiglu", False)
+        (y * w_TD.to(device)).sum().backward()
+        runs[device] = [y, overflow, counts] + [t[k].grad for k in leaves]
+    assert over is None or bool(runs["cpu"][1]) == over
+    for name, c, u in zip(["y", "overflow", "counts"] + list(leaves), runs["cpu"],
+                          runs["cuda"]):
+        torch.testing.assert_close(u.cpu(), c, rtol=1e-4, atol=1e-5, msg=name)

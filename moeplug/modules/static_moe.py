@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from moeplug.ops import cuda_ops
 from moeplug.ops.activations import activation_fn
 from moeplug.parallel import comm
 
@@ -192,12 +193,39 @@ def one_rank(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor 
              num_experts: int, budget: int, activation: str, weighted_input: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 at one EP rank (the exchanges are views): (y_TD, overflow, counts_E)."""
+    if activation == "swiglu" and not weighted_input and cuda_ops.available(x_TD):
+        return _one_rank_fused(x_TD, ids_TK, dropped_TK, probs_TK, w13_LXD, w2_LDF,
+                               num_experts, budget)
     x_ECD, slot_N, overflow, counts_E = front(x_TD, ids_TK, dropped_TK, probs_TK, num_experts,
                                               budget, weighted_input)
     y_LBD = experts_ffn(to_experts(x_ECD, num_experts, budget, 1, None), w13_LXD, w2_LDF,
                         activation)
     y_TD = back(from_experts(y_LBD, budget, 1, None), slot_N, probs_TK, weighted_input)
     return y_TD, overflow, counts_E
+
+
+def _one_rank_fused(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
+                    probs_TK: torch.Tensor, w13_EXD: torch.Tensor, w2_EDF: torch.Tensor,
+                    num_experts: int, budget: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`one_rank` on a GPU with the runtime's CUDA kernels, as the dynamic path runs:
+    stage 2 spreads each token to its slots in one pass (zeros elsewhere), the routing weight
+    rides in the fused SwiGLU (0 on empty slots), stage 6 sums each token's K slots in one
+    pass. The torch version gathers [E*C, D] by index, and combines through a [T, K, D] copy
+    and T tiny GEMMs, both with atomic index_add backwards."""
+    T, K = ids_TK.shape
+    E, C = num_experts, budget
+    slot_N, overflow, counts_E = slots(ids_TK, dropped_TK, E, C)
+    slot_TK = torch.where(slot_N < E * C, slot_N, -1).view(T, K)  # -1: dropped, no row
+    # Each slot's routing weight (fp32, as the router's), 0 where no choice landed; the dump
+    # slot E*C takes the over-budget choices and is cut.
+    p_S = probs_TK.new_zeros(E * C + 1, dtype=torch.float32).scatter(
+        0, slot_N, probs_TK.reshape(-1).float())[:E * C]
+    x_SD = cuda_ops.to_slots(x_TD, slot_TK, E * C)
+    h_EC2F = torch.bmm(x_SD.view(E, C, -1), w13_EXD.transpose(1, 2))
+    a_SF = cuda_ops.swiglu(h_EC2F.view(E * C, -1), p_S)
+    y_ECD = torch.bmm(a_SF.view(E, C, -1), w2_EDF.transpose(1, 2))
+    return cuda_ops.from_slots(y_ECD.view(E * C, -1), slot_TK), overflow, counts_E
 
 
 def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,

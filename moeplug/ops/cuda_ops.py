@@ -33,6 +33,7 @@ def _stream() -> int:
 
 
 def _sum_rows(rows_SD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
+    # A row_map entry of -1 adds nothing (the kernel skips it).
     T, K = row_map_TK.shape
     rows_SD = rows_SD.contiguous()
     out_TD = torch.empty(T, rows_SD.shape[1], dtype=rows_SD.dtype, device=rows_SD.device)
@@ -44,10 +45,15 @@ def _sum_rows(rows_SD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
     return out_TD
 
 
-def _spread_rows(x_TD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
+def _spread_rows(x_TD: torch.Tensor, row_map_TK: torch.Tensor, num_rows: int | None = None
+                 ) -> torch.Tensor:
+    # num_rows None: the T*K packed rows, each written once. Else a [num_rows, D] table with
+    # rows no choice maps to (and -1 entries, skipped) left at zero.
     T, K = row_map_TK.shape
     x_TD = x_TD.contiguous()
-    out_SD = torch.empty(T * K, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device)
+    out_SD = (torch.empty(T * K, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device)
+              if num_rows is None else
+              torch.zeros(num_rows, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device))
     get_cuda_runtime().permute(x=x_TD.data_ptr(), row_map=row_map_TK.data_ptr(),
                                x_out=out_SD.data_ptr(), num_tokens=T, top_k=K,
                                hidden=x_TD.shape[1], dtype=DTYPE_CODES[x_TD.dtype],
@@ -79,6 +85,46 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, grad_TD):
         (row_map_TK,) = ctx.saved_tensors
         return _spread_rows(grad_TD, row_map_TK), None
+
+
+class _ToSlots(torch.autograd.Function):
+    """x_TD -> [num_rows, D]: row slot[t, k] = x[t]; unmapped rows zero; slot -1: no row."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, slot_TK: torch.Tensor, num_rows: int):
+        ctx.save_for_backward(slot_TK)
+        return _spread_rows(x_TD, slot_TK, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (slot_TK,) = ctx.saved_tensors
+        return _sum_rows(grad_RD, slot_TK), None, None
+
+
+class _FromSlots(torch.autograd.Function):
+    """[R, D] -> y_TD[t] = sum_k y[slot[t, k]] (slot -1 adds nothing); the inverse of
+    _ToSlots, and its backward is _ToSlots' forward (rows no choice reads get zero grad)."""
+
+    @staticmethod
+    def forward(ctx, y_RD: torch.Tensor, slot_TK: torch.Tensor):
+        ctx.save_for_backward(slot_TK)
+        ctx.num_rows = y_RD.shape[0]
+        return _sum_rows(y_RD, slot_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        (slot_TK,) = ctx.saved_tensors
+        return _spread_rows(grad_TD, slot_TK, ctx.num_rows), None
+
+
+def to_slots(x_TD: torch.Tensor, slot_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The sync-free layer's gather: each token's row at its K budget slots (static shapes)."""
+    return _ToSlots.apply(x_TD, slot_TK.contiguous(), num_rows)
+
+
+def from_slots(y_RD: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    """The sync-free layer's combine: each token's sum over its K slots' rows."""
+    return _FromSlots.apply(y_RD, slot_TK.contiguous())
 
 
 def row_map(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,9 @@
 // so each kernel moves the fewest bytes (T + T*K rows). Rows move in 16-byte vectors when the
 // row length and the three pointers allow it (8 bf16 or 4 fp32 per access): with 2- or 4-byte
 // accesses the kernels reached 0.28 / 0.38 of a device-to-device copy's bandwidth on an H200
-// (docs/GPU.md), far from the memory system's limit.
+// (docs/GPU.md), far from the memory system's limit. A row number of -1 means "no row": permute
+// skips that choice and unpermute adds nothing for it (the sync-free layer's choices over its
+// token budget, whose rows are the budget's fixed slots rather than T*K packed ones).
 #include "common.cuh"
 
 namespace moeplug::cuda {
@@ -18,7 +20,10 @@ __global__ void permute_kernel(const T* x_TD, const int64_t* row_map_TK, int64_t
     const T* src = x_TD + t * D;
     for (int64_t d = threadIdx.x; d < DV; d += blockDim.x) {
       const Vec<T, V> val = load_vec<T, V>(src + d * V);
-      for (int64_t k = 0; k < K; ++k) store_vec<T, V>(x_SD + row_map_TK[t * K + k] * D + d * V, val);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t row = row_map_TK[t * K + k];
+        if (row >= 0) store_vec<T, V>(x_SD + row * D + d * V, val);  // -1: this choice has no row
+      }
     }
   }
 }
@@ -33,8 +38,10 @@ __global__ void unpermute_kernel(const T* y_SD, const int64_t* row_map_TK, const
 #pragma unroll
       for (int i = 0; i < V; ++i) acc[i] = 0.0f;
       for (int64_t k = 0; k < K; ++k) {  // k in order: the same sum as the CPU kernel
+        const int64_t r = row_map_TK[t * K + k];
+        if (r < 0) continue;  // a choice with no row (sync-free over budget) adds nothing
         const float p = probs_TK ? probs_TK[t * K + k] : 1.0f;
-        const Vec<T, V> row = load_vec<T, V>(y_SD + row_map_TK[t * K + k] * D + d * V);
+        const Vec<T, V> row = load_vec<T, V>(y_SD + r * D + d * V);
 #pragma unroll
         for (int i = 0; i < V; ++i) acc[i] += p * load(row.v, i);
       }

@@ -22,11 +22,12 @@ namespace moeplug::cuda {
 using StreamHandle = std::uintptr_t;  // a cudaStream_t
 using EventHandle = std::uintptr_t;   // a cudaEvent_t
 
-// x_SD[row_map[t, k]] = x_TD[t]  (row_map as the CPU permute returns it).
+// x_SD[row_map[t, k]] = x_TD[t]  (row_map as the CPU permute returns it; -1: no row, skipped).
 void permute(const void* x_TD, const int64_t* row_map_TK, int64_t T, int64_t K, int64_t D,
              DType dtype, void* x_SD, StreamHandle stream);
 
-// y_TD[t] = sum_k p[t, k] * y_SD[row_map[t, k]] (plain sum when probs_TK is null), fp32 sums.
+// y_TD[t] = sum_k p[t, k] * y_SD[row_map[t, k]] (plain sum when probs_TK is null), fp32 sums;
+// a row_map of -1 adds nothing.
 void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_TK, int64_t T,
                int64_t K, int64_t D, DType dtype, void* y_TD, StreamHandle stream);
 
