@@ -146,7 +146,7 @@ def _qwen3_block(layer):
     return block
 
 
-def qwen3_layer():
+def qwen3_layer(d: int = D, f: int = F, e: int = E, k: int = K):
     """moeplug's MoELayer at the Qwen3 shape (topk router with renormalize, alltoall, grouped
     experts), fp32 on the CPU, weights ~ N(0, 0.02) so routing is near balance. Also built by
     benchmarks/profile_cuda_moe_layer.py."""
@@ -154,12 +154,12 @@ def qwen3_layer():
     from moeplug.modules.moe import MoELayer
     from moeplug.plugin_host import PluginHost
 
-    m = ModelConfig(hidden_size=D, num_heads=16, num_kv_heads=4, num_layers=1, first_k_dense=0,
-                    moe=MoEConfig(num_experts=E, top_k=K, ffn_hidden_size=F, aux_loss_coeff=1e-3))
+    m = ModelConfig(hidden_size=d, num_heads=16, num_kv_heads=4, num_layers=1, first_k_dense=0,
+                    moe=MoEConfig(num_experts=e, top_k=k, ffn_hidden_size=f, aux_loss_coeff=1e-3))
     host = PluginHost.load()
     layer = MoELayer(host.create("router", "topk", {"renormalize": True}, m),
                      host.create("dispatcher", "alltoall", {}, m, None),
-                     host.create("experts", "grouped", {}, m, E))
+                     host.create("experts", "grouped", {}, m, e))
     with torch.no_grad():
         for p in (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj):
             p.normal_(0.0, 0.02)
@@ -236,28 +236,36 @@ def test_cuda_moe_layer_qwen3_shape(benchmark, report):
 
 
 REPLAY_BUDGET = 1.25  # rows per expert = 1.25x the balanced load (static path pads to this)
+REPLAY_SHAPES = {  # name: (T, D, F, E, K); the small one is launch-bound, the other GPU-bound
+    "qwen3 T16384 D2048 F768 E128 K8": (T, D, F, E, K),
+    "small T2048 D512 F256 E16 K4": (2048, 512, 256, 16, 4),
+}
 
 
-def test_cuda_moe_layer_replay_vs_eager(report):
-    """runtime.capture on a GPU: the sync-free layer at the Qwen3 shape, fwd+bwd, eager (op by
-    op) against replayed from its runtime forward and backward graphs, beside the default
-    (dynamic) path and the square matmul, one run, interleaved."""
+@pytest.mark.parametrize("shape", list(REPLAY_SHAPES))
+def test_cuda_moe_layer_replay_vs_eager(report, shape):
+    """runtime.capture on a GPU: the sync-free layer fwd+bwd, eager (op by op) against replayed
+    from its runtime forward and backward graphs, beside the default (dynamic) path and a
+    square matmul of the same useful FLOPs, one run, interleaved."""
     from moeplug.config import RuntimeSection
     from moeplug.stash import ModelRuntime
 
+    t, d, f, e, k = REPLAY_SHAPES[shape]
+    useful = 3 * 2 * t * k * 3 * d * f
+    n = max(256, round((useful / 2) ** (1 / 3) / 256) * 256)
     torch.manual_seed(0)
-    layer = qwen3_layer()
+    layer = qwen3_layer(d, f, e, k)
     rt = ModelRuntime(RuntimeSection(sync_free=True, capture=True, token_budget=REPLAY_BUDGET))
-    layer.runtime = rt.register_layer(index=0, num_experts=E, top_k=K, hidden=D, ffn_hidden=F,
-                                      num_local_experts=E, dtype="bfloat16", activation="swiglu",
+    layer.runtime = rt.register_layer(index=0, num_experts=e, top_k=k, hidden=d, ffn_hidden=f,
+                                      num_local_experts=e, dtype="bfloat16", activation="swiglu",
                                       stash_bytes=0)
     rt.finalize()
     layer.to("cuda")
     layer.experts.to(torch.bfloat16)              # Megatron's bf16 module: router kept fp32
     state = rt.sync_free
-    x_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-    grad_TD = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    a_mm, b_mm, c_mm = (torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
+    x_TD = torch.randn(t, d, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    grad_TD = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    a_mm, b_mm, c_mm = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
                         for _ in range(3))
     overflowed = []
 
@@ -283,20 +291,20 @@ def test_cuda_moe_layer_replay_vs_eager(report):
     for name in ("eager", "replay", "replay"):
         candidates[name]()
         outs[name] = [x_TD.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
-    for r, e in zip(outs["replay"], outs["eager"]):  # bf16 atomics: summation order differs
-        assert torch.linalg.norm(r.float() - e.float()) <= 1e-2 * torch.linalg.norm(e.float())
+    for r, ref in zip(outs["replay"], outs["eager"]):  # bf16 atomics: another summation order
+        assert torch.linalg.norm(r.float() - ref.float()) <= 1e-2 * torch.linalg.norm(ref.float())
     times = cuda_interleave(candidates, repeats=7, inner=3)
-    peak = gflops(2 * MATMUL_N ** 3, times["matmul"])
+    peak = gflops(2 * n ** 3, times["matmul"])
     dropped = bool(torch.stack(overflowed).any()) if overflowed else False
     graphs = state.graphs
-    print("\nreplay vs eager: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items())
+    print("\nreplay vs eager: " + ", ".join(f"{c} {s * 1e3:.3f} ms" for c, s in times.items())
           + f"; recordings {graphs.recordings}, replays {graphs.replays}, over budget {dropped}")
+    where = f"cuda sync-free moe layer bf16 fwd+bwd {shape}"
     for name in ("dynamic", "eager", "replay"):
-        g = gflops(USEFUL_FLOP, times[name])
-        report.row("cuda moe layer bf16 qwen3 shape, sync-free", f"{name} / matmul", g / peak,
-                   note=f"{times[name] * 1e3:.2f} ms; static path pads to {REPLAY_BUDGET}x "
+        g = gflops(useful, times[name])
+        report.row(where, f"{name} / matmul", g / peak,
+                   note=f"{times[name] * 1e3:.3f} ms; static path pads to {REPLAY_BUDGET}x "
                         f"the balanced rows")
-    report.row("cuda moe layer bf16 qwen3 shape, sync-free", "eager / replay",
-               times["eager"] / times["replay"], note=f"over budget: {dropped}")
-    report.row("cuda moe layer bf16 qwen3 shape, sync-free", "dynamic / replay",
-               times["dynamic"] / times["replay"])
+    report.row(where, "eager / replay", times["eager"] / times["replay"],
+               note=f"over budget: {dropped}")
+    report.row(where, "dynamic / replay", times["dynamic"] / times["replay"])
