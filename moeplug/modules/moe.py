@@ -143,7 +143,7 @@ class MoELayer(nn.Module):
         elif 1 < self.overlap_chunks <= x_TD.shape[0]:                # 2.-6. pipelined
             y_TD = overlapped_routed(x_TD, routing, self.overlap_chunks, self.dispatcher,
                                      self._experts, self.shared, self._stash_scope)
-            counts_E = self._host_counts(routing)
+            counts_E = self._counts(routing)
         else:
             with stage("dispatch"):
                 d = self.dispatcher.dispatch(_rows_for_experts(x_TD), routing)  # 2. dispatch
@@ -151,24 +151,26 @@ class MoELayer(nn.Module):
                 y_SD = self._experts(d)                               # 3. experts
             with stage("combine"):
                 y_TD = self.dispatcher.combine(y_SD, d.meta)          # 4. combine
-            counts_E = self._host_counts(routing)
+            counts_E = self._counts(routing)
             if self.shared is not None:
                 y_TD = add_shared(y_TD, self.shared(x_TD))            # 5. shared, 6. sum
         y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
         return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
                          counts_E, dict(routing.losses))
 
-    def _host_counts(self, routing) -> torch.Tensor:
-        # On the host, like the dispatcher's counts_L: these are logged, never differentiated.
+    def _counts(self, routing) -> torch.Tensor:
+        # Logged, never differentiated: on the host on the CPU, on the device on a GPU.
         # Choices dropped by capacity reach no expert, so they are not counted.
         ids = routing.ids_TK.reshape(-1).detach()
         if ids.device.type == "cpu":
             # bincount's numbers, dropped choices left out, from the arena (no allocation).
             keep = None if routing.dropped_TK is None else kept(routing.dropped_TK)
             return expert_counts(ids, self.router.num_experts, keep)
-        # Counted on the device (no boolean-mask gather, no bincount: each syncs), then one copy.
+        # Counted on the device (no boolean-mask gather, no bincount: each syncs) and left
+        # there, as the sync-free path leaves them: the trainer reads them once the step's
+        # backwards are queued, so the host never waits for the device here.
         keep = None if routing.dropped_TK is None else ~routing.dropped_TK.reshape(-1)
-        return device_counts(ids, self.router.num_experts, keep).cpu()
+        return device_counts(ids, self.router.num_experts, keep)
 
     def _sync_free(self):
         # The runtime's SyncFreeState when runtime.sync_free is on and not paused for a rerun.

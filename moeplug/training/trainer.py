@@ -147,20 +147,33 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
         counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
     else:
         sums, counts_per_layer, has_mtp = [0.0, 0.0, 0.0, 0.0], [], False
+        # What each micro-batch reports. On a GPU it stays on the device until every backward
+        # is queued: reading it after each forward would make the host wait for the device
+        # there, and launch the backward only once the device had run dry. On the CPU it is
+        # read at once (nothing to wait for), which frees the MoE layers' arena buffers that
+        # the router's loss values live in before the next micro-batch needs them.
+        reports: dict[int, tuple] = {}
+
+        def report(m: int) -> None:  # micro-batch m's figures into the step's, on the host
+            nonlocal counts_per_layer, routing, has_mtp
+            has_mtp, losses, counts, router_losses = reports.pop(m)
+            for i, v in enumerate(losses):
+                sums[i] += float(v) / num_micro
+            micro_counts = [c.cpu() for c in counts]
+            counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
+                                if counts_per_layer else micro_counts)
+            routing = add_micro_batch(routing, counts, router_losses)
 
         def forward(m: int) -> Any:
-            nonlocal counts_per_layer, routing, has_mtp
             tokens_BS, targets_BS = D.local_sequence(*micro_batches[m], groups)  # CP shard
             with precision.autocast(device_type):  # the precision plugin picks the dtype
                 out = model(tokens_BS, targets_BS)
-            has_mtp = out.mtp_loss is not None
             mtp = out.lm_loss.new_zeros(()) if out.mtp_loss is None else out.mtp_loss
-            for i, v in enumerate((out.loss, out.lm_loss, out.aux_loss, mtp)):
-                sums[i] += float(v.detach()) / num_micro
-            micro_counts = [c.detach().cpu() for c in out.expert_counts]
-            counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
-                                if counts_per_layer else micro_counts)
-            routing = add_micro_batch(routing, out.expert_counts, out.router_losses)
+            reports[m] = (out.mtp_loss is not None,
+                          [v.detach() for v in (out.loss, out.lm_loss, out.aux_loss, mtp)],
+                          [c.detach() for c in out.expert_counts], out.router_losses)
+            if device_type == "cpu":
+                report(m)
             return out.loss
 
         def backward(m: int, loss: torch.Tensor) -> None:
@@ -178,6 +191,8 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
         else:
             for m in range(num_micro):
                 backward(m, forward(m))
+        for m in sorted(reports):  # a GPU's, in micro-batch order (the same sums)
+            report(m)
     return (sums if has_mtp else sums[:3]), counts_per_layer, routing
 
 
