@@ -44,6 +44,8 @@ def main(rows: int = 22) -> None:
         torch.cuda.set_sync_debug_mode("warn")
         ours()
         torch.cuda.set_sync_debug_mode(0)
+    # torch's own notice that the detector is a prototype comes as a warning too: not a sync.
+    caught = [w for w in caught if "prototype feature" not in str(w.message)]
     print(f"==== moeplug: {len(caught)} host syncs in one fwd+bwd")
     for w in caught:
         print(f"  {w.filename}:{w.lineno}: {str(w.message)[:80]}")
