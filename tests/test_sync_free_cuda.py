@@ -175,6 +175,17 @@ def _two_layers():
     return layers
 
 
+def _replay_equals_eager(eager, replay, step) -> None:
+    # step(layer) -> tensors of one fwd+bwd; with the layer's grads, the replaying layer's
+    # equal the eager one's (fp32).
+    results = []
+    for layer in (eager, replay):
+        layer.zero_grad(set_to_none=True)
+        results.append(step(layer) + [p.grad.clone() for p in layer.parameters()])
+    for r, e in zip(results[1], results[0]):
+        torch.testing.assert_close(r, e, rtol=0, atol=1e-5)
+
+
 @pytest.mark.cuda
 @NEEDS_GPU
 def test_forwards_in_flight_take_their_own_recordings():
@@ -185,17 +196,14 @@ def test_forwards_in_flight_take_their_own_recordings():
     g = torch.Generator().manual_seed(5)
     for _ in range(2):
         x1, x2, w = (torch.randn(2, 16, 32, generator=g).cuda() for _ in range(3))
-        results = []
-        for layer in (eager, replay):
-            layer.zero_grad(set_to_none=True)
+
+        def two_in_flight(layer):
             a, b = x1.clone().requires_grad_(True), x2.clone().requires_grad_(True)
             y1, aux1, _ = layer(a)
             y2, aux2, _ = layer(b)
             ((y1 * w).sum() + (y2 * w).square().sum() + aux1 + aux2).backward()
-            results.append([y1.detach().clone(), y2.detach().clone(), a.grad, b.grad]
-                           + [p.grad.clone() for p in layer.parameters()])
-        for r, e in zip(results[1], results[0]):
-            torch.testing.assert_close(r, e, rtol=0, atol=1e-5)
+            return [y1.detach().clone(), y2.detach().clone(), a.grad, b.grad]
+        _replay_equals_eager(eager, replay, two_in_flight)
     assert replay.runtime.runtime.sync_free.graphs.recordings == 2
 
 
@@ -209,15 +217,13 @@ def test_checkpointed_layer_recomputes_eagerly_and_leaks_no_recording():
     g = torch.Generator().manual_seed(6)
     for _ in range(3):
         x, w = (torch.randn(2, 16, 32, generator=g).cuda() for _ in range(2))
-        results = []
-        for layer in (eager, replay):
-            layer.zero_grad(set_to_none=True)
+
+        def checkpointed(layer):
             xx = x.clone().requires_grad_(True)
-            y = checkpoint(lambda t, layer=layer: layer(t)[0] * 1.5, xx, use_reentrant=False)
+            y = checkpoint(lambda t: layer(t)[0] * 1.5, xx, use_reentrant=False)
             (y * w).sum().backward()
-            results.append([y.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()])
-        for r, e in zip(results[1], results[0]):
-            torch.testing.assert_close(r, e, rtol=0, atol=1e-5)
+            return [y.detach(), xx.grad]
+        _replay_equals_eager(eager, replay, checkpointed)
     graphs = replay.runtime.runtime.sync_free.graphs
     assert graphs.recordings == 1 and graphs.replays == 3
 
