@@ -146,7 +146,7 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
                 float(0.0 if res.mtp_loss is None else res.mtp_loss)]
         counts_per_layer = [c.detach().cpu() for c in res.expert_counts]
     else:
-        sums, counts_per_layer, has_mtp = [0.0, 0.0, 0.0, 0.0], [], False
+        sums, has_mtp = [0.0, 0.0, 0.0, 0.0], False
         # What each micro-batch reports. On a GPU it stays on the device until every backward
         # is queued: reading it after each forward would make the host wait for the device
         # there, and launch the backward only once the device had run dry. On the CPU it is
@@ -155,14 +155,11 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
         reports: dict[int, tuple] = {}
 
         def report(m: int) -> None:  # micro-batch m's figures into the step's, on the host
-            nonlocal counts_per_layer, routing, has_mtp
+            nonlocal routing, has_mtp
             has_mtp, losses, counts, router_losses = reports.pop(m)
             for i, v in enumerate(losses):
                 sums[i] += float(v) / num_micro
-            micro_counts = [c.cpu() for c in counts]
-            counts_per_layer = ([a + b for a, b in zip(counts_per_layer, micro_counts)]
-                                if counts_per_layer else micro_counts)
-            routing = add_micro_batch(routing, counts, router_losses)
+            routing = add_micro_batch(routing, counts, router_losses)  # counts summed there
 
         def forward(m: int) -> Any:
             tokens_BS, targets_BS = D.local_sequence(*micro_batches[m], groups)  # CP shard
@@ -193,6 +190,7 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
                 backward(m, forward(m))
         for m in sorted(reports):  # a GPU's, in micro-batch order (the same sums)
             report(m)
+        counts_per_layer = list(routing.counts)  # int64 on the host, summed over micro-batches
     return (sums if has_mtp else sums[:3]), counts_per_layer, routing
 
 
