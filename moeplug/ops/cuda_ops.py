@@ -62,69 +62,46 @@ def _spread_rows(x_TD: torch.Tensor, row_map_TK: torch.Tensor, num_rows: int | N
 
 
 class _Permute(torch.autograd.Function):
+    """x_TD -> rows, row row_map[t, k] = x[t]; its backward sums each token's K rows.
+    ``num_rows`` None: the T*K packed rows (row_map a permutation of them). Else a zeroed
+    [num_rows, D] table (the sync-free layer's budget slots), -1 entries skipped."""
+
     @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, row_map_TK: torch.Tensor):
+    def forward(ctx, x_TD: torch.Tensor, row_map_TK: torch.Tensor, num_rows: int | None):
         ctx.save_for_backward(row_map_TK)
-        return _spread_rows(x_TD, row_map_TK)
+        return _spread_rows(x_TD, row_map_TK, num_rows)
 
     @staticmethod
     def backward(ctx, grad_SD):
         (row_map_TK,) = ctx.saved_tensors
-        return _sum_rows(grad_SD, row_map_TK), None
+        return _sum_rows(grad_SD, row_map_TK), None, None
 
 
 class _Unpermute(torch.autograd.Function):
-    """The plain sum (no probs): the dispatchers apply the routing weights in the experts."""
+    """The plain sum of each token's K rows (no probs: the dispatchers apply the routing
+    weights in the experts); its backward is :class:`_Permute`'s forward. ``packed``: the rows
+    are the T*K packed ones; else a slot table, whose rows no choice reads get zero grad."""
 
     @staticmethod
-    def forward(ctx, y_SD: torch.Tensor, row_map_TK: torch.Tensor):
+    def forward(ctx, y_SD: torch.Tensor, row_map_TK: torch.Tensor, packed: bool):
         ctx.save_for_backward(row_map_TK)
+        ctx.num_rows = None if packed else y_SD.shape[0]
         return _sum_rows(y_SD, row_map_TK)
 
     @staticmethod
     def backward(ctx, grad_TD):
         (row_map_TK,) = ctx.saved_tensors
-        return _spread_rows(grad_TD, row_map_TK), None
-
-
-class _ToSlots(torch.autograd.Function):
-    """x_TD -> [num_rows, D]: row slot[t, k] = x[t]; unmapped rows zero; slot -1: no row."""
-
-    @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, slot_TK: torch.Tensor, num_rows: int):
-        ctx.save_for_backward(slot_TK)
-        return _spread_rows(x_TD, slot_TK, num_rows)
-
-    @staticmethod
-    def backward(ctx, grad_RD):
-        (slot_TK,) = ctx.saved_tensors
-        return _sum_rows(grad_RD, slot_TK), None, None
-
-
-class _FromSlots(torch.autograd.Function):
-    """[R, D] -> y_TD[t] = sum_k y[slot[t, k]] (slot -1 adds nothing); the inverse of
-    _ToSlots, and its backward is _ToSlots' forward (rows no choice reads get zero grad)."""
-
-    @staticmethod
-    def forward(ctx, y_RD: torch.Tensor, slot_TK: torch.Tensor):
-        ctx.save_for_backward(slot_TK)
-        ctx.num_rows = y_RD.shape[0]
-        return _sum_rows(y_RD, slot_TK)
-
-    @staticmethod
-    def backward(ctx, grad_TD):
-        (slot_TK,) = ctx.saved_tensors
-        return _spread_rows(grad_TD, slot_TK, ctx.num_rows), None
+        return _spread_rows(grad_TD, row_map_TK, ctx.num_rows), None, None
 
 
 def to_slots(x_TD: torch.Tensor, slot_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """The sync-free layer's gather: each token's row at its K budget slots (static shapes)."""
-    return _ToSlots.apply(x_TD, slot_TK.contiguous(), num_rows)
+    return _Permute.apply(x_TD, slot_TK.contiguous(), num_rows)
 
 
 def from_slots(y_RD: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
     """The sync-free layer's combine: each token's sum over its K slots' rows."""
-    return _FromSlots.apply(y_RD, slot_TK.contiguous())
+    return _Unpermute.apply(y_RD, slot_TK.contiguous(), False)
 
 
 def row_map(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,11 +128,11 @@ def device_counts(ids_TK: torch.Tensor, num_experts: int,
 def permute(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     row_map_TK, counts_E = row_map(ids_TK, num_experts)
-    return _Permute.apply(x_TD, row_map_TK), row_map_TK, counts_E
+    return _Permute.apply(x_TD, row_map_TK, None), row_map_TK, counts_E
 
 
 def unpermute(y_SD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
-    return _Unpermute.apply(y_SD, row_map_TK.contiguous())
+    return _Unpermute.apply(y_SD, row_map_TK.contiguous(), True)
 
 
 class _SwiGLU(torch.autograd.Function):
