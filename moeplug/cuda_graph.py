@@ -49,6 +49,17 @@ def _launch(graph: Any, stream: Any) -> None:
     current.wait_stream(torch.cuda.ExternalStream(stream.handle))
 
 
+def _warm_up(stream: Any, run: Callable[[], Any], times: int) -> None:
+    # Lazy init (cuBLAS handles, workspaces) outside the capture: ``run`` a few times on the
+    # capture stream, after the current stream's work, and wait until it is done.
+    torch_stream = torch.cuda.ExternalStream(stream.handle)
+    stream.wait_stream(torch.cuda.current_stream().cuda_stream)
+    with torch.cuda.stream(torch_stream):
+        for _ in range(times):
+            run()
+    torch_stream.synchronize()
+
+
 @contextlib.contextmanager
 def _recording(graph: Any, stream: Any) -> Iterator[None]:
     graph.begin_capture(stream.handle)
@@ -85,17 +96,13 @@ def capture(fn: Callable[..., Any], *example: torch.Tensor, warmup: int = 2) -> 
     """Warm ``fn`` up on the runtime's "capture" stream, then record one call of it."""
     cuda = get_cuda_runtime()
     stream = cuda.stream("capture")
-    torch_stream = torch.cuda.ExternalStream(stream.handle)
     inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in example]
-    stream.wait_stream(torch.cuda.current_stream().cuda_stream)
-    with torch.cuda.stream(torch_stream):
-        for _ in range(warmup):  # lazy init (cuBLAS handles, workspaces) outside the capture
-            fn(*inputs)
-    torch_stream.synchronize()
+    _warm_up(stream, lambda: fn(*inputs), warmup)
     pool = torch.cuda.MemPool()
     graph = cuda.Graph()
-    with _allocations_to(pool), torch.cuda.stream(torch_stream), _recording(graph, stream):
-        outputs = fn(*inputs)
+    with _allocations_to(pool), torch.cuda.stream(torch.cuda.ExternalStream(stream.handle)):
+        with _recording(graph, stream):
+            outputs = fn(*inputs)
     return Replay(graph, stream, inputs, outputs, pool)
 
 
@@ -121,12 +128,12 @@ class _Recording:
     def __init__(self, fn: Callable, args: tuple, warmup: int = 2):
         cuda = get_cuda_runtime()
         self.stream = cuda.stream("capture")
-        self.slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         self.args = list(args)
         self.inputs = [a if isinstance(a, torch.nn.Parameter)
                        else a.detach().clone().requires_grad_(a.requires_grad)
-                       for a in (args[i] for i in self.slots)]
-        for i, t in zip(self.slots, self.inputs):
+                       for a in (args[i] for i in slots)]
+        for i, t in zip(slots, self.inputs):
             self.args[i] = t
         self.diff_in = [j for j, t in enumerate(self.inputs) if t.requires_grad]
         # Autocast as at the call, without its weight-cast cache: a cast cached before the
@@ -144,17 +151,17 @@ class _Recording:
             return torch.autograd.grad(diff, [self.inputs[j] for j in self.diff_in], grads,
                                        retain_graph=True, allow_unused=True)
 
+        def run_both() -> None:
+            outs = _as_tuple(run())
+            backward(outs, [torch.ones_like(o) for o in outs if o.requires_grad])
+
         torch_stream = torch.cuda.ExternalStream(self.stream.handle)
-        self.stream.wait_stream(torch.cuda.current_stream().cuda_stream)
         # The recording keeps its saved tensors itself: an enclosing saved-tensor hook (a
         # checkpoint dropping them, offloading) would take them out of the backward graph's
         # reach. Only the innermost hooks apply; these keep each tensor (detached, so a saved
         # output makes no reference cycle with its grad_fn).
-        with _own_saved_tensors(), torch.cuda.stream(torch_stream):
-            for _ in range(warmup):  # lazy init (cuBLAS handles, workspaces) outside capture
-                outs = _as_tuple(run())
-                backward(outs, [torch.ones_like(o) for o in outs if o.requires_grad])
-        torch_stream.synchronize()
+        with _own_saved_tensors():
+            _warm_up(self.stream, run_both, warmup)
         self.pool = torch.cuda.MemPool()
         self.forward_graph, self.backward_graph = cuda.Graph(), cuda.Graph()
         with _allocations_to(self.pool), _own_saved_tensors(), torch.cuda.stream(torch_stream):
@@ -235,7 +242,6 @@ class GraphedPieces:
         return sum(r.forward_graph.replays for rs in self._recordings.values() for r in rs)
 
     def __call__(self, owner: Any, fn: Callable, *args: Any) -> Any:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
         # Eager without grad (nothing would consume a recording) and inside a backward: that
         # is a checkpoint's recompute, whose outputs only refill saved tensors; the forward's
         # own recording still holds what the backward replays.
@@ -252,6 +258,6 @@ class GraphedPieces:
                     f"or set runtime.capture: false")
             rec = _Recording(fn, args)
             recs.append(rec)
-        outs = _Replayed.apply(rec, *tensors)
+        outs = _Replayed.apply(rec, *(a for a in args if isinstance(a, torch.Tensor)))
         rec.busy = any(o.requires_grad for o in outs)
         return outs[0] if rec.single else outs

@@ -209,6 +209,21 @@ def test_forwards_in_flight_take_their_own_recordings():
 
 @pytest.mark.cuda
 @NEEDS_GPU
+def test_forwards_never_backwarded_stop_at_the_bound_with_the_setting_and_the_fix():
+    # Each forward whose backward never runs keeps its recording (and its memory) busy; past
+    # MAX_IN_FLIGHT of them the layer says so instead of recording without end.
+    from moeplug.cuda_graph import MAX_IN_FLIGHT
+    _, replay = _two_layers()
+    x = torch.randn(2, 16, 32, device="cuda", requires_grad=True)
+    held = [replay(x)[0] for _ in range(MAX_IN_FLIGHT)]
+    with pytest.raises(RuntimeError, match=rf"runtime\.capture: {MAX_IN_FLIGHT} forwards of "
+                                           r"one_rank .*Fix: .*runtime\.capture: false"):
+        replay(x)
+    assert len(held) == replay.runtime.runtime.sync_free.graphs.recordings == MAX_IN_FLIGHT
+
+
+@pytest.mark.cuda
+@NEEDS_GPU
 def test_checkpointed_layer_recomputes_eagerly_and_leaks_no_recording():
     # A checkpoint's recompute runs inside backward: eager there (its outputs only refill saved
     # tensors), while the backward replays the forward's recording, which is then free again.
