@@ -155,11 +155,15 @@ def _reduce_scatter_even(x_M: torch.Tensor, group: Any) -> torch.Tensor:
     return out
 
 
-def _gather_sizes(rows: int, group: Any) -> list[int]:
-    sizes_W = torch.zeros(group_size(group), dtype=torch.int64)
-    _all_gather_single(sizes_W, torch.tensor([rows], dtype=torch.int64),
-                       group=active_group(group))
-    return sizes_W.tolist()
+def gather_ints(value: int, group: Any) -> list[int]:
+    """Every rank's ``value``, in rank order (row counts, capacities). An all-to-all of a
+    [W] buffer holding ``value`` W times, from the workspace: gloo's all-gather allocates its own
+    flat output every call, its all-to-all writes into the one given."""
+    W = group_size(group)
+    mine = workspace.empty((W,), torch.int64).fill_(int(value))
+    out = workspace.empty((W,), torch.int64)
+    dist.all_to_all_single(out, mine, group=active_group(group))
+    return out.tolist()
 
 
 def _pad_rows(x_N: torch.Tensor, rows: int) -> torch.Tensor:
@@ -169,18 +173,36 @@ def _pad_rows(x_N: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _gather_uneven(x_N: torch.Tensor, sizes_W: list[int], group: Any) -> torch.Tensor:
-    # all_gather needs equal shapes on gloo and NCCL: pad every rank to the largest, then drop
-    # the padding. One collective instead of W point-to-point sends.
+    if x_N.device.type == "cpu":
+        # An all-to-all that sends every rank the same N rows: uneven sizes need no padding,
+        # and both buffers come from the workspace (gloo's all-gather allocates a flat output
+        # of its own every call). The price is W local copies of x_N, next to the W-1 copies
+        # the wire carries either way.
+        W = len(sizes_W)
+        send = _rows_buffer(x_N, W * x_N.shape[0])
+        send.view(W, *x_N.shape).copy_(x_N.unsqueeze(0).expand(W, *x_N.shape))
+        return _all_to_all(send, sizes_W, [x_N.shape[0]] * W, group)
+    # all_gather needs equal shapes on NCCL: pad every rank to the largest, then drop the
+    # padding. One collective instead of W point-to-point sends.
     cap = max(sizes_W)
     out_WC = _gather_even(_pad_rows(x_N, cap), group).unflatten(0, (len(sizes_W), cap))
     return torch.cat([out_WC[r, :n] for r, n in enumerate(sizes_W)])
 
 
 def _reduce_scatter_uneven(x_M: torch.Tensor, sizes_W: list[int], group: Any) -> torch.Tensor:
+    N = sizes_W[group_rank(group)]
+    if x_M.device.type == "cpu":
+        # Each rank's block to its rank by all-to-all, then the W partial blocks summed here, in
+        # rank order (the same order on every rank), into a workspace buffer. gloo's
+        # reduce-scatter clones its input and all-reduces all of it: twice the bytes on the
+        # wire and a fresh buffer per call.
+        W = len(sizes_W)
+        parts = _all_to_all(x_M, [N] * W, sizes_W, group).view(W, N, *x_M.shape[1:])
+        return torch.sum(parts, dim=0, out=_rows_buffer(x_M, N))
     cap = max(sizes_W)
     blocks = torch.split(x_M, sizes_W)
     padded = torch.cat([_pad_rows(b, cap) for b in blocks])
-    return _reduce_scatter_even(padded, group)[: sizes_W[group_rank(group)]]
+    return _reduce_scatter_even(padded, group)[:N]
 
 
 def _split_own(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -218,22 +240,26 @@ class _AllGather(Function):
     @staticmethod
     def forward(ctx, x_N, sizes_W, group):
         ctx.group, ctx.sizes_W = group, sizes_W
+        ctx.arena = workspace.current_arena()
         return _gather_uneven(x_N, sizes_W, group)
 
     @staticmethod
     def backward(ctx, grad_M):
-        return _ReduceScatter.apply(grad_M, ctx.sizes_W, ctx.group), None, None
+        with workspace.ctx_arena(ctx):
+            return _ReduceScatter.apply(grad_M, ctx.sizes_W, ctx.group), None, None
 
 
 class _ReduceScatter(Function):
     @staticmethod
     def forward(ctx, x_M, sizes_W, group):
         ctx.group, ctx.sizes_W = group, sizes_W
+        ctx.arena = workspace.current_arena()
         return _reduce_scatter_uneven(x_M, sizes_W, group)
 
     @staticmethod
     def backward(ctx, grad_N):
-        return _AllGather.apply(grad_N, ctx.sizes_W, ctx.group), None, None
+        with workspace.ctx_arena(ctx):
+            return _AllGather.apply(grad_N, ctx.sizes_W, ctx.group), None, None
 
 
 class _AllReduce(Function):
@@ -417,7 +443,7 @@ def all_gather(x_N: torch.Tensor, group: Any, sizes: Sequence[int] | None = None
         if sizes is not None:
             _check_splits("sizes", sizes, 1, x_N.shape[0])
         return x_N
-    sizes_W = (_gather_sizes(x_N.shape[0], group) if sizes is None else
+    sizes_W = (gather_ints(x_N.shape[0], group) if sizes is None else
                _check_splits("sizes", sizes, world, None))
     if sizes_W[group_rank(group)] != x_N.shape[0]:
         raise ValueError(f"sizes[{group_rank(group)}] = {sizes_W[group_rank(group)]} but this "

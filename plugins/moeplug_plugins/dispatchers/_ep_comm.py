@@ -140,10 +140,7 @@ def unsort_by_local_expert(rows_S: torch.Tensor, plan: A2APlan) -> torch.Tensor:
 
 def gather_sizes(num_tokens: int, group: Any) -> list[int]:
     """Tokens on every EP rank (ranks may hold different T)."""
-    W = comm.group_size(group)
-    with torch.no_grad():
-        sizes_W = comm.all_gather(torch.tensor([num_tokens], dtype=torch.int64), group, [1] * W)
-    return sizes_W.tolist()
+    return comm.gather_ints(num_tokens, group)
 
 
 def gather_capacities(capacity: int, group: Any) -> list[int]:

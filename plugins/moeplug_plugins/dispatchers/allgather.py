@@ -25,8 +25,9 @@ import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.ops import permute, unpermute
-from moeplug.routing import append_sink_rows, pad_rows, padded_counts, sink_dropped, unpad_rows
+from moeplug.ops import permute, permute_probs, unpermute, workspace
+from moeplug.routing import (append_sink_rows, first_rows, pad_rows, padded_counts, sink_dropped,
+                             unpad_rows)
 from moeplug_plugins.dispatchers import _ep_comm
 from moeplug_plugins.dispatchers._group import ep_layout
 
@@ -44,6 +45,10 @@ class AllGatherDispatcher(Dispatcher):
         self.group = group
         self.ep_size, self.ep_rank, self.num_local_experts = ep_layout(model, group)
         self.num_experts = model.moe.num_experts
+        # global expert -> local id on this rank, L (the sink) for the other ranks' experts
+        L = self.num_local_experts
+        self._local_id_E = torch.full((self.num_experts,), L, dtype=torch.int64)
+        self._local_id_E[self.ep_rank * L:(self.ep_rank + 1) * L] = torch.arange(L)
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         L = self.num_local_experts
@@ -51,27 +56,39 @@ class AllGatherDispatcher(Dispatcher):
         sizes_W = self._gather_sizes(x_TD)
         x_GD, probs_GK, ids_GK = (self._all_gather(t, sizes_W)
                                   for t in (x_TD, routing.probs_TK, routing.ids_TK))
-        dropped_GK = (None if routing.dropped_TK is None else
-                      self._all_gather(routing.dropped_TK.to(torch.uint8), sizes_W).bool())
+        dropped_GK = (None if routing.dropped_TK is None else  # bool travels as its bytes
+                      self._all_gather(routing.dropped_TK.view(torch.uint8), sizes_W)
+                      .view(torch.bool))
         # 2. select local experts (others and dropped choices -> sink expert L)
-        local_GK = ids_GK - self.ep_rank * L
-        is_local_GK = (local_GK >= 0) & (local_GK < L)
-        local_GK = sink_dropped(torch.where(is_local_GK, local_GK, torch.full_like(local_GK, L)),
-                                dropped_GK, L)
+        local_GK = sink_dropped(self._local_ids(ids_GK), dropped_GK, L)
         # 3. permute over L + 1 experts; the sink's rows are last
         x_RD, row_map_GK, counts = permute(x_GD, local_GK, L + 1)
-        probs_R = probs_GK.new_zeros(x_RD.shape[0]).index_put(
-            (row_map_GK.reshape(-1),), probs_GK.reshape(-1))
+        probs_R = permute_probs(probs_GK, row_map_GK)
         num_sink = int(counts[L])
         S = x_RD.shape[0] - num_sink
+        if num_sink:  # a slice's backward zero-fills and copies the whole buffer: only if needed
+            x_RD, probs_R = first_rows(x_RD, S), first_rows(probs_R, S)
         counts_L = counts[:L].to(torch.int64).cpu()
         # 4. pad
         target_L = padded_counts(counts_L, routing.capacity, routing.pad_multiple, self.ep_size,
                                  self._capacities(routing.capacity))
-        x_SD, probs_S, pad_index_S = pad_rows(x_RD[:S], probs_R[:S], counts_L, target_L)
+        x_SD, probs_S, pad_index_S = pad_rows(x_RD, probs_R, counts_L, target_L)
         return Dispatched(x_SD, probs_S, target_L,
                           AllGatherMeta(row_map_GK=row_map_GK, num_sink_rows=num_sink,
                                         sizes_W=sizes_W, pad_index_S=pad_index_S))
+
+    def _local_ids(self, ids_GK: torch.Tensor) -> torch.Tensor:
+        """Each choice's local expert id, or L (the sink) for another rank's expert. On the CPU
+        a lookup in ``_local_id_E``, one gather into the workspace, instead of a subtraction,
+        two comparisons, an and and a where that each allocate."""
+        L = self.num_local_experts
+        if ids_GK.device.type != "cpu":
+            local_GK = ids_GK - self.ep_rank * L
+            return torch.where((local_GK >= 0) & (local_GK < L), local_GK,
+                               torch.full_like(local_GK, L))
+        out = workspace.empty((ids_GK.numel(),), torch.int64)
+        return torch.index_select(self._local_id_E, 0, ids_GK.reshape(-1), out=out)\
+            .view(ids_GK.shape)
 
     def combine(self, y_SD: torch.Tensor, meta: AllGatherMeta) -> torch.Tensor:
         y_RD = append_sink_rows(unpad_rows(y_SD, meta.pad_index_S), meta.num_sink_rows)
