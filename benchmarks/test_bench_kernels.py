@@ -159,3 +159,50 @@ def test_swiglu_per_expert_slice(benchmark, report, dtype_name):
     benchmark.pedantic(bwd, rounds=3, iterations=1)
     torch.testing.assert_close(swiglu_forward_raw(h, p), ref.swiglu(h.float(), p).to(dtype),
                                rtol=1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("ranks,local_experts", [(2, 8), (8, 32)])
+def test_ep_sort_by_local_expert(benchmark, report, ranks, local_experts):
+    """The alltoall dispatcher's sort of the rows an EP rank received ((source rank, local
+    expert)-major) into local-expert-major order, forward + backward, as it runs: the runtime's
+    chunk moves (_ep_comm._MoveChunks) against the index_select it replaced (whose backward
+    zero-fills a fresh [S, D] and scatters into it) and a memcpy of the rows twice (each
+    direction reads and writes S*D once). S rows of D fp32, uneven random chunk sizes."""
+    from moeplug_plugins.dispatchers import _ep_comm
+    W, L = ranks, local_experts
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.rand(W * L, generator=gen) + 0.5
+    counts_WL = (weights / weights.sum() * S).to(torch.int64).view(W, L)
+    counts_WL[0, 0] += S - int(counts_WL.sum())
+    plan = _ep_comm.A2APlan(send_W=[], recv_W=counts_WL.sum(1).tolist(), counts_WL=counts_WL)
+    rows_SD = torch.randn(S, D, generator=gen)
+    grad_SD = torch.randn(S, D, generator=gen)
+    index_S = _ep_comm.gather_index(counts_WL, True)
+    dst_SD = torch.empty_like(rows_SD)
+
+    def moves():
+        x = rows_SD.detach().requires_grad_()
+        torch.autograd.backward(_ep_comm.sort_by_local_expert(x, plan), grad_SD)
+
+    def index_select():
+        x = rows_SD.detach().requires_grad_()
+        torch.autograd.backward(x.index_select(0, index_S), grad_SD)
+
+    def memcpy_twice():
+        dst_SD.copy_(rows_SD)
+        rows_SD.copy_(dst_SD)
+
+    times = interleave({"moves": moves, "index_select": index_select,
+                        "memcpy": memcpy_twice}, repeats=7)
+    name = f"EP sort fp32 ({W} x {L} chunks, [{S}, {D}])"
+    report.row(name, "speed vs memcpy", times["memcpy"] / times["moves"],
+               note=f"fwd+bwd {times['moves'] * 1e3:.1f} ms, index_select "
+                    f"{times['index_select'] * 1e3:.1f} ms")
+    report.row(name, "speedup vs index_select", times["index_select"] / times["moves"])
+    benchmark.extra_info.update({k: v * 1e3 for k, v in times.items()})
+    benchmark.pedantic(moves, rounds=3, iterations=1)
+    x = rows_SD.detach().requires_grad_()
+    y = _ep_comm.sort_by_local_expert(x, plan)
+    y.backward(grad_SD)
+    assert torch.equal(y, rows_SD[index_S])
+    assert torch.equal(x.grad, torch.zeros_like(rows_SD).index_add_(0, index_S, grad_SD))
