@@ -666,19 +666,21 @@ def test_activation_times_probs_into_buffers_matches_autograd_bitwise(activation
 
 # Per dispatcher: the exchanges the counter must see allocate when the arenas are off.
 EP2_EXCHANGES = {"alltoall": ("_AllToAll", "_MoveChunks"),
-                 "allgather": ("_AllGather", "_ReduceScatter")}
+                 "allgather": ("_AllGather", "_ReduceScatter"),
+                 "direct_write": ("_DispatchStart", "_CombineWait")}
 
 
 @pytest.mark.parametrize("dispatcher", sorted(EP2_EXCHANGES))
 def test_ep2_steps_allocate_next_to_nothing_on_the_moe_path(dispatcher):
-    # Real gloo ranks: the count exchange, the row exchanges (all-to-all, or all-gather and
-    # reduce-scatter) and the sort by local expert (and their backwards) take their buffers
-    # from the layer's workspace. Not exactly zero as in
-    # one process: the rows each expert receives depend on the other rank's routing, and a step
-    # that brings a new peak (a row count past every earlier one, or more buffers of one size
-    # class live at once) still allocates its buffer, a few times in ten steps (at most 4 in
-    # a step seen). Without the arenas the same steps allocate ~150 buffers each (allgather
-    # ~270), and the counter must see the exchanges among them (else the bound proves nothing).
+    # Real gloo ranks: the count exchange, the row exchanges (all-to-all; all-gather and
+    # reduce-scatter; or direct_write's shared-memory plan and sums) and the sort by local
+    # expert (and their backwards) take their buffers from the layer's workspace. Not exactly
+    # zero as in one process: the rows each expert receives depend on the other rank's
+    # routing, and a step that brings a new peak (a row count past every earlier one, or more
+    # buffers of one size class live at once) still allocates its buffer, a few times in ten
+    # steps (at most 4 in a step seen). Without the arenas the same steps allocate ~150
+    # buffers each (allgather ~270, direct_write ~260), and the counter must see the exchanges
+    # among them (else the bound proves nothing).
     from moeplug.testing.distributed import run_distributed
     from moeplug.testing.steps import ep2_moe_allocations
     on = run_distributed(ep2_moe_allocations, 2, dispatcher, True, timeout=240)

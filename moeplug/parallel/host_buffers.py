@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from moeplug.ops import workspace
+
 MIN_BYTES = 1 << 20   # smaller tensors come from torch.empty: their faults are few
 MAX_FREE = 8          # free allocations kept per size class
 
@@ -30,9 +32,9 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     numel = 1
     for n in shape:
         numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < MIN_BYTES:
-        return torch.empty(shape, dtype=dtype)
+    nbytes = numel * dtype.itemsize
+    if nbytes < MIN_BYTES:  # the running layer's arena, or the workspace cache
+        return workspace.empty(shape, dtype)
     size = 1 << (nbytes - 1).bit_length()
     with _lock:
         backing = _free.get(size, []).pop() if _free.get(size) else None

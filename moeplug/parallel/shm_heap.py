@@ -60,6 +60,8 @@ from typing import Any
 
 import torch
 
+from moeplug.ops import workspace
+
 ARRIVE, DONE = 0, 1  # flag indices (the C++ heap has ShmHeap::kNumFlags)
 # The heap's own slots, after the caller's: this rank's largest free run and its held bytes.
 FREE_AT, FREE_BYTES, HELD, NUM_HEAP_SLOTS = 0, 1, 2, 3
@@ -165,14 +167,16 @@ class SymmetricHeap:
         """Start the next op: write [row_bytes, *extra] into this rank's slots, publish ARRIVE and
         wait for every rank's. Returns the op's sequence number. Every rank must pass the same
         row_bytes (the receivers' areas are laid out from it): a mismatch raises on every rank."""
-        extra = torch.as_tensor(extra, dtype=torch.int64).reshape(-1)
-        if 1 + extra.numel() > self.num_slots:
-            raise ValueError(f"heap.arrive: {1 + extra.numel()} slot values, the heap has "
+        # Written through numpy views of the slots: a tensor element assignment wraps each
+        # Python int in a fresh tensor (ops run inside the MoE layer, which allocates nothing).
+        values = extra.reshape(-1).numpy() if isinstance(extra, torch.Tensor) else list(extra)
+        if 1 + len(values) > self.num_slots:
+            raise ValueError(f"heap.arrive: {1 + len(values)} slot values, the heap has "
                              f"{self.num_slots}")
         self._seq += 1
-        own = self.slots(self.rank)
+        own = self.slots(self.rank).numpy()
         own[0] = int(row_bytes)
-        own[1:1 + extra.numel()] = extra
+        own[1:1 + len(values)] = values
         # Where this op's receive area will start: published now, taken in receive_area. Only
         # this rank allocates in its region and frees only widen the run, so it stays valid.
         at, size = self._arena.largest()
@@ -190,7 +194,8 @@ class SymmetricHeap:
 
     def read_slots(self, n: int) -> torch.Tensor:
         """[world, n] copy of slots 1..n of every rank (after :meth:`arrive`)."""
-        return torch.stack([self.slots(r)[1:1 + n].clone() for r in range(self.world)])
+        return torch.stack([self.slots(r)[1:1 + n] for r in range(self.world)],
+                           out=workspace.empty((self.world, n), torch.int64))
 
     def receive_area(self, seq: int, nbytes_W: list[int], fixed: bool, option: str
                      ) -> tuple[torch.Tensor, list[int]]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeplug.ops import workspace
 from moeplug.parallel import host_buffers
 from moeplug.parallel.shm_heap import SymmetricHeap
 from moeplug.runtime import dtype_code, get_runtime
@@ -158,7 +159,7 @@ def pull_sum_start(heap: SymmetricHeap, y_PD: torch.Tensor, src_rank_TK: torch.T
     D = y_PD.shape[1] if y_PD.dim() == 2 else 0
     seq = heap.arrive(_row_bytes(y_PD), [y_PD.data_ptr()])
     bases = heap.read_slots(1).reshape(-1).contiguous()
-    pids = torch.tensor(heap.pids, dtype=torch.int64)
+    pids = _int64s(list(heap.pids))
     y = host_buffers.empty((T, D), y_PD.dtype)
     rank, row = src_rank_TK.contiguous(), src_row_TK.contiguous()
     get_runtime().pull_sum_rows(pids=pids.data_ptr(), bases=bases.data_ptr(), rank=heap.rank,
@@ -197,8 +198,16 @@ def _areas(heap: SymmetricHeap, seq: int, streams, rows_W: list[int], fixed: boo
     sizes = [_row_bytes(t) for t, _ in streams]
     layouts = [_offsets(int(n), sizes) for n in rows_W]
     area, addr_W = heap.receive_area(seq, [total for _, total in layouts], fixed, option)
-    return area, [torch.tensor([addr_W[r] + layouts[r][0][i] for r in range(heap.world)],
-                               dtype=torch.int64) for i in range(len(streams))]
+    return area, [_int64s([addr_W[r] + layouts[r][0][i] for r in range(heap.world)])
+                  for i in range(len(streams))]
+
+
+def _int64s(values: list[int]) -> torch.Tensor:
+    """``values`` as an int64 tensor in the running layer's workspace, written through a numpy
+    view (torch.tensor(values) allocates)."""
+    out = workspace.empty((len(values),), torch.int64)
+    out.numpy()[:] = values
+    return out
 
 
 def _landing(heap: SymmetricHeap, seq: int, area: torch.Tensor, streams, rows_W: list[int]
@@ -208,8 +217,7 @@ def _landing(heap: SymmetricHeap, seq: int, area: torch.Tensor, streams, rows_W:
 
 
 def _received(area: torch.Tensor, specs, rows: int) -> list[torch.Tensor]:
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-             for dtype, shape in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
     offs, _ = _offsets(rows, sizes)
     out = []
     for (dtype, shape), off, size in zip(specs, offs, sizes):

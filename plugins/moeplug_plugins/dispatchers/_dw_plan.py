@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeplug.routing import padded_counts
+from moeplug.ops import workspace
+from moeplug.routing import padded_counts, sink_dropped
 from moeplug.runtime import get_runtime
 
 
@@ -40,48 +41,59 @@ class DirectWritePlan:
 
 def local_counts(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, E: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids with dropped choices sent to sink E, rows per expert kept) of this rank."""
-    ids = ids_TK if dropped_TK is None else ids_TK.masked_fill(dropped_TK, E)
-    counts_E = torch.bincount(ids.reshape(-1), minlength=E + 1)[:E]
-    return ids, counts_E
+    """(ids with dropped choices sent to sink E, rows per expert kept) of this rank. In the
+    running layer's workspace: a scatter-add of ones, not bincount (its min, max and zeros
+    each allocate)."""
+    ids = sink_dropped(ids_TK, dropped_TK, E)
+    flat = ids.reshape(-1)
+    ones = _empty((flat.numel(),)).fill_(1)
+    counts = _empty((E + 1,)).zero_().scatter_add_(0, flat, ones)
+    return ids, counts[:E]
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return workspace.empty(shape, dtype)
 
 
 def build_plan(counts_WE: torch.Tensor, ids_TK: torch.Tensor, rank: int,
                capacity: int | None, capacity_W: list[int] | None, pad_multiple: int
                ) -> DirectWritePlan:
     """``counts_WE``: rows every rank keeps per expert; ``ids_TK``: this rank's ids, dropped
-    choices already at the sink E. ``capacity_W``: every rank's capacity (pad-to-capacity)."""
+    choices already at the sink E. ``capacity_W``: every rank's capacity (pad-to-capacity).
+    Without padding every tensor is an out= result in the running layer's workspace (the
+    plan's few [W, W, L] sums allocated ~20 small tensors a call)."""
     W, E = counts_WE.shape
     L = E // W
     T, K = ids_TK.shape
     c_SRL = counts_WE.view(W, W, L)
-    real_RL = c_SRL.sum(0)
+    real_RL = torch.sum(c_SRL, 0, out=_empty((W, L)))
     # Every rank computes every receiver's padding (the same numbers alltoall computes there),
     # so an over-capacity error is raised on all ranks alike rather than leaving peers waiting.
     target_RL = torch.stack([padded_counts(real_RL[r], capacity, pad_multiple, W, capacity_W)
-                             for r in range(W)])
-    estart_RL = torch.cumsum(target_RL, 1) - target_RL
-    off_SRL = estart_RL.unsqueeze(0) + torch.cumsum(c_SRL, 0) - c_SRL
-    prefix_WE = torch.cumsum(counts_WE, 1) - counts_WE
+                             for r in range(W)], out=_empty((W, L)))
+    estart_RL = torch.cumsum(target_RL, 1, out=_empty((W, L))).sub_(target_RL)
+    off_SRL = torch.cumsum(c_SRL, 0, out=_empty((W, W, L))).sub_(c_SRL).add_(estart_RL)
+    prefix_WE = torch.cumsum(counts_WE, 1, out=_empty((W, E))).sub_(counts_WE)
 
     # This rank's rows: a stable counting sort by expert gives each (t, k) its place in its
     # expert's run (the runtime's place_rows; place_rows_reference is the same in torch).
     flat = ids_TK.reshape(-1).contiguous()
-    row_map, dest_rank, dest_row = (torch.empty_like(flat) for _ in range(3))
-    base_E = off_SRL[rank].reshape(E).contiguous()
-    scratch = torch.empty(2 * E + 1, dtype=torch.int64)
+    row_map, dest_rank, dest_row = (_empty((flat.numel(),)) for _ in range(3))
+    base_E = off_SRL[rank].reshape(E)  # a row of a contiguous tensor: contiguous
+    scratch = _empty((2 * E + 1,))
     get_runtime().place_rows(ids=flat.data_ptr(), num_choices=flat.numel(), num_experts=E,
                              local_experts=L, base=base_E.data_ptr(), scratch=scratch.data_ptr(),
                              row_map=row_map.data_ptr(), dest_rank=dest_rank.data_ptr(),
                              dest_row=dest_row.data_ptr())
 
-    # Combine runs from this rank's rows back to each source s, per local expert l.
+    # Combine runs from this rank's rows back to each source s, per local expert l (runs of 0
+    # rows copy nothing: kept, so the table's size is W * L whatever the routing).
     rows_SL = c_SRL[:, rank, :]
     src_SL = off_SRL[:, rank, :]
     dst_SL = prefix_WE[:, rank * L:(rank + 1) * L]
-    s_SL = torch.arange(W).unsqueeze(1).expand(W, L)
-    chunks = torch.stack([src_SL, s_SL, dst_SL, rows_SL], dim=-1).reshape(-1, 4)
-    chunks = chunks[chunks[:, 3] > 0].contiguous()
+    s_SL = torch.arange(W, out=_empty((W,))).unsqueeze(1).expand(W, L)
+    chunks = torch.stack([src_SL, s_SL, dst_SL, rows_SL], dim=-1,
+                         out=_empty((W, L, 4))).view(W * L, 4)
 
     target_L, real_L = target_RL[rank], real_RL[rank]
     pad_index = pad_rows = None
@@ -92,11 +104,12 @@ def build_plan(counts_WE: torch.Tensor, ids_TK: torch.Tensor, rank: int,
         for l in range(L):
             real[int(start_L[l]):int(start_L[l] + real_L[l])] = True
         pad_index, pad_rows = real.nonzero().reshape(-1), (~real).nonzero().reshape(-1)
+    # The row sums in Python: torch's would each allocate a result.
     return DirectWritePlan(
         dest_rank_TK=dest_rank.view(T, K), dest_row_TK=dest_row.view(T, K),
-        row_map_TK=row_map.view(T, K), recv_rows_W=target_RL.sum(1).tolist(),
-        send_rows_W=counts_WE.sum(1).tolist(), chunks_C4=chunks, counts_L=target_L.clone(),
-        counts_WL=rows_SL.clone(),
+        row_map_TK=row_map.view(T, K), recv_rows_W=[sum(r) for r in target_RL.tolist()],
+        send_rows_W=[sum(r) for r in counts_WE.tolist()], chunks_C4=chunks, counts_L=target_L,
+        counts_WL=_empty((W, L)).copy_(rows_SL),
         pad_index_S=pad_index, pad_rows=pad_rows)
 
 

@@ -50,6 +50,7 @@ import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
+from moeplug.ops import workspace
 from moeplug.parallel import shm_rows
 from moeplug.parallel.comm import active_group
 from moeplug.parallel.shm_heap import MiB, SymmetricHeap, heap_for
@@ -123,7 +124,10 @@ class DirectWriteDispatcher(Dispatcher):
         ids_TK, counts_E = local_counts(routing.ids_TK, routing.dropped_TK, E)
         cap = -1 if routing.capacity is None else int(routing.capacity)
         first = ([] if quantized else [(x_TD, False)]) + [(probs_TK.view(-1, 1), True)]
-        seq = heap.arrive(shm_rows.row_bytes(first), torch.cat([torch.tensor([cap]), counts_E]))
+        slots = workspace.empty((1 + E,), torch.int64)
+        slots[:1].fill_(cap)  # fill_, not slots[0] = cap: that wraps cap in a fresh tensor
+        slots[1:].copy_(counts_E)
+        seq = heap.arrive(shm_rows.row_bytes(first), slots)
         slots_W = heap.read_slots(1 + E)
         # 2. plan
         capacity_W = None if cap < 0 else slots_W[:, 0].tolist()
@@ -201,8 +205,9 @@ class _Handoff:
 
 
 def _token() -> torch.Tensor:
-    """The start node's output, the wait node's input: no data, only the autograd edge."""
-    return torch.empty(0)
+    """The start node's output, the wait node's input: no data, only the autograd edge (a
+    0-element view of a buffer in the running layer's workspace)."""
+    return workspace.empty((0,), torch.float32)
 
 
 # ---- the two directions, each an op on the heap ------------------------------------------------
@@ -272,6 +277,7 @@ class _DispatchStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, seq, handoff, x_TD, probs_TK):
+        ctx.arena = workspace.current_arena()  # backward's small buffers: this layer's
         ctx.meta, ctx.handoff, ctx.has_x = meta, handoff, x_TD is not None
         handoff.forward = _write_tokens(meta, x_TD, seq, probs_TK)
         return _token()
@@ -280,9 +286,19 @@ class _DispatchStart(torch.autograd.Function):
     def backward(ctx, _g_token):
         rows = shm_rows.landed(ctx.handoff.take("backward"))
         rm = ctx.meta.plan.row_map_TK
-        g_x = shm_rows.sum_rows(rows[0], rm) if ctx.has_x else None
-        g_probs = rows[-1].reshape(-1)[rm.clamp(min=0)].masked_fill(rm < 0, 0.0)
-        return None, None, None, g_x, g_probs
+        with workspace.ctx_arena(ctx):
+            g_x = shm_rows.sum_rows(rows[0], rm) if ctx.has_x else None
+            return None, None, None, g_x, _probs_grad(rows[-1].reshape(-1), rm)
+
+
+def _probs_grad(g_P: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
+    """g_TK[t, k] = g_P[row_map_TK[t, k]], 0 for a dropped choice (row -1): the gather and mask
+    as out= ops into the workspace (on the CPU; the indexing form allocates four tensors)."""
+    shape, rm = tuple(row_map_TK.shape), row_map_TK.reshape(-1)
+    index = torch.clamp(rm, min=0, out=workspace.empty(tuple(rm.shape), rm.dtype))
+    g = torch.index_select(g_P, 0, index, out=workspace.empty(tuple(rm.shape), g_P.dtype))
+    dropped = torch.lt(rm, 0, out=workspace.empty(tuple(rm.shape), torch.bool))
+    return g.masked_fill_(dropped, 0.0).view(shape)
 
 
 class _DispatchWait(torch.autograd.Function):
@@ -291,14 +307,16 @@ class _DispatchWait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, handoff, token):
+        ctx.arena = workspace.current_arena()  # backward's small buffers: this layer's
         ctx.meta, ctx.handoff = meta, handoff
         return tuple(_tokens_landed(meta, handoff.take("forward"), True))
 
     @staticmethod
     def backward(ctx, *grads):
         streams = list(grads[:-1]) + [grads[-1].float().reshape(-1, 1)]
-        ctx.handoff.backward = _back_start(_here(ctx.meta), streams)
-        return None, None, _token()
+        with workspace.ctx_arena(ctx):
+            ctx.handoff.backward = _back_start(_here(ctx.meta), streams)
+            return None, None, _token()
 
 
 def _single_copy(heap: SymmetricHeap) -> bool:
@@ -331,6 +349,7 @@ class _CombineStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, handoff, y_SD):
+        ctx.arena = workspace.current_arena()  # backward's small buffers: this layer's
         ctx.meta, ctx.handoff = meta, handoff
         row_bytes = math.prod(y_SD.shape[1:]) * y_SD.element_size()
         if meta.single_copy and row_bytes >= PULL_MIN_ROW_BYTES:
@@ -343,7 +362,8 @@ class _CombineStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _g_token):
-        return None, None, _tokens_landed(ctx.meta, ctx.handoff.take("backward"), False)[0]
+        with workspace.ctx_arena(ctx):
+            return None, None, _tokens_landed(ctx.meta, ctx.handoff.take("backward"), False)[0]
 
 
 class _CombineWait(torch.autograd.Function):
@@ -352,6 +372,7 @@ class _CombineWait(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, handoff, token):
+        ctx.arena = workspace.current_arena()  # backward's small buffers: this layer's
         ctx.meta, ctx.handoff = meta, handoff
         op = handoff.take("forward")
         if isinstance(op, shm_rows.Pull):
@@ -361,5 +382,6 @@ class _CombineWait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TD):
-        ctx.handoff.backward = _write_tokens(_here(ctx.meta), g_TD.contiguous())
-        return None, None, _token()
+        with workspace.ctx_arena(ctx):
+            ctx.handoff.backward = _write_tokens(_here(ctx.meta), g_TD.contiguous())
+            return None, None, _token()
