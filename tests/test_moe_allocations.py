@@ -666,7 +666,7 @@ def test_activation_times_probs_into_buffers_matches_autograd_bitwise(activation
 
 # Per dispatcher: the exchanges the counter must see allocate when the arenas are off.
 EP2_EXCHANGES = {"alltoall": ("_AllToAll", "_MoveChunks"),
-                 "allgather": ("_AllGather", "_ReduceScatter"),
+                 "allgather": ("_GatherScatter <-", "_GatherScatterBackward"),
                  "direct_write": ("_DispatchStart", "_CombineWait")}
 
 

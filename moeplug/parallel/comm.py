@@ -236,30 +236,21 @@ class _AllToAll(Function):
         return grad_N, None, None, None
 
 
-class _AllGather(Function):
-    @staticmethod
-    def forward(ctx, x_N, sizes_W, group):
-        ctx.group, ctx.sizes_W = group, sizes_W
-        ctx.arena = workspace.current_arena()
-        return _gather_uneven(x_N, sizes_W, group)
+class _GatherScatter(Function):
+    """Uneven all-gather of rows (``gather``) or reduce-scatter: each is the other's adjoint,
+    so backward runs the other direction."""
 
     @staticmethod
-    def backward(ctx, grad_M):
+    def forward(ctx, x, sizes_W, group, gather):
+        ctx.group, ctx.sizes_W, ctx.gather = group, sizes_W, gather
+        ctx.arena = workspace.current_arena()  # backward's small buffers: the same layer's
+        return (_gather_uneven if gather else _reduce_scatter_uneven)(x, sizes_W, group)
+
+    @staticmethod
+    def backward(ctx, grad):
         with workspace.ctx_arena(ctx):
-            return _ReduceScatter.apply(grad_M, ctx.sizes_W, ctx.group), None, None
-
-
-class _ReduceScatter(Function):
-    @staticmethod
-    def forward(ctx, x_M, sizes_W, group):
-        ctx.group, ctx.sizes_W = group, sizes_W
-        ctx.arena = workspace.current_arena()
-        return _reduce_scatter_uneven(x_M, sizes_W, group)
-
-    @staticmethod
-    def backward(ctx, grad_N):
-        with workspace.ctx_arena(ctx):
-            return _AllGather.apply(grad_N, ctx.sizes_W, ctx.group), None, None
+            return (_GatherScatter.apply(grad, ctx.sizes_W, ctx.group, not ctx.gather),
+                    None, None, None)
 
 
 class _AllReduce(Function):
@@ -317,8 +308,9 @@ class _Gather(Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.reduce_grad:
-            n = grad.shape[0] // group_size(ctx.group)
-            return _ReduceScatter.apply(grad, [n] * group_size(ctx.group), ctx.group), None, None, None
+            W = group_size(ctx.group)
+            grad = _GatherScatter.apply(grad, [grad.shape[0] // W] * W, ctx.group, False)
+            return grad, None, None, None
         return _Split.apply(grad, ctx.dim, ctx.group), None, None, None
 
 
@@ -448,7 +440,7 @@ def all_gather(x_N: torch.Tensor, group: Any, sizes: Sequence[int] | None = None
     if sizes_W[group_rank(group)] != x_N.shape[0]:
         raise ValueError(f"sizes[{group_rank(group)}] = {sizes_W[group_rank(group)]} but this "
                          f"rank has {x_N.shape[0]} rows. Fix: pass this rank's true row count")
-    return _AllGather.apply(x_N, sizes_W, group)
+    return _GatherScatter.apply(x_N, sizes_W, group, True)
 
 
 def reduce_scatter(x_M: torch.Tensor, group: Any, sizes: Sequence[int] | None = None) -> torch.Tensor:
@@ -463,7 +455,7 @@ def reduce_scatter(x_M: torch.Tensor, group: Any, sizes: Sequence[int] | None = 
     sizes_W = _check_splits("sizes", sizes, world, x_M.shape[0])
     if world == 1:
         return x_M
-    return _ReduceScatter.apply(x_M, sizes_W, group)
+    return _GatherScatter.apply(x_M, sizes_W, group, False)
 
 
 def all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
