@@ -664,29 +664,37 @@ def test_activation_times_probs_into_buffers_matches_autograd_bitwise(activation
         assert dp is None
 
 
-# Per dispatcher: the exchanges the counter must see allocate when the arenas are off.
-EP2_EXCHANGES = {"alltoall": ("_AllToAll", "_MoveChunks"),
-                 "allgather": ("_GatherScatter <-", "_GatherScatterBackward"),
-                 "direct_write": ("_DispatchStart", "_CombineWait")}
+# Per dispatcher (and options): the exchanges the counter must see allocate when the arenas
+# are off. hierarchical runs as one node of 2 ranks (its shared-memory fan-out) and as 2 nodes
+# of 1 (its network all-to-all).
+EP2_CASES = {
+    "alltoall": ("alltoall", {}, ("_AllToAll", "_MoveChunks")),
+    "allgather": ("allgather", {}, ("_GatherScatter <-", "_GatherScatterBackward")),
+    "direct_write": ("direct_write", {}, ("_DispatchStart", "_CombineWait")),
+    "hierarchical-1x2": ("hierarchical", {}, ("_ShmMove", "_IndexRows")),
+    "hierarchical-2x1": ("hierarchical", {"node_size": 1}, ("_AllToAll", "_IndexRows")),
+}
 
 
-@pytest.mark.parametrize("dispatcher", sorted(EP2_EXCHANGES))
-def test_ep2_steps_allocate_next_to_nothing_on_the_moe_path(dispatcher):
+@pytest.mark.parametrize("case", sorted(EP2_CASES))
+def test_ep2_steps_allocate_next_to_nothing_on_the_moe_path(case):
     # Real gloo ranks: the count exchange, the row exchanges (all-to-all; all-gather and
-    # reduce-scatter; or direct_write's shared-memory plan and sums) and the sort by local
-    # expert (and their backwards) take their buffers from the layer's workspace. Not exactly
-    # zero as in one process: the rows each expert receives depend on the other rank's
-    # routing, and a step that brings a new peak (a row count past every earlier one, or more
-    # buffers of one size class live at once) still allocates its buffer, a few times in ten
-    # steps (at most 4 in a step seen). Without the arenas the same steps allocate ~150
-    # buffers each (allgather ~270, direct_write ~260), and the counter must see the exchanges
-    # among them (else the bound proves nothing).
+    # reduce-scatter; direct_write's shared-memory plan and sums; hierarchical's dedupe,
+    # network and fan-out) and the sort by local expert (and their backwards) take their
+    # buffers from the layer's workspace. Not exactly zero as in one process: the rows each
+    # expert receives depend on the other rank's routing, and a step that brings a new peak
+    # (a row count past every earlier one, or more buffers of one size class live at once)
+    # still allocates its buffer, a few times in ten steps (at most 4 in a step seen).
+    # Without the arenas the same steps allocate ~150 buffers each (allgather ~270,
+    # direct_write ~260, hierarchical ~370), and the counter must see the exchanges among
+    # them (else the bound proves nothing).
+    dispatcher, options, exchanges = EP2_CASES[case]
     from moeplug.testing.distributed import run_distributed
     from moeplug.testing.steps import ep2_moe_allocations
-    on = run_distributed(ep2_moe_allocations, 2, dispatcher, True, timeout=240)
-    off = run_distributed(ep2_moe_allocations, 2, dispatcher, False, timeout=240)
+    on = run_distributed(ep2_moe_allocations, 2, dispatcher, True, options, timeout=240)
+    off = run_distributed(ep2_moe_allocations, 2, dispatcher, False, options, timeout=240)
     for (count_on, where_on), (count_off, where_off) in zip(on, off):
         assert count_on <= 8, "\n".join(f"{n} x {k}" for k, n in where_on.items())
         assert count_off >= 100, where_off
-        for exchange in EP2_EXCHANGES[dispatcher]:
+        for exchange in exchanges:
             assert any(exchange in k for k in where_off), (exchange, where_off)

@@ -79,12 +79,13 @@ def train_ep2_variants(rank: int, world: int, cfgs: dict, vocab: int, stat: str)
     return out
 
 
-def ep2_moe_allocations(rank: int, world: int, dispatcher: str, arenas: bool) -> tuple:
+def ep2_moe_allocations(rank: int, world: int, dispatcher: str, arenas: bool,
+                        options: dict | None = None) -> tuple:
     """On each rank of a 2-rank gloo run: a 2-layer EP2 model (8 experts top-2, the stash on)
     trained 5 steps of 2 micro-batches, then the MoE path's allocations in the next two steps,
     summed, as (count, where) of :func:`moeplug.testing.allocations.moe_path_allocations`. ``arenas``
     False switches every layer's workspace arena off (the counter must then see the
-    exchanges' buffers)."""
+    exchanges' buffers). ``options``: the dispatcher's plugin options."""
     from moeplug.config import config_from_dict
     from moeplug.modules.moe import MoELayer
     from moeplug.parallel import ParallelGroups
@@ -97,7 +98,7 @@ def ep2_moe_allocations(rank: int, world: int, dispatcher: str, arenas: bool) ->
         "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 32, "first_k_dense": 0,
                   "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}},
-        "plugins": {"dispatcher": dispatcher},
+        "plugins": {"dispatcher": dispatcher, "dispatcher_options": options or {}},
         "parallel": {"ep": 2},
         "train": {"steps": 10, "micro_batch_size": 2, "seq_len": 32, "warmup_steps": 1,
                   "grad_accum_steps": 2},

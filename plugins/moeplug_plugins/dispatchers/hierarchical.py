@@ -43,7 +43,9 @@ from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
 from moeplug.parallel import comm
 from moeplug.quant import active_recipe
 from moeplug.quant.wire import quantized_exchange
-from moeplug.routing import pad_rows, padded_counts, sink_dropped, unpad_rows
+from moeplug.ops import permute, permute_probs, unpermute, workspace
+from moeplug.routing import (append_sink_rows, first_rows, pad_rows, padded_counts, sink_dropped,
+                             unpad_rows)
 from moeplug_plugins.dispatchers import _ep_comm, _nodes
 from moeplug_plugins.dispatchers._group import ep_layout
 from moeplug_plugins.dispatchers.direct_write import default_heap_bytes
@@ -72,8 +74,8 @@ class HierarchicalMeta:
     num_tokens: int            # T, to sum the nodes' partial rows back into
     token_A: torch.Tensor      # local token of each row sent over the network
     net: NetworkPlan           # the network exchange, both directions
-    num_rows_B: int            # rows that arrived over the network
-    row_R: torch.Tensor        # arrived row of each node-permuted row (expert-major)
+    row_map_BK: torch.Tensor   # node-permuted row of each arrived (row, choice) in my node
+    num_sink_rows: int         # arrived choices outside my node (cut after the permute)
     intra: _ep_comm.A2APlan    # the intra-node exchange (counts and sort order)
     mover: Any                 # the intra-node transport that planned it (moves it back too)
     pad_index_S: torch.Tensor | None = None  # padded-buffer position of each real row
@@ -115,58 +117,71 @@ class HierarchicalDispatcher(Dispatcher):
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         N, n, L = self.split.num_nodes, self.split.node_size, self.num_local_experts
         M = n * L
+        T, K = routing.ids_TK.shape
+        new = workspace.allocator(x_TD.device)  # on the CPU the running layer's workspace
         # 1. dedupe: one row per (token, destination node)
         ids_TK = sink_dropped(routing.ids_TK, routing.dropped_TK, self.num_experts)
-        node_TK = ids_TK // M                        # dropped choices -> node N (none)
-        hit_TN = torch.zeros(ids_TK.shape[0], N + 1, dtype=torch.bool)
-        hit_TN.scatter_(1, node_TK.cpu(), True)
-        node_A, token_A = hit_TN[:, :N].t().nonzero(as_tuple=True)  # node-major, token order
-        token_A, node_A = token_A.to(x_TD.device), node_A.to(x_TD.device)
-        in_node_AK = node_TK.index_select(0, token_A) == node_A.unsqueeze(1)
-        local_AK = torch.where(in_node_AK, ids_TK.index_select(0, token_A) - (node_A * M)
-                               .unsqueeze(1), torch.full_like(in_node_AK, M, dtype=torch.int64))
-        probs_AK = torch.where(in_node_AK, routing.probs_TK.index_select(0, token_A), 0.0)
-        x_AD = x_TD.index_select(0, token_A)
+        node_TK = torch.floor_divide(ids_TK, _number(new, M), out=new((T, K), torch.int64))
+        token_A, node_A, send_N = _dedupe(node_TK, N, new)  # dropped choices: node N, none
+        A = token_A.shape[0]
+        nodes_AK = torch.index_select(node_TK, 0, token_A, out=new((A, K), torch.int64))
+        elsewhere_AK = torch.ne(nodes_AK, node_A.unsqueeze(1), out=new((A, K), torch.bool))
+        local_AK = torch.index_select(ids_TK, 0, token_A, out=new((A, K), torch.int64))
+        local_AK.sub_(torch.mul(node_A, _number(new, M), out=new((A,), torch.int64)).unsqueeze(1))
+        local_AK.masked_fill_(elsewhere_AK, M)  # M: not in this row's node
+        probs_AK = _IndexRows.apply(routing.probs_TK, token_A, T, True, elsewhere_AK)
+        x_AD = _IndexRows.apply(x_TD, token_A, T, True, None)
         # 2. network
-        net = self._network_plan(torch.bincount(node_A.cpu(), minlength=N))
+        net = self._network_plan(send_N)
         x_BD = self._send_rows(x_AD, net)
         probs_BK = self._network(probs_AK, net)
         with torch.no_grad():  # node-local ids in one byte when they fit: less metadata
-            local_BK = self._network(local_AK.to(_id_dtype(M)), net).to(torch.int64)
-        # 3. node permute: the arrived rows' choices in my node only, grouped by node-local
-        #    expert; a stable sort keeps arrival (source node a, token) order inside an expert
-        with torch.no_grad():
-            row_P, slot_P = (local_BK < M).nonzero(as_tuple=True)
-            expert_P = local_BK[row_P, slot_P]
-            order_R = torch.sort(expert_P, stable=True).indices
-            row_R, slot_R, expert_R = row_P[order_R], slot_P[order_R], expert_P[order_R]
-        x_RD = x_BD.index_select(0, row_R)
-        probs_R = probs_BK[row_R, slot_R]
-        # rows per (node expert, source node)
-        src_B = torch.repeat_interleave(torch.arange(N), torch.tensor(net.recv_N, dtype=torch.int64))
-        counts_MN = torch.bincount(expert_R.cpu() * N + src_B[row_R.cpu()], minlength=M * N)
+            ids_small = new((A, K), _id_dtype(M)).copy_(local_AK)
+            local_BK = self._network(ids_small, net)
+            B = local_BK.shape[0]
+            local_BK = new((B, K), torch.int64).copy_(local_BK)
+        # 3. node permute: the arrived rows' choices in my node, grouped by (node-local
+        #    expert, source node) - the same order as by expert alone, since rows arrive
+        #    source-node-major - and kept in (row, choice) order inside a group (permute is
+        #    stable); choices outside the node go to a sink group M*N, sorted last and cut off
+        src_B = new((B,), torch.int64)
+        at = 0
+        for a, rows in enumerate(net.recv_N):
+            src_B[at:at + rows].fill_(a)
+            at += rows
+        group_BK = torch.mul(local_BK, _number(new, N), out=new((B, K), torch.int64))
+        group_BK.add_(src_B.unsqueeze(1))
+        group_BK.masked_fill_(torch.eq(local_BK, M, out=new((B, K), torch.bool)), M * N)
+        x_RD, row_map_BK, counts = permute(x_BD, group_BK, M * N + 1)
+        probs_R = permute_probs(probs_BK, row_map_BK)
+        num_sink = int(counts[M * N])
+        if num_sink:  # a slice's backward zero-fills and copies the whole buffer: only if needed
+            R = x_RD.shape[0] - num_sink
+            x_RD, probs_R = first_rows(x_RD, R), first_rows(probs_R, R)
+        counts_MN = counts[:M * N]  # rows per (node expert, source node)
         # 4. fan out inside the node  5. sort to (local expert, source EP rank)
         mover = self._intra_for(x_TD)
         intra = mover.plan(counts_MN.view(n, L * N))
         x_SD = _ep_comm.sort_by_local_expert(mover.there(x_RD, intra), intra)
         probs_S = _ep_comm.sort_by_local_expert(mover.there(probs_R, intra), intra)
         # 6. pad
-        counts_L = intra.counts_WL.view(n, L, N).sum(dim=(0, 2))
+        counts_L = torch.sum(intra.counts_WL.view(n, L, N), dim=(0, 2),
+                             out=workspace.empty((L,), torch.int64))
         target_L = padded_counts(counts_L, routing.capacity, routing.pad_multiple, self.ep_size,
                                  self._capacities(routing.capacity))
         x_SD, probs_S, pad_index_S = pad_rows(x_SD, probs_S, counts_L, target_L)
         return Dispatched(x_SD, probs_S, target_L,
-                          HierarchicalMeta(num_tokens=x_TD.shape[0], token_A=token_A, net=net,
-                                           num_rows_B=x_BD.shape[0], row_R=row_R, intra=intra,
-                                           mover=mover, pad_index_S=pad_index_S))
+                          HierarchicalMeta(num_tokens=T, token_A=token_A, net=net,
+                                           row_map_BK=row_map_BK, num_sink_rows=num_sink,
+                                           intra=intra, mover=mover, pad_index_S=pad_index_S))
 
     def combine(self, y_SD: torch.Tensor, meta: HierarchicalMeta) -> torch.Tensor:
         y_SD = _ep_comm.unsort_by_local_expert(unpad_rows(y_SD, meta.pad_index_S), meta.intra)
         y_RD = meta.mover.back(y_SD, meta.intra)
         # the partial sum of each arrived row's choices in my node: one row per (token, node)
-        y_BD = y_RD.new_zeros(meta.num_rows_B, y_RD.shape[1]).index_add(0, meta.row_R, y_RD)
+        y_BD = unpermute(append_sink_rows(y_RD, meta.num_sink_rows), meta.row_map_BK)
         y_AD = self._network_back(y_BD, meta.net)
-        return y_AD.new_zeros(meta.num_tokens, y_AD.shape[1]).index_add(0, meta.token_A, y_AD)
+        return _IndexRows.apply(y_AD, meta.token_A, meta.num_tokens, False, None)
 
     def _intra_for(self, x_TD: torch.Tensor) -> Any:
         if x_TD.device.type != "cpu" and self.intra_node == "auto":
@@ -202,3 +217,55 @@ class HierarchicalDispatcher(Dispatcher):
         if capacity is None or self.ep_size == 1:
             return None
         return _ep_comm.gather_capacities(capacity, self.group)
+
+
+def _number(new, value: int) -> torch.Tensor:
+    """``value`` as a 0-d int64 tensor from ``new``: an op given a Python number wraps it in a
+    freshly allocated tensor each call."""
+    return new((), torch.int64).fill_(value)
+
+
+def _dedupe(node_TK: torch.Tensor, N: int, new) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_A, node_A, send_N): one entry per (token, destination node) among nodes 0..N-1
+    (node N: dropped), node-major and in token order inside a node; rows per node."""
+    T = node_TK.shape[0]
+    # int64, not bool: a bool sum into int64 casts a copy of its input first
+    hit_TN = new((T, N + 1), torch.int64).zero_().scatter_(1, node_TK, 1)[:, :N]
+    send_N = torch.sum(hit_TN, 0, out=new((N,), torch.int64))
+    A = sum(send_N.tolist())
+    nz_A2 = torch.nonzero(hit_TN.t(), out=new((A, 2), torch.int64))
+    node_A = new((A,), torch.int64).copy_(nz_A2[:, 0])
+    token_A = new((A,), torch.int64).copy_(nz_A2[:, 1])
+    return token_A, node_A, send_N
+
+
+class _IndexRows(torch.autograd.Function):
+    """``gather``: ``x[index]`` (rows of ``mask``, when given, zeroed); else the adjoint,
+    ``zeros(num_rows, ...).index_add_(0, index, x)``. Each one's backward is the other, into
+    workspace buffers (index_select's backward and index_add's forward allocated zeros)."""
+
+    @staticmethod
+    def forward(ctx, x, index, num_rows, gather, mask):
+        ctx.save_for_backward(index)
+        ctx.num_rows, ctx.gather, ctx.mask = x.shape[0], gather, mask
+        ctx.arena = workspace.current_arena()
+        return _index_rows(x, index, num_rows, gather, mask)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        with workspace.ctx_arena(ctx):
+            return (_index_rows(grad, index, ctx.num_rows, not ctx.gather, ctx.mask),
+                    None, None, None, None)
+
+
+def _index_rows(x: torch.Tensor, index: torch.Tensor, num_rows: int, gather: bool,
+                mask: torch.Tensor | None) -> torch.Tensor:
+    new = workspace.allocator(x.device)
+    if gather:
+        out = torch.index_select(x, 0, index, out=new((index.shape[0], *x.shape[1:]), x.dtype))
+        return out if mask is None else out.masked_fill_(mask, 0)
+    if mask is not None:
+        x = new(tuple(x.shape), x.dtype).copy_(x).masked_fill_(mask, 0)
+    return new((num_rows, *x.shape[1:]), x.dtype).zero_().index_add_(0, index, x)
+

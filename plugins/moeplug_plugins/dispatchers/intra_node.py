@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from moeplug.ops import workspace
 from moeplug.parallel import shm_rows
 from moeplug.parallel.comm import active_group
 from moeplug.parallel.shm_heap import heap_for
@@ -45,9 +46,8 @@ class TorchIntraNode:
 
     def plan(self, counts_nX: torch.Tensor) -> _ep_comm.A2APlan:
         counts_nX = counts_nX.to(torch.int64).cpu()
-        if self.group is None:
-            return _ep_comm.A2APlan(send_W=[int(counts_nX.sum())], recv_W=[int(counts_nX.sum())],
-                                    counts_WL=counts_nX)
+        if self.group is None:  # one rank: its rows stay (the row sum in Python: no tensor)
+            return _ep_comm.local_plan(counts_nX.reshape(-1), sum(counts_nX.reshape(-1).tolist()))
         # exchange_counts views the flat counts as [n, X]: peer j gets row j.
         return _ep_comm.exchange_counts(counts_nX.reshape(-1), self.group)
 
@@ -95,23 +95,28 @@ class ShmIntraNode:
         heap.arrive(0, counts_nX.reshape(-1))
         all_SRX = heap.read_slots(n * X).view(n, n, X)  # [source, destination, chunk]
         me = heap.rank
-        rows_SR = all_SRX.sum(dim=2)
-        before_S = torch.cumsum(rows_SR, 0) - rows_SR   # rows of the earlier sources, per dest
-        before_R = torch.cumsum(rows_SR, 1) - rows_SR   # rows to the earlier dests, per source
-        ranks = torch.arange(n)
+        # Every tensor an out= result in the running layer's workspace, the row sums Python's.
+        new = workspace.empty
+        rows_SR = torch.sum(all_SRX, 2, out=new((n, n), torch.int64))
+        # rows of the earlier sources, per dest; rows to the earlier dests, per source
+        before_S = torch.cumsum(rows_SR, 0, out=new((n, n), torch.int64)).sub_(rows_SR)
+        before_R = torch.cumsum(rows_SR, 1, out=new((n, n), torch.int64)).sub_(rows_SR)
+        ranks = torch.arange(n, out=new((n,), torch.int64))
         # there: my block for destination j (at before_R[me, j] in my grouped rows) lands in j's
-        # area after the blocks of the sources before me (before_S[me, j]).
-        there = torch.stack([before_R[me], ranks, before_S[me], rows_SR[me]], dim=1)
+        # area after the blocks of the sources before me (before_S[me, j]). Runs of 0 rows copy
+        # nothing (kept: the tables' sizes are n whatever the routing).
+        there = torch.stack([before_R[me], ranks, before_S[me], rows_SR[me]], dim=1,
+                            out=new((n, 4), torch.int64))
         # back: the block I received from source j (at before_S[j, me] in my arrival order) goes
         # back to where j had it in its grouped rows (before_R[j, me]).
-        back = torch.stack([before_S[:, me], ranks, before_R[:, me], rows_SR[:, me]], dim=1)
-        counts_WL = all_SRX[:, me, :].clone()
-        return ShmPlan(send_W=rows_SR[me].tolist(), recv_W=rows_SR[:, me].tolist(),
-                       counts_WL=counts_WL,
-                       there_C4=there[there[:, 3] > 0].contiguous(),
-                       back_C4=back[back[:, 3] > 0].contiguous(),
-                       recv_rows_n=rows_SR.sum(0).tolist(), sent_rows_n=rows_SR.sum(1).tolist(),
-                       num_slots=1 + n * X)
+        back = torch.stack([before_S[:, me], ranks, before_R[:, me], rows_SR[:, me]], dim=1,
+                           out=new((n, 4), torch.int64))
+        rows = rows_SR.tolist()
+        return ShmPlan(send_W=rows[me], recv_W=[r[me] for r in rows],
+                       counts_WL=new((n, X), torch.int64).copy_(all_SRX[:, me, :]),
+                       there_C4=there, back_C4=back,
+                       recv_rows_n=[sum(r[j] for r in rows) for j in range(n)],
+                       sent_rows_n=[sum(r) for r in rows], num_slots=1 + n * X)
 
     def there(self, rows: torch.Tensor, plan: ShmPlan) -> torch.Tensor:
         return _ShmMove.apply(self, plan, True, rows)
@@ -142,8 +147,10 @@ class _ShmMove(torch.autograd.Function):
     @staticmethod
     def forward(ctx, intra, plan, there, rows):
         ctx.intra, ctx.plan, ctx.there = intra, plan, there
+        ctx.arena = workspace.current_arena()  # backward's small buffers: this layer's
         return intra.move(rows, plan, there)
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, None, ctx.intra.move(grad, ctx.plan, not ctx.there)
+        with workspace.ctx_arena(ctx):
+            return None, None, None, ctx.intra.move(grad, ctx.plan, not ctx.there)
