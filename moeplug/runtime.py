@@ -51,11 +51,50 @@ def get_runtime() -> ModuleType:
                 f"moeplug's C++ runtime core (moeplug._runtime_core) is not importable: {exc}. "
                 f"Fix: rebuild it from the repository root with `{REBUILD_COMMAND}`")
             raise _failure from exc
-        # The pool and torch's intra-op threads take turns (kernels run between GEMMs), so the
-        # same count uses every core without oversubscribing.
+        # The kernels and torch's intra-op threads take turns (kernels run between GEMMs), so
+        # the same count uses every core without oversubscribing.
         core.set_num_threads(max(1, torch.get_num_threads()))
+        gomp_parallel = _torch_gomp_parallel()
+        if gomp_parallel:
+            core.use_openmp(gomp_parallel)
         _core = core
         return core
+
+
+EXECUTOR_ENV = "MOEPLUG_RUNTIME_EXECUTOR"
+
+
+def _torch_gomp_parallel() -> int:
+    """The address of GOMP_parallel in the libgomp torch has loaded, or 0 (torch not on GNU
+    OpenMP, no /proc/self/maps, more than one libgomp mapped, or $MOEPLUG_RUNTIME_EXECUTOR=pool).
+
+    Why the kernels run on torch's OpenMP team: after each op torch's OpenMP workers spin for a
+    while (GOMP_SPINCOUNT) before they sleep. Kernels on the runtime's own pool, launched right
+    after a GEMM, then shared the cores with spinning threads (3 threads on 2 cores: the SwiGLU
+    forward took 8.2 ms a layer against 5.1-5.4 with GOMP_SPINCOUNT=0). On torch's team the
+    spinning workers are the ones that take the kernel's chunks."""
+    import os
+    choice = os.environ.get(EXECUTOR_ENV, "openmp")
+    if choice not in ("openmp", "pool"):
+        raise ValueError(f"${EXECUTOR_ENV} = {choice!r}: unknown. Fix: set it to 'openmp' (the "
+                         f"default: the kernels run on torch's OpenMP threads) or 'pool' (the "
+                         f"runtime's own threads)")
+    if choice == "pool" or "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return 0
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return 0
+    paths = {line.split()[-1] for line in maps.splitlines()
+             if line.split() and line.split()[-1].rsplit("/", 1)[-1].startswith("libgomp")}
+    if len(paths) != 1:  # none, or two OpenMP runtimes: which one torch uses is unknown
+        return 0
+    import ctypes
+    try:  # dlopen of a loaded library returns it: the same runtime, the same thread teams
+        return ctypes.cast(ctypes.CDLL(paths.pop()).GOMP_parallel, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
+        return 0
 
 
 def retain_freed_memory() -> str:

@@ -5,12 +5,13 @@ Shape legend: T tokens, K top-k, D hidden, E experts, S = T*K routed rows, F FFN
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
 import torch
 
-from moeplug import ops
+from moeplug import ops, runtime
 from moeplug.ops import reference as ref
 from moeplug.runtime import get_runtime, runtime_info
 
@@ -216,6 +217,53 @@ def test_thread_pool_size_and_build_info():
     info = runtime_info()
     assert info["available"] and info["cuda"] is False
     assert {"version", "compiler", "flags", "num_threads"} <= set(info)
+
+
+@pytest.mark.skipif("parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+                    reason="torch's intra-op threads are not OpenMP's here")
+def test_kernels_run_on_torchs_openmp_team_with_the_pools_results():
+    """Under torch's OpenMP build the kernels' parallel loops run on torch's own OpenMP team
+    (the GOMP_parallel of the libgomp torch loaded), and give what the runtime's pool gives,
+    bit for bit (the chunking is the same); a second run in a subprocess with
+    $MOEPLUG_RUNTIME_EXECUTOR=pool takes the pool."""
+    import subprocess
+    import sys
+
+    from moeplug.ops.swiglu import swiglu_backward_raw, swiglu_forward_raw
+    core = get_runtime()
+    assert core.executor() == "openmp" and runtime_info()["openmp"] is True
+    gen = torch.Generator().manual_seed(3)
+    ids_TK = random_ids(777, 4, 9, gen)
+    x_TD = torch.randn(777, 33, generator=gen)
+    probs_TK = torch.rand(777, 4, generator=gen)
+    h = torch.randn(500, 2 * 37, generator=gen).to(torch.bfloat16)
+    p, da = torch.rand(500, generator=gen), torch.randn(500, 37, generator=gen).to(torch.bfloat16)
+
+    def run():
+        x_SD, row_map, counts = ops.permute(x_TD, ids_TK, 9)
+        dh, dp = torch.empty_like(h), torch.empty_like(p)
+        swiglu_backward_raw(da, h, p, True, dh, dp)
+        return (x_SD, row_map, counts, ops.unpermute(x_SD, row_map, probs_TK),
+                swiglu_forward_raw(h, p), dh, dp)
+
+    on_openmp = run()
+    address = runtime._torch_gomp_parallel()
+    try:
+        core.use_openmp(0)
+        assert core.executor() == "pool"
+        on_pool = run()
+    finally:
+        core.use_openmp(address)
+    assert all(torch.equal(a, b) for a, b in zip(on_openmp, on_pool))
+    env = {**os.environ, runtime.EXECUTOR_ENV: "pool"}
+    out = subprocess.run([sys.executable, "-c", "from moeplug.runtime import get_runtime; "
+                          "print(get_runtime().executor())"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == "pool", out.stderr
+    env[runtime.EXECUTOR_ENV] = "gomp"
+    out = subprocess.run([sys.executable, "-c", "from moeplug.runtime import get_runtime; "
+                          "get_runtime()"], env=env, capture_output=True, text=True, timeout=120)
+    assert "MOEPLUG_RUNTIME_EXECUTOR = 'gomp': unknown. Fix:" in out.stderr
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,3 +1,5 @@
+#include <cstdint>
+#include <string>
 #include <thread>
 
 #include "moeplug/host_memory.h"
@@ -28,8 +30,10 @@ py::dict build_info() {
   d["cuda"] = false;
   d["compiler"] = MOEPLUG_COMPILER;
   d["flags"] = MOEPLUG_CXX_FLAGS;
-  d["openmp"] = false;  // parallelism comes from moeplug's own pool, not an OpenMP runtime
-  d["threading"] = "moeplug::ThreadPool (std::thread)";
+  // The core links no OpenMP runtime; it may run on the embedding process's (use_openmp).
+  d["openmp"] = std::string(executor()) == "openmp";
+  d["threading"] = d["openmp"].cast<bool>() ? "the process's OpenMP team (GOMP_parallel)"
+                                            : "moeplug::ThreadPool (std::thread)";
   d["num_threads"] = get_num_threads();
   d["hardware_concurrency"] = std::thread::hardware_concurrency();
   d["simd"] = simd_dispatch();
@@ -46,6 +50,15 @@ void register_runtime(py::module_& m) {
         "Resize the worker pool (the calling thread counts as one).",
         py::call_guard<py::gil_scoped_release>());
   m.def("get_num_threads", &get_num_threads, "Current worker pool size.");
+  m.def(
+      "use_openmp",
+      [](uintptr_t gomp_parallel) {
+        use_openmp(reinterpret_cast<GompParallelFn>(gomp_parallel));
+      },
+      py::arg("gomp_parallel"),
+      "Run the kernels' parallel loops on an OpenMP team: the address of the GOMP_parallel "
+      "of the libgomp the process already uses (torch's); 0 returns to the runtime's pool.");
+  m.def("executor", &executor, "What the kernels' parallel loops run on: 'openmp' or 'pool'.");
   m.def("retain_freed_memory", &retain_freed_memory,
         "Keep freed host memory in the process for reuse (glibc: no per-block mmap, trim above "
         "2 GiB). Process-wide; returns '' when applied, else why not.");

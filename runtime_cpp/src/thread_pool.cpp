@@ -1,6 +1,7 @@
 #include "moeplug/thread_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -139,8 +140,66 @@ void set_num_threads(int n) {
 
 int get_num_threads() { return global_pool()->num_threads(); }
 
+namespace {
+std::atomic<GompParallelFn> g_gomp_parallel{nullptr};
+
+// One parallel_for on an OpenMP team: every team thread claims chunks until none is left.
+struct OmpJob {
+  const RangeFn* fn;
+  int64_t begin, end, chunk, num_chunks;
+  std::atomic<int64_t> next{0};
+  std::mutex error_mu;
+  std::exception_ptr error;
+};
+
+void run_omp_chunks(void* data) {
+  auto* job = static_cast<OmpJob*>(data);
+  const bool was_inside = t_inside_pool;
+  t_inside_pool = true;  // a parallel_for inside a chunk runs serially, as on the pool
+  for (;;) {
+    const int64_t c = job->next.fetch_add(1);
+    if (c >= job->num_chunks) break;
+    const int64_t lo = job->begin + c * job->chunk;
+    try {
+      (*job->fn)(lo, std::min(job->end, lo + job->chunk));
+    } catch (...) {  // nothing may leave an OpenMP region: kept for the caller
+      std::lock_guard<std::mutex> lock(job->error_mu);
+      if (!job->error) job->error = std::current_exception();
+      job->next.store(job->num_chunks);
+    }
+  }
+  t_inside_pool = was_inside;
+}
+}  // namespace
+
+void use_openmp(GompParallelFn gomp_parallel) { g_gomp_parallel.store(gomp_parallel); }
+
+const char* executor() { return g_gomp_parallel.load() ? "openmp" : "pool"; }
+
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) {
-  global_pool()->parallel_for(begin, end, grain, fn);
+  const GompParallelFn gomp = g_gomp_parallel.load();
+  if (!gomp) {
+    global_pool()->parallel_for(begin, end, grain, fn);
+    return;
+  }
+  if (end <= begin) return;
+  const int threads = get_num_threads();
+  const int64_t n = end - begin;
+  // The pool's chunking: a few chunks per thread.
+  const int64_t max_chunks = std::max<int64_t>(1, n / std::max<int64_t>(grain, 1));
+  const int64_t num_chunks = std::min<int64_t>(max_chunks, int64_t(threads) * 4);
+  if (num_chunks == 1 || threads == 1 || t_inside_pool) {
+    fn(begin, end);
+    return;
+  }
+  OmpJob job;
+  job.fn = &fn;
+  job.begin = begin;
+  job.end = end;
+  job.chunk = (n + num_chunks - 1) / num_chunks;
+  job.num_chunks = (n + job.chunk - 1) / job.chunk;
+  gomp(run_omp_chunks, &job, static_cast<unsigned>(threads), 0);
+  if (job.error) std::rethrow_exception(job.error);
 }
 
 }  // namespace moeplug

@@ -11,6 +11,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "check.h"
@@ -45,6 +46,48 @@ void test_parallel_for_covers_range_once() {
     threw = true;
   }
   check(threw, "an exception inside a chunk reaches the caller");
+}
+
+// A stand-in for libgomp's GOMP_parallel: fn(data) on num_threads threads, the caller one of
+// them (what `#pragma omp parallel` does), counting the teams it ran.
+std::atomic<int> g_teams{0};
+void fake_gomp_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned) {
+  ++g_teams;
+  std::vector<std::thread> team;
+  for (unsigned i = 1; i < num_threads; ++i) team.emplace_back(fn, data);
+  fn(data);
+  for (auto& t : team) t.join();
+}
+
+void test_parallel_for_on_an_openmp_team() {
+  moeplug::set_num_threads(2);
+  moeplug::use_openmp(&fake_gomp_parallel);
+  check(std::string(moeplug::executor()) == "openmp", "executor() says openmp once handed one");
+  std::vector<std::atomic<int>> hits(1000);
+  std::atomic<int> nested_teams{0};
+  moeplug::parallel_for(0, 1000, 7, [&](int64_t lo, int64_t hi) {
+    const int before = g_teams.load();
+    moeplug::parallel_for(0, 100, 1, [](int64_t, int64_t) {});  // inside a chunk: serial
+    nested_teams += g_teams.load() - before;
+    for (int64_t i = lo; i < hi; ++i) hits[i]++;
+  });
+  bool ok = true;
+  for (auto& h : hits) ok &= h.load() == 1;
+  check(ok, "on the OpenMP team, parallel_for visits every index exactly once");
+  check(g_teams.load() == 1 && nested_teams.load() == 0,
+        "one team per call, none for a parallel_for inside a chunk; teams=" +
+            std::to_string(g_teams.load()));
+  bool threw = false;
+  try {
+    moeplug::parallel_for(0, 100, 1, [](int64_t lo, int64_t) {
+      if (lo >= 50) throw std::runtime_error("boom");
+    });
+  } catch (const std::runtime_error&) {
+    threw = true;
+  }
+  check(threw, "an exception inside a chunk on the OpenMP team reaches the caller");
+  moeplug::use_openmp(nullptr);
+  check(std::string(moeplug::executor()) == "pool", "use_openmp(nullptr) returns to the pool");
 }
 
 void test_permute_matches_naive() {
@@ -233,6 +276,7 @@ void test_move_row_chunks_sorts_expert_major_and_back() {
 
 int main() {
   test_parallel_for_covers_range_once();
+  test_parallel_for_on_an_openmp_team();
   test_permute_matches_naive();
   test_swiglu_matches_naive();
   test_exp_approx16_equals_the_scalar_lanes();

@@ -54,4 +54,18 @@ void set_num_threads(int n);
 int get_num_threads();
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn);
 
+// libgomp's entry point for `#pragma omp parallel` (GNU OpenMP ABI): fn(data) on num_threads
+// threads of the calling thread's team, the caller included.
+using GompParallelFn = void (*)(void (*fn)(void*), void* data, unsigned num_threads,
+                                unsigned flags);
+
+// Run parallel_for's chunks on an OpenMP runtime's team instead of the pool (nullptr: back to
+// the pool). The embedding process hands over the GOMP_parallel of the OpenMP runtime its
+// other work uses (torch's GEMMs), so kernels that run between those ops get the same threads
+// - idle or still spinning after the last op - rather than waking a second set that shares the
+// cores with them. The core does not link an OpenMP runtime itself.
+void use_openmp(GompParallelFn gomp_parallel);
+// "openmp" or "pool": what parallel_for runs on.
+const char* executor();
+
 }  // namespace moeplug
