@@ -26,6 +26,18 @@ namespace {
 
 using moeplug_test::check;
 
+void check_a_chunks_exception_reaches_the_caller(const std::string& where) {
+  bool threw = false;
+  try {
+    moeplug::parallel_for(0, 100, 1, [](int64_t lo, int64_t) {
+      if (lo >= 50) throw std::runtime_error("boom");
+    });
+  } catch (const std::runtime_error&) {
+    threw = true;
+  }
+  check(threw, "an exception inside a chunk reaches the caller " + where);
+}
+
 void test_parallel_for_covers_range_once() {
   for (int threads : {1, 2, 3}) {
     moeplug::set_num_threads(threads);
@@ -37,15 +49,7 @@ void test_parallel_for_covers_range_once() {
     for (auto& h : hits) ok &= h.load() == 1;
     check(ok, "parallel_for visits every index exactly once, threads=" + std::to_string(threads));
   }
-  bool threw = false;
-  try {
-    moeplug::parallel_for(0, 100, 1, [](int64_t lo, int64_t) {
-      if (lo >= 50) throw std::runtime_error("boom");
-    });
-  } catch (const std::runtime_error&) {
-    threw = true;
-  }
-  check(threw, "an exception inside a chunk reaches the caller");
+  check_a_chunks_exception_reaches_the_caller("on the pool");
 }
 
 // A stand-in for libgomp's GOMP_parallel: fn(data) on num_threads threads, the caller one of
@@ -77,15 +81,7 @@ void test_parallel_for_on_an_openmp_team() {
   check(g_teams.load() == 1 && nested_teams.load() == 0,
         "one team per call, none for a parallel_for inside a chunk; teams=" +
             std::to_string(g_teams.load()));
-  bool threw = false;
-  try {
-    moeplug::parallel_for(0, 100, 1, [](int64_t lo, int64_t) {
-      if (lo >= 50) throw std::runtime_error("boom");
-    });
-  } catch (const std::runtime_error&) {
-    threw = true;
-  }
-  check(threw, "an exception inside a chunk on the OpenMP team reaches the caller");
+  check_a_chunks_exception_reaches_the_caller("on the OpenMP team");
   moeplug::use_openmp(nullptr);
   check(std::string(moeplug::executor()) == "pool", "use_openmp(nullptr) returns to the pool");
 }
