@@ -140,6 +140,37 @@ def test_permute_and_unpermute_on_cuda_equal_the_cpu_kernels():
         torch.testing.assert_close(g_, c, rtol=1e-5, atol=1e-5)
 
 
+def _dispatch_combine(name: str, device: str) -> list[torch.Tensor]:
+    """One process: a dispatcher's dispatch -> a row-wise function weighted by the rows' probs
+    -> combine, and its backward, on ``device``; the outputs and grads on the CPU. Some
+    choices are dropped (the sink paths run)."""
+    from moeplug.interfaces import RouterOutput
+    from moeplug.testing import tiny_model_config
+    T, K, E, D = 61, 3, 8, 16
+    m = tiny_model_config(num_experts=E, top_k=K, hidden_size=D)
+    disp = PluginHost.load().create("dispatcher", name, {}, m, None)
+    g = torch.Generator().manual_seed(4)
+    ids_TK = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    dropped_TK = torch.rand(T, K, generator=g) < 0.2
+    probs_TK = torch.rand(T, K, generator=g).masked_fill(dropped_TK, 0.0)
+    x = torch.randn(T, D, generator=g).to(device, copy=True).requires_grad_()
+    p = probs_TK.to(device, copy=True).requires_grad_()
+    routing = RouterOutput(probs_TK=p, ids_TK=ids_TK.to(device), aux_loss=torch.zeros(()),
+                           dropped_TK=dropped_TK.to(device))
+    d = disp.dispatch(x, routing)
+    y_TD = disp.combine(torch.tanh(d.x_SD) * d.probs_S.unsqueeze(1), d.meta)
+    y_TD.square().sum().backward()
+    return [t.detach().cpu() for t in (y_TD, x.grad, p.grad)]
+
+
+# direct_write moves CPU tensors only (it refuses CUDA ones); deepep needs deep_ep.
+@needs_cuda
+@pytest.mark.parametrize("name", ["alltoall", "allgather", "hierarchical"])
+def test_dispatchers_on_cuda_equal_the_cpu_at_one_process(name):
+    for c, g_ in zip(_dispatch_combine(name, "cpu"), _dispatch_combine(name, "cuda")):
+        torch.testing.assert_close(g_, c, rtol=1e-5, atol=1e-5)
+
+
 @needs_cuda
 def test_generate_logits_on_cuda_equal_the_cpu(run_cli, tiny_config_file, tmp_path):
     from moeplug.generate import load_checkpoint_model, next_token_logits
