@@ -10,7 +10,21 @@ namespace moeplug {
 
 namespace {
 thread_local bool t_inside_pool = false;  // true while this thread runs a chunk
+
+// How parallel_for splits n items over `threads` threads, on the pool and on an OpenMP team
+// alike: a few chunks per thread even out uneven chunk costs without much scheduling
+// overhead, each at least `grain` items. count == 1: run serially.
+struct Split {
+  int64_t chunk, count;
+};
+
+Split split_range(int64_t n, int64_t grain, int threads) {
+  const int64_t max_chunks = std::max<int64_t>(1, n / std::max<int64_t>(grain, 1));
+  const int64_t wanted = std::min<int64_t>(max_chunks, int64_t(threads) * 4);
+  const int64_t chunk = (n + wanted - 1) / wanted;
+  return {chunk, (n + chunk - 1) / chunk};
 }
+}  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads < 1) {
@@ -73,12 +87,8 @@ void ThreadPool::worker_loop() {
 
 void ThreadPool::parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) {
   if (end <= begin) return;
-  grain = std::max<int64_t>(grain, 1);
-  const int64_t n = end - begin;
-  // A few chunks per thread evens out uneven chunk costs without much scheduling overhead.
-  const int64_t max_chunks = std::max<int64_t>(1, n / grain);
-  const int64_t num_chunks = std::min<int64_t>(max_chunks, int64_t(num_threads()) * 4);
-  if (num_chunks == 1 || workers_.empty() || t_inside_pool) {
+  const Split split = split_range(end - begin, grain, num_threads());
+  if (split.count == 1 || workers_.empty() || t_inside_pool) {
     fn(begin, end);
     return;
   }
@@ -88,8 +98,8 @@ void ThreadPool::parallel_for(int64_t begin, int64_t end, int64_t grain, const R
     fn_ = &fn;
     begin_ = begin;
     end_ = end;
-    chunk_ = (n + num_chunks - 1) / num_chunks;
-    num_chunks_ = (n + chunk_ - 1) / chunk_;
+    chunk_ = split.chunk;
+    num_chunks_ = split.count;
     next_chunk_ = 0;
     error_ = nullptr;
     ++generation_;
@@ -184,11 +194,8 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) 
   }
   if (end <= begin) return;
   const int threads = get_num_threads();
-  const int64_t n = end - begin;
-  // The pool's chunking: a few chunks per thread.
-  const int64_t max_chunks = std::max<int64_t>(1, n / std::max<int64_t>(grain, 1));
-  const int64_t num_chunks = std::min<int64_t>(max_chunks, int64_t(threads) * 4);
-  if (num_chunks == 1 || threads == 1 || t_inside_pool) {
+  const Split split = split_range(end - begin, grain, threads);
+  if (split.count == 1 || threads == 1 || t_inside_pool) {
     fn(begin, end);
     return;
   }
@@ -196,8 +203,8 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) 
   job.fn = &fn;
   job.begin = begin;
   job.end = end;
-  job.chunk = (n + num_chunks - 1) / num_chunks;
-  job.num_chunks = (n + job.chunk - 1) / job.chunk;
+  job.chunk = split.chunk;
+  job.num_chunks = split.count;
   gomp(run_omp_chunks, &job, static_cast<unsigned>(threads), 0);
   if (job.error) std::rethrow_exception(job.error);
 }
