@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moeplug.ops import workspace
-from moeplug.routing import padded_counts, sink_dropped
+from moeplug.routing import expert_counts, padded_counts, sink_dropped
 from moeplug.runtime import get_runtime
 
 
@@ -41,14 +41,10 @@ class DirectWritePlan:
 
 def local_counts(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, E: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids with dropped choices sent to sink E, rows per expert kept) of this rank. In the
-    running layer's workspace: a scatter-add of ones, not bincount (its min, max and zeros
-    each allocate)."""
+    """(ids with dropped choices sent to sink E, rows per expert kept) of this rank, in the
+    running layer's workspace (bincount's min, max and zeros each allocated)."""
     ids = sink_dropped(ids_TK, dropped_TK, E)
-    flat = ids.reshape(-1)
-    ones = _empty((flat.numel(),)).fill_(1)
-    counts = _empty((E + 1,)).zero_().scatter_add_(0, flat, ones)
-    return ids, counts[:E]
+    return ids, expert_counts(ids, E + 1)[:E]  # the sink's count cut
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype = torch.int64) -> torch.Tensor:
