@@ -86,8 +86,9 @@ def _torch_gomp_parallel() -> int:
             maps = f.read()
     except OSError:
         return 0
-    paths = {line.split()[-1] for line in maps.splitlines()
-             if line.split() and line.split()[-1].rsplit("/", 1)[-1].startswith("libgomp")}
+    # A mapping's path is its sixth field (anonymous mappings have none).
+    paths = {fields[5] for fields in map(str.split, maps.splitlines())
+             if len(fields) > 5 and os.path.basename(fields[5]).startswith("libgomp")}
     if len(paths) != 1:  # none, or two OpenMP runtimes: which one torch uses is unknown
         return 0
     import ctypes
