@@ -219,6 +219,69 @@ def test_slots_flag_overflow_only_over_budget():
     assert budget_rows(64, 2, 4, 2.0) == 64
 
 
+def test_packed_slots_put_each_experts_kept_choices_right_after_the_last_experts():
+    ids_TK = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 2]])
+    slot_N, over, counts = slots(ids_TK, None, 4, budget=3, packed=True)
+    assert not bool(over) and counts.tolist() == [3, 2, 2, 1]
+    # expert 0 at 0-2, expert 1 at 3-4, expert 2 at 5-6, expert 3 at 7; token order inside
+    assert slot_N.tolist() == [0, 3, 1, 5, 2, 7, 4, 6]
+    slot_N, over, counts = slots(ids_TK, None, 4, budget=2, packed=True)
+    assert bool(over) and counts.tolist() == [2, 2, 2, 1]
+    assert slot_N.tolist() == [0, 2, 1, 4, 8, 6, 3, 5]  # over budget: the dump slot E*C
+    dropped = torch.tensor([[False, True], [False, False], [True, False], [False, False]])
+    slot_N, over, counts = slots(ids_TK, dropped, 4, budget=2, packed=True)
+    assert not bool(over) and counts.tolist() == [2, 1, 2, 1]
+    assert slot_N.tolist() == [0, 8, 1, 3, 8, 5, 2, 4]
+
+
+def _grouped_rows_reference(x_SK, w_GNK, counts_G):
+    rows, start = [], 0
+    for g, n in enumerate(counts_G.tolist()):
+        rows.append(x_SK[start:start + n] @ w_GNK[g].t())
+        start += n
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_grouped_rows_mm_equals_a_gemm_per_group_and_its_grads(dtype, tol, compiled):
+    # Groups of 5, 0 (an expert without rows: zero weight grad) and 7 rows in a 16-row buffer:
+    # the last 4 rows are no group's. fp32 also under torch.compile(fullgraph=True), where
+    # torch's own grouped GEMM would not compile.
+    from moeplug.ops.grouped_rows_mm import grouped_rows_mm
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 7])
+    x = torch.randn(16, 32, generator=g).to(dtype).requires_grad_(True)
+    w = torch.randn(3, 24, 32, generator=g).to(dtype).requires_grad_(True)
+    dy = torch.randn(12, 24, generator=g).to(dtype)
+    op = torch.compile(grouped_rows_mm, fullgraph=True) if compiled else grouped_rows_mm
+    y = op(x, w, counts)
+    assert y.shape == (16, 24) and y.dtype == dtype
+    (dy * y[:12]).sum().backward()
+    xr, wr = (t.detach().float().requires_grad_(True) for t in (x, w))
+    yr = _grouped_rows_reference(xr, wr, counts)
+    (dy.float() * yr).sum().backward()
+    for got, want in ((y[:12], yr), (x.grad[:12], xr.grad[:12]), (w.grad, wr.grad)):
+        err = float((got.float() - want).abs().max() / want.abs().max())
+        assert err < tol, err
+    assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1]))
+
+
+def test_combine_never_reads_an_unwritten_row_into_a_token():
+    # Packed slots leave the rows past the routed ones unwritten; the dump slot (dropped or
+    # over-budget choices) reads the last row with weight 0, which must stay 0 when that row
+    # holds NaN.
+    from moeplug.modules.static_moe import combine_rows
+    y_ECD = torch.randn(6, 4)
+    y_ECD[4:] = float("nan")  # slots 4-5: no choice landed there
+    slot_N = torch.tensor([0, 6, 1, 2, 3, 6])  # 6 = E*C: the dump slot
+    probs_TK = torch.rand(3, 2)
+    y_TD = combine_rows(y_ECD, slot_N, probs_TK)
+    want = torch.stack([probs_TK[0, 0] * y_ECD[0], probs_TK[1, 0] * y_ECD[1]
+                        + probs_TK[1, 1] * y_ECD[2], probs_TK[2, 0] * y_ECD[3]])
+    assert torch.allclose(y_TD, want, atol=1e-6), y_TD
+
+
 @pytest.mark.slow  # compiling forward and backward takes ~1 min on a loaded 2-core machine
 def test_replay_equals_eager_outputs_and_grads():
     from torch._dynamo.utils import counters

@@ -17,7 +17,9 @@ exchange) and the region can be captured once and replayed (moeplug.syncfree):
     3. exchange  [W, L*C, D] chunks to the rank owning the experts: equal splits, so no count
                  exchange (identity at one rank) -> x_LBD, expert-major, source-rank-major
     4. experts   y_LBD = down(act(x_LBD @ gate_up^T)) as two batched GEMMs (padding rows are
-                 zeros; their outputs are never read)
+                 zeros; their outputs are never read). On the CPU at one EP rank the slots
+                 are packed (expert e's right after expert e-1's) and the GEMMs are grouped
+                 over just the routed rows (moeplug.ops.grouped_rows_mm): no padding FLOPs
     5. back      the inverse exchange -> y_ECD on the source rank
     6. combine   y_TD = sum_k p_tk * y_ECD[slot_tk] (weight 0 for the dump slot)
 Choices the router dropped (``dropped_TK``, its own capacity) take the dump slot without
@@ -34,6 +36,7 @@ import torch
 
 from moeplug.ops import cuda_ops
 from moeplug.ops.activations import activation_fn
+from moeplug.ops.grouped_rows_mm import grouped_rows_mm
 from moeplug.parallel import comm
 
 
@@ -43,9 +46,12 @@ def budget_rows(num_tokens: int, top_k: int, num_experts: int, token_budget: flo
 
 
 def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: int,
-          budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          budget: int, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: (slot_N, overflow, counts_E). slot_N in [0, E*C]; E*C is the dump slot.
-    ``counts_E`` counts the choices each expert received (dropped and over-budget excluded)."""
+    ``counts_E`` counts the choices each expert received (dropped and over-budget excluded).
+    ``packed``: expert e's kept choices take the slots right after expert e-1's (the first
+    sum(counts_E) slots, expert-major) instead of slots e*C.. (padding inside each expert's
+    block); same shapes, for the grouped GEMM over just the routed rows."""
     E, C = num_experts, budget
     ids_N = ids_TK.reshape(-1)
     key_N = ids_N if dropped_TK is None else ids_N.masked_fill(dropped_TK.reshape(-1), E)
@@ -60,8 +66,14 @@ def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: in
     routed_N = key_N < E
     keep_N = routed_N & (pos_N < C)
     overflow = (routed_N & ~keep_N).any()
-    slot_N = torch.where(keep_N, key_N * C + pos_N, torch.full_like(key_N, E * C))
     counts_E = torch.minimum(wanted_E1[:E], torch.full_like(wanted_E1[:E], C))
+    if packed:  # E+1 entries: the dump key E indexes one past the last expert (never kept)
+        base_E1 = torch.cumsum(torch.cat([counts_E, counts_E[:1]]), 0) - torch.cat(
+            [counts_E, counts_E[:1]])
+    else:
+        base_E1 = torch.arange(E + 1, device=ids_N.device) * C
+    slot_N = torch.where(keep_N, base_E1.index_select(0, key_N) + pos_N,
+                         torch.full_like(key_N, E * C))
     return slot_N, overflow, counts_E
 
 
@@ -79,6 +91,19 @@ def gather_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, top_k: int, num_slots:
         return rows
     p_pad = torch.cat([probs_TK.reshape(-1), probs_TK.new_zeros(1)])
     return rows * p_pad.index_select(0, choice_S).unsqueeze(1).to(rows.dtype)
+
+
+def packed_experts_ffn(x_SD: torch.Tensor, counts_E: torch.Tensor, w13_EXD: torch.Tensor,
+                       w2_EDF: torch.Tensor, activation: str) -> torch.Tensor:
+    """Stage 4 over packed slots (``slots(packed=True)``, one EP rank): each expert's FFN on
+    just its counts_E rows as two grouped GEMMs (moeplug.ops.grouped_rows_mm), in the autocast
+    dtype when autocast is on. Rows past sum(counts_E) come back unwritten (never read)."""
+    dtype = x_SD.dtype
+    if torch.is_autocast_enabled(x_SD.device.type):
+        dtype = torch.get_autocast_dtype(x_SD.device.type)
+    x_c, w13_c, w2_c = (t.to(dtype) for t in (x_SD, w13_EXD, w2_EDF))
+    h_SX = grouped_rows_mm(x_c, w13_c, counts_E)
+    return grouped_rows_mm(activation_fn(activation)(h_SX), w2_c, counts_E)
 
 
 def experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
@@ -141,9 +166,11 @@ def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tens
     ones when the rows were already weighted)."""
     T, K = probs_TK.shape
     num_slots = y_ECD.shape[0]
-    # The dump slot reads any real row with weight 0 (no [E*C+1, D] padded copy of y).
+    # The dump slot reads the last slot, masked to zero (no [E*C+1, D] padded copy of y): with
+    # packed slots that row may be one the grouped GEMM never wrote, and 0 * NaN is NaN.
     keep_TK = (slot_N < num_slots).view(T, K)
     y_TKD = y_ECD.index_select(0, slot_N.clamp(max=num_slots - 1)).view(T, K, -1)
+    y_TKD = torch.where(keep_TK.unsqueeze(2), y_TKD, 0)
     p_T1K = (probs_TK * keep_TK).to(y_TKD.dtype).unsqueeze(1)
     return torch.bmm(p_T1K, y_TKD).squeeze(1)
 
@@ -173,10 +200,10 @@ def from_experts(y_LBD: torch.Tensor, budget: int, ep_size: int, group: Any) -> 
 # exchange sits between two captured pieces because a process-group call is not capturable.
 
 def front(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
-          probs_TK: torch.Tensor, num_experts: int, budget: int, weighted_input: bool
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          probs_TK: torch.Tensor, num_experts: int, budget: int, weighted_input: bool,
+          packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-2: (x_ECD, slot_N, overflow, counts_E)."""
-    slot_N, overflow, counts_E = slots(ids_TK, dropped_TK, num_experts, budget)
+    slot_N, overflow, counts_E = slots(ids_TK, dropped_TK, num_experts, budget, packed)
     x_ECD = gather_rows(x_TD, slot_N, ids_TK.shape[1], num_experts * budget,
                         probs_TK if weighted_input else None)
     return x_ECD, slot_N, overflow, counts_E
@@ -192,10 +219,16 @@ def one_rank(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor 
              probs_TK: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
              num_experts: int, budget: int, activation: str, weighted_input: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stages 1-6 at one EP rank (the exchanges are views): (y_TD, overflow, counts_E)."""
+    """Stages 1-6 at one EP rank (the exchanges are views): (y_TD, overflow, counts_E).
+    On the CPU the slots are packed and the experts compute only the routed rows."""
     if activation == "swiglu" and not weighted_input and cuda_ops.available(x_TD):
         return _one_rank_fused(x_TD, ids_TK, dropped_TK, probs_TK, w13_LXD, w2_LDF,
                                num_experts, budget)
+    if x_TD.device.type == "cpu":
+        x_SD, slot_N, overflow, counts_E = front(x_TD, ids_TK, dropped_TK, probs_TK,
+                                                 num_experts, budget, weighted_input, True)
+        y_SD = packed_experts_ffn(x_SD, counts_E, w13_LXD, w2_LDF, activation)
+        return back(y_SD, slot_N, probs_TK, weighted_input), overflow, counts_E
     x_ECD, slot_N, overflow, counts_E = front(x_TD, ids_TK, dropped_TK, probs_TK, num_experts,
                                               budget, weighted_input)
     y_LBD = experts_ffn(to_experts(x_ECD, num_experts, budget, 1, None), w13_LXD, w2_LDF,
