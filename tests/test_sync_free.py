@@ -232,6 +232,10 @@ def test_packed_slots_put_each_experts_kept_choices_right_after_the_last_experts
     slot_N, over, counts = slots(ids_TK, dropped, 4, budget=2, packed=True)
     assert not bool(over) and counts.tolist() == [2, 1, 2, 1]
     assert slot_N.tolist() == [0, 8, 1, 3, 8, 5, 2, 4]
+    # EP2: two chunks of L*C = 6 slots (experts 0-1, experts 2-3), each packed from its start
+    slot_N, over, counts = slots(ids_TK, None, 4, budget=3, packed=True, ep_size=2)
+    assert not bool(over) and counts.tolist() == [3, 2, 2, 1]
+    assert slot_N.tolist() == [0, 3, 1, 6, 2, 8, 4, 7]
 
 
 def _grouped_rows_reference(x_SK, w_GNK, counts_G):
@@ -395,13 +399,14 @@ def _ep2_rank(rank: int, world: int) -> dict:
     from moeplug.config import RuntimeSection
     from moeplug.stash import ModelRuntime
     out = {}
-    for name, capture in (("eager", False), ("replay", True)):
+    for name, runtime in (("eager", {}), ("replay", {"capture": True}), ("stash", {"stash": True})):
         torch.manual_seed(0)
         d = host.create("dispatcher", "alltoall", {}, cfg, dist.group.WORLD)
-        rt = ModelRuntime(RuntimeSection(sync_free=True, capture=capture))
+        rt = ModelRuntime(RuntimeSection(sync_free=True, **runtime))
         handle = rt.register_layer(index=0, num_experts=4, top_k=2, hidden=16, ffn_hidden=8,
                                    num_local_experts=2, dtype="float32", activation="swiglu",
-                                   stash_bytes=0)
+                                   stash_bytes=1 << 16 if runtime.get("stash") else 0)
+        rt.finalize()
         layer = MoELayer(host.create("router", "topk", {}, cfg), d,
                          host.create("experts", "grouped", {}, cfg, 2), runtime=handle)
         g = torch.Generator().manual_seed(10 + rank)
@@ -415,16 +420,17 @@ def _ep2_rank(rank: int, world: int) -> dict:
                               for k in dynamic},
                      "again": max(float((static[k].float() - static_again[k].float()).abs().max())
                                   for k in static),
-                     "overflow": over}
+                     "overflow": over,
+                     "stashed": rt.pool.stats()["high_water"] if runtime.get("stash") else 1}
     return out
 
 
 @pytest.mark.slow
-def test_ep2_static_eager_and_replay_equal_dynamic_alltoall():
+def test_ep2_static_eager_replay_and_stash_equal_dynamic_alltoall():
     from moeplug.testing.distributed import run_distributed
     for rank, res in enumerate(run_distributed(_ep2_rank, 2, timeout=400)):
-        for name in ("eager", "replay"):
-            assert not res[name]["overflow"]
+        for name in ("eager", "replay", "stash"):
+            assert not res[name]["overflow"] and res[name]["stashed"] > 0
             assert res[name]["again"] == 0.0, (rank, name)
             for k, err in res[name]["errs"].items():
                 assert err <= TOL, (rank, name, k, err)

@@ -7,19 +7,21 @@ X FC1 rows (2F gated, F plain), F FFN hidden.
 
     C = ceil(T*K/E * runtime.token_budget)
 Every shape follows from (T, K, D, E, W, C), never from the routing, so nothing waits for the
-device to learn a size (no ``.item()``/``.tolist()``/``.cpu()``, no ``nonzero``, no count
-exchange) and the region can be captured once and replayed (moeplug.syncfree):
+device to learn a size (no ``.item()``/``.tolist()``/``.cpu()``, no ``nonzero``, no split
+from a count exchange) and the region can be captured once and replayed (moeplug.syncfree):
     1. slots     each choice's position among its expert's choices on this rank, in token
                  order (a stable sort); the first C get slot e*C + pos, the rest the dump slot
                  E*C and raise ``overflow`` (a device bool the trainer reads where the step
                  syncs anyway, then reruns the step on the dynamic path: no token is lost)
     2. gather    x_ECD: the chosen rows at their slots, zero rows where a slot is empty
-    3. exchange  [W, L*C, D] chunks to the rank owning the experts: equal splits, so no count
-                 exchange (identity at one rank) -> x_LBD, expert-major, source-rank-major
+    3. exchange  [W, L*C, D] chunks to the rank owning the experts: equal splits, known
+                 without any count (identity at one rank) -> x_LBD, expert-major,
+                 source-rank-major (CPU: the chunks as they came, and their [W, L] counts)
     4. experts   y_LBD = down(act(x_LBD @ gate_up^T)) as two batched GEMMs (padding rows are
-                 zeros; their outputs are never read). On the CPU at one EP rank the slots
-                 are packed (expert e's right after expert e-1's) and the GEMMs are grouped
-                 over just the routed rows (moeplug.ops.grouped_rows_mm): no padding FLOPs
+                 zeros; their outputs are never read). On the CPU the slots are packed
+                 (inside each rank's chunk, expert e's right after expert e-1's), the counts
+                 cross EP beside the rows, and the GEMMs are grouped over just the routed
+                 rows (moeplug.ops.grouped_rows_mm): no padding FLOPs
     5. back      the inverse exchange -> y_ECD on the source rank
     6. combine   y_TD = sum_k p_tk * y_ECD[slot_tk] (weight 0 for the dump slot)
 Choices the router dropped (``dropped_TK``, its own capacity) take the dump slot without
@@ -36,7 +38,7 @@ import torch
 
 from moeplug.ops import cuda_ops
 from moeplug.ops.activations import activation_fn
-from moeplug.ops.grouped_rows_mm import grouped_rows_mm
+from moeplug.ops.grouped_rows_mm import grouped_rows_mm, grouped_rows_mm_backward
 from moeplug.parallel import comm
 
 
@@ -46,12 +48,14 @@ def budget_rows(num_tokens: int, top_k: int, num_experts: int, token_budget: flo
 
 
 def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: int,
-          budget: int, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          budget: int, packed: bool = False, ep_size: int = 1
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: (slot_N, overflow, counts_E). slot_N in [0, E*C]; E*C is the dump slot.
     ``counts_E`` counts the choices each expert received (dropped and over-budget excluded).
-    ``packed``: expert e's kept choices take the slots right after expert e-1's (the first
-    sum(counts_E) slots, expert-major) instead of slots e*C.. (padding inside each expert's
-    block); same shapes, for the grouped GEMM over just the routed rows."""
+    ``packed``: inside each EP rank's chunk of L*C slots (``ep_size`` chunks), expert e's kept
+    choices take the slots right after expert e-1's (the chunk's first rows, expert-major)
+    instead of slots e*C.. (padding inside each expert's block); same shapes, for the grouped
+    GEMM over just the routed rows."""
     E, C = num_experts, budget
     ids_N = ids_TK.reshape(-1)
     key_N = ids_N if dropped_TK is None else ids_N.masked_fill(dropped_TK.reshape(-1), E)
@@ -67,9 +71,12 @@ def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: in
     keep_N = routed_N & (pos_N < C)
     overflow = (routed_N & ~keep_N).any()
     counts_E = torch.minimum(wanted_E1[:E], torch.full_like(wanted_E1[:E], C))
-    if packed:  # E+1 entries: the dump key E indexes one past the last expert (never kept)
-        base_E1 = torch.cumsum(torch.cat([counts_E, counts_E[:1]]), 0) - torch.cat(
-            [counts_E, counts_E[:1]])
+    if packed:  # per chunk: its start + the exclusive cumsum of its experts' kept counts
+        W = ep_size
+        counts_WL = counts_E.view(W, E // W)
+        base_WL = torch.cumsum(counts_WL, 1) - counts_WL + torch.arange(
+            W, device=ids_N.device).unsqueeze(1) * (E // W * C)
+        base_E1 = torch.cat([base_WL.reshape(E), base_WL.new_zeros(1)])  # E: the dump key
     else:
         base_E1 = torch.arange(E + 1, device=ids_N.device) * C
     slot_N = torch.where(keep_N, base_E1.index_select(0, key_N) + pos_N,
@@ -106,6 +113,14 @@ def packed_experts_ffn(x_SD: torch.Tensor, counts_E: torch.Tensor, w13_EXD: torc
     return grouped_rows_mm(activation_fn(activation)(h_SX), w2_c, counts_E)
 
 
+def packed_chunks_ffn(x_WSD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: torch.Tensor,
+                      w2_LDF: torch.Tensor, activation: str) -> torch.Tensor:
+    """Stage 4 at EP > 1 over packed chunks: source rank w's chunk holds its counts_WL[w] rows
+    per local expert at its front; one pair of grouped GEMMs per chunk (W is static)."""
+    return torch.stack([packed_experts_ffn(x_WSD[w], counts_WL[w], w13_LXD, w2_LDF, activation)
+                        for w in range(x_WSD.shape[0])])
+
+
 def experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                 activation: str) -> torch.Tensor:
     """Stage 4: every local expert's FFN as two batched GEMMs (autocast picks their dtype)."""
@@ -115,49 +130,72 @@ def experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor
 
 
 class _StashedExperts(torch.autograd.Function):
-    """:func:`experts_ffn` for the paged stash (``runtime.stash``, eager): it saves the expert
-    input and FC1 output as 2-D [L*B, *] rows, the layout moeplug.stash packs into its pages
-    (static shapes, so the same pages every step), and rebuilds the activation from h in
-    backward. GEMMs in the autocast dtype; grads come back in each input's own dtype."""
+    """Stage 4 for the paged stash (``runtime.stash``, eager): it saves the expert input and
+    FC1 output as 2-D rows, the layout moeplug.stash packs into its pages (static shapes, so
+    the same pages every step), and rebuilds the activation from h in backward. GEMMs in the
+    autocast dtype; grads come back in each input's own dtype.
+
+    ``counts_WL`` None: x is [L, B, D] (padded slots) and the GEMMs are batched over every slot.
+    Else x is [W, L*C, D] packed chunks (``slots(packed=True)``) and each chunk's GEMMs are
+    grouped over its counts_WL[w] rows per expert (moeplug.ops.grouped_rows_mm)."""
 
     @staticmethod
-    def forward(ctx, x_LBD, w13_LXD, w2_LDF, activation):
-        dtype = x_LBD.dtype
-        if torch.is_autocast_enabled(x_LBD.device.type):
-            dtype = torch.get_autocast_dtype(x_LBD.device.type)
-        x_c, w13_c, w2_c = (t.to(dtype).contiguous() for t in (x_LBD, w13_LXD, w2_LDF))
-        L, B, D = x_c.shape
+    def forward(ctx, x_3D, w13_LXD, w2_LDF, activation, counts_WL):
+        dtype = x_3D.dtype
+        if torch.is_autocast_enabled(x_3D.device.type):
+            dtype = torch.get_autocast_dtype(x_3D.device.type)
+        x_c, w13_c, w2_c = (t.to(dtype).contiguous() for t in (x_3D, w13_LXD, w2_LDF))
+        A, B, D = x_c.shape
         with torch.autocast(x_c.device.type, enabled=False):
-            h_LBX = torch.bmm(x_c, w13_c.transpose(1, 2))
-            y_LBD = torch.bmm(activation_fn(activation)(h_LBX), w2_c.transpose(1, 2))
-        ctx.save_for_backward(x_c.view(L * B, D), h_LBX.view(L * B, -1), w13_c, w2_c)
+            h_3X = _gemm(x_c, w13_c, counts_WL)
+            y_3D = _gemm(activation_fn(activation)(h_3X), w2_c, counts_WL)
+        ctx.save_for_backward(x_c.view(A * B, D), h_3X.view(A * B, -1), w13_c, w2_c)
+        ctx.counts_WL = counts_WL  # a few ints: kept out of the stash's pages
         ctx.activation = activation
-        ctx.dtypes = (x_LBD.dtype, w13_LXD.dtype, w2_LDF.dtype)
-        return y_LBD
+        ctx.dtypes = (x_3D.dtype, w13_LXD.dtype, w2_LDF.dtype)
+        return y_3D
 
     @staticmethod
-    def backward(ctx, g_LBD):
+    def backward(ctx, g_3D):
         x_SD, h_SX, w13_c, w2_c = ctx.saved_tensors
-        L = w13_c.shape[0]
-        x_LBD, h_LBX = x_SD.view(L, -1, x_SD.shape[1]), h_SX.view(L, -1, h_SX.shape[1])
-        g_LBD = g_LBD.to(x_LBD.dtype)
-        with torch.autocast(x_LBD.device.type, enabled=False):
+        counts_WL = ctx.counts_WL
+        A = g_3D.shape[0]
+        x_3D, h_3X = x_SD.view(A, -1, x_SD.shape[1]), h_SX.view(A, -1, h_SX.shape[1])
+        g_3D = g_3D.to(x_3D.dtype).contiguous()
+        with torch.autocast(x_3D.device.type, enabled=False):
             with torch.enable_grad():  # the activation's derivative by autograd (elementwise)
-                h = h_LBX.detach().requires_grad_()
-                a_LBF = activation_fn(ctx.activation)(h)
-            g_a = torch.bmm(g_LBD, w2_c)
-            g_w2 = torch.bmm(g_LBD.transpose(1, 2), a_LBF.detach())
-            (g_h,) = torch.autograd.grad(a_LBF, h, g_a)
-            g_x = torch.bmm(g_h, w13_c)
-            g_w13 = torch.bmm(g_h.transpose(1, 2), x_LBD)
+                h = h_3X.detach().requires_grad_()
+                a_3F = activation_fn(ctx.activation)(h)
+            g_a, g_w2 = _gemm_backward(g_3D, a_3F.detach(), w2_c, counts_WL)
+            (g_h,) = torch.autograd.grad(a_3F, h, g_a)
+            g_x, g_w13 = _gemm_backward(g_h, x_3D, w13_c, counts_WL)
         x_dtype, w13_dtype, w2_dtype = ctx.dtypes
-        return g_x.to(x_dtype), g_w13.to(w13_dtype), g_w2.to(w2_dtype), None
+        return g_x.to(x_dtype), g_w13.to(w13_dtype), g_w2.to(w2_dtype), None, None
 
 
-def stashed_experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
-                        activation: str) -> torch.Tensor:
+def _gemm(x_3K: torch.Tensor, w_LNK: torch.Tensor, counts_WL: torch.Tensor | None
+          ) -> torch.Tensor:
+    """x @ w^T per expert: batched over [L, B, K] (counts None) or grouped per packed chunk."""
+    if counts_WL is None:
+        return torch.bmm(x_3K, w_LNK.transpose(1, 2))
+    return torch.stack([grouped_rows_mm(x_3K[w], w_LNK, counts_WL[w])
+                        for w in range(x_3K.shape[0])])
+
+
+def _gemm_backward(g_3N: torch.Tensor, x_3K: torch.Tensor, w_LNK: torch.Tensor,
+                   counts_WL: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of :func:`_gemm`."""
+    if counts_WL is None:
+        return torch.bmm(g_3N, w_LNK), torch.bmm(g_3N.transpose(1, 2), x_3K)
+    parts = [grouped_rows_mm_backward(g_3N[w], x_3K[w], w_LNK, counts_WL[w])
+             for w in range(g_3N.shape[0])]
+    return torch.stack([dx for dx, _ in parts]), sum(dw for _, dw in parts)
+
+
+def stashed_experts_ffn(x_3D: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+                        activation: str, counts_WL: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 4 with 2-D saved activations for the paged stash (see _StashedExperts)."""
-    return _StashedExperts.apply(x_LBD, w13_LXD, w2_LDF, activation)
+    return _StashedExperts.apply(x_3D, w13_LXD, w2_LDF, activation, counts_WL)
 
 
 def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor
@@ -201,9 +239,10 @@ def from_experts(y_LBD: torch.Tensor, budget: int, ep_size: int, group: Any) -> 
 
 def front(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
           probs_TK: torch.Tensor, num_experts: int, budget: int, weighted_input: bool,
-          packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          packed: bool = False, ep_size: int = 1
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-2: (x_ECD, slot_N, overflow, counts_E)."""
-    slot_N, overflow, counts_E = slots(ids_TK, dropped_TK, num_experts, budget, packed)
+    slot_N, overflow, counts_E = slots(ids_TK, dropped_TK, num_experts, budget, packed, ep_size)
     x_ECD = gather_rows(x_TD, slot_N, ids_TK.shape[1], num_experts * budget,
                         probs_TK if weighted_input else None)
     return x_ECD, slot_N, overflow, counts_E
@@ -275,8 +314,29 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
     if ep_size == 1 and stash_scope is None:
         return wrap(one_rank)(x_TD, *args, w13_LXD, w2_LDF, num_experts, C, activation,
                               weighted_input)
+    L = num_experts // ep_size
+    if x_TD.device.type == "cpu":  # packed chunks: the experts compute only the routed rows
+        x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C,
+                                                        weighted_input, True, ep_size)
+        # Equal chunks of L*C rows, and each source's kept counts per local expert: a [W, L]
+        # exchange of static shape (the grouped GEMM's kernel reads them; nothing waits on the
+        # host). At one rank both are views.
+        chunks, counts_WL = [L * C] * ep_size, counts_E.view(ep_size, L)
+        if ep_size > 1:
+            x_ECD = comm.all_to_all(x_ECD, chunks, chunks, group)
+            counts_WL = comm.all_to_all(counts_WL, [1] * ep_size, [1] * ep_size, group)
+        x_WSD = x_ECD.view(ep_size, L * C, -1)
+        if stash_scope is None:
+            y_WSD = wrap(packed_chunks_ffn)(x_WSD, counts_WL, w13_LXD, w2_LDF, activation)
+        else:
+            with stash_scope:
+                y_WSD = stashed_experts_ffn(x_WSD, w13_LXD, w2_LDF, activation, counts_WL)
+        y_ECD = y_WSD.view(ep_size * L * C, -1)
+        if ep_size > 1:
+            y_ECD = comm.all_to_all(y_ECD, chunks, chunks, group)
+        return wrap(back)(y_ECD, slot_N, routing.probs_TK, weighted_input), overflow, counts_E
     x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C, weighted_input)
-    x_LBD = to_experts(x_ECD, num_experts // ep_size, C, ep_size, group)
+    x_LBD = to_experts(x_ECD, L, C, ep_size, group)
     if stash_scope is None:
         y_LBD = wrap(experts_ffn)(x_LBD, w13_LXD, w2_LDF, activation)
     else:

@@ -42,8 +42,8 @@ def _(x_SK, w_GNK, counts_G):
 
 @torch.library.custom_op("moeplug::grouped_rows_mm_backward", mutates_args=(),
                          device_types="cpu")
-def _backward_op(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
-                 counts_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_rows_mm_backward(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
+                             counts_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [S, K], dw [G, N, K]); an empty group's dw is zero."""
     offs = _offsets(counts_G)
     dx_SK = F.grouped_mm(g_SN, w_GNK, offs=offs)
@@ -51,7 +51,7 @@ def _backward_op(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
     return dx_SK, dw_GNK
 
 
-@_backward_op.register_fake
+@grouped_rows_mm_backward.register_fake
 def _(g_SN, x_SK, w_GNK, counts_G):
     return x_SK.new_empty(x_SK.shape), w_GNK.new_empty(w_GNK.shape)
 
@@ -63,7 +63,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g_SN):
     x_SK, w_GNK, counts_G = ctx.saved_tensors
-    dx_SK, dw_GNK = _backward_op(g_SN.contiguous(), x_SK, w_GNK, counts_G)
+    dx_SK, dw_GNK = grouped_rows_mm_backward(g_SN.contiguous(), x_SK, w_GNK, counts_G)
     return dx_SK, dw_GNK, None
 
 
