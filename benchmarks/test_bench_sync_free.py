@@ -7,7 +7,8 @@ Three copies of one MoE layer with the same weights, timed fwd+bwd round-robin:
     replay    runtime.sync_free + runtime.capture (compiled once before timing)
 Reported: eager / replay and dynamic / replay step-time ratios (> 1: replay is faster), at a
 dispatch-bound small shape and at a compute-bound mid shape; then the same for a whole
-``train_step`` of a small 2-layer model.
+``train_step`` of a small 2-layer model; then dynamic / eager at EP2 (two gloo ranks, the
+static region's exchanges eager, one thread per rank).
 """
 
 from __future__ import annotations
@@ -112,3 +113,69 @@ def test_train_step_replay_vs_eager(report):
                times["eager"] / times["replay"], note=f"reruns {reruns['replay']}")
     report.row("train_step 2 layers D128 E8 K2 T512", "dynamic / replay",
                times["dynamic"] / times["replay"])
+
+
+EP2_SHAPE = (2048, 256, 352, 8, 2)  # tokens per rank, D, F, E, K
+
+
+def _ep2_static_vs_dynamic(rank: int, world: int) -> dict:
+    """Per rank: median fwd+bwd ms of one MoE layer, static (sync-free eager) and dynamic
+    (alltoall), alternating, both ranks entering each timed call together."""
+    import time
+
+    import torch.distributed as dist
+
+    from moeplug.config import RuntimeSection
+    from moeplug.modules.moe import MoELayer
+    from moeplug.plugin_host import PluginHost
+    from moeplug.stash import ModelRuntime
+    from moeplug.testing._common import tiny_model_config
+    torch.set_num_threads(1)
+    T, D, F, E, K = EP2_SHAPE
+    cfg = tiny_model_config(num_experts=E, top_k=K, hidden_size=D, ffn_hidden_size=F)
+    host = PluginHost.load()
+    torch.manual_seed(0)
+    rt = ModelRuntime(RuntimeSection(sync_free=True))
+    handle = rt.register_layer(index=0, num_experts=E, top_k=K, hidden=D, ffn_hidden=F,
+                               num_local_experts=E // world, dtype="float32",
+                               activation="swiglu", stash_bytes=0)
+    rt.finalize()
+    layer = MoELayer(host.create("router", "topk", {}, cfg),
+                     host.create("dispatcher", "alltoall", {}, cfg, dist.group.WORLD),
+                     host.create("experts", "grouped", {}, cfg, E // world), runtime=handle)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.02)  # near-balanced, as in trained models
+    g = torch.Generator().manual_seed(rank)
+    x, w = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+
+    def step() -> None:
+        xx = x.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        y, aux, _ = layer(xx)
+        ((y * w).sum() + aux).backward()
+
+    times: dict = {"static": [], "dynamic": []}
+    for i in range(10):
+        for mode in times:
+            dist.barrier()
+            t = time.perf_counter()
+            if mode == "static":
+                step()
+            else:
+                with rt.sync_free.disabled():
+                    step()
+            dist.barrier()
+            if i >= 2:
+                times[mode].append(time.perf_counter() - t)
+    assert not bool(rt.sync_free.take_overflow())  # no step went over the budget
+    return {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+
+
+def test_ep2_moe_layer_static_vs_dynamic(report):
+    from moeplug.testing.distributed import run_distributed
+    times = run_distributed(_ep2_static_vs_dynamic, 2, timeout=900)[0]
+    name = "moe layer fwd+bwd EP2 T{} D{} F{} E{} K{}".format(*EP2_SHAPE)
+    print(f"\n{name}: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items()))
+    report.row(name, "dynamic / static eager", times["dynamic"] / times["static"],
+               note=f"static {times['static'] * 1e3:.1f} ms, dynamic "
+                    f"{times['dynamic'] * 1e3:.1f} ms")
