@@ -248,19 +248,21 @@ def _grouped_rows_reference(x_SK, w_GNK, counts_G):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_grouped_rows_mm_equals_a_gemm_per_group_and_its_grads(dtype, tol, compiled):
+@pytest.mark.parametrize("K, N", [(32, 24), (30, 18)])
+def test_grouped_rows_mm_equals_a_gemm_per_group_and_its_grads(dtype, tol, compiled, K, N):
     # Groups of 5, 0 (an expert without rows: zero weight grad) and 7 rows in a 16-row buffer:
     # the last 4 rows are no group's. fp32 also under torch.compile(fullgraph=True), where
-    # torch's own grouped GEMM would not compile.
+    # torch's own grouped GEMM would not compile. 30 and 18 features: rows whose bytes are no
+    # multiple of 16, which torch._grouped_mm refuses (the op pads them with zero features).
     from moeplug.ops.grouped_rows_mm import grouped_rows_mm
     g = torch.Generator().manual_seed(0)
     counts = torch.tensor([5, 0, 7])
-    x = torch.randn(16, 32, generator=g).to(dtype).requires_grad_(True)
-    w = torch.randn(3, 24, 32, generator=g).to(dtype).requires_grad_(True)
-    dy = torch.randn(12, 24, generator=g).to(dtype)
+    x = torch.randn(16, K, generator=g).to(dtype).requires_grad_(True)
+    w = torch.randn(3, N, K, generator=g).to(dtype).requires_grad_(True)
+    dy = torch.randn(12, N, generator=g).to(dtype)
     op = torch.compile(grouped_rows_mm, fullgraph=True) if compiled else grouped_rows_mm
     y = op(x, w, counts)
-    assert y.shape == (16, 24) and y.dtype == dtype
+    assert y.shape == (16, N) and y.dtype == dtype
     (dy * y[:12]).sum().backward()
     xr, wr = (t.detach().float().requires_grad_(True) for t in (x, w))
     yr = _grouped_rows_reference(xr, wr, counts)

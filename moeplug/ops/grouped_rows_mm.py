@@ -14,8 +14,10 @@ but inductor cannot compile it outside bf16 (its fake kernel checks CUDA's dtype
 captured graph, forward and backward.
 
 Rows past ``sum(counts)`` are left unwritten (whatever the buffer held): the caller never reads
-them into a real row (static_moe.combine_rows masks them). Registered for the CPU only; on a
-GPU the static region keeps its own path.
+them into a real row (static_moe.combine_rows masks them). Feature counts whose rows are no
+multiple of 16 bytes (which ``torch._grouped_mm`` refuses) are zero-padded for the call and cut
+after: a copy, for odd sizes only. Registered for the CPU only; on a GPU the static region
+keeps its own path.
 """
 
 from __future__ import annotations
@@ -28,11 +30,29 @@ def _offsets(counts_G: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(counts_G, 0, dtype=torch.int32)
 
 
+def _aligned(n: int, dtype: torch.dtype) -> int:
+    """n rounded up so that n elements span a multiple of 16 bytes: ``torch._grouped_mm``
+    refuses row strides that do not (hidden sizes of real models always do)."""
+    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    return -(-n // per) * per
+
+
+def _pad_last(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` with its last dim zero-padded to ``n`` (``t`` itself when it already is)."""
+    return t if t.shape[-1] == n else F.pad(t, (0, n - t.shape[-1]))
+
+
 @torch.library.custom_op("moeplug::grouped_rows_mm", mutates_args=(), device_types="cpu")
 def grouped_rows_mm(x_SK: torch.Tensor, w_GNK: torch.Tensor, counts_G: torch.Tensor
                     ) -> torch.Tensor:
     """[S, K] rows x [G, N, K] weights -> [S, N]; group g takes the next counts_G[g] rows."""
-    return F.grouped_mm(x_SK, w_GNK.transpose(1, 2), offs=_offsets(counts_G))
+    N, K = w_GNK.shape[1:]
+    Np, Kp = _aligned(N, x_SK.dtype), _aligned(K, x_SK.dtype)  # zero features add nothing
+    w = _pad_last(w_GNK, Kp)
+    if Np != N:
+        w = F.pad(w, (0, 0, 0, Np - N))
+    y = F.grouped_mm(_pad_last(x_SK, Kp), w.transpose(1, 2), offs=_offsets(counts_G))
+    return y if Np == N else y[:, :N].contiguous()
 
 
 @grouped_rows_mm.register_fake
@@ -46,8 +66,16 @@ def grouped_rows_mm_backward(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torc
                              counts_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [S, K], dw [G, N, K]); an empty group's dw is zero."""
     offs = _offsets(counts_G)
-    dx_SK = F.grouped_mm(g_SN, w_GNK, offs=offs)
-    dw_GNK = torch._grouped_mm(g_SN.t(), x_SK, offs=offs)  # K-grouped: per-group g^T x
+    N, K = w_GNK.shape[1:]
+    Np, Kp = _aligned(N, g_SN.dtype), _aligned(K, g_SN.dtype)
+    g, x = _pad_last(g_SN, Np), _pad_last(x_SK, Kp)
+    w = _pad_last(w_GNK, Kp)
+    if Np != N:
+        w = F.pad(w, (0, 0, 0, Np - N))
+    dx_SK = F.grouped_mm(g, w, offs=offs)
+    dw_GNK = torch._grouped_mm(g.t(), x, offs=offs)  # K-grouped: per-group g^T x
+    if (Np, Kp) != (N, K):
+        dx_SK, dw_GNK = dx_SK[:, :K].contiguous(), dw_GNK[:, :N, :K].contiguous()
     return dx_SK, dw_GNK
 
 
