@@ -102,7 +102,7 @@ def gather_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, top_k: int, num_slots:
 
 def packed_experts_ffn(x_SD: torch.Tensor, counts_E: torch.Tensor, w13_EXD: torch.Tensor,
                        w2_EDF: torch.Tensor, activation: str) -> torch.Tensor:
-    """Stage 4 over packed slots (``slots(packed=True)``, one EP rank): each expert's FFN on
+    """Stage 4 over one chunk of packed slots (``slots(packed=True)``): each expert's FFN on
     just its counts_E rows as two grouped GEMMs (moeplug.ops.grouped_rows_mm), in the autocast
     dtype when autocast is on. Rows past sum(counts_E) come back unwritten (never read)."""
     dtype = x_SD.dtype

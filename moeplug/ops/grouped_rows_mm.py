@@ -42,15 +42,20 @@ def _pad_last(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.shape[-1] == n else F.pad(t, (0, n - t.shape[-1]))
 
 
+def _padded(w_GNK: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
+    """(w zero-padded to [G, Np, Kp], Np, Kp): both feature counts aligned for ``dtype``."""
+    N, K = w_GNK.shape[1:]
+    Np, Kp = _aligned(N, dtype), _aligned(K, dtype)  # zero features add nothing to a product
+    w = _pad_last(w_GNK, Kp)
+    return (w if Np == N else F.pad(w, (0, 0, 0, Np - N))), Np, Kp
+
+
 @torch.library.custom_op("moeplug::grouped_rows_mm", mutates_args=(), device_types="cpu")
 def grouped_rows_mm(x_SK: torch.Tensor, w_GNK: torch.Tensor, counts_G: torch.Tensor
                     ) -> torch.Tensor:
     """[S, K] rows x [G, N, K] weights -> [S, N]; group g takes the next counts_G[g] rows."""
-    N, K = w_GNK.shape[1:]
-    Np, Kp = _aligned(N, x_SK.dtype), _aligned(K, x_SK.dtype)  # zero features add nothing
-    w = _pad_last(w_GNK, Kp)
-    if Np != N:
-        w = F.pad(w, (0, 0, 0, Np - N))
+    N = w_GNK.shape[1]
+    w, Np, Kp = _padded(w_GNK, x_SK.dtype)
     y = F.grouped_mm(_pad_last(x_SK, Kp), w.transpose(1, 2), offs=_offsets(counts_G))
     return y if Np == N else y[:, :N].contiguous()
 
@@ -67,11 +72,8 @@ def grouped_rows_mm_backward(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torc
     """(dx [S, K], dw [G, N, K]); an empty group's dw is zero."""
     offs = _offsets(counts_G)
     N, K = w_GNK.shape[1:]
-    Np, Kp = _aligned(N, g_SN.dtype), _aligned(K, g_SN.dtype)
+    w, Np, Kp = _padded(w_GNK, g_SN.dtype)
     g, x = _pad_last(g_SN, Np), _pad_last(x_SK, Kp)
-    w = _pad_last(w_GNK, Kp)
-    if Np != N:
-        w = F.pad(w, (0, 0, 0, Np - N))
     dx_SK = F.grouped_mm(g, w, offs=offs)
     dw_GNK = torch._grouped_mm(g.t(), x, offs=offs)  # K-grouped: per-group g^T x
     if (Np, Kp) != (N, K):
