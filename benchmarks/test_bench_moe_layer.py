@@ -11,8 +11,8 @@ one run compare):
                 each, in the compute dtype, nothing else: the ceiling of any layer built on
                 torch's GEMMs at this shape with perfectly even routing
     gemms_routed  the same six GEMMs at the rows per expert the layers' router gives this
-                input (972-1085 here): the ceiling for this routing. In bf16 oneDNN runs these
-                uneven shapes 4-8 % slower than 1024-row ones, and padding each expert to a
+                input (965-1087 here): the ceiling for this routing. In bf16 oneDNN runs these
+                uneven shapes 1-8 % slower than 1024-row ones, and padding each expert to a
                 multiple of 32-128 rows does not win it back (+1-2 %, measured); in fp32 the
                 two rows agree
     hf_mixtral  Hugging Face transformers' MixtralSparseMoeBlock with the same weights, its
