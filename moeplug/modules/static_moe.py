@@ -105,20 +105,28 @@ def packed_experts_ffn(x_SD: torch.Tensor, counts_E: torch.Tensor, w13_EXD: torc
     """Stage 4 over one chunk of packed slots (``slots(packed=True)``): each expert's FFN on
     just its counts_E rows as two grouped GEMMs (moeplug.ops.grouped_rows_mm), in the autocast
     dtype when autocast is on. Rows past sum(counts_E) come back unwritten (never read)."""
-    dtype = x_SD.dtype
-    if torch.is_autocast_enabled(x_SD.device.type):
-        dtype = torch.get_autocast_dtype(x_SD.device.type)
-    x_c, w13_c, w2_c = (t.to(dtype) for t in (x_SD, w13_EXD, w2_EDF))
+    x_c, w13_c, w2_c = _to_compute_dtype(x_SD, w13_EXD, w2_EDF)
     h_SX = grouped_rows_mm(x_c, w13_c, counts_E)
     return grouped_rows_mm(activation_fn(activation)(h_SX), w2_c, counts_E)
+
+
+def _to_compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``x`` and the weights in the autocast dtype when autocast is on (the custom op is not
+    an autocast op), else as they are."""
+    dtype = x.dtype
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+    return tuple(t.to(dtype) for t in (x, *weights))
 
 
 def packed_chunks_ffn(x_WSD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: torch.Tensor,
                       w2_LDF: torch.Tensor, activation: str) -> torch.Tensor:
     """Stage 4 at EP > 1 over packed chunks: source rank w's chunk holds its counts_WL[w] rows
-    per local expert at its front; one pair of grouped GEMMs per chunk (W is static)."""
-    return torch.stack([packed_experts_ffn(x_WSD[w], counts_WL[w], w13_LXD, w2_LDF, activation)
-                        for w in range(x_WSD.shape[0])])
+    per local expert at its front; one pair of grouped GEMMs per chunk (W is static), the
+    weights cast once for all chunks."""
+    x_c, w13_c, w2_c = _to_compute_dtype(x_WSD, w13_LXD, w2_LDF)
+    return torch.stack([packed_experts_ffn(x_c[w], counts_WL[w], w13_c, w2_c, activation)
+                        for w in range(x_c.shape[0])])
 
 
 def experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
