@@ -183,12 +183,9 @@ def test_static_with_router_capacity_and_probs_on_input_equals_dynamic():
         _close(static, _fwd_bwd(layer, x, w))
 
 
-def test_static_equals_dynamic_under_bf16_autocast():
-    # bf16 GEMMs in both paths; rows are summed in another order, so the stated tolerance is
-    # relative to each tensor's largest value: 2e-2 (measured: at most 8e-3, about two bf16 ulps).
-    x, w = _inputs()
-    layer = _layer(sync_free=True)
-
+def _bf16_static_vs_dynamic(layer: MoELayer, x: torch.Tensor, w: torch.Tensor) -> list:
+    """Each of (y, x.grad, the experts' and the router's weight grads): the largest difference
+    between the static and the dynamic layer under bf16 autocast, over its largest value."""
     def run() -> list:
         xx = x.clone().requires_grad_(True)
         layer.zero_grad(set_to_none=True)
@@ -202,8 +199,15 @@ def test_static_equals_dynamic_under_bf16_autocast():
     static = run()
     with stash_runtime_of(layer).sync_free.disabled():
         dynamic = run()
-    for a, b in zip(static, dynamic):
-        assert float((a - b).abs().max() / b.abs().max()) < 2e-2
+    return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(static, dynamic)]
+
+
+def test_static_equals_dynamic_under_bf16_autocast():
+    # bf16 GEMMs in both paths; rows are summed in another order, so the stated tolerance is
+    # relative to each tensor's largest value: 2e-2 (measured: at most 8e-3, about two bf16 ulps).
+    x, w = _inputs()
+    errs = _bf16_static_vs_dynamic(_layer(sync_free=True), x, w)
+    assert max(errs) < 2e-2, errs
 
 
 def test_slots_flag_overflow_only_over_budget():
@@ -393,26 +397,34 @@ def test_sync_free_refuses_overlap_chunks():
 
 # ---- EP2, real gloo -----------------------------------------------------------------------
 
-def _ep2_rank(rank: int, world: int) -> dict:
+def _ep2_layer(rank: int, **runtime) -> tuple:
+    """(layer, x, w) on this rank of the EP2 world: a sync-free MoE layer (4 experts, 2 here)
+    over the alltoall dispatcher, registered with its own runtime, and this rank's inputs."""
     import torch.distributed as dist
+
+    from moeplug.config import RuntimeSection
+    from moeplug.stash import ModelRuntime
     from moeplug.testing._common import tiny_model_config
     cfg = tiny_model_config(num_experts=4, top_k=2, hidden_size=16, ffn_hidden_size=8)
     host = PluginHost.load()
-    from moeplug.config import RuntimeSection
-    from moeplug.stash import ModelRuntime
+    torch.manual_seed(0)
+    rt = ModelRuntime(RuntimeSection(sync_free=True, **runtime))
+    handle = rt.register_layer(index=0, num_experts=4, top_k=2, hidden=16, ffn_hidden=8,
+                               num_local_experts=2, dtype="float32", activation="swiglu",
+                               stash_bytes=1 << 16 if runtime.get("stash") else 0)
+    rt.finalize()
+    layer = MoELayer(host.create("router", "topk", {}, cfg),
+                     host.create("dispatcher", "alltoall", {}, cfg, dist.group.WORLD),
+                     host.create("experts", "grouped", {}, cfg, 2), runtime=handle)
+    g = torch.Generator().manual_seed(10 + rank)
+    return layer, torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
+
+
+def _ep2_rank(rank: int, world: int) -> dict:
     out = {}
     for name, runtime in (("eager", {}), ("replay", {"capture": True}), ("stash", {"stash": True})):
-        torch.manual_seed(0)
-        d = host.create("dispatcher", "alltoall", {}, cfg, dist.group.WORLD)
-        rt = ModelRuntime(RuntimeSection(sync_free=True, **runtime))
-        handle = rt.register_layer(index=0, num_experts=4, top_k=2, hidden=16, ffn_hidden=8,
-                                   num_local_experts=2, dtype="float32", activation="swiglu",
-                                   stash_bytes=1 << 16 if runtime.get("stash") else 0)
-        rt.finalize()
-        layer = MoELayer(host.create("router", "topk", {}, cfg), d,
-                         host.create("experts", "grouped", {}, cfg, 2), runtime=handle)
-        g = torch.Generator().manual_seed(10 + rank)
-        x, w = torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
+        layer, x, w = _ep2_layer(rank, **runtime)
+        rt = stash_runtime_of(layer)
         static = _fwd_bwd(layer, x, w)
         static_again = _fwd_bwd(layer, x, w)  # replay: the compiled code's second run
         over = bool(rt.sync_free.take_overflow())
@@ -439,41 +451,9 @@ def test_ep2_static_eager_replay_and_stash_equal_dynamic_alltoall():
 
 
 def _ep2_bf16_rank(rank: int, world: int) -> list:
-    # The EP2 static layer under bf16 autocast: the packed chunks' grouped GEMMs take the
-    # autocast dtype themselves (the custom op is no autocast op).
-    import torch.distributed as dist
-
-    from moeplug.config import RuntimeSection
-    from moeplug.stash import ModelRuntime
-    from moeplug.testing._common import tiny_model_config
-    cfg = tiny_model_config(num_experts=4, top_k=2, hidden_size=16, ffn_hidden_size=8)
-    host = PluginHost.load()
-    torch.manual_seed(0)
-    rt = ModelRuntime(RuntimeSection(sync_free=True))
-    handle = rt.register_layer(index=0, num_experts=4, top_k=2, hidden=16, ffn_hidden=8,
-                               num_local_experts=2, dtype="float32", activation="swiglu",
-                               stash_bytes=0)
-    rt.finalize()
-    layer = MoELayer(host.create("router", "topk", {}, cfg),
-                     host.create("dispatcher", "alltoall", {}, cfg, dist.group.WORLD),
-                     host.create("experts", "grouped", {}, cfg, 2), runtime=handle)
-    g = torch.Generator().manual_seed(10 + rank)
-    x, w = torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
-
-    def run() -> list:
-        xx = x.clone().requires_grad_(True)
-        layer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y, aux, _ = layer(xx)
-        ((y.float() * w).sum() + aux).backward()
-        assert y.dtype == torch.bfloat16
-        return [y.detach().float(), xx.grad, layer.experts.gate_up_proj.grad.clone(),
-                layer.experts.down_proj.grad.clone()]
-
-    static = run()
-    with rt.sync_free.disabled():
-        dynamic = run()
-    return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(static, dynamic)]
+    # The packed chunks' grouped GEMMs take the autocast dtype themselves (the custom op is no
+    # autocast op).
+    return _bf16_static_vs_dynamic(*_ep2_layer(rank))
 
 
 def test_ep2_static_equals_dynamic_under_bf16_autocast():
