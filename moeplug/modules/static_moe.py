@@ -100,16 +100,6 @@ def gather_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, top_k: int, num_slots:
     return rows * p_pad.index_select(0, choice_S).unsqueeze(1).to(rows.dtype)
 
 
-def packed_experts_ffn(x_SD: torch.Tensor, counts_E: torch.Tensor, w13_EXD: torch.Tensor,
-                       w2_EDF: torch.Tensor, activation: str) -> torch.Tensor:
-    """Stage 4 over one chunk of packed slots (``slots(packed=True)``): each expert's FFN on
-    just its counts_E rows as two grouped GEMMs (moeplug.ops.grouped_rows_mm), in the autocast
-    dtype when autocast is on. Rows past sum(counts_E) come back unwritten (never read)."""
-    x_c, w13_c, w2_c = _to_compute_dtype(x_SD, w13_EXD, w2_EDF)
-    h_SX = grouped_rows_mm(x_c, w13_c, counts_E)
-    return grouped_rows_mm(activation_fn(activation)(h_SX), w2_c, counts_E)
-
-
 def _to_compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``x`` and the weights in the autocast dtype when autocast is on (the custom op is not
     an autocast op), else as they are."""
@@ -119,22 +109,50 @@ def _to_compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Te
     return tuple(t.to(dtype) for t in (x, *weights))
 
 
+def _gemm(x_3K: torch.Tensor, w_LNK: torch.Tensor, counts_WL: torch.Tensor | None
+          ) -> torch.Tensor:
+    """x @ w^T per expert: batched over [L, B, K] (counts None), or over packed chunks [W, S, K]
+    (``slots(packed=True)``) grouped over each chunk's counts_WL[w] rows per expert
+    (moeplug.ops.grouped_rows_mm); rows past them come back unwritten (never read)."""
+    if counts_WL is None:
+        return torch.bmm(x_3K, w_LNK.transpose(1, 2))
+    return _stack([grouped_rows_mm(x_3K[w], w_LNK, counts_WL[w]) for w in range(len(x_3K))])
+
+
+def _stack(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks as [W, ...]: one chunk (one EP rank) without a copy."""
+    return chunks[0].unsqueeze(0) if len(chunks) == 1 else torch.stack(chunks)
+
+
+def _gemm_backward(g_3N: torch.Tensor, x_3K: torch.Tensor, w_LNK: torch.Tensor,
+                   counts_WL: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of :func:`_gemm`."""
+    if counts_WL is None:
+        return torch.bmm(g_3N, w_LNK), torch.bmm(g_3N.transpose(1, 2), x_3K)
+    parts = [grouped_rows_mm_backward(g_3N[w], x_3K[w], w_LNK, counts_WL[w])
+             for w in range(g_3N.shape[0])]
+    return torch.stack([dx for dx, _ in parts]), sum(dw for _, dw in parts)
+
+
 def packed_chunks_ffn(x_WSD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: torch.Tensor,
                       w2_LDF: torch.Tensor, activation: str) -> torch.Tensor:
-    """Stage 4 at EP > 1 over packed chunks: source rank w's chunk holds its counts_WL[w] rows
-    per local expert at its front; one pair of grouped GEMMs per chunk (W is static), the
-    weights cast once for all chunks."""
+    """Stage 4 over packed chunks (the CPU's layout; W = 1 at one EP rank): source rank w's
+    chunk holds its counts_WL[w] rows per local expert at its front; each expert's FFN on just
+    those rows, one pair of grouped GEMMs per chunk, the weights cast to the autocast dtype
+    once for all chunks."""
     x_c, w13_c, w2_c = _to_compute_dtype(x_WSD, w13_LXD, w2_LDF)
-    return torch.stack([packed_experts_ffn(x_c[w], counts_WL[w], w13_c, w2_c, activation)
-                        for w in range(x_c.shape[0])])
+    act = activation_fn(activation)
+
+    def ffn(x_SD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        # Chunk by chunk: FC1's output is never stacked (the largest tensor here).
+        return grouped_rows_mm(act(grouped_rows_mm(x_SD, w13_c, counts_L)), w2_c, counts_L)
+    return _stack([ffn(x_c[w], counts_WL[w]) for w in range(len(x_c))])
 
 
 def experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                 activation: str) -> torch.Tensor:
     """Stage 4: every local expert's FFN as two batched GEMMs (autocast picks their dtype)."""
-    h_LBX = torch.bmm(x_LBD, w13_LXD.transpose(1, 2))
-    a_LBF = activation_fn(activation)(h_LBX)
-    return torch.bmm(a_LBF, w2_LDF.transpose(1, 2))
+    return _gemm(activation_fn(activation)(_gemm(x_LBD, w13_LXD, None)), w2_LDF, None)
 
 
 class _StashedExperts(torch.autograd.Function):
@@ -149,10 +167,7 @@ class _StashedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_3D, w13_LXD, w2_LDF, activation, counts_WL):
-        dtype = x_3D.dtype
-        if torch.is_autocast_enabled(x_3D.device.type):
-            dtype = torch.get_autocast_dtype(x_3D.device.type)
-        x_c, w13_c, w2_c = (t.to(dtype).contiguous() for t in (x_3D, w13_LXD, w2_LDF))
+        x_c, w13_c, w2_c = (t.contiguous() for t in _to_compute_dtype(x_3D, w13_LXD, w2_LDF))
         A, B, D = x_c.shape
         with torch.autocast(x_c.device.type, enabled=False):
             h_3X = _gemm(x_c, w13_c, counts_WL)
@@ -179,25 +194,6 @@ class _StashedExperts(torch.autograd.Function):
             g_x, g_w13 = _gemm_backward(g_h, x_3D, w13_c, counts_WL)
         x_dtype, w13_dtype, w2_dtype = ctx.dtypes
         return g_x.to(x_dtype), g_w13.to(w13_dtype), g_w2.to(w2_dtype), None, None
-
-
-def _gemm(x_3K: torch.Tensor, w_LNK: torch.Tensor, counts_WL: torch.Tensor | None
-          ) -> torch.Tensor:
-    """x @ w^T per expert: batched over [L, B, K] (counts None) or grouped per packed chunk."""
-    if counts_WL is None:
-        return torch.bmm(x_3K, w_LNK.transpose(1, 2))
-    return torch.stack([grouped_rows_mm(x_3K[w], w_LNK, counts_WL[w])
-                        for w in range(x_3K.shape[0])])
-
-
-def _gemm_backward(g_3N: torch.Tensor, x_3K: torch.Tensor, w_LNK: torch.Tensor,
-                   counts_WL: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw) of :func:`_gemm`."""
-    if counts_WL is None:
-        return torch.bmm(g_3N, w_LNK), torch.bmm(g_3N.transpose(1, 2), x_3K)
-    parts = [grouped_rows_mm_backward(g_3N[w], x_3K[w], w_LNK, counts_WL[w])
-             for w in range(g_3N.shape[0])]
-    return torch.stack([dx for dx, _ in parts]), sum(dw for _, dw in parts)
 
 
 def stashed_experts_ffn(x_3D: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
@@ -274,7 +270,8 @@ def one_rank(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor 
     if x_TD.device.type == "cpu":
         x_SD, slot_N, overflow, counts_E = front(x_TD, ids_TK, dropped_TK, probs_TK,
                                                  num_experts, budget, weighted_input, True)
-        y_SD = packed_experts_ffn(x_SD, counts_E, w13_LXD, w2_LDF, activation)
+        y_SD = packed_chunks_ffn(x_SD.unsqueeze(0), counts_E.view(1, -1), w13_LXD, w2_LDF,
+                                 activation)[0]
         return back(y_SD, slot_N, probs_TK, weighted_input), overflow, counts_E
     x_ECD, slot_N, overflow, counts_E = front(x_TD, ids_TK, dropped_TK, probs_TK, num_experts,
                                               budget, weighted_input)
