@@ -33,7 +33,7 @@ def _offsets(counts_G: torch.Tensor) -> torch.Tensor:
 def _aligned(n: int, dtype: torch.dtype) -> int:
     """n rounded up so that n elements span a multiple of 16 bytes: ``torch._grouped_mm``
     refuses row strides that do not (hidden sizes of real models always do)."""
-    per = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    per = max(1, 16 // dtype.itemsize)
     return -(-n // per) * per
 
 
