@@ -114,6 +114,53 @@ def test_expert_mlp_vs_square_matmul(benchmark, report, dtype_name, target):
     benchmark.pedantic(fwd_bwd, rounds=1, iterations=1)
 
 
+def test_bf16_row_gemms_padded_to_the_row_multiple(benchmark, report):
+    """The expert MLP's four row GEMMs (FC1, FC2, dA, dX: the routed rows are their rows) in
+    bf16 over every row count 1024-1087, each over exactly its rows ("exact") and over its rows
+    rounded up to ROW_MULTIPLE ("padded", what expert_mlp runs), interleaved count by count.
+    Reported: the useful speed padded / exact over all counts together (routed counts fall
+    anywhere; exact's summed time over padded's) and at the count where padding gains most. 4 experts' weights per
+    call, the standard expert shape. The exact GEMMs' speed over the counts is what moved
+    expert_mlp to pad (moeplug/ops/_grouped.py)."""
+    from moeplug.ops._grouped import ROW_MULTIPLE
+
+    L, counts = 4, range(1024, 1088)
+    gen = torch.Generator().manual_seed(5)
+    rows = L * (max(counts) + ROW_MULTIPLE)
+    # (input [rows, K], weights [L, K, N] as the GEMM reads them, output [rows, N])
+    kinds = {
+        "FC1": (D, 2 * F, True), "FC2": (F, D, True), "dA": (D, F, False), "dX": (2 * F, D, False),
+    }
+    total = {name: {"exact": 0.0, "padded": 0.0} for name in kinds}
+    best = {name: (0.0, 0) for name in kinds}  # (exact / padded time, count): padding's best
+    for name, (k_in, n_out, transposed) in kinds.items():
+        x = torch.randn(rows, k_in, generator=gen).bfloat16()
+        w = torch.randn(L, n_out, k_in, generator=gen).bfloat16()
+        w = w.transpose(1, 2) if transposed else w.reshape(L, k_in, n_out)
+        out = torch.empty(rows, n_out, dtype=torch.bfloat16)
+
+        def gemms(n, k):
+            def run():
+                for e in range(L):
+                    torch.mm(x[e * n:e * n + k], w[e], out=out[e * n:e * n + k])
+            return run
+        for n in counts:
+            padded = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+            times = interleave({"exact": gemms(n, n), "padded": gemms(n, padded)}, repeats=3)
+            for variant, t in times.items():
+                total[name][variant] += t
+            best[name] = max(best[name], (times["exact"] / times["padded"], n))
+    for name in kinds:
+        speedup = total[name]["exact"] / total[name]["padded"]
+        ratio, n = best[name]
+        report.row("bf16 row GEMMs, padded to the row multiple", f"{name} padded / exact",
+                   speedup, note=f"summed over counts {min(counts)}-{max(counts)}; at {n} rows "
+                   f"padded ran {ratio:.2f}x exact's speed")
+    benchmark.extra_info.update({name: total[name]["exact"] / total[name]["padded"]
+                                 for name in kinds})
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+
+
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_swiglu_per_expert_slice(benchmark, report, dtype_name):
     """The fused SwiGLU forward and backward as the grouped experts call them: one expert's

@@ -183,3 +183,67 @@ def test_pooled_buffers_survive_repeated_and_retained_backward(monkeypatch):
     torch.testing.assert_close(g1, g1_again, atol=0, rtol=0)
     torch.testing.assert_close(y1, ref.expert_mlp(x_SD, probs_S, counts_L, w13, w2))
     torch.testing.assert_close(y2, ref.expert_mlp(x_SD * 2, probs_S, counts_L, w13, w2))
+
+
+class _RowCounts(torch.utils._python_dispatch.TorchDispatchMode):
+    """The row counts of every mm whose first operand has ``cols`` columns."""
+
+    def __init__(self, cols: int):
+        super().__init__()
+        self.cols, self.rows = cols, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) and args[0].shape[1] == self.cols:
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recompute_act", [False, True])
+def test_bf16_row_gemms_padded_to_the_row_multiple_change_no_real_row(monkeypatch, recompute_act):
+    """In bf16 each expert's row GEMMs run over its rows rounded up to ROW_MULTIPLE (into the
+    next expert's rows and the buffers' spare rows): outputs and every grad equal the unpadded
+    run bitwise, although the buffers hold NaN from an earlier call and the input's spare rows
+    are NaN."""
+    from moeplug.ops import _grouped, workspace
+
+    monkeypatch.setattr(workspace, "MIN_BYTES", 0)  # workspace buffers (spare rows) for all
+    counts = [13, 0, 5, 1, 22, 3]
+    S, D = sum(counts), 32
+    x_SD, probs_S, counts_L, w13, w2 = make_inputs(counts, D=D, F=48, seed=12)
+    spare = torch.full((S + 8, D), float("nan"), dtype=torch.bfloat16)
+    spare[:S] = x_SD
+    x16_SD = spare[:S]  # what the last expert's padded GEMM reads past S is NaN
+    g_SD = torch.randn(S, D, generator=torch.Generator().manual_seed(13)).bfloat16()
+
+    def call(x, p, c, a, b):
+        return ops.expert_mlp(x, p, c, a, b, recompute_act=recompute_act)
+
+    def leaves_and_grads(x):
+        leaves = [t.detach().clone().requires_grad_() for t in (probs_S, w13, w2)]
+        leaves.insert(0, x.detach().requires_grad_())  # not a copy: its spare rows stay
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = call(leaves[0], leaves[1], counts_L, leaves[2], leaves[3])
+        return y, torch.autograd.grad(y, leaves, g_SD)
+
+    def fresh_run():
+        leaves_and_grads(torch.full_like(x16_SD, float("nan")))  # the workspace now holds NaN
+        return leaves_and_grads(x16_SD)
+
+    padded_rows = _RowCounts(D)
+    with padded_rows:
+        y, grads = fresh_run()
+    monkeypatch.setattr(_grouped, "ROW_MULTIPLE", 1)
+    unpadded_rows = _RowCounts(D)
+    with unpadded_rows:
+        uy, ugrads = fresh_run()
+    workspace.clear()
+    # The padding ran: FC1 (the real run's; the NaN run's came first) over 16, 8, 8, 24 rows,
+    # not 13, 5, 1, 22, and the last expert's 3 over as many more as the buffers' spare rows hold.
+    fc1 = padded_rows.rows[-10:-5]
+    assert fc1[:4] == [16, 8, 8, 24] and 3 < fc1[4] <= 8, padded_rows.rows
+    assert unpadded_rows.rows[-10:-5] == [13, 5, 1, 22, 3], unpadded_rows.rows
+    assert not y.isnan().any()
+    assert torch.equal(y, uy)
+    for label, got, want in zip(("x", "probs", "gate_up_proj", "down_proj"), grads, ugrads):
+        assert not got.isnan().any(), label
+        assert torch.equal(got, want), label

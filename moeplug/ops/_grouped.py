@@ -46,6 +46,41 @@ def weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]],
     return grad
 
 
+# bf16 row GEMMs on the CPU take each expert's rows rounded up to a multiple of ROW_MULTIPLE.
+# oneDNN's bf16 matmul (brgemm, avx512_core_bf16 here) runs row counts that are no multiple of 4
+# slower: over every count 960-1103 at the standard expert shape, each of the four GEMMs whose
+# rows are the routed rows (FC1, FC2, dA, dX) averaged 4-6 % and at its worst count 20-40 %
+# below its speed at multiples of 8 (benchmarks/test_bench_kernels.py -k row_multiple). fp32
+# (MKL) shows no such effect, and the weight-gradient GEMMs, whose routed rows are the summed
+# dimension, neither. A row of a GEMM's output depends on that row of its input only, so the
+# extra rows cost at most 7 rows' FLOPs and change no real row (bitwise, in the tests): they are
+# the next expert's rows, which its own GEMM overwrites after, or spare rows past the last:
+# those the buffer's storage holds anyway (the workspace rounds sizes up to a size class), so
+# no buffer grows; where there are none, the last expert's GEMMs run unpadded.
+ROW_MULTIPLE = 8
+
+
+def row_multiple(t: torch.Tensor) -> int:
+    """The row multiple of ``t``'s row GEMMs: ROW_MULTIPLE for bf16 on the CPU, else 1."""
+    return ROW_MULTIPLE if t.dtype == torch.bfloat16 and t.device.type == "cpu" else 1
+
+
+def with_spare_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ([R, C], rows contiguous) viewed over every further whole row its storage holds:
+    the rows a row GEMM may read or write past R as padding. Write into them only for a buffer
+    this op took from the workspace (the whole storage is its); another tensor's are only read."""
+    if t.dim() != 2 or t.stride(1) != 1 or t.stride(0) < t.shape[1]:
+        return t
+    rows = (t.untyped_storage().nbytes() // t.itemsize - t.storage_offset()) // t.stride(0)
+    return t.as_strided((rows, t.shape[1]), t.stride()) if rows > t.shape[0] else t
+
+
+def padded_rows(multiple: int, n: int, *room: int) -> int:
+    """How many rows a row GEMM over an expert's ``n`` rows runs: n rounded up to ``multiple``,
+    but no more than any operand has ``room`` for from the expert's first row."""
+    return min(-(-n // multiple) * multiple, *room)
+
+
 def compute_dtype(x_SD: torch.Tensor) -> torch.dtype:
     """The GEMM dtype: autocast's for x_SD's device when autocast is on, else x_SD's own."""
     device = x_SD.device.type

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from moeplug import delayed_wgrad
 from moeplug.ops import cuda_ops, reference, workspace
 from moeplug.ops._grouped import (cast as _cast, check_counts_and_probs, compute_dtype,
-                                  expert_slices, weight_grad as _weight_grad)
+                                  expert_slices, padded_rows, row_multiple,
+                                  weight_grad as _weight_grad, with_spare_rows)
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
 from moeplug.ops.offload_marks import note
 from moeplug.ops.swiglu import swiglu_backward_raw, swiglu_forward_raw
@@ -81,12 +82,19 @@ class _ExpertMLP(torch.autograd.Function):
         max_rows = max((s1 - s0 for _, s0, s1 in slices), default=0)
         a_SF = (_scratch(max_rows, S, F2 // 2, compute_dtype) if recompute_act else
                 workspace.empty((S, F2 // 2), compute_dtype))
+        # Row GEMMs over the expert's n rows and up to m - 1 more (_grouped.ROW_MULTIPLE), in
+        # the experts' order: the next expert's own GEMMs overwrite what they wrote of its rows.
+        m = row_multiple(x_c)
+        x_g, h_g, a_g, y_g = (with_spare_rows(t) for t in (x_c, h_S2F, a_SF, y_SD))
         with torch.autocast("cpu", enabled=False):
             for e, s0, s1 in slices:
-                torch.mm(x_c[s0:s1], w13_c[e].t(), out=h_S2F[s0:s1])
-                a = a_SF[:s1 - s0] if recompute_act else a_SF[s0:s1]
-                swiglu_forward_raw(h_S2F[s0:s1], _rows(probs32_S, s0, s1), a)
-                torch.mm(a, w2_c[e].t(), out=y_SD[s0:s1])
+                n = s1 - s0
+                k = padded_rows(m, n, len(x_g) - s0, len(h_g) - s0)
+                torch.mm(x_g[s0:s0 + k], w13_c[e].t(), out=h_g[s0:s0 + k])
+                a0 = 0 if recompute_act else s0  # the scratch holds one expert's rows
+                swiglu_forward_raw(h_S2F[s0:s1], _rows(probs32_S, s0, s1), a_g[a0:a0 + n])
+                k = padded_rows(m, n, len(a_g) - a0, len(y_g) - s0)
+                torch.mm(a_g[a0:a0 + k], w2_c[e].t(), out=y_g[s0:s0 + k])
         note("expert_fc1", x_c)  # model.offload names (moeplug.modules.offload)
         note("moe_act", h_S2F)
         ctx.save_for_backward(x_c, h_S2F, None if recompute_act else a_SF, probs32_S, w13_L2FD,
@@ -125,18 +133,23 @@ class _ExpertMLP(torch.autograd.Function):
         dh_S2F = workspace.empty((S, 2 * F_), x_c.dtype)
         dp_S = workspace.empty((S,), torch.float32) if want_dp else None
         dX_SD = workspace.empty((S, D), x_c.dtype) if need_x else None
+        m = row_multiple(x_c)  # row GEMMs over up to m - 1 more rows, as in forward
+        dY_g, dA_g, dh_g = (with_spare_rows(t) for t in (dY_SD, dA_nF, dh_S2F))
+        dX_g = None if dX_SD is None else with_spare_rows(dX_SD)
         w13_c, w2_c = _ExpertWeights(w13, x_c.dtype), _ExpertWeights(w2, x_c.dtype)
         wgrad = _WeightGrads(x_c, h_S2F, a_SF, probs32_S, dY_SD, dh_S2F, slices,
                              w13 if need_w13 else None, w2 if need_w2 else None)
         for e, s0, s1 in slices:
-            dA = dA_nF[:s1 - s0]
-            torch.mm(dY_SD[s0:s1], w2_c[e], out=dA)
+            n = s1 - s0
+            k = padded_rows(m, n, len(dY_g) - s0, len(dA_g))
+            torch.mm(dY_g[s0:s0 + k], w2_c[e], out=dA_g[:k])
             if not delay:
                 wgrad.down(e, s0, s1)
-            swiglu_backward_raw(dA, h_S2F[s0:s1], _rows(probs32_S, s0, s1), want_dp,
+            swiglu_backward_raw(dA_g[:n], h_S2F[s0:s1], _rows(probs32_S, s0, s1), want_dp,
                                 dh_S2F[s0:s1], _rows(dp_S, s0, s1))
             if need_x:
-                torch.mm(dh_S2F[s0:s1], w13_c[e], out=dX_SD[s0:s1])
+                k = padded_rows(m, n, len(dh_g) - s0, len(dX_g) - s0)
+                torch.mm(dh_g[s0:s0 + k], w13_c[e], out=dX_g[s0:s0 + k])
             if not delay:
                 wgrad.gate_up(e, s0, s1)
 
