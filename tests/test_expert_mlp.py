@@ -15,6 +15,7 @@ import torch
 
 from moeplug import ops
 from moeplug.ops import reference as ref
+from moeplug.ops.grouped_mlp import grouped_mlp
 
 
 def make_inputs(counts: list[int], D: int = 24, F: int = 40, seed: int = 0):
@@ -199,23 +200,29 @@ class _RowCounts(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("recompute_act", [False, True])
-def test_bf16_row_gemms_padded_to_the_row_multiple_change_no_real_row(monkeypatch, recompute_act):
+@pytest.mark.parametrize("op", ["expert_mlp", "grouped_mlp"])
+def test_bf16_row_gemms_padded_to_the_row_multiple_change_no_real_row(monkeypatch, op,
+                                                                      recompute_act):
     """In bf16 each expert's row GEMMs run over its rows rounded up to ROW_MULTIPLE (into the
     next expert's rows and the buffers' spare rows): outputs and every grad equal the unpadded
     run bitwise, although the buffers hold NaN from an earlier call and the input's spare rows
-    are NaN."""
+    are NaN. Both grouped ops: the fused SwiGLU one and the torch one (here with GELU)."""
     from moeplug.ops import _grouped, workspace
 
     monkeypatch.setattr(workspace, "MIN_BYTES", 0)  # workspace buffers (spare rows) for all
     counts = [13, 0, 5, 1, 22, 3]
     S, D = sum(counts), 32
     x_SD, probs_S, counts_L, w13, w2 = make_inputs(counts, D=D, F=48, seed=12)
+    if op == "grouped_mlp":
+        w13 = w13[:, :48].contiguous()  # GELU's FC1: F rows, not 2F
     spare = torch.full((S + 8, D), float("nan"), dtype=torch.bfloat16)
     spare[:S] = x_SD
     x16_SD = spare[:S]  # what the last expert's padded GEMM reads past S is NaN
     g_SD = torch.randn(S, D, generator=torch.Generator().manual_seed(13)).bfloat16()
 
     def call(x, p, c, a, b):
+        if op == "grouped_mlp":
+            return grouped_mlp(x, p, c, a, b, "gelu", recompute_act=recompute_act)
         return ops.expert_mlp(x, p, c, a, b, recompute_act=recompute_act)
 
     def leaves_and_grads(x):

@@ -81,6 +81,15 @@ def padded_rows(multiple: int, n: int, *room: int) -> int:
     return min(-(-n // multiple) * multiple, *room)
 
 
+def mm_rows(x_g: torch.Tensor, x0: int, w: torch.Tensor, out_g: torch.Tensor, o0: int, n: int,
+            multiple: int) -> None:
+    """``out_g[o0:o0+n] = x_g[x0:x0+n] @ w``, run over up to ``multiple`` - 1 more rows where
+    both operands (views from ``with_spare_rows``) have them. Callers run the experts in order,
+    so a later expert's GEMM overwrites what this one wrote of its rows."""
+    k = padded_rows(multiple, n, len(x_g) - x0, len(out_g) - o0)
+    torch.mm(x_g[x0:x0 + k], w, out=out_g[o0:o0 + k])
+
+
 def compute_dtype(x_SD: torch.Tensor) -> torch.dtype:
     """The GEMM dtype: autocast's for x_SD's device when autocast is on, else x_SD's own."""
     device = x_SD.device.type

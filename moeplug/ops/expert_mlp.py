@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from moeplug import delayed_wgrad
 from moeplug.ops import cuda_ops, reference, workspace
 from moeplug.ops._grouped import (cast as _cast, check_counts_and_probs, compute_dtype,
-                                  expert_slices, padded_rows, row_multiple,
+                                  expert_slices, mm_rows, row_multiple,
                                   weight_grad as _weight_grad, with_spare_rows)
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
 from moeplug.ops.offload_marks import note
@@ -89,12 +89,10 @@ class _ExpertMLP(torch.autograd.Function):
         with torch.autocast("cpu", enabled=False):
             for e, s0, s1 in slices:
                 n = s1 - s0
-                k = padded_rows(m, n, len(x_g) - s0, len(h_g) - s0)
-                torch.mm(x_g[s0:s0 + k], w13_c[e].t(), out=h_g[s0:s0 + k])
+                mm_rows(x_g, s0, w13_c[e].t(), h_g, s0, n, m)
                 a0 = 0 if recompute_act else s0  # the scratch holds one expert's rows
                 swiglu_forward_raw(h_S2F[s0:s1], _rows(probs32_S, s0, s1), a_g[a0:a0 + n])
-                k = padded_rows(m, n, len(a_g) - a0, len(y_g) - s0)
-                torch.mm(a_g[a0:a0 + k], w2_c[e].t(), out=y_g[s0:s0 + k])
+                mm_rows(a_g, a0, w2_c[e].t(), y_g, s0, n, m)
         note("expert_fc1", x_c)  # model.offload names (moeplug.modules.offload)
         note("moe_act", h_S2F)
         ctx.save_for_backward(x_c, h_S2F, None if recompute_act else a_SF, probs32_S, w13_L2FD,
@@ -141,15 +139,13 @@ class _ExpertMLP(torch.autograd.Function):
                              w13 if need_w13 else None, w2 if need_w2 else None)
         for e, s0, s1 in slices:
             n = s1 - s0
-            k = padded_rows(m, n, len(dY_g) - s0, len(dA_g))
-            torch.mm(dY_g[s0:s0 + k], w2_c[e], out=dA_g[:k])
+            mm_rows(dY_g, s0, w2_c[e], dA_g, 0, n, m)
             if not delay:
                 wgrad.down(e, s0, s1)
             swiglu_backward_raw(dA_g[:n], h_S2F[s0:s1], _rows(probs32_S, s0, s1), want_dp,
                                 dh_S2F[s0:s1], _rows(dp_S, s0, s1))
             if need_x:
-                k = padded_rows(m, n, len(dh_g) - s0, len(dX_g) - s0)
-                torch.mm(dh_g[s0:s0 + k], w13_c[e], out=dX_g[s0:s0 + k])
+                mm_rows(dh_g, s0, w13_c[e], dX_g, s0, n, m)
             if not delay:
                 wgrad.gate_up(e, s0, s1)
 

@@ -21,7 +21,8 @@ import torch
 from moeplug import delayed_wgrad
 from moeplug.ops import workspace
 from moeplug.ops._grouped import cast as _cast, check_counts_and_probs, compute_dtype
-from moeplug.ops._grouped import expert_slices, weight_grad
+from moeplug.ops._grouped import (expert_slices, mm_rows, row_multiple, weight_grad,
+                                  with_spare_rows)
 from moeplug.ops.activations import act_times_probs, act_times_probs_backward, fc1_rows
 from moeplug.ops.offload_marks import note
 
@@ -40,12 +41,17 @@ class _GroupedMLP(torch.autograd.Function):
         slices = expert_slices(counts)  # they cover all S rows (check_counts_and_probs)
         h_SX = empty((S, w1_c.shape[1]), x_c.dtype)
         y_SD = empty((S, D), x_c.dtype)
+        # Row GEMMs over up to m - 1 rows more than the expert's (_grouped.ROW_MULTIPLE), in
+        # the experts' order: the next expert's own GEMM overwrites what they wrote of its rows.
+        m = row_multiple(x_c)
         with torch.autocast(x_c.device.type, enabled=False):
+            x_g, h_g = with_spare_rows(x_c), with_spare_rows(h_SX)
             for e, s0, s1 in slices:
-                torch.mm(x_c[s0:s1], w1_c[e].t(), out=h_SX[s0:s1])
+                mm_rows(x_g, s0, w1_c[e].t(), h_g, s0, s1 - s0, m)
             a_SF = act_times_probs(h_SX, probs32_S, activation, empty)
+            a_g, y_g = with_spare_rows(a_SF), with_spare_rows(y_SD)
             for e, s0, s1 in slices:
-                torch.mm(a_SF[s0:s1], w2_c[e].t(), out=y_SD[s0:s1])
+                mm_rows(a_g, s0, w2_c[e].t(), y_g, s0, s1 - s0, m)
         note("expert_fc1", x_c)  # model.offload names (moeplug.modules.offload)
         note("moe_act", h_SX)
         # recompute_act (moe_act recompute): a is dropped here and rebuilt from h in backward.
@@ -94,8 +100,10 @@ class _GroupedMLP(torch.autograd.Function):
             if a_SF is None and need_w2 and not delay:
                 a_SF = act_times_probs(h_SX, probs32_S, activation, empty)
             dA_SF = empty((h_SX.shape[0], w2_c.shape[2]), x_c.dtype)
+            m = row_multiple(x_c)  # row GEMMs over up to m - 1 more rows, as in forward
+            dY_g, dA_g = with_spare_rows(dY_SD), with_spare_rows(dA_SF)
             for e, s0, s1 in slices:
-                torch.mm(dY_SD[s0:s1], w2_c[e], out=dA_SF[s0:s1])
+                mm_rows(dY_g, s0, w2_c[e], dA_g, s0, s1 - s0, m)
             dW2 = grad_w2(a_SF) if need_w2 and not delay else None
             # The activation's vector-Jacobian product: the ops autograd would run for
             # activations.py's composition, into workspace buffers.
@@ -105,8 +113,9 @@ class _GroupedMLP(torch.autograd.Function):
             dX = None
             if need_x:
                 dX = empty(tuple(x_c.shape), x_c.dtype)
+                dh_g, dX_g = with_spare_rows(dh_SX), with_spare_rows(dX)
                 for e, s0, s1 in slices:
-                    torch.mm(dh_SX[s0:s1], w1_c[e], out=dX[s0:s1])
+                    mm_rows(dh_g, s0, w1_c[e], dX_g, s0, s1 - s0, m)
             dW1 = grad_w1(dh_SX) if need_w1 and not delay else None
 
         def back(t, dtype):
