@@ -4,60 +4,47 @@ reads the counts itself - for the sync-free static region (moeplug.modules.stati
 
 Legend: S rows (the static buffer), G groups (experts), N output and K input features.
 
-Why an op of our own around ``torch._grouped_mm``: the static region's experts ran as a
-batched GEMM over every budget slot, so with ``runtime.token_budget: 2.0`` half the GEMM rows
-were padding. ``torch._grouped_mm`` takes the group ends as a tensor (no host read on the
-Python side; the CPU kernel reads them as it reads its operands, a GPU kernel on the device),
-but inductor cannot compile it outside bf16 (its fake kernel checks CUDA's dtype rules), so
-``torch.compile(fullgraph=True)`` of an fp32 static region would fail. As a
+Why an op of our own: the static region's experts ran as a batched GEMM over every budget slot,
+so with ``runtime.token_budget: 2.0`` half the GEMM rows were padding. A grouped GEMM takes the
+group ends as a tensor, so no host read happens in the traced region; as a
 ``torch.library.custom_op`` with a fake kernel it is one opaque node of static shape in the
-captured graph, forward and backward.
+captured graph, forward and backward (inductor cannot compile ``torch._grouped_mm`` outside
+bf16: its fake kernel checks CUDA's dtype rules).
+
+The CPU kernel reads the counts on the host, as torch's own CPU grouped GEMM reads its offsets:
+the counts are a CPU tensor, so there is no device to wait for. It runs one ``torch.mm`` per
+group, as the dynamic path's experts do (moeplug.ops.expert_mlp), bf16 row GEMMs over each
+group's rows rounded up to ``_grouped.ROW_MULTIPLE``. It replaced ``torch._grouped_mm``, which
+refused rows of no multiple of 16 bytes (odd feature counts took a zero-padded copy) and cannot
+pad rows; in fp32 the sync-free benchmark moved within its noise (dynamic / replay at the mid
+shape 0.80-0.83 before, 0.80-0.86 after, alternating runs).
 
 Rows past ``sum(counts)`` are left unwritten (whatever the buffer held): the caller never reads
-them into a real row (static_moe.combine_rows masks them). Feature counts whose rows are no
-multiple of 16 bytes (which ``torch._grouped_mm`` refuses) are zero-padded for the call and cut
-after: a copy, for odd sizes only. Registered for the CPU only; on a GPU the static region
-keeps its own path.
+them into a real row (static_moe.combine_rows masks them). Registered for the CPU only; on a GPU
+the static region keeps its own path.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from moeplug.ops._grouped import expert_slices, mm_rows, row_multiple, with_spare_rows
 
 
-def _offsets(counts_G: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(counts_G, 0, dtype=torch.int32)
-
-
-def _aligned(n: int, dtype: torch.dtype) -> int:
-    """n rounded up so that n elements span a multiple of 16 bytes: ``torch._grouped_mm``
-    refuses row strides that do not (hidden sizes of real models always do)."""
-    per = max(1, 16 // dtype.itemsize)
-    return -(-n // per) * per
-
-
-def _pad_last(t: torch.Tensor, n: int) -> torch.Tensor:
-    """``t`` with its last dim zero-padded to ``n`` (``t`` itself when it already is)."""
-    return t if t.shape[-1] == n else F.pad(t, (0, n - t.shape[-1]))
-
-
-def _padded(w_GNK: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
-    """(w zero-padded to [G, Np, Kp], Np, Kp): both feature counts aligned for ``dtype``."""
-    N, K = w_GNK.shape[1:]
-    Np, Kp = _aligned(N, dtype), _aligned(K, dtype)  # zero features add nothing to a product
-    w = _pad_last(w_GNK, Kp)
-    return (w if Np == N else F.pad(w, (0, 0, 0, Np - N))), Np, Kp
+def _groups(counts_G: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(group, first row, end row) of every group with rows."""
+    return expert_slices(counts_G.tolist())
 
 
 @torch.library.custom_op("moeplug::grouped_rows_mm", mutates_args=(), device_types="cpu")
 def grouped_rows_mm(x_SK: torch.Tensor, w_GNK: torch.Tensor, counts_G: torch.Tensor
                     ) -> torch.Tensor:
     """[S, K] rows x [G, N, K] weights -> [S, N]; group g takes the next counts_G[g] rows."""
-    N = w_GNK.shape[1]
-    w, Np, Kp = _padded(w_GNK, x_SK.dtype)
-    y = F.grouped_mm(_pad_last(x_SK, Kp), w.transpose(1, 2), offs=_offsets(counts_G))
-    return y if Np == N else y[:, :N].contiguous()
+    y_SN = x_SK.new_empty(x_SK.shape[0], w_GNK.shape[1])
+    m, x_g = row_multiple(x_SK), with_spare_rows(x_SK)
+    for g, s0, s1 in _groups(counts_G):  # in order: a later group overwrites its padded rows
+        mm_rows(x_g, s0, w_GNK[g].t(), y_SN, s0, s1 - s0, m)
+    return y_SN
 
 
 @grouped_rows_mm.register_fake
@@ -70,14 +57,15 @@ def _(x_SK, w_GNK, counts_G):
 def grouped_rows_mm_backward(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
                              counts_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [S, K], dw [G, N, K]); an empty group's dw is zero."""
-    offs = _offsets(counts_G)
-    N, K = w_GNK.shape[1:]
-    w, Np, Kp = _padded(w_GNK, g_SN.dtype)
-    g, x = _pad_last(g_SN, Np), _pad_last(x_SK, Kp)
-    dx_SK = F.grouped_mm(g, w, offs=offs)
-    dw_GNK = torch._grouped_mm(g.t(), x, offs=offs)  # K-grouped: per-group g^T x
-    if (Np, Kp) != (N, K):
-        dx_SK, dw_GNK = dx_SK[:, :K].contiguous(), dw_GNK[:, :N, :K].contiguous()
+    dx_SK = g_SN.new_empty(x_SK.shape)
+    dw_GNK = g_SN.new_empty(w_GNK.shape)
+    groups = _groups(counts_G)
+    for g in set(range(w_GNK.shape[0])) - {g for g, _, _ in groups}:
+        dw_GNK[g].zero_()
+    m, g_g = row_multiple(g_SN), with_spare_rows(g_SN)
+    for g, s0, s1 in groups:
+        mm_rows(g_g, s0, w_GNK[g], dx_SK, s0, s1 - s0, m)
+        torch.mm(g_SN[s0:s1].t(), x_SK[s0:s1], out=dw_GNK[g])
     return dx_SK, dw_GNK
 
 
