@@ -11,10 +11,9 @@ one run compare):
                 each, in the compute dtype, nothing else: the ceiling of any layer built on
                 torch's GEMMs at this shape with perfectly even routing
     gemms_routed  the same six GEMMs at the rows per expert the layers' router gives this
-                input (965-1087 here): the ceiling for this routing. In bf16 oneDNN runs these
-                uneven shapes 1-8 % slower than 1024-row ones, and padding each expert to a
-                multiple of 32-128 rows does not win it back (+1-2 %, measured); in fp32 the
-                two rows agree
+                input (965-1087 here), run as the layer runs them (in bf16 the four row GEMMs
+                over each expert's rows rounded up to moeplug.ops._grouped.ROW_MULTIPLE): the
+                ceiling for this routing
     hf_mixtral  Hugging Face transformers' MixtralSparseMoeBlock with the same weights, its
                 `grouped_mm` experts implementation
     moeplug     MoELayer(topk router, alltoall dispatcher, sequential|grouped experts)
@@ -38,6 +37,7 @@ import torch.nn.functional as Fn
 from benchmarks.conftest import gflops, interleave
 from moeplug.config import ModelConfig, MoEConfig
 from moeplug.modules.moe import MoELayer
+from moeplug.ops._grouped import ROW_MULTIPLE, padded_rows
 from moeplug.plugin_host import PluginHost
 
 T, D, F, E, K = 4096, 1024, 1408, 16, 4
@@ -142,16 +142,19 @@ def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
     g_h, g_a = torch.randn(S, 2 * F, dtype=dtype), torch.randn(S, F, dtype=dtype)
     g_w1, g_w2 = torch.randn(E, 2 * F, D, dtype=dtype), torch.randn(E, D, F, dtype=dtype)
 
+    multiple = ROW_MULTIPLE if dtype is torch.bfloat16 else 1
+
     def gemms(rows_E: list[int]):
         def run():
             start = 0
             for e, n in enumerate(rows_E):
                 r = slice(start, start + n)
+                p = slice(start, start + padded_rows(multiple, n, S - start))  # as the layer
                 start += n
                 x, dy, h, a = g_x[r], g_dy[r], g_h[r], g_a[r]
-                torch.mm(x, g_w1[e].t()), torch.mm(a, g_w2[e].t())      # forward
-                torch.mm(dy, g_w2[e]), torch.mm(h, g_w1[e])              # dX
-                torch.mm(dy.t(), a), torch.mm(h.t(), x)                  # dW
+                torch.mm(g_x[p], g_w1[e].t()), torch.mm(g_a[p], g_w2[e].t())  # forward
+                torch.mm(g_dy[p], g_w2[e]), torch.mm(g_h[p], g_w1[e])         # dX
+                torch.mm(dy.t(), a), torch.mm(h.t(), x)                        # dW
         return run
 
     with torch.no_grad():  # the rows per expert the layers route this input to (no drops)
