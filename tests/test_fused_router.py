@@ -15,11 +15,25 @@ import zlib
 import pytest
 import torch
 
+import moeplug.runtime as rt
 from moeplug import routing as R
+from moeplug.routing.fused import FusedRouting
 from moeplug.plugin_host import PluginHost
 from moeplug.testing import tiny_model_config
 
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
+# The router's cases on the CPU kernel, and on the CUDA route kernels where a GPU and the CUDA
+# extension are (marked cuda: `pytest -m cuda`; they skip with the reason elsewhere).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _device_or_skip(device: str) -> torch.device:
+    if device == "cuda":
+        try:
+            rt.get_cuda_runtime()
+        except rt.RuntimeMissingError as exc:
+            pytest.skip(str(exc))
+    return torch.device(device)
 
 
 def _reference(logits_TE, k, aux_counts, B, **route):
@@ -55,10 +69,30 @@ def _ids(r):
             f"-x{r['scale']}")
 
 
-@pytest.mark.parametrize("aux_counts,B", [(None, 1), ("plain_topk", 1), ("routed", 2),
-                                          ("plain_topk", 3)])
+AUX_CASES = [(None, 1), ("plain_topk", 1), ("routed", 2), ("plain_topk", 3)]
+# On a GPU, one route per score function and group rule (the CUDA kernels' math is covered
+# route by route in tests/test_cuda_kernels.py; this proves fused_topk_routing's use of them).
+CUDA_ROUTES = [r for r in ROUTES if _ids(r) in (
+    "softmax-renorm-nogroups-x1.0", "softmax-raw-4.2.topk_share-x2.5",
+    "sigmoid-renorm-bias-8.3.topk_share-x2.5", "sqrtsoftplus-renorm-bias-4.2.top2_sum-x1.0",
+    "sigmoid-raw-nogroups-x1.0")]
+
+
+@pytest.mark.parametrize("aux_counts,B", AUX_CASES)
 @pytest.mark.parametrize("r", ROUTES, ids=_ids)
 def test_fused_equals_torch_forward_and_backward(r, aux_counts, B):
+    _fused_equals_torch(r, aux_counts, B, torch.device("cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("aux_counts,B", AUX_CASES)
+@pytest.mark.parametrize("r", CUDA_ROUTES, ids=_ids)
+def test_fused_on_cuda_equals_torch_forward_and_backward(r, aux_counts, B):
+    _fused_equals_torch(r, aux_counts, B, _device_or_skip("cuda"))
+
+
+def _fused_equals_torch(r, aux_counts, B, dev):
+    """fused_topk_routing on ``dev`` against the torch routing math on the CPU."""
     T, E, K = 48, 32, 6
     # crc32, not hash(): str hashes change with PYTHONHASHSEED, so a failing draw must reproduce.
     gen = torch.Generator().manual_seed(zlib.crc32(f"{_ids(r)}/{aux_counts}/{B}".encode()))
@@ -73,8 +107,12 @@ def test_fused_equals_torch_forward_and_backward(r, aux_counts, B):
 
     z_ref = logits_TE.clone().requires_grad_()
     probs, ids, mean_BE, counts_BE = _reference(z_ref, K, aux_counts, B, **route)
-    z_fused = logits_TE.clone().requires_grad_()
-    out = R.fused_topk_routing(z_fused, K, **route, aux_counts=aux_counts, num_sequences=B)
+    z_fused = logits_TE.to(dev).requires_grad_()
+    route_dev = dict(route, expert_bias_E=None if route["expert_bias_E"] is None else
+                     route["expert_bias_E"].to(dev))
+    out = R.fused_topk_routing(z_fused, K, **route_dev, aux_counts=aux_counts, num_sequences=B)
+    out = FusedRouting(out.probs_TK.cpu(), out.ids_TK.cpu(), None if out.stats is None else
+                         R.AuxStats(out.stats.mean_BE.cpu(), out.stats.counts_BE.cpu()))
 
     # Same experts with the same probabilities, compared in expert-id order: torch.topk leaves
     # the order of exactly equal scores unspecified (bias-shifted fp32 scores tie about once in
@@ -95,7 +133,7 @@ def test_fused_equals_torch_forward_and_backward(r, aux_counts, B):
         assert out.stats is None
     loss_ref.backward()
     loss_fused.backward()
-    torch.testing.assert_close(z_fused.grad, z_ref.grad, **GRAD_TOL)
+    torch.testing.assert_close(z_fused.grad.cpu(), z_ref.grad, **GRAD_TOL)
 
 
 def test_fused_deepseek_v3_shape_and_aux_only_gradient():
@@ -152,7 +190,8 @@ def test_ties_at_the_deepseek_v3_shape_go_to_the_lower_id():
 def test_fused_refuses_what_it_does_not_cover():
     assert not R.fused_routing_applies(torch.zeros(4, 8, dtype=torch.float64))
     assert not R.fused_routing_applies(torch.zeros(0, 8))
-    with pytest.raises(ValueError, match="needs fp32 CPU logits"):
+    assert not R.fused_routing_applies(torch.zeros(4, 8, device="meta"), cuda=True)
+    with pytest.raises(ValueError, match="needs fp32 logits"):
         R.fused_topk_routing(torch.zeros(4, 8, dtype=torch.float64), 2)
     with pytest.raises(ValueError, match="num_sequences=3 does not split num_tokens=4"):
         R.fused_topk_routing(torch.zeros(4, 8), 2, aux_counts="routed", num_sequences=3)
@@ -174,20 +213,26 @@ ROUTER_CASES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(ROUTER_CASES))
-def test_router_fused_equals_unfused(case):
+def test_router_fused_equals_unfused(case, device):
+    """On a GPU with ``fused_cuda``: the CUDA route kernels in the router against its torch
+    path on the same GPU."""
+    dev = _device_or_skip(device)
     E, K, D, B, S = 16, 4, 32, 2, 12
     cfg = tiny_model_config(num_experts=E, top_k=K, hidden_size=D)
     host = PluginHost.load()
-    routers = {f: host.create("router", "topk", {**ROUTER_CASES[case], "fused": f}, cfg)
+    routers = {f: host.create("router", "topk", {**ROUTER_CASES[case], "fused": f,
+                                                 "fused_cuda": device == "cuda"}, cfg).to(dev)
                for f in (True, False)}
     routers[False].load_state_dict(routers[True].state_dict())
     if routers[True].expert_bias is not None:
         for r in routers.values():
             r.expert_bias.copy_(torch.linspace(-0.05, 0.05, E))
+    assert routers[True]._fused_applies(torch.zeros(B * S, E, device=dev), B)
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(B * S, D, generator=gen)
-    g_TK = torch.randn(B * S, K, generator=gen)
+    x = torch.randn(B * S, D, generator=gen).to(dev)
+    g_TK = torch.randn(B * S, K, generator=gen).to(dev)
     outs, grads = {}, {}
     for fused, router in routers.items():
         x_TD = x.clone().requires_grad_()

@@ -13,8 +13,11 @@ Covered: every score function, renormalize, expert bias, group-limited top-k (bo
 rules), scaling, aux statistics for aux_loss / seq_aux_loss / global_aux_loss with plain_topk or
 routed counts. Everything else composes in torch around it (jitter and forced balance before,
 z-loss on the logits, capacity dropping after). :func:`fused_routing_applies` says when the
-kernel runs: fp32 logits on the CPU with at least one token; otherwise (fp64 router dtype,
-CUDA tensors) the router keeps the plain-torch path.
+kernel runs: fp32 logits with at least one token on the CPU (runtime_cpp/src/route.cpp), and,
+when asked for (``cuda=True``), on a GPU where moeplug._runtime_cuda is loaded: its route
+kernels (runtime_cpp/cuda/src/route.cu) take the same arguments on device pointers, on torch's
+current stream. Otherwise (fp64 router dtype, CUDA without the extension) the router keeps the
+plain-torch path.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.ops import cuda_ops, workspace
 from moeplug.routing.scores import SCORE_FUNCTIONS, group_members
-from moeplug.runtime import get_runtime
+from moeplug.runtime import get_cuda_runtime, get_runtime
 
 _AUX_COUNT_CODES = {None: 0, "plain_topk": 1, "routed": 2}
 
@@ -54,10 +57,19 @@ class FusedRouting:
     stats: AuxStats | None
 
 
-def fused_routing_applies(logits_TE: torch.Tensor) -> bool:
-    """The fused kernel runs on fp32 CPU logits with at least one token."""
-    return (logits_TE.device.type == "cpu" and logits_TE.dtype == torch.float32
-            and logits_TE.dim() == 2 and logits_TE.shape[0] > 0)
+def fused_routing_applies(logits_TE: torch.Tensor, cuda: bool = False) -> bool:
+    """The fused kernel runs on fp32 logits [T > 0, E] on the CPU, and with ``cuda`` on a GPU
+    where the CUDA extension is loaded."""
+    if logits_TE.dtype != torch.float32 or logits_TE.dim() != 2 or logits_TE.shape[0] == 0:
+        return False
+    return logits_TE.device.type == "cpu" or (cuda and cuda_ops.available(logits_TE))
+
+
+def _kernels(t: torch.Tensor) -> tuple[object, dict]:
+    """The runtime whose route kernels take ``t``'s device, and their extra arguments."""
+    if t.device.type == "cpu":
+        return get_runtime(), {}
+    return get_cuda_runtime(), {"stream": torch.cuda.current_stream(t.device).cuda_stream}
 
 
 def _spec(T: int, E: int, k: int, score_function: str, renormalize: bool,
@@ -77,16 +89,18 @@ class _FusedRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TE, bias_E, spec):
         T, E, K, B = spec["num_tokens"], spec["num_experts"], spec["top_k"], spec["num_sequences"]
-        # From the running MoE layer's workspace arena (moeplug.ops.workspace): no allocation
-        # after warm-up.
-        probs_TK = workspace.empty((T, K), torch.float32)
-        ids_TK = workspace.empty((T, K), torch.int64)
-        mean_BE = workspace.empty((B, E), torch.float32).zero_()
-        counts_BE = workspace.empty((B, E), torch.int64).zero_()
-        get_runtime().route_forward(
+        # On the CPU from the running MoE layer's workspace arena (moeplug.ops.workspace): no
+        # allocation after warm-up.
+        empty = workspace.allocator(logits_TE.device)
+        probs_TK = empty((T, K), torch.float32)
+        ids_TK = empty((T, K), torch.int64)
+        mean_BE = empty((B, E), torch.float32).zero_()
+        counts_BE = empty((B, E), torch.int64).zero_()
+        runtime, extra = _kernels(logits_TE)
+        runtime.route_forward(
             logits=logits_TE.data_ptr(), bias=0 if bias_E is None else bias_E.data_ptr(),
             probs=probs_TK.data_ptr(), ids=ids_TK.data_ptr(), aux_mean=mean_BE.data_ptr(),
-            counts=counts_BE.data_ptr(), **spec)
+            counts=counts_BE.data_ptr(), **spec, **extra)
         ctx.save_for_backward(logits_TE, ids_TK)
         ctx.spec = spec
         ctx.arena = workspace.current_arena()
@@ -104,12 +118,14 @@ class _FusedRoute(torch.autograd.Function):
         if grad_mean_BE is not None and ctx.spec["aux_counts"]:
             gm = grad_mean_BE.float().contiguous()
         with workspace.ctx_arena(ctx):
-            grad_TE = workspace.empty(tuple(logits_TE.shape), logits_TE.dtype)
-        get_runtime().route_backward(
+            grad_TE = workspace.allocator(logits_TE.device)(tuple(logits_TE.shape),
+                                                             logits_TE.dtype)
+        runtime, extra = _kernels(logits_TE)
+        runtime.route_backward(
             logits=logits_TE.data_ptr(), ids=ids_TK.data_ptr(),
             grad_probs=0 if gp is None else gp.data_ptr(),
             grad_aux_mean=0 if gm is None else gm.data_ptr(), grad_logits=grad_TE.data_ptr(),
-            **ctx.spec)
+            **ctx.spec, **extra)
         return grad_TE, None, None
 
 
@@ -120,11 +136,13 @@ def fused_topk_routing(logits_TE: torch.Tensor, k: int, *, score_function: str =
                        aux_counts: str | None = None, num_sequences: int = 1) -> FusedRouting:
     """:func:`moeplug.routing.scores.topk_routing` (same arguments) in one kernel, plus the
     aux statistics when ``aux_counts`` is ``"plain_topk"`` or ``"routed"``. Needs
-    :func:`fused_routing_applies`; ``num_sequences`` must divide T when ``aux_counts`` is set."""
-    if not fused_routing_applies(logits_TE):
-        raise ValueError(f"fused_topk_routing: needs fp32 CPU logits [T > 0, E], got "
-                         f"{logits_TE.dtype} {tuple(logits_TE.shape)} on {logits_TE.device}. "
-                         f"Fix: use moeplug.routing.topk_routing for this input")
+    :func:`fused_routing_applies` (``cuda=True``: on a GPU too); ``num_sequences`` must divide
+    T when ``aux_counts`` is set."""
+    if not fused_routing_applies(logits_TE, cuda=True):
+        raise ValueError(f"fused_topk_routing: needs fp32 logits [T > 0, E] on the CPU, or on a "
+                         f"GPU with moeplug._runtime_cuda loaded; got {logits_TE.dtype} "
+                         f"{tuple(logits_TE.shape)} on {logits_TE.device}. Fix: use "
+                         f"moeplug.routing.topk_routing for this input")
     if score_function == "softmax" and expert_bias_E is not None:
         raise ValueError("fused_topk_routing: expert_bias_E with score_function='softmax'. Fix: "
                          "use 'sigmoid' or 'sqrtsoftplus' with an expert bias")

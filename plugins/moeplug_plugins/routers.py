@@ -90,6 +90,10 @@ class TopKOptions:
     # Step 3 and the aux statistics in one C++ pass (moeplug.routing.fused) where it applies
     # (fp32 CPU logits); false: the plain-torch path (same math, the reference).
     fused: bool = True
+    # With ``fused``, run the CUDA route kernels on GPU logits too (moeplug._runtime_cuda).
+    # Off until a GPU session proves this router on them (tests/test_fused_router.py -m cuda;
+    # the kernels themselves are proven against torch, docs/GPU.md); then it becomes the default.
+    fused_cuda: bool = False
     # Benchmarks: random (seeded, hence repeatable) logits, so the load is balanced.
     force_load_balancing: bool = False
     force_load_balancing_seed: int = 42
@@ -279,9 +283,11 @@ class TopKRouter(Router):
 
     def _fused_applies(self, logits_TE: torch.Tensor, num_sequences: int) -> bool:
         """The C++ kernel covers every option of step 3 and the aux statistics; it does not
-        run for fp64 logits or CUDA tensors (moeplug.routing.fused), nor for a seq_aux_loss
-        whose tokens do not split into equal sequences (the torch path reports that)."""
-        if not self.options.fused or not R.fused_routing_applies(logits_TE):
+        run for fp64 logits or, without ``fused_cuda``, CUDA tensors (moeplug.routing.fused),
+        nor for a seq_aux_loss whose tokens do not split into equal sequences (the torch path
+        reports that)."""
+        if not self.options.fused or not R.fused_routing_applies(logits_TE,
+                                                                 cuda=self.options.fused_cuda):
             return False
         return ("seq_aux_loss" not in self._active_aux_losses()
                 or logits_TE.shape[0] % num_sequences == 0)
@@ -293,7 +299,7 @@ class TopKRouter(Router):
         ``stats``: the fused router's per-sequence means and counts (else computed here)."""
         active = self._active_aux_losses()
         T, K, E = ids_TK.shape[0], self.top_k, self.num_experts
-        if (stats is not None and T > 0
+        if (stats is not None and T > 0 and stats.mean_BE.device.type == "cpu"
                 and (token_group is None or dist.get_world_size(token_group) == 1)):
             # One autograd Function over workspace buffers: the same numbers as the general
             # path below, no allocation after warm-up (issue 7).
