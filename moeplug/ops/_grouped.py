@@ -47,12 +47,12 @@ def weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]],
 
 
 # bf16 row GEMMs on the CPU take each expert's rows rounded up to a multiple of ROW_MULTIPLE.
-# oneDNN's bf16 matmul (brgemm, avx512_core_bf16 here) runs row counts that are no multiple of 4
-# slower: over every count 960-1103 at the standard expert shape, each of the four GEMMs whose
-# rows are the routed rows (FC1, FC2, dA, dX) averaged 4-6 % and at its worst count 20-40 %
-# below its speed at multiples of 8 (benchmarks/test_bench_kernels.py -k row_multiple). fp32
-# (MKL) shows no such effect, and the weight-gradient GEMMs, whose routed rows are the summed
-# dimension, neither. A row of a GEMM's output depends on that row of its input only, so the
+# oneDNN's bf16 matmul (brgemm, avx512_core_bf16 here) runs some row counts that are no multiple
+# of 4 much slower: each of the four GEMMs whose rows are the routed rows (FC1, FC2, dA, dX), at
+# the standard expert shape over every count 1024-1087, ran 1.4-2.3 % faster padded than exact
+# summed over the counts, and 1.25-1.34x at 1073 rows (benchmarks/test_bench_kernels.py -k
+# row_multiple, two runs). fp32 (MKL) shows no such effect, and the weight-gradient GEMMs, whose
+# routed rows are the summed dimension, neither (an exploratory scan, not a benchmark). A row of a GEMM's output depends on that row of its input only, so the
 # extra rows cost at most 7 rows' FLOPs and change no real row (bitwise, in the tests): they are
 # the next expert's rows, which its own GEMM overwrites after, or spare rows past the last:
 # those the buffer's storage holds anyway (the workspace rounds sizes up to a size class), so
