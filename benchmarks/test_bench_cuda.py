@@ -146,10 +146,10 @@ def _qwen3_block(layer):
     return block
 
 
-def qwen3_layer(d: int = D, f: int = F, e: int = E, k: int = K):
+def qwen3_layer(d: int = D, f: int = F, e: int = E, k: int = K, fused_cuda: bool = False):
     """moeplug's MoELayer at the Qwen3 shape (topk router with renormalize, alltoall, grouped
     experts), fp32 on the CPU, weights ~ N(0, 0.02) so routing is near balance. Also built by
-    benchmarks/profile_cuda_moe_layer.py."""
+    benchmarks/profile_cuda_moe_layer.py. ``fused_cuda``: the router's option of that name."""
     from moeplug.config import ModelConfig, MoEConfig
     from moeplug.modules.moe import MoELayer
     from moeplug.plugin_host import PluginHost
@@ -157,7 +157,8 @@ def qwen3_layer(d: int = D, f: int = F, e: int = E, k: int = K):
     m = ModelConfig(hidden_size=d, num_heads=16, num_kv_heads=4, num_layers=1, first_k_dense=0,
                     moe=MoEConfig(num_experts=e, top_k=k, ffn_hidden_size=f, aux_loss_coeff=1e-3))
     host = PluginHost.load()
-    layer = MoELayer(host.create("router", "topk", {"renormalize": True}, m),
+    layer = MoELayer(host.create("router", "topk", {"renormalize": True,
+                                                    "fused_cuda": fused_cuda}, m),
                      host.create("dispatcher", "alltoall", {}, m, None),
                      host.create("experts", "grouped", {}, m, e))
     with torch.no_grad():
@@ -179,6 +180,10 @@ def test_cuda_moe_layer_qwen3_shape(benchmark, report):
         torch.testing.assert_close(layer(x32)[0], theirs, atol=1e-4, rtol=1e-3)
     hf.to(torch.bfloat16)
     layer.experts.to(torch.bfloat16)              # Megatron's bf16 module: router kept fp32
+    # The same layer with the router on the CUDA route kernels (router_options.fused_cuda).
+    fused = qwen3_layer(fused_cuda=True).to(dev)
+    fused.load_state_dict(layer.state_dict())
+    fused.experts.to(torch.bfloat16)
 
     x_TD = torch.randn(T, D, device=dev, dtype=torch.bfloat16).requires_grad_(True)
     grad_TD = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -219,6 +224,7 @@ def test_cuda_moe_layer_qwen3_shape(benchmark, report):
         "grouped_gemms": grouped_gemms,
         "hf_qwen3": fwd_bwd(hf_call, list(hf.parameters())),
         "moeplug": fwd_bwd(lambda x: layer(x)[0], list(layer.parameters())),
+        "moeplug_fused_cuda_router": fwd_bwd(lambda x: fused(x)[0], list(fused.parameters())),
     }
     times = cuda_interleave(candidates, repeats=7, inner=3)
     peak = gflops(2 * MATMUL_N ** 3, times["matmul"])
@@ -230,6 +236,10 @@ def test_cuda_moe_layer_qwen3_shape(benchmark, report):
                         f"matmul {peak / 1e3:.0f} TFLOP/s")
     report.row("cuda moe layer bf16 qwen3-30b-a3b shape fwd+bwd", "moeplug speedup vs hf_qwen3",
                times["hf_qwen3"] / times["moeplug"], target=TARGET_VS_HF)
+    report.row("cuda moe layer bf16 qwen3-30b-a3b shape fwd+bwd",
+               "fused_cuda router speedup vs torch router", times["moeplug"]
+               / times["moeplug_fused_cuda_router"],
+               note="router_options.fused_cuda: the CUDA route kernels in the router")
     benchmark.extra_info.update({k: v * 1e3 for k, v in times.items()})
     benchmark.pedantic(candidates["moeplug"], rounds=1, iterations=1)
 

@@ -81,6 +81,23 @@ def cli_env(cache_dir) -> dict:
 
 
 @pytest.fixture
+def cli_env_without_core(cli_env, tmp_path) -> dict:
+    """``cli_env`` for an interpreter in which the compiled core cannot be imported (as after a
+    failed build): a sitecustomize on PYTHONPATH makes its import raise 'simulated missing
+    build'."""
+    site = tmp_path / "no_core_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoCore:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'moeplug._runtime_core':\n"
+        "            raise ImportError('simulated missing build')\n"
+        "sys.meta_path.insert(0, _NoCore())\n")
+    return dict(cli_env, PYTHONPATH=str(site) + os.pathsep + cli_env.get("PYTHONPATH", ""))
+
+
+@pytest.fixture
 def run_cli(cli_env):
     """run_cli("train", "--steps", "3", timeout=...) -> CompletedProcess (text, captured)."""
     def run(*args: str, timeout: float = 300, env: dict | None = None, cwd: str | None = None):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -76,17 +75,9 @@ def test_version_reports_package_and_runtime(run_cli):
     assert ("CUDA build" if info.get("cuda") else "CPU build") in lines[1]
 
 
-def test_version_without_extension_says_how_to_rebuild(run_cli, cli_env, tmp_path):
+def test_version_without_extension_says_how_to_rebuild(run_cli, cli_env_without_core):
     # A real interpreter in which the compiled module cannot be imported (as after a failed build).
-    (tmp_path / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class _NoCore:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'moeplug._runtime_core':\n"
-        "            raise ImportError('simulated missing build')\n"
-        "sys.meta_path.insert(0, _NoCore())\n")
-    env = dict(cli_env, PYTHONPATH=str(tmp_path) + os.pathsep + cli_env.get("PYTHONPATH", ""))
-    proc = run_cli("--version", env=env, timeout=120)
+    proc = run_cli("--version", env=cli_env_without_core, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "NOT AVAILABLE" in proc.stdout and "simulated missing build" in proc.stdout
     assert "rebuild it with: pip install -e ." in proc.stdout

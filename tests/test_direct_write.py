@@ -87,17 +87,10 @@ def test_listed_available_with_its_options_validated():
             host.create("dispatcher", "direct_write", bad, _cfg(), None)
 
 
-def test_listed_unavailable_with_the_reason_without_the_runtime_heap(run_cli, cli_env, tmp_path):
+def test_listed_unavailable_with_the_reason_without_the_runtime_heap(run_cli,
+                                                                    cli_env_without_core):
     # A real `moeplug plugins` in an interpreter where the compiled core cannot be imported.
-    (tmp_path / "sitecustomize.py").write_text(
-        "import sys\n"
-        "class _NoCore:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'moeplug._runtime_core':\n"
-        "            raise ImportError('simulated missing build')\n"
-        "sys.meta_path.insert(0, _NoCore())\n")
-    env = dict(cli_env, PYTHONPATH=str(tmp_path) + os.pathsep + cli_env.get("PYTHONPATH", ""))
-    proc = run_cli("plugins", env=env, timeout=120)
+    proc = run_cli("plugins", env=cli_env_without_core, timeout=120)
     assert proc.returncode == 0, proc.stderr
     line = next(l for l in proc.stdout.splitlines() if l.strip().startswith("direct_write "))
     assert ("unavailable: moeplug's C++ runtime core is not importable: simulated missing build. "
