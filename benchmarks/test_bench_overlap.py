@@ -28,7 +28,6 @@ import statistics
 import time
 
 import numpy as np
-import torch
 
 from moeplug.observability.timing import STAGES, measure_stages
 from moeplug.testing.distributed import run_distributed

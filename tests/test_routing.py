@@ -6,7 +6,6 @@ Legend: T tokens, E experts, K top-k, G groups, B sequences, S tokens per sequen
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest

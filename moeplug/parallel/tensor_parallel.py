@@ -30,7 +30,7 @@ uses to cut a single-process state dict into this rank's shards (names are uncha
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist

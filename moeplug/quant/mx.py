@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from moeplug.quant._blocks import from_blocks, to_blocks
-from moeplug.quant.fp8 import E4M3, cast_saturate, fp8_max
+from moeplug.quant.fp8 import E4M3, cast_saturate
 
 BLOCK = 32
 E8M0_BIAS = 127
