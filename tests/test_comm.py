@@ -282,6 +282,34 @@ def test_dead_rank_makes_others_error_not_hang():
     assert time.monotonic() - start < 45
 
 
+def test_harness_starts_over_on_a_new_port_when_rank_0_finds_its_port_taken(monkeypatch):
+    """free_port's port can be taken before rank 0 binds it (another process on the machine):
+    the run starts over on a new port instead of failing, and a port that stays taken fails
+    with rank 0's EADDRINUSE after PORT_ATTEMPTS launches."""
+    import socket
+
+    from moeplug.testing import distributed as D
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        real, calls = D.free_port, []
+
+        def first_taken() -> int:
+            calls.append(None)
+            return taken.getsockname()[1] if len(calls) == 1 else real()
+        monkeypatch.setattr(D, "free_port", first_taken)
+        assert run_distributed(_rank_info, 2, "p", grace=2) == [("p", r, 2, 2, 1.0, "1")
+                                                              for r in range(2)]
+        assert len(calls) == 2
+        monkeypatch.setattr(D, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(DistributedError) as e:
+            run_distributed(_rank_info, 2, "p", grace=2)
+        assert "EADDRINUSE" in e.value.failures[0]
+    finally:
+        taken.close()
+
+
 def _sleep_forever(rank, world):
     time.sleep(3600)
 

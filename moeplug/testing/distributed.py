@@ -53,11 +53,23 @@ class DistributedTimeout(DistributedError):
 
 
 def free_port() -> int:
-    # Bind to port 0 so the OS picks an unused port; the tiny race until rank 0 binds it again
-    # is acceptable for tests.
+    # Bind to port 0 so the OS picks an unused port. Until rank 0 binds it again another
+    # process may take it: run_distributed then starts over on a new port (_port_was_taken).
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Launches on a fresh port after rank 0 found its port taken (the race of free_port). A CI run
+# lost a test to it once: rank 0's TCPStore "failed to listen ... EADDRINUSE" while two xdist
+# workers each started process groups.
+PORT_ATTEMPTS = 3
+
+
+def _port_was_taken(error: "DistributedError") -> bool:
+    """Rank 0 could not listen on the port free_port gave: it failed before ``fn`` ran on any
+    rank (init_process_group is the first thing a child does), so starting over is safe."""
+    return "EADDRINUSE" in error.failures.get(0, "") and "init_process_group" in error.failures[0]
 
 
 def _child(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: float,
@@ -101,6 +113,19 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size = {world_size!r}: must be a positive integer. "
                          "Fix: pass the number of ranks to spawn")
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout, pg_timeout, grace)
+        except DistributedTimeout:
+            raise
+        except DistributedError as error:
+            if attempt == PORT_ATTEMPTS or not _port_was_taken(error):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float, pg_timeout: float,
+              grace: float) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
