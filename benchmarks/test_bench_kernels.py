@@ -119,10 +119,10 @@ def test_bf16_row_gemms_padded_to_the_row_multiple(benchmark, report):
     bf16 over every row count 1024-1087, each over exactly its rows ("exact") and over its rows
     rounded up to ROW_MULTIPLE ("padded", what expert_mlp runs), interleaved count by count.
     Reported: the useful speed padded / exact over all counts together (routed counts fall
-    anywhere; exact's summed time over padded's) and at the count where padding gains most. 4 experts' weights per
-    call, the standard expert shape. The exact GEMMs' speed over the counts is what moved
+    anywhere; exact's summed time over padded's) and at the count where padding gains most.
+    4 experts' weights per call, the standard expert shape. The exact GEMMs' speed over the counts is what moved
     expert_mlp to pad (moeplug/ops/_grouped.py)."""
-    from moeplug.ops._grouped import ROW_MULTIPLE
+    from moeplug.ops._grouped import ROW_MULTIPLE, padded_rows
 
     L, counts = 4, range(1024, 1088)
     gen = torch.Generator().manual_seed(5)
@@ -145,7 +145,7 @@ def test_bf16_row_gemms_padded_to_the_row_multiple(benchmark, report):
                     torch.mm(x[e * n:e * n + k], w[e], out=out[e * n:e * n + k])
             return run
         for n in counts:
-            padded = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+            padded = padded_rows(ROW_MULTIPLE, n, rows)
             times = interleave({"exact": gemms(n, n), "padded": gemms(n, padded)}, repeats=3)
             for variant, t in times.items():
                 total[name][variant] += t

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from moeplug.ops import cuda_ops
+from moeplug.ops._grouped import compute_dtype
 from moeplug.ops.activations import activation_fn
 from moeplug.ops.grouped_rows_mm import grouped_rows_mm, grouped_rows_mm_backward
 from moeplug.parallel import comm
@@ -103,9 +104,7 @@ def gather_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, top_k: int, num_slots:
 def _to_compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``x`` and the weights in the autocast dtype when autocast is on (the custom op is not
     an autocast op), else as they are."""
-    dtype = x.dtype
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
+    dtype = compute_dtype(x)
     return tuple(t.to(dtype) for t in (x, *weights))
 
 

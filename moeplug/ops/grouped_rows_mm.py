@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops._grouped import expert_slices, mm_rows, row_multiple, with_spare_rows
+from moeplug.ops._grouped import (expert_slices, mm_rows, row_multiple, weight_grad,
+                                  with_spare_rows)
 
 
 def _groups(counts_G: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -58,10 +59,8 @@ def grouped_rows_mm_backward(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torc
                              counts_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [S, K], dw [G, N, K]); an empty group's dw is zero."""
     dx_SK = g_SN.new_empty(x_SK.shape)
-    dw_GNK = g_SN.new_empty(w_GNK.shape)
     groups = _groups(counts_G)
-    for g in set(range(w_GNK.shape[0])) - {g for g, _, _ in groups}:
-        dw_GNK[g].zero_()
+    dw_GNK = weight_grad(w_GNK, groups, lambda shape, dtype: g_SN.new_empty(shape, dtype=dtype))
     m, g_g = row_multiple(g_SN), with_spare_rows(g_SN)
     for g, s0, s1 in groups:
         mm_rows(g_g, s0, w_GNK[g], dx_SK, s0, s1 - s0, m)
