@@ -113,15 +113,13 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size = {world_size!r}: must be a positive integer. "
                          "Fix: pass the number of ranks to spawn")
-    for attempt in range(1, PORT_ATTEMPTS + 1):
+    for _ in range(PORT_ATTEMPTS - 1):
         try:
             return _run_once(fn, world_size, args, timeout, pg_timeout, grace)
-        except DistributedTimeout:
-            raise
         except DistributedError as error:
-            if attempt == PORT_ATTEMPTS or not _port_was_taken(error):
+            if isinstance(error, DistributedTimeout) or not _port_was_taken(error):
                 raise
-    raise AssertionError("unreachable")
+    return _run_once(fn, world_size, args, timeout, pg_timeout, grace)
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float, pg_timeout: float,
