@@ -194,7 +194,8 @@ class _RowCounts(torch.utils._python_dispatch.TorchDispatchMode):
         self.cols, self.rows = cols, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) and args[0].shape[1] == self.cols:
+        mm = func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out)
+        if mm and args[0].shape[1] == self.cols:
             self.rows.append(args[0].shape[0])
         return func(*args, **(kwargs or {}))
 

@@ -52,11 +52,12 @@ def weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]],
 # the standard expert shape over every count 1024-1087, ran 1.4-2.3 % faster padded than exact
 # summed over the counts, and 1.25-1.34x at 1073 rows (benchmarks/test_bench_kernels.py -k
 # row_multiple, two runs). fp32 (MKL) shows no such effect, and the weight-gradient GEMMs, whose
-# routed rows are the summed dimension, neither (an exploratory scan, not a benchmark). A row of a GEMM's output depends on that row of its input only, so the
-# extra rows cost at most 7 rows' FLOPs and change no real row (bitwise, in the tests): they are
-# the next expert's rows, which its own GEMM overwrites after, or spare rows past the last:
-# those the buffer's storage holds anyway (the workspace rounds sizes up to a size class), so
-# no buffer grows; where there are none, the last expert's GEMMs run unpadded.
+# routed rows are the summed dimension, neither (an exploratory scan, not a benchmark).
+# A row of a GEMM's output depends on that row of its input only, so the extra rows cost at
+# most 7 rows' FLOPs and change no real row (bitwise, in the tests): they are the next expert's
+# rows, which its own GEMM overwrites after, or spare rows past the last: those the buffer's
+# storage holds anyway (the workspace rounds sizes up to a size class), so no buffer grows;
+# where there are none, the last expert's GEMMs run unpadded.
 ROW_MULTIPLE = 8
 
 
