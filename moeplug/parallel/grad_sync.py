@@ -45,6 +45,9 @@ def _all_reduce_grads(params: Iterable[nn.Parameter], group: Any, scale: float) 
     One flat buffer per dtype: gloo pays a round trip per collective, and a tiny model has
     dozens of parameters. A missing grad counts as zeros (and becomes a zero tensor) so every
     rank contributes the same buffer layout - otherwise the ranks' buffers would not line up.
+    bf16 grads (bf16 parameters) are summed in fp32 and rounded once, as Megatron reduces bf16
+    grads in fp32 (``accumulate_allreduce_grads_in_fp32``): a bf16 ring or tree would round
+    every partial sum.
     """
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in params:
@@ -54,6 +57,8 @@ def _all_reduce_grads(params: Iterable[nn.Parameter], group: Any, scale: float) 
     for dtype in sorted(by_dtype, key=str):  # same order on every rank
         ps = by_dtype[dtype]
         flat = torch.cat([p.grad.reshape(-1) for p in ps])
+        if dtype == torch.bfloat16 and group is not None:
+            flat = flat.float()
         if group is not None:
             dist.all_reduce(flat, group=group)
         if scale != 1.0:
