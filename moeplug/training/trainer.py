@@ -265,6 +265,16 @@ def _sync_free_step(model, state, step_body, groups) -> tuple:
     return (*result, {"overflows": overflows, "reruns": overflows})
 
 
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads`` together: torch's ``get_total_norm``, which for bf16 grads
+    (bf16 parameters) would return a bf16 norm (3 significant digits, for the log and the clip
+    factor alike); those are summed in fp32, as Megatron takes the norm of its fp32 main grads."""
+    if all(g.dtype == torch.float32 for g in grads):
+        return torch.nn.utils.get_total_norm(grads)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2,
+                                                                    dtype=torch.float32)))
+
+
 def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: Any,
                precision: Any, groups: Any = None) -> StepStats:
     """Forward + backward of this rank's micro-batches, gradient sync, clip, optimizer step.
@@ -300,7 +310,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
         with stage("optimizer"):
             # clip_grad_norm_'s two halves: with a NaN/Inf norm it would scale every grad to
             # NaN, and faults.NonFiniteWatch could no longer tell where the NaN began.
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            norm = total_grad_norm([p.grad for p in params if p.grad is not None])
             grad_norm = float(norm)
             if tc.grad_clip and math.isfinite(grad_norm):
                 torch.nn.utils.clip_grads_with_norm_(params, tc.grad_clip, norm)
