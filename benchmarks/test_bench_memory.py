@@ -50,7 +50,7 @@ from moeplug.plugin_host import PluginHost
 from moeplug.runtime import stream
 from moeplug.training.memory import (ActivationMeter, optimizer_tensors, process_peak,
                                      reset_process_peak, tensor_bytes)
-from moeplug.training.optim import apply_master_dtype, build_optimizer
+from moeplug.training.optim import apply_param_dtype, build_optimizer
 
 D, F, E, K, V = 1024, 1408, 16, 4, 512
 B, S = 2, int(os.environ.get("MOEPLUG_BENCH_SEQ", "256"))  # T = B*S tokens per step
@@ -131,7 +131,7 @@ def test_memory_levers(report):
     model.runtime.stash_active = False
     torch.manual_seed(0)
     master_cfg = TrainConfig(seq_len=S, warmup_steps=0, master_dtype="bf16")
-    twin = apply_master_dtype(build_model(RootConfig(model=m, train=tc), PluginHost.load(), V),
+    twin = apply_param_dtype(build_model(RootConfig(model=m, train=tc), PluginHost.load(), V),
                               master_cfg)
     opts = {dtype: build_optimizer(model, TrainConfig(seq_len=S, optimizer_dtype=dtype))
             for dtype in ("fp32", "bf16")}

@@ -469,6 +469,13 @@ class TrainConfig:
     # grads) in bf16 and rounds each AdamW update into them stochastically; needs
     # plugins.precision: bf16 (autocast computes in bf16 anyway).
     master_dtype: str = "fp32"
+    # Module parameters (Megatron --bf16's Float16Module with fp32 main params): "bf16" makes the
+    # model's parameters (and so their grads) bf16 and keeps an fp32 main copy of each in the
+    # optimizer, which updates it and copies it back into the parameter, rounded to nearest.
+    # The bf16 GEMMs then read the weights as they are: no per-step weight casts. Needs
+    # plugins.precision: bf16. With master_dtype: bf16 the parameters are bf16 whatever this
+    # says, and there is no fp32 copy.
+    param_dtype: str = "fp32"
     grad_clip: float = 1.0
     seed: int = 1234
     eval_interval: int = 100
@@ -507,6 +514,17 @@ class TrainConfig:
         trial run (``--steps 10``) warms up over the whole run instead of being refused."""
         return min(self.warmup_steps, self.steps)
 
+    @property
+    def bf16_params(self) -> bool:
+        """The model's parameters are bf16 (param_dtype or master_dtype bf16)."""
+        return "bf16" in (self.param_dtype, self.master_dtype)
+
+    @property
+    def main_params(self) -> bool:
+        """The optimizer keeps an fp32 main copy of the bf16 parameters (param_dtype bf16 with
+        master_dtype fp32)."""
+        return self.param_dtype == "bf16" and self.master_dtype == "fp32"
+
     def __post_init__(self) -> None:
         _check_fields(self)
         _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
@@ -525,6 +543,10 @@ class TrainConfig:
         if self.master_dtype not in ("fp32", "bf16"):
             _fail(self, "master_dtype", self.master_dtype, "must be fp32 or bf16",
                   "write master_dtype: fp32 (default) or bf16 (bf16 master weights)")
+        if self.param_dtype not in ("fp32", "bf16"):
+            _fail(self, "param_dtype", self.param_dtype, "must be fp32 or bf16",
+                  "write param_dtype: fp32 (default) or bf16 (bf16 module weights, fp32 main "
+                  "copy in the optimizer)")
         for n in ("tensorboard", "time_breakdown", "memory_stats"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
@@ -858,6 +880,10 @@ class RootConfig:
             _fail(self.train, "master_dtype", "bf16", f"needs plugins.precision bf16 (got "
                   f"{self.plugins.precision!r}): bf16 weights are computed with under bf16 "
                   f"autocast", "set plugins.precision: bf16 or train.master_dtype: fp32")
+        if self.train.param_dtype == "bf16" and self.plugins.precision != "bf16":
+            _fail(self.train, "param_dtype", "bf16", f"needs plugins.precision bf16 (got "
+                  f"{self.plugins.precision!r}): bf16 weights are computed with under bf16 "
+                  f"autocast", "set plugins.precision: bf16 or train.param_dtype: fp32")
         self._check_parallel_fits_model()
         self._check_sync_free()
         self._check_delay_wgrad()

@@ -166,14 +166,14 @@ def test_bf16_master_weights_store_params_and_grads_in_bf16_and_track_fp32():
     of some sqrt results, and any change of an fp32 value re-draws its stochastic rounding's
     hash bits, so they are two draws of the same rounding noise (the last batch's loss alone,
     the measure before, swung 0.04-2.5% between them)."""
-    from moeplug.training.optim import apply_master_dtype
+    from moeplug.training.optim import apply_param_dtype
 
     def train(master: str, moments: str):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
                                     torch.nn.Linear(32, 4))
         cfg = TrainConfig(weight_decay=0.1, master_dtype=master, optimizer_dtype=moments)
-        apply_master_dtype(model, cfg)
+        apply_param_dtype(model, cfg)
         opt = build_optimizer(model, cfg)
         g = torch.Generator().manual_seed(1)
         w = torch.randn(16, 4, generator=g)
@@ -266,3 +266,242 @@ def test_default_model_loss_tracks_the_fp32_optimizer_over_200_steps(run_cli, tm
         assert len(curves[name]) == len(curves["fp32"]) == 4
         gap = max(abs(a - b) for a, b in zip(curves["fp32"], curves[name]))
         assert gap < 0.15, (name, curves)
+
+
+# ---- bf16 parameters with fp32 main copies (train.param_dtype: bf16) -------------------------
+
+def test_bf16_params_step_their_fp32_main_copies_as_fp32_adamw_steps_fp32_weights():
+    """Megatron's bf16 module over fp32 main params: fed the same grads, the main copies are
+    torch's AdamW on fp32 weights (to the fused kernel's last-bit sqrt rounding), and each
+    parameter is its main copy rounded to nearest bf16 after every step. At lr 1e-4 on weights
+    near 1 (bf16 ulp 2^-7), most updates are below half an ulp: the parameters barely move while
+    the main copies take every update; bf16 weights updated in place would freeze."""
+    g = torch.Generator().manual_seed(0)
+    w0 = (1 + torch.rand(64, 32, generator=g)).bfloat16().float()  # bf16-representable
+    ref = torch.nn.Parameter(w0.clone())
+    p = torch.nn.Parameter(w0.bfloat16())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    cfg = TrainConfig(param_dtype="bf16", weight_decay=0.1)
+    opt = build_optimizer(torch.nn.ParameterList([p]), cfg)
+    assert isinstance(opt, LowPrecisionMomentsAdamW) and opt.wants_main(p)
+    for _ in range(20):
+        grad = torch.randn(64, 32, generator=g).bfloat16()
+        ref.grad, p.grad = grad.float(), grad
+        for group in opt.param_groups:
+            group["lr"] = 1e-4
+        ref_opt.step()
+        opt.step()
+        main = opt.state[p]["main"]
+        assert main.dtype == torch.float32 and p.dtype == torch.bfloat16
+        assert torch.equal(p, main.bfloat16())
+    torch.testing.assert_close(main, ref.detach(), rtol=1e-6, atol=1e-7)
+    assert (main != w0).float().mean() > 0.99  # every main copy took its updates
+    assert (p.float() == w0).float().mean() > 0.5  # most bf16 weights never changed
+
+
+def test_bf16_params_train_like_fp32_params_under_bf16_compute():
+    """The regression of the bf16-master test above, at lr 1e-3 under bf16 autocast: bf16
+    parameters with fp32 main copies (round-to-nearest into the parameters) end within 0.1 of
+    fp32 parameters' weights and within 3 % of their loss over the last 50 steps; their
+    parameters and grads are bf16, the main copies and moments fp32."""
+    from moeplug.training.optim import apply_param_dtype
+
+    def train(param: str):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 4))
+        cfg = TrainConfig(weight_decay=0.1, param_dtype=param)
+        apply_param_dtype(model, cfg)
+        opt = build_optimizer(model, cfg)
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(16, 4, generator=g)
+        losses = []
+        for _ in range(300):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3
+            x = torch.randn(64, 16, generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = (model(x).float() - x @ w).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return model, opt, sum(losses[-50:]) / 50
+    ref, _, ref_loss = train("fp32")
+    model, opt, loss = train("bf16")
+    assert all(p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
+               for p in model.parameters())
+    assert {s["main"].dtype for s in opt.state.values()} == {torch.float32}
+    assert {s["exp_avg"].dtype for s in opt.state.values()} == {torch.float32}
+    gap = max((a - opt.state[b]["main"]).abs().max().item()
+              for a, b in zip(ref.parameters(), model.parameters()))
+    print(f"bf16 params + fp32 main: largest weight gap {gap:.4f}, loss {loss:.4f} vs "
+          f"{ref_loss:.4f}")
+    assert gap < 0.1, gap
+    assert abs(loss - ref_loss) < 0.03 * ref_loss, (loss, ref_loss)
+
+
+def test_bf16_params_need_bf16_compute_and_a_known_dtype():
+    from moeplug.config import config_from_dict
+    with pytest.raises(ConfigError, match="param_dtype = 'bf16': needs plugins.precision bf16"):
+        config_from_dict({"train": {"param_dtype": "bf16"}})
+    with pytest.raises(ConfigError, match="param_dtype = 'fp16'"):
+        TrainConfig(param_dtype="fp16")
+    cfg = config_from_dict({"plugins": {"precision": "bf16"}, "train": {"param_dtype": "bf16"}})
+    assert cfg.train.bf16_params and cfg.train.main_params
+
+
+def _tiny_moe_cfg(train: dict, parallel: dict | None = None):
+    from moeplug.config import config_from_dict
+    return config_from_dict({
+        "model": {"hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 16, "dense_ffn_hidden_size": 16,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8}},
+        "plugins": {"precision": "bf16"},
+        "train": {"micro_batch_size": 2, "seq_len": 8, "warmup_steps": 0, "lr": 1e-2,
+                  "param_dtype": "bf16", **train},
+        "parallel": parallel or {}})
+
+
+def _tiny_batches(n: int) -> list:
+    import numpy as np
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 32, (n, 2, 9)))
+    return [[(ids[i, :, :-1], ids[i, :, 1:])] for i in range(n)]
+
+
+@pytest.mark.parametrize("train", [{"param_dtype": "bf16"}, {"master_dtype": "bf16"}],
+                         ids=["param_dtype", "master_dtype"])
+def test_bf16_params_resume_from_a_checkpoint_bitwise(tmp_path, train):
+    """The fp32 moments and main copies of bf16 parameters travel in the checkpoint's optimizer
+    state, and come back fp32 (torch's load_state_dict casts them to the parameters' bf16): the
+    tiny MoE model trained 4 steps straight equals 2 steps, a checkpoint, a fresh model and
+    optimizer loaded from it and 2 more, bit for bit."""
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.checkpoint import load_checkpoint, save_checkpoint
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
+    cfg = _tiny_moe_cfg({"param_dtype": "fp32", **train})
+    host = PluginHost.load()
+    recipe = host.create("precision", "bf16", {})
+    batches = _tiny_batches(4)
+
+    def fresh():
+        seed_everything(0)
+        model = build_rank_model(cfg, host, 32, None)
+        return model, build_rank_optimizer(model, cfg)
+    ref, ref_opt = fresh()
+    for b in batches:
+        train_step(ref, ref_opt, b, cfg.train, recipe)
+    model, opt = fresh()
+    for b in batches[:2]:
+        train_step(model, opt, b, cfg.train, recipe)
+    path = save_checkpoint(str(tmp_path), 2, model, opt, {"config": cfg.to_dict()})
+    model, opt = fresh()
+    load_checkpoint(path, model, opt)
+    kept = ("exp_avg", "exp_avg_sq", "main") if cfg.train.main_params else ("exp_avg",)
+    assert {s[k].dtype for s in opt.state.values() for k in kept} == {torch.float32}
+    for b in batches[2:]:
+        train_step(model, opt, b, cfg.train, recipe)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), name
+        for k in kept:
+            assert torch.equal(ref_opt.state[a][k], opt.state[b][k]), (name, k)
+
+
+def _distopt_bf16_params(rank: int, world: int, out: str) -> dict:
+    """DP2, distributed optimizer over fp32 slices of bf16 parameters, vs one process with
+    bf16 parameters and fp32 main copies; then a sharded checkpoint of the DP2 run. Returns
+    the largest weight gap, the parameters' dtypes, the slices' dtypes and the full fp32 main
+    copies gathered from the slices, by name."""
+    from moeplug.training import distributed as D
+    from moeplug.training.checkpoint import save_sharded_checkpoint
+    from moeplug.training.reshard import global_names
+    model, ref, opt = _train_dp2_and_one_process(
+        rank, world, {"param_dtype": "bf16", "grad_clip": 0.0}, "bf16")
+    gap = max((a.float() - b.float()).abs().max().item()
+              for a, b in zip(model.parameters(), ref.parameters()))
+    cfg = _tiny_moe_cfg({"grad_clip": 0.0}, {"distributed_optimizer": True})
+    save_sharded_checkpoint(out, 3, model, opt, {"config": cfg.to_dict()}, opt.groups,
+                            D.layout_manifest(cfg, opt.groups))
+    names, mains = global_names(model), {}
+    for b in opt.buckets:
+        flat = b.shard.detach()
+        if b.group is not None:
+            flat = b.shard.new_empty(b.slice_len * torch.distributed.get_world_size(b.group))
+            torch.distributed.all_gather_into_tensor(flat, b.shard.detach(), group=b.group)
+        offset = 0
+        for p in b.params:
+            mains[names[id(p)]] = flat[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+    return {"gap": gap, "dtypes": {str(p.dtype) for p in model.parameters()},
+            "slices": {str(b.shard.dtype) for b in opt.buckets}, "mains": mains}
+
+
+def test_distributed_optimizer_over_bf16_params_matches_one_process_and_reshards(tmp_path):
+    """DP2 with the distributed optimizer and param_dtype: bf16 (fp32 slices, Megatron's
+    distributed optimizer over a bf16 module) trains bit for bit as one process with fp32 main
+    copies (both ranks see the same batch; no clipping, whose norm sums in another order).
+    Its sharded checkpoint resumes in one process with the fp32 slices as the main copies, not
+    re-read from the bf16 parameters."""
+    from moeplug.plugin_host import PluginHost
+    from moeplug.testing.distributed import run_distributed
+    from moeplug.training.checkpoint import load_checkpoint
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.reshard import global_names
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything
+    out = str(tmp_path / "ckpt")
+    results = run_distributed(_distopt_bf16_params, 2, out, timeout=300)
+    for r in results:
+        assert r["dtypes"] == {"torch.bfloat16"} and r["slices"] == {"torch.float32"}
+        assert r["gap"] == 0, r["gap"]
+    mains = results[0]["mains"]
+    cfg = _tiny_moe_cfg({"grad_clip": 0.0})
+    seed_everything(1)  # other initial weights: everything must come from the checkpoint
+    model = build_rank_model(cfg, PluginHost.load(), 32, None)
+    opt = build_rank_optimizer(model, cfg)
+    load_checkpoint(os.path.join(out, "step_000003"), model, opt)
+    names = global_names(model)
+    fine = 0
+    assert not [names[id(p)] for p in model.parameters() if "main" not in opt.state[p]]
+    for p in model.parameters():
+        main = opt.state[p]["main"]
+        assert main.dtype == torch.float32
+        assert torch.equal(main, mains[names[id(p)]]), names[id(p)]
+        assert torch.equal(p, main.bfloat16()), names[id(p)]
+        fine += int(not torch.equal(main, p.float()))
+    assert fine > 0  # the mains hold bits the bf16 parameters do not
+
+
+def _bf16_grad_sum(rank: int, world: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    from moeplug.parallel.grad_sync import _all_reduce_grads
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    p.grad = torch.full((4,), 1.0 if rank == 0 else 2.0 ** -8, dtype=torch.bfloat16)
+    _all_reduce_grads([p], dist.group.WORLD, 1.0)
+    return p.grad
+
+
+def test_data_parallel_sums_bf16_grads_in_fp32():
+    """bf16 parameters' grads are summed over the replicas in fp32 and rounded once (Megatron
+    reduces bf16 grads in fp32): 1 + 2^-8 + 2^-8 over three ranks is 1 + 2^-7, a bf16 value,
+    where a bf16 sum rounds 1 + 2^-8 back to 1 (a tie, to even) at each partial sum."""
+    from moeplug.testing.distributed import run_distributed
+    for grad in run_distributed(_bf16_grad_sum, 3, timeout=120):
+        assert grad.dtype == torch.bfloat16
+        assert torch.equal(grad, torch.full((4,), 1 + 2.0 ** -7, dtype=torch.bfloat16)), grad
+
+
+def test_grad_norm_of_bf16_grads_is_taken_in_fp32():
+    """One process's clip norm: fp32 grads give torch's get_total_norm exactly; bf16 grads an
+    fp32 norm within fp32 rounding of the fp64 one (torch's own would be bf16: 93 for 93.28)."""
+    from moeplug.training.trainer import total_grad_norm
+    g = torch.Generator().manual_seed(0)
+    fp32 = [torch.randn(1000, generator=g) * 3, torch.randn(10, generator=g)]
+    assert torch.equal(total_grad_norm(fp32), torch.nn.utils.get_total_norm(fp32))
+    bf16 = [t.bfloat16() for t in fp32]
+    exact = torch.linalg.vector_norm(torch.cat([t.double() for t in bf16]))
+    norm = total_grad_norm(bf16)
+    assert norm.dtype == torch.float32
+    assert abs(norm.item() - exact.item()) < 1e-5 * exact.item()
+    assert abs(torch.nn.utils.get_total_norm(bf16).item() - exact.item()) > 1e-3 * exact.item()

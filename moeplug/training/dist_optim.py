@@ -47,7 +47,8 @@ class _Bucket:
     is_expert: bool
     tp_sharded: bool
     pipeline_copy: bool   # a pipeline stage's twin of another stage's params: norm counts it once
-    shard: torch.Tensor   # this rank's master slice [n] (fp32; bf16 with train.master_dtype)
+    shard: torch.Tensor   # this rank's master slice [n] (fp32; bf16 with train.master_dtype;
+                          # fp32 under bf16 parameters with train.param_dtype: bf16)
 
     @property
     def numel(self) -> int:
@@ -177,12 +178,26 @@ class DistributedAdamW:
                 offset += p.numel()
 
     def state_dict(self) -> dict:
-        return self.inner.state_dict()
+        """The inner AdamW's state; with bf16 parameters over fp32 slices (``param_dtype:
+        bf16``) each bucket's state also holds its slice as ``"main"``: the parameters are
+        only its bf16 image, so a resume could not re-read it from them."""
+        sd = self.inner.state_dict()
+        state = {i: dict(s) for i, s in sd["state"].items()}  # not the live state's dicts
+        for i, b in enumerate(self.buckets):
+            if i in state and b.shard.dtype != b.params[0].dtype:
+                state[i]["main"] = b.shard.detach()
+        return {**sd, "state": state}
 
     def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
-        # The master slices are the parameters' values: re-read them from the (loaded) model.
+        mains = {int(i): s["main"] for i, s in state["state"].items() if "main" in s}
+        self.inner.load_state_dict({**state, "state": {
+            i: {k: v for k, v in s.items() if k != "main"} for i, s in state["state"].items()}})
+        # The master slices are the parameters' values: re-read them from the (loaded) model,
+        # or, where the parameters are their bf16 image, take the saved fp32 slices.
         with torch.no_grad():
-            for b in self.buckets:
+            for i, b in enumerate(self.buckets):
+                if i in mains and b.shard.dtype != b.params[0].dtype:
+                    b.shard.copy_(mains[i].reshape(b.shard.shape))
+                    continue
                 W, r, n = group_size(b.group), group_rank(b.group), b.slice_len
                 b.shard.copy_(_flat([p.detach() for p in b.params], n * W)[r * n:(r + 1) * n])

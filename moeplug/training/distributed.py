@@ -178,8 +178,8 @@ def build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
     on ``device``. Call after seeding the RNG; ``groups=None`` is exactly
     ``build_model(cfg, host, vocab).to(device)``. Initialised on the CPU whatever the device, so
     the initial weights of a seed are the same on every device."""
-    from moeplug.training.optim import apply_master_dtype  # train.master_dtype: bf16 weights
-    return apply_master_dtype(_build_rank_model(cfg, host, vocab_size, groups).to(device),
+    from moeplug.training.optim import apply_param_dtype  # bf16 weights (param/master_dtype)
+    return apply_param_dtype(_build_rank_model(cfg, host, vocab_size, groups).to(device),
                               cfg.train)
 
 

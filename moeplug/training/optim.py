@@ -97,21 +97,46 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
     arithmetic operation for operation with a correctly rounded sqrt, where torch's CPU sqrt
     (MKL) is sometimes 1 ulp low: so it is bitwise ``_torch_update(..., ieee_sqrt=True)``, and
     differs from ``fused=False`` in the last bit of some denominators (tests/test_adamw_kernel.py).
-    ``fused=False`` is bit for bit the optimizer as it was before the kernel."""
+    ``fused=False`` is bit for bit the optimizer as it was before the kernel.
+
+    ``main_params`` (``train.param_dtype: bf16``, Megatron's bf16 module with fp32 main params):
+    each parameter that is not fp32 gets an fp32 main copy in its state (``"main"``, made from
+    the parameter at its first step, as Megatron clones its main params from the bf16 module's).
+    A step updates the main copy in fp32 from the parameter's grad and copies it back into the
+    parameter rounded to nearest: the main copy is AdamW on fp32 weights, exactly, and the
+    parameter is its bf16 image. Checkpoints carry the main copy as optimizer state."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float,
                  moment_dtype: torch.dtype = torch.bfloat16, weight_decay: float = 0.0,
-                 fused: bool = True) -> None:
+                 fused: bool = True, main_params: bool = False) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
-        self.moment_dtype, self.fused = moment_dtype, fused
+        self.moment_dtype, self.fused, self.main_params = moment_dtype, fused, main_params
+
+    def wants_main(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is stepped through an fp32 main copy."""
+        return self.main_params and p.dtype != torch.float32
+
+    _KEPT = ("exp_avg", "exp_avg_sq", "main")  # state that load_state_dict keeps in its dtype
 
     def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)  # torch casts the moments to the params' dtype
-        for state in self.state.values():
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in state:
-                    state[k] = state[k].to(self.moment_dtype)
+        # torch casts every floating state tensor to its parameter's dtype: fp32 moments and
+        # main copies of bf16 parameters would come back rounded to bf16. Take them out first
+        # and put them back in their own dtypes, from the saved values.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = dict(zip(saved_ids, (p for g in self.param_groups for p in g["params"])))
+        kept, states = {}, {}
+        for i, s in state_dict["state"].items():
+            states[i] = {k: v for k, v in s.items() if k not in self._KEPT}
+            kept[i] = {k: v for k, v in s.items() if k in self._KEPT}
+        super().load_state_dict({**state_dict, "state": states})
+        for i, tensors in kept.items():
+            p = params[i]
+            for k, v in tensors.items():
+                if k == "main" and not self.wants_main(p):
+                    continue
+                dtype = self.moment_dtype if k != "main" else torch.float32
+                self.state[p][k] = v.to(p.device, dtype, copy=True).view_as(p)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -126,14 +151,21 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
+                    if self.wants_main(p):
+                        state["main"] = p.detach().float()
                 state["step"] += 1
                 t = int(state["step"])
                 m, v = state["exp_avg"], state["exp_avg_sq"]
-                if self.fused and kernel_applies(p, p.grad, m, v) and p.grad.dtype == p.dtype:
-                    adamw_step_(p, p.grad, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                w, g = p, p.grad
+                if "main" in state:  # fp32 main copy: update it, then round it into p
+                    w, g = state["main"], p.grad.float()
+                if self.fused and kernel_applies(w, g, m, v) and g.dtype == w.dtype:
+                    adamw_step_(w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=wd, step=t)
                 else:
-                    _torch_update(p, p.grad, m, v, lr, beta1, beta2, eps, wd, t)
+                    _torch_update(w, g, m, v, lr, beta1, beta2, eps, wd, t)
+                if w is not p:
+                    p.copy_(w)
 
 
 def _torch_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
@@ -160,20 +192,24 @@ def _torch_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch
 
 
 def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """torch's AdamW, or with ``optimizer_dtype: bf16`` / ``master_dtype: bf16`` the
-    precision-aware AdamW (moments in ``optimizer_dtype``, any parameter dtype)."""
+    """torch's AdamW, or with ``optimizer_dtype: bf16`` or bf16 parameters (``master_dtype``
+    or ``param_dtype: bf16``) the precision-aware AdamW (moments in ``optimizer_dtype``, any
+    parameter dtype, fp32 main copies of bf16 parameters with ``param_dtype: bf16``)."""
     # lr here is a placeholder: the trainer sets every group's lr from lr_at(step) each step.
     kw = {"lr": lr_at(0, cfg), "betas": (cfg.beta1, cfg.beta2), "eps": 1e-8}
-    if cfg.optimizer_dtype == "bf16" or cfg.master_dtype == "bf16":
+    if cfg.optimizer_dtype == "bf16" or cfg.bf16_params:
         moments = torch.bfloat16 if cfg.optimizer_dtype == "bf16" else torch.float32
-        return LowPrecisionMomentsAdamW(groups, moment_dtype=moments, **kw)
+        return LowPrecisionMomentsAdamW(groups, moment_dtype=moments, main_params=cfg.main_params,
+                                        **kw)
     return torch.optim.AdamW(groups, **kw)
 
 
-def apply_master_dtype(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """``master_dtype: bf16``: the parameters themselves become bf16 (2 bytes each, and 2 for
-    their grads); buffers (RoPE tables, expert biases, counters) keep their dtype."""
-    if cfg.master_dtype == "bf16":
+def apply_param_dtype(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """bf16 parameters (``master_dtype`` or ``param_dtype: bf16``): the parameters themselves
+    become bf16 (2 bytes each, and 2 for their grads); buffers (RoPE tables, expert biases,
+    counters) keep their dtype. With ``param_dtype: bf16`` the optimizer keeps fp32 main
+    copies (:class:`LowPrecisionMomentsAdamW`, or the distributed optimizer's fp32 slices)."""
+    if cfg.bf16_params:
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
     return model

@@ -48,6 +48,7 @@ from torch import nn
 MANIFEST = "moeplug"        # safetensors header metadata key of a file's manifest
 VERSION = 2                 # meta.json "reshard_version" of checkpoints with manifests
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MAIN = "main"               # optimizer state of a bf16 parameter's fp32 main copy (param_dtype)
 TP_DIMS = "tp_dims"         # legacy meta.json entry: {name: dim} of rank 0's TP-split params
 _KINDS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
 _LEGACY_SPLITTING = ("cp", "pp", "etp")
@@ -183,8 +184,10 @@ class SavedRanks:
             holders = [r for r, v in enumerate(views) if name in v]
             if not holders:
                 continue
+            # "main": the fp32 main copy of a bf16 parameter (train.param_dtype: bf16)
+            keys = MOMENTS + ((MAIN,) if all(MAIN in views[r][name] for r in holders) else ())
             state = {k: self._join(name, holders, lambda r, n, k=k: views[r][n][k]())
-                     for k in MOMENTS}
+                     for k in keys}
             out[name] = {"step": views[holders[0]][name]["step"](), **state}
         return out
 
@@ -203,16 +206,18 @@ class SavedRanks:
                 offset = 0
                 for name, shape in zip(bucket["params"], bucket["shapes"]):
                     numel = int(torch.Size(shape).numel())
+                    saved = MOMENTS + ((MAIN,) if f"state.{b}.{MAIN}" in keys else ())
                     out[name] = {"step": lambda b=b: f.get_tensor(f"state.{b}.step"), **{
                         k: (lambda b=b, k=k, o=offset, m=numel, s=shape, g=bucket["group"]:
                             self._bucket_flat(tuple(g), b, k)[o:o + m].view(s))
-                        for k in MOMENTS}}
+                        for k in saved}}
                     offset += numel
             return out
         for i, name in enumerate(manifest["params"]):
             if f"state.{i}.exp_avg" in keys:
+                main = (MAIN,) if f"state.{i}.{MAIN}" in keys else ()
                 out[name] = {k: (lambda k=k, i=i: f.get_tensor(f"state.{i}.{k}"))
-                             for k in ("step", *MOMENTS)}
+                             for k in ("step", *MOMENTS, *main)}
         return out
 
     def _bucket_flat(self, group: tuple[int, ...], b: int, k: str) -> torch.Tensor:
@@ -318,7 +323,7 @@ def load_optimizer_state(optimizer: Any, model: nn.Module, saved: SavedRanks,
     """Cut the saved optimizer state for this rank's ``optimizer`` — a torch AdamW or a
     DistributedAdamW over ``model`` built with ``groups`` (None: one process) — and load it.
     Load the model first: the distributed optimizer re-reads its fp32 master slices from the
-    parameters."""
+    parameters (where they are not the saved fp32 main copies of bf16 parameters)."""
     from moeplug.parallel.comm import group_rank, group_size
     from moeplug.parallel.sharding import shard_parameters
     from moeplug.training.dist_optim import DistributedAdamW, _flat
@@ -327,11 +332,21 @@ def load_optimizer_state(optimizer: Any, model: nn.Module, saved: SavedRanks,
     state = saved.optimizer_state(list(names.values()))
     if not state:  # saved before the first optimizer step: the fresh optimizer is right
         return
+    # The parameters stepped through an fp32 main copy (bf16 ones with train.param_dtype: bf16)
+    if isinstance(optimizer, DistributedAdamW):
+        wants_main = {id(p) for b in optimizer.buckets for p in b.params
+                      if b.shard.dtype != p.dtype}
+    else:
+        wants = getattr(optimizer, "wants_main", lambda p: False)
+        wants_main = {id(p) for g in optimizer.param_groups for p in g["params"] if wants(p)}
+    keys = MOMENTS + ((MAIN,) if wants_main else ())
     for _, m in parts(model):  # this rank's experts (and any other shard) of every moment
         params = dict(m.named_parameters())
-        for k in MOMENTS:
-            # a parameter without saved state keeps its place with its weight (then dropped)
-            full = {n: state[n][k] if n in state else saved.model_tensor(n) for n in params}
+        for k in keys:
+            # A parameter without saved state keeps its place with its weight (then dropped).
+            # Without a saved fp32 main copy, the saved weight is the best there is.
+            full = {n: state[n][k] if n in state and k in state[n] else saved.model_tensor(n)
+                    for n in params}
             cut = shard_parameters(m, full, caller="resharding", **_coords_of(groups))
             for n in params:
                 if n in state:
@@ -340,14 +355,16 @@ def load_optimizer_state(optimizer: Any, model: nn.Module, saved: SavedRanks,
         per_bucket = {}
         for b, bucket in enumerate(optimizer.buckets):
             W, r, n = group_size(bucket.group), group_rank(bucket.group), bucket.slice_len
+            keys = MOMENTS + ((MAIN,) if id(bucket.params[0]) in wants_main else ())
             mine = {k: _flat([state[names[id(p)]][k].float() for p in bucket.params],
-                             n * W)[r * n:(r + 1) * n].clone() for k in MOMENTS}
+                             n * W)[r * n:(r + 1) * n].clone() for k in keys}
             per_bucket[b] = {"step": state[names[id(bucket.params[0])]]["step"].clone(), **mine}
         inner_groups = optimizer.inner.state_dict()["param_groups"]
         optimizer.load_state_dict({"state": per_bucket, "param_groups": inner_groups})
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    per_param = {i: {k: v.clone() for k, v in state[names[id(p)]].items()}
+    per_param = {i: {k: v.clone() for k, v in state[names[id(p)]].items()
+                     if k != MAIN or id(p) in wants_main}
                  for i, p in enumerate(params) if names[id(p)] in state}
     optimizer.load_state_dict({"state": per_param,
                                "param_groups": optimizer.state_dict()["param_groups"]})
