@@ -505,3 +505,37 @@ def test_grad_norm_of_bf16_grads_is_taken_in_fp32():
     assert norm.dtype == torch.float32
     assert abs(norm.item() - exact.item()) < 1e-5 * exact.item()
     assert abs(torch.nn.utils.get_total_norm(bf16).item() - exact.item()) > 1e-3 * exact.item()
+
+
+@pytest.mark.parametrize("train", [{"param_dtype": "bf16"}, {"master_dtype": "bf16"}],
+                         ids=["param_dtype", "master_dtype"])
+def test_bf16_grads_accumulate_over_micro_batches_in_fp32(train):
+    """Four micro-batches of the tiny MoE model: each bf16 grad after the step is the fp32 sum
+    of the four micro-batches' own bf16 grads, rounded once (Megatron's fp32 main-grad
+    accumulation), not autograd's bf16 running sum. The micro-batch grads come from a twin
+    model (same seed), one backward each."""
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
+    cfg = _tiny_moe_cfg({"param_dtype": "fp32", "grad_clip": 0.0, "grad_accum_steps": 4,
+                         **train})
+    host = PluginHost.load()
+    recipe = host.create("precision", "bf16", {})
+    micro = [b[0] for b in _tiny_batches(4)]
+    seed_everything(0)
+    model = build_rank_model(cfg, host, 32, None)
+    seed_everything(0)
+    twin = build_rank_model(cfg, host, 32, None)
+    sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in twin.named_parameters()}
+    for tokens, targets in micro:
+        twin.zero_grad(set_to_none=True)
+        with recipe.autocast("cpu"):
+            out = twin(tokens, targets)
+        (out.loss / 4).backward()
+        for n, p in twin.named_parameters():
+            if p.grad is not None:
+                sums[n] += p.grad.float()
+    train_step(model, build_rank_optimizer(model, cfg), micro, cfg.train, recipe)
+    for n, p in model.named_parameters():
+        assert p.grad.dtype == torch.bfloat16
+        assert torch.equal(p.grad, sums[n].bfloat16()), n

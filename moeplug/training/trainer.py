@@ -129,6 +129,37 @@ class StepStats:
         return terms
 
 
+class Fp32GradAccumulation:
+    """Sums the bf16 grads of bf16 parameters (``train.param_dtype`` / ``master_dtype: bf16``)
+    over a step's micro-batches in fp32, as Megatron accumulates bf16 grads into fp32 main
+    grads: autograd would add each micro-batch's grad into the bf16 ``.grad`` and round every
+    partial sum. After each micro-batch's backward, :meth:`add` moves the grads into fp32 sums
+    (dropping ``.grad``, so the next backward starts a fresh one); after the last it writes the
+    sums back, rounded once. fp32 grads are left to autograd. One process and DP, not the
+    pipeline schedules, which accumulate inside their own loops."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+        self.sums: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def add(self, last: bool) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            total = self.sums.get(id(p))
+            if total is None:
+                self.sums[id(p)] = p.grad.float()
+            else:
+                total.add_(p.grad)
+            p.grad = None
+        if last:
+            for p in self.params:
+                total = self.sums.pop(id(p), None)
+                if total is not None:
+                    p.grad = total.to(p.dtype)
+
+
 def _forward_backward(model, chunks, micro_batches, num_micro, device_type, precision,
                       groups) -> tuple[list, list, Any]:
     """Forward + backward of this rank's micro-batches: (loss sums, counts, routing); the sums
@@ -173,6 +204,8 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
                 report(m)
             return out.loss
 
+        accumulate = Fp32GradAccumulation(model) if num_micro > 1 else None
+
         def backward(m: int, loss: torch.Tensor) -> None:
             # Grad accumulation: divide so the summed grads equal the micro-batch mean.
             with stage("backward"):
@@ -180,6 +213,8 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
                 # delay_wgrad_compute: every MoE layer flushed its queue at its input; this
                 # runs what a graph whose input needs no grad left (normally nothing).
                 delayed_wgrad.run_pending()
+                if accumulate is not None:
+                    accumulate.add(last=m == num_micro - 1)
 
         if groups is not None and groups.twins is not None:
             # Combined 1F1B: B_{m-1} on a helper thread overlaps F_m (same grads, bitwise).
