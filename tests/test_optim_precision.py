@@ -156,6 +156,31 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
     assert torch.equal(dst.float(), exact)
 
 
+def _bf16_regression(**train):
+    """300 AdamW steps at lr 1e-3 of a small regression under bf16 autocast, with ``train``
+    options: (model, optimizer, mean loss of the last 50 steps)."""
+    from moeplug.training.optim import apply_param_dtype
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    cfg = TrainConfig(weight_decay=0.1, **train)
+    apply_param_dtype(model, cfg)
+    opt = build_optimizer(model, cfg)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 4, generator=g)
+    losses = []
+    for _ in range(300):
+        for group in opt.param_groups:
+            group["lr"] = 1e-3
+        x = torch.randn(64, 16, generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = (model(x).float() - x @ w).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, opt, sum(losses[-50:]) / 50
+
+
 def test_bf16_master_weights_store_params_and_grads_in_bf16_and_track_fp32():
     """A small regression at lr 1e-3 under bf16 autocast in both runs (updates below a bf16 ulp
     of most weights, the case round-to-nearest would freeze): bf16 master weights end within
@@ -166,32 +191,9 @@ def test_bf16_master_weights_store_params_and_grads_in_bf16_and_track_fp32():
     of some sqrt results, and any change of an fp32 value re-draws its stochastic rounding's
     hash bits, so they are two draws of the same rounding noise (the last batch's loss alone,
     the measure before, swung 0.04-2.5% between them)."""
-    from moeplug.training.optim import apply_param_dtype
-
-    def train(master: str, moments: str):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
-                                    torch.nn.Linear(32, 4))
-        cfg = TrainConfig(weight_decay=0.1, master_dtype=master, optimizer_dtype=moments)
-        apply_param_dtype(model, cfg)
-        opt = build_optimizer(model, cfg)
-        g = torch.Generator().manual_seed(1)
-        w = torch.randn(16, 4, generator=g)
-        losses = []
-        for _ in range(300):
-            for group in opt.param_groups:
-                group["lr"] = 1e-3
-            x = torch.randn(64, 16, generator=g)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = (model(x).float() - x @ w).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return model, opt, sum(losses[-50:]) / 50
-    ref, _, ref_loss = train("fp32", "fp32")
+    ref, _, ref_loss = _bf16_regression()
     for moments in ("fp32", "bf16"):
-        model, opt, loss = train("bf16", moments)
+        model, opt, loss = _bf16_regression(master_dtype="bf16", optimizer_dtype=moments)
         assert all(p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
                    for p in model.parameters())
         want = torch.bfloat16 if moments == "bf16" else torch.float32
@@ -301,34 +303,13 @@ def test_bf16_params_step_their_fp32_main_copies_as_fp32_adamw_steps_fp32_weight
 
 def test_bf16_params_train_like_fp32_params_under_bf16_compute():
     """The regression of the bf16-master test above, at lr 1e-3 under bf16 autocast: bf16
-    parameters with fp32 main copies (round-to-nearest into the parameters) end within 0.1 of
-    fp32 parameters' weights and within 3 % of their loss over the last 50 steps; their
-    parameters and grads are bf16, the main copies and moments fp32."""
-    from moeplug.training.optim import apply_param_dtype
-
-    def train(param: str):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
-                                    torch.nn.Linear(32, 4))
-        cfg = TrainConfig(weight_decay=0.1, param_dtype=param)
-        apply_param_dtype(model, cfg)
-        opt = build_optimizer(model, cfg)
-        g = torch.Generator().manual_seed(1)
-        w = torch.randn(16, 4, generator=g)
-        losses = []
-        for _ in range(300):
-            for group in opt.param_groups:
-                group["lr"] = 1e-3
-            x = torch.randn(64, 16, generator=g)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = (model(x).float() - x @ w).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return model, opt, sum(losses[-50:]) / 50
-    ref, _, ref_loss = train("fp32")
-    model, opt, loss = train("bf16")
+    parameters with fp32 main copies (round-to-nearest into the parameters) end within 0.02 of
+    fp32 parameters' weights and within 0.5 % of their loss over the last 50 steps (measured
+    0.0039 and 0.01 %: much closer than bf16 master weights, whose rounding noise lands in the
+    weights themselves); their parameters and grads are bf16, the main copies and moments
+    fp32."""
+    ref, _, ref_loss = _bf16_regression()
+    model, opt, loss = _bf16_regression(param_dtype="bf16")
     assert all(p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
                for p in model.parameters())
     assert {s["main"].dtype for s in opt.state.values()} == {torch.float32}
@@ -337,8 +318,8 @@ def test_bf16_params_train_like_fp32_params_under_bf16_compute():
               for a, b in zip(ref.parameters(), model.parameters()))
     print(f"bf16 params + fp32 main: largest weight gap {gap:.4f}, loss {loss:.4f} vs "
           f"{ref_loss:.4f}")
-    assert gap < 0.1, gap
-    assert abs(loss - ref_loss) < 0.03 * ref_loss, (loss, ref_loss)
+    assert gap < 0.02, gap
+    assert abs(loss - ref_loss) < 0.005 * ref_loss, (loss, ref_loss)
 
 
 def test_bf16_params_need_bf16_compute_and_a_known_dtype():
