@@ -876,14 +876,11 @@ class RootConfig:
             _fail(self.train, "seq_len", self.train.seq_len,
                   f"exceeds model.max_seq_len ({self.model.max_seq_len})",
                   f"set train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len")
-        if self.train.master_dtype == "bf16" and self.plugins.precision != "bf16":
-            _fail(self.train, "master_dtype", "bf16", f"needs plugins.precision bf16 (got "
-                  f"{self.plugins.precision!r}): bf16 weights are computed with under bf16 "
-                  f"autocast", "set plugins.precision: bf16 or train.master_dtype: fp32")
-        if self.train.param_dtype == "bf16" and self.plugins.precision != "bf16":
-            _fail(self.train, "param_dtype", "bf16", f"needs plugins.precision bf16 (got "
-                  f"{self.plugins.precision!r}): bf16 weights are computed with under bf16 "
-                  f"autocast", "set plugins.precision: bf16 or train.param_dtype: fp32")
+        for name in ("master_dtype", "param_dtype"):  # both make the parameters bf16
+            if getattr(self.train, name) == "bf16" and self.plugins.precision != "bf16":
+                _fail(self.train, name, "bf16", f"needs plugins.precision bf16 (got "
+                      f"{self.plugins.precision!r}): bf16 weights are computed with under bf16 "
+                      f"autocast", f"set plugins.precision: bf16 or train.{name}: fp32")
         self._check_parallel_fits_model()
         self._check_sync_free()
         self._check_delay_wgrad()
