@@ -37,7 +37,7 @@ from moeplug.config import TrainConfig
 from moeplug.parallel.comm import _all_gather_single, _reduce_scatter_single, group_rank, group_size
 from moeplug.parallel.experts import expert_param_names
 from moeplug.parallel.tensor_parallel import sum_partial_grads_over_tp
-from moeplug.training.optim import adamw, param_groups
+from moeplug.training.optim import MAIN, adamw, param_groups
 
 
 @dataclass
@@ -57,6 +57,12 @@ class _Bucket:
     @property
     def slice_len(self) -> int:
         return self.shard.numel()
+
+    @property
+    def holds_main(self) -> bool:
+        """The slice is the only full-precision copy of its parameters: fp32 slices of bf16
+        parameters (train.param_dtype: bf16), which checkpoints must save."""
+        return self.shard.dtype != self.params[0].dtype
 
 
 def _flat(tensors: list[torch.Tensor], padded: int) -> torch.Tensor:
@@ -184,19 +190,19 @@ class DistributedAdamW:
         sd = self.inner.state_dict()
         state = {i: dict(s) for i, s in sd["state"].items()}  # not the live state's dicts
         for i, b in enumerate(self.buckets):
-            if i in state and b.shard.dtype != b.params[0].dtype:
-                state[i]["main"] = b.shard.detach()
+            if i in state and b.holds_main:
+                state[i][MAIN] = b.shard.detach()
         return {**sd, "state": state}
 
     def load_state_dict(self, state: dict) -> None:
-        mains = {int(i): s["main"] for i, s in state["state"].items() if "main" in s}
+        mains = {int(i): s[MAIN] for i, s in state["state"].items() if MAIN in s}
         self.inner.load_state_dict({**state, "state": {
-            i: {k: v for k, v in s.items() if k != "main"} for i, s in state["state"].items()}})
+            i: {k: v for k, v in s.items() if k != MAIN} for i, s in state["state"].items()}})
         # The master slices are the parameters' values: re-read them from the (loaded) model,
         # or, where the parameters are their bf16 image, take the saved fp32 slices.
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
-                if i in mains and b.shard.dtype != b.params[0].dtype:
+                if i in mains and b.holds_main:
                     b.shard.copy_(mains[i].reshape(b.shard.shape))
                     continue
                 W, r, n = group_size(b.group), group_rank(b.group), b.slice_len

@@ -18,6 +18,11 @@ from moeplug.config import TrainConfig
 from moeplug.ops.adamw import adamw_step_, kernel_applies, stochastic_round_bf16_
 
 
+# Optimizer state key of a bf16 parameter's fp32 main copy (train.param_dtype: bf16); the
+# distributed optimizer saves its fp32 slices under it, and resharding cuts it like a moment.
+MAIN = "main"
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr.
 
@@ -117,7 +122,7 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
         """Whether ``p`` is stepped through an fp32 main copy."""
         return self.main_params and p.dtype != torch.float32
 
-    _KEPT = ("exp_avg", "exp_avg_sq", "main")  # state that load_state_dict keeps in its dtype
+    _KEPT = ("exp_avg", "exp_avg_sq", MAIN)  # state that load_state_dict keeps in its dtype
 
     def load_state_dict(self, state_dict: dict) -> None:
         # torch casts every floating state tensor to its parameter's dtype: fp32 moments and
@@ -133,9 +138,9 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
         for i, tensors in kept.items():
             p = params[i]
             for k, v in tensors.items():
-                if k == "main" and not self.wants_main(p):
+                if k == MAIN and not self.wants_main(p):
                     continue
-                dtype = self.moment_dtype if k != "main" else torch.float32
+                dtype = self.moment_dtype if k != MAIN else torch.float32
                 self.state[p][k] = v.to(p.device, dtype, copy=True).view_as(p)
 
     @torch.no_grad()
@@ -152,13 +157,13 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, dtype=self.moment_dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moment_dtype)
                     if self.wants_main(p):
-                        state["main"] = p.detach().float()
+                        state[MAIN] = p.detach().float()
                 state["step"] += 1
                 t = int(state["step"])
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 w, g = p, p.grad
-                if "main" in state:  # fp32 main copy: update it, then round it into p
-                    w, g = state["main"], p.grad.float()
+                if MAIN in state:  # fp32 main copy: update it, then round it into p
+                    w, g = state[MAIN], p.grad.float()
                 if self.fused and kernel_applies(w, g, m, v) and g.dtype == w.dtype:
                     adamw_step_(w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=wd, step=t)

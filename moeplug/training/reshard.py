@@ -45,10 +45,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from moeplug.training.optim import MAIN
+
 MANIFEST = "moeplug"        # safetensors header metadata key of a file's manifest
 VERSION = 2                 # meta.json "reshard_version" of checkpoints with manifests
 MOMENTS = ("exp_avg", "exp_avg_sq")
-MAIN = "main"               # optimizer state of a bf16 parameter's fp32 main copy (param_dtype)
 TP_DIMS = "tp_dims"         # legacy meta.json entry: {name: dim} of rank 0's TP-split params
 _KINDS = ("tp", "cp", "dp", "pp", "ep", "etp", "edp")
 _LEGACY_SPLITTING = ("cp", "pp", "etp")
@@ -334,8 +335,7 @@ def load_optimizer_state(optimizer: Any, model: nn.Module, saved: SavedRanks,
         return
     # The parameters stepped through an fp32 main copy (bf16 ones with train.param_dtype: bf16)
     if isinstance(optimizer, DistributedAdamW):
-        wants_main = {id(p) for b in optimizer.buckets for p in b.params
-                      if b.shard.dtype != p.dtype}
+        wants_main = {id(p) for b in optimizer.buckets if b.holds_main for p in b.params}
     else:
         wants = getattr(optimizer, "wants_main", lambda p: False)
         wants_main = {id(p) for g in optimizer.param_groups for p in g["params"] if wants(p)}
