@@ -74,24 +74,29 @@ def _val_losses(out: str) -> list[float]:
         return [r["val_loss"] for r in map(json.loads, f) if r["kind"] == "val"]
 
 
+def _tiny_moe_cfg(train: dict, parallel: dict | None = None, precision: str = "bf16"):
+    """The tiny MoE model's config with ``train`` and ``parallel`` options."""
+    from moeplug.config import config_from_dict
+    return config_from_dict({
+        "model": {"hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 16, "dense_ffn_hidden_size": 16,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8}},
+        "plugins": {"precision": precision},
+        "train": {"micro_batch_size": 2, "seq_len": 8, "warmup_steps": 0, "lr": 1e-2, **train},
+        "parallel": parallel or {}})
+
+
 def _train_dp2_and_one_process(rank: int, world: int, train: dict, precision: str) -> tuple:
     """DP2 with the distributed optimizer vs one process with the same optimizer (``train``
     options on the tiny MoE model), 3 steps; both ranks train on the same batch, so the reduced
     grad is the one process's. Returns (model, ref, opt)."""
     import numpy as np
 
-    from moeplug.config import config_from_dict
     from moeplug.parallel import ParallelGroups
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
-    cfg = config_from_dict({
-        "model": {"hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                  "max_seq_len": 16, "dense_ffn_hidden_size": 16,
-                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8}},
-        "plugins": {"precision": precision},
-        "train": {"micro_batch_size": 2, "seq_len": 8, "warmup_steps": 0, "lr": 1e-2, **train},
-        "parallel": {"distributed_optimizer": True}})
+    cfg = _tiny_moe_cfg(train, {"distributed_optimizer": True}, precision)
     host = PluginHost.load()
     recipe = host.create("precision", precision, {})
     groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
@@ -332,16 +337,6 @@ def test_bf16_params_need_bf16_compute_and_a_known_dtype():
     assert cfg.train.bf16_params and cfg.train.main_params
 
 
-def _tiny_moe_cfg(train: dict, parallel: dict | None = None):
-    from moeplug.config import config_from_dict
-    return config_from_dict({
-        "model": {"hidden_size": 16, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                  "max_seq_len": 16, "dense_ffn_hidden_size": 16,
-                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8}},
-        "plugins": {"precision": "bf16"},
-        "train": {"micro_batch_size": 2, "seq_len": 8, "warmup_steps": 0, "lr": 1e-2,
-                  "param_dtype": "bf16", **train},
-        "parallel": parallel or {}})
 
 
 def _tiny_batches(n: int) -> list:
@@ -361,7 +356,7 @@ def test_bf16_params_resume_from_a_checkpoint_bitwise(tmp_path, train):
     from moeplug.training.checkpoint import load_checkpoint, save_checkpoint
     from moeplug.training.distributed import build_rank_model
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
-    cfg = _tiny_moe_cfg({"param_dtype": "fp32", **train})
+    cfg = _tiny_moe_cfg(train)
     host = PluginHost.load()
     recipe = host.create("precision", "bf16", {})
     batches = _tiny_batches(4)
@@ -401,7 +396,8 @@ def _distopt_bf16_params(rank: int, world: int, out: str) -> dict:
         rank, world, {"param_dtype": "bf16", "grad_clip": 0.0}, "bf16")
     gap = max((a.float() - b.float()).abs().max().item()
               for a, b in zip(model.parameters(), ref.parameters()))
-    cfg = _tiny_moe_cfg({"grad_clip": 0.0}, {"distributed_optimizer": True})
+    cfg = _tiny_moe_cfg({"param_dtype": "bf16", "grad_clip": 0.0},
+                        {"distributed_optimizer": True})
     save_sharded_checkpoint(out, 3, model, opt, {"config": cfg.to_dict()}, opt.groups,
                             D.layout_manifest(cfg, opt.groups))
     names, mains = global_names(model), {}
@@ -436,7 +432,7 @@ def test_distributed_optimizer_over_bf16_params_matches_one_process_and_reshards
         assert r["dtypes"] == {"torch.bfloat16"} and r["slices"] == {"torch.float32"}
         assert r["gap"] == 0, r["gap"]
     mains = results[0]["mains"]
-    cfg = _tiny_moe_cfg({"grad_clip": 0.0})
+    cfg = _tiny_moe_cfg({"param_dtype": "bf16", "grad_clip": 0.0})
     seed_everything(1)  # other initial weights: everything must come from the checkpoint
     model = build_rank_model(cfg, PluginHost.load(), 32, None)
     opt = build_rank_optimizer(model, cfg)
@@ -498,8 +494,7 @@ def test_bf16_grads_accumulate_over_micro_batches_in_fp32(train):
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
-    cfg = _tiny_moe_cfg({"param_dtype": "fp32", "grad_clip": 0.0, "grad_accum_steps": 4,
-                         **train})
+    cfg = _tiny_moe_cfg({"grad_clip": 0.0, "grad_accum_steps": 4, **train})
     host = PluginHost.load()
     recipe = host.create("precision", "bf16", {})
     micro = [b[0] for b in _tiny_batches(4)]
