@@ -89,7 +89,7 @@ def _tiny_moe_cfg(train: dict, parallel: dict | None = None, precision: str = "b
 def _train_dp2_and_one_process(rank: int, world: int, train: dict, precision: str) -> tuple:
     """DP2 with the distributed optimizer vs one process with the same optimizer (``train``
     options on the tiny MoE model), 3 steps; both ranks train on the same batch, so the reduced
-    grad is the one process's. Returns (model, ref, opt)."""
+    grad is the one process's. Returns (model, ref, opt, per-step logged losses of both)."""
     import numpy as np
 
     from moeplug.parallel import ParallelGroups
@@ -107,10 +107,11 @@ def _train_dp2_and_one_process(rank: int, world: int, train: dict, precision: st
     opt, ref_opt = build_rank_optimizer(model, cfg, groups), build_rank_optimizer(ref, cfg)
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, 32, (2, 9)))
     batch = [(ids[:, :-1], ids[:, 1:])]
+    losses = []  # the logged training losses, (DP2, one process) per step
     for _ in range(3):
-        train_step(model, opt, batch, cfg.train, recipe, groups)
-        train_step(ref, ref_opt, batch, cfg.train, recipe)
-    return model, ref, opt
+        losses.append((train_step(model, opt, batch, cfg.train, recipe, groups).loss,
+                       train_step(ref, ref_opt, batch, cfg.train, recipe).loss))
+    return model, ref, opt, losses
 
 
 def _distopt_vs_one_process(rank: int, world: int) -> float:
@@ -119,7 +120,7 @@ def _distopt_vs_one_process(rank: int, world: int) -> float:
     another order, so the clip factor can differ in its last bit, and bf16 moments turn that
     into a one-ulp flip of a moment (5e-5 in a weight after 3 steps on AMD Zen 4's GEMM
     rounding; Intel's happened not to flip). Unclipped, the two are bitwise here."""
-    model, ref, opt = _train_dp2_and_one_process(
+    model, ref, opt, _ = _train_dp2_and_one_process(
         rank, world, {"optimizer_dtype": "bf16", "grad_clip": 0.0}, "fp32")
     assert {s["exp_avg"].dtype for s in opt.inner.state.values()} == {torch.bfloat16}
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
@@ -225,7 +226,7 @@ def _distopt_bf16_master(rank: int, world: int) -> tuple:
     stream), so a slice rounds as the whole tensor."""
     # No clipping: one process clips bf16 grads with torch's (bf16) norm, the distributed
     # optimizer with its fp64 sum over slices; that difference is not the optimizer's.
-    model, ref, opt = _train_dp2_and_one_process(
+    model, ref, opt, _ = _train_dp2_and_one_process(
         rank, world, {"optimizer_dtype": "bf16", "master_dtype": "bf16", "grad_clip": 0.0},
         "bf16")
     dtypes = {b.shard.dtype for b in opt.buckets} | {p.dtype for p in model.parameters()}
@@ -329,9 +330,11 @@ def test_bf16_params_train_like_fp32_params_under_bf16_compute():
 
 def test_bf16_params_need_bf16_compute_and_a_known_dtype():
     from moeplug.config import config_from_dict
-    with pytest.raises(ConfigError, match="param_dtype = 'bf16': needs plugins.precision bf16"):
+    with pytest.raises(ConfigError, match="param_dtype = 'bf16': needs plugins.precision bf16"
+                       r".*Fix: set plugins.precision: bf16 or train.param_dtype: fp32"):
         config_from_dict({"train": {"param_dtype": "bf16"}})
-    with pytest.raises(ConfigError, match="param_dtype = 'fp16'"):
+    with pytest.raises(ConfigError, match=r"param_dtype = 'fp16': must be fp32 or bf16\. Fix: "
+                                          "write param_dtype: fp32"):
         TrainConfig(param_dtype="fp16")
     cfg = config_from_dict({"plugins": {"precision": "bf16"}, "train": {"param_dtype": "bf16"}})
     assert cfg.train.bf16_params and cfg.train.main_params
@@ -392,7 +395,7 @@ def _distopt_bf16_params(rank: int, world: int, out: str) -> dict:
     from moeplug.training import distributed as D
     from moeplug.training.checkpoint import save_sharded_checkpoint
     from moeplug.training.reshard import global_names
-    model, ref, opt = _train_dp2_and_one_process(
+    model, ref, opt, losses = _train_dp2_and_one_process(
         rank, world, {"param_dtype": "bf16", "grad_clip": 0.0}, "bf16")
     gap = max((a.float() - b.float()).abs().max().item()
               for a, b in zip(model.parameters(), ref.parameters()))
@@ -410,7 +413,7 @@ def _distopt_bf16_params(rank: int, world: int, out: str) -> dict:
         for p in b.params:
             mains[names[id(p)]] = flat[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-    return {"gap": gap, "dtypes": {str(p.dtype) for p in model.parameters()},
+    return {"gap": gap, "losses": losses, "dtypes": {str(p.dtype) for p in model.parameters()},
             "slices": {str(b.shard.dtype) for b in opt.buckets}, "mains": mains}
 
 
@@ -431,6 +434,7 @@ def test_distributed_optimizer_over_bf16_params_matches_one_process_and_reshards
     for r in results:
         assert r["dtypes"] == {"torch.bfloat16"} and r["slices"] == {"torch.float32"}
         assert r["gap"] == 0, r["gap"]
+        assert all(dp2 == one for dp2, one in r["losses"]), r["losses"]  # what the log shows
     mains = results[0]["mains"]
     cfg = _tiny_moe_cfg({"param_dtype": "bf16", "grad_clip": 0.0})
     seed_everything(1)  # other initial weights: everything must come from the checkpoint
