@@ -209,6 +209,7 @@ def test_runs_never_mix_in_one_directory(run_cli, preset_config_file, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # its 10 minutes are the README's promise on 2 cores, so the run gets both
 def test_default_train_beats_unigram_entropy_within_10_minutes(run_cli, cli_env, tmp_path):
     """The README's promise: `moeplug train` with no arguments, on the bundled Shakespeare corpus,
     ends with validation loss well below the unigram entropy, in under 10 minutes on 2 cores.

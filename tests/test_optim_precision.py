@@ -257,7 +257,13 @@ def test_default_model_loss_tracks_the_fp32_optimizer_over_200_steps(run_cli, tm
     5.600 5.355 5.236 (0.108). Then this test as written (all threads): fp32 the same; bf16
     master 5.886 5.575 5.296 5.208 (0.083); both 5.895 5.524 5.240 5.152 (0.036). (bf16
     moments alone were first checked at micro_batch_size 16 in fp32 compute: largest gap
-    0.062; folded in here at the smaller batch to halve the test's time.)"""
+    0.062; folded in here at the smaller batch to halve the test's time.) Skipped where bf16
+    GEMMs are emulated (AVX2-only CPUs, some 60x slower than fp32: 18 minutes for the four runs
+    on the CI host); the small regressions above and below make the same comparisons there."""
+    from moeplug.training.flops import measure_peak_tflops, slow_bf16_note
+    slow = slow_bf16_note(measure_peak_tflops(torch.bfloat16, budget_s=0.2), "cpu")
+    if slow:
+        pytest.skip(f"four 200-step bf16 runs of the default model are too slow here: {slow}")
     curves = {}
     for name, master, moments in (("fp32", "fp32", "fp32"), ("moments", "fp32", "bf16"),
                                   ("master", "bf16", "fp32"), ("both", "bf16", "bf16")):

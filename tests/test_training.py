@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from moeplug.config import TrainConfig
-from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu
+from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu, slow_bf16_note
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load, read_metrics
 from moeplug.training.optim import build_optimizer, lr_at, param_groups
 
@@ -82,6 +82,16 @@ def test_tflops_and_mfu_arithmetic():
     assert achieved_tflops(6e6, 1000, 2.0) == pytest.approx(3e-3)
     assert mfu(0.05, 0.2) == pytest.approx(0.25)
     assert mfu(1.0, 0.0) == 0.0
+
+
+def test_a_cpu_bf16_peak_below_half_of_fp32_is_warned_about():
+    """The warning compares the bf16 peak with an fp32 matmul it times itself: no CPU's fp32 is as
+    slow as 1 kFLOP/s or as fast as 1 PFLOP/s; accelerators are not
+    checked. (Which side this host falls on depends on its ISA: AVX2-only CPUs are warned.)"""
+    note = slow_bf16_note(1e-9, "cpu")
+    assert note and "plugins.precision: fp32" in note and "TFLOP/s" in note
+    assert slow_bf16_note(1e3, "cpu") is None
+    assert slow_bf16_note(1e-9, "meta") is None
 
 
 def test_expert_load_max_mean():

@@ -47,6 +47,27 @@ def measure_peak_tflops(dtype: torch.dtype = torch.float32, device: torch.device
     return flops / statistics.median(samples) / 1e12
 
 
+def slow_bf16_note(bf16_peak: float, device: torch.device | str) -> str | None:
+    """A warning when this CPU runs bf16 matmuls below half its fp32 speed, else None.
+
+    oneDNN has fast bf16 GEMMs only with AVX-512 (native with ``avx512_bf16``/AMX); on an
+    AVX2-only CPU it emulates them some 60x slower than fp32 (measured on an AMD EPYC
+    reporting AVX2: 0.0014 vs 0.085 TFLOP/s at 512), so ``plugins.precision: bf16`` there
+    trains far slower than fp32, and MFU against the bf16 peak can read above 100 % (the
+    model's fp32 ops outrun the emulated GEMM). Accelerators are not checked.
+    """
+    if torch.device(device).type != "cpu" or bf16_peak <= 0:
+        return None
+    fp32_peak = measure_peak_tflops(torch.float32, device, budget_s=0.2)
+    if bf16_peak >= 0.5 * fp32_peak:
+        return None
+    return (f"this CPU runs bf16 matmuls at {bf16_peak / fp32_peak:.2f}x its fp32 speed "
+            f"({bf16_peak:.4f} vs {fp32_peak:.4f} TFLOP/s; torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}: no fast bf16 GEMM without AVX-512), so "
+            f"plugins.precision: bf16 trains slower here than plugins.precision: fp32, and MFU "
+            f"is against that slow bf16 peak")
+
+
 def achieved_tflops(flops_per_token: float, tokens: int, seconds: float) -> float:
     """Model TFLOP/s: the model's FLOPs count times tokens processed, over wall time."""
     return flops_per_token * tokens / max(seconds, 1e-9) / 1e12

@@ -35,7 +35,7 @@ from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoin
                                          save_sharded_checkpoint)
 from moeplug.training.faults import (NonFiniteWatch, TestFault, TrainingFault, is_finite,
                                      nonfinite_message)
-from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu
+from moeplug.training.flops import achieved_tflops, measure_peak_tflops, mfu, slow_bf16_note
 from moeplug.training.memory import (ActivationMeter, gather_ranks, memory_record,
                                      reset_process_peak)
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load
@@ -471,7 +471,10 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     vocab_size = cfg.model.vocab_size or corpus.vocab_size
     flops_per_token = float(model_flops_per_token(cfg.model, vocab_size, tc.seq_len))
     device = D.model_device(model)  # the CLI put it on train.device; batches follow it
-    peak = world * measure_peak_tflops(getattr(precision, "compute_dtype", torch.float32), device)
+    compute_dtype = getattr(precision, "compute_dtype", torch.float32)
+    peak_1 = measure_peak_tflops(compute_dtype, device)
+    peak = world * peak_1
+    slow_bf16 = slow_bf16_note(peak_1, device) if compute_dtype == torch.bfloat16 else None
     gen = batch_generator(tc.seed, 0, _VAL_STREAM)
     val_batches = D.to_device([get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
                                for _ in range(tc.eval_batches)], device)
@@ -503,6 +506,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     log(f"{num_params / 1e6:.2f}M parameters{' on rank 0' if groups else ''}, "
         f"{tokens_per_step} tokens/step on {device}, measured GEMM peak {peak:.3f} TFLOP/s"
         f"{f' over {world} ranks' if groups else ''}; plugins {plugin_names}")
+    if slow_bf16:
+        log(f"warning: {slow_bf16}")
     if tc.effective_warmup_steps < tc.warmup_steps:
         log(f"note: train.warmup_steps = {tc.warmup_steps} exceeds train.steps = {tc.steps}; "
             f"warming up over all {tc.steps} steps")
