@@ -525,3 +525,46 @@ def test_bf16_grads_accumulate_over_micro_batches_in_fp32(train):
     for n, p in model.named_parameters():
         assert p.grad.dtype == torch.bfloat16
         assert torch.equal(p.grad, sums[n].bfloat16()), n
+
+
+def _pp2_grads_against_micro_batch_sums(rank: int, world: int, train: dict) -> list[str]:
+    """PP2 (1F1B, 4 micro-batches) over bf16 parameters: the names of this rank's parameters
+    whose grad after train_step is not the fp32 sum of the micro-batches' own bf16 grads,
+    rounded once. A twin runs the same schedule on one micro-batch at a time; its objective is
+    not divided by 4, so each grad is 4x the step's share, exactly (a power of two)."""
+    from moeplug.parallel import ParallelGroups
+    from moeplug.parallel.schedules import forward_backward_pipeline
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training import distributed as D
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
+    cfg = _tiny_moe_cfg({"grad_clip": 0.0, "grad_accum_steps": 4, **train}, {"pp": 2})
+    host = PluginHost.load()
+    recipe = host.create("precision", "bf16", {})
+    groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+    micro = [b[0] for b in _tiny_batches(4)]
+    seed_everything(0)
+    model = build_rank_model(cfg, host, 32, groups)
+    seed_everything(0)
+    twin = build_rank_model(cfg, host, 32, groups)
+    sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in twin.named_parameters()}
+    for batch in micro:
+        twin.zero_grad(set_to_none=True)
+        forward_backward_pipeline(D.pipeline_chunks(twin), [batch], groups,
+                                  autocast=lambda: recipe.autocast("cpu"))
+        for n, p in twin.named_parameters():
+            if p.grad is not None:
+                sums[n] += p.grad.float()
+    train_step(model, build_rank_optimizer(model, cfg, groups), micro, cfg.train, recipe, groups)
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    return [n for n, p in model.named_parameters()
+            if not torch.equal(p.grad, (sums[n] / 4).bfloat16())]
+
+
+@pytest.mark.parametrize("train", [{"param_dtype": "bf16"}, {"master_dtype": "bf16"}],
+                         ids=["param_dtype", "master_dtype"])
+def test_pipeline_sums_bf16_micro_batch_grads_in_fp32(train):
+    """The pipeline schedule's micro-batch grads are summed in fp32 and rounded once, as one
+    process's are (above): on both stages of PP2, every grad is bitwise that sum."""
+    from moeplug.testing.distributed import run_distributed
+    assert run_distributed(_pp2_grads_against_micro_batch_sums, 2, train, timeout=300) == [[], []]

@@ -138,7 +138,8 @@ class PipelineStepResult:
 def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                               groups: Any, *, forward_only: bool = False,
                               autocast: Callable[[], ContextManager] | None = None,
-                              activation_dtype: torch.dtype = torch.float32) -> PipelineStepResult:
+                              activation_dtype: torch.dtype | None = None,
+                              grad_accumulation: Any = None) -> PipelineStepResult:
     """Run forward (+ backward) of ``microbatches`` through this rank's ``chunks`` (from
     :func:`moeplug.parallel.pipeline.build_stage_modules`), leaving the gradients of
     ``sum_m (lm_loss_m + aux_loss_m) / M`` accumulated in the chunks' ``.grad``.
@@ -151,6 +152,13 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
     pipeline group (one all-reduce of the losses) and, when the last stage holds an embedding
     copy (tied head or MTP), over the embedding group: the copies' grads are summed after the
     backwards (Megatron does it in finalize_model_grads), so callers need no extra step.
+    ``activation_dtype``: the residual stream's dtype, which the stages send each other; by
+    default the chunks' parameters' (bf16 under ``train.param_dtype``/``master_dtype: bf16``,
+    whose bf16 embedding starts a bf16 stream; fp32 otherwise, under autocast too).
+    ``grad_accumulation``: an object whose ``add(last)`` takes the grads out of ``.grad`` after
+    each backward and, with ``last``, writes their sums back (the trainer's fp32 sums of bf16
+    grads); called after every backward op and once more, with ``last``, before the embedding
+    grads are summed.
     """
     pp, rank = groups.size("pp"), groups.rank_in("pp")
     vpp, num_mb = len(chunks), len(microbatches)
@@ -159,6 +167,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
     prev_rank, next_rank = members[(rank - 1) % pp], members[(rank + 1) % pp]
     last_stage = pp * vpp - 1
     autocast = autocast or contextlib.nullcontext
+    if activation_dtype is None:
+        activation_dtype = next((p.dtype for c in chunks for p in c.parameters()), torch.float32)
     if groups.size("cp") > 1:
         cp, cp_rank = groups.size("cp"), groups.rank_in("cp")
         microbatches = [(shard_sequence(t, cp, cp_rank), shard_sequence(y, cp, cp_rank))
@@ -232,6 +242,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
                 delayed_wgrad.run_pending()
         if v > 0:
             sends.append(p2p.send_async(x.grad, prev_rank, group, tag(p2p.BACKWARD, v, m)))
+        if grad_accumulation is not None:
+            grad_accumulation.add(last=False)
 
     # Combined 1F1B (parallel.overlap_moe_expert_parallel_comm): a backward followed by a
     # forward in the op list runs beside it, on a helper thread over the twin groups
@@ -251,6 +263,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
                 run(ops[i])
                 i += 1
     p2p.wait_all(sends)
+    if grad_accumulation is not None:
+        grad_accumulation.add(last=True)
     if embedding_grads is not None:
         allreduce_embedding_grads(list(chunks), embedding_grads)
     # Every rank reports the whole pipeline's losses: the last stage has lm (and MTP), every

@@ -135,8 +135,8 @@ class Fp32GradAccumulation:
     grads: autograd would add each micro-batch's grad into the bf16 ``.grad`` and round every
     partial sum. After each micro-batch's backward, :meth:`add` moves the grads into fp32 sums
     (dropping ``.grad``, so the next backward starts a fresh one); after the last it writes the
-    sums back, rounded once. fp32 grads are left to autograd. One process and DP, not the
-    pipeline schedules, which accumulate inside their own loops."""
+    sums back, rounded once. fp32 grads are left to autograd. The pipeline schedules call it
+    after each of their backward ops (``forward_backward_pipeline(grad_accumulation=...)``)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.params = [p for p in model.parameters() if p.dtype == torch.bfloat16]
@@ -170,8 +170,9 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
         # The schedule accumulates grads of sum_m (lm_m + aux_m) / M over its micro-batches;
         # it takes whole sequences and CP-shards them itself (sharding here too would train
         # on a shard of the shard).
-        res = forward_backward_pipeline(chunks, micro_batches, groups,
-                                        autocast=lambda: precision.autocast(device_type))
+        res = forward_backward_pipeline(
+            chunks, micro_batches, groups, autocast=lambda: precision.autocast(device_type),
+            grad_accumulation=Fp32GradAccumulation(model) if num_micro > 1 else None)
         has_mtp = res.mtp_loss is not None
         sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss),
                 float(0.0 if res.mtp_loss is None else res.mtp_loss)]
