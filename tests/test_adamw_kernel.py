@@ -8,6 +8,8 @@ adamw.cpp) against the torch code they replace (moeplug.training.optim).
   sizes that leave vector tails and cross the kernel's and torch's chunk boundaries. Against
   torch's own sqrt (MKL's on this build, sometimes 1 ulp low) it differs only in those last
   bits: here, in few bf16 parameters, by one bf16 ulp.
+- The main-copy step (train.param_dtype: bf16) is bitwise the fused fp32 step of the main copy
+  from the grad read as fp32, followed by torch's round-to-nearest copy into the bf16 parameter.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeplug.ops.adamw import adamw_step_, stochastic_round_bf16_
+from moeplug.ops.adamw import adamw_step_, adamw_step_main_, stochastic_round_bf16_
 from moeplug.training.optim import (LowPrecisionMomentsAdamW, _torch_update, param_groups,
                                     stochastic_round_reference_)
 
@@ -70,6 +72,30 @@ def test_fused_adamw_step_is_bitwise_the_torch_step(param_dtype, moment_dtype, w
                 assert torch.equal(_bits(a), _bits(b)), (name, n, t)
         # The steps moved the parameters (one bf16 weight alone may round back to itself).
         assert n < 1000 or not torch.equal(fused[0], p0)
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float32], ids=["m_bf16", "m_fp32"])
+def test_main_copy_step_is_the_fp32_step_then_a_nearest_copy(moment_dtype):
+    """One pass (fp32 main copy, bf16 grad, bf16 parameter written) against the two it replaces:
+    adamw_step_ on the main copy with grad.float(), then param.copy_(main), on main copies over
+    many binades with infinities and subnormals among them."""
+    lr, beta1, beta2, eps, wd = 3e-3, 0.9, 0.95, 1e-8, 0.1
+    for n in SIZES:
+        g = torch.Generator().manual_seed(n)
+        main0 = _values(n, seed=n + 1)
+        ref = [main0.clone(), torch.zeros(n, dtype=moment_dtype),
+               torch.zeros(n, dtype=moment_dtype), main0.bfloat16()]
+        fused = [t.clone() for t in ref]
+        for t in range(1, 5):
+            grad = (torch.randn(n, generator=g) * 10.0 ** (t - 3)).bfloat16()
+            adamw_step_(ref[0], grad.float(), ref[1], ref[2], lr=lr, beta1=beta1, beta2=beta2,
+                        eps=eps, weight_decay=wd, step=t)
+            ref[3].copy_(ref[0])
+            adamw_step_main_(fused[0], grad, fused[3], fused[1], fused[2], lr=lr, beta1=beta1,
+                             beta2=beta2, eps=eps, weight_decay=wd, step=t)
+            for name, a, b in zip(("main", "exp_avg", "exp_avg_sq", "param"), fused, ref):
+                assert torch.equal(_bits(a), _bits(b)), (name, n, t)
+        assert n < 1000 or not torch.equal(fused[3], main0.bfloat16())
 
 
 def _bf16_model_steps(steps: int, step_fn) -> list[torch.Tensor]:
@@ -134,5 +160,11 @@ def test_bad_arguments_name_the_argument_and_the_fix():
     with pytest.raises(ValueError, match="exp_avg has 3 elements"):
         adamw_step_(p, p.clone(), torch.zeros(3), torch.zeros(4), lr=1e-3, beta1=0.9,
                     beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+    with pytest.raises(TypeError, match="main must be float32, grad and p bfloat16"):
+        adamw_step_main_(p.float(), p.float(), p, torch.zeros(4), torch.zeros(4), lr=1e-3,
+                         beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+    with pytest.raises(ValueError, match="p has 3 elements, main 4"):
+        adamw_step_main_(p.float(), p, p[:3], torch.zeros(4), torch.zeros(4), lr=1e-3,
+                         beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
     with pytest.raises(TypeError, match="src32 must be float32"):
         stochastic_round_bf16_(p, p, 1)

@@ -44,17 +44,33 @@ def stochastic_round_bf16_(dst: torch.Tensor, src32: torch.Tensor, step: int) ->
                                         n=dst.numel(), step=step & _U32)
 
 
+def _check_step(op: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor on the CPU, contiguous, with as many elements as the first."""
+    first, n = next(iter(tensors)), next(iter(tensors.values())).numel()
+    for name, t in tensors.items():
+        check_cpu_contiguous(op, name, t)
+        if t.numel() != n:
+            raise ValueError(f"{op}: {name} has {t.numel()} elements, {first} {n}. Fix: pass "
+                             f"the parameter's own grad and moments")
+
+
+def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+             step: int) -> dict:
+    """The step's scalars as the kernels take them (moeplug/adamw.h AdamWScalars), each
+    rounded to fp32 as torch rounds it."""
+    return dict(
+        lerp_weight=_f32(1 - beta1), beta2=_f32(beta2), grad_sq_coef=_f32(1 - beta2),
+        decay=_f32(1 - lr * weight_decay), bias2_sqrt=_f32(math.sqrt(1 - beta2 ** step)),
+        eps=_f32(eps), step_size=_f32(-lr / (1 - beta1 ** step)), step=step & _U32)
+
+
 def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, step: int) -> None:
     """One AdamW step of ``p`` in place (``step`` is the 1-based count after this update): the
     arithmetic of LowPrecisionMomentsAdamW's torch step in one pass, bitwise equal to it."""
     op = "adamw_step_"
-    for name, t in (("p", p), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        check_cpu_contiguous(op, name, t)
-        if t.numel() != p.numel():
-            raise ValueError(f"{op}: {name} has {t.numel()} elements, p {p.numel()}. Fix: pass "
-                             f"the parameter's own grad and moments")
+    _check_step(op, {"p": p, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
     if grad.dtype != p.dtype or exp_avg.dtype != exp_avg_sq.dtype:
         raise TypeError(f"{op}: grad ({grad.dtype}) must match p ({p.dtype}) and exp_avg "
                         f"({exp_avg.dtype}) exp_avg_sq ({exp_avg_sq.dtype}). Fix: cast them")
@@ -62,6 +78,28 @@ def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         param=p.data_ptr(), grad=grad.data_ptr(), param_dtype=dtype_code(p, op, "p"),
         exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
         moment_dtype=dtype_code(exp_avg, op, "exp_avg"), n=p.numel(),
-        lerp_weight=_f32(1 - beta1), beta2=_f32(beta2), grad_sq_coef=_f32(1 - beta2),
-        decay=_f32(1 - lr * weight_decay), bias2_sqrt=_f32(math.sqrt(1 - beta2 ** step)),
-        eps=_f32(eps), step_size=_f32(-lr / (1 - beta1 ** step)), step=step & _U32)
+        **_scalars(lr, beta1, beta2, eps, weight_decay, step))
+
+
+def adamw_step_main_(main: torch.Tensor, grad: torch.Tensor, p: torch.Tensor,
+                     exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
+                     beta1: float, beta2: float, eps: float, weight_decay: float,
+                     step: int) -> None:
+    """One AdamW step of the fp32 main copy ``main`` of the bf16 parameter ``p`` from its bf16
+    ``grad``, writing ``p`` as the result rounded to nearest in the same pass: bitwise
+    ``adamw_step_(main, grad.float(), ...)`` then ``p.copy_(main)``, with neither the fp32 grad
+    copy nor the second pass (train.param_dtype: bf16)."""
+    op = "adamw_step_main_"
+    _check_step(op, {"main": main, "grad": grad, "p": p, "exp_avg": exp_avg,
+                     "exp_avg_sq": exp_avg_sq})
+    if (main.dtype, grad.dtype, p.dtype) != (torch.float32, torch.bfloat16, torch.bfloat16) \
+            or exp_avg.dtype != exp_avg_sq.dtype:
+        raise TypeError(f"{op}: main must be float32, grad and p bfloat16, and the moments one "
+                        f"dtype; got {main.dtype}, {grad.dtype}, {p.dtype}, {exp_avg.dtype}, "
+                        f"{exp_avg_sq.dtype}. Fix: pass a bf16 parameter, its grad and its fp32 "
+                        f"main copy")
+    get_runtime().adamw_step_main(
+        main=main.data_ptr(), grad=grad.data_ptr(), param=p.data_ptr(),
+        exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
+        moment_dtype=dtype_code(exp_avg, op, "exp_avg"), n=p.numel(),
+        **_scalars(lr, beta1, beta2, eps, weight_decay, step))

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from moeplug.config import TrainConfig
-from moeplug.ops.adamw import adamw_step_, kernel_applies, stochastic_round_bf16_
+from moeplug.ops.adamw import (adamw_step_, adamw_step_main_, kernel_applies,
+                               stochastic_round_bf16_)
 
 
 # Optimizer state key of a bf16 parameter's fp32 main copy (train.param_dtype: bf16); the
@@ -163,7 +164,13 @@ class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 w, g = p, p.grad
                 if MAIN in state:  # fp32 main copy: update it, then round it into p
-                    w, g = state[MAIN], p.grad.float()
+                    w = state[MAIN]
+                    if self.fused and kernel_applies(w, g, m, v, p) and g.dtype == p.dtype \
+                            == torch.bfloat16:  # both in one pass
+                        adamw_step_main_(w, g, p, m, v, lr=lr, beta1=beta1, beta2=beta2,
+                                         eps=eps, weight_decay=wd, step=t)
+                        continue
+                    g = g.float()
                 if self.fused and kernel_applies(w, g, m, v) and g.dtype == w.dtype:
                     adamw_step_(w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=wd, step=t)

@@ -25,6 +25,24 @@ void register_adamw(py::module_& m) {
       "One fused AdamW step over n elements in place (torch's arithmetic, moeplug/adamw.h); a "
       "bf16 param rounds stochastically with seed `step`, bf16 moments to nearest even.");
   def_kernel(
+      m, "adamw_step_main",
+      +[](uintptr_t main, uintptr_t grad, uintptr_t param, uintptr_t exp_avg,
+          uintptr_t exp_avg_sq, int moment_dtype, int64_t n, float lerp_weight, float beta2,
+          float grad_sq_coef, float decay, float bias2_sqrt, float eps, float step_size,
+          uint32_t step) {
+        adamw_step_main(ptr<float>(main), ptr<const uint16_t>(grad), ptr<uint16_t>(param),
+                        ptr<void>(exp_avg), ptr<void>(exp_avg_sq),
+                        dtype_from_code(moment_dtype, "adamw_step_main moment_dtype"), n,
+                        {lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps, step_size,
+                         step});
+      },
+      py::arg("main"), py::arg("grad"), py::arg("param"), py::arg("exp_avg"),
+      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::arg("lerp_weight"),
+      py::arg("beta2"), py::arg("grad_sq_coef"), py::arg("decay"), py::arg("bias2_sqrt"),
+      py::arg("eps"), py::arg("step_size"), py::arg("step"),
+      "One fused AdamW step of an fp32 main copy (n elements) from a bf16 grad, writing the bf16 "
+      "param as the result rounded to nearest even, in one pass (moeplug/adamw.h).");
+  def_kernel(
       m, "stochastic_round_bf16",
       +[](uintptr_t src, uintptr_t dst, int64_t n, uint32_t step) {
         stochastic_round_bf16(ptr<const float>(src), n, step, ptr<uint16_t>(dst));

@@ -40,6 +40,14 @@ struct AdamWScalars {
 void adamw_step(void* param, const void* grad, DType param_dtype, void* exp_avg,
                 void* exp_avg_sq, DType moment_dtype, int64_t n, const AdamWScalars& s);
 
+// One AdamW step of the fp32 main copy `main` of a bf16 parameter (train.param_dtype: bf16),
+// from the parameter's bf16 grad, in the same pass writing the parameter: the updated main copy
+// rounded to nearest even. Bitwise adamw_step on (main, grad as fp32) followed by torch's
+// param.copy_(main), without the fp32 grad copy and the second pass.
+void adamw_step_main(float* main, const uint16_t* grad_bf16, uint16_t* param_bf16,
+                     void* exp_avg, void* exp_avg_sq, DType moment_dtype, int64_t n,
+                     const AdamWScalars& s);
+
 // dst_bf16[i] <- src[i] rounded up or down to a neighbouring bf16, with probability
 // proportional to the distance; the random bits are a murmur3-finalised hash of the value's
 // own bits and `step` (moeplug.training.optim.stochastic_round_ documents why).
