@@ -494,77 +494,63 @@ def test_grad_norm_of_bf16_grads_is_taken_in_fp32():
     assert abs(torch.nn.utils.get_total_norm(bf16).item() - exact.item()) > 1e-3 * exact.item()
 
 
-@pytest.mark.parametrize("train", [{"param_dtype": "bf16"}, {"master_dtype": "bf16"}],
-                         ids=["param_dtype", "master_dtype"])
-def test_bf16_grads_accumulate_over_micro_batches_in_fp32(train):
-    """Four micro-batches of the tiny MoE model: each bf16 grad after the step is the fp32 sum
-    of the four micro-batches' own bf16 grads, rounded once (Megatron's fp32 main-grad
-    accumulation), not autograd's bf16 running sum. The micro-batch grads come from a twin
-    model (same seed), one backward each."""
-    from moeplug.plugin_host import PluginHost
-    from moeplug.training.distributed import build_rank_model
-    from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
-    cfg = _tiny_moe_cfg({"grad_clip": 0.0, "grad_accum_steps": 4, **train})
-    host = PluginHost.load()
-    recipe = host.create("precision", "bf16", {})
-    micro = [b[0] for b in _tiny_batches(4)]
-    seed_everything(0)
-    model = build_rank_model(cfg, host, 32, None)
-    seed_everything(0)
-    twin = build_rank_model(cfg, host, 32, None)
-    sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in twin.named_parameters()}
-    for tokens, targets in micro:
-        twin.zero_grad(set_to_none=True)
-        with recipe.autocast("cpu"):
-            out = twin(tokens, targets)
-        (out.loss / 4).backward()
-        for n, p in twin.named_parameters():
-            if p.grad is not None:
-                sums[n] += p.grad.float()
-    train_step(model, build_rank_optimizer(model, cfg), micro, cfg.train, recipe)
-    for n, p in model.named_parameters():
-        assert p.grad.dtype == torch.bfloat16
-        assert torch.equal(p.grad, sums[n].bfloat16()), n
-
-
-def _pp2_grads_against_micro_batch_sums(rank: int, world: int, train: dict) -> list[str]:
-    """PP2 (1F1B, 4 micro-batches) over bf16 parameters: the names of this rank's parameters
-    whose grad after train_step is not the fp32 sum of the micro-batches' own bf16 grads,
-    rounded once. A twin runs the same schedule on one micro-batch at a time; its objective is
-    not divided by 4, so each grad is 4x the step's share, exactly (a power of two)."""
+def _grads_against_micro_batch_sums(rank: int, world: int, train: dict,
+                                    parallel: dict | None = None) -> list[str]:
+    """Four micro-batches of the tiny MoE model over bf16 parameters, in one process or (with
+    ``parallel``) as this rank of that layout: the names of the parameters whose grad after
+    train_step is not the fp32 sum of the micro-batches' own bf16 grads, rounded once. A twin
+    (same seed) runs each micro-batch alone, one process as the trainer does (loss / 4), the
+    pipeline through its schedule, which divides by its one micro-batch: there the sum is
+    divided by 4 (a power of two: the grads of loss / 4 exactly)."""
     from moeplug.parallel import ParallelGroups
     from moeplug.parallel.schedules import forward_backward_pipeline
     from moeplug.plugin_host import PluginHost
     from moeplug.training import distributed as D
     from moeplug.training.distributed import build_rank_model
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
-    cfg = _tiny_moe_cfg({"grad_clip": 0.0, "grad_accum_steps": 4, **train}, {"pp": 2})
+    cfg = _tiny_moe_cfg({"grad_clip": 0.0, "grad_accum_steps": 4, **train}, parallel)
     host = PluginHost.load()
     recipe = host.create("precision", "bf16", {})
-    groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+    groups = parallel and ParallelGroups.build(cfg.parallel.layout(), world, rank)
     micro = [b[0] for b in _tiny_batches(4)]
     seed_everything(0)
     model = build_rank_model(cfg, host, 32, groups)
     seed_everything(0)
     twin = build_rank_model(cfg, host, 32, groups)
     sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in twin.named_parameters()}
-    for batch in micro:
+    for tokens, targets in micro:
         twin.zero_grad(set_to_none=True)
-        forward_backward_pipeline(D.pipeline_chunks(twin), [batch], groups,
-                                  autocast=lambda: recipe.autocast("cpu"))
+        if groups is None:
+            with recipe.autocast("cpu"):
+                loss = twin(tokens, targets).loss
+            (loss / 4).backward()  # outside autocast, as the trainer's
+        else:
+            forward_backward_pipeline(D.pipeline_chunks(twin), [(tokens, targets)], groups,
+                                      autocast=lambda: recipe.autocast("cpu"))
         for n, p in twin.named_parameters():
             if p.grad is not None:
                 sums[n] += p.grad.float()
     train_step(model, build_rank_optimizer(model, cfg, groups), micro, cfg.train, recipe, groups)
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    share = 1 if groups is None else 4
     return [n for n, p in model.named_parameters()
-            if not torch.equal(p.grad, (sums[n] / 4).bfloat16())]
+            if not torch.equal(p.grad, (sums[n] / share).bfloat16())]
+
+
+@pytest.mark.parametrize("train", [{"param_dtype": "bf16"}, {"master_dtype": "bf16"}],
+                         ids=["param_dtype", "master_dtype"])
+def test_bf16_grads_accumulate_over_micro_batches_in_fp32(train):
+    """One process: each bf16 grad after the step is the fp32 sum of the four micro-batches'
+    own bf16 grads, rounded once (Megatron's fp32 main-grad accumulation), not autograd's bf16
+    running sum."""
+    assert _grads_against_micro_batch_sums(0, 1, train) == []
 
 
 @pytest.mark.parametrize("train", [{"param_dtype": "bf16"}, {"master_dtype": "bf16"}],
                          ids=["param_dtype", "master_dtype"])
 def test_pipeline_sums_bf16_micro_batch_grads_in_fp32(train):
     """The pipeline schedule's micro-batch grads are summed in fp32 and rounded once, as one
-    process's are (above): on both stages of PP2, every grad is bitwise that sum."""
+    process's are: on both stages of PP2 (1F1B), every grad is bitwise that sum."""
     from moeplug.testing.distributed import run_distributed
-    assert run_distributed(_pp2_grads_against_micro_batch_sums, 2, train, timeout=300) == [[], []]
+    assert run_distributed(_grads_against_micro_batch_sums, 2, train, {"pp": 2},
+                           timeout=300) == [[], []]

@@ -55,10 +55,10 @@ def _check_step(op: str, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-             step: int) -> dict:
+             step: int) -> object:
     """The step's scalars as the kernels take them (moeplug/adamw.h AdamWScalars), each
     rounded to fp32 as torch rounds it."""
-    return dict(
+    return get_runtime().AdamWScalars(
         lerp_weight=_f32(1 - beta1), beta2=_f32(beta2), grad_sq_coef=_f32(1 - beta2),
         decay=_f32(1 - lr * weight_decay), bias2_sqrt=_f32(math.sqrt(1 - beta2 ** step)),
         eps=_f32(eps), step_size=_f32(-lr / (1 - beta1 ** step)), step=step & _U32)
@@ -78,7 +78,7 @@ def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         param=p.data_ptr(), grad=grad.data_ptr(), param_dtype=dtype_code(p, op, "p"),
         exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
         moment_dtype=dtype_code(exp_avg, op, "exp_avg"), n=p.numel(),
-        **_scalars(lr, beta1, beta2, eps, weight_decay, step))
+        scalars=_scalars(lr, beta1, beta2, eps, weight_decay, step))
 
 
 def adamw_step_main_(main: torch.Tensor, grad: torch.Tensor, p: torch.Tensor,
@@ -102,4 +102,4 @@ def adamw_step_main_(main: torch.Tensor, grad: torch.Tensor, p: torch.Tensor,
         main=main.data_ptr(), grad=grad.data_ptr(), param=p.data_ptr(),
         exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
         moment_dtype=dtype_code(exp_avg, op, "exp_avg"), n=p.numel(),
-        **_scalars(lr, beta1, beta2, eps, weight_decay, step))
+        scalars=_scalars(lr, beta1, beta2, eps, weight_decay, step))

@@ -7,39 +7,40 @@ using std::uintptr_t;
 namespace moeplug::py_bind {
 
 void register_adamw(py::module_& m) {
+  // The step's scalars, built once per step in Python (moeplug.ops.adamw._scalars) and passed
+  // to either kernel by value.
+  py::class_<AdamWScalars>(m, "AdamWScalars")
+      .def(py::init([](float lerp_weight, float beta2, float grad_sq_coef, float decay,
+                       float bias2_sqrt, float eps, float step_size, uint32_t step) {
+             return AdamWScalars{lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps,
+                                 step_size, step};
+           }),
+           py::kw_only(), py::arg("lerp_weight"), py::arg("beta2"), py::arg("grad_sq_coef"),
+           py::arg("decay"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("step_size"),
+           py::arg("step"));
   def_kernel(
       m, "adamw_step",
       +[](uintptr_t param, uintptr_t grad, int param_dtype, uintptr_t exp_avg,
-          uintptr_t exp_avg_sq, int moment_dtype, int64_t n, float lerp_weight, float beta2,
-          float grad_sq_coef, float decay, float bias2_sqrt, float eps, float step_size,
-          uint32_t step) {
+          uintptr_t exp_avg_sq, int moment_dtype, int64_t n, AdamWScalars s) {
         adamw_step(ptr<void>(param), ptr<const void>(grad),
                    dtype_from_code(param_dtype, "adamw_step param_dtype"), ptr<void>(exp_avg),
                    ptr<void>(exp_avg_sq), dtype_from_code(moment_dtype, "adamw_step moment_dtype"),
-                   n, {lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps, step_size, step});
+                   n, s);
       },
       py::arg("param"), py::arg("grad"), py::arg("param_dtype"), py::arg("exp_avg"),
-      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::arg("lerp_weight"),
-      py::arg("beta2"), py::arg("grad_sq_coef"), py::arg("decay"), py::arg("bias2_sqrt"),
-      py::arg("eps"), py::arg("step_size"), py::arg("step"),
+      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::arg("scalars"),
       "One fused AdamW step over n elements in place (torch's arithmetic, moeplug/adamw.h); a "
-      "bf16 param rounds stochastically with seed `step`, bf16 moments to nearest even.");
+      "bf16 param rounds stochastically with seed `scalars.step`, bf16 moments to nearest even.");
   def_kernel(
       m, "adamw_step_main",
       +[](uintptr_t main, uintptr_t grad, uintptr_t param, uintptr_t exp_avg,
-          uintptr_t exp_avg_sq, int moment_dtype, int64_t n, float lerp_weight, float beta2,
-          float grad_sq_coef, float decay, float bias2_sqrt, float eps, float step_size,
-          uint32_t step) {
+          uintptr_t exp_avg_sq, int moment_dtype, int64_t n, AdamWScalars s) {
         adamw_step_main(ptr<float>(main), ptr<const uint16_t>(grad), ptr<uint16_t>(param),
                         ptr<void>(exp_avg), ptr<void>(exp_avg_sq),
-                        dtype_from_code(moment_dtype, "adamw_step_main moment_dtype"), n,
-                        {lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps, step_size,
-                         step});
+                        dtype_from_code(moment_dtype, "adamw_step_main moment_dtype"), n, s);
       },
       py::arg("main"), py::arg("grad"), py::arg("param"), py::arg("exp_avg"),
-      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::arg("lerp_weight"),
-      py::arg("beta2"), py::arg("grad_sq_coef"), py::arg("decay"), py::arg("bias2_sqrt"),
-      py::arg("eps"), py::arg("step_size"), py::arg("step"),
+      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::arg("scalars"),
       "One fused AdamW step of an fp32 main copy (n elements) from a bf16 grad, writing the bf16 "
       "param as the result rounded to nearest even, in one pass (moeplug/adamw.h).");
   def_kernel(
