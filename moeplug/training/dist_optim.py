@@ -173,11 +173,15 @@ class DistributedAdamW:
         self.inner.step()
         for b in self.buckets:
             W, n = group_size(b.group), b.slice_len
+            # fp32 slices of bf16 parameters: gather their bf16 image (half the bytes, as
+            # Megatron all-gathers its bf16 params), rounded to nearest here as the copy into
+            # the parameters would round it, so the parameters get the same bits.
+            src = b.shard.detach().to(b.params[0].dtype) if b.holds_main else b.shard.detach()
             if b.group is None:
-                flat = b.shard
+                flat = src
             else:
-                flat = b.shard.new_empty(n * W)
-                _all_gather_single(flat, b.shard.detach().contiguous(), group=b.group)
+                flat = src.new_empty(n * W)
+                _all_gather_single(flat, src.contiguous(), group=b.group)
             offset = 0
             for p in b.params:
                 p.copy_(flat[offset:offset + p.numel()].view_as(p))
