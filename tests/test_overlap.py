@@ -288,7 +288,7 @@ def world2_reports():
 
 @pytest.fixture(scope="module")
 def world4_reports():
-    return run_distributed(_compare, 4, WORLD4, timeout=800)
+    return run_distributed(_compare, 4, WORLD4, timeout=1200)
 
 
 @pytest.mark.parametrize("name", sorted(WORLD2))
@@ -296,6 +296,10 @@ def test_overlap_equals_no_overlap_world2(world2_reports, name):
     _check(world2_reports, name)
 
 
+# Serial: 25 layouts x 2 runs on 4 ranks, on 2 cores. Beside another xdist worker its many
+# collectives wait on descheduled ranks: on an AVX2 CI host it took 195, 353 and 717 s, and
+# once ran past its 800 s timeout; alone the 4 ranks have the cores to themselves.
+@pytest.mark.serial
 @pytest.mark.parametrize("name", sorted(WORLD4))
 def test_overlap_equals_no_overlap_world4(world4_reports, name):
     _check(world4_reports, name)
