@@ -154,17 +154,17 @@ def test_fused_step_differs_from_torchs_sqrt_step_only_in_last_bits():
 
 def test_bad_arguments_name_the_argument_and_the_fix():
     p = torch.zeros(4, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match="grad .*must match p"):
+    with pytest.raises(TypeError, match="grad .*must match p.*Fix: cast them"):
         adamw_step_(p, torch.zeros(4), torch.zeros(4), torch.zeros(4), lr=1e-3, beta1=0.9,
                     beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
-    with pytest.raises(ValueError, match="exp_avg has 3 elements"):
+    with pytest.raises(ValueError, match="exp_avg has 3 elements, p 4. Fix: pass the parameter's own grad"):
         adamw_step_(p, p.clone(), torch.zeros(3), torch.zeros(4), lr=1e-3, beta1=0.9,
                     beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
-    with pytest.raises(TypeError, match="main must be float32, grad and p bfloat16"):
+    with pytest.raises(TypeError, match="(?s)main must be float32, grad and p bfloat16.*Fix: pass a bf16 parameter"):
         adamw_step_main_(p.float(), p.float(), p, torch.zeros(4), torch.zeros(4), lr=1e-3,
                          beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
-    with pytest.raises(ValueError, match="p has 3 elements, main 4"):
+    with pytest.raises(ValueError, match="p has 3 elements, main 4. Fix: pass the parameter's own"):
         adamw_step_main_(p.float(), p, p[:3], torch.zeros(4), torch.zeros(4), lr=1e-3,
                          beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
-    with pytest.raises(TypeError, match="src32 must be float32"):
+    with pytest.raises(TypeError, match="src32 must be float32.*Fix: pass src32.float"):
         stochastic_round_bf16_(p, p, 1)

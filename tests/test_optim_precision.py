@@ -498,7 +498,8 @@ def _grads_against_micro_batch_sums(rank: int, world: int, train: dict,
                                     parallel: dict | None = None) -> list[str]:
     """Four micro-batches of the tiny MoE model over bf16 parameters, in one process or (with
     ``parallel``) as this rank of that layout: the names of the parameters whose grad after
-    train_step is not the fp32 sum of the micro-batches' own bf16 grads, rounded once. A twin
+    train_step is not the fp32 sum of the micro-batches' own bf16 grads, rounded once, and
+    "loss" when the step's logged loss is not the mean of the twin's micro-batch losses. A twin
     (same seed) runs each micro-batch alone, one process as the trainer does (loss / 4), the
     pipeline through its schedule, which divides by its one micro-batch: there the sum is
     divided by 4 (a power of two: the grads of loss / 4 exactly)."""
@@ -518,6 +519,7 @@ def _grads_against_micro_batch_sums(rank: int, world: int, train: dict,
     seed_everything(0)
     twin = build_rank_model(cfg, host, 32, groups)
     sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in twin.named_parameters()}
+    losses = []  # the twin's loss of each micro-batch (on every stage: the schedule shares it)
     for tokens, targets in micro:
         twin.zero_grad(set_to_none=True)
         if groups is None:
@@ -525,16 +527,21 @@ def _grads_against_micro_batch_sums(rank: int, world: int, train: dict,
                 loss = twin(tokens, targets).loss
             (loss / 4).backward()  # outside autocast, as the trainer's
         else:
-            forward_backward_pipeline(D.pipeline_chunks(twin), [(tokens, targets)], groups,
-                                      autocast=lambda: recipe.autocast("cpu"))
+            loss = forward_backward_pipeline(D.pipeline_chunks(twin), [(tokens, targets)],
+                                             groups,
+                                             autocast=lambda: recipe.autocast("cpu")).loss
+        losses.append(float(loss))
         for n, p in twin.named_parameters():
             if p.grad is not None:
                 sums[n] += p.grad.float()
-    train_step(model, build_rank_optimizer(model, cfg, groups), micro, cfg.train, recipe, groups)
+    stats = train_step(model, build_rank_optimizer(model, cfg, groups), micro, cfg.train,
+                       recipe, groups)
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
     share = 1 if groups is None else 4
-    return [n for n, p in model.named_parameters()
-            if not torch.equal(p.grad, (sums[n] / share).bfloat16())]
+    bad = [n for n, p in model.named_parameters()
+           if not torch.equal(p.grad, (sums[n] / share).bfloat16())]
+    # The same forwards, and a mean of four: the logged loss is that mean exactly.
+    return bad + ([] if stats.loss == sum(losses) / 4 else ["loss"])
 
 
 @pytest.mark.parametrize("train", [{"param_dtype": "bf16"}, {"master_dtype": "bf16"}],
