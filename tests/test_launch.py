@@ -157,7 +157,7 @@ def test_model_dependent_pipeline_checks_run_at_load():
 
 def test_world_size_from_env_and_launch_command(monkeypatch):
     from moeplug.training.distributed import world_from_env
-    from moeplug.training.launch import strip_nproc, torchrun_command
+    from moeplug.training.launch import strip_nproc, torchrun_args
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ConfigError) as err:
         world_from_env()
@@ -166,9 +166,8 @@ def test_world_size_from_env_and_launch_command(monkeypatch):
     assert world_from_env() == 4
     argv = ["train", "--nproc", "2", "--set", "parallel.ep=2", "--nproc=2"]
     assert strip_nproc(argv) == ["train", "--set", "parallel.ep=2"]
-    cmd = torchrun_command(2, argv)
-    assert cmd[1:5] == ["-m", "moeplug.training.launch", "--standalone", "--nproc-per-node=2"]
-    assert cmd[5:] == ["-m", "moeplug", "train", "--set", "parallel.ep=2"]
+    assert torchrun_args(2, argv) == ["--standalone", "--nproc-per-node=2", "-m", "moeplug",
+                                      "train", "--set", "parallel.ep=2"]
 
 
 def _sharded_ckpt_rank(rank: int, world: int, out_dir: str) -> str:

@@ -1,8 +1,8 @@
 """``moeplug train --nproc N``: re-execute the same command under torchrun.
 
-No launcher or rendezvous of our own: the parent runs torchrun (``torch.distributed.run
+No launcher or rendezvous of our own: the parent runs torchrun's agent (``torch.distributed.run
 --standalone --nproc-per-node N -m moeplug <argv minus --nproc>``, through :func:`agent_main`)
-and returns its exit status. torchrun starts the ranks, sets WORLD_SIZE/RANK/MASTER_ADDR/PORT,
+in its own process and returns its exit status. torchrun starts the ranks, sets WORLD_SIZE/RANK/MASTER_ADDR/PORT,
 and tears every rank down when one fails; the ranks then see a normal ``moeplug train``
 under torchrun (moeplug.training.distributed.init_distributed joins the process group).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from typing import Any, Sequence
 
@@ -34,10 +33,9 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
-    # torchrun through agent_main below: its own failure report is a traceback.
-    return [sys.executable, "-m", "moeplug.training.launch", "--standalone",
-            f"--nproc-per-node={nproc}", "-m", "moeplug", *strip_nproc(argv)]
+def torchrun_args(nproc: int, argv: Sequence[str]) -> list[str]:
+    """torchrun's arguments for ``argv`` on ``nproc`` ranks of this machine."""
+    return ["--standalone", f"--nproc-per-node={nproc}", "-m", "moeplug", *strip_nproc(argv)]
 
 
 def _stopped(code: int) -> bool:
@@ -102,15 +100,18 @@ def launch_line(cfg: Any, nproc: int, threads: int, cores: int) -> str:
 
 def relaunch(cfg: Any, nproc: int, argv: Sequence[str]) -> int:
     """Run the command on ``nproc`` ranks under torchrun; its exit status (0 = every rank ok)."""
-    env = dict(os.environ)
     # One intra-op thread per rank unless the user chose otherwise: N ranks of multi-threaded
-    # torch on the same cores only fight (torchrun sets the same default, with a warning).
-    env.setdefault("OMP_NUM_THREADS", "1")
+    # torch on the same cores only fight (torchrun sets the same default, with a warning). The
+    # ranks inherit this process's environment; its own torch threads are already set.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # train.threads > 0 overrides OMP_NUM_THREADS in every rank (torch.set_num_threads).
-    omp = env["OMP_NUM_THREADS"]
+    omp = os.environ["OMP_NUM_THREADS"]
     threads = cfg.train.threads or (int(omp) if omp.isdigit() and int(omp) > 0 else 1)
     print(launch_line(cfg, nproc, threads, usable_cores()), flush=True)
-    return subprocess.call(torchrun_command(nproc, argv), env=env)
+    # The agent runs here, not in a torchrun process of its own: this process has torch
+    # imported already, and a second interpreter would import it again (seconds of CPU per
+    # launch) only to wait on the ranks.
+    return agent_main(torchrun_args(nproc, argv))
 
 
 if __name__ == "__main__":
