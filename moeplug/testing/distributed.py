@@ -102,7 +102,7 @@ def _context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     return ctx
 
 
