@@ -6,6 +6,8 @@ use the real tokenizer, data pipeline, plugins and model instead of stand-ins.
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import subprocess
 import sys
@@ -104,3 +106,41 @@ def run_cli(cli_env):
         return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True,
                               text=True, timeout=timeout, env=env or cli_env, cwd=cwd)
     return run
+
+
+# -- pytest-xdist: a module-scoped fixture is built once ----------------------------------------
+# xdist's default ("load") hands tests out one by one, so the tests of a module-scoped fixture
+# (a multi-rank run of many layouts, minutes of 2 cores) land on both workers and each worker
+# builds it. Its "loadgroup" cannot be used instead: pytest-xdist 3.8 tags the group onto
+# ``item._nodeid``, which pytest 9's ``Node.nodeid`` no longer reads, so the marks do nothing.
+# So the README's ``-n 2`` schedules a module that defines a module-scoped fixture as one unit
+# (on one worker, like --dist loadscope) and every other test alone (like load); units with the
+# most tests go first, so the long fixture modules start early rather than end the run.
+
+
+@functools.lru_cache(maxsize=None)
+def _defines_module_fixture(path: Path) -> bool:
+    """True when the test module at ``path`` defines a ``pytest.fixture(scope="module")``."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return False
+    return any(isinstance(d, ast.Call) and getattr(d.func, "attr", None) == "fixture"
+               and any(k.arg == "scope" and getattr(k.value, "value", None) == "module"
+                       for k in d.keywords)
+               for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+               for d in node.decorator_list)
+
+
+@pytest.hookimpl(optionalhook=True)  # optional: a plain ``pytest`` runs without xdist
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "load":
+        return None  # an explicit --dist choice is the user's
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if _defines_module_fixture(config.rootpath / module) else nodeid
+
+    return ModuleFixtureScheduling(config, log)
