@@ -211,10 +211,10 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
-    from moeplug.training.faults import (EXIT_FAULT, TrainingFault, exit_on_sigterm,
+    from moeplug.training.faults import (EXIT_FAULT, TrainingFault, exit_on_stop_signals,
                                          is_peer_failure, rank_failure_line)
     if groups is not None:
-        exit_on_sigterm(D.heartbeat(groups), groups.rank)
+        exit_on_stop_signals(D.heartbeat(groups), groups.rank)
     try:
         if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
             D.barrier(groups)

@@ -219,9 +219,9 @@ def test_a_rank_stopped_by_sigterm_names_the_rank_behind(tmp_path):
     script = (
         "import sys, time, torch.distributed as dist\n"
         "from datetime import timedelta\n"
-        "from moeplug.training.faults import Heartbeat, exit_on_sigterm\n"
+        "from moeplug.training.faults import Heartbeat, exit_on_stop_signals\n"
         f"s = dist.TCPStore('127.0.0.1', {port}, 2, False, timedelta(seconds=30))\n"
-        "hb = Heartbeat(s, 0, 2); hb.beat(5); exit_on_sigterm(hb, 0)\n"
+        "hb = Heartbeat(s, 0, 2); hb.beat(5); exit_on_stop_signals(hb, 0)\n"
         "print('ready', flush=True); time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

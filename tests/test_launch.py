@@ -276,3 +276,37 @@ def test_a_dead_rank_makes_the_others_fail_instead_of_hanging():
     # rank 0's collective raised (it returned its message), it was neither killed by the
     # harness after the grace period nor allowed to complete the collective
     assert 0 not in failures, failures
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_launch_stops_every_rank_in_one_line(tiny_config_file, cli_env,
+                                                             tmp_path, sig):
+    """A scheduler's SIGTERM (or Ctrl-C's SIGINT) to `moeplug train --nproc 2` mid-run: the
+    launch, which runs torchrun's agent itself, stops both ranks, leaves no process behind,
+    and exits 128 + the signal's number with one line instead of the agent's traceback."""
+    import signal
+    import subprocess
+    import sys
+    out = str(tmp_path / "run")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moeplug", "train", "--config", tiny_config_file(out),
+         "--nproc", "2", "--steps", "100000", "--set", "train.log_interval=1"],
+        env=cli_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # training has started on the ranks
+            if line.startswith("step "):
+                break
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            ranks = [int(p) for p in f.read().split()]
+        assert len(ranks) == 2, ranks
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + getattr(signal, sig), err[-3000:]
+    assert f"moeplug: stopped by {sig}; torchrun stopped the ranks" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    deadline = time.monotonic() + 10  # reaped by the agent before it returned
+    while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), ranks

@@ -16,7 +16,7 @@ non-zero (:func:`rank_failure_line`). Each rank records its progress in the rend
 (:class:`Heartbeat`), so a timed-out rank can name the peer that is behind; a rank stuck inside
 a step (all ranks started it) is named only if the error text names it ("a peer rank" else).
 A rank that torchrun SIGTERMs before its own collective failed names it too
-(:func:`exit_on_sigterm`).
+(:func:`exit_on_stop_signals`).
 
 ``MOEPLUG_TEST_FAULT`` (tests only, :class:`TestFault`) injects a fault at optimizer step N
 (1-based, as logged): ``kill:rank=R:step=N`` (SIGKILL itself), ``hang:rank=R:step=N`` (sleep
@@ -138,16 +138,19 @@ def _who(peers: list[int]) -> str:
             f"ranks {', '.join(map(str, peers))}" if peers else "a peer rank")
 
 
-def exit_on_sigterm(heartbeat: Heartbeat, rank: int) -> None:
+def exit_on_stop_signals(heartbeat: Heartbeat, rank: int) -> None:
     """When one rank fails torchrun SIGTERMs the others, possibly before their own collective
-    noticed: such a rank still names the rank behind (if the heartbeats tell) and exits."""
+    noticed: such a rank still names the rank behind (if the heartbeats tell) and exits. The
+    agent passes on the signal that stopped the launch itself, so SIGINT (Ctrl-C at the
+    launch) is handled the same way: an exit status, not a KeyboardInterrupt traceback."""
     def stop(signum: int, _frame: Any) -> None:
         peers = [r for r in heartbeat.laggards() if r != rank]
         if peers:
             print(f"moeplug: {_who(peers)} failed (the launcher stopped this rank); this rank "
                   f"({rank}) stops", file=sys.stderr, flush=True)
         os._exit(128 + signum)
-    signal.signal(signal.SIGTERM, stop)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 class TestFault:

@@ -54,11 +54,20 @@ def _how(failure: Any) -> str:
 def agent_main(argv: Sequence[str]) -> int:
     """torchrun (``torch.distributed.run``) with ``argv``. With max_restarts 0, when one rank
     exits non-zero or is killed the agent SIGTERMs the others and waits for them (no orphans);
-    its report becomes one line naming every rank that failed and how, not a traceback."""
+    its report becomes one line naming every rank that failed and how, not a traceback. The
+    same when the launch itself gets SIGTERM, SIGINT or SIGHUP: the ranks are stopped, and the
+    exit status is 128 + the signal's number."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
     try:
         run(parse_args(list(argv)))
+    except SignalException as e:
+        # SIGTERM/SIGINT/SIGHUP to the launch (a scheduler, Ctrl-C): the agent has stopped the
+        # ranks by now; exit as a process killed by that signal would, without a traceback.
+        print(f"moeplug: stopped by {signal.Signals(e.sigval).name}; torchrun stopped the "
+              "ranks", file=sys.stderr)
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         # Who exited first is not always the culprit (a hung rank's peers time out first, a
         # killed rank's peer may be seen first): list every failed rank, killed ones first,
