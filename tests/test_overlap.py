@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeplug.testing.distributed import run_distributed
+from moeplug.testing.distributed import run_distributed, run_layouts
 
 V = 64
 CHUNKS = 3
@@ -283,17 +283,12 @@ def _check(reports: list[dict], name: str) -> None:
 
 @pytest.fixture(scope="module")
 def world2_reports():
-    return run_distributed(_compare, 2, WORLD2, timeout=300)
+    return run_layouts(_compare, 2, WORLD2, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def world4_reports():
-    # 25 layouts x 2 runs on 4 ranks. On 2 cores beside the other xdist worker it took 195 to
-    # 717 s on an AVX2 CI host, and once ran past an 800 s limit under a host load of ~900.
-    # Alone (in the serial pass) it took about 8 minutes, and CI took ~46 minutes against
-    # 37:53 with it here: its ranks' waits on each other leave cores idle that the other
-    # worker fills.
-    return run_distributed(_compare, 4, WORLD4, timeout=1200)
+    return run_layouts(_compare, 4, WORLD4, timeout=600)
 
 
 @pytest.mark.parametrize("name", sorted(WORLD2))

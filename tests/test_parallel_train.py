@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from moeplug.testing.distributed import run_distributed
+from moeplug.testing.distributed import run_distributed, run_layouts
 
 V = 64
 TOL = 2e-5       # fp32, 3 AdamW steps, absolute, on loss / grad norm / every grad and parameter
@@ -271,12 +271,12 @@ def _check(reports, name):
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_distributed(_run_layouts, 2, WORLD2, timeout=300)
+    return run_layouts(_run_layouts, 2, WORLD2, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_distributed(_run_layouts, 4, WORLD4, timeout=400)
+    return run_layouts(_run_layouts, 4, WORLD4, timeout=400)
 
 
 @pytest.fixture(scope="module")
