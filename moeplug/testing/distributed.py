@@ -131,9 +131,11 @@ def run_layouts(fn: Callable, world_size: int, layouts: dict, *, per_launch: int
     Why not all in one launch: every gloo process group keeps a TCP loop and two run-loop
     threads until the default group is destroyed, and a rank that built dozens of layouts'
     groups (25 layouts x 2 variants of the overlap comparison: ~1,200 threads per rank) ran its
-    steps several times slower. Destroying the groups in between is no way out: torch names
-    the groups created by members only (the hierarchical dispatcher's node groups) after the
-    number of live groups, so a destroyed group's name comes back."""
+    steps several times slower. Destroying the groups in between is no way out: torch names a
+    group that only its members create (the hierarchical dispatcher's node groups) after its
+    ranks and the number of live groups, so once groups are destroyed a new group can get a
+    live one's name and torch refuses it ("The specified group name has already been
+    created")."""
     names = list(layouts)
     merged: list[dict] = [{} for _ in range(world_size)]
     for start in range(0, len(names), per_launch):
