@@ -1,12 +1,12 @@
-"""``moeplug train --nproc N``: re-execute the same command under torchrun.
+"""``moeplug train --nproc N``: run the same command on N ranks under torchrun.
 
-No launcher or rendezvous of our own: the parent runs torchrun's agent (``torch.distributed.run
---standalone --nproc-per-node N -m moeplug <argv minus --nproc>``, through :func:`agent_main`)
-in its own process and returns its exit status. torchrun starts the ranks, sets WORLD_SIZE/RANK/MASTER_ADDR/PORT,
-and tears every rank down when one fails; the ranks then see a normal ``moeplug train``
-under torchrun (moeplug.training.distributed.init_distributed joins the process group).
+No launcher or rendezvous of our own: the ``moeplug`` process runs torchrun's agent itself
+(``torch.distributed.run --standalone --nproc-per-node N -m moeplug <argv minus --nproc>``,
+through :func:`agent_main`) and returns its exit status. torchrun starts the ranks, sets
+WORLD_SIZE/RANK/MASTER_ADDR/PORT, and tears every rank down when one fails; the ranks then see
+a normal ``moeplug train`` under torchrun (moeplug.training.distributed.init_distributed joins
+the process group).
 """
-
 from __future__ import annotations
 
 import os
@@ -122,6 +122,3 @@ def relaunch(cfg: Any, nproc: int, argv: Sequence[str]) -> int:
     # launch) only to wait on the ranks.
     return agent_main(torchrun_args(nproc, argv))
 
-
-if __name__ == "__main__":
-    sys.exit(agent_main(sys.argv[1:]))
