@@ -41,10 +41,82 @@ def _train(opt_cfg: TrainConfig, steps: int = 20, moment_dtype=None):
 def test_fp32_moments_equal_torch_adamw():
     """Same formula as torch's AdamW: with fp32 moments the parameters agree to rounding."""
     cfg = TrainConfig(weight_decay=0.1)
-    ref, _ = _train(cfg)  # build_optimizer: torch.optim.AdamW
+    ref, _ = _train(cfg)  # build_optimizer: AdamW, torch's bit for bit (the test below)
     ours, _ = _train(cfg, moment_dtype=torch.float32)
     for a, b in zip(ref.parameters(), ours.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_is_torchs_bitwise_and_their_state_dicts_load_into_each_other():
+    """moeplug's AdamW (its own base, torch's functional update) against torch.optim.AdamW on
+    the same two groups and grads, the lr changed every step as the trainer does, and each
+    one's state dict loaded into the other halfway: parameters and state stay bitwise equal."""
+    import copy
+    from moeplug.training.optim import AdamW
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(*s)) for s in ((33, 17), (17,), (5, 5))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+    def groups(ps):
+        return [{"params": [ps[0], ps[2]], "weight_decay": 0.1},
+                {"params": [ps[1]], "weight_decay": 0.0}]
+    a = AdamW(groups(ours), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    b = torch.optim.AdamW(groups(ref), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    for step in range(6):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        for opt in (a, b):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * (step + 1)
+        a.step()
+        b.step()
+        if step == 2:  # a checkpoint of either resumes the other
+            sa, sb = copy.deepcopy(a.state_dict()), copy.deepcopy(b.state_dict())
+            a.load_state_dict(sb)
+            b.load_state_dict(sa)
+    assert all(torch.equal(p, q) for p, q in zip(ours, ref))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert [g["params"] for g in sa["param_groups"]] == [[0, 1], [2]]
+    assert [g["params"] for g in sb["param_groups"]] == [[0, 1], [2]]
+    assert sa["state"].keys() == sb["state"].keys() == {0, 1, 2}
+    for i, state in sb["state"].items():
+        assert sa["state"][i].keys() == state.keys()
+        assert all(torch.equal(sa["state"][i][k], v) for k, v in state.items()), i
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        a.load_state_dict({**sb, "param_groups": sb["param_groups"][:1]})
+
+
+_NO_DYNAMO = r"""
+import json
+import sys
+from moeplug.config import config_from_dict
+from moeplug.testing.steps import one_process_trainer
+cfg = config_from_dict({"model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                                  "num_kv_heads": 2, "max_seq_len": 32,
+                                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}},
+                        "train": {"steps": 4, "micro_batch_size": 2, "seq_len": 32,
+                                  "warmup_steps": 1, **json.loads(sys.argv[1])},
+                        "plugins": {"precision": sys.argv[2]}})
+model, step = one_process_trainer(cfg, sys.argv[2])
+for _ in range(2):
+    step()
+print("torch._dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("train", [{}, {"optimizer_dtype": "bf16"}, {"param_dtype": "bf16"}],
+                         ids=["fp32", "bf16_moments", "bf16_params"])
+def test_training_steps_never_import_torch_dynamo(train):
+    """torch.optim.Optimizer's methods import torch._dynamo at their first call (~2.4 s of CPU
+    a rank); moeplug's optimizers do not, so a run starts that much sooner."""
+    import subprocess
+    import sys
+    precision = "bf16" if "param_dtype" in train else "fp32"  # bf16 params need bf16 compute
+    out = subprocess.run([sys.executable, "-c", _NO_DYNAMO, json.dumps(train), precision],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "torch._dynamo imported: False" in out.stdout, out.stdout
 
 
 def test_bf16_moments_halve_state_and_stay_close():

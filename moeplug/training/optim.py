@@ -13,10 +13,12 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw as _torch_adamw  # the functional update, not wrapped
 
 from moeplug.config import TrainConfig
 from moeplug.ops.adamw import (adamw_step_, adamw_step_main_, kernel_applies,
                                stochastic_round_bf16_)
+from moeplug.training.optim_base import Optimizer
 
 
 # Optimizer state key of a bf16 parameter's fp32 main copy (train.param_dtype: bf16); the
@@ -89,7 +91,47 @@ def stochastic_round_reference_(dst: torch.Tensor, src32: torch.Tensor, step: in
     dst.copy_(bits.add(noise).bitwise_and_(-65536).view(torch.float32))
 
 
-class LowPrecisionMomentsAdamW(torch.optim.Optimizer):
+class AdamW(Optimizer):
+    """torch.optim.AdamW, bit for bit: the same state (``step`` an fp32 scalar on the CPU,
+    ``exp_avg``, ``exp_avg_sq``) and the same update, torch's functional AdamW with torch's
+    defaults (its single-tensor loop on the CPU, its foreach kernels on a GPU), on
+    :class:`~moeplug.training.optim_base.Optimizer`, whose module says why not torch's base.
+    tests/test_optim_precision.py checks it against torch.optim.AdamW bitwise."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # as torch's AdamW: the step count on the CPU, moments like p
+                    state["step"] = torch.tensor(0.0, dtype=scalar)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p,
+                                                           memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(state["exp_avg"])
+                exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps,
+                         has_complex=any(torch.is_complex(p) for p in params), amsgrad=False,
+                         beta1=beta1, beta2=beta2, lr=group["lr"],
+                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+class LowPrecisionMomentsAdamW(Optimizer):
     """AdamW (torch's formula) whose moments ``exp_avg`` / ``exp_avg_sq`` are stored in
     ``moment_dtype`` (bf16: half of fp32 AdamW's 8 bytes of state per parameter). Each step
     reads them into fp32, updates in fp32 and rounds them back (Megatron precision-aware
@@ -203,8 +245,8 @@ def _torch_update(p: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch
         stochastic_round_(p, p32, t)
 
 
-def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """torch's AdamW, or with ``optimizer_dtype: bf16`` or bf16 parameters (``master_dtype``
+def adamw(groups: list[dict], cfg: TrainConfig) -> Optimizer:
+    """AdamW (torch's, bit for bit), or with ``optimizer_dtype: bf16`` or bf16 parameters (``master_dtype``
     or ``param_dtype: bf16``) the precision-aware AdamW (moments in ``optimizer_dtype``, any
     parameter dtype, fp32 main copies of bf16 parameters with ``param_dtype: bf16``)."""
     # lr here is a placeholder: the trainer sets every group's lr from lr_at(step) each step.
@@ -213,7 +255,7 @@ def adamw(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
         moments = torch.bfloat16 if cfg.optimizer_dtype == "bf16" else torch.float32
         return LowPrecisionMomentsAdamW(groups, moment_dtype=moments, main_params=cfg.main_params,
                                         **kw)
-    return torch.optim.AdamW(groups, **kw)
+    return AdamW(groups, **kw)
 
 
 def apply_param_dtype(model: nn.Module, cfg: TrainConfig) -> nn.Module:
@@ -227,5 +269,5 @@ def apply_param_dtype(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return model
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> Optimizer:
     return adamw(param_groups(model, cfg.weight_decay), cfg)
