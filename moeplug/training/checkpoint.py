@@ -51,6 +51,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from moeplug.config import ConfigError, RootConfig, config_from_dict, model_differences
+from moeplug.training.optim_base import Optimizer
+
+# moeplug's optimizers (their own base) and torch's: both save and load torch's state-dict format.
+AnyOptimizer = Optimizer | torch.optim.Optimizer
 
 FORMAT = "moeplug-checkpoint-v1"
 MODEL_FILE = "model.safetensors"
@@ -163,7 +167,7 @@ def _alias_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
-def _optimizer_payload(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list]:
+def _optimizer_payload(optimizer: AnyOptimizer) -> tuple[dict[str, torch.Tensor], list]:
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for idx, state in sd["state"].items():
@@ -203,7 +207,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, meta: dict, keep_last: int = 0) -> str:
+                    optimizer: AnyOptimizer, meta: dict, keep_last: int = 0) -> str:
     """Write ``out_dir/step_XXXXXX`` atomically, then point ``latest`` at it and keep only the
     newest ``keep_last`` checkpoints (0: all; :func:`prune_checkpoints`). Returns its path.
 
@@ -697,7 +701,7 @@ def _load_optimizer_state(path: str, optimizer: Any, tensors: dict, param_groups
 
 
 def load_checkpoint(path: str, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, restore_rng: bool = True) -> dict:
+                    optimizer: AnyOptimizer | None = None, restore_rng: bool = True) -> dict:
     """Load model (and optimizer) state in place from a checkpoint directory; return its meta.
     Every file is checked against its checksum in meta.json before it is read."""
     meta = read_meta(path)
