@@ -23,7 +23,8 @@ from hypothesis import strategies as st  # noqa: E402
 from moeplug import cli  # noqa: E402
 from moeplug.config import _SUBCONFIGS, ConfigError, RootConfig, config_from_dict  # noqa: E402
 
-pytestmark = pytest.mark.serial  # hypothesis deadlines are wall-clock time per example
+# The hypothesis tests run alone (serial): their deadlines are wall-clock time per example. The
+# real-CLI ones run beside other tests: their 30 s bound is ~10x what a refusal takes.
 
 
 def _leaves(cls: type = RootConfig, prefix: str = "") -> dict[str, str]:
@@ -68,6 +69,7 @@ FUZZ = settings(max_examples=300, deadline=2000, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.serial
 @FUZZ
 @given(bad=SURELY_BAD, noise=RANDOM)
 def test_invalid_configs_raise_config_error_only(bad, noise):
@@ -77,6 +79,7 @@ def test_invalid_configs_raise_config_error_only(bad, noise):
         assert "\n" not in line and ("Fix:" in line or "unknown field" in line), line
 
 
+@pytest.mark.serial
 @FUZZ
 @given(noise=RANDOM)
 def test_random_configs_are_valid_or_config_error(noise):
@@ -102,6 +105,7 @@ def _in_process(argv: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+@pytest.mark.serial
 @settings(max_examples=200, deadline=5000, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(bad=SURELY_BAD, noise=RANDOM, steps=st.one_of(st.none(), st.integers(-5, 5)))

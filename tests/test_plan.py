@@ -280,7 +280,9 @@ def test_cpu_run_matches_the_calibrated_plan(name, tiny_corpus, cache_dir, tmp_p
            # routing near balance (moeplug.plan.memory; README "Planning a run").
            "train": {"steps": 8, "micro_batch_size": mbs, "seq_len": 256, "warmup_steps": 2,
                      "lr": 3e-4, "min_lr": 3e-5,
-                     "eval_interval": 0, "log_interval": 4, "out_dir": str(out), "threads": 1,
+                     # one validation batch at the end: the comparison reads train steps only
+                     "eval_interval": 0, "eval_batches": 1, "log_interval": 4,
+                     "out_dir": str(out), "threads": 1,
                      "time_breakdown": False},
            "parallel": par}
     path = tmp_path / f"{name}.yaml"
