@@ -690,11 +690,51 @@ def test_ep2_steps_allocate_next_to_nothing_on_the_moe_path(case):
     # them (else the bound proves nothing).
     dispatcher, options, exchanges = EP2_CASES[case]
     from moeplug.testing.distributed import run_distributed
-    from moeplug.testing.steps import ep2_moe_allocations
-    on = run_distributed(ep2_moe_allocations, 2, dispatcher, True, options, timeout=240)
-    off = run_distributed(ep2_moe_allocations, 2, dispatcher, False, options, timeout=240)
+    from moeplug.testing.steps import two_rank_moe_allocations
+    on = run_distributed(two_rank_moe_allocations, 2, dispatcher, True, options, timeout=240)
+    off = run_distributed(two_rank_moe_allocations, 2, dispatcher, False, options, timeout=240)
     for (count_on, where_on), (count_off, where_off) in zip(on, off):
         assert count_on <= 8, "\n".join(f"{n} x {k}" for k, n in where_on.items())
         assert count_off >= 100, where_off
         for exchange in exchanges:
             assert any(exchange in k for k in where_off), (exchange, where_off)
+
+
+# TP2: the MoE layer's input, this rank's chunk of the tokens, is a [B, S/tp, D] view of s-major
+# ([S, B, D]) activations, flattened (and its grad reshaped back) by a copy, and the router's
+# losses run over the token group: f_i counts the group's tokens (the counts all-reduced over
+# it) and the layer averages the ranks' losses (an all-reduce / W). All of it ran as torch ops
+# (92 allocating ops in the two steps, 208 with all three aux losses, measured 2026-11-27) and
+# now runs in the layer's arena.
+TP2_CASES = {
+    "tp2": ({"tp": 2}, {}),
+    "tp2_all_aux_losses": ({"tp": 2}, {"load_balancing_type": ["aux_loss", "seq_aux_loss",
+                                                               "global_aux_loss"],
+                                       "aux_loss_coeff": [1e-2, 2e-2, 3e-2]}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TP2_CASES))
+def test_tp2_steps_allocate_nothing_on_the_moe_path_and_match_the_torch_ops(case):
+    parallel, router_options = TP2_CASES[case]
+    from moeplug.testing.distributed import run_distributed
+    from moeplug.testing.steps import two_rank_moe_allocations, two_rank_trajectory
+    args = ("alltoall", True, None, parallel, router_options)
+    off_args = ("alltoall", False, None, parallel, router_options)
+    on = run_distributed(two_rank_moe_allocations, 2, *args, timeout=240)
+    off = run_distributed(two_rank_moe_allocations, 2, *off_args, timeout=240)
+    for (count_on, where_on), (_, where_off) in zip(on, off):
+        assert count_on == 0, "\n".join(f"{n} x {k}" for k, n in where_on.items())
+        # With the arenas off the layer runs the torch ops again (the flatten's copy, its
+        # grad's, the all-reduce's clone) and the loss Function takes torch's buffers: the
+        # counter must see each of them.
+        for op in ("aten::clone <- aten::reshape <- moeplug::moe_forward",
+                   "aten::reshape <- ViewBackward0", "_AllReduce", "_AuxFromStats"):
+            assert any(op in k for k in where_off), (op, where_off)
+    # Without the arenas the flatten, its grad and the ranks' mean are the torch ops again:
+    # losses, grad norms and parameters after four steps are bitwise the same.
+    for (log_on, params_on), (log_off, params_off) in zip(
+            run_distributed(two_rank_trajectory, 2, *args, timeout=240),
+            run_distributed(two_rank_trajectory, 2, *off_args, timeout=240)):
+        assert log_on == log_off
+        assert all(torch.equal(p, params_off[n]) for n, p in params_on.items())

@@ -25,7 +25,7 @@ from moeplug.ops.scale_rows import ones, scale_rows
 from moeplug.parallel.tensor_parallel import average_over_token_group
 from moeplug.quant import active_recipe
 from moeplug.modules.shared_experts import add_shared
-from moeplug.routing import expert_counts, kept
+from moeplug.routing import expert_counts, kept, rows_as, token_rows
 
 
 def _rows_for_experts(x_TD: torch.Tensor) -> torch.Tensor:
@@ -127,7 +127,7 @@ class MoELayer(nn.Module):
             return self._forward(x_ND)
 
     def _forward(self, x_ND: torch.Tensor) -> MoEOutput:
-        x_TD = x_ND.reshape(-1, x_ND.shape[-1])
+        x_TD = token_rows(x_ND)  # a view, or (TP's s-major token chunk) an arena copy
         if getattr(self.experts, "delay_wgrad_compute", False):
             x_TD = flush_at(x_TD)  # no expert weight gradient outlives this layer's backward
         with stage("router"):
@@ -154,7 +154,7 @@ class MoELayer(nn.Module):
             counts_E = self._counts(routing)
             if self.shared is not None:
                 y_TD = add_shared(y_TD, self.shared(x_TD))            # 5. shared, 6. sum
-        y_ND = y_TD.reshape(x_ND.shape)                               # 6. sum
+        y_ND = rows_as(y_TD, x_ND)                                    # 6. sum
         return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
                          counts_E, dict(routing.losses))
 

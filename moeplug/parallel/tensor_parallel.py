@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from moeplug.ops import workspace
 from moeplug.parallel import comm
 
 
@@ -289,7 +290,31 @@ def average_over_token_group(aux: torch.Tensor, group: Any) -> torch.Tensor:
     losses over equal token chunks is the loss of the unsplit batch (every aux loss is
     sum_i f_i * mean over tokens), and every rank gets the same value to log and add."""
     W = comm.group_size(group)
-    return aux if W == 1 else comm.reduce_from_tp_region(aux, group) / W
+    if W == 1:
+        return aux
+    if aux.device.type == "cpu" and workspace.current_arena() is not None:
+        return _MeanOverGroup.apply(aux, group, W)  # the same numbers, in the layer's arena
+    return comm.reduce_from_tp_region(aux, group) / W
+
+
+class _MeanOverGroup(Function):
+    """``reduce_from_tp_region(aux, group) / W`` over the running layer's workspace arena (no
+    allocation after warm-up, issue 7): forward the all-reduced sum divided by W, backward the
+    grad divided by W (DivBackward0; the reduce's backward is the identity), op for op."""
+
+    @staticmethod
+    def forward(ctx, aux, group, W):
+        ctx.W, ctx.arena = W, workspace.current_arena()
+        total = workspace.empty((), aux.dtype).copy_(aux)
+        dist.all_reduce(total, group=comm.active_group(group))
+        w = workspace.empty((), aux.dtype).fill_(W)  # torch wraps the int W the same way
+        return torch.div(total, w, out=workspace.empty((), aux.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        with workspace.ctx_arena(ctx):
+            w = workspace.empty((), grad.dtype).fill_(ctx.W)
+            return torch.div(grad, w, out=workspace.empty((), grad.dtype)), None, None
 
 
 def enter_for(groups: Any, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from moeplug.routing.expert_bias import updated_expert_bias
 from moeplug.routing.fused import AuxStats, fused_routing_applies, fused_topk_routing
 from moeplug.routing.gating import ROUTER_DTYPES, force_balanced_logits, input_jitter, router_logits
 from moeplug.routing.rows import (append_sink_rows, cat_rows, first_rows, pad_rows,
-                                  padded_counts, row_range, sink_dropped, unpad_rows)
+                                  padded_counts, row_range, rows_as, sink_dropped,
+                                  token_rows, unpad_rows)
 from moeplug.routing.scores import (GROUP_SCORES, NORM_EPS, SCORE_FUNCTIONS, aux_scores,
                                     group_limited_topk, group_members, score, select_topk,
                                     topk_routing)
@@ -36,9 +37,9 @@ __all__ = [
     "force_balanced_logits",
     "fused_routing_applies", "fused_topk_routing", "global_aux_loss", "group_limited_topk",
     "group_members", "input_jitter", "kept", "pad_rows", "padded_counts", "router_logits",
-    "row_range", "score",
+    "row_range", "rows_as", "score",
     "select_topk", "seq_aux_loss", "seq_aux_loss_from_stats", "sink_dropped", "sum_over_group",
     "switch_aux_loss", "switch_aux_loss_from_mean", "switch_aux_loss_from_stats",
-    "topk_routing", "unpad_rows",
+    "token_rows", "topk_routing", "unpad_rows",
     "updated_expert_bias", "z_loss", "zero_dropped",
 ]

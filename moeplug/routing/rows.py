@@ -32,6 +32,62 @@ def sink_dropped(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, sink: in
     return ids_TK.masked_fill(dropped_TK, sink)
 
 
+class _TokenRows(torch.autograd.Function):
+    """``x.reshape(-1, D)`` of a non-contiguous input (under tensor parallelism the MoE layer
+    gets its token chunk as a [B, S/tp, D] view of s-major [S, B, D] activations), the copy
+    written into a workspace buffer; backward is the reshape's (its grad copied back into x's
+    shape), into a workspace buffer."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape, ctx.arena = tuple(x.shape), workspace.current_arena()
+        out = workspace.empty(tuple(x.shape), x.dtype).copy_(x)
+        return out.view(-1, x.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        with workspace.ctx_arena(ctx):
+            return workspace.empty(ctx.shape, grad_TD.dtype).copy_(grad_TD.view(ctx.shape))
+
+
+class _RowsAs(torch.autograd.Function):
+    """``y_TD.view(shape)``; backward is the view's (the grad as [T, D] rows), a non-contiguous
+    grad (tensor parallelism's s-major one) copied into a workspace buffer."""
+
+    @staticmethod
+    def forward(ctx, y_TD, shape):
+        ctx.arena = workspace.current_arena()
+        return y_TD.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not grad.is_contiguous():
+            with workspace.ctx_arena(ctx):
+                grad = workspace.empty(tuple(grad.shape), grad.dtype).copy_(grad)
+        return grad.view(-1, grad.shape[-1]), None
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ([..., D]) as [T, D] rows, b-major: a view when ``x`` is contiguous, else (CPU) a
+    copy in the running layer's workspace with the same values as ``reshape``'s."""
+    if _plain(x):
+        return x.reshape(-1, x.shape[-1])
+    return _TokenRows.apply(x)
+
+
+def rows_as(y_TD: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y_TD`` viewed in the shape of ``x``, the input :func:`token_rows` flattened; where that
+    input was not contiguous, its grad will not be either, and the backward copies it into the
+    running layer's workspace instead of reshape's fresh buffer."""
+    if _plain(x):
+        return y_TD.reshape(x.shape)
+    return _RowsAs.apply(y_TD, tuple(x.shape))
+
+
+def _plain(x: torch.Tensor) -> bool:
+    return x.is_contiguous() or x.device.type != "cpu" or workspace.current_arena() is None
+
+
 class _RowRange(torch.autograd.Function):
     """``x_RD[t0:t1]``; backward is SliceBackward0's (zeros of x's shape, the grad copied into
     rows t0:t1) written into a workspace buffer."""

@@ -20,8 +20,10 @@ fp32 operands give the same results either way. CPU only.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from moeplug.ops import workspace
+from moeplug.parallel.comm import active_group
 
 # The aux-loss types that the stats path computes; "aux_loss" and "global_aux_loss" are the
 # Switch loss (f_i from this micro-batch's counts, resp. the step's accumulated ones), the
@@ -35,6 +37,15 @@ def _number(value: float, dtype: torch.dtype) -> torch.Tensor:
 
 def _ws(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return workspace.empty(shape, dtype)
+
+
+def sum_over_group(counts: torch.Tensor, group) -> torch.Tensor:
+    """``counts`` summed over ``group`` (its ranks hold equal token chunks of the same
+    sequences: tensor / sequence parallel) in a workspace buffer: the values of
+    moeplug.routing.aux_losses.sum_over_group, without its clone."""
+    out = _ws(tuple(counts.shape), counts.dtype).copy_(counts)
+    dist.all_reduce(out, group=active_group(group))  # the twin inside combined 1F1B's backward
+    return out
 
 
 class _AuxFromStats(torch.autograd.Function):

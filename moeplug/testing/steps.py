@@ -79,18 +79,19 @@ def train_ep2_variants(rank: int, world: int, cfgs: dict, vocab: int, stat: str)
     return out
 
 
-def ep2_moe_allocations(rank: int, world: int, dispatcher: str, arenas: bool,
-                        options: dict | None = None) -> tuple:
-    """On each rank of a 2-rank gloo run: a 2-layer EP2 model (8 experts top-2, the stash on)
-    trained 5 steps of 2 micro-batches, then the MoE path's allocations in the next two steps,
-    summed, as (count, where) of :func:`moeplug.testing.allocations.moe_path_allocations`. ``arenas``
-    False switches every layer's workspace arena off (the counter must then see the
-    exchanges' buffers). ``options``: the dispatcher's plugin options."""
+def two_rank_trainer(rank: int, world: int, dispatcher: str, arenas: bool,
+                     options: dict | None = None, parallel: dict | None = None,
+                     router_options: dict | None = None) -> tuple:
+    """(model, step) on one rank of a 2-rank gloo run: a 2-layer model (8 experts top-2, the
+    stash on; EP2 unless ``parallel`` says otherwise) and ``step()``, one train step of 2
+    micro-batches on the next random batches (its StepStats). Data-parallel ranks (EP's) get
+    batches of their own, tensor-parallel ones the same. ``arenas`` False switches every
+    layer's workspace arena off. ``options``: the dispatcher's plugin options;
+    ``router_options``: the router's."""
     from moeplug.config import config_from_dict
     from moeplug.modules.moe import MoELayer
     from moeplug.parallel import ParallelGroups
     from moeplug.plugin_host import PluginHost
-    from moeplug.testing.allocations import moe_path_allocations
     from moeplug.training.distributed import build_rank_model
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
     torch.set_num_threads(1)
@@ -98,8 +99,9 @@ def ep2_moe_allocations(rank: int, world: int, dispatcher: str, arenas: bool,
         "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 32, "first_k_dense": 0,
                   "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 32}},
-        "plugins": {"dispatcher": dispatcher, "dispatcher_options": options or {}},
-        "parallel": {"ep": 2},
+        "plugins": {"dispatcher": dispatcher, "dispatcher_options": options or {},
+                    "router_options": router_options or {}},
+        "parallel": parallel or {"ep": 2},
         "train": {"steps": 10, "micro_batch_size": 2, "seq_len": 32, "warmup_steps": 1,
                   "grad_accum_steps": 2},
         "runtime": {"stash": True}})
@@ -113,13 +115,31 @@ def ep2_moe_allocations(rank: int, world: int, dispatcher: str, arenas: bool,
         for m in model.modules():
             if isinstance(m, MoELayer):
                 m.workspace = None
-    gen = torch.Generator().manual_seed(5 + rank)  # each rank its own batches: new routing
+    gen = torch.Generator().manual_seed(5 + rank // (parallel or {}).get("tp", 1))
 
-    def step() -> None:
+    def step():
         batches = [(torch.randint(0, 256, (2, 32), generator=gen),
                     torch.randint(0, 256, (2, 32), generator=gen)) for _ in range(2)]
-        train_step(model, opt, batches, cfg.train, precision, groups)
+        return train_step(model, opt, batches, cfg.train, precision, groups)
+    return model, step
+
+
+def two_rank_moe_allocations(rank: int, world: int, *args, **kwargs) -> tuple:
+    """:func:`two_rank_trainer`'s model trained 5 steps, then the MoE path's allocations in the
+    next two steps, summed, as (count, where) of
+    :func:`moeplug.testing.allocations.moe_path_allocations` (with the arenas off the counter
+    must see the exchanges' buffers)."""
+    from moeplug.testing.allocations import moe_path_allocations
+    model, step = two_rank_trainer(rank, world, *args, **kwargs)
     for _ in range(5):  # EP2 spreads the rows per expert wider: the scratch classes warm later
         step()
     reports = [moe_path_allocations(model, step) for _ in range(2)]
     return sum(r.count for r in reports), {k: n for r in reports for k, n in r.where.items()}
+
+
+def two_rank_trajectory(rank: int, world: int, *args, steps: int = 4, **kwargs) -> tuple:
+    """:func:`two_rank_trainer`'s losses and grad norms over ``steps`` steps and its final
+    parameters: what two variants of a layout must agree on bitwise."""
+    model, step = two_rank_trainer(rank, world, *args, **kwargs)
+    logged = [(s.losses(), s.grad_norm) for s in (step() for _ in range(steps))]
+    return logged, {n: p.detach().clone() for n, p in model.named_parameters()}

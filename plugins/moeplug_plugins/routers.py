@@ -299,17 +299,20 @@ class TopKRouter(Router):
         ``stats``: the fused router's per-sequence means and counts (else computed here)."""
         active = self._active_aux_losses()
         T, K, E = ids_TK.shape[0], self.top_k, self.num_experts
-        if (stats is not None and T > 0 and stats.mean_BE.device.type == "cpu"
-                and (token_group is None or dist.get_world_size(token_group) == 1)):
+        if stats is not None and T > 0 and stats.mean_BE.device.type == "cpu":
             # One autograd Function over workspace buffers: the same numbers as the general
-            # path below, no allocation after warm-up (issue 7).
+            # path below, no allocation after warm-up (issue 7). Over a token group (TP / SP)
+            # f_i counts the group's tokens: counts summed over it, T times its size.
+            counts_BE, W = stats.counts_BE, 1
+            if token_group is not None and dist.get_world_size(token_group) > 1:
+                counts_BE, W = WL.sum_over_group(counts_BE, token_group), \
+                    dist.get_world_size(token_group)
             acc_counts_E, acc_tokens = None, 0
             if "global_aux_loss" in active:
-                counts_E = torch.sum(stats.counts_BE, 0,
-                                     out=workspace.empty((E,), stats.counts_BE.dtype))
-                acc_counts_E, acc_tokens = self._accumulate_global(counts_E, T, counting)
+                counts_E = torch.sum(counts_BE, 0, out=workspace.empty((E,), counts_BE.dtype))
+                acc_counts_E, acc_tokens = self._accumulate_global(counts_E, T * W, counting)
             total, values = WL.aux_losses_from_stats(
-                stats.mean_BE, stats.counts_BE, T, K, list(active.items()),
+                stats.mean_BE, counts_BE, T * W, K, list(active.items()),
                 acc_counts_E, acc_tokens)
             losses.update(values)
             return total
