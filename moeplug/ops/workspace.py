@@ -109,6 +109,13 @@ def _drop_free(nbytes: int) -> None:
             del _cache[key]
 
 
+def number(value: float, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` as a 0-d :func:`empty` buffer of ``dtype``: where an op given a Python number
+    would wrap it in a fresh tensor each call. IEEE operations on the same operands give the
+    same results either way."""
+    return empty((), dtype).fill_(value)
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Like ``torch.empty(shape, dtype=dtype)`` on CPU (contents undefined)."""
     global _cached_bytes, _misses

@@ -307,14 +307,14 @@ class _MeanOverGroup(Function):
         ctx.W, ctx.arena = W, workspace.current_arena()
         total = workspace.empty((), aux.dtype).copy_(aux)
         dist.all_reduce(total, group=comm.active_group(group))
-        w = workspace.empty((), aux.dtype).fill_(W)  # torch wraps the int W the same way
-        return torch.div(total, w, out=workspace.empty((), aux.dtype))
+        return torch.div(total, workspace.number(W, aux.dtype),
+                         out=workspace.empty((), aux.dtype))
 
     @staticmethod
     def backward(ctx, grad):
         with workspace.ctx_arena(ctx):
-            w = workspace.empty((), grad.dtype).fill_(ctx.W)
-            return torch.div(grad, w, out=workspace.empty((), grad.dtype)), None, None
+            return torch.div(grad, workspace.number(ctx.W, grad.dtype),
+                             out=workspace.empty((), grad.dtype)), None, None
 
 
 def enter_for(groups: Any, x: torch.Tensor) -> torch.Tensor:

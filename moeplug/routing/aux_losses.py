@@ -93,7 +93,9 @@ def sum_over_group(counts: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     chunks of the same sequences (tensor/sequence parallel): f_i must count the whole batch."""
     if group is None or dist.get_world_size(group) == 1:
         return counts, 1
-    counts = counts.clone()
+    # A copy to reduce into: on the CPU a workspace buffer (no allocation in a layer's arena).
+    counts = (workspace.empty(tuple(counts.shape), counts.dtype).copy_(counts)
+              if counts.device.type == "cpu" else counts.clone())
     dist.all_reduce(counts, group=active_group(group))  # the twin inside combined 1F1B's backward
     return counts, dist.get_world_size(group)
 

@@ -20,10 +20,8 @@ fp32 operands give the same results either way. CPU only.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from moeplug.ops import workspace
-from moeplug.parallel.comm import active_group
 
 # The aux-loss types that the stats path computes; "aux_loss" and "global_aux_loss" are the
 # Switch loss (f_i from this micro-batch's counts, resp. the step's accumulated ones), the
@@ -31,21 +29,8 @@ from moeplug.parallel.comm import active_group
 STATS_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
 
-def _number(value: float, dtype: torch.dtype) -> torch.Tensor:
-    return workspace.empty((), dtype).fill_(value)
-
-
 def _ws(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return workspace.empty(shape, dtype)
-
-
-def sum_over_group(counts: torch.Tensor, group) -> torch.Tensor:
-    """``counts`` summed over ``group`` (its ranks hold equal token chunks of the same
-    sequences: tensor / sequence parallel) in a workspace buffer: the values of
-    moeplug.routing.aux_losses.sum_over_group, without its clone."""
-    out = _ws(tuple(counts.shape), counts.dtype).copy_(counts)
-    dist.all_reduce(out, group=active_group(group))  # the twin inside combined 1F1B's backward
-    return out
 
 
 class _AuxFromStats(torch.autograd.Function):
@@ -69,23 +54,23 @@ class _AuxFromStats(torch.autograd.Function):
         mean_E = None
         for loss_type, coeff in terms:
             if loss_type == "seq_aux_loss":
-                f = _ws((B, E), dt).copy_(counts_BE).div_(_number(S * top_k, dt))
+                f = _ws((B, E), dt).copy_(counts_BE).div_(workspace.number(S * top_k, dt))
                 prod = torch.mul(f, mean_BE, out=_ws((B, E), dt))
                 s = torch.sum(prod, (0, 1), out=_ws((), dt))  # all dims: torch.sum(prod)
-                v = torch.mul(s, _number(E, dt), out=_ws((), dt))
-                value = torch.div(v, _number(B, dt), out=_ws((), dt))
+                v = torch.mul(s, workspace.number(E, dt), out=_ws((), dt))
+                value = torch.div(v, workspace.number(B, dt), out=_ws((), dt))
             else:
                 if mean_E is None:  # torch.mean on the CPU is sum_out(...).div_(count)
-                    mean_E = torch.sum(mean_BE, 0, out=_ws((E,), dt)).div_(_number(B, dt))
+                    mean_E = torch.sum(mean_BE, 0, out=_ws((E,), dt)).div_(workspace.number(B, dt))
                 if loss_type == "aux_loss":
                     counts_E, tokens = torch.sum(counts_BE, 0, out=_ws((E,), counts_BE.dtype)), T
                 else:
                     counts_E, tokens = acc_counts_E, acc_tokens
-                f = _ws((E,), dt).copy_(counts_E).div_(_number(tokens * top_k, dt))
+                f = _ws((E,), dt).copy_(counts_E).div_(workspace.number(tokens * top_k, dt))
                 prod = torch.mul(f, mean_E, out=_ws((E,), dt))
                 s = torch.sum(prod, 0, out=_ws((), dt))
-                value = torch.mul(s, _number(E, dt), out=_ws((), dt))
-            scaled = torch.mul(value, _number(coeff, dt), out=_ws((), dt))
+                value = torch.mul(s, workspace.number(E, dt), out=_ws((), dt))
+            scaled = torch.mul(value, workspace.number(coeff, dt), out=_ws((), dt))
             total = torch.add(total, scaled, out=_ws((), dt))
             saved.append(f)
             values.append(value)
@@ -107,15 +92,15 @@ class _AuxFromStats(torch.autograd.Function):
         grads = []
         with workspace.ctx_arena(ctx):
             for (loss_type, coeff), f in zip(ctx.terms, ctx.saved_tensors):
-                g = torch.mul(grad_total, _number(coeff, dt), out=_ws((), dt))
+                g = torch.mul(grad_total, workspace.number(coeff, dt), out=_ws((), dt))
                 if loss_type == "seq_aux_loss":  # DivBackward0, MulBackward0, Sum-, Mul-
-                    g = torch.div(g, _number(B, dt), out=_ws((), dt))
-                    g = torch.mul(g, _number(E, dt), out=_ws((), dt))
+                    g = torch.div(g, workspace.number(B, dt), out=_ws((), dt))
+                    g = torch.mul(g, workspace.number(E, dt), out=_ws((), dt))
                     g_BE = torch.mul(g.expand(B, E), f, out=_ws((B, E), dt))
                 else:  # MulBackward0, SumBackward0, MulBackward0, MeanBackward0
-                    g = torch.mul(g, _number(E, dt), out=_ws((), dt))
+                    g = torch.mul(g, workspace.number(E, dt), out=_ws((), dt))
                     g_E = torch.mul(g.expand(E), f, out=_ws((E,), dt))
-                    g_BE = torch.div(g_E.unsqueeze(0).expand(B, E), _number(B, dt),
+                    g_BE = torch.div(g_E.unsqueeze(0).expand(B, E), workspace.number(B, dt),
                                      out=_ws((B, E), dt))
                 grads.append(g_BE)
             grad_BE = grads.pop()
@@ -157,14 +142,14 @@ class _AddZLoss(torch.autograd.Function):
         T, E = logits_TE.shape
         dt = logits_TE.dtype
         max_T1 = torch.amax(logits_TE, -1, True, out=_ws((T, 1), dt))
-        inf_T1 = torch.eq(torch.abs(max_T1, out=_ws((T, 1), dt)), _number(float("inf"), dt),
-                          out=_ws((T, 1), torch.bool))
-        max_T1.masked_fill_(inf_T1, _number(0.0, dt))
+        inf_T1 = torch.eq(torch.abs(max_T1, out=_ws((T, 1), dt)),
+                          workspace.number(float("inf"), dt), out=_ws((T, 1), torch.bool))
+        max_T1.masked_fill_(inf_T1, workspace.number(0.0, dt))
         shifted_TE = torch.sub(logits_TE, max_T1, out=_ws((T, E), dt)).exp_()
         lse_T = torch.sum(shifted_TE, -1, out=_ws((T,), dt)).log_().add_(max_T1.view(T))
         sq_T = torch.mul(lse_T, lse_T, out=_ws((T,), dt))
-        z = torch.sum(sq_T, 0, out=_ws((), dt)).div_(_number(T, dt))
-        scaled = torch.mul(z, _number(coeff, dt), out=_ws((), dt))
+        z = torch.sum(sq_T, 0, out=_ws((), dt)).div_(workspace.number(T, dt))
+        scaled = torch.mul(z, workspace.number(coeff, dt), out=_ws((), dt))
         out = torch.add(total, scaled, out=_ws((), torch.result_type(total, scaled)))
         ctx.save_for_backward(logits_TE, lse_T)
         ctx.coeff = coeff
@@ -183,9 +168,9 @@ class _AddZLoss(torch.autograd.Function):
         grad_logits = None
         if ctx.needs_input_grad[1]:
             with workspace.ctx_arena(ctx):
-                g = torch.mul(grad_out, _number(ctx.coeff, dt), out=_ws((), dt))
-                g_T = torch.div(g.expand(T), _number(T, dt), out=_ws((T,), dt))
-                two_lse_T = torch.mul(lse_T, _number(2.0, dt), out=_ws((T,), dt))
+                g = torch.mul(grad_out, workspace.number(ctx.coeff, dt), out=_ws((), dt))
+                g_T = torch.div(g.expand(T), workspace.number(T, dt), out=_ws((T,), dt))
+                two_lse_T = torch.mul(lse_T, workspace.number(2.0, dt), out=_ws((T,), dt))
                 g_T = torch.mul(g_T, two_lse_T, out=_ws((T,), dt))
                 e_TE = torch.sub(logits_TE, lse_T.unsqueeze(-1), out=_ws((T, E), dt)).exp_()
                 grad_logits = torch.mul(g_T.unsqueeze(-1), e_TE, out=_ws((T, E), dt))

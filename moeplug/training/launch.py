@@ -7,6 +7,7 @@ WORLD_SIZE/RANK/MASTER_ADDR/PORT, and tears every rank down when one fails; the 
 a normal ``moeplug train`` under torchrun (moeplug.training.distributed.init_distributed joins
 the process group).
 """
+
 from __future__ import annotations
 
 import os

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moeplug import hookimpl
@@ -303,10 +302,7 @@ class TopKRouter(Router):
             # One autograd Function over workspace buffers: the same numbers as the general
             # path below, no allocation after warm-up (issue 7). Over a token group (TP / SP)
             # f_i counts the group's tokens: counts summed over it, T times its size.
-            counts_BE, W = stats.counts_BE, 1
-            if token_group is not None and dist.get_world_size(token_group) > 1:
-                counts_BE, W = WL.sum_over_group(counts_BE, token_group), \
-                    dist.get_world_size(token_group)
+            counts_BE, W = R.sum_over_group(stats.counts_BE, token_group)
             acc_counts_E, acc_tokens = None, 0
             if "global_aux_loss" in active:
                 counts_E = torch.sum(counts_BE, 0, out=workspace.empty((E,), counts_BE.dtype))
