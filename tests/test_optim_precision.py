@@ -87,6 +87,25 @@ def test_adamw_is_torchs_bitwise_and_their_state_dicts_load_into_each_other():
         a.load_state_dict({**sb, "param_groups": sb["param_groups"][:1]})
 
 
+def test_optimizer_base_refuses_bad_parameters_and_state_dicts_naming_the_fix():
+    from moeplug.training.optim import AdamW
+    w = torch.nn.Parameter(torch.ones(3))
+    kw = {"lr": 1e-3, "betas": (0.9, 0.95)}
+    for params, error, words in (
+            ([], ValueError, "empty parameter list"),
+            ([w, "w"], TypeError, "only optimize tensors, got str"),
+            ([w * 2], ValueError, "non-leaf tensor"),
+            ([{"params": [w]}, {"params": [w]}], ValueError, "more than one parameter group")):
+        with pytest.raises(error, match=words) as e:
+            AdamW(params, **kw)
+        assert "Fix:" in str(e.value), e.value
+    # A state dict of other groups: torch's words; a checkpoint's load names the fix
+    # (tests/test_checkpoint.py, "optimizer state does not fit").
+    two = AdamW([w, torch.nn.Parameter(torch.ones(2))], **kw).state_dict()
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        AdamW([w], **kw).load_state_dict(two)
+
+
 _NO_DYNAMO = r"""
 import json
 import sys

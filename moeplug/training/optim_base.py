@@ -33,7 +33,8 @@ class Optimizer:
         self.param_groups: list[dict] = []
         groups = [params] if isinstance(params, torch.Tensor) else list(params)
         if not groups:
-            raise ValueError("optimizer got an empty parameter list")
+            raise ValueError("optimizer got an empty parameter list. Fix: pass the model's "
+                             "parameters, or groups of them")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         for group in groups:
@@ -46,12 +47,15 @@ class Optimizer:
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
             if not isinstance(p, torch.Tensor):
-                raise TypeError(f"optimizer can only optimize tensors, got {type(p).__name__}")
+                raise TypeError(f"optimizer can only optimize tensors, got {type(p).__name__}. "
+                                "Fix: pass the model's parameters")
             if not p.is_leaf:
-                raise ValueError("can't optimize a non-leaf tensor")
+                raise ValueError("can't optimize a non-leaf tensor. Fix: pass the model's "
+                                 "parameters, not tensors computed from them")
         held = {id(p) for g in self.param_groups for p in g["params"]}
         if len({id(p) for p in params}) != len(params) or any(id(p) in held for p in params):
-            raise ValueError("some parameters appear in more than one parameter group")
+            raise ValueError("some parameters appear in more than one parameter group. Fix: "
+                             "put each parameter in one group")
         self.param_groups.append({**self.defaults, **group, "params": params})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -84,7 +88,8 @@ class Optimizer:
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch's format, as torch does: the saved groups' hyper-parameters replace these
         groups' (their parameters stay), and each floating state tensor is cast to its
-        parameter's dtype and device (``"step"`` is kept as saved)."""
+        parameter's dtype and device (``"step"`` is kept as saved). A state dict of other groups
+        is refused in torch's words; a checkpoint's load adds the fix (CheckpointError)."""
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
