@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops._grouped import (expert_slices, mm_rows, row_multiple, weight_grad,
-                                  with_spare_rows)
+from moeplug.ops._grouped import expert_slices, mm_rows, row_multiple, with_spare_rows
 
 
 def _groups(counts_G: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -37,14 +36,32 @@ def _groups(counts_G: torch.Tensor) -> list[tuple[int, int, int]]:
     return expert_slices(counts_G.tolist())
 
 
+def _forward_into(x_SK: torch.Tensor, w_GNK: torch.Tensor, counts_G: torch.Tensor,
+                  y_SN: torch.Tensor) -> None:
+    m, x_g, y_g = row_multiple(x_SK), with_spare_rows(x_SK), with_spare_rows(y_SN)
+    for g, s0, s1 in _groups(counts_G):  # in order: a later group overwrites its padded rows
+        mm_rows(x_g, s0, w_GNK[g].t(), y_g, s0, s1 - s0, m)
+
+
+def _backward_into(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
+                   counts_G: torch.Tensor, dx_SK: torch.Tensor, dw_GNK: torch.Tensor) -> None:
+    groups = _groups(counts_G)
+    used = {g for g, _, _ in groups}
+    for g in range(w_GNK.shape[0]):
+        if g not in used:
+            dw_GNK[g].zero_()
+    m, g_g, dx_g = row_multiple(g_SN), with_spare_rows(g_SN), with_spare_rows(dx_SK)
+    for g, s0, s1 in groups:
+        mm_rows(g_g, s0, w_GNK[g], dx_g, s0, s1 - s0, m)
+        torch.mm(g_SN[s0:s1].t(), x_SK[s0:s1], out=dw_GNK[g])
+
+
 @torch.library.custom_op("moeplug::grouped_rows_mm", mutates_args=(), device_types="cpu")
 def grouped_rows_mm(x_SK: torch.Tensor, w_GNK: torch.Tensor, counts_G: torch.Tensor
                     ) -> torch.Tensor:
     """[S, K] rows x [G, N, K] weights -> [S, N]; group g takes the next counts_G[g] rows."""
     y_SN = x_SK.new_empty(x_SK.shape[0], w_GNK.shape[1])
-    m, x_g = row_multiple(x_SK), with_spare_rows(x_SK)
-    for g, s0, s1 in _groups(counts_G):  # in order: a later group overwrites its padded rows
-        mm_rows(x_g, s0, w_GNK[g].t(), y_SN, s0, s1 - s0, m)
+    _forward_into(x_SK, w_GNK, counts_G, y_SN)
     return y_SN
 
 
@@ -53,19 +70,33 @@ def _(x_SK, w_GNK, counts_G):
     return x_SK.new_empty(x_SK.shape[0], w_GNK.shape[1])
 
 
+@torch.library.custom_op("moeplug::grouped_rows_mm_out", mutates_args=("y_SN",),
+                         device_types="cpu")
+def grouped_rows_mm_out(x_SK: torch.Tensor, w_GNK: torch.Tensor, counts_G: torch.Tensor,
+                        y_SN: torch.Tensor) -> None:
+    """:func:`grouped_rows_mm` into ``y_SN`` (the static stages' eager form writes the
+    layer's workspace buffers: moeplug.modules.static_arena). ``y_SN`` rows must be
+    contiguous; spare rows its storage holds past S may be written as bf16 padding."""
+    _forward_into(x_SK, w_GNK, counts_G, y_SN)
+
+
 @torch.library.custom_op("moeplug::grouped_rows_mm_backward", mutates_args=(),
                          device_types="cpu")
 def grouped_rows_mm_backward(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
                              counts_G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [S, K], dw [G, N, K]); an empty group's dw is zero."""
-    dx_SK = g_SN.new_empty(x_SK.shape)
-    groups = _groups(counts_G)
-    dw_GNK = weight_grad(w_GNK, groups, lambda shape, dtype: g_SN.new_empty(shape, dtype=dtype))
-    m, g_g = row_multiple(g_SN), with_spare_rows(g_SN)
-    for g, s0, s1 in groups:
-        mm_rows(g_g, s0, w_GNK[g], dx_SK, s0, s1 - s0, m)
-        torch.mm(g_SN[s0:s1].t(), x_SK[s0:s1], out=dw_GNK[g])
+    dx_SK, dw_GNK = g_SN.new_empty(x_SK.shape), g_SN.new_empty(w_GNK.shape, dtype=w_GNK.dtype)
+    _backward_into(g_SN, x_SK, w_GNK, counts_G, dx_SK, dw_GNK)
     return dx_SK, dw_GNK
+
+
+@torch.library.custom_op("moeplug::grouped_rows_mm_backward_out",
+                         mutates_args=("dx_SK", "dw_GNK"), device_types="cpu")
+def grouped_rows_mm_backward_out(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
+                                 counts_G: torch.Tensor, dx_SK: torch.Tensor,
+                                 dw_GNK: torch.Tensor) -> None:
+    """:func:`grouped_rows_mm_backward` into ``dx_SK`` and ``dw_GNK``."""
+    _backward_into(g_SN, x_SK, w_GNK, counts_G, dx_SK, dw_GNK)
 
 
 @grouped_rows_mm_backward.register_fake

@@ -24,6 +24,21 @@ void register_permute(py::module_& m) {
       "dest_rank (id / local_experts), dest_row (base[id] + index among this rank's choices of "
       "that expert); -1 for dropped. scratch holds 2*E + 1 int64.");
   def_kernel(
+      m, "budget_slots",
+      +[](uintptr_t key, int64_t num_choices, int64_t num_experts, int64_t budget,
+          int64_t chunks, bool packed, uintptr_t scratch, uintptr_t slot, uintptr_t counts,
+          uintptr_t overflow) {
+        budget_slots(ptr<const int64_t>(key), num_choices, num_experts, budget, chunks, packed,
+                     ptr<int64_t>(scratch), ptr<int64_t>(slot), ptr<int64_t>(counts),
+                     ptr<uint8_t>(overflow));
+      },
+      py::arg("key"), py::arg("num_choices"), py::arg("num_experts"), py::arg("budget"),
+      py::arg("chunks"), py::arg("packed"), py::arg("scratch"), py::arg("slot"),
+      py::arg("counts"), py::arg("overflow"),
+      "The sync-free layer's slots of N choices (key E: dropped): slot (the dump slot E * C "
+      "for dropped and over-budget choices), counts [E] (kept per expert), overflow (one byte: "
+      "1 when a routed choice went over the budget). scratch holds 2*E + 1 int64.");
+  def_kernel(
       m, "move_row_chunks",
       +[](uintptr_t src, uintptr_t dst, int64_t row_bytes, uintptr_t counts, int64_t num_ranks,
           int64_t local_experts, bool to_expert_major) {

@@ -54,6 +54,58 @@ void place_rows(const int64_t* ids_N, int64_t N, int64_t E, int64_t L, const int
   }
 }
 
+void budget_slots(const int64_t* key_N, int64_t N, int64_t E, int64_t C, int64_t W, bool packed,
+                  int64_t* scratch, int64_t* slot_N, int64_t* counts_E, uint8_t* overflow) {
+  if (N < 0 || E < 1 || C < 1 || W < 1 || E % W != 0) {
+    throw std::invalid_argument("budget_slots: expected choices >= 0, experts >= 1, budget >= 1 "
+                                "and chunks >= 1 dividing the experts; got " +
+                                std::to_string(N) + ", " + std::to_string(E) + ", " +
+                                std::to_string(C) + ", " + std::to_string(W));
+  }
+  int64_t* seen_E1 = scratch;       // choices counted, then the next position of each expert
+  int64_t* base_E = scratch + E + 1;
+  std::fill(seen_E1, seen_E1 + E + 1, int64_t{0});
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t e = key_N[i];
+    if (e < 0 || e > E) {
+      throw std::invalid_argument("budget_slots: ids[" + std::to_string(i) + "] = " +
+                                  std::to_string(e) + " is not an expert id; expected 0 <= id "
+                                  "< " + std::to_string(E) + ", or " + std::to_string(E) +
+                                  " for a dropped choice");
+    }
+    ++seen_E1[e];
+  }
+  const int64_t L = E / W;
+  for (int64_t e = 0; e < E; ++e) {
+    counts_E[e] = std::min(seen_E1[e], C);
+    if (!packed) {
+      base_E[e] = e * C;
+    } else if (e % L == 0) {
+      base_E[e] = (e / L) * L * C;
+    } else {
+      base_E[e] = base_E[e - 1] + counts_E[e - 1];
+    }
+    seen_E1[e] = 0;
+  }
+  const int64_t dump = E * C;
+  uint8_t over = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t e = key_N[i];
+    if (e == E) {
+      slot_N[i] = dump;
+      continue;
+    }
+    const int64_t pos = seen_E1[e]++;
+    if (pos < C) {
+      slot_N[i] = base_E[e] + pos;
+    } else {
+      slot_N[i] = dump;
+      over = 1;
+    }
+  }
+  overflow[0] = over;
+}
+
 void move_row_chunks(const void* src, void* dst, int64_t row_bytes, const int64_t* counts_WL,
                      int64_t W, int64_t L, bool to_expert_major) {
   if (W < 0 || L < 0 || row_bytes < 0) {

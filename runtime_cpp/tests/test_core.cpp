@@ -239,6 +239,48 @@ void test_place_rows_matches_naive() {
   check(threw, "place_rows names the first bad id");
 }
 
+// budget_slots against a naive count, packed over W = 2 chunks of L = 3 experts: a kept choice
+// sits at its chunk's start, plus the kept (at most C) choices of the chunk's lower experts,
+// plus its index among its expert's choices, while that index is under C.
+void test_budget_slots_matches_naive() {
+  const int64_t N = 200, E = 6, W = 2, L = E / W, C = 9;
+  std::vector<int64_t> ids(N), scratch(2 * E + 1), slot(N), counts(E);
+  for (int64_t i = 0; i < N; ++i) ids[i] = (i * 5 + i / 7) % (E + 1);  // E: dropped
+  uint8_t overflow = 7;
+  moeplug::budget_slots(ids.data(), N, E, C, W, true, scratch.data(), slot.data(), counts.data(),
+                        &overflow);
+  std::vector<int64_t> total(E + 1, 0);
+  for (int64_t i = 0; i < N; ++i) ++total[ids[i]];
+  int64_t wrong = 0;
+  bool over = false;
+  for (int64_t e = 0; e < E; ++e) wrong += counts[e] != std::min(total[e], C);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t e = ids[i];
+    int64_t before = 0;
+    for (int64_t j = 0; j < i; ++j) before += ids[j] == e;
+    if (e == E || before >= C) {
+      over = over || e != E;
+      wrong += slot[i] != E * C;
+      continue;
+    }
+    int64_t start = (e / L) * L * C;
+    for (int64_t f = (e / L) * L; f < e; ++f) start += std::min(total[f], C);
+    wrong += slot[i] != start + before;
+  }
+  check(wrong == 0 && over && overflow == 1,
+        "budget_slots: slots, counts and the flag as a naive count gives them; wrong " +
+            std::to_string(wrong));
+  ids[11] = -2;
+  bool threw = false;
+  try {
+    moeplug::budget_slots(ids.data(), N, E, C, W, true, scratch.data(), slot.data(),
+                          counts.data(), &overflow);
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("ids[11] = -2") != std::string::npos;
+  }
+  check(threw, "budget_slots names the first bad id");
+}
+
 // Rows tagged by (w, l, i) arrive (w, l)-major; expert-major order sorts by (l, w, i). Chunks
 // over 256 rows are split into pieces: one of 600 rows checks the split.
 void test_move_row_chunks_sorts_expert_major_and_back() {
@@ -278,6 +320,7 @@ int main() {
   test_exp_approx16_equals_the_scalar_lanes();
   test_capacity_matches_naive_ranks();
   test_place_rows_matches_naive();
+  test_budget_slots_matches_naive();
   test_move_row_chunks_sorts_expert_major_and_back();
   return moeplug_test::report("moeplug core");
 }
