@@ -1,12 +1,16 @@
 """Replay vs eager: what capture (runtime.capture, torch.compile fullgraph over the static MoE
 region, compiled once) buys per step on the CPU, in one run, interleaved.
 
-Three copies of one MoE layer with the same weights, timed fwd+bwd round-robin:
-    dynamic   the default path (dispatcher + experts plugins; host syncs for counts)
-    eager     runtime.sync_free, static shapes, op by op
-    replay    runtime.sync_free + runtime.capture (compiled once before timing)
-Reported: eager / replay and dynamic / replay step-time ratios (> 1: replay is faster), at a
-dispatch-bound small shape and at a compute-bound mid shape; then the same for a whole
+Four copies of one MoE layer with the same weights, timed fwd+bwd round-robin:
+    dynamic     the default path (dispatcher + experts plugins; host syncs for counts)
+    eager       runtime.sync_free, static shapes, op by op: on the CPU the stages in the
+                layer's workspace arena (moeplug.modules.static_arena)
+    eager pure  the same with the functional pieces capture compiles, run op by op (what
+                eager ran before the arena form)
+    replay      runtime.sync_free + runtime.capture (compiled once before timing)
+Reported: eager / replay and dynamic / replay step-time ratios (> 1: replay is faster), eager
+pure / eager (> 1: the arena form is faster) and dynamic / eager, at a dispatch-bound small
+shape and at a compute-bound mid shape; then the same for a whole
 ``train_step`` of a small 2-layer model; then dynamic / eager at EP2 (two gloo ranks, the
 static region's exchanges eager, one thread per rank).
 """
@@ -46,7 +50,9 @@ def test_moe_layer_replay_vs_eager(report, shape):
     T, D, F, E, K = SHAPES[shape]
     layers = {"dynamic": _layer(D, F, E, K, {}),
               "eager": _layer(D, F, E, K, {"sync_free": True}),
+              "eager pure": _layer(D, F, E, K, {"sync_free": True}),
               "replay": _layer(D, F, E, K, {"sync_free": True, "capture": True})}
+    layers["eager pure"].runtime.runtime.sync_free.arena = False  # the pieces capture compiles
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
 
@@ -66,6 +72,10 @@ def test_moe_layer_replay_vs_eager(report, shape):
                note=f"replay {times['replay'] * 1e3:.2f} ms")
     report.row(f"moe layer fwd+bwd {shape}", "dynamic / replay",
                times["dynamic"] / times["replay"], note="dynamic = default path")
+    report.row(f"moe layer fwd+bwd {shape}", "eager pure / eager",
+               times["eager pure"] / times["eager"],
+               note="eager: stages in the arena; pure: the functional pieces, eager")
+    report.row(f"moe layer fwd+bwd {shape}", "dynamic / eager", times["dynamic"] / times["eager"])
 
 
 def _train_setup(runtime):

@@ -41,7 +41,11 @@ class SyncFreeState:
         self.cfg = cfg
         self.active = bool(cfg.sync_free)
         self.capture = bool(cfg.capture)  # a benchmark may flip it to time eager beside replay
+        # Eager on the CPU: the stages in the layers' workspace arenas (static_arena); a
+        # benchmark may flip it to time the pure pieces eagerly beside them.
+        self.arena = True
         self._overflow: torch.Tensor | None = None
+        self._flags: dict[torch.device, torch.Tensor] = {}  # the step's flag buffer per device
         self._graphs: Any = None  # moeplug.cuda_graph.GraphedPieces, made on first CUDA call
 
     def wrap(self, fn: Callable, owner: Any = None) -> Callable:
@@ -65,12 +69,20 @@ class SyncFreeState:
         return self._graphs
 
     def note_overflow(self, flag: torch.Tensor) -> None:
-        """OR a layer's device-side over-budget flag into the step's (no host sync)."""
-        flag = flag.detach()
-        self._overflow = flag if self._overflow is None else self._overflow | flag
+        """OR a layer's device-side over-budget flag into the step's (no host sync), in place
+        into one buffer per device: an `|` per layer and micro-batch allocated its result."""
+        if self._overflow is None:
+            buf = self._flags.get(flag.device)
+            if buf is None:
+                buf = self._flags[flag.device] = torch.zeros((), dtype=torch.bool,
+                                                             device=flag.device)
+            self._overflow = buf.copy_(flag.detach())
+        else:
+            self._overflow.logical_or_(flag.detach())
 
     def take_overflow(self) -> torch.Tensor | None:
-        """The step's flag so far (None: no static layer ran); resets it."""
+        """The step's flag so far (None: no static layer ran); resets it. The buffer is
+        overwritten by the next step's first layer: read it before that."""
         flag, self._overflow = self._overflow, None
         return flag
 

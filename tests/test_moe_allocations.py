@@ -26,7 +26,7 @@ from moeplug.testing.steps import one_process_trainer
 
 
 def _setup(stash: bool, precision: str = "fp32", router_options: dict | None = None,
-           moe_options: dict | None = None):
+           moe_options: dict | None = None, runtime: dict | None = None):
     cfg = config_from_dict({
         "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 32, "first_k_dense": 0,
@@ -35,7 +35,7 @@ def _setup(stash: bool, precision: str = "fp32", router_options: dict | None = N
         "plugins": {"router_options": router_options or {}},
         "train": {"steps": 10, "micro_batch_size": 2, "seq_len": 32, "warmup_steps": 1,
                   "grad_accum_steps": 2},
-        "runtime": {"stash": stash}})
+        "runtime": {"stash": stash, **(runtime or {})}})
     return one_process_trainer(cfg, precision)
 
 
@@ -165,6 +165,29 @@ def _allocations_without_arenas(router_options: dict, moe_options: dict | None,
     for _ in range(2):
         step()
     return moe_path_allocations(model, step)
+
+
+@pytest.mark.parametrize("stash, precision", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
+def test_sync_free_steps_allocate_nothing_on_the_moe_path(stash, precision):
+    # runtime.sync_free, eager on the CPU: the static stages in the layer's arena
+    # (moeplug.modules.static_arena). The pure pieces allocated 263 buffers in two such steps
+    # (287 with the stash). With the arenas off the counter sees the stages' Functions again.
+    torch.set_num_threads(1)
+    model, step = _setup(stash, precision, runtime={"sync_free": True})
+    for _ in range(3):
+        step()
+    for _ in range(2):
+        report = moe_path_allocations(model, step)
+        assert report.count == 0, report.describe()
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.workspace = None
+    step()
+    report = moe_path_allocations(model, step)
+    for function in ("_GatherRows", "_PackedExperts", "_CombineRows"):
+        assert any(function in k for k in report.where), (function, report.describe())
+        assert any(function + "Backward" in k for k in report.where), (function,
+                                                                        report.describe())
 
 
 def test_the_counter_sees_allocations_when_the_arenas_are_off():
@@ -698,6 +721,22 @@ def test_ep2_steps_allocate_next_to_nothing_on_the_moe_path(case):
         assert count_off >= 100, where_off
         for exchange in exchanges:
             assert any(exchange in k for k in where_off), (exchange, where_off)
+
+
+def test_ep2_sync_free_steps_allocate_nothing_on_the_moe_path():
+    # runtime.sync_free at EP2 (real gloo ranks, the stash on): every exchange has a static
+    # shape (equal chunks of L*C rows, the [W, L] counts), so unlike the dynamic dispatchers'
+    # row counts no step brings a new size: exactly zero. With the arenas off the counter sees
+    # the static stages' Functions and the exchanges allocate.
+    from moeplug.testing.distributed import run_distributed
+    from moeplug.testing.steps import two_rank_moe_allocations
+    args = (None, None, None, {"sync_free": True})
+    on = run_distributed(two_rank_moe_allocations, 2, "alltoall", True, *args, timeout=240)
+    off = run_distributed(two_rank_moe_allocations, 2, "alltoall", False, *args, timeout=240)
+    for (count_on, where_on), (_, where_off) in zip(on, off):
+        assert count_on == 0, "\n".join(f"{n} x {k}" for k, n in where_on.items())
+        for op in ("_GatherRows", "_PackedExperts", "_CombineRowsBackward", "_AllToAll"):
+            assert any(op in k for k in where_off), (op, where_off)
 
 
 # TP2: the MoE layer's input, this rank's chunk of the tokens, is a [B, S/tp, D] view of s-major

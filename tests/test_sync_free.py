@@ -137,20 +137,51 @@ def test_dynamic_layer_syncs_and_static_layer_reads_zero():
     assert stash_runtime_of(layer).pool.stats()["high_water"] > 0  # the stash was used
 
 
-def test_static_layer_with_syncs_inserted_is_counted(monkeypatch):
-    # The same static layer, with one .tolist() slipped into the combine stage.
-    from moeplug.modules import static_moe
-    real = static_moe.combine_rows
+@pytest.mark.parametrize("form", ["arena", "pure"])
+def test_static_layer_with_syncs_inserted_is_counted(monkeypatch, form):
+    # The same static stages with one .tolist() slipped in: into stage 1 of the layer's eager
+    # CPU form (static_arena), or into the combine of the pure pieces (what capture and a GPU
+    # run), called eagerly on the layer's own routing and weights.
+    from moeplug.modules import static_arena, static_moe
+    module, name = (static_arena, "slots") if form == "arena" else (static_moe, "combine_rows")
+    real = getattr(module, name)
 
-    def leaky(y_ECD, slot_N, probs_TK):
-        slot_N.tolist()
-        return real(y_ECD, slot_N, probs_TK)
+    def leaky(*args, **kwargs):
+        args[0].tolist()
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(static_moe, "combine_rows", leaky)
+    monkeypatch.setattr(module, name, leaky)
     x, w = _inputs()
+    layer = _layer(sync_free=True)
     with HostSyncCounter() as c:
-        _fwd_bwd(_layer(sync_free=True), x, w)
+        if form == "arena":
+            _fwd_bwd(layer, x, w)
+        else:
+            _pure_fwd_bwd(layer, x, w, stash_scope=None)
     assert c.calls == ["tolist"]
+
+
+def _pure_fwd_bwd(layer: MoELayer, x: torch.Tensor, w: torch.Tensor, stash_scope) -> None:
+    """The layer's static stages as the pure pieces, eager (``wrap`` = identity): one_rank, or
+    with a ``stash_scope`` the piece-by-piece path with the stashed experts."""
+    from moeplug.modules.static_moe import static_moe
+    x_TD = x.reshape(-1, x.shape[-1]).clone().requires_grad_(True)
+    routing = layer.router(x_TD)
+    y_TD, _, _ = static_moe(x_TD, routing, layer.experts.gate_up_proj, layer.experts.down_proj,
+                            num_experts=layer.router.num_experts, token_budget=2.0,
+                            activation="swiglu", weighted_input=False,
+                            wrap=lambda fn: fn, stash_scope=stash_scope)
+    ((y_TD * w.reshape(y_TD.shape)).sum() + routing.aux_loss).backward()
+
+
+def test_pure_static_pieces_read_zero_syncs():
+    import contextlib
+    x, w = _inputs()
+    layer = _layer(sync_free=True)
+    for scope in (None, contextlib.nullcontext()):
+        with HostSyncCounter() as c:
+            _pure_fwd_bwd(layer, x, w, stash_scope=scope)
+        assert c.count == 0, (scope, c.calls)
 
 
 # ---- parity -------------------------------------------------------------------------------

@@ -187,7 +187,8 @@ class MoELayer(nn.Module):
             num_experts=self.router.num_experts, token_budget=state.cfg.token_budget,
             activation=self.experts.activation, weighted_input=self.apply_probs_on_input,
             ep_size=self._ep_size(), group=getattr(self.dispatcher, "group", None),
-            wrap=functools.partial(state.wrap, owner=self),
+            wrap=None if state.arena and not state.capture else functools.partial(
+                state.wrap, owner=self),
             stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None)
         state.note_overflow(overflow)
         return y_TD, counts_E.detach()

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from moeplug.modules import static_arena
 from moeplug.ops import cuda_ops
 from moeplug.ops._grouped import compute_dtype
 from moeplug.ops.activations import activation_fn
@@ -304,40 +305,65 @@ def _one_rank_fused(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.
     return cuda_ops.from_slots(y_ECD.view(E * C, -1), slot_TK), overflow, counts_E
 
 
+class PackedExchange:
+    """Stages 3 and 5 of the CPU's packed layout: W equal chunks of L*C rows to the ranks
+    owning their experts, with each source's kept counts per local expert (a [W, L] exchange of
+    static shape: the grouped GEMM's kernel reads them, nothing waits on the host), and the
+    rows back. At one rank both are views."""
+
+    def __init__(self, chunk_rows: int, ep_size: int, group: Any):
+        self.chunks, self.ep_size, self.group = [chunk_rows] * ep_size, ep_size, group
+
+    def __call__(self, x_ECD: torch.Tensor, counts_WL: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ep_size == 1:
+            return x_ECD, counts_WL
+        ones = [1] * self.ep_size
+        return (comm.all_to_all(x_ECD, self.chunks, self.chunks, self.group),
+                comm.all_to_all(counts_WL, ones, ones, self.group))
+
+    def back(self, y_ECD: torch.Tensor) -> torch.Tensor:
+        if self.ep_size == 1:
+            return y_ECD
+        return comm.all_to_all(y_ECD, self.chunks, self.chunks, self.group)
+
+
 def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                *, num_experts: int, token_budget: float, activation: str, weighted_input: bool,
                ep_size: int = 1, group: Any = None,
-               wrap: Callable[[Callable], Callable] = lambda fn: fn, stash_scope: Any = None
+               wrap: Callable[[Callable], Callable] | None = None, stash_scope: Any = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 for one micro-batch: (y_TD, overflow, counts_E), all device tensors.
-    ``wrap`` turns each pure piece into its captured replay (moeplug.syncfree.captured);
+    ``wrap`` turns each pure piece into its captured replay (moeplug.syncfree.captured); None:
+    eager, where on the CPU the stages run in the layer's workspace arena
+    (moeplug.modules.static_arena: the same ops, nothing allocated after warm-up).
     ``stash_scope`` (eager only): the layer's paged-stash scope, around stage 4."""
     T, K = routing.ids_TK.shape
     C = budget_rows(T, K, num_experts, token_budget)
+    L = num_experts // ep_size
+    on_cpu = x_TD.device.type == "cpu"
+    if wrap is None and on_cpu and not weighted_input:
+        return static_arena.static_region(
+            x_TD, routing, w13_LXD, w2_LDF, num_experts=num_experts, budget=C,
+            activation=activation, ep_size=ep_size,
+            exchange=PackedExchange(L * C, ep_size, group), stash_scope=stash_scope)
+    wrap = wrap or (lambda fn: fn)
     args = (routing.ids_TK, routing.dropped_TK, routing.probs_TK)
     if ep_size == 1 and stash_scope is None:
         return wrap(one_rank)(x_TD, *args, w13_LXD, w2_LDF, num_experts, C, activation,
                               weighted_input)
-    L = num_experts // ep_size
-    if x_TD.device.type == "cpu":  # packed chunks: the experts compute only the routed rows
+    if on_cpu:  # packed chunks: the experts compute only the routed rows
         x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C,
                                                         weighted_input, True, ep_size)
-        # Equal chunks of L*C rows, and each source's kept counts per local expert: a [W, L]
-        # exchange of static shape (the grouped GEMM's kernel reads them; nothing waits on the
-        # host). At one rank both are views.
-        chunks, counts_WL = [L * C] * ep_size, counts_E.view(ep_size, L)
-        if ep_size > 1:
-            x_ECD = comm.all_to_all(x_ECD, chunks, chunks, group)
-            counts_WL = comm.all_to_all(counts_WL, [1] * ep_size, [1] * ep_size, group)
+        exchange = PackedExchange(L * C, ep_size, group)
+        x_ECD, counts_WL = exchange(x_ECD, counts_E.view(ep_size, L))
         x_WSD = x_ECD.view(ep_size, L * C, -1)
         if stash_scope is None:
             y_WSD = wrap(packed_chunks_ffn)(x_WSD, counts_WL, w13_LXD, w2_LDF, activation)
         else:
             with stash_scope:
                 y_WSD = stashed_experts_ffn(x_WSD, w13_LXD, w2_LDF, activation, counts_WL)
-        y_ECD = y_WSD.view(ep_size * L * C, -1)
-        if ep_size > 1:
-            y_ECD = comm.all_to_all(y_ECD, chunks, chunks, group)
+        y_ECD = exchange.back(y_WSD.view(ep_size * L * C, -1))
         return wrap(back)(y_ECD, slot_N, routing.probs_TK, weighted_input), overflow, counts_E
     x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C, weighted_input)
     x_LBD = to_experts(x_ECD, L, C, ep_size, group)

@@ -81,13 +81,14 @@ def train_ep2_variants(rank: int, world: int, cfgs: dict, vocab: int, stat: str)
 
 def two_rank_trainer(rank: int, world: int, dispatcher: str, arenas: bool,
                      options: dict | None = None, parallel: dict | None = None,
-                     router_options: dict | None = None) -> tuple:
+                     router_options: dict | None = None, runtime: dict | None = None
+                     ) -> tuple:
     """(model, step) on one rank of a 2-rank gloo run: a 2-layer model (8 experts top-2, the
     stash on; EP2 unless ``parallel`` says otherwise) and ``step()``, one train step of 2
     micro-batches on the next random batches (its StepStats). Data-parallel ranks (EP's) get
     batches of their own, tensor-parallel ones the same. ``arenas`` False switches every
     layer's workspace arena off. ``options``: the dispatcher's plugin options;
-    ``router_options``: the router's."""
+    ``router_options``: the router's; ``runtime``: more of the ``runtime:`` section."""
     from moeplug.config import config_from_dict
     from moeplug.modules.moe import MoELayer
     from moeplug.parallel import ParallelGroups
@@ -104,7 +105,7 @@ def two_rank_trainer(rank: int, world: int, dispatcher: str, arenas: bool,
         "parallel": parallel or {"ep": 2},
         "train": {"steps": 10, "micro_batch_size": 2, "seq_len": 32, "warmup_steps": 1,
                   "grad_accum_steps": 2},
-        "runtime": {"stash": True}})
+        "runtime": {"stash": True, **(runtime or {})}})
     host = PluginHost.load()
     precision = host.create("precision", "fp32", {})
     groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)

@@ -1,0 +1,231 @@
+"""The sync-free layer's static stages in eager CPU form: the ops of
+:mod:`moeplug.modules.static_moe`'s pure pieces, into the running layer's workspace arena.
+
+Legend as in static_moe: T tokens, K top-k, N = T*K choices, D hidden, E experts, W EP ranks,
+L = E/W local experts, C budget rows, S = L*C slots a chunk, X FC1 width, F FFN hidden.
+
+Why a second form: the pure pieces are what ``runtime.capture`` compiles and what a GPU runs,
+so they stay functional (every op returns a fresh tensor). Run eagerly on the CPU they
+allocated ~65 buffers a layer and micro-batch (263 in two steps of a 2-layer model; 287 with
+the paged stash), so the stash's promise - after warm-up the MoE path allocates nothing - did
+not hold in the mode it was made for. Each stage here is the same ops in out= form inside one
+autograd Function whose backward repeats what autograd runs for the pure piece, so results and
+gradients are bitwise the pure pieces' (tests/test_sync_free.py) and the host-sync counter sees
+the same ops. One exception: stage 1 is the runtime's ``budget_slots`` kernel (two counting
+passes over the choices; the torch form is a stable sort plus a dozen [N] temporaries), whose
+integers equal :func:`static_moe.slots`'s.
+
+Used for ``apply_probs_on_input: false`` (the default); with it the layer keeps the pure pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from moeplug.ops import workspace
+from moeplug.ops._grouped import cast, compute_dtype
+from moeplug.ops.activations import act_times_probs, act_times_probs_backward
+from moeplug.ops.grouped_rows_mm import grouped_rows_mm_backward_out, grouped_rows_mm_out
+from moeplug.routing import sink_dropped
+from moeplug.runtime import get_runtime
+
+_empty = workspace.empty
+
+
+def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: int, budget: int,
+          ep_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1, packed: (slot_N, overflow, counts_E) as ``static_moe.slots(..., packed=True,
+    ep_size=W)`` returns them (overflow a 0-d bool), from the arena."""
+    E = num_experts
+    key_N = sink_dropped(ids_TK, dropped_TK, E).reshape(-1).contiguous()
+    n = key_N.numel()
+    slot_N, counts_E = _empty((n,), torch.int64), _empty((E,), torch.int64)
+    overflow, scratch = _empty((), torch.bool), _empty((2 * E + 1,), torch.int64)
+    get_runtime().budget_slots(key=key_N.data_ptr(), num_choices=n, num_experts=E,
+                               budget=budget, chunks=ep_size, packed=True,
+                               scratch=scratch.data_ptr(), slot=slot_N.data_ptr(),
+                               counts=counts_E.data_ptr(), overflow=overflow.data_ptr())
+    return slot_N, overflow, counts_E
+
+
+class _GatherRows(torch.autograd.Function):
+    """Stage 2 (``static_moe.gather_rows`` without weights): x_SD[s] = x_TD[choice(s) // K], a
+    zero row where no choice landed. Backward: IndexSelectBackward0 (zeros.index_add_) and the
+    zero row's CatBackward0 (a narrow)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, slot_N, top_k, num_slots):
+        (T, D), n = x_TD.shape, slot_N.shape[0]
+        choice_S1 = _empty((num_slots + 1,), torch.int64).fill_(n)
+        choice_S1.scatter_(0, slot_N, torch.arange(n, out=_empty((n,), torch.int64)))
+        token_S = torch.div(choice_S1[:num_slots], workspace.number(top_k, torch.int64),
+                            rounding_mode="floor", out=_empty((num_slots,), torch.int64))
+        x_pad = _empty((T + 1, D), x_TD.dtype)
+        x_pad[:T].copy_(x_TD)
+        x_pad[T].zero_()
+        ctx.save_for_backward(token_S)
+        ctx.shape, ctx.arena = (T + 1, D), workspace.current_arena()
+        return torch.index_select(x_pad, 0, token_S, out=_empty((num_slots, D), x_TD.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        (token_S,) = ctx.saved_tensors
+        with workspace.ctx_arena(ctx):
+            grad_pad = _index_add_rows(ctx.shape, token_S, grad_SD)
+        return grad_pad[:ctx.shape[0] - 1], None, None, None
+
+
+def _index_add_rows(shape: tuple[int, int], index: torch.Tensor, src: torch.Tensor
+                    ) -> torch.Tensor:
+    """``zeros(shape).index_add_(0, index, src)`` in ``src``'s dtype, from the arena. torch's
+    CPU index_add_ of bf16/fp16 rows sums them in a float buffer of its own (allocated every
+    call); the same float sum is done here in an arena buffer, then rounded once, as torch
+    rounds it (equal results: tests/test_static_arena.py)."""
+    if src.dtype in (torch.float32, torch.float64):
+        return _empty(shape, src.dtype).zero_().index_add_(0, index, src)
+    acc = _empty(shape, torch.float32).zero_().index_add_(0, index, cast(src, torch.float32))
+    return cast(acc, src.dtype)
+
+
+class _PackedExperts(torch.autograd.Function):
+    """Stage 4 over packed chunks (``static_moe.packed_chunks_ffn``; the paged stash's
+    ``_StashedExperts`` when a stash scope is open): per source chunk w, FC1 and FC2 as grouped
+    GEMMs over its counts_WL[w] rows per expert, in the autocast dtype. Saves the expert input
+    and FC1's output as 2-D rows (what the stash packs into its pages) and rebuilds the
+    activation in backward. Grads come back in each input's own dtype."""
+
+    @staticmethod
+    def forward(ctx, x_WSD, w13_LXD, w2_LDF, activation, counts_WL):
+        dtype = compute_dtype(x_WSD)
+        x_c, w13_c, w2_c = (cast(t, dtype) for t in (x_WSD, w13_LXD, w2_LDF))
+        W, S, D = x_c.shape
+        h_WSX = _empty((W, S, w13_c.shape[1]), dtype)
+        y_WSD = _empty((W, S, D), dtype)
+        with torch.autocast("cpu", enabled=False):
+            for w in range(W):  # chunk by chunk: one activation buffer, reused
+                grouped_rows_mm_out(x_c[w], w13_c, counts_WL[w], h_WSX[w])
+                a_SF = act_times_probs(h_WSX[w], None, activation, _empty)
+                grouped_rows_mm_out(a_SF, w2_c, counts_WL[w], y_WSD[w])
+                del a_SF
+        ctx.save_for_backward(x_c.view(W * S, D), h_WSX.view(W * S, -1), w13_c, w2_c)
+        ctx.counts_WL = counts_WL  # a few ints: kept out of the stash's pages
+        ctx.activation, ctx.arena = activation, workspace.current_arena()
+        ctx.dtypes = (x_WSD.dtype, w13_LXD.dtype, w2_LDF.dtype)
+        return y_WSD
+
+    @staticmethod
+    def backward(ctx, g_WSD):
+        with workspace.ctx_arena(ctx):
+            return _PackedExperts._backward(ctx, g_WSD)
+
+    @staticmethod
+    def _backward(ctx, g_WSD):
+        x_2D, h_2X, w13_c, w2_c = ctx.saved_tensors
+        counts_WL = ctx.counts_WL
+        W = g_WSD.shape[0]
+        x_WSD, h_WSX = x_2D.view(W, -1, x_2D.shape[1]), h_2X.view(W, -1, h_2X.shape[1])
+        g_c = cast(g_WSD, x_WSD.dtype)
+        gx_WSD = _empty(tuple(x_WSD.shape), x_WSD.dtype)
+        gw13, gw2 = _weight_grads(w13_c, W), _weight_grads(w2_c, W)
+        for w in range(W):
+            a_SF = act_times_probs(h_WSX[w], None, ctx.activation, _empty)
+            g_a = _empty(tuple(a_SF.shape), a_SF.dtype)
+            grouped_rows_mm_backward_out(g_c[w], a_SF, w2_c, counts_WL[w], g_a, gw2[w])
+            del a_SF
+            g_h, _ = act_times_probs_backward(g_a, h_WSX[w], None, ctx.activation, False, _empty)
+            del g_a
+            grouped_rows_mm_backward_out(g_h, x_WSD[w], w13_c, counts_WL[w], gx_WSD[w], gw13[w])
+        x_dtype, w13_dtype, w2_dtype = ctx.dtypes
+        return (cast(gx_WSD, x_dtype), cast(_summed(gw13), w13_dtype),
+                cast(_summed(gw2), w2_dtype), None, None)
+
+
+def _weight_grads(w: torch.Tensor, chunks: int) -> torch.Tensor:
+    """One weight grad per chunk ([chunks, *w.shape]), summed after as autograd sums them."""
+    return _empty((chunks, *w.shape), w.dtype)
+
+
+def _summed(g_W: torch.Tensor) -> torch.Tensor:
+    """``sum(g for g in g_W)`` (0 + g0 + g1 ..., the stashed form's Python sum), in place
+    into the first chunk's grad: one chunk is itself."""
+    out = g_W[0]
+    for g in g_W[1:]:
+        out.add_(g)
+    return out
+
+
+class _CombineRows(torch.autograd.Function):
+    """Stage 6 (``static_moe.combine_rows``): y_TD = sum_k p_tk * y_SD[slot_tk], weight 0 and a
+    zero row for the dump slot. Backward repeats autograd's BmmBackward0, WhereBackward0,
+    IndexSelectBackward0 and (for p) MulBackward0 by the keep mask and ToCopyBackward0."""
+
+    @staticmethod
+    def forward(ctx, y_SD, slot_N, probs_TK):
+        (T, K), (S, D) = probs_TK.shape, y_SD.shape
+        keep_N = torch.lt(slot_N, S, out=_empty(tuple(slot_N.shape), torch.bool))
+        row_N = torch.clamp(slot_N, max=S - 1, out=_empty(tuple(slot_N.shape), torch.int64))
+        y_TKD = torch.index_select(y_SD, 0, row_N, out=_empty((T * K, D), y_SD.dtype))
+        y_TKD.masked_fill_(_not(keep_N).unsqueeze(1), 0)  # torch.where(keep, y, 0)
+        y_TKD = y_TKD.view(T, K, D)
+        keep_TK = keep_N.view(T, K)
+        keep_f = cast(keep_TK, probs_TK.dtype)  # the bool's promotion, out of mul (it allocated)
+        p_TK = torch.mul(probs_TK, keep_f, out=_empty((T, K), probs_TK.dtype))
+        p_T1K = cast(p_TK, y_SD.dtype).unsqueeze(1)
+        out_T1D = torch.bmm(p_T1K, y_TKD, out=_empty((T, 1, D), y_SD.dtype))
+        ctx.save_for_backward(y_TKD, p_T1K, keep_f, slot_N)
+        ctx.num_slots, ctx.probs_dtype = S, probs_TK.dtype
+        ctx.arena = workspace.current_arena()
+        return out_T1D.squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        with workspace.ctx_arena(ctx):
+            return _CombineRows._backward(ctx, grad_TD)
+
+    @staticmethod
+    def _backward(ctx, grad_TD):
+        y_TKD, p_T1K, keep_f, slot_N = ctx.saved_tensors
+        (T, K, D), S = y_TKD.shape, ctx.num_slots
+        g_T1D = grad_TD.unsqueeze(1)
+        grad_y = grad_p = None
+        if ctx.needs_input_grad[0]:
+            g_TKD = torch.bmm(p_T1K.transpose(1, 2), g_T1D, out=_empty((T, K, D), y_TKD.dtype))
+            # WhereBackward0 then IndexSelectBackward0 (zeros.index_add_): every kept slot
+            # takes one row, the dump-slot choices only zeros. So the rows are copied, and
+            # the dump slot's go to a spare row S that is cut: no masked copy, no float sum
+            # buffer for bf16 rows (a -0.0 may stay -0.0 where the add gave 0.0). The rows no
+            # choice reads stay unwritten, as the experts' backward reads routed rows only.
+            grad_y = _empty((S + 1, D), y_TKD.dtype)
+            grad_y.index_copy_(0, slot_N, g_TKD.view(T * K, D))
+            grad_y = grad_y[:S]
+        if ctx.needs_input_grad[2]:
+            g_T1K = torch.bmm(g_T1D, y_TKD.transpose(1, 2), out=_empty((T, 1, K), y_TKD.dtype))
+            g_TK = cast(g_T1K.squeeze(1), ctx.probs_dtype)  # ToCopyBackward0
+            grad_p = torch.mul(g_TK, keep_f, out=_empty((T, K), ctx.probs_dtype))
+        return grad_y, None, grad_p
+
+
+def _not(mask: torch.Tensor) -> torch.Tensor:
+    return torch.logical_not(mask, out=_empty(tuple(mask.shape), torch.bool))
+
+
+def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+                  *, num_experts: int, budget: int, activation: str, ep_size: int,
+                  exchange: Any, stash_scope: Any) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]:
+    """Stages 1-6 on the CPU, eager: (y_TD, overflow, counts_E). ``exchange(x_ECD, counts_WL)
+    -> (x_ECD, counts_WL)`` and ``exchange.back(y_ECD)`` move the chunks over EP (identity at
+    one rank); ``stash_scope``: the paged stash's scope around stage 4, or None."""
+    E, C, W = num_experts, budget, ep_size
+    L = E // W
+    slot_N, overflow, counts_E = slots(routing.ids_TK, routing.dropped_TK, E, C, W)
+    x_ECD = _GatherRows.apply(x_TD, slot_N, routing.ids_TK.shape[1], E * C)
+    x_ECD, counts_WL = exchange(x_ECD, counts_E.view(W, L))
+    with stash_scope if stash_scope is not None else contextlib.nullcontext():
+        y_WSD = _PackedExperts.apply(x_ECD.view(W, L * C, -1), w13_LXD, w2_LDF, activation,
+                                     counts_WL)
+    y_ECD = exchange.back(y_WSD.view(W * L * C, -1))
+    return _CombineRows.apply(y_ECD, slot_N, routing.probs_TK), overflow, counts_E
