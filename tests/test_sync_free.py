@@ -214,6 +214,23 @@ def test_static_with_router_capacity_and_probs_on_input_equals_dynamic():
         _close(static, _fwd_bwd(layer, x, w))
 
 
+@pytest.mark.parametrize("stash", [False, True])
+def test_static_with_probs_on_input_equals_dynamic(stash):
+    # moe.apply_probs_on_input (top-1): the weight rides on the gathered rows, so the layer
+    # keeps the pure pieces eagerly (with the stash, the arena form's packed experts).
+    torch.manual_seed(0)
+    cfg = _cfg(sync_free=True, stash=stash).to_dict()
+    cfg["model"]["moe"].update(top_k=1, apply_probs_on_input=True)
+    layer = _moe_layers(build_model(config_from_dict(cfg), PluginHost.load(), VOCAB))[0]
+    x, w = _inputs()
+    static = _fwd_bwd(layer, x, w)
+    assert not bool(stash_runtime_of(layer).sync_free.take_overflow())
+    if stash:
+        assert stash_runtime_of(layer).pool.stats()["high_water"] > 0
+    with stash_runtime_of(layer).sync_free.disabled():
+        _close(static, _fwd_bwd(layer, x, w))
+
+
 def _bf16_static_vs_dynamic(layer: MoELayer, x: torch.Tensor, w: torch.Tensor) -> list:
     """Each of (y, x.grad, the experts' and the router's weight grads): the largest difference
     between the static and the dynamic layer under bf16 autocast, over its largest value."""

@@ -143,6 +143,13 @@ class _PackedExperts(torch.autograd.Function):
                 cast(_summed(gw2), w2_dtype), None, None)
 
 
+def packed_experts(x_WSD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+                   activation: str, counts_WL: torch.Tensor) -> torch.Tensor:
+    """Stage 4 over packed chunks in the arena (see _PackedExperts): what the paged stash
+    holds on the CPU."""
+    return _PackedExperts.apply(x_WSD, w13_LXD, w2_LDF, activation, counts_WL)
+
+
 def _weight_grads(w: torch.Tensor, chunks: int) -> torch.Tensor:
     """One weight grad per chunk ([chunks, *w.shape]), summed after as autograd sums them."""
     return _empty((chunks, *w.shape), w.dtype)
@@ -225,7 +232,7 @@ def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LD
     x_ECD = _GatherRows.apply(x_TD, slot_N, routing.ids_TK.shape[1], E * C)
     x_ECD, counts_WL = exchange(x_ECD, counts_E.view(W, L))
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
-        y_WSD = _PackedExperts.apply(x_ECD.view(W, L * C, -1), w13_LXD, w2_LDF, activation,
-                                     counts_WL)
+        y_WSD = packed_experts(x_ECD.view(W, L * C, -1), w13_LXD, w2_LDF, activation,
+                               counts_WL)
     y_ECD = exchange.back(y_WSD.view(W * L * C, -1))
     return _CombineRows.apply(y_ECD, slot_N, routing.probs_TK), overflow, counts_E

@@ -40,7 +40,7 @@ from moeplug.modules import static_arena
 from moeplug.ops import cuda_ops
 from moeplug.ops._grouped import compute_dtype
 from moeplug.ops.activations import activation_fn
-from moeplug.ops.grouped_rows_mm import grouped_rows_mm, grouped_rows_mm_backward
+from moeplug.ops.grouped_rows_mm import grouped_rows_mm
 from moeplug.parallel import comm
 
 
@@ -109,37 +109,18 @@ def _to_compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Te
     return tuple(t.to(dtype) for t in (x, *weights))
 
 
-def _gemm(x_3K: torch.Tensor, w_LNK: torch.Tensor, counts_WL: torch.Tensor | None
-          ) -> torch.Tensor:
-    """x @ w^T per expert: batched over [L, B, K] (counts None), or over packed chunks [W, S, K]
-    (``slots(packed=True)``) grouped over each chunk's counts_WL[w] rows per expert
-    (moeplug.ops.grouped_rows_mm); rows past them come back unwritten (never read)."""
-    if counts_WL is None:
-        return torch.bmm(x_3K, w_LNK.transpose(1, 2))
-    return _stack([grouped_rows_mm(x_3K[w], w_LNK, counts_WL[w]) for w in range(len(x_3K))])
-
-
 def _stack(chunks: list[torch.Tensor]) -> torch.Tensor:
     """The chunks as [W, ...]: one chunk (one EP rank) without a copy."""
     return chunks[0].unsqueeze(0) if len(chunks) == 1 else torch.stack(chunks)
-
-
-def _gemm_backward(g_3N: torch.Tensor, x_3K: torch.Tensor, w_LNK: torch.Tensor,
-                   counts_WL: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw) of :func:`_gemm`."""
-    if counts_WL is None:
-        return torch.bmm(g_3N, w_LNK), torch.bmm(g_3N.transpose(1, 2), x_3K)
-    parts = [grouped_rows_mm_backward(g_3N[w], x_3K[w], w_LNK, counts_WL[w])
-             for w in range(g_3N.shape[0])]
-    return torch.stack([dx for dx, _ in parts]), sum(dw for _, dw in parts)
 
 
 def packed_chunks_ffn(x_WSD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: torch.Tensor,
                       w2_LDF: torch.Tensor, activation: str) -> torch.Tensor:
     """Stage 4 over packed chunks (the CPU's layout; W = 1 at one EP rank): source rank w's
     chunk holds its counts_WL[w] rows per local expert at its front; each expert's FFN on just
-    those rows, one pair of grouped GEMMs per chunk, the weights cast to the autocast dtype
-    once for all chunks."""
+    those rows, one pair of grouped GEMMs per chunk (moeplug.ops.grouped_rows_mm; rows past
+    them come back unwritten, never read), the weights cast to the autocast dtype once for
+    all chunks."""
     x_c, w13_c, w2_c = _to_compute_dtype(x_WSD, w13_LXD, w2_LDF)
     act = activation_fn(activation)
 
@@ -149,57 +130,58 @@ def packed_chunks_ffn(x_WSD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: tor
     return _stack([ffn(x_c[w], counts_WL[w]) for w in range(len(x_c))])
 
 
+def _bmm(x_LBK: torch.Tensor, w_LNK: torch.Tensor) -> torch.Tensor:
+    """x @ w^T per expert, batched over [L, B, K] (every budget slot)."""
+    return torch.bmm(x_LBK, w_LNK.transpose(1, 2))
+
+
 def experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                 activation: str) -> torch.Tensor:
     """Stage 4: every local expert's FFN as two batched GEMMs (autocast picks their dtype)."""
-    return _gemm(activation_fn(activation)(_gemm(x_LBD, w13_LXD, None)), w2_LDF, None)
+    return _bmm(activation_fn(activation)(_bmm(x_LBD, w13_LXD)), w2_LDF)
 
 
 class _StashedExperts(torch.autograd.Function):
-    """Stage 4 for the paged stash (``runtime.stash``, eager): it saves the expert input and
-    FC1 output as 2-D rows, the layout moeplug.stash packs into its pages (static shapes, so
-    the same pages every step), and rebuilds the activation from h in backward. GEMMs in the
-    autocast dtype; grads come back in each input's own dtype.
-
-    ``counts_WL`` None: x is [L, B, D] (padded slots) and the GEMMs are batched over every slot.
-    Else x is [W, L*C, D] packed chunks (``slots(packed=True)``) and each chunk's GEMMs are
-    grouped over its counts_WL[w] rows per expert (moeplug.ops.grouped_rows_mm)."""
+    """Stage 4 of the batched layout for the paged stash (``runtime.stash``, eager; a GPU):
+    it saves the expert input [L, B, D] and FC1 output as 2-D rows, the layout moeplug.stash
+    packs into its pages (static shapes, so the same pages every step), and rebuilds the
+    activation from h in backward. GEMMs in the autocast dtype; grads come back in each
+    input's own dtype. (The CPU's packed chunks: static_arena's packed experts.)"""
 
     @staticmethod
-    def forward(ctx, x_3D, w13_LXD, w2_LDF, activation, counts_WL):
-        x_c, w13_c, w2_c = (t.contiguous() for t in _to_compute_dtype(x_3D, w13_LXD, w2_LDF))
-        A, B, D = x_c.shape
+    def forward(ctx, x_LBD, w13_LXD, w2_LDF, activation):
+        x_c, w13_c, w2_c = (t.contiguous() for t in _to_compute_dtype(x_LBD, w13_LXD, w2_LDF))
+        L, B, D = x_c.shape
         with torch.autocast(x_c.device.type, enabled=False):
-            h_3X = _gemm(x_c, w13_c, counts_WL)
-            y_3D = _gemm(activation_fn(activation)(h_3X), w2_c, counts_WL)
-        ctx.save_for_backward(x_c.view(A * B, D), h_3X.view(A * B, -1), w13_c, w2_c)
-        ctx.counts_WL = counts_WL  # a few ints: kept out of the stash's pages
+            h_LBX = _bmm(x_c, w13_c)
+            y_LBD = _bmm(activation_fn(activation)(h_LBX), w2_c)
+        ctx.save_for_backward(x_c.view(L * B, D), h_LBX.view(L * B, -1), w13_c, w2_c)
         ctx.activation = activation
-        ctx.dtypes = (x_3D.dtype, w13_LXD.dtype, w2_LDF.dtype)
-        return y_3D
+        ctx.dtypes = (x_LBD.dtype, w13_LXD.dtype, w2_LDF.dtype)
+        return y_LBD
 
     @staticmethod
-    def backward(ctx, g_3D):
+    def backward(ctx, g_LBD):
         x_SD, h_SX, w13_c, w2_c = ctx.saved_tensors
-        counts_WL = ctx.counts_WL
-        A = g_3D.shape[0]
-        x_3D, h_3X = x_SD.view(A, -1, x_SD.shape[1]), h_SX.view(A, -1, h_SX.shape[1])
-        g_3D = g_3D.to(x_3D.dtype).contiguous()
-        with torch.autocast(x_3D.device.type, enabled=False):
+        L = g_LBD.shape[0]
+        x_LBD, h_LBX = x_SD.view(L, -1, x_SD.shape[1]), h_SX.view(L, -1, h_SX.shape[1])
+        g_LBD = g_LBD.to(x_LBD.dtype).contiguous()
+        with torch.autocast(x_LBD.device.type, enabled=False):
             with torch.enable_grad():  # the activation's derivative by autograd (elementwise)
-                h = h_3X.detach().requires_grad_()
-                a_3F = activation_fn(ctx.activation)(h)
-            g_a, g_w2 = _gemm_backward(g_3D, a_3F.detach(), w2_c, counts_WL)
-            (g_h,) = torch.autograd.grad(a_3F, h, g_a)
-            g_x, g_w13 = _gemm_backward(g_h, x_3D, w13_c, counts_WL)
+                h = h_LBX.detach().requires_grad_()
+                a_LBF = activation_fn(ctx.activation)(h)
+            g_a = torch.bmm(g_LBD, w2_c)
+            g_w2 = torch.bmm(g_LBD.transpose(1, 2), a_LBF.detach())
+            (g_h,) = torch.autograd.grad(a_LBF, h, g_a)
+            g_x, g_w13 = torch.bmm(g_h, w13_c), torch.bmm(g_h.transpose(1, 2), x_LBD)
         x_dtype, w13_dtype, w2_dtype = ctx.dtypes
-        return g_x.to(x_dtype), g_w13.to(w13_dtype), g_w2.to(w2_dtype), None, None
+        return g_x.to(x_dtype), g_w13.to(w13_dtype), g_w2.to(w2_dtype), None
 
 
-def stashed_experts_ffn(x_3D: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
-                        activation: str, counts_WL: torch.Tensor | None = None) -> torch.Tensor:
+def stashed_experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+                        activation: str) -> torch.Tensor:
     """Stage 4 with 2-D saved activations for the paged stash (see _StashedExperts)."""
-    return _StashedExperts.apply(x_3D, w13_LXD, w2_LDF, activation, counts_WL)
+    return _StashedExperts.apply(x_LBD, w13_LXD, w2_LDF, activation)
 
 
 def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor
@@ -361,8 +343,9 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
         if stash_scope is None:
             y_WSD = wrap(packed_chunks_ffn)(x_WSD, counts_WL, w13_LXD, w2_LDF, activation)
         else:
-            with stash_scope:
-                y_WSD = stashed_experts_ffn(x_WSD, w13_LXD, w2_LDF, activation, counts_WL)
+            with stash_scope:  # the stash is eager only: the arena form's experts
+                y_WSD = static_arena.packed_experts(x_WSD, w13_LXD, w2_LDF, activation,
+                                                    counts_WL)
         y_ECD = exchange.back(y_WSD.view(ep_size * L * C, -1))
         return wrap(back)(y_ECD, slot_N, routing.probs_TK, weighted_input), overflow, counts_E
     x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C, weighted_input)
