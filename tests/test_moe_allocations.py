@@ -167,14 +167,36 @@ def _allocations_without_arenas(router_options: dict, moe_options: dict | None,
     return moe_path_allocations(model, step)
 
 
-@pytest.mark.parametrize("stash, precision", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
-def test_sync_free_steps_allocate_nothing_on_the_moe_path(stash, precision):
-    # runtime.sync_free, eager on the CPU: the static stages in the layer's arena
-    # (moeplug.modules.static_arena). The pure pieces allocated 263 buffers in two such steps
-    # (287 with the stash). With the arenas off the counter sees the stages' Functions again.
+# Execution modes: (runtime options, model.moe options, stash, precision, the Functions the
+# counter must see allocate forward and backward once the arenas are off).
+# runtime.sync_free, eager on the CPU, runs its static stages in the layer's arena
+# (moeplug.modules.static_arena); the pure pieces allocated 263 buffers in two such steps (287
+# with the stash). Delayed wgrad work (model.moe.delay_wgrad_compute; the stash is refused
+# with it) writes its deferred weight grads into workspace buffers.
+MODES = {
+    "sync_free": ({"sync_free": True}, None, False, "fp32",
+                  ("_GatherRows", "_PackedExperts", "_CombineRows")),
+    "sync_free_stash": ({"sync_free": True}, None, True, "fp32",
+                        ("_GatherRows", "_PackedExperts", "_CombineRows")),
+    "sync_free_stash_bf16": ({"sync_free": True}, None, True, "bf16",
+                             ("_GatherRows", "_PackedExperts", "_CombineRows")),
+    "delay_wgrad": (None, {"delay_wgrad_compute": True}, False, "fp32", ("_ExpertMLP",)),
+    "delay_wgrad_chunks_bf16": (None, {"delay_wgrad_compute": True, "overlap_chunks": 2},
+                                False, "bf16", ("_ExpertMLP",)),
+}
+
+
+# bf16 chunks spread the rows per expert wider: a one-expert scratch class is first needed in
+# steps 3 and 5 (the same without delay_wgrad), then nothing over the next 10 steps.
+MODE_WARM_UP_STEPS = {"delay_wgrad_chunks_bf16": 5}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_execution_modes_allocate_nothing_on_the_moe_path(mode):
+    runtime, moe, stash, precision, functions = MODES[mode]
     torch.set_num_threads(1)
-    model, step = _setup(stash, precision, runtime={"sync_free": True})
-    for _ in range(3):
+    model, step = _setup(stash, precision, moe_options=moe, runtime=runtime)
+    for _ in range(MODE_WARM_UP_STEPS.get(mode, 3)):
         step()
     for _ in range(2):
         report = moe_path_allocations(model, step)
@@ -184,7 +206,7 @@ def test_sync_free_steps_allocate_nothing_on_the_moe_path(stash, precision):
             m.workspace = None
     step()
     report = moe_path_allocations(model, step)
-    for function in ("_GatherRows", "_PackedExperts", "_CombineRows"):
+    for function in functions:
         assert any(function in k for k in report.where), (function, report.describe())
         assert any(function + "Backward" in k for k in report.where), (function,
                                                                         report.describe())
