@@ -47,14 +47,19 @@ def test_fp32_moments_equal_torch_adamw():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_adamw_is_torchs_bitwise_and_their_state_dicts_load_into_each_other():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none)")])])
+def test_adamw_is_torchs_bitwise_and_their_state_dicts_load_into_each_other(device):
     """moeplug's AdamW (its own base, torch's functional update) against torch.optim.AdamW on
     the same two groups and grads, the lr changed every step as the trainer does, and each
-    one's state dict loaded into the other halfway: parameters and state stay bitwise equal."""
+    one's state dict loaded into the other halfway: parameters and state stay bitwise equal.
+    On a GPU both take torch's default there (the foreach update)."""
     import copy
     from moeplug.training.optim import AdamW
     torch.manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(*s)) for s in ((33, 17), (17,), (5, 5))]
+    ours = [torch.nn.Parameter(torch.randn(*s, device=device))
+            for s in ((33, 17), (17,), (5, 5))]
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
 
     def groups(ps):
