@@ -27,8 +27,9 @@ import torch
 
 from moeplug.ops import workspace
 from moeplug.ops._grouped import cast, compute_dtype
-from moeplug.ops.activations import act_times_probs, act_times_probs_backward
-from moeplug.ops.grouped_rows_mm import grouped_rows_mm_backward_out, grouped_rows_mm_out
+from moeplug.ops.grouped_rows_mm import (act_width, grouped_rows_act_backward_out,
+                                         grouped_rows_act_out, grouped_rows_mm_backward_out,
+                                         grouped_rows_mm_out)
 from moeplug.routing import sink_dropped
 from moeplug.runtime import get_runtime
 
@@ -107,7 +108,8 @@ class _PackedExperts(torch.autograd.Function):
         with torch.autocast("cpu", enabled=False):
             for w in range(W):  # chunk by chunk: one activation buffer, reused
                 grouped_rows_mm_out(x_c[w], w13_c, counts_WL[w], h_WSX[w])
-                a_SF = act_times_probs(h_WSX[w], None, activation, _empty)
+                a_SF = _empty((S, act_width(h_WSX[w], activation)), dtype)
+                grouped_rows_act_out(h_WSX[w], counts_WL[w], activation, a_SF)
                 grouped_rows_mm_out(a_SF, w2_c, counts_WL[w], y_WSD[w])
                 del a_SF
         ctx.save_for_backward(x_c.view(W * S, D), h_WSX.view(W * S, -1), w13_c, w2_c)
@@ -131,13 +133,16 @@ class _PackedExperts(torch.autograd.Function):
         gx_WSD = _empty(tuple(x_WSD.shape), x_WSD.dtype)
         gw13, gw2 = _weight_grads(w13_c, W), _weight_grads(w2_c, W)
         for w in range(W):
-            a_SF = act_times_probs(h_WSX[w], None, ctx.activation, _empty)
+            h_SX, counts_L = h_WSX[w], counts_WL[w]
+            a_SF = _empty((h_SX.shape[0], act_width(h_SX, ctx.activation)), h_SX.dtype)
+            grouped_rows_act_out(h_SX, counts_L, ctx.activation, a_SF)  # rebuilt from h
             g_a = _empty(tuple(a_SF.shape), a_SF.dtype)
-            grouped_rows_mm_backward_out(g_c[w], a_SF, w2_c, counts_WL[w], g_a, gw2[w])
+            grouped_rows_mm_backward_out(g_c[w], a_SF, w2_c, counts_L, g_a, gw2[w])
             del a_SF
-            g_h, _ = act_times_probs_backward(g_a, h_WSX[w], None, ctx.activation, False, _empty)
+            g_h = _empty(tuple(h_SX.shape), h_SX.dtype)
+            grouped_rows_act_backward_out(g_a, h_SX, counts_L, ctx.activation, g_h)
             del g_a
-            grouped_rows_mm_backward_out(g_h, x_WSD[w], w13_c, counts_WL[w], gx_WSD[w], gw13[w])
+            grouped_rows_mm_backward_out(g_h, x_WSD[w], w13_c, counts_L, gx_WSD[w], gw13[w])
         x_dtype, w13_dtype, w2_dtype = ctx.dtypes
         return (cast(gx_WSD, x_dtype), cast(_summed(gw13), w13_dtype),
                 cast(_summed(gw2), w2_dtype), None, None)

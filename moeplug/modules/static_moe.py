@@ -40,7 +40,7 @@ from moeplug.modules import static_arena
 from moeplug.ops import cuda_ops
 from moeplug.ops._grouped import compute_dtype
 from moeplug.ops.activations import activation_fn
-from moeplug.ops.grouped_rows_mm import grouped_rows_mm
+from moeplug.ops.grouped_rows_mm import grouped_rows_act, grouped_rows_mm
 from moeplug.parallel import comm
 
 
@@ -118,15 +118,15 @@ def packed_chunks_ffn(x_WSD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: tor
                       w2_LDF: torch.Tensor, activation: str) -> torch.Tensor:
     """Stage 4 over packed chunks (the CPU's layout; W = 1 at one EP rank): source rank w's
     chunk holds its counts_WL[w] rows per local expert at its front; each expert's FFN on just
-    those rows, one pair of grouped GEMMs per chunk (moeplug.ops.grouped_rows_mm; rows past
-    them come back unwritten, never read), the weights cast to the autocast dtype once for
-    all chunks."""
+    those rows, one pair of grouped GEMMs per chunk and the activation over the same rows
+    (moeplug.ops.grouped_rows_mm; rows past them come back unwritten, never read), the weights
+    cast to the autocast dtype once for all chunks."""
     x_c, w13_c, w2_c = _to_compute_dtype(x_WSD, w13_LXD, w2_LDF)
-    act = activation_fn(activation)
 
     def ffn(x_SD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         # Chunk by chunk: FC1's output is never stacked (the largest tensor here).
-        return grouped_rows_mm(act(grouped_rows_mm(x_SD, w13_c, counts_L)), w2_c, counts_L)
+        h_SX = grouped_rows_mm(x_SD, w13_c, counts_L)
+        return grouped_rows_mm(grouped_rows_act(h_SX, counts_L, activation), w2_c, counts_L)
     return _stack([ffn(x_c[w], counts_WL[w]) for w in range(len(x_c))])
 
 

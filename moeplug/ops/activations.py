@@ -75,7 +75,7 @@ def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 aten = torch.ops.aten
 
 
-def _act_into(h_SX: torch.Tensor, name: str, out_SF: torch.Tensor) -> torch.Tensor:
+def act_into(h_SX: torch.Tensor, name: str, out_SF: torch.Tensor) -> torch.Tensor:
     """``act(h)`` into out_SF, as activation_fn(name) computes it."""
     if is_gated(name):
         gate_SF, up_SF = h_SX.chunk(2, dim=-1)
@@ -102,7 +102,7 @@ def act_times_probs(h_SX: torch.Tensor, probs_S: torch.Tensor | None, name: str,
                     empty: Empty) -> torch.Tensor:
     """``activation_fn(name)(h) * probs_S[:, None]`` (``* 1`` skipped for None), bitwise."""
     S, X = h_SX.shape
-    a_SF = _act_into(h_SX, name, empty((S, X // 2 if is_gated(name) else X), h_SX.dtype))
+    a_SF = act_into(h_SX, name, empty((S, X // 2 if is_gated(name) else X), h_SX.dtype))
     if probs_S is not None:
         torch.mul(a_SF, _probs_col(probs_S, a_SF.dtype, empty), out=a_SF)
     return a_SF
@@ -122,7 +122,7 @@ def act_times_probs_backward(grad_SF: torch.Tensor, h_SX: torch.Tensor,
         grad_act = torch.mul(grad_SF, _probs_col(probs_S, dt, empty),
                              out=empty(tuple(grad_SF.shape), dt))
         if want_dp:
-            prod = _act_into(h_SX, name, empty(tuple(grad_SF.shape), dt))
+            prod = act_into(h_SX, name, empty(tuple(grad_SF.shape), dt))
             torch.mul(grad_SF, prod, out=prod)
             dp_col = torch.sum(prod, dim=1, keepdim=True, out=empty((prod.shape[0], 1), dt))
             if dp_col.dtype != probs_S.dtype:  # ToCopyBackward0

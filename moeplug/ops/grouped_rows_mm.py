@@ -22,13 +22,22 @@ shape 0.80-0.83 before, 0.80-0.86 after, alternating runs).
 Rows past ``sum(counts)`` are left unwritten (whatever the buffer held): the caller never reads
 them into a real row (static_moe.combine_rows masks them). Registered for the CPU only; on a GPU
 the static region keeps its own path.
+
+``grouped_rows_act`` is the activation between the two GEMMs over the same routed rows (the
+budget's other rows, half the buffer at ``token_budget: 2.0``, were activated for nothing):
+SwiGLU by the runtime's fused kernel (the dynamic path's experts run it too), the other
+activations as ``activation_fn`` computes them. The ``_out`` twins write given buffers (the
+static stages' eager form, moeplug.modules.static_arena).
 """
 
 from __future__ import annotations
 
 import torch
 
+from moeplug.ops import workspace
 from moeplug.ops._grouped import expert_slices, mm_rows, row_multiple, with_spare_rows
+from moeplug.ops.activations import act_into, act_times_probs_backward, is_gated
+from moeplug.ops.swiglu import swiglu_backward_raw, swiglu_forward_raw
 
 
 def _groups(counts_G: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -116,3 +125,100 @@ def _backward(ctx, g_SN):
 
 
 grouped_rows_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the activation over the routed rows ---------------------------------------------------
+
+def _routed(counts_G: torch.Tensor) -> int:
+    return int(counts_G.sum())
+
+
+def _fused(name: str, h: torch.Tensor) -> bool:
+    return name == "swiglu" and h.dtype in (torch.float32, torch.bfloat16)
+
+
+def _act_forward_into(h_SX: torch.Tensor, counts_G: torch.Tensor, name: str,
+                      a_SF: torch.Tensor) -> None:
+    n = _routed(counts_G)
+    if n == 0:
+        return
+    if _fused(name, h_SX):
+        swiglu_forward_raw(h_SX[:n], None, a_SF[:n])
+    else:
+        act_into(h_SX[:n], name, a_SF[:n])
+
+
+def _act_backward_into(g_SF: torch.Tensor, h_SX: torch.Tensor, counts_G: torch.Tensor,
+                       name: str, dh_SX: torch.Tensor) -> None:
+    n = _routed(counts_G)
+    if n == 0:
+        return
+    if _fused(name, h_SX):
+        swiglu_backward_raw(g_SF[:n], h_SX[:n], None, False, dh_SX[:n])
+    else:
+        dh, _ = act_times_probs_backward(g_SF[:n], h_SX[:n], None, name, False, workspace.empty)
+        dh_SX[:n].copy_(dh)
+
+
+def act_width(h_SX: torch.Tensor, name: str) -> int:
+    """F: the activation's output features for FC1 rows h [S, X] (X = 2F when gated)."""
+    return h_SX.shape[1] // 2 if is_gated(name) else h_SX.shape[1]
+
+
+@torch.library.custom_op("moeplug::grouped_rows_act", mutates_args=(), device_types="cpu")
+def grouped_rows_act(h_SX: torch.Tensor, counts_G: torch.Tensor, name: str) -> torch.Tensor:
+    """The activation ``name`` of the first ``sum(counts_G)`` rows of h [S, X] -> [S, F]."""
+    a_SF = h_SX.new_empty(h_SX.shape[0], act_width(h_SX, name))
+    _act_forward_into(h_SX.contiguous(), counts_G, name, a_SF)
+    return a_SF
+
+
+@grouped_rows_act.register_fake
+def _(h_SX, counts_G, name):
+    return h_SX.new_empty(h_SX.shape[0], act_width(h_SX, name))
+
+
+@torch.library.custom_op("moeplug::grouped_rows_act_out", mutates_args=("a_SF",),
+                         device_types="cpu")
+def grouped_rows_act_out(h_SX: torch.Tensor, counts_G: torch.Tensor, name: str,
+                         a_SF: torch.Tensor) -> None:
+    """:func:`grouped_rows_act` into ``a_SF`` (h and a contiguous)."""
+    _act_forward_into(h_SX, counts_G, name, a_SF)
+
+
+@torch.library.custom_op("moeplug::grouped_rows_act_backward", mutates_args=(),
+                         device_types="cpu")
+def grouped_rows_act_backward(g_SF: torch.Tensor, h_SX: torch.Tensor, counts_G: torch.Tensor,
+                              name: str) -> torch.Tensor:
+    """dh [S, X] of :func:`grouped_rows_act` for its routed rows (the rest unwritten)."""
+    dh_SX = h_SX.new_empty(h_SX.shape)
+    _act_backward_into(g_SF.contiguous(), h_SX, counts_G, name, dh_SX)
+    return dh_SX
+
+
+@grouped_rows_act_backward.register_fake
+def _(g_SF, h_SX, counts_G, name):
+    return h_SX.new_empty(h_SX.shape)
+
+
+@torch.library.custom_op("moeplug::grouped_rows_act_backward_out", mutates_args=("dh_SX",),
+                         device_types="cpu")
+def grouped_rows_act_backward_out(g_SF: torch.Tensor, h_SX: torch.Tensor,
+                                  counts_G: torch.Tensor, name: str,
+                                  dh_SX: torch.Tensor) -> None:
+    """:func:`grouped_rows_act_backward` into ``dh_SX`` (all contiguous)."""
+    _act_backward_into(g_SF, h_SX, counts_G, name, dh_SX)
+
+
+def _act_setup_context(ctx, inputs, output):
+    h_SX, counts_G, name = inputs
+    ctx.save_for_backward(h_SX, counts_G)
+    ctx.name = name
+
+
+def _act_backward(ctx, g_SF):
+    h_SX, counts_G = ctx.saved_tensors
+    return grouped_rows_act_backward(g_SF, h_SX, counts_G, ctx.name), None, None
+
+
+grouped_rows_act.register_autograd(_act_backward, setup_context=_act_setup_context)
