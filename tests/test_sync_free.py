@@ -3,12 +3,16 @@
 Proofs:
   * the host-sync counter counts every kind of sync it claims to (each inserted into a tiny
     computation), and counts the dynamic MoE layer's syncs; the static layer's forward and
-    backward read zero;
+    backward read zero, in its eager CPU form (moeplug.modules.static_arena) and as the pure
+    pieces capture compiles, and a sync slipped into either is counted;
   * static (eager) equals the dynamic layer: outputs and grads, fp32, tolerance 1e-5;
   * replay (torch.compile fullgraph, compiled once) equals eager static, outputs and grads;
   * over budget raises the device flag; a training step over budget reruns on the dynamic path
     and equals the run without sync_free bitwise, the rerun counted;
-  * EP2 on real gloo ranks: static eager and replay equal the dynamic alltoall layer.
+  * EP2 on real gloo ranks: static eager and replay equal the dynamic alltoall layer;
+  * the grouped ops over the routed rows (grouped_rows_mm, grouped_rows_act) equal a GEMM and
+    the activation per group, eager and compiled with fullgraph.
+The eager CPU form against the pure pieces, op for op: tests/test_static_arena.py.
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ allocated ~65 buffers a layer and micro-batch (263 in two steps of a 2-layer mod
 the paged stash), so the stash's promise - after warm-up the MoE path allocates nothing - did
 not hold in the mode it was made for. Each stage here is the same ops in out= form inside one
 autograd Function whose backward repeats what autograd runs for the pure piece, so results and
-gradients are bitwise the pure pieces' (tests/test_sync_free.py) and the host-sync counter sees
-the same ops. One exception: stage 1 is the runtime's ``budget_slots`` kernel (two counting
-passes over the choices; the torch form is a stable sort plus a dozen [N] temporaries), whose
-integers equal :func:`static_moe.slots`'s.
+gradients equal the pure pieces' (``torch.equal``: tests/test_static_arena.py) and the
+host-sync counter sees the same ops. One exception: stage 1 is the runtime's ``budget_slots``
+kernel (two counting passes over the choices; the torch form is a stable sort plus a dozen [N]
+temporaries), whose integers equal :func:`static_moe.slots`'s.
 
 Used for ``apply_probs_on_input: false`` (the default); with it the layer keeps the pure pieces.
 """
@@ -92,11 +92,11 @@ def _index_add_rows(shape: tuple[int, int], index: torch.Tensor, src: torch.Tens
 
 
 class _PackedExperts(torch.autograd.Function):
-    """Stage 4 over packed chunks (``static_moe.packed_chunks_ffn``; the paged stash's
-    ``_StashedExperts`` when a stash scope is open): per source chunk w, FC1 and FC2 as grouped
-    GEMMs over its counts_WL[w] rows per expert, in the autocast dtype. Saves the expert input
-    and FC1's output as 2-D rows (what the stash packs into its pages) and rebuilds the
-    activation in backward. Grads come back in each input's own dtype."""
+    """Stage 4 over packed chunks (``static_moe.packed_chunks_ffn``): per source chunk w, FC1,
+    the activation and FC2 over its counts_WL[w] rows per expert, in the autocast dtype. Saves
+    the expert input and FC1's output as 2-D rows (what the paged stash packs into its pages,
+    the same pages every step) and rebuilds the activation in backward. Grads come back in
+    each input's own dtype."""
 
     @staticmethod
     def forward(ctx, x_WSD, w13_LXD, w2_LDF, activation, counts_WL):
@@ -161,8 +161,9 @@ def _weight_grads(w: torch.Tensor, chunks: int) -> torch.Tensor:
 
 
 def _summed(g_W: torch.Tensor) -> torch.Tensor:
-    """``sum(g for g in g_W)`` (0 + g0 + g1 ..., the stashed form's Python sum), in place
-    into the first chunk's grad: one chunk is itself."""
+    """g0 + g1 + ..., in place into the first chunk's grad (one chunk is itself). Autograd sums
+    the pure pieces' per-chunk grads; two terms add the same either way round (EP2), more may
+    add in another order (a fp32 reorder)."""
     out = g_W[0]
     for g in g_W[1:]:
         out.add_(g)
