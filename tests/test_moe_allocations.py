@@ -39,15 +39,27 @@ def _setup(stash: bool, precision: str = "fp32", router_options: dict | None = N
     return one_process_trainer(cfg, precision)
 
 
+def _assert_steps_allocate_nothing(model, step, warm_up: int = 3) -> None:
+    """``warm_up`` steps (arenas, the workspace cache, the stash pool), then two steps, each
+    with its own batch, that allocate nothing on the MoE path."""
+    for _ in range(warm_up):
+        step()
+    for _ in range(2):
+        report = moe_path_allocations(model, step)
+        assert report.count == 0, report.describe()
+
+
+def _arenas_off(model) -> None:
+    """Every MoE layer's workspace arena switched off: its small buffers go to torch again."""
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.workspace = None
+
+
 @pytest.mark.parametrize("stash, precision", [(True, "fp32"), (False, "fp32"), (True, "bf16")])
 def test_steady_state_step_allocates_nothing_on_the_moe_path(stash, precision):
     torch.set_num_threads(1)
-    model, step = _setup(stash, precision)
-    for _ in range(3):  # warm-up: arenas, the workspace cache, the stash pool
-        step()
-    for _ in range(2):  # two steps, each with its own batch: nothing left to warm up
-        report = moe_path_allocations(model, step)
-        assert report.count == 0, report.describe()
+    _assert_steps_allocate_nothing(*_setup(stash, precision))
 
 
 # Features made allocation-free after the default path (issue 7): router options (and
@@ -130,12 +142,8 @@ def _feature(feature: str) -> tuple:
 def test_router_features_allocate_nothing_after_warm_up(feature):
     torch.set_num_threads(1)
     options, _, moe, precision = _feature(feature)
-    model, step = _setup(True, precision, router_options=options, moe_options=moe)
-    for _ in range(WARM_UP_STEPS.get(feature, 3)):
-        step()
-    for _ in range(2):
-        report = moe_path_allocations(model, step)
-        assert report.count == 0, report.describe()
+    _assert_steps_allocate_nothing(*_setup(True, precision, router_options=options,
+                                           moe_options=moe), WARM_UP_STEPS.get(feature, 3))
 
 
 @pytest.mark.parametrize("feature", list(ROUTER_FEATURES))
@@ -159,9 +167,7 @@ def _allocations_without_arenas(router_options: dict, moe_options: dict | None,
                                 precision: str = "fp32"):
     """The MoE path's allocations in a step after two warm-up steps, every layer's arena off."""
     model, step = _setup(True, precision, router_options=router_options, moe_options=moe_options)
-    for m in model.modules():
-        if isinstance(m, MoELayer):
-            m.workspace = None
+    _arenas_off(model)
     for _ in range(2):
         step()
     return moe_path_allocations(model, step)
@@ -196,14 +202,8 @@ def test_execution_modes_allocate_nothing_on_the_moe_path(mode):
     runtime, moe, stash, precision, functions = MODES[mode]
     torch.set_num_threads(1)
     model, step = _setup(stash, precision, moe_options=moe, runtime=runtime)
-    for _ in range(MODE_WARM_UP_STEPS.get(mode, 3)):
-        step()
-    for _ in range(2):
-        report = moe_path_allocations(model, step)
-        assert report.count == 0, report.describe()
-    for m in model.modules():
-        if isinstance(m, MoELayer):
-            m.workspace = None
+    _assert_steps_allocate_nothing(model, step, MODE_WARM_UP_STEPS.get(mode, 3))
+    _arenas_off(model)
     step()
     report = moe_path_allocations(model, step)
     for function in functions:
@@ -216,9 +216,7 @@ def test_the_counter_sees_allocations_when_the_arenas_are_off():
     # Same model and step, the layers' workspace arenas replaced by None: their small buffers
     # go to torch again, and the counter must report them (else the test above proves nothing).
     model, step = _setup(True)
-    for m in model.modules():
-        if isinstance(m, MoELayer):
-            m.workspace = None
+    _arenas_off(model)
     for _ in range(2):
         step()
     report = moe_path_allocations(model, step)

@@ -130,7 +130,8 @@ grouped_rows_mm.register_autograd(_backward, setup_context=_setup_context)
 # ---- the activation over the routed rows ---------------------------------------------------
 
 def _routed(counts_G: torch.Tensor) -> int:
-    return int(counts_G.sum())
+    # Python ints: a tensor sum would allocate its 0-d result every call.
+    return sum(counts_G.tolist())
 
 
 def _fused(name: str, h: torch.Tensor) -> bool:
