@@ -27,9 +27,9 @@ import torch
 
 from moeplug.ops import workspace
 from moeplug.ops._grouped import cast, compute_dtype
-from moeplug.ops.grouped_rows_mm import (act_width, grouped_rows_act_backward_out,
-                                         grouped_rows_act_out, grouped_rows_mm_backward_out,
-                                         grouped_rows_mm_out)
+from moeplug.ops.activations import act_width
+from moeplug.ops.grouped_rows_mm import (grouped_rows_act_backward_out, grouped_rows_act_out,
+                                         grouped_rows_mm_backward_out, grouped_rows_mm_out)
 from moeplug.routing import sink_dropped
 from moeplug.runtime import get_runtime
 
@@ -108,7 +108,7 @@ class _PackedExperts(torch.autograd.Function):
         with torch.autocast("cpu", enabled=False):
             for w in range(W):  # chunk by chunk: one activation buffer, reused
                 grouped_rows_mm_out(x_c[w], w13_c, counts_WL[w], h_WSX[w])
-                a_SF = _empty((S, act_width(h_WSX[w], activation)), dtype)
+                a_SF = _empty((S, act_width(activation, h_WSX.shape[2])), dtype)
                 grouped_rows_act_out(h_WSX[w], counts_WL[w], activation, a_SF)
                 grouped_rows_mm_out(a_SF, w2_c, counts_WL[w], y_WSD[w])
                 del a_SF
@@ -134,7 +134,7 @@ class _PackedExperts(torch.autograd.Function):
         gw13, gw2 = _weight_grads(w13_c, W), _weight_grads(w2_c, W)
         for w in range(W):
             h_SX, counts_L = h_WSX[w], counts_WL[w]
-            a_SF = _empty((h_SX.shape[0], act_width(h_SX, ctx.activation)), h_SX.dtype)
+            a_SF = _empty((h_SX.shape[0], act_width(ctx.activation, h_SX.shape[1])), h_SX.dtype)
             grouped_rows_act_out(h_SX, counts_L, ctx.activation, a_SF)  # rebuilt from h
             g_a = _empty(tuple(a_SF.shape), a_SF.dtype)
             grouped_rows_mm_backward_out(g_c[w], a_SF, w2_c, counts_L, g_a, gw2[w])

@@ -38,9 +38,13 @@ def weight_grad(w: torch.Tensor, slices: list[tuple[int, int, int]],
     From the workspace too: AccumulateGrad usually adopts it as ``param.grad``, and the cache
     only hands it out again once that grad has been dropped (zero_grad) or summed into.
     """
-    grad = empty(tuple(w.shape), w.dtype)
+    return zero_unused_experts(empty(tuple(w.shape), w.dtype), slices)
+
+
+def zero_unused_experts(grad: torch.Tensor, slices: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``grad`` ([L, ...]) with the experts that got no rows zeroed (the rest get mm(out=))."""
     used = {e for e, _, _ in slices}
-    for e in range(w.shape[0]):
+    for e in range(grad.shape[0]):
         if e not in used:
             grad[e].zero_()
     return grad

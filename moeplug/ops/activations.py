@@ -63,6 +63,12 @@ def fc1_rows(name: str, ffn_hidden_size: int) -> int:
     return 2 * ffn_hidden_size if is_gated(name) else ffn_hidden_size
 
 
+def act_width(name: str, fc1_features: int) -> int:
+    """Output features of the activation over FC1's ``fc1_features`` (the inverse of
+    :func:`fc1_rows`)."""
+    return fc1_features // 2 if is_gated(name) else fc1_features
+
+
 def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The function ``h_NX -> a_NF`` for ``name`` (differentiable with autograd)."""
     try:
@@ -102,7 +108,7 @@ def act_times_probs(h_SX: torch.Tensor, probs_S: torch.Tensor | None, name: str,
                     empty: Empty) -> torch.Tensor:
     """``activation_fn(name)(h) * probs_S[:, None]`` (``* 1`` skipped for None), bitwise."""
     S, X = h_SX.shape
-    a_SF = act_into(h_SX, name, empty((S, X // 2 if is_gated(name) else X), h_SX.dtype))
+    a_SF = act_into(h_SX, name, empty((S, act_width(name, X)), h_SX.dtype))
     if probs_S is not None:
         torch.mul(a_SF, _probs_col(probs_S, a_SF.dtype, empty), out=a_SF)
     return a_SF

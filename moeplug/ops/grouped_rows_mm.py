@@ -35,8 +35,9 @@ from __future__ import annotations
 import torch
 
 from moeplug.ops import workspace
-from moeplug.ops._grouped import expert_slices, mm_rows, row_multiple, with_spare_rows
-from moeplug.ops.activations import act_into, act_times_probs_backward, is_gated
+from moeplug.ops._grouped import (expert_slices, mm_rows, row_multiple, with_spare_rows,
+                                  zero_unused_experts)
+from moeplug.ops.activations import act_into, act_times_probs_backward, act_width
 from moeplug.ops.swiglu import swiglu_backward_raw, swiglu_forward_raw
 
 
@@ -55,10 +56,7 @@ def _forward_into(x_SK: torch.Tensor, w_GNK: torch.Tensor, counts_G: torch.Tenso
 def _backward_into(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
                    counts_G: torch.Tensor, dx_SK: torch.Tensor, dw_GNK: torch.Tensor) -> None:
     groups = _groups(counts_G)
-    used = {g for g, _, _ in groups}
-    for g in range(w_GNK.shape[0]):
-        if g not in used:
-            dw_GNK[g].zero_()
+    zero_unused_experts(dw_GNK, groups)
     m, g_g, dx_g = row_multiple(g_SN), with_spare_rows(g_SN), with_spare_rows(dx_SK)
     for g, s0, s1 in groups:
         mm_rows(g_g, s0, w_GNK[g], dx_g, s0, s1 - s0, m)
@@ -161,22 +159,17 @@ def _act_backward_into(g_SF: torch.Tensor, h_SX: torch.Tensor, counts_G: torch.T
         dh_SX[:n].copy_(dh)
 
 
-def act_width(h_SX: torch.Tensor, name: str) -> int:
-    """F: the activation's output features for FC1 rows h [S, X] (X = 2F when gated)."""
-    return h_SX.shape[1] // 2 if is_gated(name) else h_SX.shape[1]
-
-
 @torch.library.custom_op("moeplug::grouped_rows_act", mutates_args=(), device_types="cpu")
 def grouped_rows_act(h_SX: torch.Tensor, counts_G: torch.Tensor, name: str) -> torch.Tensor:
     """The activation ``name`` of the first ``sum(counts_G)`` rows of h [S, X] -> [S, F]."""
-    a_SF = h_SX.new_empty(h_SX.shape[0], act_width(h_SX, name))
+    a_SF = h_SX.new_empty(h_SX.shape[0], act_width(name, h_SX.shape[1]))
     _act_forward_into(h_SX.contiguous(), counts_G, name, a_SF)
     return a_SF
 
 
 @grouped_rows_act.register_fake
 def _(h_SX, counts_G, name):
-    return h_SX.new_empty(h_SX.shape[0], act_width(h_SX, name))
+    return h_SX.new_empty(h_SX.shape[0], act_width(name, h_SX.shape[1]))
 
 
 @torch.library.custom_op("moeplug::grouped_rows_act_out", mutates_args=("a_SF",),
@@ -193,7 +186,7 @@ def grouped_rows_act_backward(g_SF: torch.Tensor, h_SX: torch.Tensor, counts_G: 
                               name: str) -> torch.Tensor:
     """dh [S, X] of :func:`grouped_rows_act` for its routed rows (the rest unwritten)."""
     dh_SX = h_SX.new_empty(h_SX.shape)
-    _act_backward_into(g_SF.contiguous(), h_SX, counts_G, name, dh_SX)
+    _act_backward_into(g_SF.contiguous(), h_SX.contiguous(), counts_G, name, dh_SX)
     return dh_SX
 
 
