@@ -88,10 +88,14 @@ def _above_zero(obj: Any, *names: str) -> None:
             _fail(obj, n, v, "must be > 0", f"set {n} to a positive number")
 
 
+def _is_positive_int(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+
+
 def _positive(obj: Any, *names: str) -> None:
     for n in names:
         v = getattr(obj, n)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        if not _is_positive_int(v):
             _fail(obj, n, v, "must be a positive integer", f"set {n} to an integer >= 1")
 
 
@@ -141,7 +145,9 @@ class MoEConfig:
         _check_fields(self)
         _positive(self, "num_experts", "top_k", "ffn_hidden_size", "overlap_chunks")
         _non_negative(self, "aux_loss_coeff", "shared_expert_ffn_hidden_size")
-        if self.top_k > self.num_experts:
+        # Only between two valid counts: a bad num_experts is its own error, and "set top_k
+        # <= 0" would be no fix.
+        if _is_positive_int(self.num_experts, self.top_k) and self.top_k > self.num_experts:
             _fail(self, "top_k", self.top_k, f"exceeds num_experts ({self.num_experts})",
                   f"set top_k <= {self.num_experts} or raise num_experts")
         if self.activation not in ACTIVATIONS:

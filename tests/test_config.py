@@ -77,6 +77,12 @@ def test_every_problem_of_a_config_is_reported_at_once():
         load_config(None, ["model.num_heads=0", "train.steps=abc", "data.tokenizer=x"])
     assert sorted(e.split(" = ")[0] for e in err.value.errors) == [
         "DataConfig.tokenizer", "ModelConfig.num_heads", "TrainConfig.steps"]
+    # No follow-on error from a bad count: a zero num_experts is one error, not also a top_k
+    # "exceeding" it with the fix "set top_k <= 0".
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.moe.num_experts=0"])
+    assert [e.split(" = ")[0] for e in err.value.errors] == ["MoEConfig.num_experts"], \
+        err.value.errors
 
 
 def test_seq_len_longer_than_model_context_is_a_cross_check():
