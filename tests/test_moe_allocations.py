@@ -181,11 +181,11 @@ def _allocations_without_arenas(router_options: dict, moe_options: dict | None,
 # with it) writes its deferred weight grads into workspace buffers.
 MODES = {
     "sync_free": ({"sync_free": True}, None, False, "fp32",
-                  ("_GatherRows", "_PackedExperts", "_CombineRows")),
+                  ("_ToSlots", "_PackedExperts", "_FromSlots")),
     "sync_free_stash": ({"sync_free": True}, None, True, "fp32",
-                        ("_GatherRows", "_PackedExperts", "_CombineRows")),
+                        ("_ToSlots", "_PackedExperts", "_FromSlots")),
     "sync_free_stash_bf16": ({"sync_free": True}, None, True, "bf16",
-                             ("_GatherRows", "_PackedExperts", "_CombineRows")),
+                             ("_ToSlots", "_PackedExperts", "_FromSlots")),
     "delay_wgrad": (None, {"delay_wgrad_compute": True}, False, "fp32", ("_ExpertMLP",)),
     "delay_wgrad_chunks_bf16": (None, {"delay_wgrad_compute": True, "overlap_chunks": 2},
                                 False, "bf16", ("_ExpertMLP",)),
@@ -755,7 +755,7 @@ def test_ep2_sync_free_steps_allocate_nothing_on_the_moe_path():
     off = run_distributed(two_rank_moe_allocations, 2, "alltoall", False, *args, timeout=240)
     for (count_on, where_on), (_, where_off) in zip(on, off):
         assert count_on == 0, "\n".join(f"{n} x {k}" for k, n in where_on.items())
-        for op in ("_GatherRows", "_PackedExperts", "_CombineRowsBackward", "_AllToAll"):
+        for op in ("_ToSlots", "_PackedExperts", "_FromSlotsBackward", "_AllToAll"):
             assert any(op in k for k in where_off), (op, where_off)
 
 

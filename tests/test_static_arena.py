@@ -104,13 +104,3 @@ def test_arena_stages_equal_the_pure_pieces(activation, budget, dtype, drop):
     for got in (first, again):
         for name, a, b in zip(names, got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), name
-
-
-@pytest.mark.parametrize("shape", [(64, 8), (7, 33)])
-def test_bf16_index_add_in_a_float_buffer_equals_torchs(shape):
-    T, D = shape
-    g = torch.Generator().manual_seed(T)
-    src = torch.randn(40 * T, D, generator=g).to(torch.bfloat16)
-    index = torch.randint(0, T, (40 * T,), generator=g)
-    want = torch.zeros(T, D, dtype=torch.bfloat16).index_add_(0, index, src)
-    assert torch.equal(static_arena._index_add_rows((T, D), index, src), want)

@@ -8,12 +8,14 @@ Why a second form: the pure pieces are what ``runtime.capture`` compiles and wha
 so they stay functional (every op returns a fresh tensor). Run eagerly on the CPU they
 allocated ~65 buffers a layer and micro-batch (263 in two steps of a 2-layer model; 287 with
 the paged stash), so the stash's promise - after warm-up the MoE path allocates nothing - did
-not hold in the mode it was made for. Each stage here is the same ops in out= form inside one
-autograd Function whose backward repeats what autograd runs for the pure piece, so results and
-gradients equal the pure pieces' (``torch.equal``: tests/test_static_arena.py) and the
-host-sync counter sees the same ops. One exception: stage 1 is the runtime's ``budget_slots``
-kernel (two counting passes over the choices; the torch form is a stable sort plus a dozen [N]
-temporaries), whose integers equal :func:`static_moe.slots`'s.
+not hold in the mode it was made for. Each stage here is the pure piece's kernels into arena
+buffers, inside an autograd Function whose backward runs what autograd runs for the pure
+piece, so results and gradients equal the pure pieces' (``torch.equal``:
+tests/test_static_arena.py) and the host-sync counter sees the same work. Stage 1 is the
+runtime's ``budget_slots`` kernel (two counting passes over the choices; the torch form of
+:func:`static_moe.slots` is a stable sort plus a dozen [N] temporaries), whose integers equal
+``static_moe.slots``'s; stages 2 and 6 are the runtime's slot kernels
+(moeplug.ops.slot_rows), which the pure pieces run too.
 
 Used for ``apply_probs_on_input: false`` (the default); with it the layer keeps the pure pieces.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.ops import slot_rows, workspace
 from moeplug.ops._grouped import cast, compute_dtype
 from moeplug.ops.activations import act_width
 from moeplug.ops.grouped_rows_mm import (grouped_rows_act_backward_out, grouped_rows_act_out,
@@ -52,43 +54,25 @@ def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: in
     return slot_N, overflow, counts_E
 
 
-class _GatherRows(torch.autograd.Function):
-    """Stage 2 (``static_moe.gather_rows`` without weights): x_SD[s] = x_TD[choice(s) // K], a
-    zero row where no choice landed. Backward: IndexSelectBackward0 (zeros.index_add_) and the
-    zero row's CatBackward0 (a narrow)."""
+class _ToSlots(torch.autograd.Function):
+    """Stage 2 (``static_moe.gather_rows`` without weights): x_SD[slot[t, k]] = x_TD[t], the
+    runtime's to_slots kernel; backward its from_slots plain sum (moeplug.ops.slot_rows)."""
 
     @staticmethod
-    def forward(ctx, x_TD, slot_N, top_k, num_slots):
-        (T, D), n = x_TD.shape, slot_N.shape[0]
-        choice_S1 = _empty((num_slots + 1,), torch.int64).fill_(n)
-        choice_S1.scatter_(0, slot_N, torch.arange(n, out=_empty((n,), torch.int64)))
-        token_S = torch.div(choice_S1[:num_slots], workspace.number(top_k, torch.int64),
-                            rounding_mode="floor", out=_empty((num_slots,), torch.int64))
-        x_pad = _empty((T + 1, D), x_TD.dtype)
-        x_pad[:T].copy_(x_TD)
-        x_pad[T].zero_()
-        ctx.save_for_backward(token_S)
-        ctx.shape, ctx.arena = (T + 1, D), workspace.current_arena()
-        return torch.index_select(x_pad, 0, token_S, out=_empty((num_slots, D), x_TD.dtype))
+    def forward(ctx, x_TD, slot_TK, num_slots):
+        x_SD = _empty((num_slots, x_TD.shape[1]), x_TD.dtype)
+        slot_rows.to_slots_into(x_TD.contiguous(), slot_TK, x_SD)
+        ctx.save_for_backward(slot_TK)
+        ctx.arena = workspace.current_arena()
+        return x_SD
 
     @staticmethod
-    def backward(ctx, grad_SD):
-        (token_S,) = ctx.saved_tensors
+    def backward(ctx, g_SD):
+        (slot_TK,) = ctx.saved_tensors
         with workspace.ctx_arena(ctx):
-            grad_pad = _index_add_rows(ctx.shape, token_S, grad_SD)
-        return grad_pad[:ctx.shape[0] - 1], None, None, None
-
-
-def _index_add_rows(shape: tuple[int, int], index: torch.Tensor, src: torch.Tensor
-                    ) -> torch.Tensor:
-    """``zeros(shape).index_add_(0, index, src)`` in ``src``'s dtype, from the arena. torch's
-    CPU index_add_ of bf16/fp16 rows sums them in a float buffer of its own (allocated every
-    call); the same float sum is done here in an arena buffer, then rounded once, as torch
-    rounds it (equal results: tests/test_static_arena.py)."""
-    if src.dtype in (torch.float32, torch.float64):
-        return _empty(shape, src.dtype).zero_().index_add_(0, index, src)
-    acc = _empty(shape, torch.float32).zero_().index_add_(0, index, cast(src, torch.float32))
-    return cast(acc, src.dtype)
+            g_TD = _empty((slot_TK.shape[0], g_SD.shape[1]), g_SD.dtype)
+        slot_rows.from_slots_into(g_SD.contiguous(), slot_TK, None, g_TD)
+        return g_TD, None, None
 
 
 class _PackedExperts(torch.autograd.Function):
@@ -170,59 +154,32 @@ def _summed(g_W: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class _CombineRows(torch.autograd.Function):
-    """Stage 6 (``static_moe.combine_rows``): y_TD = sum_k p_tk * y_SD[slot_tk], weight 0 and a
-    zero row for the dump slot. Backward repeats autograd's BmmBackward0, WhereBackward0,
-    IndexSelectBackward0 and (for p) MulBackward0 by the keep mask and ToCopyBackward0."""
+class _FromSlots(torch.autograd.Function):
+    """Stage 6 (``static_moe.combine_rows``): y_TD = sum_k p_tk * y_SD[slot_tk] over the
+    choices with a slot, the runtime's from_slots kernel (fp32 sums and weights); backward its
+    from_slots_backward (moeplug.ops.slot_rows)."""
 
     @staticmethod
-    def forward(ctx, y_SD, slot_N, probs_TK):
-        (T, K), (S, D) = probs_TK.shape, y_SD.shape
-        keep_N = torch.lt(slot_N, S, out=_empty(tuple(slot_N.shape), torch.bool))
-        row_N = torch.clamp(slot_N, max=S - 1, out=_empty(tuple(slot_N.shape), torch.int64))
-        y_TKD = torch.index_select(y_SD, 0, row_N, out=_empty((T * K, D), y_SD.dtype))
-        y_TKD.masked_fill_(_not(keep_N).unsqueeze(1), 0)  # torch.where(keep, y, 0)
-        y_TKD = y_TKD.view(T, K, D)
-        keep_TK = keep_N.view(T, K)
-        keep_f = cast(keep_TK, probs_TK.dtype)  # the bool's promotion, out of mul (it allocated)
-        p_TK = torch.mul(probs_TK, keep_f, out=_empty((T, K), probs_TK.dtype))
-        p_T1K = cast(p_TK, y_SD.dtype).unsqueeze(1)
-        out_T1D = torch.bmm(p_T1K, y_TKD, out=_empty((T, 1, D), y_SD.dtype))
-        ctx.save_for_backward(y_TKD, p_T1K, keep_f, slot_N)
-        ctx.num_slots, ctx.probs_dtype = S, probs_TK.dtype
-        ctx.arena = workspace.current_arena()
-        return out_T1D.squeeze(1)
+    def forward(ctx, y_SD, slot_TK, probs_TK):
+        p32_TK = probs_TK if probs_TK.dtype == torch.float32 else cast(probs_TK, torch.float32)
+        p32_TK = p32_TK.contiguous()
+        y_TD = _empty((slot_TK.shape[0], y_SD.shape[1]), y_SD.dtype)
+        slot_rows.from_slots_into(y_SD.contiguous(), slot_TK, p32_TK, y_TD)
+        ctx.save_for_backward(y_SD, slot_TK, p32_TK)
+        ctx.probs_dtype, ctx.arena = probs_TK.dtype, workspace.current_arena()
+        return y_TD
 
     @staticmethod
-    def backward(ctx, grad_TD):
+    def backward(ctx, g_TD):
+        y_SD, slot_TK, p32_TK = ctx.saved_tensors
         with workspace.ctx_arena(ctx):
-            return _CombineRows._backward(ctx, grad_TD)
-
-    @staticmethod
-    def _backward(ctx, grad_TD):
-        y_TKD, p_T1K, keep_f, slot_N = ctx.saved_tensors
-        (T, K, D), S = y_TKD.shape, ctx.num_slots
-        g_T1D = grad_TD.unsqueeze(1)
-        grad_y = grad_p = None
-        if ctx.needs_input_grad[0]:
-            g_TKD = torch.bmm(p_T1K.transpose(1, 2), g_T1D, out=_empty((T, K, D), y_TKD.dtype))
-            # WhereBackward0 then IndexSelectBackward0 (zeros.index_add_): every kept slot
-            # takes one row, the dump-slot choices only zeros. So the rows are copied, and
-            # the dump slot's go to a spare row S that is cut: no masked copy, no float sum
-            # buffer for bf16 rows (a -0.0 may stay -0.0 where the add gave 0.0). The rows no
-            # choice reads stay unwritten, as the experts' backward reads routed rows only.
-            grad_y = _empty((S + 1, D), y_TKD.dtype)
-            grad_y.index_copy_(0, slot_N, g_TKD.view(T * K, D))
-            grad_y = grad_y[:S]
-        if ctx.needs_input_grad[2]:
-            g_T1K = torch.bmm(g_T1D, y_TKD.transpose(1, 2), out=_empty((T, 1, K), y_TKD.dtype))
-            g_TK = cast(g_T1K.squeeze(1), ctx.probs_dtype)  # ToCopyBackward0
-            grad_p = torch.mul(g_TK, keep_f, out=_empty((T, K), ctx.probs_dtype))
-        return grad_y, None, grad_p
-
-
-def _not(mask: torch.Tensor) -> torch.Tensor:
-    return torch.logical_not(mask, out=_empty(tuple(mask.shape), torch.bool))
+            g_SD = _empty(tuple(y_SD.shape), y_SD.dtype)
+            gp32_TK = (_empty(tuple(slot_TK.shape), torch.float32)
+                       if ctx.needs_input_grad[2] else None)
+            slot_rows.from_slots_backward_into(g_TD.contiguous(), y_SD, slot_TK, p32_TK, g_SD,
+                                               gp32_TK)
+            g_p = None if gp32_TK is None else cast(gp32_TK, ctx.probs_dtype)
+        return g_SD, None, g_p
 
 
 def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
@@ -235,10 +192,11 @@ def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LD
     E, C, W = num_experts, budget, ep_size
     L = E // W
     slot_N, overflow, counts_E = slots(routing.ids_TK, routing.dropped_TK, E, C, W)
-    x_ECD = _GatherRows.apply(x_TD, slot_N, routing.ids_TK.shape[1], E * C)
+    slot_TK = slot_rows.slot_map(slot_N, E * C, routing.ids_TK.shape[1], _empty)
+    x_ECD = _ToSlots.apply(x_TD, slot_TK, E * C)
     x_ECD, counts_WL = exchange(x_ECD, counts_E.view(W, L))
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
         y_WSD = packed_experts(x_ECD.view(W, L * C, -1), w13_LXD, w2_LDF, activation,
                                counts_WL)
     y_ECD = exchange.back(y_WSD.view(W * L * C, -1))
-    return _CombineRows.apply(y_ECD, slot_N, routing.probs_TK), overflow, counts_E
+    return _FromSlots.apply(y_ECD, slot_TK, routing.probs_TK), overflow, counts_E

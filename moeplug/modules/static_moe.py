@@ -14,6 +14,7 @@ from a count exchange) and the region can be captured once and replayed (moeplug
                  E*C and raise ``overflow`` (a device bool the trainer reads where the step
                  syncs anyway, then reruns the step on the dynamic path: no token is lost)
     2. gather    x_ECD: the chosen rows at their slots, zero rows where a slot is empty
+                 (the CPU: one pass of a runtime kernel, empty slots left unwritten)
     3. exchange  [W, L*C, D] chunks to the rank owning the experts: equal splits, known
                  without any count (identity at one rank) -> x_LBD, expert-major,
                  source-rank-major (CPU: the chunks as they came, and their [W, L] counts)
@@ -23,7 +24,8 @@ from a count exchange) and the region can be captured once and replayed (moeplug
                  cross EP beside the rows, and the GEMMs are grouped over just the routed
                  rows (moeplug.ops.grouped_rows_mm): no padding FLOPs
     5. back      the inverse exchange -> y_ECD on the source rank
-    6. combine   y_TD = sum_k p_tk * y_ECD[slot_tk] (weight 0 for the dump slot)
+    6. combine   y_TD = sum_k p_tk * y_ECD[slot_tk] (weight 0 for the dump slot; the CPU:
+                 one pass of a runtime kernel, moeplug.ops.slot_rows)
 Choices the router dropped (``dropped_TK``, its own capacity) take the dump slot without
 raising the flag. The routing weight multiplies each expert output in combine (equal to the
 dynamic experts' weighting of the activation: FC2 is linear), so it never crosses ranks.
@@ -37,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from moeplug.modules import static_arena
-from moeplug.ops import cuda_ops
+from moeplug.ops import cuda_ops, slot_rows
 from moeplug.ops._grouped import compute_dtype
 from moeplug.ops.activations import activation_fn
 from moeplug.ops.grouped_rows_mm import grouped_rows_act, grouped_rows_mm
@@ -88,8 +90,12 @@ def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: in
 
 def gather_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, top_k: int, num_slots: int,
                 probs_TK: torch.Tensor | None = None) -> torch.Tensor:
-    """Stage 2: x_ECD [E*C, D], zeros in empty slots; rows times their weight when
-    ``probs_TK`` is given (``moe.apply_probs_on_input``)."""
+    """Stage 2: x_ECD [E*C, D], zeros in empty slots (unweighted on the CPU: unwritten, as
+    nothing reads them); rows times their weight when ``probs_TK`` is given
+    (``moe.apply_probs_on_input``)."""
+    if x_TD.device.type == "cpu" and probs_TK is None:  # the runtime's row kernel
+        return slot_rows.to_slots(x_TD, slot_rows.slot_map(slot_N, num_slots, top_k),
+                                  num_slots)
     n = slot_N.shape[0]
     choice_S1 = torch.full((num_slots + 1,), n, dtype=torch.int64, device=slot_N.device)
     choice_S1 = choice_S1.scatter(0, slot_N, torch.arange(n, device=slot_N.device))
@@ -190,6 +196,9 @@ def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tens
     ones when the rows were already weighted)."""
     T, K = probs_TK.shape
     num_slots = y_ECD.shape[0]
+    if y_ECD.device.type == "cpu":  # the runtime's row kernel: fp32 sums, fp32 weights
+        return slot_rows.from_slots(y_ECD, slot_rows.slot_map(slot_N, num_slots, K),
+                                    probs_TK.float())
     # The dump slot reads the last slot, masked to zero (no [E*C+1, D] padded copy of y): with
     # packed slots that row may be one the grouped GEMM never wrote, and 0 * NaN is NaN.
     keep_TK = (slot_N < num_slots).view(T, K)

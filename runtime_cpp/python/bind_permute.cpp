@@ -86,6 +86,43 @@ void register_permute(py::module_& m) {
       py::arg("grad_probs"), py::arg("num_tokens"), py::arg("top_k"), py::arg("hidden"),
       py::arg("num_rows"), py::arg("dtype"),
       "grad_y[row_map[t, k]] = probs[t, k] * grad[t]; grad_probs[t, k] = <grad[t], y[row]>.");
+  def_kernel(
+      m, "to_slots",
+      +[](uintptr_t x, uintptr_t slots, uintptr_t x_out, int64_t num_tokens, int64_t top_k,
+          int64_t hidden, int64_t num_slots, int dtype) {
+        to_slots(ptr<const void>(x), ptr<const int64_t>(slots), num_tokens, top_k, hidden,
+                 num_slots, dtype_from_code(dtype, "to_slots"), ptr<void>(x_out));
+      },
+      py::arg("x"), py::arg("slots"), py::arg("x_out"), py::arg("num_tokens"), py::arg("top_k"),
+      py::arg("hidden"), py::arg("num_slots"), py::arg("dtype"),
+      "x_out[slots[t, k]] = x[t] for every slot >= 0 (-1: no row); other rows untouched.");
+  def_kernel(
+      m, "from_slots",
+      +[](uintptr_t y, uintptr_t slots, uintptr_t probs, uintptr_t y_out, int64_t num_tokens,
+          int64_t top_k, int64_t hidden, int64_t num_slots, int dtype) {
+        from_slots(ptr<const void>(y), ptr<const int64_t>(slots), ptr<const float>(probs),
+                   num_tokens, top_k, hidden, num_slots, dtype_from_code(dtype, "from_slots"),
+                   ptr<void>(y_out));
+      },
+      py::arg("y"), py::arg("slots"), py::arg("probs"), py::arg("y_out"), py::arg("num_tokens"),
+      py::arg("top_k"), py::arg("hidden"), py::arg("num_slots"), py::arg("dtype"),
+      "y_out[t] = sum_k probs[t, k] * y[slots[t, k]] over slots >= 0 (probs = 0: plain sum).");
+  def_kernel(
+      m, "from_slots_backward",
+      +[](uintptr_t grad, uintptr_t y, uintptr_t slots, uintptr_t probs, uintptr_t grad_y,
+          uintptr_t grad_probs, int64_t num_tokens, int64_t top_k, int64_t hidden,
+          int64_t num_slots, int dtype) {
+        from_slots_backward(ptr<const void>(grad), ptr<const void>(y),
+                            ptr<const int64_t>(slots), ptr<const float>(probs), num_tokens,
+                            top_k, hidden, num_slots,
+                            dtype_from_code(dtype, "from_slots_backward"), ptr<void>(grad_y),
+                            ptr<float>(grad_probs));
+      },
+      py::arg("grad"), py::arg("y"), py::arg("slots"), py::arg("probs"), py::arg("grad_y"),
+      py::arg("grad_probs"), py::arg("num_tokens"), py::arg("top_k"), py::arg("hidden"),
+      py::arg("num_slots"), py::arg("dtype"),
+      "grad_y[slots[t, k]] = probs[t, k] * grad[t]; grad_probs[t, k] = <grad[t], y[slot]>, "
+      "0 without a slot.");
 }
 
 }  // namespace moeplug::py_bind

@@ -28,20 +28,26 @@ void check_dims(const char* op, int64_t T, int64_t K, int64_t D) {
 }
 
 // Every row index in range and used once; a duplicate would make the backward scatter race.
-void check_row_map(const char* op, const int64_t* row_map_TK, int64_t T, int64_t K, int64_t S) {
+// ``missing_ok``: -1 is allowed too (a slot map's "no row").
+void check_row_map(const char* op, const int64_t* row_map_TK, int64_t T, int64_t K, int64_t S,
+                   bool missing_ok = false) {
   std::vector<uint8_t> seen_S(static_cast<size_t>(S), 0);
   for (int64_t i = 0; i < T * K; ++i) {
     const int64_t r = row_map_TK[i];
+    if (missing_ok && r == -1) continue;
     const bool out_of_range = r < 0 || r >= S;
     if (!out_of_range && !seen_S[r]) {
       seen_S[r] = 1;
       continue;
     }
-    const std::string where = std::string(op) + ": row_map[" + std::to_string(i / K) + ", " +
-                              std::to_string(i % K) + "] = " + std::to_string(r);
+    const std::string where = std::string(op) + (missing_ok ? ": slots[" : ": row_map[") +
+                              std::to_string(i / K) + ", " + std::to_string(i % K) + "] = " +
+                              std::to_string(r);
     if (out_of_range) {
-      throw std::invalid_argument(where + " is outside [0, " + std::to_string(S) +
-                                  "); pass the row_map that permute returned for these rows");
+      throw std::invalid_argument(
+          where + " is outside [0, " + std::to_string(S) +
+          (missing_ok ? ") and not -1 (no row); pass the slots of this layer's token budget"
+                      : "); pass the row_map that permute returned for these rows"));
     }
     throw std::invalid_argument(where + " repeats an earlier entry; each routed row must be "
                                 "used by exactly one (token, k), as permute produces");
@@ -99,7 +105,8 @@ MOEPLUG_INLINE void sum_rows(const T_* rows, const int64_t* row_map_TK, const fl
   }
 }
 
-// For tokens [t0, t1): grad_y_SD[row] = p * g[t]; grad_p[t, k] = dot(g[t], y_SD[row]).
+// For tokens [t0, t1): grad_y_SD[row] = p * g[t]; grad_p[t, k] = dot(g[t], y_SD[row]). A
+// choice without a row (-1, slot maps only) writes no row and a zero grad_p.
 template <class T_>
 MOEPLUG_INLINE void scatter_rows(const T_* g_TD, const T_* y_SD, const int64_t* row_map_TK,
                                  const float* probs_TK, int64_t t0, int64_t t1, int64_t K,
@@ -108,6 +115,10 @@ MOEPLUG_INLINE void scatter_rows(const T_* g_TD, const T_* y_SD, const int64_t* 
     const T_* __restrict g = g_TD + t * D;
     for (int64_t k = 0; k < K; ++k) {
       const int64_t r = row_map_TK[t * K + k];
+      if (r < 0) {
+        if (probs_TK && grad_probs_TK) grad_probs_TK[t * K + k] = 0.0f;
+        continue;
+      }
       T_* __restrict dst = grad_y_SD + r * D;
       if (!probs_TK) {
         std::memcpy(dst, g, sizeof(T_) * D);
@@ -221,10 +232,10 @@ void permute(const void* x_TD, const int64_t* ids_TK, int64_t T, int64_t K, int6
   });
 }
 
-void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_TK, int64_t T,
-               int64_t K, int64_t D, int64_t S, DType dtype, void* y_TD) {
-  check_dims("unpermute", T, K, D);
-  check_row_map("unpermute", row_map_TK, T, K, S);
+namespace {
+
+void sum_to_tokens(const void* y_SD, const int64_t* row_map_TK, const float* probs_TK,
+                   int64_t T, int64_t K, int64_t D, DType dtype, void* y_TD) {
   parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
     if (dtype == DType::kFloat32) {
       weighted_row_sums(static_cast<const float*>(y_SD), row_map_TK, probs_TK, t0, t1, K, D,
@@ -236,14 +247,12 @@ void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_T
   });
 }
 
-void unpermute_backward(const void* grad_TD, const void* y_SD, const int64_t* row_map_TK,
-                        const float* probs_TK, int64_t T, int64_t K, int64_t D, int64_t S,
-                        DType dtype, void* grad_y_SD, float* grad_probs_TK) {
-  check_dims("unpermute_backward", T, K, D);
-  check_row_map("unpermute_backward", row_map_TK, T, K, S);
+void scatter_to_rows(const char* op, const void* grad_TD, const void* y_SD,
+                     const int64_t* row_map_TK, const float* probs_TK, int64_t T, int64_t K,
+                     int64_t D, DType dtype, void* grad_y_SD, float* grad_probs_TK) {
   if (grad_probs_TK && (!probs_TK || !y_SD)) {
-    throw std::invalid_argument("unpermute_backward: grad_probs needs probs and y_SD; got "
-                                "a null probs or y_SD pointer");
+    throw std::invalid_argument(std::string(op) + ": grad_probs needs probs and y_SD; got a "
+                                "null probs or y_SD pointer");
   }
   parallel_for(0, T, kTokenGrain, [&](int64_t t0, int64_t t1) {
     if (dtype == DType::kFloat32) {
@@ -255,6 +264,47 @@ void unpermute_backward(const void* grad_TD, const void* y_SD, const int64_t* ro
                    grad_probs_TK);
     }
   });
+}
+
+}  // namespace
+
+void unpermute(const void* y_SD, const int64_t* row_map_TK, const float* probs_TK, int64_t T,
+               int64_t K, int64_t D, int64_t S, DType dtype, void* y_TD) {
+  check_dims("unpermute", T, K, D);
+  check_row_map("unpermute", row_map_TK, T, K, S);
+  sum_to_tokens(y_SD, row_map_TK, probs_TK, T, K, D, dtype, y_TD);
+}
+
+void unpermute_backward(const void* grad_TD, const void* y_SD, const int64_t* row_map_TK,
+                        const float* probs_TK, int64_t T, int64_t K, int64_t D, int64_t S,
+                        DType dtype, void* grad_y_SD, float* grad_probs_TK) {
+  check_dims("unpermute_backward", T, K, D);
+  check_row_map("unpermute_backward", row_map_TK, T, K, S);
+  scatter_to_rows("unpermute_backward", grad_TD, y_SD, row_map_TK, probs_TK, T, K, D, dtype,
+                  grad_y_SD, grad_probs_TK);
+}
+
+void to_slots(const void* x_TD, const int64_t* slot_TK, int64_t T, int64_t K, int64_t D,
+              int64_t S, DType dtype, void* x_SD) {
+  check_dims("to_slots", T, K, D);
+  check_row_map("to_slots", slot_TK, T, K, S, /*missing_ok=*/true);
+  scatter_to_rows("to_slots", x_TD, nullptr, slot_TK, nullptr, T, K, D, dtype, x_SD, nullptr);
+}
+
+void from_slots(const void* y_SD, const int64_t* slot_TK, const float* probs_TK, int64_t T,
+                int64_t K, int64_t D, int64_t S, DType dtype, void* y_TD) {
+  check_dims("from_slots", T, K, D);
+  check_row_map("from_slots", slot_TK, T, K, S, /*missing_ok=*/true);
+  sum_to_tokens(y_SD, slot_TK, probs_TK, T, K, D, dtype, y_TD);
+}
+
+void from_slots_backward(const void* grad_TD, const void* y_SD, const int64_t* slot_TK,
+                         const float* probs_TK, int64_t T, int64_t K, int64_t D, int64_t S,
+                         DType dtype, void* grad_y_SD, float* grad_probs_TK) {
+  check_dims("from_slots_backward", T, K, D);
+  check_row_map("from_slots_backward", slot_TK, T, K, S, /*missing_ok=*/true);
+  scatter_to_rows("from_slots_backward", grad_TD, y_SD, slot_TK, probs_TK, T, K, D, dtype,
+                  grad_y_SD, grad_probs_TK);
 }
 
 }  // namespace moeplug

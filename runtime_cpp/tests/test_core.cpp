@@ -281,6 +281,75 @@ void test_budget_slots_matches_naive() {
   check(threw, "budget_slots names the first bad id");
 }
 
+// The slot-map kernels against naive loops, fp32, over T = 150 tokens (several pool chunks)
+// and D = 70 (a 64-column block and a tail): every fourth choice has no slot (-1), the others
+// own distinct rows of S = 500, of which the rest stay untouched.
+void test_slot_kernels_match_naive() {
+  const int64_t T = 150, K = 3, D = 70, S = 500;
+  std::mt19937 gen(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<int64_t> rows(S);
+  for (int64_t r = 0; r < S; ++r) rows[r] = r;
+  std::shuffle(rows.begin(), rows.end(), gen);
+  std::vector<int64_t> slot(T * K);
+  for (int64_t i = 0; i < T * K; ++i) slot[i] = i % 4 == 1 ? -1 : rows[i];
+  std::vector<float> x(T * D), y(S * D), p(T * K), g(T * D);
+  for (auto* v : {&x, &y, &g}) for (float& f : *v) f = u(gen);
+  for (float& f : p) f = u(gen);
+  const float kUnset = 12345.0f;
+  std::vector<float> x_S(S * D, kUnset), y_T(T * D), gy(S * D, kUnset), gp(T * K, kUnset);
+  moeplug::to_slots(x.data(), slot.data(), T, K, D, S, moeplug::DType::kFloat32, x_S.data());
+  moeplug::from_slots(y.data(), slot.data(), p.data(), T, K, D, S, moeplug::DType::kFloat32,
+                      y_T.data());
+  moeplug::from_slots_backward(g.data(), y.data(), slot.data(), p.data(), T, K, D, S,
+                               moeplug::DType::kFloat32, gy.data(), gp.data());
+  std::vector<uint8_t> owned(S, 0);
+  double err = 0.0;
+  int64_t wrong = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t d = 0; d < D; ++d) {
+      double want = 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = slot[t * K + k];
+        if (r >= 0) want += double(p[t * K + k]) * y[r * D + d];
+      }
+      err = std::max(err, std::abs(want - y_T[t * D + d]));
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t r = slot[t * K + k];
+      if (r < 0) {
+        wrong += gp[t * K + k] != 0.0f;
+        continue;
+      }
+      owned[r] = 1;
+      double dot = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        wrong += x_S[r * D + d] != x[t * D + d];
+        err = std::max(err, double(std::abs(gy[r * D + d] - p[t * K + k] * g[t * D + d])));
+        dot += double(g[t * D + d]) * y[r * D + d];
+      }
+      err = std::max(err, std::abs(dot - gp[t * K + k]));
+    }
+  }
+  for (int64_t r = 0; r < S; ++r) {
+    if (owned[r]) continue;
+    for (int64_t d = 0; d < D; ++d) wrong += x_S[r * D + d] != kUnset || gy[r * D + d] != kUnset;
+  }
+  check(wrong == 0 && err < 1e-4,
+        "to_slots / from_slots / from_slots_backward equal naive loops (wrong " +
+            std::to_string(wrong) + ", max err " + std::to_string(err) + ")");
+  slot[7] = S;  // outside [0, S) and not -1
+  bool threw = false;
+  try {
+    moeplug::from_slots(y.data(), slot.data(), p.data(), T, K, D, S, moeplug::DType::kFloat32,
+                        y_T.data());
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("slots[2, 1] = 500 is outside [0, 500) and not -1") !=
+            std::string::npos;
+  }
+  check(threw, "from_slots names a slot outside the buffer");
+}
+
 // Rows tagged by (w, l, i) arrive (w, l)-major; expert-major order sorts by (l, w, i). Chunks
 // over 256 rows are split into pieces: one of 600 rows checks the split.
 void test_move_row_chunks_sorts_expert_major_and_back() {
@@ -321,6 +390,7 @@ int main() {
   test_capacity_matches_naive_ranks();
   test_place_rows_matches_naive();
   test_budget_slots_matches_naive();
+  test_slot_kernels_match_naive();
   test_move_row_chunks_sorts_expert_major_and_back();
   return moeplug_test::report("moeplug core");
 }

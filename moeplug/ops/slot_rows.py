@@ -1,0 +1,153 @@
+"""to_slots / from_slots on the CPU: the sync-free layer's gather of token rows into its budget
+slots and the weighted combine back (moeplug.modules.static_moe, stages 2 and 6), each one pass
+of the runtime's row kernels, as the GPU runs them (moeplug.ops.cuda_ops.to_slots /
+from_slots).
+
+Legend: T tokens, K top-k, D hidden, S slots (the static buffer's rows).
+
+``slot_TK[t, k]`` is the slot choice (t, k) owns, or -1 where it has none (dropped by the
+router, or over the token budget); the others are distinct. Slots no choice owns are neither
+read nor written: the experts never read past their routed rows either.
+
+Why kernels: the torch form of stage 2 built a choice-per-slot table (a scatter), a padded copy
+of x and an index_select; stage 6 an index_select into [T, K, D], a masked fill, a [T, 1, K] x
+[T, K, D] batched GEMM and, backward, two more batched GEMMs and an index_copy. The kernels read
+each row once and sum in fp32 with fp32 weights, as the dynamic path's unpermute does (the same
+``weighted_row_sums``), so the static and dynamic layers also round alike.
+
+Each op is a ``torch.library.custom_op`` (an opaque node of static shape when
+``runtime.capture`` compiles the pure pieces) with autograd; the ``*_into`` functions are the
+same kernels into given buffers (the eager form in the layer's arena,
+moeplug.modules.static_arena).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moeplug.ops._checks import check_index, check_rows, ptr
+from moeplug.runtime import get_runtime
+
+
+def slot_map(slot_N: torch.Tensor, num_slots: int, top_k: int,
+             empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+             ) -> torch.Tensor:
+    """[T, K] slots from static_moe.slots' [N] ones: its dump slot (``num_slots``) -> -1.
+    ``empty(shape, dtype)``: where the result and its mask come from (a workspace arena)."""
+    if empty is None:
+        return torch.where(slot_N < num_slots, slot_N, -1).view(-1, top_k)
+    shape = tuple(slot_N.shape)
+    dump_N = torch.ge(slot_N, num_slots, out=empty(shape, torch.bool))
+    return empty(shape, torch.int64).copy_(slot_N).masked_fill_(dump_N, -1).view(-1, top_k)
+
+
+def _dims(op: str, rows: torch.Tensor, rows_name: str, slot_TK: torch.Tensor
+          ) -> dict[str, int]:
+    code = check_rows(op, rows_name, rows, 2, "[rows, D]")
+    check_index(op, "slot_TK", slot_TK, None, "[T, K]")
+    T, K = slot_TK.shape
+    return {"num_tokens": T, "top_k": K, "hidden": rows.shape[1], "dtype": code}
+
+
+def to_slots_into(x_TD: torch.Tensor, slot_TK: torch.Tensor, x_SD: torch.Tensor) -> None:
+    """x_SD[slot[t, k]] = x_TD[t] for every slot >= 0 (x_SD contiguous, x's dtype)."""
+    dims = _dims("to_slots", x_TD, "x_TD", slot_TK)
+    get_runtime().to_slots(x=x_TD.data_ptr(), slots=slot_TK.data_ptr(), x_out=x_SD.data_ptr(),
+                           num_slots=x_SD.shape[0], **dims)
+
+
+def from_slots_into(y_SD: torch.Tensor, slot_TK: torch.Tensor, probs32_TK: torch.Tensor | None,
+                    y_TD: torch.Tensor) -> None:
+    """y_TD[t] = sum_k p[t, k] * y_SD[slot[t, k]] over slots >= 0 (plain sum without probs:
+    also to_slots' backward); ``probs32_TK`` contiguous fp32."""
+    dims = _dims("from_slots", y_SD, "y_SD", slot_TK)
+    get_runtime().from_slots(y=y_SD.data_ptr(), slots=slot_TK.data_ptr(), probs=ptr(probs32_TK),
+                             y_out=y_TD.data_ptr(), num_slots=y_SD.shape[0], **dims)
+
+
+def from_slots_backward_into(g_TD: torch.Tensor, y_SD: torch.Tensor | None,
+                             slot_TK: torch.Tensor, probs32_TK: torch.Tensor | None,
+                             g_SD: torch.Tensor, gp32_TK: torch.Tensor | None) -> None:
+    """g_SD[slot[t, k]] = p[t, k] * g_TD[t] (slots no choice owns: unwritten); with
+    ``gp32_TK``: gp[t, k] = <g_TD[t], y_SD[slot[t, k]]>, 0 without a slot."""
+    dims = _dims("from_slots_backward", g_TD, "grad_TD", slot_TK)
+    get_runtime().from_slots_backward(
+        grad=g_TD.data_ptr(), y=ptr(y_SD), slots=slot_TK.data_ptr(), probs=ptr(probs32_TK),
+        grad_y=g_SD.data_ptr(), grad_probs=ptr(gp32_TK), num_slots=g_SD.shape[0], **dims)
+
+
+# ---- the functional ops (the pure pieces; capture) ------------------------------------------
+
+@torch.library.custom_op("moeplug::to_slots", mutates_args=(), device_types="cpu")
+def to_slots(x_TD: torch.Tensor, slot_TK: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[num_slots, D]: x_TD's rows at their slots (the other rows unwritten)."""
+    x_SD = x_TD.new_empty(num_slots, x_TD.shape[1])
+    to_slots_into(x_TD.contiguous(), slot_TK, x_SD)
+    return x_SD
+
+
+@to_slots.register_fake
+def _(x_TD, slot_TK, num_slots):
+    return x_TD.new_empty(num_slots, x_TD.shape[1])
+
+
+def _to_slots_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _to_slots_backward(ctx, g_SD):
+    (slot_TK,) = ctx.saved_tensors
+    return from_slots(g_SD, slot_TK, None), None, None
+
+
+to_slots.register_autograd(_to_slots_backward, setup_context=_to_slots_setup)
+
+
+@torch.library.custom_op("moeplug::from_slots", mutates_args=(), device_types="cpu")
+def from_slots(y_SD: torch.Tensor, slot_TK: torch.Tensor, probs_TK: torch.Tensor | None
+               ) -> torch.Tensor:
+    """[T, D] in y's dtype: each token's rows summed, weighted by ``probs_TK`` (fp32) when
+    given."""
+    y_TD = y_SD.new_empty(slot_TK.shape[0], y_SD.shape[1])
+    from_slots_into(y_SD.contiguous(), slot_TK,
+                    None if probs_TK is None else probs_TK.contiguous(), y_TD)
+    return y_TD
+
+
+@from_slots.register_fake
+def _(y_SD, slot_TK, probs_TK):
+    return y_SD.new_empty(slot_TK.shape[0], y_SD.shape[1])
+
+
+@torch.library.custom_op("moeplug::from_slots_backward", mutates_args=(), device_types="cpu")
+def from_slots_backward(g_TD: torch.Tensor, y_SD: torch.Tensor, slot_TK: torch.Tensor,
+                        probs_TK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad of y_SD: the owned rows, the rest unwritten; grad of probs_TK, fp32 (zeros
+    without probs))."""
+    g_SD = y_SD.new_empty(y_SD.shape)
+    gp_TK = torch.zeros(slot_TK.shape, dtype=torch.float32)
+    from_slots_backward_into(g_TD.contiguous(), y_SD.contiguous(), slot_TK,
+                             None if probs_TK is None else probs_TK.contiguous(), g_SD,
+                             None if probs_TK is None else gp_TK)
+    return g_SD, gp_TK
+
+
+@from_slots_backward.register_fake
+def _(g_TD, y_SD, slot_TK, probs_TK):
+    return y_SD.new_empty(y_SD.shape), torch.empty(slot_TK.shape, dtype=torch.float32)
+
+
+def _from_slots_setup(ctx, inputs, output):
+    y_SD, slot_TK, probs_TK = inputs
+    ctx.save_for_backward(y_SD, slot_TK, probs_TK)
+
+
+def _from_slots_backward(ctx, g_TD):
+    y_SD, slot_TK, probs_TK = ctx.saved_tensors
+    g_SD, gp_TK = from_slots_backward(g_TD, y_SD, slot_TK, probs_TK)
+    return g_SD, None, (gp_TK if probs_TK is not None else None)
+
+
+from_slots.register_autograd(_from_slots_backward, setup_context=_from_slots_setup)
