@@ -17,10 +17,10 @@ picklable; ``results[r]`` is rank r's return value. The harness guarantees three
 Children run with one intra-op thread (OMP_NUM_THREADS=1): the test machines are small and N
 ranks of multi-threaded torch would only fight over the same cores.
 
-Children are forked from a forkserver that imported torch once (spawn re-imports torch in
-every rank: ~1-2 s of CPU each, which over a test suite's thousands of ranks was minutes of a
-2-core CI run). The forkserver imports torch and nothing else -- no op runs there, so no
-OpenMP or runtime thread exists to be lost in a fork -- and each child takes the caller's
+Children are forked from a forkserver that imported torch and moeplug's training stack once
+(spawn re-imports them in every rank: ~2-3 s of CPU each, which over a test suite's thousands
+of ranks was minutes of a 2-core CI run). The forkserver only imports -- no op runs there, so
+no OpenMP or runtime thread exists to be lost in a fork -- and each child takes the caller's
 environment as it is at the call (a spawned child would have; a forked one would otherwise
 see the server's, frozen when it started).
 """
@@ -102,10 +102,22 @@ def _context():
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # torch._dynamo: torch's own optimizers (some tests' references) and torch.utils.checkpoint
-    # import it at their first call, ~2.4 s of CPU a rank; once here, it is paid per server.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+    ctx.set_forkserver_preload(list(_PRELOAD))
     return ctx
+
+
+# What the forkserver imports once, so no rank pays it. torch._dynamo: torch's own optimizers
+# (some tests' references) and torch.utils.checkpoint import it at their first call, ~2.4 s of
+# CPU a rank. moeplug's training stack, its built-in plugins and pytest (which the test modules
+# a rank unpickles its function from import): ~0.8 s of CPU a rank (py-spy over the ranks of
+# tests/test_overlap.py, most of it registering custom ops), for hundreds of ranks a suite.
+# Importing them starts no thread and reads no environment variable: moeplug reads its
+# variables when called, so each rank still sees the caller's environment. A module that
+# fails to import here is skipped by the forkserver and imported by the rank as before.
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "moeplug.training.trainer",
+            "moeplug.training.distributed", "moeplug.testing.steps", "moeplug_plugins.routers",
+            "moeplug_plugins.dispatchers", "moeplug_plugins.experts",
+            "moeplug_plugins.precision", "pytest")
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
