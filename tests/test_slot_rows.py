@@ -87,3 +87,29 @@ def test_slot_map_turns_the_dump_slot_into_no_row_and_bad_slots_are_named():
         slot_rows.from_slots(y, slot_N.view(3, 2), p)
     with pytest.raises(ValueError, match=r"slots\[1, 1\] = 0 repeats an earlier entry"):
         slot_rows.from_slots(y, torch.tensor([[0, -1], [2, 0], [5, 1]]), p)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_weighted_to_slots_equals_torch_with_the_weights_grads(dtype, tol, compiled):
+    # moe.apply_probs_on_input: x_S[slot] = p * x[t]; grads of x and of the weights.
+    if compiled:
+        torch._dynamo.reset()
+    slot_TK, x0, _, p0 = _case(dtype, seed=2)
+    x, p = x0.clone().requires_grad_(True), p0.clone().requires_grad_(True)
+    fn = torch.compile(slot_rows.to_slots, fullgraph=True) if compiled else slot_rows.to_slots
+    x_S = fn(x, slot_TK, S, p)
+    xr, pr = x0.detach().float().requires_grad_(True), p0.clone().requires_grad_(True)
+    owned = slot_TK >= 0
+    rows = slot_TK[owned]
+    t_idx = torch.arange(T).unsqueeze(1).expand(T, K)[owned]
+    want = torch.zeros(S, D).index_copy(0, rows, xr[t_idx] * pr[owned].unsqueeze(1))
+    assert float((x_S[rows].detach().float() - want[rows]).abs().max()
+                 / want[rows].abs().max()) < tol
+    g_S = torch.randn(S, D).to(dtype)
+    (x_S[rows].float() * g_S[rows].float()).sum().backward()
+    (want[rows] * g_S[rows].float()).sum().backward()
+    for name, got, ref in (("x", x.grad, xr.grad), ("probs", p.grad, pr.grad)):
+        err = float((got.float() - ref).abs().max() / ref.abs().max())
+        assert err < tol, (name, err)
+    assert torch.equal(p.grad[~owned], torch.zeros_like(p.grad[~owned]))

@@ -7,8 +7,7 @@ Proofs:
   * stages 1-6 in the arena equal the pure pieces, outputs and every gradient (torch.equal),
     fp32, bf16 autocast and bf16 tensors, gated and plain activations, within and over budget,
     also when every free arena and cache buffer holds NaN bytes beforehand (the form reads
-    no row it did not write);
-  * bf16 rows summed by index (the gather's backward) equal torch's index_add_.
+    no row it did not write); and with ``moe.apply_probs_on_input`` (weights on the rows).
 The layer-level proofs (equal to the dynamic layer, zero host syncs, zero allocations after
 warm-up, EP2) are in tests/test_sync_free.py and tests/test_moe_allocations.py.
 """
@@ -62,7 +61,7 @@ def _poison_free_buffers(arena: workspace.Arena) -> None:
 
 
 def _run(form: str, x, ids_TK, dropped_TK, probs_TK, w13, w2, activation, budget, autocast,
-         grad_TD) -> list[torch.Tensor]:
+         grad_TD, weighted_input=False) -> list[torch.Tensor]:
     x = x.clone().requires_grad_(True)
     p, a, b = (t.clone().requires_grad_(True) for t in (probs_TK, w13, w2))
     routing = types.SimpleNamespace(ids_TK=ids_TK, dropped_TK=dropped_TK, probs_TK=p)
@@ -70,7 +69,7 @@ def _run(form: str, x, ids_TK, dropped_TK, probs_TK, w13, w2, activation, budget
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         y, over, counts = static_moe(x, routing, a, b, num_experts=w13.shape[0],
                                      token_budget=budget, activation=activation,
-                                     weighted_input=False, wrap=wrap)
+                                     weighted_input=weighted_input, wrap=wrap)
     (y.float() * grad_TD).sum().backward()
     return [t.detach().clone() for t in (y, over, counts, x.grad, p.grad, a.grad, b.grad)]
 
@@ -104,3 +103,29 @@ def test_arena_stages_equal_the_pure_pieces(activation, budget, dtype, drop):
     for got in (first, again):
         for name, a, b in zip(names, got, want):
             assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("budget", [2.0, 0.6])
+@pytest.mark.parametrize("dtype", ["fp32", "autocast", "bf16"])
+def test_arena_stages_equal_the_pure_pieces_with_probs_on_input(dtype, budget):
+    # moe.apply_probs_on_input (top-1, as the config requires): the weights scale the rows in
+    # stage 2 and stage 6 sums plainly; the weights' grads come from stage 2's backward.
+    T, K, D, F, E = 40, 1, 16, 12, 8
+    g = torch.Generator().manual_seed(11)
+    ids_TK, dropped_TK = _routing(T, K, E, 0.2, g)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    x, w13, w2 = (torch.randn(*s, generator=g).mul_(c).to(dt)
+                  for s, c in (((T, D), 1.0), ((E, 2 * F, D), 0.1), ((E, D, F), 0.1)))
+    probs_TK, grad_TD = torch.rand(T, K, generator=g), torch.randn(T, D, generator=g)
+    args = (x, ids_TK, dropped_TK, probs_TK, w13, w2, "swiglu", budget, dtype == "autocast",
+            grad_TD, True)
+    want = _run("pure", *args)
+    arena = workspace.Arena()
+    with workspace.arena_scope(arena):
+        _run("arena", *args)
+        _poison_free_buffers(arena)
+        got = _run("arena", *args)
+    assert bool(want[1]) == (budget < 1) and want[4].abs().sum() > 0
+    names = ("y", "overflow", "counts", "x.grad", "probs.grad", "w13.grad", "w2.grad")
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -17,7 +17,8 @@ runtime's ``budget_slots`` kernel (two counting passes over the choices; the tor
 ``static_moe.slots``'s; stages 2 and 6 are the runtime's slot kernels
 (moeplug.ops.slot_rows), which the pure pieces run too.
 
-Used for ``apply_probs_on_input: false`` (the default); with it the layer keeps the pure pieces.
+Used for every eager CPU layer, ``moe.apply_probs_on_input`` included (its weights scale the
+rows in stage 2).
 """
 
 from __future__ import annotations
@@ -54,25 +55,43 @@ def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: in
     return slot_N, overflow, counts_E
 
 
+def _fp32(probs_TK: torch.Tensor | None) -> torch.Tensor | None:
+    """The routing weights as the slot kernels read them: contiguous fp32 (from the arena)."""
+    if probs_TK is None:
+        return None
+    p = probs_TK if probs_TK.dtype == torch.float32 else cast(probs_TK, torch.float32)
+    return p.contiguous()
+
+
 class _ToSlots(torch.autograd.Function):
-    """Stage 2 (``static_moe.gather_rows`` without weights): x_SD[slot[t, k]] = x_TD[t], the
-    runtime's to_slots kernel; backward its from_slots plain sum (moeplug.ops.slot_rows)."""
+    """Stage 2 (``static_moe.gather_rows``): x_SD[slot[t, k]] = x_TD[t], times p[t, k] with
+    ``moe.apply_probs_on_input``, the runtime's to_slots kernel; backward its from_slots sum
+    (weighted alike) and the weights' dot products (moeplug.ops.slot_rows)."""
 
     @staticmethod
-    def forward(ctx, x_TD, slot_TK, num_slots):
+    def forward(ctx, x_TD, slot_TK, num_slots, probs_TK):
+        x_TD, p32_TK = x_TD.contiguous(), _fp32(probs_TK)
         x_SD = _empty((num_slots, x_TD.shape[1]), x_TD.dtype)
-        slot_rows.to_slots_into(x_TD.contiguous(), slot_TK, x_SD)
-        ctx.save_for_backward(slot_TK)
+        slot_rows.to_slots_into(x_TD, slot_TK, x_SD, p32_TK)
+        weight_grad = probs_TK is not None and ctx.needs_input_grad[3]
+        ctx.save_for_backward(slot_TK, p32_TK, x_TD if weight_grad else None)
+        ctx.probs_dtype = None if probs_TK is None else probs_TK.dtype
         ctx.arena = workspace.current_arena()
         return x_SD
 
     @staticmethod
     def backward(ctx, g_SD):
-        (slot_TK,) = ctx.saved_tensors
+        slot_TK, p32_TK, x_TD = ctx.saved_tensors
+        g_SD = g_SD.contiguous()
         with workspace.ctx_arena(ctx):
             g_TD = _empty((slot_TK.shape[0], g_SD.shape[1]), g_SD.dtype)
-        slot_rows.from_slots_into(g_SD.contiguous(), slot_TK, None, g_TD)
-        return g_TD, None, None
+            slot_rows.from_slots_into(g_SD, slot_TK, p32_TK, g_TD)
+            g_p = None
+            if x_TD is not None:
+                gp32_TK = _empty(tuple(slot_TK.shape), torch.float32)
+                slot_rows.slot_weight_grads_into(x_TD, g_SD, slot_TK, p32_TK, gp32_TK)
+                g_p = cast(gp32_TK, ctx.probs_dtype)
+        return g_TD, None, None, g_p
 
 
 class _PackedExperts(torch.autograd.Function):
@@ -156,17 +175,18 @@ def _summed(g_W: torch.Tensor) -> torch.Tensor:
 
 class _FromSlots(torch.autograd.Function):
     """Stage 6 (``static_moe.combine_rows``): y_TD = sum_k p_tk * y_SD[slot_tk] over the
-    choices with a slot, the runtime's from_slots kernel (fp32 sums and weights); backward its
-    from_slots_backward (moeplug.ops.slot_rows)."""
+    choices with a slot (a plain sum without probs: the rows were weighted in stage 2), the
+    runtime's from_slots kernel (fp32 sums and weights); backward its from_slots_backward
+    (moeplug.ops.slot_rows)."""
 
     @staticmethod
     def forward(ctx, y_SD, slot_TK, probs_TK):
-        p32_TK = probs_TK if probs_TK.dtype == torch.float32 else cast(probs_TK, torch.float32)
-        p32_TK = p32_TK.contiguous()
+        y_SD, p32_TK = y_SD.contiguous(), _fp32(probs_TK)
         y_TD = _empty((slot_TK.shape[0], y_SD.shape[1]), y_SD.dtype)
-        slot_rows.from_slots_into(y_SD.contiguous(), slot_TK, p32_TK, y_TD)
+        slot_rows.from_slots_into(y_SD, slot_TK, p32_TK, y_TD)
         ctx.save_for_backward(y_SD, slot_TK, p32_TK)
-        ctx.probs_dtype, ctx.arena = probs_TK.dtype, workspace.current_arena()
+        ctx.probs_dtype = None if probs_TK is None else probs_TK.dtype
+        ctx.arena = workspace.current_arena()
         return y_TD
 
     @staticmethod
@@ -174,8 +194,8 @@ class _FromSlots(torch.autograd.Function):
         y_SD, slot_TK, p32_TK = ctx.saved_tensors
         with workspace.ctx_arena(ctx):
             g_SD = _empty(tuple(y_SD.shape), y_SD.dtype)
-            gp32_TK = (_empty(tuple(slot_TK.shape), torch.float32)
-                       if ctx.needs_input_grad[2] else None)
+            weight_grad = p32_TK is not None and ctx.needs_input_grad[2]
+            gp32_TK = _empty(tuple(slot_TK.shape), torch.float32) if weight_grad else None
             slot_rows.from_slots_backward_into(g_TD.contiguous(), y_SD, slot_TK, p32_TK, g_SD,
                                                gp32_TK)
             g_p = None if gp32_TK is None else cast(gp32_TK, ctx.probs_dtype)
@@ -183,20 +203,24 @@ class _FromSlots(torch.autograd.Function):
 
 
 def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
-                  *, num_experts: int, budget: int, activation: str, ep_size: int,
-                  exchange: Any, stash_scope: Any) -> tuple[torch.Tensor, torch.Tensor,
-                                                             torch.Tensor]:
-    """Stages 1-6 on the CPU, eager: (y_TD, overflow, counts_E). ``exchange(x_ECD, counts_WL)
-    -> (x_ECD, counts_WL)`` and ``exchange.back(y_ECD)`` move the chunks over EP (identity at
-    one rank); ``stash_scope``: the paged stash's scope around stage 4, or None."""
+                  *, num_experts: int, budget: int, activation: str, weighted_input: bool,
+                  ep_size: int, exchange: Any, stash_scope: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stages 1-6 on the CPU, eager: (y_TD, overflow, counts_E). ``weighted_input``
+    (``moe.apply_probs_on_input``): the routing weights scale the rows in stage 2, and stage 6
+    sums them plainly. ``exchange(x_ECD, counts_WL) -> (x_ECD, counts_WL)`` and
+    ``exchange.back(y_ECD)`` move the chunks over EP (identity at one rank); ``stash_scope``:
+    the paged stash's scope around stage 4, or None."""
     E, C, W = num_experts, budget, ep_size
     L = E // W
     slot_N, overflow, counts_E = slots(routing.ids_TK, routing.dropped_TK, E, C, W)
     slot_TK = slot_rows.slot_map(slot_N, E * C, routing.ids_TK.shape[1], _empty)
-    x_ECD = _ToSlots.apply(x_TD, slot_TK, E * C)
+    probs_TK = routing.probs_TK
+    x_ECD = _ToSlots.apply(x_TD, slot_TK, E * C, probs_TK if weighted_input else None)
     x_ECD, counts_WL = exchange(x_ECD, counts_E.view(W, L))
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
         y_WSD = packed_experts(x_ECD.view(W, L * C, -1), w13_LXD, w2_LDF, activation,
                                counts_WL)
     y_ECD = exchange.back(y_WSD.view(W * L * C, -1))
-    return _FromSlots.apply(y_ECD, slot_TK, routing.probs_TK), overflow, counts_E
+    return (_FromSlots.apply(y_ECD, slot_TK, None if weighted_input else probs_TK), overflow,
+            counts_E)

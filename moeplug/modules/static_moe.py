@@ -90,12 +90,12 @@ def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: in
 
 def gather_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, top_k: int, num_slots: int,
                 probs_TK: torch.Tensor | None = None) -> torch.Tensor:
-    """Stage 2: x_ECD [E*C, D], zeros in empty slots (unweighted on the CPU: unwritten, as
-    nothing reads them); rows times their weight when ``probs_TK`` is given
+    """Stage 2: x_ECD [E*C, D], zeros in empty slots (on the CPU: unwritten, as nothing
+    reads them); rows times their weight when ``probs_TK`` is given
     (``moe.apply_probs_on_input``)."""
-    if x_TD.device.type == "cpu" and probs_TK is None:  # the runtime's row kernel
+    if x_TD.device.type == "cpu":  # the runtime's row kernel (fp32 weights)
         return slot_rows.to_slots(x_TD, slot_rows.slot_map(slot_N, num_slots, top_k),
-                                  num_slots)
+                                  num_slots, None if probs_TK is None else probs_TK.float())
     n = slot_N.shape[0]
     choice_S1 = torch.full((num_slots + 1,), n, dtype=torch.int64, device=slot_N.device)
     choice_S1 = choice_S1.scatter(0, slot_N, torch.arange(n, device=slot_N.device))
@@ -333,10 +333,10 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
     C = budget_rows(T, K, num_experts, token_budget)
     L = num_experts // ep_size
     on_cpu = x_TD.device.type == "cpu"
-    if wrap is None and on_cpu and not weighted_input:
+    if wrap is None and on_cpu:
         return static_arena.static_region(
             x_TD, routing, w13_LXD, w2_LDF, num_experts=num_experts, budget=C,
-            activation=activation, ep_size=ep_size,
+            activation=activation, weighted_input=weighted_input, ep_size=ep_size,
             exchange=PackedExchange(L * C, ep_size, group), stash_scope=stash_scope)
     wrap = wrap or (lambda fn: fn)
     args = (routing.ids_TK, routing.dropped_TK, routing.probs_TK)

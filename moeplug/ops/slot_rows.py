@@ -51,11 +51,13 @@ def _dims(op: str, rows: torch.Tensor, rows_name: str, slot_TK: torch.Tensor
     return {"num_tokens": T, "top_k": K, "hidden": rows.shape[1], "dtype": code}
 
 
-def to_slots_into(x_TD: torch.Tensor, slot_TK: torch.Tensor, x_SD: torch.Tensor) -> None:
-    """x_SD[slot[t, k]] = x_TD[t] for every slot >= 0 (x_SD contiguous, x's dtype)."""
+def to_slots_into(x_TD: torch.Tensor, slot_TK: torch.Tensor, x_SD: torch.Tensor,
+                  probs32_TK: torch.Tensor | None = None) -> None:
+    """x_SD[slot[t, k]] = x_TD[t] for every slot >= 0, times p[t, k] when ``probs32_TK``
+    (contiguous fp32) is given (x_SD contiguous, x's dtype)."""
     dims = _dims("to_slots", x_TD, "x_TD", slot_TK)
-    get_runtime().to_slots(x=x_TD.data_ptr(), slots=slot_TK.data_ptr(), x_out=x_SD.data_ptr(),
-                           num_slots=x_SD.shape[0], **dims)
+    get_runtime().to_slots(x=x_TD.data_ptr(), slots=slot_TK.data_ptr(), probs=ptr(probs32_TK),
+                           x_out=x_SD.data_ptr(), num_slots=x_SD.shape[0], **dims)
 
 
 def from_slots_into(y_SD: torch.Tensor, slot_TK: torch.Tensor, probs32_TK: torch.Tensor | None,
@@ -69,37 +71,71 @@ def from_slots_into(y_SD: torch.Tensor, slot_TK: torch.Tensor, probs32_TK: torch
 
 def from_slots_backward_into(g_TD: torch.Tensor, y_SD: torch.Tensor | None,
                              slot_TK: torch.Tensor, probs32_TK: torch.Tensor | None,
-                             g_SD: torch.Tensor, gp32_TK: torch.Tensor | None) -> None:
-    """g_SD[slot[t, k]] = p[t, k] * g_TD[t] (slots no choice owns: unwritten); with
-    ``gp32_TK``: gp[t, k] = <g_TD[t], y_SD[slot[t, k]]>, 0 without a slot."""
+                             g_SD: torch.Tensor | None, gp32_TK: torch.Tensor | None,
+                             num_slots: int | None = None) -> None:
+    """g_SD[slot[t, k]] = p[t, k] * g_TD[t] (slots no choice owns: unwritten; nothing when
+    ``g_SD`` is None); with ``gp32_TK``: gp[t, k] = <g_TD[t], y_SD[slot[t, k]]>, 0 without a
+    slot. ``num_slots``: the slot count when ``g_SD`` is None."""
     dims = _dims("from_slots_backward", g_TD, "grad_TD", slot_TK)
     get_runtime().from_slots_backward(
         grad=g_TD.data_ptr(), y=ptr(y_SD), slots=slot_TK.data_ptr(), probs=ptr(probs32_TK),
-        grad_y=g_SD.data_ptr(), grad_probs=ptr(gp32_TK), num_slots=g_SD.shape[0], **dims)
+        grad_y=ptr(g_SD), grad_probs=ptr(gp32_TK),
+        num_slots=g_SD.shape[0] if g_SD is not None else num_slots, **dims)
+
+
+def slot_weight_grads_into(x_TD: torch.Tensor, g_SD: torch.Tensor, slot_TK: torch.Tensor,
+                           probs32_TK: torch.Tensor, gp32_TK: torch.Tensor) -> None:
+    """The weighted to_slots' grad of its weights: gp[t, k] = <x_TD[t], g_SD[slot[t, k]]>, 0
+    without a slot (from_slots_backward's dot, with nothing written to rows)."""
+    from_slots_backward_into(x_TD, g_SD, slot_TK, probs32_TK, None, gp32_TK, g_SD.shape[0])
 
 
 # ---- the functional ops (the pure pieces; capture) ------------------------------------------
 
 @torch.library.custom_op("moeplug::to_slots", mutates_args=(), device_types="cpu")
-def to_slots(x_TD: torch.Tensor, slot_TK: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """[num_slots, D]: x_TD's rows at their slots (the other rows unwritten)."""
+def to_slots(x_TD: torch.Tensor, slot_TK: torch.Tensor, num_slots: int,
+             probs_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_slots, D]: x_TD's rows at their slots, times their fp32 weights when ``probs_TK``
+    is given (``moe.apply_probs_on_input``); the other rows unwritten."""
     x_SD = x_TD.new_empty(num_slots, x_TD.shape[1])
-    to_slots_into(x_TD.contiguous(), slot_TK, x_SD)
+    to_slots_into(x_TD.contiguous(), slot_TK, x_SD,
+                  None if probs_TK is None else probs_TK.contiguous())
     return x_SD
 
 
 @to_slots.register_fake
-def _(x_TD, slot_TK, num_slots):
+def _(x_TD, slot_TK, num_slots, probs_TK=None):
     return x_TD.new_empty(num_slots, x_TD.shape[1])
 
 
+@torch.library.custom_op("moeplug::to_slots_weight_grad", mutates_args=(), device_types="cpu")
+def to_slots_weight_grad(x_TD: torch.Tensor, g_SD: torch.Tensor, slot_TK: torch.Tensor,
+                         probs_TK: torch.Tensor) -> torch.Tensor:
+    """The weighted :func:`to_slots`' grad of its weights, [T, K] fp32."""
+    gp_TK = torch.empty(slot_TK.shape, dtype=torch.float32)
+    slot_weight_grads_into(x_TD.contiguous(), g_SD.contiguous(), slot_TK,
+                           probs_TK.contiguous(), gp_TK)
+    return gp_TK
+
+
+@to_slots_weight_grad.register_fake
+def _(x_TD, g_SD, slot_TK, probs_TK):
+    return torch.empty(slot_TK.shape, dtype=torch.float32)
+
+
 def _to_slots_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[1])
+    x_TD, slot_TK, _, probs_TK = inputs
+    weighted = probs_TK is not None
+    ctx.save_for_backward(slot_TK, probs_TK, x_TD if weighted else None)
 
 
 def _to_slots_backward(ctx, g_SD):
-    (slot_TK,) = ctx.saved_tensors
-    return from_slots(g_SD, slot_TK, None), None, None
+    slot_TK, probs_TK, x_TD = ctx.saved_tensors
+    g_x = from_slots(g_SD, slot_TK, probs_TK)
+    g_p = None
+    if probs_TK is not None and ctx.needs_input_grad[3]:
+        g_p = to_slots_weight_grad(x_TD, g_SD, slot_TK, probs_TK)
+    return g_x, None, None, g_p
 
 
 to_slots.register_autograd(_to_slots_backward, setup_context=_to_slots_setup)

@@ -88,14 +88,16 @@ void register_permute(py::module_& m) {
       "grad_y[row_map[t, k]] = probs[t, k] * grad[t]; grad_probs[t, k] = <grad[t], y[row]>.");
   def_kernel(
       m, "to_slots",
-      +[](uintptr_t x, uintptr_t slots, uintptr_t x_out, int64_t num_tokens, int64_t top_k,
-          int64_t hidden, int64_t num_slots, int dtype) {
-        to_slots(ptr<const void>(x), ptr<const int64_t>(slots), num_tokens, top_k, hidden,
-                 num_slots, dtype_from_code(dtype, "to_slots"), ptr<void>(x_out));
+      +[](uintptr_t x, uintptr_t slots, uintptr_t probs, uintptr_t x_out, int64_t num_tokens,
+          int64_t top_k, int64_t hidden, int64_t num_slots, int dtype) {
+        to_slots(ptr<const void>(x), ptr<const int64_t>(slots), ptr<const float>(probs),
+                 num_tokens, top_k, hidden, num_slots, dtype_from_code(dtype, "to_slots"),
+                 ptr<void>(x_out));
       },
-      py::arg("x"), py::arg("slots"), py::arg("x_out"), py::arg("num_tokens"), py::arg("top_k"),
-      py::arg("hidden"), py::arg("num_slots"), py::arg("dtype"),
-      "x_out[slots[t, k]] = x[t] for every slot >= 0 (-1: no row); other rows untouched.");
+      py::arg("x"), py::arg("slots"), py::arg("probs"), py::arg("x_out"), py::arg("num_tokens"),
+      py::arg("top_k"), py::arg("hidden"), py::arg("num_slots"), py::arg("dtype"),
+      "x_out[slots[t, k]] = probs[t, k] * x[t] for every slot >= 0 (-1: no row; probs = 0: a "
+      "copy); other rows untouched.");
   def_kernel(
       m, "from_slots",
       +[](uintptr_t y, uintptr_t slots, uintptr_t probs, uintptr_t y_out, int64_t num_tokens,

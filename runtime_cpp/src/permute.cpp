@@ -105,8 +105,9 @@ MOEPLUG_INLINE void sum_rows(const T_* rows, const int64_t* row_map_TK, const fl
   }
 }
 
-// For tokens [t0, t1): grad_y_SD[row] = p * g[t]; grad_p[t, k] = dot(g[t], y_SD[row]). A
-// choice without a row (-1, slot maps only) writes no row and a zero grad_p.
+// For tokens [t0, t1): grad_y_SD[row] = p * g[t] (unless grad_y_SD is null); grad_p[t, k] =
+// dot(g[t], y_SD[row]). A choice without a row (-1, slot maps only) writes no row and a zero
+// grad_p.
 template <class T_>
 MOEPLUG_INLINE void scatter_rows(const T_* g_TD, const T_* y_SD, const int64_t* row_map_TK,
                                  const float* probs_TK, int64_t t0, int64_t t1, int64_t K,
@@ -119,13 +120,15 @@ MOEPLUG_INLINE void scatter_rows(const T_* g_TD, const T_* y_SD, const int64_t* 
         if (probs_TK && grad_probs_TK) grad_probs_TK[t * K + k] = 0.0f;
         continue;
       }
-      T_* __restrict dst = grad_y_SD + r * D;
       if (!probs_TK) {
-        std::memcpy(dst, g, sizeof(T_) * D);
+        if (grad_y_SD) std::memcpy(grad_y_SD + r * D, g, sizeof(T_) * D);
         continue;
       }
       const float p = probs_TK[t * K + k];
-      for (int64_t d = 0; d < D; ++d) store_f32(dst, d, p * load_f32(g, d));
+      if (grad_y_SD) {
+        T_* __restrict dst = grad_y_SD + r * D;
+        for (int64_t d = 0; d < D; ++d) store_f32(dst, d, p * load_f32(g, d));
+      }
       if (grad_probs_TK) {
         const T_* y = y_SD + r * D;
         float dot = 0.0f;
@@ -284,11 +287,11 @@ void unpermute_backward(const void* grad_TD, const void* y_SD, const int64_t* ro
                   grad_y_SD, grad_probs_TK);
 }
 
-void to_slots(const void* x_TD, const int64_t* slot_TK, int64_t T, int64_t K, int64_t D,
-              int64_t S, DType dtype, void* x_SD) {
+void to_slots(const void* x_TD, const int64_t* slot_TK, const float* probs_TK, int64_t T,
+              int64_t K, int64_t D, int64_t S, DType dtype, void* x_SD) {
   check_dims("to_slots", T, K, D);
   check_row_map("to_slots", slot_TK, T, K, S, /*missing_ok=*/true);
-  scatter_to_rows("to_slots", x_TD, nullptr, slot_TK, nullptr, T, K, D, dtype, x_SD, nullptr);
+  scatter_to_rows("to_slots", x_TD, nullptr, slot_TK, probs_TK, T, K, D, dtype, x_SD, nullptr);
 }
 
 void from_slots(const void* y_SD, const int64_t* slot_TK, const float* probs_TK, int64_t T,

@@ -298,7 +298,14 @@ void test_slot_kernels_match_naive() {
   for (float& f : p) f = u(gen);
   const float kUnset = 12345.0f;
   std::vector<float> x_S(S * D, kUnset), y_T(T * D), gy(S * D, kUnset), gp(T * K, kUnset);
-  moeplug::to_slots(x.data(), slot.data(), T, K, D, S, moeplug::DType::kFloat32, x_S.data());
+  moeplug::to_slots(x.data(), slot.data(), nullptr, T, K, D, S, moeplug::DType::kFloat32,
+                    x_S.data());
+  std::vector<float> xp_S(S * D, kUnset), gp_x(T * K, kUnset);
+  moeplug::to_slots(x.data(), slot.data(), p.data(), T, K, D, S, moeplug::DType::kFloat32,
+                    xp_S.data());
+  // to_slots' weight grads: <x[t], the slot's grad> (here y), no row written
+  moeplug::from_slots_backward(x.data(), y.data(), slot.data(), p.data(), T, K, D, S,
+                               moeplug::DType::kFloat32, nullptr, gp_x.data());
   moeplug::from_slots(y.data(), slot.data(), p.data(), T, K, D, S, moeplug::DType::kFloat32,
                       y_T.data());
   moeplug::from_slots_backward(g.data(), y.data(), slot.data(), p.data(), T, K, D, S,
@@ -318,25 +325,31 @@ void test_slot_kernels_match_naive() {
     for (int64_t k = 0; k < K; ++k) {
       const int64_t r = slot[t * K + k];
       if (r < 0) {
-        wrong += gp[t * K + k] != 0.0f;
+        wrong += gp[t * K + k] != 0.0f || gp_x[t * K + k] != 0.0f;
         continue;
       }
       owned[r] = 1;
-      double dot = 0.0;
+      double dot = 0.0, dot_x = 0.0;
       for (int64_t d = 0; d < D; ++d) {
         wrong += x_S[r * D + d] != x[t * D + d];
+        wrong += xp_S[r * D + d] != p[t * K + k] * x[t * D + d];
         err = std::max(err, double(std::abs(gy[r * D + d] - p[t * K + k] * g[t * D + d])));
         dot += double(g[t * D + d]) * y[r * D + d];
+        dot_x += double(x[t * D + d]) * y[r * D + d];
       }
       err = std::max(err, std::abs(dot - gp[t * K + k]));
+      err = std::max(err, std::abs(dot_x - gp_x[t * K + k]));
     }
   }
   for (int64_t r = 0; r < S; ++r) {
     if (owned[r]) continue;
-    for (int64_t d = 0; d < D; ++d) wrong += x_S[r * D + d] != kUnset || gy[r * D + d] != kUnset;
+    for (int64_t d = 0; d < D; ++d) {
+      wrong += x_S[r * D + d] != kUnset || xp_S[r * D + d] != kUnset || gy[r * D + d] != kUnset;
+    }
   }
   check(wrong == 0 && err < 1e-4,
-        "to_slots / from_slots / from_slots_backward equal naive loops (wrong " +
+        "to_slots (plain, weighted) / from_slots / from_slots_backward equal naive loops "
+        "(wrong " +
             std::to_string(wrong) + ", max err " + std::to_string(err) + ")");
   slot[7] = S;  // outside [0, S) and not -1
   bool threw = false;

@@ -35,17 +35,20 @@ void unpermute_backward(const void* grad_TD, const void* y_SD, const int64_t* ro
 // the router or over the token budget); the non-negative entries are distinct. Rows no choice
 // owns are neither read nor written.
 //
-// x_SD[slot[t, k]] = x_TD[t] (the gather to the slots).
-void to_slots(const void* x_TD, const int64_t* slot_TK, int64_t T, int64_t K, int64_t D,
-              int64_t S, DType dtype, void* x_SD);
+// x_SD[slot[t, k]] = p[t, k] * x_TD[t] (the gather to the slots; a copy when probs_TK is
+// null).
+void to_slots(const void* x_TD, const int64_t* slot_TK, const float* probs_TK, int64_t T,
+              int64_t K, int64_t D, int64_t S, DType dtype, void* x_SD);
 // y_TD[t] = sum_k p[t, k] * y_SD[slot[t, k]] over the choices with a slot (plain sum when
 // probs_TK is null; zeros for a token with none), summed in fp32 as unpermute sums. It is also
 // to_slots's backward (probs null).
 void from_slots(const void* y_SD, const int64_t* slot_TK, const float* probs_TK, int64_t T,
                 int64_t K, int64_t D, int64_t S, DType dtype, void* y_TD);
 // Backward of from_slots: grad_y_SD[slot[t, k]] = p[t, k] * grad_TD[t] (grad_TD[t] when probs
-// is null: to_slots's forward); grad_probs_TK[t, k] = dot(grad_TD[t], y_SD[slot[t, k]]), 0 for
-// a choice without a slot, when probs_TK and grad_probs_TK are non-null.
+// is null: to_slots's forward; nothing written when grad_y_SD is null); grad_probs_TK[t, k] =
+// dot(grad_TD[t], y_SD[slot[t, k]]), 0 for a choice without a slot, when probs_TK and
+// grad_probs_TK are non-null (with grad_TD = x and y_SD = the slots' grads: to_slots' weight
+// grads).
 void from_slots_backward(const void* grad_TD, const void* y_SD, const int64_t* slot_TK,
                          const float* probs_TK, int64_t T, int64_t K, int64_t D, int64_t S,
                          DType dtype, void* grad_y_SD, float* grad_probs_TK);
