@@ -87,6 +87,11 @@ def test_slot_map_turns_the_dump_slot_into_no_row_and_bad_slots_are_named():
         slot_rows.from_slots(y, slot_N.view(3, 2), p)
     with pytest.raises(ValueError, match=r"slots\[1, 1\] = 0 repeats an earlier entry"):
         slot_rows.from_slots(y, torch.tensor([[0, -1], [2, 0], [5, 1]]), p)
+    # sizes the kernel would read past: named before any pointer reaches it
+    with pytest.raises(ValueError, match=r"x_TD has 4 rows but slot_TK has 3 tokens"):
+        slot_rows.to_slots(torch.randn(4, 4), slot_N.view(3, 2).clamp(max=5), 6)
+    with pytest.raises(ValueError, match=r"probs_TK must be a contiguous float32 \[T, K\]"):
+        slot_rows.from_slots(y, slot_N.view(3, 2).clamp(max=5), p.double())
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -43,19 +43,38 @@ def slot_map(slot_N: torch.Tensor, num_slots: int, top_k: int,
     return empty(shape, torch.int64).copy_(slot_N).masked_fill_(dump_N, -1).view(-1, top_k)
 
 
-def _dims(op: str, rows: torch.Tensor, rows_name: str, slot_TK: torch.Tensor
-          ) -> dict[str, int]:
+def _dims(op: str, rows: torch.Tensor, rows_name: str, slot_TK: torch.Tensor,
+          probs32_TK: torch.Tensor | None, token_rows: bool) -> dict[str, int]:
+    """The kernel's sizes, after the checks that keep it inside its buffers (the slots' range
+    and uniqueness are checked by the kernel). ``token_rows``: ``rows`` has one row a token."""
     code = check_rows(op, rows_name, rows, 2, "[rows, D]")
     check_index(op, "slot_TK", slot_TK, None, "[T, K]")
     T, K = slot_TK.shape
+    if token_rows and rows.shape[0] != T:
+        raise ValueError(f"{op}: {rows_name} has {rows.shape[0]} rows but slot_TK has {T} "
+                         f"tokens. Fix: pass one row per token")
+    if probs32_TK is not None and (probs32_TK.dtype != torch.float32
+                                   or tuple(probs32_TK.shape) != (T, K)
+                                   or not probs32_TK.is_contiguous()):
+        raise ValueError(f"{op}: probs_TK must be a contiguous float32 [T, K] = {(T, K)} "
+                         f"tensor, got {probs32_TK.dtype} {tuple(probs32_TK.shape)}. Fix: pass "
+                         f"the routing weights as probs_TK.float().contiguous()")
     return {"num_tokens": T, "top_k": K, "hidden": rows.shape[1], "dtype": code}
+
+
+def _same_rows(op: str, name: str, t: torch.Tensor, like: torch.Tensor, rows: int) -> None:
+    if t.dtype != like.dtype or tuple(t.shape) != (rows, like.shape[1]) or not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be a contiguous {like.dtype} [{rows}, "
+                         f"{like.shape[1]}] tensor, got {t.dtype} {tuple(t.shape)}. Fix: "
+                         f"allocate it like the rows it receives")
 
 
 def to_slots_into(x_TD: torch.Tensor, slot_TK: torch.Tensor, x_SD: torch.Tensor,
                   probs32_TK: torch.Tensor | None = None) -> None:
     """x_SD[slot[t, k]] = x_TD[t] for every slot >= 0, times p[t, k] when ``probs32_TK``
     (contiguous fp32) is given (x_SD contiguous, x's dtype)."""
-    dims = _dims("to_slots", x_TD, "x_TD", slot_TK)
+    dims = _dims("to_slots", x_TD, "x_TD", slot_TK, probs32_TK, token_rows=True)
+    _same_rows("to_slots", "x_SD", x_SD, x_TD, x_SD.shape[0])
     get_runtime().to_slots(x=x_TD.data_ptr(), slots=slot_TK.data_ptr(), probs=ptr(probs32_TK),
                            x_out=x_SD.data_ptr(), num_slots=x_SD.shape[0], **dims)
 
@@ -64,7 +83,8 @@ def from_slots_into(y_SD: torch.Tensor, slot_TK: torch.Tensor, probs32_TK: torch
                     y_TD: torch.Tensor) -> None:
     """y_TD[t] = sum_k p[t, k] * y_SD[slot[t, k]] over slots >= 0 (plain sum without probs:
     also to_slots' backward); ``probs32_TK`` contiguous fp32."""
-    dims = _dims("from_slots", y_SD, "y_SD", slot_TK)
+    dims = _dims("from_slots", y_SD, "y_SD", slot_TK, probs32_TK, token_rows=False)
+    _same_rows("from_slots", "y_TD", y_TD, y_SD, slot_TK.shape[0])
     get_runtime().from_slots(y=y_SD.data_ptr(), slots=slot_TK.data_ptr(), probs=ptr(probs32_TK),
                              y_out=y_TD.data_ptr(), num_slots=y_SD.shape[0], **dims)
 
@@ -76,7 +96,14 @@ def from_slots_backward_into(g_TD: torch.Tensor, y_SD: torch.Tensor | None,
     """g_SD[slot[t, k]] = p[t, k] * g_TD[t] (slots no choice owns: unwritten; nothing when
     ``g_SD`` is None); with ``gp32_TK``: gp[t, k] = <g_TD[t], y_SD[slot[t, k]]>, 0 without a
     slot. ``num_slots``: the slot count when ``g_SD`` is None."""
-    dims = _dims("from_slots_backward", g_TD, "grad_TD", slot_TK)
+    dims = _dims("from_slots_backward", g_TD, "grad_TD", slot_TK, probs32_TK, token_rows=True)
+    if y_SD is not None:
+        _same_rows("from_slots_backward", "y_SD", y_SD, g_TD, y_SD.shape[0])
+    if g_SD is not None:
+        _same_rows("from_slots_backward", "grad_SD", g_SD, g_TD, g_SD.shape[0])
+    if y_SD is not None and g_SD is not None and y_SD.shape[0] != g_SD.shape[0]:
+        raise ValueError(f"from_slots_backward: y_SD has {y_SD.shape[0]} slots, grad_SD "
+                         f"{g_SD.shape[0]}. Fix: pass the grad of y_SD's own slots")
     get_runtime().from_slots_backward(
         grad=g_TD.data_ptr(), y=ptr(y_SD), slots=slot_TK.data_ptr(), probs=ptr(probs32_TK),
         grad_y=ptr(g_SD), grad_probs=ptr(gp32_TK),
