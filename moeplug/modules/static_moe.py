@@ -190,15 +190,17 @@ def stashed_experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torc
     return _StashedExperts.apply(x_LBD, w13_LXD, w2_LDF, activation)
 
 
-def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor
-                 ) -> torch.Tensor:
-    """Stage 6: y_TD = sum_k p_tk * y_ECD[slot_tk], weight 0 for the dump slot (pass probs of
-    ones when the rows were already weighted)."""
+def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor,
+                 weighted_input: bool = False) -> torch.Tensor:
+    """Stage 6: y_TD = sum_k p_tk * y_ECD[slot_tk], weight 0 for the dump slot; a plain sum
+    over the kept slots when the rows already carry their weights (``weighted_input``)."""
     T, K = probs_TK.shape
     num_slots = y_ECD.shape[0]
     if y_ECD.device.type == "cpu":  # the runtime's row kernel: fp32 sums, fp32 weights
         return slot_rows.from_slots(y_ECD, slot_rows.slot_map(slot_N, num_slots, K),
-                                    probs_TK.float())
+                                    None if weighted_input else probs_TK.float())
+    if weighted_input:
+        probs_TK = torch.ones_like(probs_TK)
     # The dump slot reads the last slot, masked to zero (no [E*C+1, D] padded copy of y): with
     # packed slots that row may be one the grouped GEMM never wrote, and 0 * NaN is NaN.
     keep_TK = (slot_N < num_slots).view(T, K)
@@ -245,8 +247,8 @@ def front(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor | N
 
 def back(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor,
          weighted_input: bool) -> torch.Tensor:
-    """Stage 6 (weights already on the rows: combine with ones)."""
-    return combine_rows(y_ECD, slot_N, torch.ones_like(probs_TK) if weighted_input else probs_TK)
+    """Stage 6 (``weighted_input``: the weights are already on the rows)."""
+    return combine_rows(y_ECD, slot_N, probs_TK, weighted_input)
 
 
 def one_rank(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
