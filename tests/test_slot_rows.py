@@ -92,6 +92,14 @@ def test_slot_map_turns_the_dump_slot_into_no_row_and_bad_slots_are_named():
         slot_rows.to_slots(torch.randn(4, 4), slot_N.view(3, 2).clamp(max=5), 6)
     with pytest.raises(ValueError, match=r"probs_TK must be a contiguous float32 \[T, K\]"):
         slot_rows.from_slots(y, slot_N.view(3, 2).clamp(max=5), p.double())
+    slot_TK = slot_rows.slot_map(slot_N, 6, 2)
+    with pytest.raises(ValueError, match=r"x_SD must be a contiguous torch.float32 \[6, 4\] "
+                                         r"tensor, got torch.bfloat16.*Fix: allocate it like"):
+        slot_rows.to_slots_into(torch.randn(3, 4), slot_TK,
+                                torch.empty(6, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"y_SD has 6 slots, grad_SD 7\. Fix: pass the grad of"):
+        slot_rows.from_slots_backward_into(torch.randn(3, 4), y, slot_TK, p, torch.empty(7, 4),
+                                           torch.empty(3, 2))
 
 
 @pytest.mark.parametrize("compiled", [False, True])
