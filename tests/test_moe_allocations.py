@@ -21,6 +21,7 @@ from moeplug.routing import append_sink_rows, drop_over_capacity, first_rows, si
 from moeplug.routing import cat_rows, pad_rows, padded_counts, row_range, unpad_rows
 from moeplug.routing import capacity as capacity_mod
 from moeplug.routing import workspace_losses as WL
+from moeplug.testing import allocations
 from moeplug.testing.allocations import moe_path_allocations
 from moeplug.testing.steps import one_process_trainer
 
@@ -229,6 +230,26 @@ def test_the_counter_sees_allocations_when_the_arenas_are_off():
     assert report.count >= 2 * 2 * 4, report.describe()  # layers x micro-batches x a few each
     assert any("_FusedRoute" in k for k in report.where), report.describe()
     assert any("moe_backward" in k for k in report.where), report.describe()
+
+
+@pytest.mark.parametrize("arenas, precision, options", [
+    (False, "fp32", {}), (False, "bf16", {"overlap_chunks": 2}), (True, "fp32", {}),
+    (False, "fp32", {"activation": "gelu", "shared_expert_ffn_hidden_size": 48})],
+    ids=["arenas_off", "arenas_off_bf16_chunks", "arenas_on", "arenas_off_gelu_shared"])
+def test_the_counters_op_tree_equals_the_profilers_function_events(arenas, precision, options):
+    # moe_path_allocations reads the profiler's raw events (allocations._op_tree: ~1 s less per
+    # count than building torch's FunctionEvents); from the same profile, torch's own tree must
+    # give the same count, bytes and places, with allocations to find and without.
+    model, step = _setup(True, precision, moe_options=options)
+    if not arenas:
+        _arenas_off(model)
+    for _ in range(2):
+        step()
+    prof = allocations._profile(model, step)
+    ours = allocations._tally(allocations._self_bytes_of_ops(prof))
+    torchs = allocations._tally(allocations._self_bytes_of_function_events(prof))
+    assert ours == torchs, (ours.describe(), torchs.describe())
+    assert (ours.count > 0) != arenas, ours.describe()
 
 
 def test_registered_layers_own_their_arena_and_it_stops_growing():
