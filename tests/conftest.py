@@ -9,8 +9,6 @@ from __future__ import annotations
 import ast
 import functools
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -102,9 +100,11 @@ def cli_env_without_core(cli_env, tmp_path) -> dict:
 @pytest.fixture
 def run_cli(cli_env):
     """run_cli("train", "--steps", "3", timeout=...) -> CompletedProcess (text, captured)."""
-    def run(*args: str, timeout: float = 300, env: dict | None = None, cwd: str | None = None):
-        return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True,
-                              text=True, timeout=timeout, env=env or cli_env, cwd=cwd)
+    from moeplug.testing.cli import run_cli as run_forked
+
+    def run(*args: str, timeout: float = 300, env: dict | None = None, cwd: str | None = None,
+            fresh: bool = False):
+        return run_forked(args, env=env or cli_env, cwd=cwd, timeout=timeout, fresh=fresh)
     return run
 
 

@@ -108,6 +108,52 @@ def test_python_dash_m_and_console_script_agree(cli_env):
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout
 
 
+# The suite's CLI runs fork from a server that has imported torch and moeplug
+# (moeplug.testing.cli): the same command in a fresh interpreter must print the same and exit
+# alike, and a run must train to the same losses.
+@pytest.mark.parametrize("args", [["--version"], ["plugins"], ["--help"], [],
+                                  ["train", "--set", "model.moe.top_k=9"],
+                                  ["train", "--steps", "2", "--set", "train.log_interval=1"]],
+                         ids=["version", "plugins", "help", "nothing", "config_error", "train"])
+def test_the_forked_cli_equals_a_fresh_interpreter(run_cli, tiny_config_file, tmp_path, args):
+    if args[:1] == ["train"]:
+        config = tiny_config_file()
+        args = [*args, "--config", config]
+    runs = {}
+    for how in ("fork", "exec"):
+        extra = ["--out", str(tmp_path / how)] if "--steps" in args else []
+        runs[how] = run_cli(*args, *extra, fresh=how == "exec", timeout=300)
+        assert runs[how].started == how
+    fork, fresh = runs["fork"], runs["exec"]
+    assert fork.returncode == fresh.returncode, (fork.stderr[-2000:], fresh.stderr[-2000:])
+    if "--steps" in args:
+        assert fork.returncode == 0, fork.stderr[-3000:]
+        losses = {how: [(r["step"], r["lm_loss"], r["grad_norm"])
+                        for r in _records(str(tmp_path / how), "train")] for how in runs}
+        assert losses["fork"] == losses["exec"] and len(losses["fork"]) == 2, losses
+    else:
+        assert (fork.stdout, fork.stderr) == (fresh.stdout, fresh.stderr)
+    if args[:1] == ["train"] and "--steps" not in args:
+        assert fork.returncode == 2 and "top_k" in fork.stderr, fork.stderr
+
+
+def test_the_forked_cli_runs_the_environment_and_directory_it_is_given(run_cli, cli_env,
+                                                                      tiny_config_file, tmp_path):
+    # MOEPLUG_BLOCK_PLUGINS (read when the plugins load) and a relative --out (the working
+    # directory): neither is the forkserver's.
+    from moeplug.plugin_host import BLOCK_ENV
+    env = dict(cli_env, **{BLOCK_ENV: "dispatcher:allgather"})
+    proc = run_cli("plugins", env=env, timeout=120)
+    assert proc.started == "fork" and proc.returncode == 0, proc.stderr
+    assert f"unavailable: blocked by ${BLOCK_ENV} ('dispatcher:allgather')" in proc.stdout, \
+        proc.stdout
+    (tmp_path / "here").mkdir()
+    proc = run_cli("train", "--config", tiny_config_file(), "--steps", "1", "--out", "rel",
+                   cwd=str(tmp_path / "here"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "here" / "rel" / "metrics.jsonl").exists()
+
+
 def test_no_command_prints_help_and_exits_2(run_cli):
     proc = run_cli(timeout=120)
     assert proc.returncode == 2 and "train" in proc.stdout and "plugins" in proc.stdout

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,14 +20,14 @@ from moeplug.config import config_from_dict
 from moeplug.data import prepare_corpus
 from moeplug.modules import build_model
 from moeplug.plugin_host import PluginHost
+from moeplug.testing.cli import run_cli
 from moeplug.training.checkpoint import load_checkpoint
 
 PROMPT = "MACBETH. What"
 
 
 def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moeplug", *args], capture_output=True,
-                          text=True, timeout=300, env=env)
+    return run_cli(args, env=env, timeout=300)
 
 
 def _train(env: dict, root, corpus: str, steps: int, *overrides: str) -> str:

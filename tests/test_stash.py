@@ -19,6 +19,7 @@ from moeplug.modules.build import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import get_runtime
 from moeplug.stash import StashOverflowError
+from moeplug.testing.cli import run_cli
 from moeplug.testing.steps import train_ep2_variants
 from moeplug.training.optim import build_optimizer
 from moeplug.training.trainer import stash_runtime, train_step
@@ -181,10 +182,9 @@ def test_runtime_config_errors_name_field_value_and_fix(override, names):
 @pytest.mark.slow
 def test_cli_run_records_registration_and_stash_stats(tiny_config_file, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moeplug", "train", "--config", tiny_config_file(),
-           "--out", str(out), "--steps", "6", "--set", "runtime.stash=true",
-           "--set", "train.log_interval=2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    args = ["train", "--config", tiny_config_file(), "--out", str(out), "--steps", "6",
+            "--set", "runtime.stash=true", "--set", "train.log_interval=2"]
+    res = run_cli(args, timeout=300)
     assert res.returncode == 0, res.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     run = next(r for r in records if r["kind"] == "run")

@@ -18,8 +18,6 @@ The eager CPU form against the pure pieces, op for op: tests/test_static_arena.p
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,6 +28,7 @@ from moeplug.modules.moe import MoELayer
 from moeplug.modules.static_moe import budget_rows, slots
 from moeplug.plugin_host import PluginHost
 from moeplug.testing.hostsync import HostSyncCounter
+from moeplug.testing.cli import run_cli
 from moeplug.testing.steps import train_ep2_variants
 from moeplug.training.optim import build_optimizer
 from moeplug.training.trainer import stash_runtime, train_step
@@ -591,10 +590,10 @@ def test_ep2_training_over_budget_reruns_bitwise_and_within_budget_matches():
 @pytest.mark.slow
 def test_cli_train_records_sync_free_and_reruns(tiny_config_file, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moeplug", "train", "--config", tiny_config_file(),
-           "--out", str(out), "--steps", "2", "--set", "runtime.sync_free=true",
-           "--set", "runtime.token_budget=0.1", "--set", "train.log_interval=1"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    args = ["train", "--config", tiny_config_file(), "--out", str(out), "--steps", "2",
+            "--set", "runtime.sync_free=true", "--set", "runtime.token_budget=0.1",
+            "--set", "train.log_interval=1"]
+    res = run_cli(args, timeout=300)
     assert res.returncode == 0, res.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     run = next(r for r in records if r["kind"] == "run")

@@ -101,9 +101,17 @@ def _context():
     runtime threads would be half-copied into the child and can deadlock it."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
+    global SERVER_ENV
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))
+    if SERVER_ENV is None:  # the forkserver starts with the first process started from ctx
+        SERVER_ENV = dict(os.environ)
     return ctx
+
+
+# The environment the forkserver started with (its children inherit it before they take their
+# caller's): what moeplug.testing.cli compares a CLI's environment with.
+SERVER_ENV: dict[str, str] | None = None
 
 
 # What the forkserver imports once, so no rank pays it. torch._dynamo: torch's own optimizers
@@ -117,7 +125,7 @@ def _context():
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "moeplug.training.trainer",
             "moeplug.training.distributed", "moeplug.testing.steps", "moeplug_plugins.routers",
             "moeplug_plugins.dispatchers", "moeplug_plugins.experts",
-            "moeplug_plugins.precision", "pytest")
+            "moeplug_plugins.precision", "moeplug.cli", "pytest")
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120,
