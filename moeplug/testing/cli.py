@@ -7,7 +7,7 @@ file descriptors, its exit status the CLI's (negative: the signal that killed it
 interpreter did not start from nothing: it is forked from the forkserver of
 :mod:`moeplug.testing.distributed`, which has already imported torch and moeplug. A fresh
 interpreter spends ~3 s of CPU importing torch before the CLI reads its first argument; over the
-suite's hundreds of CLI runs that was minutes of a 2-core CI run. What a fresh start would do
+suite's ~180 CLI runs that was minutes of a 2-core CI run. What a fresh start would do
 differently is redone in the child: it takes ``env`` as its whole environment, ``cwd`` as its
 working directory, a fresh interpreter's ``sys.path`` (``-m`` puts the working directory
 first), runs the ``moeplug`` package as ``__main__`` and exits through the interpreter's exit
