@@ -21,6 +21,7 @@
 #include "moeplug/row_plan.h"
 #include "moeplug/swiglu.h"
 #include "moeplug/thread_pool.h"
+#include "moeplug/vec16.h"
 
 namespace {
 
@@ -151,16 +152,39 @@ void test_exp_approx16_equals_the_scalar_lanes() {
   for (int i = 0; i < 4096; i += 16) {
     float in[16];
     for (int l = 0; l < 16; ++l) in[l] = -100.0f + 200.0f * float(i + l) / 4096.0f;  // past both clamps
+    if (i == 0) {  // the edges: the clamps' bounds, signed zeros, infinities, NaN
+      const float edges[] = {-0.0f, 0.0f, -87.0f, 88.0f, -87.0001f, 88.0001f,
+                             INFINITY, -INFINITY, NAN, 1e-30f, -1e-30f, 0.34657359f};
+      std::copy(std::begin(edges), std::end(edges), in);
+    }
     float out[16];
     const moeplug::v16f v = moeplug::exp_approx16(moeplug::load16(in));
     std::memcpy(out, &v, sizeof out);
     for (int l = 0; l < 16; ++l) {
       const float want = moeplug::exp_approx(in[l]);
-      differ += std::memcmp(&want, &out[l], sizeof want) != 0;
+      differ += std::memcmp(&want, &out[l], sizeof want) != 0 &&
+                !(std::isnan(want) && std::isnan(out[l]));
     }
   }
   check(differ == 0, "exp_approx16 lanes equal exp_approx bit for bit, " +
                          std::to_string(differ) + " of 4096 differ");
+}
+
+void test_store16_bf16_equals_the_scalar_rounding() {
+  // Round to nearest even and quiet NaNs, lane by lane as f32_to_bf16: ties both ways,
+  // payload NaNs of both signs, infinities, zeros, subnormals, the largest finite floats.
+  const uint32_t bits[] = {0x3F808000u, 0x3F818000u, 0x3F807FFFu, 0x3F808001u,
+                           0x7FC00001u, 0xFF800001u, 0x7F800001u, 0xFFFFFFFFu,
+                           0x7F800000u, 0xFF800000u, 0x00000000u, 0x80000000u,
+                           0x00000001u, 0x807FFFFFu, 0x7F7FFFFFu, 0xFF7FFFFFu};
+  float in[16];
+  std::memcpy(in, bits, sizeof in);
+  uint16_t out[16];
+  moeplug::store16(out, moeplug::load16(in));
+  int64_t differ = 0;
+  for (int l = 0; l < 16; ++l) differ += out[l] != moeplug::f32_to_bf16(in[l]);
+  check(differ == 0, "store16 to bf16 rounds every lane as f32_to_bf16, " +
+                         std::to_string(differ) + " of 16 differ");
 }
 
 // Against a naive rank count: a choice of expert e is kept iff fewer than C other choices of e
@@ -400,6 +424,7 @@ int main() {
   test_permute_matches_naive();
   test_swiglu_matches_naive();
   test_exp_approx16_equals_the_scalar_lanes();
+  test_store16_bf16_equals_the_scalar_rounding();
   test_capacity_matches_naive_ranks();
   test_place_rows_matches_naive();
   test_budget_slots_matches_naive();

@@ -41,10 +41,15 @@ MOEPLUG_INLINE float exp_approx(float x) {
 
 // exp_approx on sixteen lanes (the SwiGLU loops' body; their scalar tails use exp_approx).
 MOEPLUG_INLINE v16f exp_approx16(v16f x) {
-  x = x < -87.0f ? splat16(-87.0f) : x;
-  x = x > 88.0f ? splat16(88.0f) : x;
+  x = clamp16(x, -87.0f, 88.0f);  // on halves: see vec16.h's by_halves
   const v16f fx = x * 1.44269504088896341f;
-  const v16f half = fx >= 0.0f ? splat16(0.5f) : splat16(-0.5f);
+  // +-0.5 with fx's sign, by its sign bit rather than a compare (vec16.h). Differs from the
+  // scalar's `fx >= 0` only at fx = -0.0, where both round to n = 0.
+  v16u32 fx_bits;
+  std::memcpy(&fx_bits, &fx, sizeof fx_bits);
+  const v16u32 half_bits = (fx_bits & 0x80000000u) | 0x3F000000u;  // 0x3F000000 = 0.5f
+  v16f half;
+  std::memcpy(&half, &half_bits, sizeof half);
   const v16i32 ni = __builtin_convertvector(fx + half, v16i32);
   const v16i32 bits = (ni + 127) << 23;
   v16f scale;
