@@ -61,7 +61,7 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _cli_child(argv: list[str], env: dict[str, str], cwd: str | None, out_path: str,
-               err_path: str, exec_fresh: bool) -> None:
+               err_path: str, exec_fresh: bool, sys_path: tuple[str, ...]) -> None:
     import atexit
     import io
     import runpy
@@ -75,10 +75,9 @@ def _cli_child(argv: list[str], env: dict[str, str], cwd: str | None, out_path: 
         os.close(fd)
     if cwd is not None:
         os.chdir(cwd)
-    with open(out_path + ".start", "w") as f:
-        f.write("exec" if exec_fresh else "fork")
     if exec_fresh:
         os.execve(sys.executable, [sys.executable, "-m", "moeplug", *argv], env)
+    sys.path[:] = [os.getcwd(), *sys_path]  # as `python -m`: the working directory first
     os.environ.clear()
     os.environ.update(env)
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
@@ -107,12 +106,6 @@ def _cli_child(argv: list[str], env: dict[str, str], cwd: str | None, out_path: 
         os._exit(code)
 
 
-def _child_entry(argv, env, cwd, out_path, err_path, exec_fresh, sys_path):
-    # A fresh `python -m` has the working directory first, then the standard path.
-    sys.path[:] = [os.path.abspath(cwd or os.getcwd()), *sys_path]
-    _cli_child(argv, env, cwd, out_path, err_path, exec_fresh)
-
-
 def run_cli(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
             timeout: float | None = None, fresh: bool = False
             ) -> subprocess.CompletedProcess:
@@ -132,7 +125,7 @@ def run_cli(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str 
         out_path, err_path = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         for path in (out_path, err_path):
             open(path, "wb").close()
-        proc = ctx.Process(target=_child_entry, name="moeplug-cli",
+        proc = ctx.Process(target=_cli_child, name="moeplug-cli",
                            args=(argv, env, cwd, out_path, err_path, exec_fresh,
                                  _fresh_sys_path()))
         proc.start()
@@ -146,9 +139,8 @@ def run_cli(argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str 
             with open(path, encoding="utf-8", errors="replace") as f:
                 return f.read()
         stdout, stderr = read(out_path), read(err_path)
-        started = read(out_path + ".start") if os.path.exists(out_path + ".start") else None
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     done = subprocess.CompletedProcess(cmd, proc.exitcode, stdout, stderr)
-    done.started = started  # "fork" (from the forkserver) or "exec" (a fresh interpreter)
+    done.started = "exec" if exec_fresh else "fork"  # a fresh interpreter, or the forkserver
     return done
