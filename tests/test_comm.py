@@ -338,3 +338,68 @@ def test_twin_registry_does_not_keep_groups_alive():
     del group, twin
     gc.collect()
     assert group_ref() is None and twin_ref() is None
+
+
+# gloo's worker thread lets go of a collective's tensors just after it wakes the caller (see
+# comm._Loan). These stand-ins complete at once and keep what they were given for a while
+# longer (``hold_s``; None: forever), like that thread descheduled at the wrong moment, so the
+# hand-off is exercised deterministically; the real race is tests/test_moe_allocations.py's EP2
+# sync-free case, which missed a buffer in 4 of 50 rank-runs before.
+class _Completed:
+    def wait(self) -> None:
+        pass
+
+
+def _late_release(hold_s: float | None):
+    import threading
+
+    def collective(t, group=None, async_op=False):
+        t.add_(1)
+        held = [t]
+        if hold_s is not None:
+            threading.Thread(target=lambda: (time.sleep(hold_s), held.clear())).start()
+        else:
+            _kept.append(held)
+        return _Completed()
+    return collective
+
+
+_kept: list = []
+
+
+def _released_buffer_is_reused(run) -> bool:
+    from moeplug.ops import workspace
+    workspace.clear()
+    buf = workspace.empty((1 << 17,), torch.float32)  # 512 KB: the large-buffer cache
+    buf.fill_(0)
+    run(buf)
+    assert float(buf[0]) == 1.0  # the collective ran on the caller's memory
+    del buf
+    misses = workspace.misses()
+    workspace.empty((1 << 17,), torch.float32)
+    return workspace.misses() == misses
+
+
+def test_a_blocking_collective_returns_once_its_backend_let_go_of_the_buffer():
+    slow = _late_release(0.2)
+    assert comm._release_timed_out is False
+    # Called directly, the buffer is still held when the next request comes: a miss. Through
+    # comm.blocking, the same buffer is free again when it returns.
+    assert not _released_buffer_is_reused(lambda b: slow(b))
+    time.sleep(0.3)
+    assert _released_buffer_is_reused(lambda b: comm.blocking(slow, b, group=None))
+    assert _released_buffer_is_reused(lambda b: comm.start(slow, b, group=None).wait())
+
+
+def test_a_backend_that_keeps_the_buffer_costs_one_timeout_and_a_warning(monkeypatch):
+    monkeypatch.setattr(comm, "RELEASE_TIMEOUT_S", 0.1)
+    monkeypatch.setattr(comm, "_release_timed_out", False)
+    keeper = _late_release(None)
+    started = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="kept its tensors"):
+        assert not _released_buffer_is_reused(lambda b: comm.blocking(keeper, b, group=None))
+    assert 0.1 <= time.monotonic() - started < 5
+    started = time.monotonic()
+    comm.blocking(keeper, torch.zeros(4), group=None)  # no second wait
+    assert time.monotonic() - started < 0.05
+    _kept.clear()

@@ -17,9 +17,12 @@ group, ``...`` any trailing dims; ``sizes_W`` rows contributed by each rank.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import time
+import warnings
 import weakref
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -115,16 +118,94 @@ def _check_splits(name: str, splits: Sequence[int], world: int, rows: int | None
 
 # --- raw (non-differentiable) building blocks ----------------------------------------------
 
+# Why a collective's tensors go out on loan: gloo's worker thread drops its references to a
+# collective's tensors only after it has woken the caller, so for a moment after ``wait()``
+# returns, a workspace buffer that was sent or received still looks in use (its storage's use
+# count, which moeplug.ops.workspace reads, says so), and a request in that moment (the next
+# op's, microseconds later) allocated a new buffer instead of reusing it. Measured: a 32 KB
+# arena buffer in _PackedExperts' backward at EP2 sync-free, in 4 of 50 rank-runs of a step
+# (tests/test_moe_allocations.py's EP2 case failed CI intermittently), still held when requested
+# and released within 5 ms. So the collective gets fresh views of its CPU tensors, whose
+# storage references are its own, and waiting returns once it has dropped them.
+RELEASE_TIMEOUT_S = 1.0
+_release_timed_out = False
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Loan:
+    """A collective's arguments with each CPU tensor replaced by a fresh view of it (``args``),
+    and its storages' use counts before the loan."""
+
+    __slots__ = ("args", "_tensors", "_before")
+
+    def __init__(self, args: Sequence[Any]) -> None:
+        lent = [isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args]
+        self._tensors = [a for a, cpu in zip(args, lent) if cpu]
+        self._before = [_use_count(t) for t in self._tensors]
+        self.args = [a.view(a.shape) if cpu else a for a, cpu in zip(args, lent)]
+
+    def settle(self) -> None:
+        """Drop our views; return once the collective has dropped its own (or after
+        RELEASE_TIMEOUT_S, once per process, with a warning: a backend that keeps them)."""
+        global _release_timed_out
+        self.args = None
+        deadline = None
+        while not _release_timed_out and any(
+                _use_count(t) > n for t, n in zip(self._tensors, self._before)):
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + RELEASE_TIMEOUT_S
+            elif now > deadline:
+                _release_timed_out = True
+                warnings.warn(f"a collective kept its tensors over {RELEASE_TIMEOUT_S} s after "
+                              "it completed; workspace buffers it used are no longer awaited, "
+                              "so steps may allocate again", RuntimeWarning, stacklevel=2)
+            os.sched_yield()
+        self._tensors = self._before = None
+
+
+class InFlight:
+    """A started collective: :meth:`wait` blocks until it has completed and let go of its
+    tensors."""
+
+    __slots__ = ("_work", "_loan")
+
+    def __init__(self, work: Any, loan: _Loan) -> None:
+        self._work, self._loan = work, loan
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        self._work.wait()
+        self._work = None  # the handle holds the tensors too
+        self._loan.settle()
+
+
+def start(collective: Callable, *args: Any, group: Any, **kwargs: Any) -> InFlight:
+    """``collective(*args, group=active_group(group), async_op=True, **kwargs)`` on loaned
+    views of its CPU tensors (see _Loan)."""
+    loan = _Loan(args)
+    return InFlight(collective(*loan.args, group=active_group(group), async_op=True, **kwargs),
+                    loan)
+
+
+def blocking(collective: Callable, *args: Any, group: Any, **kwargs: Any) -> None:
+    """``collective(*args, group=active_group(group), **kwargs)``, returning once it has
+    completed and let go of its tensors: for collectives on workspace buffers."""
+    start(collective, *args, group=group, **kwargs).wait()
+
+
 def _run(collective, *args, group: Any) -> None:
-    """``collective(*args, group=...)``. With delayed expert weight gradients queued on this
-    thread (model.moe.delay_wgrad_compute: this is the dispatch's backward exchange carrying
-    the experts' dX), start it asynchronously and run them while the rows travel."""
-    if not delayed_wgrad.pending():
-        collective(*args, group=active_group(group))
-        return
-    work = collective(*args, group=active_group(group), async_op=True)
-    delayed_wgrad.run_pending(in_flight=True)
-    work.wait()
+    """:func:`blocking`. With delayed expert weight gradients queued on this thread
+    (model.moe.delay_wgrad_compute: this is the dispatch's backward exchange carrying the
+    experts' dX), run them while the rows travel."""
+    exchange = start(collective, *args, group=group)
+    if delayed_wgrad.pending():
+        delayed_wgrad.run_pending(in_flight=True)
+    exchange.wait()
 
 
 def _rows_buffer(x_N: torch.Tensor, rows: int) -> torch.Tensor:
@@ -162,7 +243,7 @@ def gather_ints(value: int, group: Any) -> list[int]:
     W = group_size(group)
     mine = workspace.empty((W,), torch.int64).fill_(int(value))
     out = workspace.empty((W,), torch.int64)
-    dist.all_to_all_single(out, mine, group=active_group(group))
+    blocking(dist.all_to_all_single, out, mine, group=group)
     return out.tolist()
 
 
@@ -344,10 +425,9 @@ class _AllToAllStart(Function):
     def forward(ctx, x_N, pending):
         ctx.pending = pending
         out_M = _rows_buffer(x_N, sum(pending.out_splits))
-        # The work handle keeps x_N and out_M alive until the exchange completes.
-        pending.work = dist.all_to_all_single(
-            out_M, x_N.contiguous(), pending.out_splits, pending.in_splits,
-            group=active_group(pending.group), async_op=True)
+        # The exchange keeps x_N and out_M alive until it completes.
+        pending.work = start(dist.all_to_all_single, out_M, x_N.contiguous(),
+                             pending.out_splits, pending.in_splits, group=pending.group)
         return out_M
 
     @staticmethod
@@ -379,8 +459,8 @@ class _AllToAllWait(Function):
         grad_M = grad_M.contiguous()
         with workspace.ctx_arena(ctx):
             p.grad_N = _rows_buffer(grad_M, sum(p.in_splits))
-        p.grad_work = dist.all_to_all_single(p.grad_N, grad_M, p.in_splits, p.out_splits,
-                                             group=active_group(p.group), async_op=True)
+        p.grad_work = start(dist.all_to_all_single, p.grad_N, grad_M, p.in_splits,
+                            p.out_splits, group=p.group)
         # Delayed expert weight gradients (model.moe.delay_wgrad_compute) run in its shadow.
         delayed_wgrad.run_pending(in_flight=True)
         # grad_M stands in for the gradient of the buffer; _AllToAllStart.backward returns

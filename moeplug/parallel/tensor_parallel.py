@@ -306,7 +306,7 @@ class _MeanOverGroup(Function):
     def forward(ctx, aux, group, W):
         ctx.W, ctx.arena = W, workspace.current_arena()
         total = workspace.empty((), aux.dtype).copy_(aux)
-        dist.all_reduce(total, group=comm.active_group(group))
+        comm.blocking(dist.all_reduce, total, group=group)
         return torch.div(total, workspace.number(W, aux.dtype),
                          out=workspace.empty((), aux.dtype))
 

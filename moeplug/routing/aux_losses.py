@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from moeplug.ops import workspace
-from moeplug.parallel.comm import active_group
+from moeplug.parallel.comm import blocking
 from moeplug.routing.scores import select_topk
 from moeplug.routing.workspace_losses import aux_losses_from_stats
 
@@ -96,7 +96,7 @@ def sum_over_group(counts: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     # A copy to reduce into: on the CPU a workspace buffer (no allocation in a layer's arena).
     counts = (workspace.empty(tuple(counts.shape), counts.dtype).copy_(counts)
               if counts.device.type == "cpu" else counts.clone())
-    dist.all_reduce(counts, group=active_group(group))  # the twin inside combined 1F1B's backward
+    blocking(dist.all_reduce, counts, group=group)  # the twin inside combined 1F1B's backward
     return counts, dist.get_world_size(group)
 
 
