@@ -77,16 +77,6 @@ def _(x_SK, w_GNK, counts_G):
     return x_SK.new_empty(x_SK.shape[0], w_GNK.shape[1])
 
 
-@torch.library.custom_op("moeplug::grouped_rows_mm_out", mutates_args=("y_SN",),
-                         device_types="cpu")
-def grouped_rows_mm_out(x_SK: torch.Tensor, w_GNK: torch.Tensor, counts_G: torch.Tensor,
-                        y_SN: torch.Tensor) -> None:
-    """:func:`grouped_rows_mm` into ``y_SN`` (the static stages' eager form writes the
-    layer's workspace buffers: moeplug.modules.static_arena). ``y_SN`` rows must be
-    contiguous; spare rows its storage holds past S may be written as bf16 padding."""
-    _forward_into(x_SK, w_GNK, counts_G, y_SN)
-
-
 @torch.library.custom_op("moeplug::grouped_rows_mm_backward", mutates_args=(),
                          device_types="cpu")
 def grouped_rows_mm_backward(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
@@ -95,15 +85,6 @@ def grouped_rows_mm_backward(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torc
     dx_SK, dw_GNK = g_SN.new_empty(x_SK.shape), g_SN.new_empty(w_GNK.shape, dtype=w_GNK.dtype)
     _backward_into(g_SN, x_SK, w_GNK, counts_G, dx_SK, dw_GNK)
     return dx_SK, dw_GNK
-
-
-@torch.library.custom_op("moeplug::grouped_rows_mm_backward_out",
-                         mutates_args=("dx_SK", "dw_GNK"), device_types="cpu")
-def grouped_rows_mm_backward_out(g_SN: torch.Tensor, x_SK: torch.Tensor, w_GNK: torch.Tensor,
-                                 counts_G: torch.Tensor, dx_SK: torch.Tensor,
-                                 dw_GNK: torch.Tensor) -> None:
-    """:func:`grouped_rows_mm_backward` into ``dx_SK`` and ``dw_GNK``."""
-    _backward_into(g_SN, x_SK, w_GNK, counts_G, dx_SK, dw_GNK)
 
 
 @grouped_rows_mm_backward.register_fake
@@ -172,14 +153,6 @@ def _(h_SX, counts_G, name):
     return h_SX.new_empty(h_SX.shape[0], act_width(name, h_SX.shape[1]))
 
 
-@torch.library.custom_op("moeplug::grouped_rows_act_out", mutates_args=("a_SF",),
-                         device_types="cpu")
-def grouped_rows_act_out(h_SX: torch.Tensor, counts_G: torch.Tensor, name: str,
-                         a_SF: torch.Tensor) -> None:
-    """:func:`grouped_rows_act` into ``a_SF`` (h and a contiguous)."""
-    _act_forward_into(h_SX, counts_G, name, a_SF)
-
-
 @torch.library.custom_op("moeplug::grouped_rows_act_backward", mutates_args=(),
                          device_types="cpu")
 def grouped_rows_act_backward(g_SF: torch.Tensor, h_SX: torch.Tensor, counts_G: torch.Tensor,
@@ -195,15 +168,6 @@ def _(g_SF, h_SX, counts_G, name):
     return h_SX.new_empty(h_SX.shape)
 
 
-@torch.library.custom_op("moeplug::grouped_rows_act_backward_out", mutates_args=("dh_SX",),
-                         device_types="cpu")
-def grouped_rows_act_backward_out(g_SF: torch.Tensor, h_SX: torch.Tensor,
-                                  counts_G: torch.Tensor, name: str,
-                                  dh_SX: torch.Tensor) -> None:
-    """:func:`grouped_rows_act_backward` into ``dh_SX`` (all contiguous)."""
-    _act_backward_into(g_SF, h_SX, counts_G, name, dh_SX)
-
-
 def _act_setup_context(ctx, inputs, output):
     h_SX, counts_G, name = inputs
     ctx.save_for_backward(h_SX, counts_G)
@@ -216,3 +180,41 @@ def _act_backward(ctx, g_SF):
 
 
 grouped_rows_act.register_autograd(_act_backward, setup_context=_act_setup_context)
+
+
+# ---- the ``_out`` twins: the static stages' eager form --------------------------------------
+# Each writes given buffers (moeplug.modules.static_arena's workspace buffers); never traced.
+# Ops, not plain calls, so that they stay one opaque node, as the functional ops are: the
+# host-sync counter sees the op, not the kernel's read of the CPU counts (a GPU kernel reads
+# them on the device). Defined with torch.library's plain API: a call is the dispatcher and the
+# CPU kernel. As ``custom_op``s they cost ~60-70 us a call more (its Python autograd and
+# in-place layers, run for every call; 92 against 30 us at [64, 64]), seven calls a chunk in
+# each layer's forward and backward: the eager static layer ran at 0.91 of the dynamic one at
+# the small sync-free benchmark shape (benchmarks/test_bench_sync_free.py).
+_out_ops = torch.library.Library("moeplug", "FRAGMENT")
+
+
+def _out_op(schema: str, kernel):
+    name = schema.split("(", 1)[0]
+    _out_ops.define(schema)
+    _out_ops.impl(name, kernel, "CPU")
+    return getattr(torch.ops.moeplug, name).default
+
+
+# grouped_rows_mm into y_SN (rows contiguous; spare rows its storage holds past S may be
+# written as bf16 padding).
+grouped_rows_mm_out = _out_op(
+    "grouped_rows_mm_out(Tensor x_SK, Tensor w_GNK, Tensor counts_G, Tensor(a!) y_SN) -> ()",
+    _forward_into)
+# grouped_rows_mm_backward into dx_SK and dw_GNK.
+grouped_rows_mm_backward_out = _out_op(
+    "grouped_rows_mm_backward_out(Tensor g_SN, Tensor x_SK, Tensor w_GNK, Tensor counts_G, "
+    "Tensor(a!) dx_SK, Tensor(b!) dw_GNK) -> ()", _backward_into)
+# grouped_rows_act into a_SF (h and a contiguous).
+grouped_rows_act_out = _out_op(
+    "grouped_rows_act_out(Tensor h_SX, Tensor counts_G, str name, Tensor(a!) a_SF) -> ()",
+    _act_forward_into)
+# grouped_rows_act_backward into dh_SX (all contiguous).
+grouped_rows_act_backward_out = _out_op(
+    "grouped_rows_act_backward_out(Tensor g_SF, Tensor h_SX, Tensor counts_G, str name, "
+    "Tensor(a!) dh_SX) -> ()", _act_backward_into)
