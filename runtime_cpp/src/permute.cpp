@@ -55,11 +55,13 @@ void check_row_map(const char* op, const int64_t* row_map_TK, int64_t T, int64_t
 }
 
 // Rows for tokens [t0, t1) (weighted_row_sums). D is walked in blocks of kSumBlock columns
-// held in four 16-lane registers: each source row is read once, and the output is written once,
+// held in eight 8-lane registers: each source row is read once, and the output is written once,
 // converted. Written with vec16.h's vector types: as a plain loop over a float[64] block, GCC
 // scalarised the block for the first k rows (an unroll-and-jam it chose), and bf16 unpermute
 // ran at 0.3 of memcpy, no faster than fp32; the direct-write combine's [D]-float accumulator
-// in memory cost a load and a store per column and k.
+// in memory cost a load and a store per column and k. Eight lanes, not sixteen: four v16f
+// accumulators lived on the stack in the AVX2 and default clones (vec16.h, load8), and bf16
+// unpermute ran at 0.47 of memcpy on an AVX2 host.
 constexpr int64_t kSumBlock = 64;
 
 template <class T_>
@@ -74,7 +76,7 @@ MOEPLUG_INLINE void sum_rows(const T_* rows, const int64_t* row_map_TK, const fl
     const int64_t* next_K = t + 1 < t1 ? r_K + K : nullptr;
     int64_t d0 = 0;
     for (; d0 + kSumBlock <= D; d0 += kSumBlock) {
-      v16f a0{}, a1{}, a2{}, a3{};
+      v8f a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};  // named: an array stayed in memory
       for (int64_t k = 0; k < K; ++k) {
         if (next_K && next_K[k] >= 0) {
           const char* nxt = reinterpret_cast<const char*>(rows + next_K[k] * D + d0);
@@ -84,16 +86,24 @@ MOEPLUG_INLINE void sum_rows(const T_* rows, const int64_t* row_map_TK, const fl
         }
         if (r_K[k] < 0) continue;
         const T_* src = rows + r_K[k] * D + d0;
-        const v16f w = splat16(w_K ? w_K[k] : 1.0f);
-        a0 += w * load16(src);
-        a1 += w * load16(src + 16);
-        a2 += w * load16(src + 32);
-        a3 += w * load16(src + 48);
+        const v8f w = splat8(w_K ? w_K[k] : 1.0f);
+        a0 += w * load8(src);
+        a1 += w * load8(src + 8);
+        a2 += w * load8(src + 16);
+        a3 += w * load8(src + 24);
+        a4 += w * load8(src + 32);
+        a5 += w * load8(src + 40);
+        a6 += w * load8(src + 48);
+        a7 += w * load8(src + 56);
       }
-      store16(dst + d0, a0);
-      store16(dst + d0 + 16, a1);
-      store16(dst + d0 + 32, a2);
-      store16(dst + d0 + 48, a3);
+      store8(dst + d0, a0);
+      store8(dst + d0 + 8, a1);
+      store8(dst + d0 + 16, a2);
+      store8(dst + d0 + 24, a3);
+      store8(dst + d0 + 32, a4);
+      store8(dst + d0 + 40, a5);
+      store8(dst + d0 + 48, a6);
+      store8(dst + d0 + 56, a7);
     }
     for (int64_t d = d0; d < D; ++d) {  // the tail, column by column
       float acc = 0.0f;

@@ -185,6 +185,23 @@ void test_store16_bf16_equals_the_scalar_rounding() {
   for (int l = 0; l < 16; ++l) differ += out[l] != moeplug::f32_to_bf16(in[l]);
   check(differ == 0, "store16 to bf16 rounds every lane as f32_to_bf16, " +
                          std::to_string(differ) + " of 16 differ");
+  uint16_t out8[16];  // store8 (the eight-lane accumulators' store), both halves
+  moeplug::store8(out8, moeplug::load8(in));
+  moeplug::store8(out8 + 8, moeplug::load8(in + 8));
+  differ = 0;
+  for (int l = 0; l < 16; ++l) differ += out8[l] != moeplug::f32_to_bf16(in[l]);
+  check(differ == 0, "store8 to bf16 rounds every lane as f32_to_bf16, " +
+                         std::to_string(differ) + " of 16 differ");
+  // load8 of bf16 widens exactly: the stored bf16 read back equals bf16_to_f32 of it.
+  float back[8];
+  moeplug::store8(back, moeplug::load8(out8));
+  differ = 0;
+  for (int l = 0; l < 8; ++l) {
+    const float want = moeplug::bf16_to_f32(out8[l]);
+    differ += std::memcmp(&back[l], &want, sizeof want) != 0;
+  }
+  check(differ == 0, "load8 of bf16 widens as bf16_to_f32, " + std::to_string(differ) +
+                         " of 8 differ");
 }
 
 // Against a naive rank count: a choice of expert e is kept iff fewer than C other choices of e
