@@ -21,7 +21,6 @@ namespace moeplug {
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u32 __attribute__((vector_size(64)));
 typedef int32_t v16i32 __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
 
 MOEPLUG_INLINE v16f splat16(float v) { return v16f{} + v; }
 
@@ -64,37 +63,7 @@ MOEPLUG_INLINE v16f load16(const float* p) {
   return v;
 }
 
-MOEPLUG_INLINE v16f load16(const uint16_t* p) {
-  v16u16 h;
-  std::memcpy(&h, p, sizeof h);
-  const v16u32 u = __builtin_convertvector(h, v16u32) << 16;
-  v16f f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 MOEPLUG_INLINE void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-
-// Round to nearest even; NaNs stay quiet NaNs (as f32_to_bf16).
-MOEPLUG_INLINE void store16(uint16_t* p, v16f v) {
-  v16u32 u;
-  std::memcpy(&u, &v, sizeof u);
-  const v16u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const v16u32 nan = (u >> 16) | 0x40u;
-  // NaN lanes (|u| above +inf's bits) take `nan`: the compare on halves (see by_halves), as
-  // signed ints (|u| < 2^31, so signed and unsigned agree; AVX2 has no unsigned compare).
-  v16i32 abs_bits;
-  std::memcpy(&abs_bits, &u, sizeof abs_bits);
-  abs_bits &= 0x7FFFFFFF;
-  const v16i32 is_nan = by_halves<v8i32>(abs_bits, [](v8i32 h) {
-    return h > 0x7F800000;  // -1 where NaN, else 0
-  });
-  v16u32 mask;
-  std::memcpy(&mask, &is_nan, sizeof mask);
-  const v16u32 out = (nan & mask) | (rounded & ~mask);
-  const v16u16 h = __builtin_convertvector(out, v16u16);
-  std::memcpy(p, &h, sizeof h);
-}
 
 // Eight lanes: for loops that carry vectors from one iteration to the next (accumulators).
 // GCC 12 keeps a 64-byte vector variable in memory wherever the target has no 64-byte
@@ -120,12 +89,14 @@ MOEPLUG_INLINE v8f load8(const uint16_t* p) {
 
 MOEPLUG_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 
-// store16's rounding on eight lanes.
+// Round to nearest even; NaNs stay quiet NaNs (as f32_to_bf16).
 MOEPLUG_INLINE void store8(uint16_t* p, v8f v) {
   v8u32 u;
   std::memcpy(&u, &v, sizeof u);
   const v8u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   const v8u32 nan = (u >> 16) | 0x40u;
+  // NaN lanes (|u| above +inf's bits) take `nan`, compared as signed ints (|u| < 2^31, so
+  // signed and unsigned agree; AVX2 has no unsigned compare).
   v8i32 abs_bits;
   std::memcpy(&abs_bits, &u, sizeof abs_bits);
   abs_bits &= 0x7FFFFFFF;
@@ -135,6 +106,24 @@ MOEPLUG_INLINE void store8(uint16_t* p, v8f v) {
   const v8u32 out = (nan & mask) | (rounded & ~mask);
   const v8u16 h = __builtin_convertvector(out, v8u16);
   std::memcpy(p, &h, sizeof h);
+}
+
+// The bf16 load and store of sixteen lanes: load8 / store8 on each half (store8's compare on
+// 32 bytes: see by_halves).
+MOEPLUG_INLINE v16f load16(const uint16_t* p) {
+  const v8f lo = load8(p), hi = load8(p + 8);
+  v16f v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
+
+MOEPLUG_INLINE void store16(uint16_t* p, v16f v) {
+  v8f lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  store8(p, lo);
+  store8(p + 8, hi);
 }
 
 }  // namespace moeplug
