@@ -403,3 +403,18 @@ def test_a_backend_that_keeps_the_buffer_costs_one_timeout_and_a_warning(monkeyp
     comm.blocking(keeper, torch.zeros(4), group=None)  # no second wait
     assert time.monotonic() - started < 0.05
     _kept.clear()
+
+
+def test_waiting_for_one_exchange_ignores_another_in_flight_on_the_same_buffer(monkeypatch):
+    # The chunked overlap starts the next chunk's exchange (views of the same buffer, still
+    # held) before it waits for this one: the wait must not take that loan for this one's.
+    monkeypatch.setattr(comm, "RELEASE_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(comm, "_release_timed_out", False)
+    buf = torch.zeros(64)
+    this = comm.start(_late_release(0.05), buf[:32], group=None)
+    other = comm.start(_late_release(None), buf[32:], group=None)  # never lets go
+    started = time.monotonic()
+    this.wait()
+    assert time.monotonic() - started < 1.0 and comm._release_timed_out is False
+    del other
+    _kept.clear()

@@ -125,36 +125,35 @@ def _check_splits(name: str, splits: Sequence[int], world: int, rows: int | None
 # op's, microseconds later) allocated a new buffer instead of reusing it. Measured: a 32 KB
 # arena buffer in _PackedExperts' backward at EP2 sync-free, in 4 of 50 rank-runs of a step
 # (tests/test_moe_allocations.py's EP2 case failed CI intermittently), still held when requested
-# and released within 5 ms. So the collective gets fresh views of its CPU tensors, whose
-# storage references are its own, and waiting returns once it has dropped them.
+# and released within 5 ms. So the collective gets fresh views of its CPU tensors, and waiting
+# returns once those views are gone: a tensor whose last Python reference is dropped while C++
+# still holds it stays alive as a Python object (torch preserves it), so a weak reference to a
+# view dies exactly when the backend lets go. Not the storage's use count: other views of the
+# same storage may come and go meanwhile (the next chunk's exchange, started before this one
+# is waited for, lends views of the same buffer).
 RELEASE_TIMEOUT_S = 1.0
 _release_timed_out = False
 
 
-def _use_count(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
 class _Loan:
     """A collective's arguments with each CPU tensor replaced by a fresh view of it (``args``),
-    and its storages' use counts before the loan."""
+    and weak references to those views."""
 
-    __slots__ = ("args", "_tensors", "_before")
+    __slots__ = ("args", "_views")
 
     def __init__(self, args: Sequence[Any]) -> None:
-        lent = [isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args]
-        self._tensors = [a for a, cpu in zip(args, lent) if cpu]
-        self._before = [_use_count(t) for t in self._tensors]
-        self.args = [a.view(a.shape) if cpu else a for a, cpu in zip(args, lent)]
+        self.args = [a.view(a.shape) if isinstance(a, torch.Tensor) and a.device.type == "cpu"
+                     else a for a in args]
+        self._views = [weakref.ref(v) for v, a in zip(self.args, args) if v is not a]
 
     def settle(self) -> None:
-        """Drop our views; return once the collective has dropped its own (or after
-        RELEASE_TIMEOUT_S, once per process, with a warning: a backend that keeps them)."""
+        """Drop our views; return once the collective has dropped its own references to them
+        (or after RELEASE_TIMEOUT_S, once per process, with a warning: a backend that keeps
+        them)."""
         global _release_timed_out
         self.args = None
         deadline = None
-        while not _release_timed_out and any(
-                _use_count(t) > n for t, n in zip(self._tensors, self._before)):
+        while not _release_timed_out and any(view() is not None for view in self._views):
             now = time.monotonic()
             if deadline is None:
                 deadline = now + RELEASE_TIMEOUT_S
@@ -164,7 +163,7 @@ class _Loan:
                               "it completed; workspace buffers it used are no longer awaited, "
                               "so steps may allocate again", RuntimeWarning, stacklevel=2)
             os.sched_yield()
-        self._tensors = self._before = None
+        self._views = None
 
 
 class InFlight:
