@@ -318,3 +318,75 @@ def test_cuda_moe_layer_replay_vs_eager(report, shape):
     report.row(where, "eager / replay", times["eager"] / times["replay"],
                note=f"over budget: {dropped}")
     report.row(where, "dynamic / replay", times["dynamic"] / times["replay"])
+
+
+# A whole training step on the GPU (issue 7's MFU figure, measured there): two MoE layers of the
+# Qwen3-30B-A3B-like shape above, attention 16 heads (GQA 16/4), seq 4096 x 4 sequences (T 16384
+# tokens per layer), vocabulary 32768, bf16 parameters with fp32 main weights in AdamW (Megatron's
+# bf16 recipe), bf16 autocast. MFU = model FLOP/s (Megatron's count, as the train records report
+# it) / the square bf16 matmul's, timed round-robin with CUDA events in one run.
+STEP_LAYERS, STEP_SEQ, STEP_BATCH, STEP_VOCAB = 2, 4096, 4, 32768
+
+
+def test_cuda_train_step_mfu(report):
+    import dataclasses
+
+    import numpy as np
+
+    from moeplug.config import config_from_dict
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model, to_device
+    from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
+                                          train_step)
+    cfg = config_from_dict({
+        "model": {"hidden_size": D, "num_layers": STEP_LAYERS, "num_heads": 16,
+                  "num_kv_heads": 4, "max_seq_len": STEP_SEQ, "first_k_dense": 0,
+                  "vocab_size": STEP_VOCAB,
+                  "moe": {"num_experts": E, "top_k": K, "ffn_hidden_size": F}},
+        "train": {"steps": 100, "micro_batch_size": STEP_BATCH, "seq_len": STEP_SEQ,
+                  "warmup_steps": 1, "grad_accum_steps": 1, "param_dtype": "bf16",
+                  "master_dtype": "fp32", "device": "cuda"},
+        "plugins": {"precision": "bf16", "router_options": {"renormalize": True}},
+    })
+    host = PluginHost.load()
+    seed_everything(0)
+    model = build_rank_model(cfg, host, STEP_VOCAB, None, device="cuda")
+    opt = build_rank_optimizer(model, cfg)
+    precision = host.create("precision", "bf16", {})
+    ids = np.random.default_rng(0).integers(0, STEP_VOCAB, 2_000_000).astype(np.int64)
+    batches = to_device(step_batches(ids, cfg.train, 0), torch.device("cuda"))
+    step_flop = model.flops_per_token(STEP_SEQ) * STEP_BATCH * STEP_SEQ
+    routers = [m for m in model.modules() if hasattr(m, "options") and
+               hasattr(m.options, "fused_cuda")]
+    assert len(routers) == STEP_LAYERS, routers
+
+    def step(fused_cuda: bool):
+        def run():
+            for r in routers:  # the same model, the router option switched (its only state)
+                r.options = dataclasses.replace(r.options, fused_cuda=fused_cuda)
+            train_step(model, opt, batches, cfg.train, precision)
+        return run
+
+    mm_calls = max(1, round(step_flop / (2 * MATMUL_N ** 3)))
+    a_mm = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
+    b_mm = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
+    c_mm = torch.empty(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
+
+    def matmuls():
+        for _ in range(mm_calls):
+            torch.mm(a_mm, b_mm, out=c_mm)
+
+    times = cuda_interleave({"train_step": step(False), "train_step_fused_cuda": step(True),
+                             "matmul": matmuls}, repeats=5, inner=1)
+    peak = gflops(mm_calls * 2 * MATMUL_N ** 3, times["matmul"])
+    row = (f"cuda train_step bf16 D{D} E{E} top{K} F{F} seq{STEP_SEQ} x{STEP_BATCH} "
+           f"x{STEP_LAYERS} layers")
+    for name in ("train_step", "train_step_fused_cuda"):
+        g = gflops(step_flop, times[name])
+        print(f"\n{name} {times[name] * 1e3:.1f} ms for {step_flop / 1e12:.2f} TFLOP = "
+              f"{g / 1e3:.0f} TFLOP/s; matmul {peak / 1e3:.0f} TFLOP/s; MFU {g / peak:.3f}")
+        report.row(row, f"{name} MFU (model FLOP/s / matmul)", g / peak,
+                   note=f"{g / 1e3:.0f} vs {peak / 1e3:.0f} TFLOP/s, "
+                        f"{times[name] * 1e3:.1f} ms/step")
+    report.row(row, "fused_cuda router step speedup", times["train_step"]
+               / times["train_step_fused_cuda"])
