@@ -328,16 +328,15 @@ def test_cuda_moe_layer_replay_vs_eager(report, shape):
 STEP_LAYERS, STEP_SEQ, STEP_BATCH, STEP_VOCAB = 2, 4096, 4, 32768
 
 
-def test_cuda_train_step_mfu(report):
-    import dataclasses
-
+def cuda_train_step_setup() -> tuple:
+    """(cfg, model, optimizer, precision, batches, step_flop, routers) of the GPU train_step
+    benchmark's model on "cuda"; also built by benchmarks/profile_cuda_train_step.py."""
     import numpy as np
 
     from moeplug.config import config_from_dict
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model, to_device
-    from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
-                                          train_step)
+    from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches
     cfg = config_from_dict({
         "model": {"hidden_size": D, "num_layers": STEP_LAYERS, "num_heads": 16,
                   "num_kv_heads": 4, "max_seq_len": STEP_SEQ, "first_k_dense": 0,
@@ -359,11 +358,23 @@ def test_cuda_train_step_mfu(report):
     routers = [m for m in model.modules() if hasattr(m, "options") and
                hasattr(m.options, "fused_cuda")]
     assert len(routers) == STEP_LAYERS, routers
+    return cfg, model, opt, precision, batches, step_flop, routers
+
+
+def set_fused_cuda(routers: list, fused_cuda: bool) -> None:
+    """The same model, the router option switched (the option is all the router keeps)."""
+    import dataclasses
+    for r in routers:
+        r.options = dataclasses.replace(r.options, fused_cuda=fused_cuda)
+
+
+def test_cuda_train_step_mfu(report):
+    from moeplug.training.trainer import train_step
+    cfg, model, opt, precision, batches, step_flop, routers = cuda_train_step_setup()
 
     def step(fused_cuda: bool):
         def run():
-            for r in routers:  # the same model, the router option switched (its only state)
-                r.options = dataclasses.replace(r.options, fused_cuda=fused_cuda)
+            set_fused_cuda(routers, fused_cuda)
             train_step(model, opt, batches, cfg.train, precision)
         return run
 
