@@ -8,6 +8,7 @@ loss tracks fp32 AdamW within a stated tolerance.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -636,8 +637,14 @@ def _grads_against_micro_batch_sums(rank: int, world: int, train: dict,
     share = 1 if groups is None else 4
     bad = [n for n, p in model.named_parameters()
            if not torch.equal(p.grad, (sums[n] / share).bfloat16())]
-    # The same forwards, and a mean of four: the logged loss is that mean exactly.
-    return bad + ([] if stats.loss == sum(losses) / 4 else ["loss"])
+    # The same forwards, and a mean of four. One process: the logged loss is that mean exactly.
+    # PP: the schedule sums lm and aux losses apart (in fp64) and adds them after, where the
+    # twin's float(loss) rounded each micro-batch's lm + aux to fp32 first: equal up to those
+    # fp32 roundings (which values tie or not depends on the host's kernels).
+    mean = sum(losses) / 4
+    same = stats.loss == mean if groups is None else math.isclose(stats.loss, mean,
+                                                                  rel_tol=4 * 2.0 ** -24)
+    return bad + ([] if same else [f"loss {stats.loss!r} != {mean!r}"])
 
 
 @pytest.mark.parametrize("train", [{"param_dtype": "bf16"}, {"master_dtype": "bf16"}],
