@@ -1,7 +1,9 @@
 """Fused AdamW step and bf16 stochastic rounding over the C++ kernels (moeplug/adamw.h).
 
-The precision-aware optimizer (moeplug.training.optim) calls these on CPU tensors; its torch
-version of the same step stays beside it as the reference they must match bitwise.
+The precision-aware optimizer (moeplug.training.optim) calls these on CPU tensors, and on CUDA
+tensors where moeplug._runtime_cuda is loaded (runtime_cpp/cuda/src/adamw.cu: the same
+arithmetic, bitwise the CPU kernels' results, on torch's current stream). Its torch version of
+the same step stays beside it as the reference they must match bitwise.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ import math
 
 import torch
 
-from moeplug.ops._checks import check_cpu_contiguous
-from moeplug.runtime import dtype_code, get_runtime
+from moeplug.ops import cuda_ops
+from moeplug.runtime import dtype_code, get_cuda_runtime, get_runtime
 
 _U32 = 0xFFFFFFFF
 
@@ -22,10 +24,23 @@ def _f32(x: float) -> float:
 
 
 def kernel_applies(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is a contiguous CPU float32/bfloat16 tensor (the kernels' input);
-    other devices use the torch step (no CUDA kernel is built for it)."""
-    return all(t.device.type == "cpu" and t.is_contiguous()
-               and t.dtype in (torch.float32, torch.bfloat16) for t in tensors)
+    """True when every tensor is a contiguous float32/bfloat16 tensor on one device: the CPU,
+    or a GPU where the CUDA extension is loaded (the kernels' input). Elsewhere the optimizer
+    takes the torch step."""
+    device = tensors[0].device
+    if device.type == "cuda" and not cuda_ops.available(tensors[0]):
+        return False
+    return device.type in ("cpu", "cuda") and all(
+        t.device == device and t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16)
+        for t in tensors)
+
+
+def _kernels(t: torch.Tensor) -> tuple[object, dict]:
+    """The runtime whose kernels take ``t``'s device, and their extra arguments (on a GPU: torch's
+    current stream there)."""
+    if t.device.type == "cpu":
+        return get_runtime(), {}
+    return get_cuda_runtime(), {"stream": torch.cuda.current_stream(t.device).cuda_stream}
 
 
 def stochastic_round_bf16_(dst: torch.Tensor, src32: torch.Tensor, step: int) -> None:
@@ -38,30 +53,52 @@ def stochastic_round_bf16_(dst: torch.Tensor, src32: torch.Tensor, step: int) ->
     if dst.numel() != src32.numel():
         raise ValueError(f"{op}: dst has {dst.numel()} elements, src32 {src32.numel()}. Fix: "
                          f"pass tensors of the same shape")
-    check_cpu_contiguous(op, "src32", src32)
-    check_cpu_contiguous(op, "dst", dst)
-    get_runtime().stochastic_round_bf16(src=src32.data_ptr(), dst=dst.data_ptr(),
-                                        n=dst.numel(), step=step & _U32)
+    _check_placed(op, {"dst": dst, "src32": src32})
+    runtime, extra = _kernels(dst)
+    runtime.stochastic_round_bf16(src=src32.data_ptr(), dst=dst.data_ptr(), n=dst.numel(),
+                                  step=step & _U32, **extra)
+
+
+def _check_placed(op: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Every tensor contiguous and on the first one's device: the CPU, or a GPU with the CUDA
+    extension loaded."""
+    first, head = next(iter(tensors.items()))
+    if head.device.type == "cuda":
+        get_cuda_runtime()  # raises RuntimeMissingError naming the build that has the kernels
+    elif head.device.type != "cpu":
+        raise ValueError(f"{op}: {first} is on {head.device}; the kernels take CPU or CUDA "
+                         f"tensors. Fix: use the torch step there (moeplug.training.optim)")
+    for name, t in tensors.items():
+        if t.device != head.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but {first} on {head.device}. "
+                             f"Fix: keep a parameter's grad, moments and main copy together")
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} with shape {tuple(t.shape)} and strides {t.stride()} "
+                             f"is not contiguous. Fix: pass {name}.contiguous()")
 
 
 def _check_step(op: str, tensors: dict[str, torch.Tensor]) -> None:
-    """Every tensor on the CPU, contiguous, with as many elements as the first."""
+    """Every tensor contiguous on one device, with as many elements as the first."""
+    _check_placed(op, tensors)
     first, n = next(iter(tensors)), next(iter(tensors.values())).numel()
     for name, t in tensors.items():
-        check_cpu_contiguous(op, name, t)
         if t.numel() != n:
             raise ValueError(f"{op}: {name} has {t.numel()} elements, {first} {n}. Fix: pass "
                              f"the parameter's own grad and moments")
 
 
 def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-             step: int) -> object:
-    """The step's scalars as the kernels take them (moeplug/adamw.h AdamWScalars), each
-    rounded to fp32 as torch rounds it."""
-    return get_runtime().AdamWScalars(
-        lerp_weight=_f32(1 - beta1), beta2=_f32(beta2), grad_sq_coef=_f32(1 - beta2),
-        decay=_f32(1 - lr * weight_decay), bias2_sqrt=_f32(math.sqrt(1 - beta2 ** step)),
-        eps=_f32(eps), step_size=_f32(-lr / (1 - beta1 ** step)), step=step & _U32)
+             step: int, t: torch.Tensor) -> dict:
+    """The step's scalars as the kernels on ``t``'s device take them (moeplug/adamw.h
+    AdamWScalars; the CUDA kernels take them as keywords), each rounded to fp32 as torch rounds
+    it, with the stream where there is one."""
+    runtime, extra = _kernels(t)
+    values = dict(lerp_weight=_f32(1 - beta1), beta2=_f32(beta2), grad_sq_coef=_f32(1 - beta2),
+                  decay=_f32(1 - lr * weight_decay), bias2_sqrt=_f32(math.sqrt(1 - beta2 ** step)),
+                  eps=_f32(eps), step_size=_f32(-lr / (1 - beta1 ** step)), step=step & _U32)
+    if t.device.type == "cpu":
+        return {"scalars": runtime.AdamWScalars(**values)}
+    return {**values, **extra}
 
 
 def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -74,11 +111,11 @@ def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if grad.dtype != p.dtype or exp_avg.dtype != exp_avg_sq.dtype:
         raise TypeError(f"{op}: grad ({grad.dtype}) must match p ({p.dtype}) and exp_avg "
                         f"({exp_avg.dtype}) exp_avg_sq ({exp_avg_sq.dtype}). Fix: cast them")
-    get_runtime().adamw_step(
+    _kernels(p)[0].adamw_step(
         param=p.data_ptr(), grad=grad.data_ptr(), param_dtype=dtype_code(p, op, "p"),
         exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
         moment_dtype=dtype_code(exp_avg, op, "exp_avg"), n=p.numel(),
-        scalars=_scalars(lr, beta1, beta2, eps, weight_decay, step))
+        **_scalars(lr, beta1, beta2, eps, weight_decay, step, p))
 
 
 def adamw_step_main_(main: torch.Tensor, grad: torch.Tensor, p: torch.Tensor,
@@ -98,8 +135,8 @@ def adamw_step_main_(main: torch.Tensor, grad: torch.Tensor, p: torch.Tensor,
                         f"dtype; got {main.dtype}, {grad.dtype}, {p.dtype}, {exp_avg.dtype}, "
                         f"{exp_avg_sq.dtype}. Fix: pass a bf16 parameter, its grad and its fp32 "
                         f"main copy")
-    get_runtime().adamw_step_main(
+    _kernels(p)[0].adamw_step_main(
         main=main.data_ptr(), grad=grad.data_ptr(), param=p.data_ptr(),
         exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
         moment_dtype=dtype_code(exp_avg, op, "exp_avg"), n=p.numel(),
-        scalars=_scalars(lr, beta1, beta2, eps, weight_decay, step))
+        **_scalars(lr, beta1, beta2, eps, weight_decay, step, p))

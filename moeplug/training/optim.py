@@ -139,9 +139,11 @@ class LowPrecisionMomentsAdamW(Optimizer):
     weights in bf16, ``--main-params-dtype``) are updated in fp32 and stochastically rounded
     back (:func:`stochastic_round_`).
 
-    ``fused`` (default): CPU parameters take one C++ pass per tensor (moeplug.ops.adamw): torch's
-    step (:func:`_torch_update`, which other devices and ``fused=False`` run) makes ~15 passes
-    and fp32 copies of the parameter, its grad and its moments. The kernel does torch's
+    ``fused`` (default): CPU parameters, and CUDA ones where moeplug._runtime_cuda is loaded,
+    take one kernel pass per tensor (moeplug.ops.adamw; the CUDA kernel's results are bitwise
+    the CPU kernel's): torch's step (:func:`_torch_update`, which other devices and
+    ``fused=False`` run) makes ~15 passes and fp32 copies of the parameter, its grad and its
+    moments. The kernel does torch's
     arithmetic operation for operation with a correctly rounded sqrt, where torch's CPU sqrt
     (MKL) is sometimes 1 ulp low: so it is bitwise ``_torch_update(..., ieee_sqrt=True)``, and
     differs from ``fused=False`` in the last bit of some denominators (tests/test_adamw_kernel.py).

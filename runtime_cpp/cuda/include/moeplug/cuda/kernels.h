@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "moeplug/adamw.h"
 #include "moeplug/dtype.h"
 #include "moeplug/route.h"
 
@@ -59,6 +60,17 @@ void route_forward(const float* logits_TE, const float* bias_E, const moeplug::R
 void route_backward(const float* logits_TE, const int64_t* ids_TK, const float* grad_probs_TK,
                     const float* grad_aux_mean_BE, const moeplug::RouteSpec& spec,
                     float* grad_logits_TE, StreamHandle stream);
+
+// The fused AdamW step and bf16 stochastic rounding of moeplug/adamw.h on device pointers,
+// bitwise the CPU kernels' results (same operations, same roundings, no contraction).
+void adamw_step(void* param, const void* grad, DType param_dtype, void* exp_avg,
+                void* exp_avg_sq, DType moment_dtype, int64_t n, const AdamWScalars& s,
+                StreamHandle stream);
+void adamw_step_main(float* main, const uint16_t* grad_bf16, uint16_t* param_bf16,
+                     void* exp_avg, void* exp_avg_sq, DType moment_dtype, int64_t n,
+                     const AdamWScalars& s, StreamHandle stream);
+void stochastic_round_bf16(const float* src, int64_t n, uint32_t step, uint16_t* dst_bf16,
+                           StreamHandle stream);
 
 // A cudaEvent_t owned by the runtime (timing disabled: it only orders work).
 class Event {
