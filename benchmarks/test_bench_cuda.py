@@ -375,7 +375,7 @@ def test_cuda_train_step_mfu(report):
     def step(fused_cuda: bool, fused_adamw: bool = True):
         def run():
             set_fused_cuda(routers, fused_cuda)
-            opt.fused = fused_adamw  # False: torch's elementwise AdamW step (the reference)
+            opt.fused_cuda = fused_adamw  # False: torch's elementwise AdamW step there
             train_step(model, opt, batches, cfg.train, precision)
         return run
 

@@ -2,7 +2,11 @@
 CPU kernels (runtime_cpp/src/adamw.cpp), which tests/test_adamw_kernel.py proves bitwise torch's
 step: the same inputs on both devices give the same bits, for every parameter/moment dtype
 pair, the main-copy step and the rounding, over several steps; and the precision-aware
-optimizer stepped on the GPU ends bitwise where the same optimizer ends on the CPU.
+optimizer stepped on the GPU (``fused_cuda=True``) ends bitwise where the same optimizer ends
+on the CPU.
+
+Written on a machine without a GPU and not yet run on one: when these pass on a GPU,
+``LowPrecisionMomentsAdamW.fused_cuda`` can default to true (docs/GPU.md).
 
 Marked ``cuda``: skipped with the reason where torch sees no GPU or the extension is not built.
 """
@@ -111,7 +115,7 @@ def test_precision_aware_adamw_on_cuda_ends_where_the_cpu_one_does(main_params):
             [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:],
                                                            "weight_decay": 0.0}],
             lr=1e-3, betas=(0.9, 0.95), eps=1e-8, moment_dtype=torch.float32,
-            main_params=main_params)
+            main_params=main_params, fused_cuda=True)
     opts = make(cpu), make(gpu)
     start = [p.detach().clone() for p in cpu]
     for step in range(5):

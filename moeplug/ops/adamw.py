@@ -23,12 +23,13 @@ def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def kernel_applies(*tensors: torch.Tensor) -> bool:
+def kernel_applies(*tensors: torch.Tensor, cuda: bool = False) -> bool:
     """True when every tensor is a contiguous float32/bfloat16 tensor on one device: the CPU,
-    or a GPU where the CUDA extension is loaded (the kernels' input). Elsewhere the optimizer
-    takes the torch step."""
+    or, with ``cuda``, a GPU where the CUDA extension is loaded (the kernels' input). Elsewhere
+    the optimizer takes the torch step. ``cuda`` is the caller's opt-in while the CUDA kernels
+    wait for a GPU session to prove them (docs/GPU.md)."""
     device = tensors[0].device
-    if device.type == "cuda" and not cuda_ops.available(tensors[0]):
+    if device.type == "cuda" and not (cuda and cuda_ops.available(tensors[0])):
         return False
     return device.type in ("cpu", "cuda") and all(
         t.device == device and t.is_contiguous() and t.dtype in (torch.float32, torch.bfloat16)

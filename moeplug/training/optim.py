@@ -139,11 +139,12 @@ class LowPrecisionMomentsAdamW(Optimizer):
     weights in bf16, ``--main-params-dtype``) are updated in fp32 and stochastically rounded
     back (:func:`stochastic_round_`).
 
-    ``fused`` (default): CPU parameters, and CUDA ones where moeplug._runtime_cuda is loaded,
-    take one kernel pass per tensor (moeplug.ops.adamw; the CUDA kernel's results are bitwise
-    the CPU kernel's): torch's step (:func:`_torch_update`, which other devices and
-    ``fused=False`` run) makes ~15 passes and fp32 copies of the parameter, its grad and its
-    moments. The kernel does torch's
+    ``fused`` (default): CPU parameters take one C++ pass per tensor (moeplug.ops.adamw): torch's
+    step (:func:`_torch_update`, which other devices and ``fused=False`` run) makes ~15 passes
+    and fp32 copies of the parameter, its grad and its moments. ``fused_cuda``: CUDA parameters
+    take the CUDA kernel of the same pass where moeplug._runtime_cuda is loaded (its results
+    are meant to be bitwise the CPU kernel's; off until a GPU session runs
+    tests/test_adamw_cuda.py, docs/GPU.md). The kernel does torch's
     arithmetic operation for operation with a correctly rounded sqrt, where torch's CPU sqrt
     (MKL) is sometimes 1 ulp low: so it is bitwise ``_torch_update(..., ieee_sqrt=True)``, and
     differs from ``fused=False`` in the last bit of some denominators (tests/test_adamw_kernel.py).
@@ -158,10 +159,11 @@ class LowPrecisionMomentsAdamW(Optimizer):
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float,
                  moment_dtype: torch.dtype = torch.bfloat16, weight_decay: float = 0.0,
-                 fused: bool = True, main_params: bool = False) -> None:
+                 fused: bool = True, main_params: bool = False, fused_cuda: bool = False) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
         self.moment_dtype, self.fused, self.main_params = moment_dtype, fused, main_params
+        self.fused_cuda = fused_cuda
 
     def wants_main(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is stepped through an fp32 main copy."""
@@ -209,13 +211,14 @@ class LowPrecisionMomentsAdamW(Optimizer):
                 w, g = p, p.grad
                 if MAIN in state:  # fp32 main copy: update it, then round it into p
                     w = state[MAIN]
-                    if self.fused and kernel_applies(w, g, m, v, p) and g.dtype == p.dtype \
-                            == torch.bfloat16:  # both in one pass
+                    if self.fused and kernel_applies(w, g, m, v, p, cuda=self.fused_cuda) \
+                            and g.dtype == p.dtype == torch.bfloat16:  # both in one pass
                         adamw_step_main_(w, g, p, m, v, lr=lr, beta1=beta1, beta2=beta2,
                                          eps=eps, weight_decay=wd, step=t)
                         continue
                     g = g.float()
-                if self.fused and kernel_applies(w, g, m, v) and g.dtype == w.dtype:
+                if self.fused and kernel_applies(w, g, m, v, cuda=self.fused_cuda) \
+                        and g.dtype == w.dtype:
                     adamw_step_(w, g, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=wd, step=t)
                 else:
