@@ -90,8 +90,8 @@ class TopKOptions:
     # (fp32 CPU logits); false: the plain-torch path (same math, the reference).
     fused: bool = True
     # With ``fused``, run the CUDA route kernels on GPU logits too (moeplug._runtime_cuda).
-    # Off until a GPU session proves this router on them (tests/test_fused_router.py -m cuda;
-    # the kernels themselves are proven against torch, docs/GPU.md); then it becomes the default.
+    # Proven equal on an H200 (tests/test_fused_router.py -m cuda) but slower than the torch
+    # path there (the layer at 0.90x, docs/GPU.md): off until its kernel is rewritten.
     fused_cuda: bool = False
     # Benchmarks: random (seeded, hence repeatable) logits, so the load is balanced.
     force_load_balancing: bool = False
