@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
+from benchmarks.cuda_profiling import print_host_syncs, print_kernel_table  # noqa: E402
 from benchmarks.test_bench_cuda import D, T, _qwen3_block, qwen3_layer  # noqa: E402
 
 
@@ -35,20 +36,9 @@ def main(rows: int = 22) -> None:
         (out[0] if isinstance(out, tuple) else out).backward(dy.unsqueeze(0))
 
     # Where the layer's step waits for the GPU: torch's sync detector, one warning per sync.
-    import warnings
     for _ in range(2):
         ours()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        ours()
-        torch.cuda.set_sync_debug_mode(0)
-    # torch's own notice that the detector is a prototype comes as a warning too: not a sync.
-    caught = [w for w in caught if "prototype feature" not in str(w.message)]
-    print(f"==== moeplug: {len(caught)} host syncs in one fwd+bwd")
-    for w in caught:
-        print(f"  {w.filename}:{w.lineno}: {str(w.message)[:80]}")
+    print_host_syncs("moeplug", "one fwd+bwd", ours)
 
     for name, step in (("moeplug", ours), ("hf_qwen3", theirs)):
         for _ in range(3):
@@ -59,13 +49,7 @@ def main(rows: int = 22) -> None:
                 step()
             torch.cuda.synchronize()
         print(f"==== {name}: 3 steps")
-        keys = prof.key_averages()
-        for sort in ("self_device_time_total", "self_cuda_time_total"):
-            try:
-                print(keys.table(sort_by=sort, row_limit=rows, max_name_column_width=60))
-                break
-            except (AttributeError, KeyError, ValueError):
-                continue
+        print_kernel_table(prof, rows, width=60)
 
 
 if __name__ == "__main__":

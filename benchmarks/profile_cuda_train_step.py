@@ -11,15 +11,14 @@ Run (on a GPU): python benchmarks/profile_cuda_train_step.py
 
 from __future__ import annotations
 
-import collections
 import sys
 import time
-import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
+from benchmarks.cuda_profiling import print_host_syncs, print_kernel_table  # noqa: E402
 from benchmarks.test_bench_cuda import cuda_train_step_setup, set_fused_cuda  # noqa: E402
 
 
@@ -48,17 +47,7 @@ def main(rows: int = 25) -> None:
         name = "fused_cuda router" if fused else "torch router"
         for _ in range(2):
             step()
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            step()
-            torch.cuda.set_sync_debug_mode(0)
-        caught = [w for w in caught if "prototype feature" not in str(w.message)]
-        where = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught)
-        print(f"==== {name}: {len(caught)} host syncs in one train_step")
-        for line, n in where.most_common():
-            print(f"  {n} x {line}")
+        print_host_syncs(name, "one train_step", step)
         torch.cuda.synchronize()
         opt_times.clear()
         t0 = time.perf_counter()
@@ -78,12 +67,7 @@ def main(rows: int = 25) -> None:
                    for k in keys if k.device_type == torch.autograd.DeviceType.CUDA)
         print(f"==== {name}: 2 steps, device busy {busy / 2e3:.1f} ms per step "
               f"(kernels' own time, µs sum / 2)")
-        for sort in ("self_device_time_total", "self_cuda_time_total"):
-            try:
-                print(keys.table(sort_by=sort, row_limit=rows, max_name_column_width=70))
-                break
-            except (AttributeError, KeyError, ValueError):
-                continue
+        print_kernel_table(prof, rows)
         print(keys.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=70))
 
 

@@ -90,16 +90,14 @@ def _check_step(op: str, tensors: dict[str, torch.Tensor]) -> None:
 
 def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
              step: int, t: torch.Tensor) -> dict:
-    """The step's scalars as the kernels on ``t``'s device take them (moeplug/adamw.h
-    AdamWScalars; the CUDA kernels take them as keywords), each rounded to fp32 as torch rounds
-    it, with the stream where there is one."""
+    """The step's scalars for the kernels of ``t``'s device (moeplug/adamw.h AdamWScalars), each
+    rounded to fp32 as torch rounds it, and the stream there where there is one."""
     runtime, extra = _kernels(t)
-    values = dict(lerp_weight=_f32(1 - beta1), beta2=_f32(beta2), grad_sq_coef=_f32(1 - beta2),
-                  decay=_f32(1 - lr * weight_decay), bias2_sqrt=_f32(math.sqrt(1 - beta2 ** step)),
-                  eps=_f32(eps), step_size=_f32(-lr / (1 - beta1 ** step)), step=step & _U32)
-    if t.device.type == "cpu":
-        return {"scalars": runtime.AdamWScalars(**values)}
-    return {**values, **extra}
+    scalars = runtime.AdamWScalars(
+        lerp_weight=_f32(1 - beta1), beta2=_f32(beta2), grad_sq_coef=_f32(1 - beta2),
+        decay=_f32(1 - lr * weight_decay), bias2_sqrt=_f32(math.sqrt(1 - beta2 ** step)),
+        eps=_f32(eps), step_size=_f32(-lr / (1 - beta1 ** step)), step=step & _U32)
+    return {"scalars": scalars, **extra}
 
 
 def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,

@@ -185,57 +185,47 @@ void register_kernels(py::module_& m) {
       "Backward of route_forward on device pointers.");
 }
 
-// The step's scalars cross as keyword floats (moeplug.ops.adamw._scalars builds them once per
-// step, each rounded to fp32 as torch rounds it), not as _runtime_core's AdamWScalars object:
-// the two extensions share no pybind11 types.
-AdamWScalars scalars(float lerp_weight, float beta2, float grad_sq_coef, float decay,
-                     float bias2_sqrt, float eps, float step_size, uint32_t step) {
-  return AdamWScalars{lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps, step_size, step};
-}
-
 void register_optimizer(py::module_& m) {
+  // The step's scalars as _runtime_core.AdamWScalars takes them (moeplug.ops.adamw._scalars
+  // builds them once per step). module_local: _runtime_core registers the same C++ type, and
+  // two global registrations of one type collide.
+  py::class_<AdamWScalars>(m, "AdamWScalars", py::module_local())
+      .def(py::init([](float lerp_weight, float beta2, float grad_sq_coef, float decay,
+                       float bias2_sqrt, float eps, float step_size, uint32_t step) {
+             return AdamWScalars{lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps,
+                                 step_size, step};
+           }),
+           py::kw_only(), py::arg("lerp_weight"), py::arg("beta2"), py::arg("grad_sq_coef"),
+           py::arg("decay"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("step_size"),
+           py::arg("step"));
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def(
       "adamw_step",
       [](uintptr_t param, uintptr_t grad, int param_dtype, uintptr_t exp_avg,
-         uintptr_t exp_avg_sq, int moment_dtype, int64_t n, float lerp_weight, float beta2,
-         float grad_sq_coef, float decay, float bias2_sqrt, float eps, float step_size,
-         uint32_t step, uintptr_t stream) {
+         uintptr_t exp_avg_sq, int moment_dtype, int64_t n, AdamWScalars s, uintptr_t stream) {
         adamw_step(py_bind::ptr<void>(param), py_bind::ptr<const void>(grad),
                    dtype_from_code(param_dtype, "cuda adamw_step param_dtype"),
                    py_bind::ptr<void>(exp_avg), py_bind::ptr<void>(exp_avg_sq),
-                   dtype_from_code(moment_dtype, "cuda adamw_step moment_dtype"), n,
-                   scalars(lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps, step_size,
-                           step),
-                   stream);
+                   dtype_from_code(moment_dtype, "cuda adamw_step moment_dtype"), n, s, stream);
       },
       py::arg("param"), py::arg("grad"), py::arg("param_dtype"), py::arg("exp_avg"),
-      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::kw_only(),
-      py::arg("lerp_weight"), py::arg("beta2"), py::arg("grad_sq_coef"), py::arg("decay"),
-      py::arg("bias2_sqrt"), py::arg("eps"), py::arg("step_size"), py::arg("step"),
+      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::arg("scalars"),
       py::arg("stream") = 0, nogil,
-      "_runtime_core.adamw_step on device pointers (the scalars as keywords), bitwise its "
-      "results.");
+      "_runtime_core.adamw_step on device pointers, bitwise its results.");
   m.def(
       "adamw_step_main",
       [](uintptr_t main, uintptr_t grad, uintptr_t param, uintptr_t exp_avg,
-         uintptr_t exp_avg_sq, int moment_dtype, int64_t n, float lerp_weight, float beta2,
-         float grad_sq_coef, float decay, float bias2_sqrt, float eps, float step_size,
-         uint32_t step, uintptr_t stream) {
+         uintptr_t exp_avg_sq, int moment_dtype, int64_t n, AdamWScalars s, uintptr_t stream) {
         adamw_step_main(py_bind::ptr<float>(main), py_bind::ptr<const uint16_t>(grad),
                         py_bind::ptr<uint16_t>(param), py_bind::ptr<void>(exp_avg),
                         py_bind::ptr<void>(exp_avg_sq),
-                        dtype_from_code(moment_dtype, "cuda adamw_step_main moment_dtype"), n,
-                        scalars(lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps,
-                                step_size, step),
+                        dtype_from_code(moment_dtype, "cuda adamw_step_main moment_dtype"), n, s,
                         stream);
       },
       py::arg("main"), py::arg("grad"), py::arg("param"), py::arg("exp_avg"),
-      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::kw_only(),
-      py::arg("lerp_weight"), py::arg("beta2"), py::arg("grad_sq_coef"), py::arg("decay"),
-      py::arg("bias2_sqrt"), py::arg("eps"), py::arg("step_size"), py::arg("step"),
+      py::arg("exp_avg_sq"), py::arg("moment_dtype"), py::arg("n"), py::arg("scalars"),
       py::arg("stream") = 0, nogil,
-      "_runtime_core.adamw_step_main on device pointers (the scalars as keywords).");
+      "_runtime_core.adamw_step_main on device pointers, bitwise its results.");
   m.def(
       "stochastic_round_bf16",
       [](uintptr_t src, uintptr_t dst, int64_t n, uint32_t step, uintptr_t stream) {

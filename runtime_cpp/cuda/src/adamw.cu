@@ -22,17 +22,6 @@ __device__ __forceinline__ void store_f(uint16_t* p, int64_t i, float v) {
   p[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));  // nearest even, as torch's copy_
 }
 
-// moeplug/adamw.h stochastic_round_one, operation for operation.
-__device__ __forceinline__ uint16_t stochastic_round(float x, uint32_t step) {
-  const uint32_t bits = __float_as_uint(x);
-  uint32_t h = bits ^ (step * 0x9E3779B9u);
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  h ^= h >> 16;
-  return uint16_t((bits + (h & 0xFFFFu)) >> 16);
-}
-
 // P_: the weight updated (fp32, or bf16 rounded stochastically); G_: its grad's element type;
 // M_: the moments'. kImage: p is the fp32 main copy of the bf16 parameter `image`, written as
 // p rounded to nearest even.
@@ -55,7 +44,7 @@ __global__ void adamw_kernel(P_* p, const G_* g, M_* m, M_* v, int64_t n, AdamWS
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), s.bias2_sqrt), s.eps);
     pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(s.step_size, mi), denom));
     if constexpr (kBf16Param) {
-      p[i] = stochastic_round(pi, s.step);
+      p[i] = stochastic_round_one(pi, s.step);
     } else {
       p[i] = pi;
       if constexpr (kImage) store_f(image, i, pi);
@@ -66,7 +55,7 @@ __global__ void adamw_kernel(P_* p, const G_* g, M_* m, M_* v, int64_t n, AdamWS
 __global__ void round_kernel(const float* src, int64_t n, uint32_t step, uint16_t* dst) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    dst[i] = stochastic_round(src[i], step);
+    dst[i] = stochastic_round_one(src[i], step);
   }
 }
 

@@ -53,10 +53,20 @@ void adamw_step_main(float* main, const uint16_t* grad_bf16, uint16_t* param_bf1
 // own bits and `step` (moeplug.training.optim.stochastic_round_ documents why).
 void stochastic_round_bf16(const float* src, int64_t n, uint32_t step, uint16_t* dst_bf16);
 
-// The rounding of one value (the loops inline it; tests call it).
-MOEPLUG_INLINE uint16_t stochastic_round_one(float x, uint32_t step) {
+// The rounding of one value (the loops inline it; tests call it). Also compiled for the GPU
+// (runtime_cpp/cuda/src/adamw.cu), so both devices round with this one definition.
+#if defined(__CUDACC__)
+#define MOEPLUG_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define MOEPLUG_HOST_DEVICE MOEPLUG_INLINE
+#endif
+MOEPLUG_HOST_DEVICE uint16_t stochastic_round_one(float x, uint32_t step) {
+#if defined(__CUDA_ARCH__)
+  const uint32_t bits = __float_as_uint(x);
+#else
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
+#endif
   uint32_t h = bits ^ (step * 0x9E3779B9u);
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
