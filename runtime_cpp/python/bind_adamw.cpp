@@ -7,17 +7,7 @@ using std::uintptr_t;
 namespace moeplug::py_bind {
 
 void register_adamw(py::module_& m) {
-  // The step's scalars, built once per step in Python (moeplug.ops.adamw._scalars) and passed
-  // to either kernel by value.
-  py::class_<AdamWScalars>(m, "AdamWScalars")
-      .def(py::init([](float lerp_weight, float beta2, float grad_sq_coef, float decay,
-                       float bias2_sqrt, float eps, float step_size, uint32_t step) {
-             return AdamWScalars{lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps,
-                                 step_size, step};
-           }),
-           py::kw_only(), py::arg("lerp_weight"), py::arg("beta2"), py::arg("grad_sq_coef"),
-           py::arg("decay"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("step_size"),
-           py::arg("step"));
+  bind_adamw_scalars(m, /*module_local=*/false);
   def_kernel(
       m, "adamw_step",
       +[](uintptr_t param, uintptr_t grad, int param_dtype, uintptr_t exp_avg,

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "moeplug/adamw.h"
 #include "moeplug/stream.h"
 
 namespace moeplug::py_bind {
@@ -29,6 +30,22 @@ void register_adamw(pybind11::module_& m);
 template <class T>
 inline T* ptr(std::uintptr_t address) {
   return reinterpret_cast<T*>(address);
+}
+
+// moeplug/adamw.h's AdamWScalars, built by keywords once per step (moeplug.ops.adamw._scalars)
+// and passed to the AdamW kernels by value. The CUDA extension binds it too, module-local:
+// two global registrations of one C++ type collide.
+inline void bind_adamw_scalars(pybind11::module_& m, bool module_local) {
+  namespace py = pybind11;
+  py::class_<AdamWScalars>(m, "AdamWScalars", py::module_local(module_local))
+      .def(py::init([](float lerp_weight, float beta2, float grad_sq_coef, float decay,
+                       float bias2_sqrt, float eps, float step_size, uint32_t step) {
+             return AdamWScalars{lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps,
+                                 step_size, step};
+           }),
+           py::kw_only(), py::arg("lerp_weight"), py::arg("beta2"), py::arg("grad_sq_coef"),
+           py::arg("decay"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("step_size"),
+           py::arg("step"));
 }
 
 // Keeps a Python object alive inside a C++ closure; the last owner (a stream's worker thread,

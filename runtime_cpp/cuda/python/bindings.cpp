@@ -186,18 +186,7 @@ void register_kernels(py::module_& m) {
 }
 
 void register_optimizer(py::module_& m) {
-  // The step's scalars as _runtime_core.AdamWScalars takes them (moeplug.ops.adamw._scalars
-  // builds them once per step). module_local: _runtime_core registers the same C++ type, and
-  // two global registrations of one type collide.
-  py::class_<AdamWScalars>(m, "AdamWScalars", py::module_local())
-      .def(py::init([](float lerp_weight, float beta2, float grad_sq_coef, float decay,
-                       float bias2_sqrt, float eps, float step_size, uint32_t step) {
-             return AdamWScalars{lerp_weight, beta2, grad_sq_coef, decay, bias2_sqrt, eps,
-                                 step_size, step};
-           }),
-           py::kw_only(), py::arg("lerp_weight"), py::arg("beta2"), py::arg("grad_sq_coef"),
-           py::arg("decay"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("step_size"),
-           py::arg("step"));
+  py_bind::bind_adamw_scalars(m, /*module_local=*/true);  // the core's, for CUDA pointers
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def(
       "adamw_step",
