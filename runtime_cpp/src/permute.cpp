@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "moeplug/thread_pool.h"
-#include "moeplug/vec16.h"
+#include "moeplug/vec8.h"
 
 namespace moeplug {
 
@@ -56,11 +56,11 @@ void check_row_map(const char* op, const int64_t* row_map_TK, int64_t T, int64_t
 
 // Rows for tokens [t0, t1) (weighted_row_sums). D is walked in blocks of kSumBlock columns
 // held in eight 8-lane registers: each source row is read once, and the output is written once,
-// converted. Written with vec16.h's vector types: as a plain loop over a float[64] block, GCC
+// converted. Written with vec8.h's vector types: as a plain loop over a float[64] block, GCC
 // scalarised the block for the first k rows (an unroll-and-jam it chose), and bf16 unpermute
 // ran at 0.3 of memcpy, no faster than fp32; the direct-write combine's [D]-float accumulator
 // in memory cost a load and a store per column and k. Eight lanes, not sixteen: four v16f
-// accumulators lived on the stack in the AVX2 and default clones (vec16.h, load8), and bf16
+// accumulators lived on the stack in the AVX2 and default clones (vec8.h), and bf16
 // unpermute ran at 0.47 of memcpy on an AVX2 host.
 constexpr int64_t kSumBlock = 64;
 

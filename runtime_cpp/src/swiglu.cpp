@@ -1,4 +1,4 @@
-// Fused SwiGLU forward/backward over sixteen-lane vectors (exp is the polynomial of
+// Fused SwiGLU forward/backward over eight-lane vectors (exp is the polynomial of
 // fastmath.h, not libm's scalar expf).
 //
 // Shape legend: S rows, F expert FFN hidden size.
@@ -11,7 +11,7 @@
 
 #include "moeplug/fastmath.h"
 #include "moeplug/thread_pool.h"
-#include "moeplug/vec16.h"
+#include "moeplug/vec8.h"
 
 namespace moeplug {
 
@@ -19,10 +19,12 @@ namespace {
 
 constexpr int64_t kRowGrain = 16;
 
-// Written with vec16.h's vector types, sixteen columns at a time, and the scalar loop for the
+// Written with vec8.h's vector types, eight columns at a time, and the scalar loop for the
 // tail. Left to GCC, the bf16 loops did not vectorise: a one-expert slice (1024 x 1408)
 // took 0.48 ms forward and 0.99 ms backward in bf16 against 0.30 / 0.39 in fp32, with half
-// the bytes (compute-bound, ~5 cycles an element).
+// the bytes (compute-bound, ~5 cycles an element). Sixteen columns at a time (a zmm in the
+// AVX-512 clone) built each 16-lane vector from two converted bf16 halves through the stack,
+// and the bf16 kernels ran slower than the fp32 ones on an AVX-512 host (vec8.h).
 template <class T_>
 MOEPLUG_INLINE void fwd_rows(const T_* h, const float* probs, int64_t s0, int64_t s1, int64_t F,
                              T_* a) {
@@ -32,10 +34,10 @@ MOEPLUG_INLINE void fwd_rows(const T_* h, const float* probs, int64_t s0, int64_
     T_* a_F = a + s * F;
     const float p = probs ? probs[s] : 1.0f;
     int64_t f = 0;
-    for (; f + 16 <= F; f += 16) {
-      const v16f g = load16(g_F + f);
-      const v16f silu = g / (1.0f + exp_approx16(-g));
-      store16(a_F + f, silu * load16(u_F + f) * p);
+    for (; f + 8 <= F; f += 8) {
+      const v8f g = load8(g_F + f);
+      const v8f silu = g / (1.0f + exp_approx8(-g));
+      store8(a_F + f, silu * load8(u_F + f) * p);
     }
     for (; f < F; ++f) {
       const float g = load_f32(g_F, f);
@@ -45,8 +47,8 @@ MOEPLUG_INLINE void fwd_rows(const T_* h, const float* probs, int64_t s0, int64_
   }
 }
 
-MOEPLUG_INLINE float sum16(v16f v) {
-  float lanes[16];
+MOEPLUG_INLINE float sum8(v8f v) {
+  float lanes[8];
   std::memcpy(lanes, &v, sizeof lanes);
   float s = 0.0f;
   for (float x : lanes) s += x;
@@ -63,20 +65,20 @@ MOEPLUG_INLINE void bwd_rows(const T_* da, const T_* h, const float* probs, int6
     T_* dg_F = dh + s * 2 * F;
     T_* du_F = dg_F + F;
     const float p = probs ? probs[s] : 1.0f;
-    v16f dp16{};
+    v8f dp8{};
     int64_t f = 0;
-    for (; f + 16 <= F; f += 16) {
-      const v16f g = load16(g_F + f);
-      const v16f u = load16(u_F + f);
-      const v16f d = load16(da_F + f);
-      const v16f sig = 1.0f / (1.0f + exp_approx16(-g));
-      const v16f silu = g * sig;
-      const v16f dsilu = sig * (1.0f + g * (1.0f - sig));
-      store16(dg_F + f, d * p * u * dsilu);
-      store16(du_F + f, d * p * silu);
-      dp16 += d * silu * u;
+    for (; f + 8 <= F; f += 8) {
+      const v8f g = load8(g_F + f);
+      const v8f u = load8(u_F + f);
+      const v8f d = load8(da_F + f);
+      const v8f sig = 1.0f / (1.0f + exp_approx8(-g));
+      const v8f silu = g * sig;
+      const v8f dsilu = sig * (1.0f + g * (1.0f - sig));
+      store8(dg_F + f, d * p * u * dsilu);
+      store8(du_F + f, d * p * silu);
+      dp8 += d * silu * u;
     }
-    float dp = sum16(dp16);
+    float dp = sum8(dp8);
     for (; f < F; ++f) {
       const float g = load_f32(g_F, f);
       const float u = load_f32(u_F, f);

@@ -6,12 +6,12 @@
 #include <cstring>
 
 #include "moeplug/dtype.h"
-#include "moeplug/vec16.h"
+#include "moeplug/vec8.h"
 
 namespace moeplug {
 
 // e^x for x = n ln2 + r: the reduction of r and the degree-5 polynomial, for a float or a
-// v16f (the same operations in the same order, so a lane equals the scalar bit for bit).
+// v8f (the same operations in the same order, so a lane equals the scalar bit for bit).
 template <class V>
 MOEPLUG_INLINE V exp_of_reduced(V x, V n) {
   V r = x - n * 0.693359375f;
@@ -39,22 +39,23 @@ MOEPLUG_INLINE float exp_approx(float x) {
   return exp_of_reduced(x, static_cast<float>(ni)) * scale;
 }
 
-// exp_approx on sixteen lanes (the SwiGLU loops' body; their scalar tails use exp_approx).
-MOEPLUG_INLINE v16f exp_approx16(v16f x) {
-  x = clamp16(x, -87.0f, 88.0f);  // on halves: see vec16.h's by_halves
-  const v16f fx = x * 1.44269504088896341f;
-  // +-0.5 with fx's sign, by its sign bit rather than a compare (vec16.h). Differs from the
-  // scalar's `fx >= 0` only at fx = -0.0, where both round to n = 0.
-  v16u32 fx_bits;
+// exp_approx on eight lanes (the SwiGLU loops' body; their scalar tails use exp_approx).
+MOEPLUG_INLINE v8f exp_approx8(v8f x) {
+  x = x < -87.0f ? splat8(-87.0f) : x;  // NaN passes through both, as in the scalar
+  x = x > 88.0f ? splat8(88.0f) : x;
+  const v8f fx = x * 1.44269504088896341f;
+  // +-0.5 with fx's sign, by its sign bit rather than a compare. Differs from the scalar's
+  // `fx >= 0` only at fx = -0.0, where both round to n = 0.
+  v8u32 fx_bits;
   std::memcpy(&fx_bits, &fx, sizeof fx_bits);
-  const v16u32 half_bits = (fx_bits & 0x80000000u) | 0x3F000000u;  // 0x3F000000 = 0.5f
-  v16f half;
+  const v8u32 half_bits = (fx_bits & 0x80000000u) | 0x3F000000u;  // 0x3F000000 = 0.5f
+  v8f half;
   std::memcpy(&half, &half_bits, sizeof half);
-  const v16i32 ni = __builtin_convertvector(fx + half, v16i32);
-  const v16i32 bits = (ni + 127) << 23;
-  v16f scale;
+  const v8i32 ni = __builtin_convertvector(fx + half, v8i32);
+  const v8i32 bits = (ni + 127) << 23;
+  v8f scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return exp_of_reduced(x, __builtin_convertvector(ni, v16f)) * scale;
+  return exp_of_reduced(x, __builtin_convertvector(ni, v8f)) * scale;
 }
 
 }  // namespace moeplug
