@@ -6,7 +6,8 @@
 #      python, as the brief says: pip install --no-build-isolation --no-deps -e .;
 #   3. pytest -m cuda over tests/ (per-test timeout, so one hang cannot eat the lease);
 #   4. the GPU benchmarks (benchmarks/test_bench_cuda.py), their ratio table last;
-#   5. (PROFILE=1) a profile of the MoE layer's kernels (benchmarks/profile_cuda_moe_layer.py).
+#   5. (PROFILE=1) profiles of the MoE layer's kernels (benchmarks/profile_cuda_moe_layer.py) and
+#      of a whole train_step (benchmarks/profile_cuda_train_step.py).
 # Results go to docs/GPU.md by hand, with the commit this ran (written to .gpu_commit beforehand).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -41,4 +42,8 @@ grep -v "^$" "$OUT/bench_cuda.txt" | tail -25
 if [ "${PROFILE:-0}" = 1 ]; then
   timeout "${PROFILE_TIMEOUT:-90}" $PY benchmarks/profile_cuda_moe_layer.py >"$OUT/profile.txt" 2>&1
   echo "profile rc=$?" | tee -a "$OUT/env.txt"
+  timeout "${PROFILE_TIMEOUT:-90}" $PY benchmarks/profile_cuda_train_step.py \
+    >"$OUT/profile_train_step.txt" 2>&1
+  echo "profile train_step rc=$?" | tee -a "$OUT/env.txt"
+  grep "====" "$OUT/profile_train_step.txt"
 fi
