@@ -172,6 +172,14 @@ def get_cuda_runtime() -> ModuleType:
     return _cuda
 
 
+def runtime_for(t: torch.Tensor) -> tuple[ModuleType, dict[str, Any]]:
+    """The runtime whose kernels take ``t``'s device, and the extra keyword arguments its
+    kernels need there: none on the CPU; on a GPU, torch's current stream of that device."""
+    if t.device.type == "cpu":
+        return get_runtime(), {}
+    return get_cuda_runtime(), {"stream": torch.cuda.current_stream(t.device).cuda_stream}
+
+
 def cuda_runtime_status() -> str:
     """One line for ``moeplug --version``: loaded (with its build) or not loaded and why."""
     try:

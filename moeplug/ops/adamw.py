@@ -13,7 +13,7 @@ import math
 import torch
 
 from moeplug.ops import cuda_ops
-from moeplug.runtime import dtype_code, get_cuda_runtime, get_runtime
+from moeplug.runtime import dtype_code, get_cuda_runtime, runtime_for
 
 _U32 = 0xFFFFFFFF
 
@@ -36,14 +36,6 @@ def kernel_applies(*tensors: torch.Tensor, cuda: bool = False) -> bool:
         for t in tensors)
 
 
-def _kernels(t: torch.Tensor) -> tuple[object, dict]:
-    """The runtime whose kernels take ``t``'s device, and their extra arguments (on a GPU: torch's
-    current stream there)."""
-    if t.device.type == "cpu":
-        return get_runtime(), {}
-    return get_cuda_runtime(), {"stream": torch.cuda.current_stream(t.device).cuda_stream}
-
-
 def stochastic_round_bf16_(dst: torch.Tensor, src32: torch.Tensor, step: int) -> None:
     """``dst`` (bf16) <- ``src32`` (fp32) rounded stochastically, bitwise as
     :func:`moeplug.training.optim.stochastic_round_reference_` (finite values and infinities)."""
@@ -55,7 +47,7 @@ def stochastic_round_bf16_(dst: torch.Tensor, src32: torch.Tensor, step: int) ->
         raise ValueError(f"{op}: dst has {dst.numel()} elements, src32 {src32.numel()}. Fix: "
                          f"pass tensors of the same shape")
     _check_placed(op, {"dst": dst, "src32": src32})
-    runtime, extra = _kernels(dst)
+    runtime, extra = runtime_for(dst)
     runtime.stochastic_round_bf16(src=src32.data_ptr(), dst=dst.data_ptr(), n=dst.numel(),
                                   step=step & _U32, **extra)
 
@@ -88,16 +80,14 @@ def _check_step(op: str, tensors: dict[str, torch.Tensor]) -> None:
                              f"the parameter's own grad and moments")
 
 
-def _scalars(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-             step: int, t: torch.Tensor) -> dict:
-    """The step's scalars for the kernels of ``t``'s device (moeplug/adamw.h AdamWScalars), each
-    rounded to fp32 as torch rounds it, and the stream there where there is one."""
-    runtime, extra = _kernels(t)
-    scalars = runtime.AdamWScalars(
+def _scalars(runtime, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+             step: int) -> object:
+    """The step's scalars as ``runtime``'s kernels take them (moeplug/adamw.h AdamWScalars),
+    each rounded to fp32 as torch rounds it."""
+    return runtime.AdamWScalars(
         lerp_weight=_f32(1 - beta1), beta2=_f32(beta2), grad_sq_coef=_f32(1 - beta2),
         decay=_f32(1 - lr * weight_decay), bias2_sqrt=_f32(math.sqrt(1 - beta2 ** step)),
         eps=_f32(eps), step_size=_f32(-lr / (1 - beta1 ** step)), step=step & _U32)
-    return {"scalars": scalars, **extra}
 
 
 def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -110,11 +100,12 @@ def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     if grad.dtype != p.dtype or exp_avg.dtype != exp_avg_sq.dtype:
         raise TypeError(f"{op}: grad ({grad.dtype}) must match p ({p.dtype}) and exp_avg "
                         f"({exp_avg.dtype}) exp_avg_sq ({exp_avg_sq.dtype}). Fix: cast them")
-    _kernels(p)[0].adamw_step(
+    runtime, extra = runtime_for(p)
+    runtime.adamw_step(
         param=p.data_ptr(), grad=grad.data_ptr(), param_dtype=dtype_code(p, op, "p"),
         exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
         moment_dtype=dtype_code(exp_avg, op, "exp_avg"), n=p.numel(),
-        **_scalars(lr, beta1, beta2, eps, weight_decay, step, p))
+        scalars=_scalars(runtime, lr, beta1, beta2, eps, weight_decay, step), **extra)
 
 
 def adamw_step_main_(main: torch.Tensor, grad: torch.Tensor, p: torch.Tensor,
@@ -134,8 +125,9 @@ def adamw_step_main_(main: torch.Tensor, grad: torch.Tensor, p: torch.Tensor,
                         f"dtype; got {main.dtype}, {grad.dtype}, {p.dtype}, {exp_avg.dtype}, "
                         f"{exp_avg_sq.dtype}. Fix: pass a bf16 parameter, its grad and its fp32 "
                         f"main copy")
-    _kernels(p)[0].adamw_step_main(
+    runtime, extra = runtime_for(p)
+    runtime.adamw_step_main(
         main=main.data_ptr(), grad=grad.data_ptr(), param=p.data_ptr(),
         exp_avg=exp_avg.data_ptr(), exp_avg_sq=exp_avg_sq.data_ptr(),
         moment_dtype=dtype_code(exp_avg, op, "exp_avg"), n=p.numel(),
-        **_scalars(lr, beta1, beta2, eps, weight_decay, step, p))
+        scalars=_scalars(runtime, lr, beta1, beta2, eps, weight_decay, step), **extra)

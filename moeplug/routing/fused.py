@@ -28,7 +28,7 @@ import torch
 
 from moeplug.ops import cuda_ops, workspace
 from moeplug.routing.scores import SCORE_FUNCTIONS, group_members
-from moeplug.runtime import get_cuda_runtime, get_runtime
+from moeplug.runtime import runtime_for
 
 _AUX_COUNT_CODES = {None: 0, "plain_topk": 1, "routed": 2}
 
@@ -65,13 +65,6 @@ def fused_routing_applies(logits_TE: torch.Tensor, cuda: bool = False) -> bool:
     return logits_TE.device.type == "cpu" or (cuda and cuda_ops.available(logits_TE))
 
 
-def _kernels(t: torch.Tensor) -> tuple[object, dict]:
-    """The runtime whose route kernels take ``t``'s device, and their extra arguments."""
-    if t.device.type == "cpu":
-        return get_runtime(), {}
-    return get_cuda_runtime(), {"stream": torch.cuda.current_stream(t.device).cuda_stream}
-
-
 def _spec(T: int, E: int, k: int, score_function: str, renormalize: bool,
           num_groups: int | None, group_topk: int | None, group_score: str,
           scaling_factor: float, aux_counts: str | None, num_sequences: int) -> dict:
@@ -96,7 +89,7 @@ class _FusedRoute(torch.autograd.Function):
         ids_TK = empty((T, K), torch.int64)
         mean_BE = empty((B, E), torch.float32).zero_()
         counts_BE = empty((B, E), torch.int64).zero_()
-        runtime, extra = _kernels(logits_TE)
+        runtime, extra = runtime_for(logits_TE)
         runtime.route_forward(
             logits=logits_TE.data_ptr(), bias=0 if bias_E is None else bias_E.data_ptr(),
             probs=probs_TK.data_ptr(), ids=ids_TK.data_ptr(), aux_mean=mean_BE.data_ptr(),
@@ -120,7 +113,7 @@ class _FusedRoute(torch.autograd.Function):
         with workspace.ctx_arena(ctx):
             grad_TE = workspace.allocator(logits_TE.device)(tuple(logits_TE.shape),
                                                              logits_TE.dtype)
-        runtime, extra = _kernels(logits_TE)
+        runtime, extra = runtime_for(logits_TE)
         runtime.route_backward(
             logits=logits_TE.data_ptr(), ids=ids_TK.data_ptr(),
             grad_probs=0 if gp is None else gp.data_ptr(),
