@@ -13,41 +13,33 @@ namespace moeplug::cuda {
 
 namespace {
 
-__device__ __forceinline__ float load_f(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load_f(const uint16_t* p, int64_t i) {
-  return __uint_as_float(uint32_t(p[i]) << 16);
-}
-__device__ __forceinline__ void store_f(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store_f(uint16_t* p, int64_t i, float v) {
-  p[i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));  // nearest even, as torch's copy_
-}
-
 // P_: the weight updated (fp32, or bf16 rounded stochastically); G_: its grad's element type;
-// M_: the moments'. kImage: p is the fp32 main copy of the bf16 parameter `image`, written as
-// p rounded to nearest even.
+// M_: the moments'. bf16 is __nv_bfloat16, read and written (to nearest even, as torch's
+// copy_) by common.cuh's load / store. kImage: p is the fp32 main copy of the bf16 parameter
+// `image`, written as p rounded to nearest even.
 template <class P_, class G_, class M_, bool kImage>
 __global__ void adamw_kernel(P_* p, const G_* g, M_* m, M_* v, int64_t n, AdamWScalars s,
-                             uint16_t* image) {
+                             __nv_bfloat16* image) {
   constexpr bool kBf16Param = sizeof(P_) == 2;
   const bool small = fabsf(s.lerp_weight) < 0.5f;  // torch.lerp's two forms
   const float coeff = small ? s.lerp_weight : __fsub_rn(s.lerp_weight, 1.0f);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const float gi = load_f(g, i);
-    float mi = load_f(m, i);
+    const float gi = load(g, i);
+    float mi = load(m, i);
     mi = fmaf(coeff, __fsub_rn(gi, mi), small ? mi : gi);
-    float vi = load_f(v, i);
+    float vi = load(v, i);
     vi = fmaf(__fmul_rn(s.grad_sq_coef, gi), gi, __fmul_rn(vi, s.beta2));
-    store_f(m, i, mi);
-    store_f(v, i, vi);
-    float pi = __fmul_rn(load_f(p, i), s.decay);
+    store(m, i, mi);
+    store(v, i, vi);
+    float pi = __fmul_rn(load(p, i), s.decay);
     const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), s.bias2_sqrt), s.eps);
     pi = __fadd_rn(pi, __fdiv_rn(__fmul_rn(s.step_size, mi), denom));
     if constexpr (kBf16Param) {
-      p[i] = stochastic_round_one(pi, s.step);
+      p[i] = __ushort_as_bfloat16(stochastic_round_one(pi, s.step));
     } else {
       p[i] = pi;
-      if constexpr (kImage) store_f(image, i, pi);
+      if constexpr (kImage) store(image, i, pi);
     }
   }
 }
@@ -61,10 +53,10 @@ __global__ void round_kernel(const float* src, int64_t n, uint32_t step, uint16_
 
 template <class P_, class G_, class M_, bool kImage = false>
 void launch(void* p, const void* g, void* m, void* v, int64_t n, const AdamWScalars& s,
-            StreamHandle stream, uint16_t* image = nullptr) {
+            StreamHandle stream, void* image = nullptr) {
   adamw_kernel<P_, G_, M_, kImage><<<grid_for(n), kThreads, 0, as_stream(stream)>>>(
       static_cast<P_*>(p), static_cast<const G_*>(g), static_cast<M_*>(m), static_cast<M_*>(v),
-      n, s, image);
+      n, s, static_cast<__nv_bfloat16*>(image));
   check_launch("cuda adamw_step");
 }
 
@@ -84,11 +76,12 @@ void adamw_step(void* param, const void* grad, DType param_dtype, void* exp_avg,
     throw std::invalid_argument("cuda adamw_step: param, grad, exp_avg and exp_avg_sq must be set");
   const bool bp = param_dtype == DType::kBFloat16, bm = moment_dtype == DType::kBFloat16;
   if (bp && bm) {
-    launch<uint16_t, uint16_t, uint16_t>(param, grad, exp_avg, exp_avg_sq, n, s, stream);
+    launch<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>(param, grad, exp_avg, exp_avg_sq, n, s,
+                                                        stream);
   } else if (bp) {
-    launch<uint16_t, uint16_t, float>(param, grad, exp_avg, exp_avg_sq, n, s, stream);
+    launch<__nv_bfloat16, __nv_bfloat16, float>(param, grad, exp_avg, exp_avg_sq, n, s, stream);
   } else if (bm) {
-    launch<float, float, uint16_t>(param, grad, exp_avg, exp_avg_sq, n, s, stream);
+    launch<float, float, __nv_bfloat16>(param, grad, exp_avg, exp_avg_sq, n, s, stream);
   } else {
     launch<float, float, float>(param, grad, exp_avg, exp_avg_sq, n, s, stream);
   }
@@ -103,11 +96,11 @@ void adamw_step_main(float* main, const uint16_t* grad_bf16, uint16_t* param_bf1
     throw std::invalid_argument(
         "cuda adamw_step_main: main, grad, param, exp_avg and exp_avg_sq must be set");
   if (moment_dtype == DType::kBFloat16) {
-    launch<float, uint16_t, uint16_t, true>(main, grad_bf16, exp_avg, exp_avg_sq, n, s, stream,
-                                            param_bf16);
+    launch<float, __nv_bfloat16, __nv_bfloat16, true>(main, grad_bf16, exp_avg, exp_avg_sq, n,
+                                                      s, stream, param_bf16);
   } else {
-    launch<float, uint16_t, float, true>(main, grad_bf16, exp_avg, exp_avg_sq, n, s, stream,
-                                         param_bf16);
+    launch<float, __nv_bfloat16, float, true>(main, grad_bf16, exp_avg, exp_avg_sq, n, s, stream,
+                                              param_bf16);
   }
 }
 
