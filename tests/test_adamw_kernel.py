@@ -168,3 +168,20 @@ def test_bad_arguments_name_the_argument_and_the_fix():
                          beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
     with pytest.raises(TypeError, match="src32 must be float32.*Fix: pass src32.float"):
         stochastic_round_bf16_(p, p, 1)
+    # Where the tensors are: a device the kernels do not take, one apart from the others, and
+    # a strided view.
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
+    meta = torch.zeros(4, device="meta")
+    with pytest.raises(ValueError, match="adamw_step_: p is on meta; the kernels take CPU or "
+                                         "CUDA tensors. Fix: use the torch step there"):
+        adamw_step_(meta, meta, meta, meta, **kw)
+    with pytest.raises(ValueError, match="adamw_step_: exp_avg is on meta but p on cpu. Fix: "
+                                         "keep a parameter's grad, moments and main copy"):
+        adamw_step_(torch.zeros(4), torch.zeros(4), meta, torch.zeros(4), **kw)
+    strided = torch.zeros(4, 2, dtype=torch.bfloat16)[:, 0]
+    with pytest.raises(ValueError, match=r"adamw_step_main_: grad with shape \(4,\) and strides "
+                                         r"\(2,\) is not contiguous. Fix: pass grad.contiguous"):
+        adamw_step_main_(torch.zeros(4), strided, p, torch.zeros(4), torch.zeros(4), **kw)
+    with pytest.raises(ValueError, match="stochastic_round_bf16_: dst with shape .* is not "
+                                         "contiguous. Fix: pass dst.contiguous"):
+        stochastic_round_bf16_(strided, torch.zeros(4), 1)
