@@ -2,7 +2,7 @@
 ``test_cuda_train_step_mfu`` (two Qwen3-shape MoE layers, bf16 parameters, fp32 main weights).
 A diagnostic, not a benchmark. Prints, for the default router and for ``fused_cuda``:
 - the host syncs of one step (torch's sync detector), by source line;
-- the step's wall time, the optimizer step's and the gradient clip's share (CUDA events);
+- the step's wall time and the optimizer step's (CUDA events);
 - a torch.profiler table of 2 steady-state steps, kernels sorted by their own device time,
   and the device's busy time against the wall time.
 
