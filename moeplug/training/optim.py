@@ -97,9 +97,11 @@ class AdamW(Optimizer):
     :class:`~moeplug.training.optim_base.Optimizer`, whose module says why not torch's base.
     CPU parameters take torch's fused kernel (``torch.optim.AdamW(fused=True)``: one pass over
     the elements); GPU ones torch's default there (the foreach kernels). torch's default on the
-    CPU, its single-tensor loop, makes ~15 passes: ~9x the time on 74 M parameters, about 15 %
-    of the train_step benchmark's step. The two differ only where its sqrt is 1 ulp low (MKL's;
-    the fused kernel's is correctly rounded): in the last bit of ~0.3 % of the parameters.
+    CPU, its single-tensor loop, makes ~15 passes: 4.5x-5.7x the fused step's time
+    (`pytest -s benchmarks/test_bench_kernels.py -k adamw_fp32`). The two keep the same
+    moments; their parameters differ only where the loop's sqrt (MKL's) is 1 ulp low and the
+    fused kernel's is correctly rounded: a last bit in under 1 % of them, which later steps
+    carry on (that benchmark checks it).
     tests/test_optim_precision.py checks it against torch.optim.AdamW bitwise."""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float = 1e-8,
