@@ -8,10 +8,14 @@
 //   share nothing but atomics and their own slice of __shared__ memory (`static` here);
 // - every lane must reach every shuffle (full-mask, warp-uniform control flow, as mask
 //   0xffffffff requires on a GPU too): a warp whose lanes part ways there fails the launch.
-// CMake builds a kernel file against this header by copying its text without its CUDA include
-// and launchers (CMakeLists.txt, moeplug_route_simt_tests).
+// CMake builds a kernel file against this header by copying its text up to its launchers
+// (CMakeLists.txt, moeplug_kernel_emulation); its common.cuh comes with the CUDA toolkit's
+// headers, which a host compiler reads for __nv_bfloat16 and its conversions (included here
+// first, so their qualifier macros give way to these).
 #pragma once
 
+#include <cuda_bf16.h>  // first: they define the qualifiers redefined below
+#include <cuda_runtime.h>
 #include <ucontext.h>
 
 #include <climits>
@@ -22,6 +26,13 @@
 #include <stdexcept>
 #include <vector>
 
+// The CUDA headers, compiled by a host compiler, define these for host code; a kernel here is
+// host code whose __shared__ memory is one per launch (blocks run one after another).
+#undef __device__
+#undef __global__
+#undef __forceinline__
+#undef __launch_bounds__
+#undef __shared__
 #define __device__
 #define __global__
 #define __forceinline__ inline
@@ -137,3 +148,11 @@ T atomicAdd(T* p, T v) {
 }
 
 using std::isnan;
+
+// The round-to-nearest intrinsics: IEEE operations, as a host compiler without contraction
+// (-ffp-contract=off) does them; fmaf is <cmath>'s.
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
