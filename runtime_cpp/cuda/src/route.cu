@@ -31,6 +31,9 @@ static_assert(kMaxRouteExperts % kLanes == 0 && kPerLane <= 32,
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWarps = 8;           // warps per block
 constexpr int kTokensPerWarp = 4;  // a run of tokens per warp: fewer aux atomics
+// 3 blocks (24 warps) per SM: <= 85 registers a thread, which both kernels fit without spills
+// (-Xptxas -v, sm_90: 80 and 64; with the block size alone ptxas spilled 24 and 8 bytes).
+constexpr int kMinBlocks = 3;
 
 struct Spec {
   int E, K, score, G, group_topk, members, aux;
@@ -179,11 +182,11 @@ __device__ void choose_groups(const float (&sel)[kPerLane], const Spec& p, int l
   }
 }
 
-// The K best (sel, id) among the eligible experts, in order: w.ids and the chosen sel in w.probs
-// (lane 0 writes them); returns the first one's value.
-__device__ float choose_experts(const float (&sel)[kPerLane], const Spec& p, int lane,
-                                bool grouped, WarpScratch& w) {
-  const int N = grouped ? p.E / p.G : 1;
+// The K best (v, id) of the lane's experts, in order, into w.ids and w.probs (lane 0 writes
+// them; read after the closing __syncwarp); only experts whose group is kept when `kept` is set
+// (groups of N). Returns the first one's value.
+__device__ float warp_topk(const float (&v)[kPerLane], const Spec& p, int lane,
+                           const unsigned char* kept, int N, WarpScratch& w) {
   unsigned taken = 0;
   float first = 0.0f;
   for (int k = 0; k < p.K; ++k) {
@@ -191,8 +194,8 @@ __device__ float choose_experts(const float (&sel)[kPerLane], const Spec& p, int
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int e = expert(lane, j);
-      const bool ok = e < p.E && !(taken >> j & 1u) && (!grouped || w.kept[e / N]);
-      if (ok && before(rank(sel[j]), e, best.v, best.id)) best = {rank(sel[j]), e};
+      const bool ok = e < p.E && !(taken >> j & 1u) && (!kept || kept[e / N]);
+      if (ok && before(rank(v[j]), e, best.v, best.id)) best = {rank(v[j]), e};
     }
     best = warp_best(best);
     if (lane == best.id % kLanes) taken |= 1u << (best.id / kLanes);
@@ -222,7 +225,7 @@ __device__ __forceinline__ void flush(float (&acc)[kPerLane], unsigned (&cnt)[kP
   }
 }
 
-__global__ void __launch_bounds__(kWarps * kLanes)
+__global__ void __launch_bounds__(kWarps * kLanes, kMinBlocks)
     route_forward_kernel(const float* logits_TE, const float* bias_E, Spec p, float* probs_TK,
                          int64_t* ids_TK, float* aux_mean_BE, unsigned long long* counts_BE) {
   __shared__ WarpScratch scratch[kWarps];
@@ -251,7 +254,8 @@ __global__ void __launch_bounds__(kWarps * kLanes)
       sel[j] = post ? z[j] : s[j] + (bias_E && e < p.E ? bias_E[e] : 0.0f);
     }
     if (grouped) choose_groups(sel, p, lane, w);
-    const float first = choose_experts(sel, p, lane, grouped, w);
+    const float first = grouped ? warp_topk(sel, p, lane, w.kept, p.E / p.G, w)
+                                : warp_topk(sel, p, lane, nullptr, 1, w);
     if (!post) {  // the weight is the chosen expert's score, not its selection score
       for (int k = 0; k < p.K; ++k) {
         const float sk = of_expert(s, w.ids[k]);
@@ -285,31 +289,18 @@ __global__ void __launch_bounds__(kWarps * kLanes)
         a[j] = s[j] / zs;
         acc[j] += a[j] / float(p.S);
       }
-      if (p.aux == 2) {
-        for (int k = 0; k < p.K; ++k) add_at(cnt, lane, w.ids[k], 1u);
-      } else {  // the plain top-k of a
-        unsigned taken = 0;
-        for (int k = 0; k < p.K; ++k) {
-          Pick best = none();
-#pragma unroll
-          for (int j = 0; j < kPerLane; ++j) {
-            const int e = expert(lane, j);
-            if (e < p.E && !(taken >> j & 1u) && before(rank(a[j]), e, best.v, best.id)) {
-              best = {rank(a[j]), e};
-            }
-          }
-          best = warp_best(best);
-          if (lane == best.id % kLanes) taken |= 1u << (best.id / kLanes);
-          add_at(cnt, lane, best.id, 1u);
-        }
+      if (p.aux == 1) {  // count the plain top-k of a instead of the routed ids
+        __syncwarp();    // every lane has stored this token's ids from w.ids
+        warp_topk(a, p, lane, nullptr, 1, w);
       }
+      for (int k = 0; k < p.K; ++k) add_at(cnt, lane, w.ids[k], 1u);
     }
     __syncwarp();  // the next token rewrites w
   }
   if (p.aux && t0 < t1) flush(acc, cnt, p, lane, b_run, aux_mean_BE, counts_BE);
 }
 
-__global__ void __launch_bounds__(kWarps * kLanes)
+__global__ void __launch_bounds__(kWarps * kLanes, kMinBlocks)
     route_backward_kernel(const float* logits_TE, const int64_t* ids_TK, const float* gp_TK,
                           const float* gaux_BE, Spec p, float* dz_TE) {
   const int lane = threadIdx.x % kLanes;
