@@ -51,6 +51,7 @@ __global__ void round_kernel(const float* src, int64_t n, uint32_t step, uint16_
   }
 }
 
+// ---- Host launchers from here on; tests/simt_emu.h runs the kernels above on the CPU. ----
 template <class P_, class G_, class M_, bool kImage = false>
 void launch(void* p, const void* g, void* m, void* v, int64_t n, const AdamWScalars& s,
             StreamHandle stream, void* image = nullptr) {

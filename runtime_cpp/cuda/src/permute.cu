@@ -69,6 +69,7 @@ unsigned threads_for(int64_t vectors) {
 
 }  // namespace
 
+// ---- Host launchers from here on; tests/simt_emu.h runs the kernels above on the CPU. ----
 void permute(const void* x_TD, const int64_t* row_map_TK, int64_t T, int64_t K, int64_t D,
              DType dtype, void* x_SD, StreamHandle stream) {
   check_dims("cuda permute", T, K, D);

@@ -413,6 +413,7 @@ Spec device_spec(const RouteSpec& r, const char* op) {
 
 }  // namespace
 
+// ---- Host launchers from here on; tests/simt_emu.h runs the kernels above on the CPU. ----
 void route_forward(const float* logits_TE, const float* bias_E, const RouteSpec& spec,
                    float* probs_TK, int64_t* ids_TK, float* aux_mean_BE, int64_t* counts_BE,
                    StreamHandle stream) {

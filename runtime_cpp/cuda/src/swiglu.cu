@@ -80,6 +80,7 @@ void check_dims(const char* op, int64_t S, int64_t F) {
 
 }  // namespace
 
+// ---- Host launchers from here on; tests/simt_emu.h runs the kernels above on the CPU. ----
 void swiglu_forward(const void* h_S2F, const float* probs_S, int64_t S, int64_t F, DType dtype,
                     void* a_SF, StreamHandle stream) {
   check_dims("cuda swiglu_forward", S, F);

@@ -58,6 +58,7 @@ __global__ void topk_route_kernel(const T* logits_TE, const float* bias_E, int64
 
 }  // namespace
 
+// ---- Host launchers from here on; tests/simt_emu.h runs the kernels above on the CPU. ----
 void topk_route(const void* logits_TE, const float* bias_E, int64_t T, int64_t E, int64_t K,
                 ScoreFunction score, bool renormalize, float scaling_factor, DType dtype,
                 float* probs_TK, int64_t* ids_TK, StreamHandle stream) {

@@ -1,0 +1,55 @@
+// Data helpers of the emulated CUDA kernel tests: bf16 bits, tolerant compares, random rows.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <cuda_bf16.h>
+
+namespace emu_data {
+
+inline float bits_to_f32(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bits(float x) {  // round to nearest even; test data hold no NaN
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+// Elements of type T (float or __nv_bfloat16) as fp32, and back (rounded to nearest even).
+inline float as_f32(float v) { return v; }
+inline float as_f32(__nv_bfloat16 v) { return bits_to_f32(__bfloat16_as_ushort(v)); }
+template <class T>
+T from_f32(float v) {
+  if constexpr (sizeof(T) == 2) {
+    return __ushort_as_bfloat16(f32_to_bits(v));
+  } else {
+    return v;
+  }
+}
+
+// n values of N(0, 1) in T (bf16: rounded, so every value is exact in T).
+template <class T>
+std::vector<T> normal(std::mt19937& rng, size_t n) {
+  std::normal_distribution<float> nd;
+  std::vector<T> v(n);
+  for (auto& x : v) x = from_f32<T>(nd(rng));
+  return v;
+}
+
+// |got - want| within atol + rtol |want|, rtol one rounding of T (2^-8 bf16, 1e-5 fp32 here).
+template <class T>
+bool near(T got, double want, double atol = 1e-6) {
+  const double rtol = sizeof(T) == 2 ? 1.0 / 128 : 1e-5;
+  return std::fabs(double(as_f32(got)) - want) <= atol + rtol * std::fabs(want);
+}
+
+}  // namespace emu_data
