@@ -197,6 +197,34 @@ void test_store8_bf16_equals_the_scalar_rounding() {
   }
   check(differ == 0, "load8 of bf16 widens as bf16_to_f32, " + std::to_string(differ) +
                          " of 8 differ");
+
+  // The even/odd pair forms: store16_pairs rounds as f32_to_bf16 and puts every element back
+  // in its place; load16_pairs widens exactly, even elements in one vector, odd in the other.
+  float even_in[8], odd_in[8];
+  for (int l = 0; l < 8; ++l) {
+    even_in[l] = in[2 * l];
+    odd_in[l] = in[2 * l + 1];
+  }
+  uint16_t pairs[16];
+  moeplug::store16_pairs(pairs, moeplug::load8(even_in), moeplug::load8(odd_in));
+  differ = 0;
+  for (int l = 0; l < 16; ++l) differ += pairs[l] != moeplug::f32_to_bf16(in[l]);
+  check(differ == 0, "store16_pairs rounds and places every element as f32_to_bf16, " +
+                         std::to_string(differ) + " of 16 differ");
+  moeplug::v8f even, odd;
+  moeplug::load16_pairs(pairs, even, odd);
+  float even_out[8], odd_out[8];
+  moeplug::store8(even_out, even);
+  moeplug::store8(odd_out, odd);
+  differ = 0;
+  for (int l = 0; l < 8; ++l) {
+    const float want_even = moeplug::bf16_to_f32(pairs[2 * l]);
+    const float want_odd = moeplug::bf16_to_f32(pairs[2 * l + 1]);
+    differ += std::memcmp(&even_out[l], &want_even, sizeof want_even) != 0;
+    differ += std::memcmp(&odd_out[l], &want_odd, sizeof want_odd) != 0;
+  }
+  check(differ == 0, "load16_pairs widens the even and the odd elements as bf16_to_f32, " +
+                         std::to_string(differ) + " of 16 differ");
 }
 
 // Against a naive rank count: a choice of expert e is kept iff fewer than C other choices of e
