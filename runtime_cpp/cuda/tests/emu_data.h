@@ -9,6 +9,8 @@
 
 #include <cuda_bf16.h>
 
+#include "moeplug/route.h"
+
 namespace emu_data {
 
 inline float bits_to_f32(uint16_t h) {
@@ -50,6 +52,19 @@ template <class T>
 bool near(T got, double want, double atol = 1e-6) {
   const double rtol = sizeof(T) == 2 ? 1.0 / 128 : 1e-5;
   return std::fabs(double(as_f32(got)) - want) <= atol + rtol * std::fabs(want);
+}
+
+// A route spec without groups or aux statistics (set those fields after), scaled by 2.5.
+inline moeplug::RouteSpec route_spec(int64_t T, int64_t E, int64_t K, int score,
+                                     bool renormalize) {
+  moeplug::RouteSpec sp;
+  sp.num_tokens = T;
+  sp.num_experts = E;
+  sp.top_k = K;
+  sp.score = moeplug::ScoreFunction(score);
+  sp.renormalize = renormalize;
+  sp.scaling = 2.5f;
+  return sp;
 }
 
 }  // namespace emu_data

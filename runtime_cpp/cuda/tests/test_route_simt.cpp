@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../../tests/check.h"
+#include "emu_data.h"
 #include "moeplug/route.h"
 
 namespace {
@@ -121,16 +122,10 @@ void test_kernels_equal_the_cpu_kernels() {
           for (int64_t E : {40, 256}) {  // off the 32-lane grid; every lane's 8 experts
             for (int64_t K : {1, 3, 8}) {
               ++cases;
-              moeplug::RouteSpec sp;
-              sp.num_tokens = T;
-              sp.num_experts = E;
-              sp.top_k = K;
-              sp.score = moeplug::ScoreFunction(score);
-              sp.renormalize = renorm;
+              moeplug::RouteSpec sp = emu_data::route_spec(T, E, K, score, renorm);
               sp.num_groups = g.G;
               sp.group_topk = g.topk;
               sp.group_members = g.members;
-              sp.scaling = 2.5f;
               sp.aux_counts = moeplug::AuxCounts(cases % 3);
               sp.num_sequences = sp.aux_counts == moeplug::AuxCounts::kNone ? 1 : (cases % 2 ? 3 : 1);
               if (g.G && (E % g.G || g.topk * (E / g.G) < K)) continue;
@@ -161,11 +156,7 @@ void test_kernels_equal_the_cpu_kernels() {
 // A NaN logit ranks below every number: every token still gets K distinct, valid ids.
 void test_nan_scores_keep_valid_ids() {
   std::mt19937 rng(3);
-  moeplug::RouteSpec sp;
-  sp.num_tokens = 16;
-  sp.num_experts = 40;
-  sp.top_k = 4;
-  sp.score = moeplug::ScoreFunction::kSigmoid;
+  moeplug::RouteSpec sp = emu_data::route_spec(16, 40, 4, 1, true);
   auto z = logits(rng, size_t(16 * 40), 0);
   for (int t = 0; t < 16; ++t) {
     for (int e = 0; e < 40; e += (t % 3) + 1) z[size_t(t * 40 + e)] = NAN;

@@ -40,13 +40,7 @@ void test_topk(int64_t E, int64_t K, int score, bool renormalize, bool with_bias
   for (auto& b : bias) b *= 0.1f;
   const float* b = with_bias ? bias.data() : nullptr;
 
-  moeplug::RouteSpec sp;
-  sp.num_tokens = T;
-  sp.num_experts = E;
-  sp.top_k = K;
-  sp.score = moeplug::ScoreFunction(score);
-  sp.renormalize = renormalize;
-  sp.scaling = 2.5f;
+  const moeplug::RouteSpec sp = route_spec(T, E, K, score, renormalize);
   std::vector<float> want_p(size_t(T * K)), got_p(size_t(T * K));
   std::vector<int64_t> want_ids(size_t(T * K)), got_ids(size_t(T * K));
   moeplug::route_forward(z32.data(), b, sp, want_p.data(), want_ids.data(), nullptr, nullptr);
