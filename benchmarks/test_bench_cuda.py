@@ -10,6 +10,11 @@
                          weights, fp32 router) against Hugging Face transformers' Qwen3-MoE block
                          (its `grouped_mm` experts, all bf16) with the same weights, and against
                          a square bf16 matmul of the same FLOPs (2 n^3 = the layer's useful FLOPs)
+    routing math         the router's math from fp32 logits (T=16384, top-8, Switch aux loss on
+                         plain-top-k counts), fwd+bwd: the CUDA route kernels
+                         (router_options.fused_cuda) against the torch ops the router runs
+                         without them, at Qwen3's (E 128, softmax) and DeepSeek-V3's (E 256,
+                         sigmoid + bias, 8 groups keep 4) routing
 Useful FLOPs count the routed-expert matmuls only: 3 (fwd + 2 bwd) x 2*S*3*D*F, S = T*K.
 Timed with CUDA events, round-robin over the candidates, median of the rounds.
 
@@ -243,6 +248,63 @@ def test_cuda_moe_layer_qwen3_shape(benchmark, report):
     benchmark.extra_info.update({k: v * 1e3 for k, v in times.items()})
     benchmark.pedantic(candidates["moeplug"], rounds=1, iterations=1)
 
+
+
+ROUTES = {  # name: (E, topk_routing options); T = 16384 tokens, top-8, Switch aux loss
+    "qwen3 E128 softmax": (128, dict(score_function="softmax", renormalize=True)),
+    "deepseek-v3 E256 sigmoid+bias groups 8/4": (256, dict(
+        score_function="sigmoid", renormalize=True, num_groups=8, group_topk=4,
+        scaling_factor=2.5)),
+}
+
+
+def routing_math(E: int, route: dict, device: torch.device, tokens: int = T, k: int = K):
+    """(fused, torch): the router's math from the same fp32 logits, forward + backward, as the
+    topk router runs it with ``fused_cuda`` on and off: the routed weights and ids plus the
+    Switch aux loss on Megatron's plain-top-k counts. No gate GEMM in either. Returns the two
+    callables, each giving (probs, ids, aux) of its last call."""
+    from moeplug import routing as R
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(tokens, E, generator=gen).to(device)
+    bias = (torch.randn(E, generator=gen) * 1e-2).to(device) if "num_groups" in route else None
+    g = torch.randn(tokens, k, generator=gen).to(device)
+    z_fused, z_torch = (logits.clone().requires_grad_() for _ in range(2))
+
+    def fused():
+        r = R.fused_topk_routing(z_fused, k, expert_bias_E=bias, aux_counts="plain_topk", **route)
+        aux = 1e-2 * R.switch_aux_loss_from_mean(r.stats.mean_E, r.stats.counts_E, tokens, k)
+        ((r.probs_TK * g).sum() + aux).backward()
+        z_fused.grad = None
+        return r.probs_TK, r.ids_TK, aux
+
+    def plain():
+        probs, ids = R.topk_routing(z_torch, k, expert_bias_E=bias, **route)
+        s = R.aux_scores(z_torch, route["score_function"])
+        counts = R.expert_counts(R.counts_for_aux(s, ids, "plain_topk"), E)
+        aux = 1e-2 * R.switch_aux_loss_from_mean(s.mean(0), counts, tokens, k)
+        ((probs * g).sum() + aux).backward()
+        z_torch.grad = None
+        return probs, ids, aux
+
+    return fused, plain
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_cuda_routing_math_fused_vs_torch(report, cu, route):
+    """The CUDA route kernels (router_options.fused_cuda) against the torch ops the router runs
+    without them, on the router's own math: the kernel-level figure under the layer's
+    ``fused_cuda`` row (which the GEMMs dilute)."""
+    E, options = ROUTES[route]
+    fused, plain = routing_math(E, options, torch.device("cuda"))
+    (p1, i1, a1), (p2, i2, a2) = fused(), plain()
+    same = (i1 == i2).all(dim=1)  # near-ties (an ulp apart) may pick differently: <= 0.1 %
+    assert (~same).sum() <= T // 1000, f"{int((~same).sum())} of {T} tokens routed differently"
+    torch.testing.assert_close(p1[same], p2[same])
+    torch.testing.assert_close(a1, a2)
+    times = cuda_interleave({"fused": fused, "torch": plain})
+    report.row(f"cuda routing math fwd+bwd T{T} K{K} {route}", "fused kernels speedup vs torch",
+               times["torch"] / times["fused"],
+               note=f"kernels {times['fused'] * 1e3:.3f} ms, torch {times['torch'] * 1e3:.3f} ms")
 
 
 REPLAY_BUDGET = 1.25  # rows per expert = 1.25x the balanced load (static path pads to this)
