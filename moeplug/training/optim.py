@@ -152,8 +152,8 @@ class LowPrecisionMomentsAdamW(Optimizer):
     step (:func:`_torch_update`, which other devices and ``fused=False`` run) makes ~15 passes
     and fp32 copies of the parameter, its grad and its moments. ``fused_cuda``: CUDA parameters
     take the CUDA kernel of the same pass where moeplug._runtime_cuda is loaded (its results
-    are meant to be bitwise the CPU kernel's; off until a GPU session runs
-    tests/test_adamw_cuda.py, docs/GPU.md). The kernel does torch's
+    are bitwise the CPU kernel's under the warp emulator, ctest moeplug_adamw_simt_tests; off
+    until a GPU session runs tests/test_adamw_cuda.py, docs/GPU.md). The kernel does torch's
     arithmetic operation for operation with a correctly rounded sqrt, where torch's CPU sqrt
     (MKL) is sometimes 1 ulp low: so it is bitwise ``_torch_update(..., ieee_sqrt=True)``, and
     differs from ``fused=False`` in the last bit of some denominators (tests/test_adamw_kernel.py).

@@ -90,8 +90,9 @@ class TopKOptions:
     # (fp32 CPU logits); false: the plain-torch path (same math, the reference).
     fused: bool = True
     # With ``fused``, run the CUDA route kernels on GPU logits too (moeplug._runtime_cuda).
-    # Proven equal on an H200 (tests/test_fused_router.py -m cuda) but slower than the torch
-    # path there (the layer at 0.90x, docs/GPU.md): off until its kernel is rewritten.
+    # The first kernels were equal on an H200 (tests/test_fused_router.py -m cuda) but slower
+    # than the torch path (the layer at 0.90x, docs/GPU.md). The warp-per-token rewrite passes
+    # on the CPU under the warp emulator (ctest) and has not run on a GPU: off until it has.
     fused_cuda: bool = False
     # Benchmarks: random (seeded, hence repeatable) logits, so the load is balanced.
     force_load_balancing: bool = False
