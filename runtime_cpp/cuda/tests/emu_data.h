@@ -3,36 +3,23 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <random>
 #include <vector>
 
 #include <cuda_bf16.h>
 
+#include "moeplug/dtype.h"
 #include "moeplug/route.h"
 
 namespace emu_data {
 
-inline float bits_to_f32(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bits(float x) {  // round to nearest even; test data hold no NaN
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
 // Elements of type T (float or __nv_bfloat16) as fp32, and back (rounded to nearest even).
 inline float as_f32(float v) { return v; }
-inline float as_f32(__nv_bfloat16 v) { return bits_to_f32(__bfloat16_as_ushort(v)); }
+inline float as_f32(__nv_bfloat16 v) { return moeplug::bf16_to_f32(__bfloat16_as_ushort(v)); }
 template <class T>
 T from_f32(float v) {
   if constexpr (sizeof(T) == 2) {
-    return __ushort_as_bfloat16(f32_to_bits(v));
+    return __ushort_as_bfloat16(moeplug::f32_to_bf16(v));
   } else {
     return v;
   }

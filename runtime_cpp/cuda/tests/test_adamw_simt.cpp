@@ -13,13 +13,13 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "../../tests/check.h"
 #include "moeplug/adamw.h"
+#include "moeplug/dtype.h"
 
 namespace {
 
@@ -29,12 +29,6 @@ namespace mc = moeplug::cuda;
 
 constexpr int64_t kN = 3001;
 constexpr unsigned kGrid = 2;  // 512 threads: each runs the grid-stride loop ~6 times
-
-uint16_t to_bf16(float x) {  // round to nearest even; the tests' inputs hold no NaN
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return uint16_t((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
 
 // One buffer in either dtype, as raw bytes.
 struct Buf {
@@ -55,7 +49,7 @@ Buf draw(std::mt19937& rng, DType dtype, float scale, bool positive) {
     if (dtype == DType::kFloat32) {
       b.f.push_back(x);
     } else {
-      b.h.push_back(to_bf16(x));
+      b.h.push_back(moeplug::f32_to_bf16(x));
     }
   }
   return b;
