@@ -6,28 +6,6 @@ using std::uintptr_t;
 
 namespace moeplug::py_bind {
 
-namespace {
-
-RouteSpec spec(int64_t T, int64_t E, int64_t K, int score, bool renormalize, int64_t G,
-               int64_t group_topk, int64_t group_members, float scaling, int aux_counts,
-               int64_t B) {
-  RouteSpec s;
-  s.num_tokens = T;
-  s.num_experts = E;
-  s.top_k = K;
-  s.score = static_cast<ScoreFunction>(score);
-  s.renormalize = renormalize;
-  s.num_groups = G;
-  s.group_topk = group_topk;
-  s.group_members = group_members;
-  s.scaling = scaling;
-  s.aux_counts = static_cast<AuxCounts>(aux_counts);
-  s.num_sequences = B;
-  return s;
-}
-
-}  // namespace
-
 void register_route(py::module_& m) {
   def_kernel(
       m, "route_forward",
@@ -36,8 +14,9 @@ void register_route(py::module_& m) {
           bool renormalize, int64_t num_groups, int64_t group_topk, int64_t group_members,
           float scaling, int aux_counts, int64_t num_sequences) {
         route_forward(ptr<const float>(logits), ptr<const float>(bias),
-                      spec(num_tokens, num_experts, top_k, score, renormalize, num_groups,
-                           group_topk, group_members, scaling, aux_counts, num_sequences),
+                      route_spec(num_tokens, num_experts, top_k, score, renormalize,
+                                 num_groups, group_topk, group_members, scaling, aux_counts,
+                                 num_sequences),
                       ptr<float>(probs), ptr<int64_t>(ids), ptr<float>(aux_mean),
                       ptr<int64_t>(counts));
       },
@@ -57,8 +36,9 @@ void register_route(py::module_& m) {
           int64_t group_members, float scaling, int aux_counts, int64_t num_sequences) {
         route_backward(ptr<const float>(logits), ptr<const int64_t>(ids),
                        ptr<const float>(grad_probs), ptr<const float>(grad_aux_mean),
-                       spec(num_tokens, num_experts, top_k, score, renormalize, num_groups,
-                            group_topk, group_members, scaling, aux_counts, num_sequences),
+                       route_spec(num_tokens, num_experts, top_k, score, renormalize,
+                                  num_groups, group_topk, group_members, scaling, aux_counts,
+                                  num_sequences),
                        ptr<float>(grad_logits));
       },
       py::arg("logits"), py::arg("ids"), py::arg("grad_probs"), py::arg("grad_aux_mean"),

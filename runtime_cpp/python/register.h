@@ -8,6 +8,7 @@
 #include <string>
 
 #include "moeplug/adamw.h"
+#include "moeplug/route.h"
 #include "moeplug/stream.h"
 
 namespace moeplug::py_bind {
@@ -46,6 +47,26 @@ inline void bind_adamw_scalars(pybind11::module_& m, bool module_local) {
            py::kw_only(), py::arg("lerp_weight"), py::arg("beta2"), py::arg("grad_sq_coef"),
            py::arg("decay"), py::arg("bias2_sqrt"), py::arg("eps"), py::arg("step_size"),
            py::arg("step"));
+}
+
+// moeplug/route.h's RouteSpec from route_forward / route_backward's flat arguments (enums as
+// ints: moeplug.routing.fused's codes), shared by the CPU and CUDA bindings.
+inline RouteSpec route_spec(int64_t T, int64_t E, int64_t K, int score, bool renormalize,
+                            int64_t G, int64_t group_topk, int64_t group_members, float scaling,
+                            int aux_counts, int64_t B) {
+  RouteSpec s;
+  s.num_tokens = T;
+  s.num_experts = E;
+  s.top_k = K;
+  s.score = static_cast<ScoreFunction>(score);
+  s.renormalize = renormalize;
+  s.num_groups = G;
+  s.group_topk = group_topk;
+  s.group_members = group_members;
+  s.scaling = scaling;
+  s.aux_counts = static_cast<AuxCounts>(aux_counts);
+  s.num_sequences = B;
+  return s;
 }
 
 // Keeps a Python object alive inside a C++ closure; the last owner (a stream's worker thread,

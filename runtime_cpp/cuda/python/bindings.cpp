@@ -128,32 +128,16 @@ void register_kernels(py::module_& m) {
       py::arg("scaling_factor"), py::arg("dtype"), py::arg("stream") = 0, nogil,
       "Fused top-k routing over E <= 256 (score 0 softmax, 1 sigmoid): probs [T, K] fp32, "
       "ids [T, K] int64.");
-  auto spec = [](int64_t T, int64_t E, int64_t K, int score, bool renormalize, int64_t G,
-                 int64_t group_topk, int64_t group_members, float scaling, int aux_counts,
-                 int64_t B) {
-    RouteSpec s;
-    s.num_tokens = T;
-    s.num_experts = E;
-    s.top_k = K;
-    s.score = static_cast<moeplug::ScoreFunction>(score);
-    s.renormalize = renormalize;
-    s.num_groups = G;
-    s.group_topk = group_topk;
-    s.group_members = group_members;
-    s.scaling = scaling;
-    s.aux_counts = static_cast<AuxCounts>(aux_counts);
-    s.num_sequences = B;
-    return s;
-  };
   m.def(
       "route_forward",
-      [spec](uintptr_t logits, uintptr_t bias, uintptr_t probs, uintptr_t ids, uintptr_t aux_mean,
+      [](uintptr_t logits, uintptr_t bias, uintptr_t probs, uintptr_t ids, uintptr_t aux_mean,
              uintptr_t counts, int64_t num_tokens, int64_t num_experts, int64_t top_k, int score,
              bool renormalize, int64_t num_groups, int64_t group_topk, int64_t group_members,
              float scaling, int aux_counts, int64_t num_sequences, uintptr_t stream) {
         route_forward(py_bind::ptr<const float>(logits), py_bind::ptr<const float>(bias),
-                      spec(num_tokens, num_experts, top_k, score, renormalize, num_groups,
-                           group_topk, group_members, scaling, aux_counts, num_sequences),
+                      py_bind::route_spec(num_tokens, num_experts, top_k, score, renormalize,
+                                          num_groups, group_topk, group_members, scaling,
+                                          aux_counts, num_sequences),
                       py_bind::ptr<float>(probs), py_bind::ptr<int64_t>(ids),
                       py_bind::ptr<float>(aux_mean), py_bind::ptr<int64_t>(counts), stream);
       },
@@ -165,7 +149,7 @@ void register_kernels(py::module_& m) {
       "The fused router (same arguments as _runtime_core.route_forward) on device pointers.");
   m.def(
       "route_backward",
-      [spec](uintptr_t logits, uintptr_t ids, uintptr_t grad_probs, uintptr_t grad_aux_mean,
+      [](uintptr_t logits, uintptr_t ids, uintptr_t grad_probs, uintptr_t grad_aux_mean,
              uintptr_t grad_logits, int64_t num_tokens, int64_t num_experts, int64_t top_k,
              int score, bool renormalize, int64_t num_groups, int64_t group_topk,
              int64_t group_members, float scaling, int aux_counts, int64_t num_sequences,
@@ -173,8 +157,9 @@ void register_kernels(py::module_& m) {
         route_backward(py_bind::ptr<const float>(logits), py_bind::ptr<const int64_t>(ids),
                        py_bind::ptr<const float>(grad_probs),
                        py_bind::ptr<const float>(grad_aux_mean),
-                       spec(num_tokens, num_experts, top_k, score, renormalize, num_groups,
-                            group_topk, group_members, scaling, aux_counts, num_sequences),
+                       py_bind::route_spec(num_tokens, num_experts, top_k, score, renormalize,
+                                           num_groups, group_topk, group_members, scaling,
+                                           aux_counts, num_sequences),
                        py_bind::ptr<float>(grad_logits), stream);
       },
       py::arg("logits"), py::arg("ids"), py::arg("grad_probs"), py::arg("grad_aux_mean"),
