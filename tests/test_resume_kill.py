@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from moeplug.testing.runs import count_train, latest_step, trajectory
+from moeplug.testing.runs import (assert_resumed_exactly, count_train, latest_step,
+                                  uninterrupted)
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # kills aimed in time
 
@@ -69,12 +70,7 @@ def test_sigkill_at_random_steps_and_during_saves_resumes_bitwise(tiny_config_fi
                                                                  cli_env):
     cfg_file = tiny_config_file()
     reference = str(tmp_path / "reference")
-    done = subprocess.run(_args(cfg_file, reference), env=cli_env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    expected_loss = trajectory(reference, "train", "loss")
-    expected_val = trajectory(reference, "val", "val_loss")
-    assert sorted(expected_loss) == list(range(1, STEPS + 1))
+    expected = uninterrupted(_args(cfg_file, reference), cli_env, reference, STEPS)
 
     # Pausing inside every save (after the shards, before meta.json) widens the window in
     # which a kill lands mid-save; the trajectory is unaffected.
@@ -90,12 +86,7 @@ def test_sigkill_at_random_steps_and_during_saves_resumes_bitwise(tiny_config_fi
             assert len(outcomes) < 3 * KILLS, f"no end in sight: {outcomes}"
         outcomes.append(outcome)
         # every killed-and-resumed run ends exactly where the uninterrupted one did
-        assert trajectory(out, "train", "loss") == expected_loss, out
-        assert trajectory(out, "val", "val_loss") == expected_val, out
-        steps = sorted(d for d in os.listdir(out) if d.startswith("step_"))
-        # keep_last = 2 (a kill between the final rename and the pruning may leave one more)
-        assert steps[-2:] == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"] and len(steps) <= 3
-        assert latest_step(out) == STEPS
+        assert_resumed_exactly(out, STEPS, expected)
     kills = sum(o != "finished" for o in outcomes)
     in_save = outcomes.count("killed in save")
     print(f"{kills} SIGKILLs survived over {runs} runs, {in_save} of them during a save")

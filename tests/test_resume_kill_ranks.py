@@ -20,7 +20,8 @@ import time
 
 import pytest
 
-from moeplug.testing.runs import count_train, latest_step, trajectory
+from moeplug.testing.runs import (assert_resumed_exactly, count_train, latest_step,
+                                  uninterrupted)
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # kills aimed in time
 
@@ -140,12 +141,7 @@ def test_two_ranks_killed_at_random_steps_and_during_saves_resume_bitwise(
         tiny_config_file, tmp_path, cli_env):
     cfg_file = tiny_config_file()
     reference = str(tmp_path / "reference")
-    done = subprocess.run(_args(cfg_file, reference), env=cli_env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    expected_loss = trajectory(reference, "train", "loss")
-    expected_val = trajectory(reference, "val", "val_loss")
-    assert sorted(expected_loss) == list(range(1, STEPS + 1))
+    expected = uninterrupted(_args(cfg_file, reference), cli_env, reference, STEPS)
 
     # Rank 0 pauses inside every save (after the shards, before meta.json) while rank 1 waits
     # at the save's barrier: a kill often lands mid-save. The trajectory is unaffected.
@@ -163,12 +159,7 @@ def test_two_ranks_killed_at_random_steps_and_during_saves_resume_bitwise(
         outcomes.append(outcome)
         assert len(outcomes) < MAX_OUTCOMES, f"too few kills landed: {outcomes}"
         # every killed-and-resumed run ends exactly where the uninterrupted one did
-        assert trajectory(out, "train", "loss") == expected_loss, out
-        assert trajectory(out, "val", "val_loss") == expected_val, out
-        steps = sorted(d for d in os.listdir(out) if d.startswith("step_"))
-        # keep_last = 2 (a kill between the final rename and the pruning may leave one more)
-        assert steps[-2:] == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"] and len(steps) <= 3
-        assert latest_step(out) == STEPS
+        assert_resumed_exactly(out, STEPS, expected)
     kills = [o for o in outcomes if o != "finished"]
     in_save = [o for o in kills if o.endswith("in save")]
     print(f"{len(kills)} SIGKILLs of a 2-rank run survived over {runs} runs, {len(in_save)} "

@@ -1,5 +1,6 @@
 """Reading a run directory while a test kills and resumes it (tests/test_resume_kill*.py): its
-logged records, the loss trajectory by step, and the newest checkpoint."""
+logged records, the loss trajectory by step, and the newest checkpoint; the uninterrupted run
+the killed ones must end like, and that check."""
 
 from __future__ import annotations
 
@@ -32,3 +33,26 @@ def latest_step(out: str) -> int:
     from moeplug.training.checkpoint import find_latest
     latest = find_latest(out)
     return int(os.path.basename(latest)[5:]) if latest else 0
+
+
+def uninterrupted(args: list[str], env: dict, out: str, steps: int) -> tuple[dict, dict]:
+    """Run ``args`` (a ``moeplug train --out out`` command of ``steps`` steps) to the end: the
+    train loss and val loss trajectories every killed-and-resumed run must end with."""
+    import subprocess
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss = trajectory(out, "train", "loss")
+    assert sorted(loss) == list(range(1, steps + 1))
+    return loss, trajectory(out, "val", "val_loss")
+
+
+def assert_resumed_exactly(out: str, steps: int, expected: tuple[dict, dict]) -> None:
+    """``out``, killed and resumed until it finished, logged ``expected`` (uninterrupted's
+    trajectories) bit for bit, and kept its last two checkpoints (train.keep_last = 2)."""
+    loss, val = expected
+    assert trajectory(out, "train", "loss") == loss, out
+    assert trajectory(out, "val", "val_loss") == val, out
+    kept = sorted(d for d in os.listdir(out) if d.startswith("step_"))
+    # a kill between the final rename and the pruning may leave one more
+    assert kept[-2:] == [f"step_{steps - 2:06d}", f"step_{steps:06d}"] and len(kept) <= 3
+    assert latest_step(out) == steps
