@@ -14,26 +14,18 @@ import sys
 import pytest
 import torch
 
-from moeplug.config import ConfigError, RootConfig, config_from_dict
+from moeplug.config import ConfigError, RootConfig
 from moeplug.modules.build import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import get_runtime
 from moeplug.stash import StashOverflowError
 from moeplug.testing.cli import run_cli
+from moeplug.testing.steps import runtime_cfg as _cfg
 from moeplug.testing.steps import train_ep2_variants
 from moeplug.training.optim import build_optimizer
 from moeplug.training.trainer import stash_runtime, train_step
 
 VOCAB = 64
-
-
-def _cfg(**runtime) -> RootConfig:
-    return config_from_dict({
-        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                  "max_seq_len": 32, "first_k_dense": 0,
-                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}},
-        "train": {"micro_batch_size": 4, "seq_len": 16, "grad_accum_steps": 2, "lr": 1e-2},
-        "runtime": runtime})
 
 
 def _train(cfg: RootConfig, steps: int = 3, device: str = "cpu"):
@@ -205,14 +197,7 @@ def test_version_lists_the_runtime_stash_resources():
 def _ep2_rank(rank: int, world: int) -> dict:
     variants = {"off": {}, "on": {"stash": True},
                 "rerun": {"stash": True, "stash_pages": 1, "stash_page_bytes": 4096}}
-    return train_ep2_variants(rank, world, {n: _ep2_cfg(**rt) for n, rt in variants.items()},
-                              VOCAB, "stash")
-
-
-def _ep2_cfg(**runtime):
-    cfg = _cfg(**runtime)
-    cfg.parallel.ep = 2
-    return cfg
+    return train_ep2_variants(rank, world, variants, VOCAB, "stash")
 
 
 @pytest.mark.slow

@@ -29,21 +29,13 @@ from moeplug.modules.static_moe import budget_rows, slots
 from moeplug.plugin_host import PluginHost
 from moeplug.testing.hostsync import HostSyncCounter
 from moeplug.testing.cli import run_cli
+from moeplug.testing.steps import runtime_cfg as _cfg
 from moeplug.testing.steps import train_ep2_variants
 from moeplug.training.optim import build_optimizer
 from moeplug.training.trainer import stash_runtime, train_step
 
 VOCAB = 64
 TOL = 1e-5  # fp32; static and dynamic sum the same products in another order
-
-
-def _cfg(**runtime) -> RootConfig:
-    return config_from_dict({
-        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                  "max_seq_len": 32, "first_k_dense": 0,
-                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}},
-        "train": {"micro_batch_size": 4, "seq_len": 16, "grad_accum_steps": 2, "lr": 1e-2},
-        "runtime": runtime})
 
 
 def _moe_layers(model) -> list[MoELayer]:
@@ -560,14 +552,7 @@ def test_evaluation_takes_the_dynamic_path_and_loses_no_token():
 def _ep2_train_rank(rank: int, world: int) -> dict:
     variants = {"off": {}, "within": {"sync_free": True},
                 "over": {"sync_free": True, "token_budget": 0.25}}
-    return train_ep2_variants(rank, world, {n: _ep2_cfg(**rt) for n, rt in variants.items()},
-                              VOCAB, "sync_free")
-
-
-def _ep2_cfg(**runtime):
-    cfg = _cfg(**runtime)
-    cfg.parallel.ep = 2
-    return cfg
+    return train_ep2_variants(rank, world, variants, VOCAB, "sync_free")
 
 
 @pytest.mark.slow

@@ -107,29 +107,21 @@ def test_runtime_graph_replay_equals_eager_forward_and_backward():
 
 # ---- runtime.capture on CUDA: the layer's pieces as runtime forward and backward graphs -------
 
-def _cfg(**runtime):
-    from moeplug.config import config_from_dict
-    return config_from_dict({
-        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                  "max_seq_len": 32, "first_k_dense": 0,
-                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}},
-        "train": {"micro_batch_size": 4, "seq_len": 16, "grad_accum_steps": 2, "lr": 1e-2},
-        "runtime": runtime})  # token_budget 2.0: C = T, so no expert can overflow
-
-
 def _cuda_model(**runtime):
     from moeplug.modules.build import build_model
     from moeplug.plugin_host import PluginHost
+    from moeplug.testing.steps import runtime_cfg
     torch.manual_seed(0)
-    return build_model(_cfg(**runtime), PluginHost.load(), 64).cuda()
+    return build_model(runtime_cfg(**runtime), PluginHost.load(), 64).cuda()
 
 
 def _cuda_train(steps: int, **runtime):
     from moeplug.plugin_host import PluginHost
+    from moeplug.testing.steps import runtime_cfg
     from moeplug.training.optim import build_optimizer
     from moeplug.training.trainer import train_step
     model = _cuda_model(**runtime)
-    cfg = _cfg(**runtime)
+    cfg = runtime_cfg(**runtime)
     opt = build_optimizer(model, cfg.train)
     precision = PluginHost.load().create("precision", "fp32", {})
     gen = torch.Generator().manual_seed(1)

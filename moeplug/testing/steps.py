@@ -49,11 +49,24 @@ def one_process_trainer(cfg, precision: str = "fp32", vocab: int = 256,
     return model, step
 
 
-def train_ep2_variants(rank: int, world: int, cfgs: dict, vocab: int, stat: str) -> dict:
-    """On each rank of a 2-rank gloo run: per named config (EP2 layouts of one model), build
-    the rank's model from seed 0, train 2 steps of 2 micro-batches of 4 x 16 random tokens
-    (each DP rank its own), and return {name: {"losses", stat, "params"}} where ``stat`` is
-    the StepStats field (e.g. "stash", "sync_free") recorded per step."""
+def runtime_cfg(**runtime):
+    """The runtime tests' model (2 MoE layers of 4 experts, top-2, D 32) and batch shape (2
+    micro-batches of 4 x 16 tokens), with ``runtime`` as its runtime section (stash, sync_free,
+    their options)."""
+    from moeplug.config import config_from_dict
+    return config_from_dict({
+        "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 32, "first_k_dense": 0,
+                  "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}},
+        "train": {"micro_batch_size": 4, "seq_len": 16, "grad_accum_steps": 2, "lr": 1e-2},
+        "runtime": runtime})
+
+
+def train_ep2_variants(rank: int, world: int, runtimes: dict, vocab: int, stat: str) -> dict:
+    """On each rank of a 2-rank gloo run: per named runtime section, ``runtime_cfg``'s model
+    under EP2 built from seed 0, trained 2 steps of 2 micro-batches of 4 x 16 random tokens
+    (each DP rank its own); returns {name: {"losses", stat, "params"}} where ``stat`` is the
+    StepStats field (e.g. "stash", "sync_free") recorded per step."""
     from moeplug.parallel import ParallelGroups
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model
@@ -61,7 +74,9 @@ def train_ep2_variants(rank: int, world: int, cfgs: dict, vocab: int, stat: str)
     host = PluginHost.load()
     precision = host.create("precision", "fp32", {})
     out = {}
-    for name, cfg in cfgs.items():
+    for name, runtime in runtimes.items():
+        cfg = runtime_cfg(**runtime)
+        cfg.parallel.ep = 2
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         seed_everything(0)
         model = build_rank_model(cfg, host, vocab, groups)
