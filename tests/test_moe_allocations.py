@@ -282,6 +282,24 @@ def test_arena_reuses_only_free_buffers_and_serves_varying_sizes_from_one_class(
     assert workspace.empty((4,), torch.float32).data_ptr() not in (ptr, b.data_ptr())  # no arena
 
 
+@pytest.mark.parametrize("shape", [(), (0,), (5, 0, 3), (7,), (3, 5), (2, 3, 4), (300, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_buffers_are_shaped_strided_and_typed_as_torch_empty_gives_them(shape, dtype):
+    """Arena and cache buffers are handed out as one as_strided view of a longer buffer (the
+    cache's reinterpreted from bytes): the same sizes, strides and dtype as torch.empty's,
+    writable, and holding the buffer live while they exist."""
+    want = torch.empty(shape, dtype=dtype)
+    with workspace.arena_scope(workspace.Arena()):
+        t = workspace.empty(shape, dtype)
+        assert (t.shape, t.stride(), t.dtype) == (want.shape, want.stride(), want.dtype)
+        assert t.is_contiguous() and t.storage_offset() == 0
+        t.copy_(torch.ones(shape, dtype=dtype))  # every element its own memory
+        assert t.numel() == 0 or bool(t.all())
+        if t.numel():
+            again = workspace.empty(shape, dtype)  # t is live: another buffer
+            assert again.data_ptr() != t.data_ptr()
+
+
 def test_arena_keeps_a_bounded_number_of_buffers_per_class():
     arena = workspace.Arena()
     held = [arena.empty((16,), torch.int64) for _ in range(arena.MAX_PER_CLASS + 5)]

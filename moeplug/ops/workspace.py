@@ -46,6 +46,7 @@ record the arena in ``ctx`` during forward and re-enter it in backward (:func:`c
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from contextvars import ContextVar
@@ -78,6 +79,22 @@ _arena: ContextVar["Arena | None"] = ContextVar("moeplug_workspace_arena", defau
 def _is_free(buf: torch.Tensor) -> bool:
     # Two references: the cache's own tensor and the temporary storage object made here.
     return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2
+
+
+@functools.lru_cache(maxsize=1024)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _prefix(buf: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``buf[:numel].view(shape)`` (``buf`` 1-D, contiguous, at offset 0) as one view op: the
+    slice and the view took 4.6 us a call against 1.2 us (torch.empty: 2.5 us), and a MoE
+    layer takes a few dozen small buffers a step."""
+    return buf.as_strided(shape, _contiguous_strides(tuple(shape)))
 
 
 def size_class(nbytes: int) -> int:
@@ -133,14 +150,14 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         for size in sorted(k for k in _cache if key <= k <= key * MAX_OVERSIZE):
             for buf in _cache[size]:
                 if _is_free(buf):
-                    return buf.view(dtype)[:numel].view(shape)
+                    return _prefix(buf.view(dtype), shape)
         _drop_free(key)
         _misses += 1
         buf = torch.empty(key, dtype=torch.uint8)
         if _cached_bytes + key <= MAX_CACHED_BYTES:
             _cache.setdefault(key, []).append(buf)
             _cached_bytes += key
-        return buf.view(dtype)[:numel].view(shape)
+        return _prefix(buf.view(dtype), shape)
 
 
 # What ops that take "an empty" call for a buffer: ``empty`` itself, or :func:`allocator`'s.
@@ -205,12 +222,12 @@ class Arena:
             bufs = self._classes.setdefault(key, [])
             for buf in bufs:
                 if _is_free(buf):
-                    return buf[:numel].view(shape)
+                    return _prefix(buf, shape)
             buf = torch.empty(size // dtype.itemsize, dtype=dtype)
             if len(bufs) < self.MAX_PER_CLASS:
                 bufs.append(buf)
                 self.nbytes += size
-            return buf[:numel].view(shape)
+            return _prefix(buf, shape)
 
 
 @contextlib.contextmanager
