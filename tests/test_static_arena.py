@@ -54,10 +54,8 @@ def test_budget_slots_kernel_names_a_bad_expert_id():
 def _poison_free_buffers(arena: workspace.Arena) -> None:
     """Every buffer the arena and the shared cache would hand out again, filled with 0xFF bytes
     (NaN in every float dtype, -1 in int64)."""
-    for bufs in list(arena._classes.values()) + list(workspace._cache.values()):
-        for buf in bufs:
-            if workspace._is_free(buf):
-                buf.view(torch.uint8).fill_(0xFF)
+    for buf in arena.free_buffers() + workspace.free_cached():
+        buf.view(torch.uint8).fill_(0xFF)
 
 
 def _run(form: str, x, ids_TK, dropped_TK, probs_TK, w13, w2, activation, budget, autocast,

@@ -91,7 +91,9 @@ def mm_rows(x_g: torch.Tensor, x0: int, w: torch.Tensor, out_g: torch.Tensor, o0
     """``out_g[o0:o0+n] = x_g[x0:x0+n] @ w``, run over up to ``multiple`` - 1 more rows where
     both operands (views from ``with_spare_rows``) have them. Callers run the experts in order,
     so a later expert's GEMM overwrites what this one wrote of its rows."""
-    k = padded_rows(multiple, n, len(x_g) - x0, len(out_g) - o0)
+    # multiple 1: the expert's own n rows, which both operands hold (shape[0], not len(): a
+    # Python-level Tensor.__len__ a call, two per GEMM)
+    k = n if multiple == 1 else padded_rows(multiple, n, x_g.shape[0] - x0, out_g.shape[0] - o0)
     torch.mm(x_g[x0:x0 + k], w, out=out_g[o0:o0 + k])
 
 

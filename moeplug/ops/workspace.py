@@ -76,9 +76,18 @@ _bypassed = 0
 _arena: ContextVar["Arena | None"] = ContextVar("moeplug_workspace_arena", default=None)
 
 
+_storage_use_count = torch._C._storage_Use_Count
+
+
 def _is_free(buf: torch.Tensor) -> bool:
     # Two references: the cache's own tensor and the temporary storage object made here.
-    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2
+    return _storage_use_count(buf.untyped_storage()._cdata) <= 2
+
+
+def free_cached() -> list[torch.Tensor]:
+    """The shared cache's buffers that ``empty`` would hand out now (whole, as bytes)."""
+    with _lock:
+        return [buf for bufs in _cache.values() for buf in bufs if _is_free(buf)]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -205,13 +214,19 @@ class Arena:
     of buffers handed out as prefix views once free (no tensor but the arena's shares the
     storage). Sizes that vary step to step (per-expert row counts) land in the same class, so
     after warm-up a step allocates nothing here. At most ``MAX_PER_CLASS`` buffers per class are
-    kept (a caller that hoards results gets fresh, uncached tensors instead of growing it)."""
+    kept (a caller that hoards results gets fresh, uncached tensors instead of growing it).
+
+    Each buffer is kept with its storage's Python object: torch returns that same object for
+    the storage while it lives, so the free check reads its reference count without making
+    one (the cache's tensor and that object: 2 when free, as in ``_is_free``). A buffer handed
+    out moves to the end of its class's list, so the search starts at the buffer handed out
+    longest ago: in a step that takes a class's buffers in turn, each is found first."""
 
     MAX_PER_CLASS = 16
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._classes: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._classes: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self.nbytes = 0  # bytes the arena holds (resident for the life of the layer)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -220,14 +235,22 @@ class Arena:
         key = (size, dtype)
         with self._lock:
             bufs = self._classes.setdefault(key, [])
-            for buf in bufs:
-                if _is_free(buf):
-                    return _prefix(buf, shape)
+            for i, entry in enumerate(bufs):
+                if _storage_use_count(entry[1]._cdata) <= 2:
+                    if i + 1 < len(bufs):
+                        bufs.append(bufs.pop(i))
+                    return _prefix(entry[0], shape)
             buf = torch.empty(size // dtype.itemsize, dtype=dtype)
             if len(bufs) < self.MAX_PER_CLASS:
-                bufs.append(buf)
+                bufs.append((buf, buf.untyped_storage()))
                 self.nbytes += size
             return _prefix(buf, shape)
+
+    def free_buffers(self) -> list[torch.Tensor]:
+        """The buffers ``empty`` would hand out now (whole, not as views)."""
+        with self._lock:
+            return [buf for bufs in self._classes.values() for buf, storage in bufs
+                    if _storage_use_count(storage._cdata) <= 2]
 
 
 @contextlib.contextmanager
