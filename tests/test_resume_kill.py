@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
-from moeplug.testing.runs import (assert_resumed_exactly, count_train, latest_step,
+from moeplug.testing.runs import (assert_resumed_exactly, latest_step, launch_and_wait,
                                   uninterrupted)
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # kills aimed in time
@@ -44,16 +43,9 @@ def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random,
     os.makedirs(out, exist_ok=True)
     if latest_step(out) == STEPS:  # killed after its final save: nothing left to train
         return "finished"
-    start, target = count_train(out), rng.randint(1, 4)
-    delay = rng.uniform(0.0, 0.3)
-    with open(os.path.join(out, "stderr.log"), "a") as err:
-        proc = subprocess.Popen(_args(cfg_file, out), env=env, stdout=subprocess.DEVNULL,
-                                stderr=err)
-    deadline = time.monotonic() + 300
-    while proc.poll() is None and count_train(out) < start + target:
-        assert time.monotonic() < deadline, "a launch made no progress in 300 s"
-        time.sleep(0.01)
-    time.sleep(delay)
+    target = rng.randint(1, 4)
+    proc, deadline = launch_and_wait(_args(cfg_file, out), out, env, target,
+                                     rng.uniform(0.0, 0.3))
     while aim and proc.poll() is None and not _saving(out, proc.pid):
         assert time.monotonic() < deadline, "a launch made no progress in 300 s"
         time.sleep(0.005)

@@ -35,6 +35,25 @@ def latest_step(out: str) -> int:
     return int(os.path.basename(latest)[5:]) if latest else 0
 
 
+def launch_and_wait(args: list[str], out: str, env: dict, more_steps: int,
+                    delay: float) -> tuple:
+    """Start ``args`` (a ``moeplug train --out out`` command; stderr appended to
+    out/stderr.log) and return once it has logged ``more_steps`` more train records (or ended),
+    plus ``delay`` seconds: (the process, the deadline for the rest of the wait, 300 s from
+    the start)."""
+    import subprocess
+    import time
+    start = count_train(out)
+    with open(os.path.join(out, "stderr.log"), "a") as err:
+        proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and count_train(out) < start + more_steps:
+        assert time.monotonic() < deadline, "a launch made no progress in 300 s"
+        time.sleep(0.01)
+    time.sleep(delay)
+    return proc, deadline
+
+
 def uninterrupted(args: list[str], env: dict, out: str, steps: int) -> tuple[dict, dict]:
     """Run ``args`` (a ``moeplug train --out out`` command of ``steps`` steps) to the end: the
     train loss and val loss trajectories every killed-and-resumed run must end with."""
