@@ -7,8 +7,11 @@ Shape legend: S routed rows (grouped by expert), L local experts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from moeplug import delayed_wgrad
 from moeplug.ops import workspace
 from moeplug.ops.workspace import Empty
 
@@ -21,6 +24,19 @@ def expert_slices(counts: list[int]) -> list[tuple[int, int, int]]:
             out.append((e, start, start + n))
         start += n
     return out
+
+
+def keep_for_backward(ctx: Any, x_SD: torch.Tensor, probs_S: torch.Tensor | None,
+                      w1: torch.Tensor, w2: torch.Tensor, slices: list[tuple[int, int, int]],
+                      delay_wgrad: bool) -> None:
+    """What both ops' backward reads from ``ctx`` besides its saved tensors: the expert slices,
+    the running layer's arena (backward re-enters it), the weights themselves when their
+    gradient GEMMs are deferred (``delay_wgrad``: leaves, into whose .grad the deferred GEMMs
+    sum), and the dtypes each gradient goes back in (x, probs, w1, w2)."""
+    ctx.slices = slices
+    ctx.arena = workspace.current_arena()
+    ctx.weights = (w1, w2) if delay_wgrad and delayed_wgrad.can_defer(w1, w2) else None
+    ctx.dtypes = (x_SD.dtype, None if probs_S is None else probs_S.dtype, w1.dtype, w2.dtype)
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype, empty: Empty = workspace.empty) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from moeplug import delayed_wgrad
 from moeplug.ops import cuda_ops, reference, workspace
 from moeplug.ops._grouped import (cast as _cast, check_counts_and_probs, compute_dtype,
-                                  expert_slices, mm_rows, row_multiple,
+                                  expert_slices, keep_for_backward, mm_rows, row_multiple,
                                   weight_grad as _weight_grad, with_spare_rows)
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
 from moeplug.ops.offload_marks import note
@@ -98,13 +98,7 @@ class _ExpertMLP(torch.autograd.Function):
         ctx.save_for_backward(x_c, h_S2F, None if recompute_act else a_SF, probs32_S, w13_L2FD,
                               w2_LDF)
         ctx.recompute_act = recompute_act
-        # delay_wgrad: the weights themselves (leaves), into whose .grad the deferred GEMMs sum.
-        ctx.weights = ((w13_L2FD, w2_LDF)
-                       if delay_wgrad and delayed_wgrad.can_defer(w13_L2FD, w2_LDF) else None)
-        ctx.slices = slices
-        ctx.arena = workspace.current_arena()
-        ctx.dtypes = (x_SD.dtype, None if probs_S is None else probs_S.dtype, w13_L2FD.dtype,
-                      w2_LDF.dtype)
+        keep_for_backward(ctx, x_SD, probs_S, w13_L2FD, w2_LDF, slices, delay_wgrad)
         return y_SD
 
     @staticmethod

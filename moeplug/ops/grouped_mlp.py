@@ -21,8 +21,8 @@ import torch
 from moeplug import delayed_wgrad
 from moeplug.ops import workspace
 from moeplug.ops._grouped import cast as _cast, check_counts_and_probs, compute_dtype
-from moeplug.ops._grouped import (expert_slices, mm_rows, row_multiple, weight_grad,
-                                  with_spare_rows)
+from moeplug.ops._grouped import (expert_slices, keep_for_backward, mm_rows, row_multiple,
+                                  weight_grad, with_spare_rows)
 from moeplug.ops.activations import act_times_probs, act_times_probs_backward, fc1_rows
 from moeplug.ops.offload_marks import note
 
@@ -56,13 +56,8 @@ class _GroupedMLP(torch.autograd.Function):
         note("moe_act", h_SX)
         # recompute_act (moe_act recompute): a is dropped here and rebuilt from h in backward.
         ctx.save_for_backward(x_c, h_SX, None if recompute_act else a_SF, probs32_S, w1_c, w2_c)
-        ctx.slices, ctx.activation = slices, activation
-        ctx.arena = workspace.current_arena()
-        # delay_wgrad: the weights themselves (leaves), into whose .grad the deferred GEMMs sum.
-        ctx.weights = ((w1_LXD, w2_LDF)
-                       if delay_wgrad and delayed_wgrad.can_defer(w1_LXD, w2_LDF) else None)
-        ctx.dtypes = (x_SD.dtype, None if probs_S is None else probs_S.dtype, w1_LXD.dtype,
-                      w2_LDF.dtype)
+        ctx.activation = activation
+        keep_for_backward(ctx, x_SD, probs_S, w1_LXD, w2_LDF, slices, delay_wgrad)
         return y_SD
 
     @staticmethod
