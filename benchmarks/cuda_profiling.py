@@ -1,5 +1,6 @@
 """What the GPU profile scripts (profile_cuda_moe_layer.py, profile_cuda_train_step.py) share:
-torch's host-sync detector around one call, and the kernel table of a torch profile."""
+the check that a GPU is there, torch's host-sync detector around one call, and the kernel table
+of a torch profile."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ import warnings
 from typing import Callable
 
 import torch
+
+
+def require_gpu(script: str) -> None:
+    """Exit with a message on stderr (status 1), not a traceback from torch's lazy CUDA init,
+    where torch sees no GPU."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script}: needs a CUDA GPU, and torch sees none "
+                         f"(torch {torch.__version__}, torch.cuda.is_available() is False). "
+                         f"Run it on a GPU machine: docs/gpu_checks.sh runs it with PROFILE=1")
 
 
 def host_syncs(step: Callable[[], object]) -> collections.Counter:

@@ -13,7 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
-from benchmarks.cuda_profiling import print_host_syncs, print_kernel_table  # noqa: E402
+from benchmarks.cuda_profiling import (print_host_syncs, print_kernel_table,  # noqa: E402
+                                        require_gpu)
 from benchmarks.test_bench_cuda import D, T, _qwen3_block, qwen3_layer  # noqa: E402
 
 
@@ -53,4 +54,5 @@ def main(rows: int = 22) -> None:
 
 
 if __name__ == "__main__":
+    require_gpu("profile_cuda_moe_layer.py")
     main()

@@ -18,7 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, ".")
-from benchmarks.cuda_profiling import print_host_syncs, print_kernel_table  # noqa: E402
+from benchmarks.cuda_profiling import (print_host_syncs, print_kernel_table,  # noqa: E402
+                                        require_gpu)
 from benchmarks.test_bench_cuda import cuda_train_step_setup, set_fused_cuda  # noqa: E402
 
 
@@ -72,4 +73,5 @@ def main(rows: int = 25) -> None:
 
 
 if __name__ == "__main__":
+    require_gpu("profile_cuda_train_step.py")
     main()

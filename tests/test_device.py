@@ -202,3 +202,16 @@ def test_cuda_device_follows_local_rank_and_refuses_what_cannot_run(tiny_cfg, mo
         D.resolve_device(tiny_cfg(f"train.device=cuda:{count}"))
     with pytest.raises(ConfigError, match="parallel.pp = 2"):
         D.resolve_device(tiny_cfg("train.device=cuda", "parallel.pp=2"))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks what the scripts say where torch sees no GPU")
+@pytest.mark.parametrize("script", ["profile_cuda_moe_layer.py", "profile_cuda_train_step.py"])
+def test_gpu_profile_scripts_say_they_need_a_gpu_instead_of_a_traceback(script):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join("benchmarks", script)], cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert f"{script}: needs a CUDA GPU, and torch sees none" in res.stderr
+    assert "Traceback" not in res.stderr
