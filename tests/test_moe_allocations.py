@@ -90,6 +90,8 @@ ROUTER_FEATURES = {
     # With the output gate (Qwen2-MoE's shared_expert_gate): y * sigmoid(x . w_g).
     "shared_experts_gate": ({}, "_SigmoidScale", {"shared_expert_ffn_hidden_size": 48,
                                                   "shared_expert_gate": True}),
+    # Megatron's default gate (moe_router_dtype unset): the GEMM in bf16 under bf16 autocast.
+    "router_input_dtype_bf16": ({"dtype": "input"}, "_CastGate", None, "bf16"),
     "shared_experts_gate_bf16": ({}, "_SigmoidScale", {"shared_expert_ffn_hidden_size": 48,
                                                        "shared_expert_gate": True}, "bf16"),
     # The same under bf16 autocast (plugins.precision: bf16): nn.Linear's casts and GEMMs.

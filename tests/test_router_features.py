@@ -186,6 +186,27 @@ def test_deepseek_v3_style_routing_matches_the_pure_functions(host):
     assert out.probs_TK.dtype == torch.float32 and out.logits_TE.dtype == torch.float32
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_input_dtype_routes_on_the_logits_of_a_bf16_gate_under_bf16_autocast(host, fused):
+    """router_options.dtype: input (Megatron's moe_router_dtype unset): the gate GEMM in bf16,
+    the routing from its fp32 logits; the weight and its grad stay fp32."""
+    torch.manual_seed(0)
+    router = _router(host, {"dtype": "input", "fused": fused}, num_experts=16, top_k=4)
+    x_TD = torch.randn(33, 16, generator=torch.Generator().manual_seed(9))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = router(x_TD)
+    logits = (x_TD.bfloat16() @ router.weight.detach().bfloat16().t()).float()
+    assert out.logits_TE.dtype == torch.float32 and torch.equal(out.logits_TE, logits)
+    # bf16 logits tie often, and the fused kernel (lower id first) and torch.topk may order
+    # tied experts apart: compare the chosen logits and the weights, sorted per token.
+    probs, ids = R.topk_routing(logits, 4)
+    assert torch.equal(logits.gather(1, out.ids_TK).sort(1).values,
+                       logits.gather(1, ids).sort(1).values)
+    torch.testing.assert_close(out.probs_TK.sort(1).values, probs.sort(1).values)
+    (out.probs_TK.sum() + out.aux_loss).backward()
+    assert router.weight.dtype == router.weight.grad.dtype == torch.float32
+
+
 def test_group_score_option_reaches_the_routing(host):
     # 16 experts, 4 groups, 2 kept, top-6: topk_share sums a group's top 3, top2_sum its top 2.
     cfg = dict(num_experts=16, top_k=6)
@@ -210,7 +231,7 @@ def test_readme_documents_the_group_options_with_their_defaults():
     from moeplug_plugins.routers import TopKOptions
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     defaults = {f.name: f.default for f in dataclasses.fields(TopKOptions)}
-    for name in ("num_groups", "group_topk", "group_score"):
+    for name in ("num_groups", "group_topk", "group_score", "dtype"):
         assert f"| `router_options.{name}` | `{defaults[name]!r}` |" in readme, name
 
 
@@ -393,6 +414,7 @@ def test_zero_token_experts_and_zero_tokens(host):
     {"score_function": "sigmoid", "num_groups": 2, "group_topk": 1},
     {"score_function": "sqrtsoftplus", "load_balancing_type": ["aux_loss", "seq_aux_loss"],
      "aux_loss_coeff": [1e-2, 1e-3], "z_loss_coeff": 1e-3, "dtype": "fp64"},
+    {"dtype": "input"},
     {"capacity_factor": 1.0, "token_drop_policy": "position", "pad_to_capacity": True},
     {"padding_for_quantization": 16, "aux_loss_counts": "routed"},
     {"force_load_balancing": True},

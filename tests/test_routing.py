@@ -295,6 +295,40 @@ def test_router_logits_dtype_and_gradients():
     assert w_ED.grad.dtype == torch.float32 and x_TD.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arena", [True, False])
+def test_input_dtype_gate_is_torchs_bf16_gemm_with_fp32_logits_bitwise(x_dtype, arena):
+    """dtype None (router_options.dtype: input, Megatron's moe_router_dtype unset): under bf16
+    autocast the gate GEMM runs in bf16 and the logits come back in fp32; values and both
+    gradients bitwise torch's composition, in the arena and without one."""
+    from moeplug.ops import workspace
+    g = _gen(21)
+    x0 = torch.randn(37, 24, generator=g).to(x_dtype)
+    w0 = torch.randn(6, 24, generator=g)
+    grad = torch.randn(37, 6, generator=g)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    scope = workspace.arena_scope(workspace.Arena() if arena else None)
+    with scope, torch.autocast("cpu", dtype=torch.bfloat16):
+        z = R.router_logits(x, w, R.ROUTER_DTYPES["input"])
+        z.backward(grad)
+    with torch.autocast("cpu", enabled=False):
+        zr = (xr.bfloat16() @ wr.bfloat16().t()).float()
+        zr.backward(grad)
+    assert z.dtype == torch.float32 and torch.equal(z, zr)
+    assert x.grad.dtype == x_dtype and torch.equal(x.grad, xr.grad)
+    assert w.grad.dtype == torch.float32 and torch.equal(w.grad, wr.grad)
+    # The bf16 GEMM is not the fp32 one: the logits differ (else the option did nothing).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.equal(z, R.router_logits(x0.float(), w0))
+
+
+def test_input_dtype_gate_without_autocast_is_the_fp32_gate():
+    x = torch.randn(9, 16, generator=_gen(22))
+    w = torch.randn(4, 16, generator=_gen(23))
+    assert torch.equal(R.router_logits(x, w, None), R.router_logits(x, w, torch.float32))
+
+
 def test_force_balanced_logits_repeatable_balanced_and_straight_through():
     logits_TE = torch.zeros(4096, 8, requires_grad=True)
     a = R.force_balanced_logits(logits_TE, seed=3)

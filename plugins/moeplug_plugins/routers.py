@@ -5,7 +5,8 @@ Legend: T tokens, D hidden, E experts, K top-k, B sequences in the micro-batch.
 
 forward(x_TD, num_sequences=B):
     1. jitter      x * U(1 - eps, 1 + eps)                      (training only, input_jitter_eps)
-    2. gate        logits_TE = x_TD @ W_ED^T in fp32 or fp64     (dtype; autocast off)
+    2. gate        logits_TE = x_TD @ W_ED^T in fp32 or fp64     (dtype; autocast off), or in
+                   the input's dtype with fp32 logits (dtype "input": Megatron's default)
                    replaced by seeded random logits when force_load_balancing (benchmarks)
     3. route       scores, expert bias, group-limited top-k (group_score rule), scaling
                    (moeplug.routing.scores)
@@ -77,7 +78,10 @@ class TopKOptions:
     aux_loss_counts: Literal["plain_topk", "routed"] = "plain_topk"
     z_loss_coeff: float = 0.0
     input_jitter_eps: float = 0.0
-    dtype: Literal["fp32", "fp64"] = "fp32"
+    # The gate GEMM's dtype (Megatron's moe_router_dtype): "fp32" (the default here) or "fp64";
+    # "input" is Megatron's default (moe_router_dtype unset): the GEMM in the input's dtype,
+    # bf16 in a bf16-autocast run, with fp32 logits for the rest (moeplug.routing.gating).
+    dtype: Literal["fp32", "fp64", "input"] = "fp32"
     # Capacity: None = dropless. Drop policy: "probs" keeps each expert's highest-weight choices,
     # "position" keeps the earliest tokens. pad_to_capacity gives every expert exactly C rows.
     capacity_factor: float | None = None
