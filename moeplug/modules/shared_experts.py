@@ -15,10 +15,10 @@ from torch import nn
 
 from moeplug.config import MoEConfig
 from moeplug.ops import workspace
+from moeplug.ops.linear import linear
 from moeplug.ops.activations import (act_times_probs, act_times_probs_backward, activation_fn,
                                      is_gated)
 from moeplug.quant import active_recipe
-from moeplug.routing.gating import _Gate
 
 
 class SharedExperts(nn.Module):
@@ -76,56 +76,10 @@ def _gemm_dtype() -> torch.dtype | None:
 
 
 def _linear(x_NI: torch.Tensor, weight_OI: torch.Tensor) -> torch.Tensor:
-    # nn.Linear without a bias is x @ W.t() (one mm, MmBackward0): routing.gating's _Gate runs
-    # exactly those GEMMs into workspace buffers; under autocast, _CastLinear adds its casts.
+    # nn.Linear without a bias: x @ W.t() (one mm, MmBackward0), under autocast with the casts
+    # autograd runs; moeplug.ops.linear runs exactly those ops into workspace buffers.
     dtype = _gemm_dtype()
-    if dtype is None:
-        return _Gate.apply(x_NI, weight_OI)
-    return _CastLinear.apply(x_NI, weight_OI, dtype)
-
-
-class _CastLinear(torch.autograd.Function):
-    """``nn.Linear`` without a bias under CPU autocast, into workspace buffers. Autocast runs
-    ``x.to(dtype)`` (skipped when x already is), ``W.to(dtype)`` and ``mm(x_c, W_c.t())``;
-    backward is MmBackward0 (dX_c = dY W_c, dW_c = dY^T X_c, as routing.gating's _Gate) and
-    each ToCopyBackward0 (the grad cast back to its input's dtype). One node per linear, so x
-    still gets one grad per linear, summed by the engine in fp32 as before.
-
-    Autocast caches a leaf weight's cast for the rest of its region and then sums a weight
-    used twice in the region in ``dtype`` before the cast back; this casts per call, which is
-    the same numbers because the MoE layer uses each shared weight once per forward (one
-    micro-batch is one region; a recompute runs in a region of its own)."""
-
-    @staticmethod
-    def forward(ctx, x_NI, weight_OI, dtype):
-        with torch.autocast(device_type="cpu", enabled=False):
-            x_c = x_NI
-            if x_NI.dtype != dtype:
-                x_c = workspace.empty(tuple(x_NI.shape), dtype).copy_(x_NI)
-            w_c = workspace.empty(tuple(weight_OI.shape), dtype).copy_(weight_OI)
-            y_NO = workspace.empty((x_NI.shape[0], weight_OI.shape[0]), dtype)
-            torch.mm(x_c, w_c.t(), out=y_NO)
-        ctx.save_for_backward(x_c, w_c)
-        ctx.dtypes = x_NI.dtype, weight_OI.dtype
-        ctx.arena = workspace.current_arena()
-        return y_NO
-
-    @staticmethod
-    def backward(ctx, grad_NO):
-        x_c, w_c = ctx.saved_tensors
-        x_dtype, w_dtype = ctx.dtypes
-        need_x, need_w, _ = ctx.needs_input_grad
-        grad_x = grad_w = None
-        with workspace.ctx_arena(ctx):
-            if need_x:
-                grad_x = torch.mm(grad_NO, w_c, out=workspace.empty(tuple(x_c.shape), x_c.dtype))
-                if x_dtype != x_c.dtype:
-                    grad_x = workspace.empty(tuple(x_c.shape), x_dtype).copy_(grad_x)
-            if need_w:
-                grad_wc = torch.mm(grad_NO.t(), x_c,
-                                   out=workspace.empty(tuple(w_c.shape), w_c.dtype))
-                grad_w = workspace.empty(tuple(w_c.shape), w_dtype).copy_(grad_wc)
-        return grad_x, grad_w, None
+    return linear(x_NI, weight_OI, x_NI.dtype if dtype is None else dtype)
 
 
 class _ActivationParts(torch.autograd.Function):

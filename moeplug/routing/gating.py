@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from moeplug.ops import workspace
-from moeplug.ops._grouped import cast, compute_dtype
+from moeplug.ops._grouped import compute_dtype
+from moeplug.ops.linear import linear
 
 # None: the gate GEMM in the input's dtype (Megatron with moe_router_dtype unset), see below.
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "input": None}
@@ -31,9 +32,10 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor,
     Megatron's RouterGatingLinearFunction we keep the up-cast copies for backward, which costs
     T*D extra floats but needs no custom autograd function.
 
-    CPU inputs already in ``dtype`` take :class:`_Gate` instead: the same three GEMMs that
-    autograd runs for ``x @ W.t()`` (bitwise the same numbers), written into the running MoE
-    layer's workspace (no allocation after warm-up).
+    CPU inputs already in ``dtype`` (and the ``None`` gate's CPU inputs) take
+    :func:`moeplug.ops.linear.linear` instead: the same GEMMs and casts that autograd runs
+    (bitwise the same numbers), written into the running MoE layer's workspace (no allocation
+    after warm-up).
     """
     if dtype is None:
         dtype = compute_dtype(x_TD)
@@ -41,83 +43,19 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor,
             return _input_dtype_logits(x_TD, weight_ED, dtype)
     if (x_TD.device.type == "cpu" and x_TD.dtype == dtype and weight_ED.dtype == dtype
             and x_TD.dim() == 2 and x_TD.is_contiguous() and weight_ED.is_contiguous()):
-        return _Gate.apply(x_TD, weight_ED)
+        return linear(x_TD, weight_ED, dtype)
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
         return x_TD.to(dtype) @ weight_ED.to(dtype).t()
 
 
 def _input_dtype_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor,
                         dtype: torch.dtype) -> torch.Tensor:
-    """fp32 logits of the gate GEMM in ``dtype`` (bf16, fp16): on the CPU :class:`_CastGate`,
-    elsewhere torch's composition, whose ops _CastGate runs."""
+    """fp32 logits of the gate GEMM in ``dtype`` (bf16, fp16): on the CPU
+    :func:`moeplug.ops.linear.linear`, elsewhere torch's composition, whose ops it runs."""
     if x_TD.device.type == "cpu" and x_TD.dim() == 2:
-        return _CastGate.apply(x_TD, weight_ED, dtype)
+        return linear(x_TD, weight_ED, dtype, torch.float32)
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
         return (x_TD.to(dtype) @ weight_ED.to(dtype).t()).float()
-
-
-class _CastGate(torch.autograd.Function):
-    """``(x.to(dtype) @ weight.to(dtype).t()).float()`` with every buffer in the running MoE
-    layer's workspace: the casts, the GEMMs autograd runs for it (as in :class:`_Gate`) and
-    the casts of the gradients back to the inputs' dtypes; bitwise torch's composition."""
-
-    @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, weight_ED: torch.Tensor, dtype: torch.dtype):
-        with torch.autocast(device_type="cpu", enabled=False):
-            x_c, w_c = cast(x_TD, dtype), cast(weight_ED, dtype)
-            logits_c = workspace.empty((x_c.shape[0], w_c.shape[0]), dtype)
-            torch.mm(x_c, w_c.t(), out=logits_c)
-            logits_TE = cast(logits_c, torch.float32)
-        ctx.save_for_backward(x_c, w_c)
-        ctx.dtypes = (x_TD.dtype, weight_ED.dtype)
-        ctx.arena = workspace.current_arena()
-        return logits_TE
-
-    @staticmethod
-    def backward(ctx, grad_TE: torch.Tensor):
-        x_c, w_c = ctx.saved_tensors
-        x_dtype, w_dtype = ctx.dtypes
-        need_x, need_w, _ = ctx.needs_input_grad
-        grad_x = grad_w = None
-        with workspace.ctx_arena(ctx):
-            grad_c = cast(grad_TE, x_c.dtype)
-            if need_x:
-                gx = workspace.empty(tuple(x_c.shape), x_c.dtype)
-                grad_x = cast(torch.mm(grad_c, w_c, out=gx), x_dtype)
-            if need_w:
-                gw = workspace.empty(tuple(w_c.shape), w_c.dtype)
-                grad_w = cast(torch.mm(grad_c.t(), x_c, out=gw), w_dtype)
-        return grad_x, grad_w, None
-
-
-class _Gate(torch.autograd.Function):
-    """``x_TD @ weight_ED.t()`` with outputs and grads in workspace buffers. Backward is what
-    torch's MmBackward0 computes for a row-major x and the column-major ``weight.t()``:
-    dX = dL @ W and dW = dL^T @ X (mm_mat2_backward's transposed form), so the weight's grad is
-    a contiguous [E, D] that AccumulateGrad adopts as ``weight.grad`` without a copy."""
-
-    @staticmethod
-    def forward(ctx, x_TD: torch.Tensor, weight_ED: torch.Tensor):
-        with torch.autocast(device_type="cpu", enabled=False):
-            logits_TE = workspace.empty((x_TD.shape[0], weight_ED.shape[0]), x_TD.dtype)
-            torch.mm(x_TD, weight_ED.t(), out=logits_TE)
-        ctx.save_for_backward(x_TD, weight_ED)
-        ctx.arena = workspace.current_arena()
-        return logits_TE
-
-    @staticmethod
-    def backward(ctx, grad_TE: torch.Tensor):
-        x_TD, weight_ED = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad
-        grad_x = grad_w = None
-        with workspace.ctx_arena(ctx):
-            if need_x:
-                grad_x = workspace.empty(tuple(x_TD.shape), x_TD.dtype)
-                torch.mm(grad_TE, weight_ED, out=grad_x)
-            if need_w:
-                grad_w = workspace.empty(tuple(weight_ED.shape), weight_ED.dtype)
-                torch.mm(grad_TE.t(), x_TD, out=grad_w)
-        return grad_x, grad_w
 
 
 def input_jitter(x_TD: torch.Tensor, eps: float) -> torch.Tensor:
