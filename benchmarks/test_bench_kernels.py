@@ -332,3 +332,50 @@ def test_adamw_fp32_step_fused_vs_torch_default(benchmark, report):
         assert float((p != q).float().mean()) < 0.01
     benchmark.extra_info.update({k: t * 1e3 for k, t in times.items()})
     benchmark.pedantic(fused.step, rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("live", [1, 10])
+def test_workspace_small_buffer_vs_torch_empty(benchmark, report, live):
+    """A MoE layer takes a few dozen small buffers a step from its arena (moeplug.ops.workspace),
+    which matters where the layer is dispatch-bound. Timed: ``live`` buffers of one size class
+    taken and then dropped, against as many ``torch.empty`` calls of the same shape, in calls
+    of 2000 rounds. Ratio above 1: the arena is slower than torch's allocator."""
+    from moeplug.ops import workspace
+    arena, shape, rounds = workspace.Arena(), (64, 2), 2000
+
+    def arena_calls():
+        with workspace.arena_scope(arena):
+            for _ in range(rounds):
+                held = [workspace.empty(shape, torch.float32) for _ in range(live)]
+                del held
+
+    def torch_calls():
+        for _ in range(rounds):
+            held = [torch.empty(shape, dtype=torch.float32) for _ in range(live)]
+            del held
+
+    # How a free buffer is handed out: one as_strided view (now) or a slice and a view (before
+    # 80d14eb), on the same buffer.
+    buf = torch.empty(128)
+
+    def as_strided_views():
+        for _ in range(rounds * live):
+            workspace._prefix(buf, shape)
+
+    def slice_views():
+        for _ in range(rounds * live):
+            buf[:128].view(shape)
+
+    times = interleave({"arena": arena_calls, "torch_empty": torch_calls,
+                        "as_strided": as_strided_views, "slice_view": slice_views},
+                       repeats=7, warmup=2)
+    per = {k: t / (rounds * live) * 1e6 for k, t in times.items()}
+    name = f"workspace arena, {live} buffer(s) of a class live"
+    report.row(name, "time / torch.empty", times["arena"] / times["torch_empty"],
+               note=f"{per['arena']:.2f} us vs {per['torch_empty']:.2f} us a buffer")
+    if live == 1:
+        report.row(name, "hand-out: slice+view / as_strided", times["slice_view"]
+                   / times["as_strided"],
+                   note=f"{per['slice_view']:.2f} us vs {per['as_strided']:.2f} us a view")
+    benchmark.extra_info.update(per)
+    benchmark.pedantic(arena_calls, rounds=1, iterations=1)

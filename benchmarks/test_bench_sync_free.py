@@ -9,8 +9,8 @@ Four copies of one MoE layer with the same weights, timed fwd+bwd round-robin:
                 eager ran before the arena form)
     replay      runtime.sync_free + runtime.capture (compiled once before timing)
 Reported: eager / replay and dynamic / replay step-time ratios (> 1: replay is faster), eager
-pure / eager (> 1: the arena form is faster) and dynamic / eager, at a dispatch-bound small
-shape and at a compute-bound mid shape; then the same for a whole
+pure / eager (> 1: the arena form is faster) and dynamic / eager, at a dispatch-bound tiny
+shape, a small one and a compute-bound mid one; then the same for a whole
 ``train_step`` of a small 2-layer model; then dynamic / eager at EP2 (two gloo ranks, the
 static region's exchanges eager, one thread per rank).
 """
@@ -23,7 +23,8 @@ import torch
 
 from benchmarks.conftest import interleave
 
-SHAPES = {  # name: (tokens, D, F, E, K)
+SHAPES = {  # name: (tokens, D, F, E, K); tiny: where per-op dispatch is most of the time
+    "tiny T64 D32 F64 E8 K2": (64, 32, 64, 8, 2),
     "small T512 D128 F256 E8 K2": (512, 128, 256, 8, 2),
     "mid T2048 D512 F704 E16 K4": (2048, 512, 704, 16, 4),
 }
