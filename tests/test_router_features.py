@@ -59,6 +59,9 @@ def test_option_type_errors_come_from_the_host(host):
     with pytest.raises(PluginError, match=r"plugins.router_options.group_score = 'top3' \(str\) must "
                                           r"be one of 'topk_share', 'top2_sum'. Fix: set group_score"):
         _router(host, {"num_groups": 2, "group_topk": 1, "group_score": "top3"})
+    with pytest.raises(PluginError, match=r"plugins.router_options.dtype = 'bf16' \(str\) must be "
+                                          r"one of 'fp32', 'fp64', 'input'. Fix: set dtype"):
+        _router(host, {"dtype": "bf16"})
 
 
 def test_bad_group_score_is_a_config_error_through_the_cli(run_cli, tiny_config_file):
