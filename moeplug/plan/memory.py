@@ -18,12 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moeplug.config import GATED_ACTIVATIONS, RECOMPUTE_MODULES, ConfigError, ModelConfig
+from moeplug.config import (GATED_ACTIVATIONS, OFFLOAD_MODULES, RECOMPUTE_MODULES, ConfigError,
+                            ModelConfig)
 from moeplug.modules.flops import attention_macs
 
 GB = 1e9
-OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
-                   "expert_fc1", "moe_act")
 
 
 @dataclass(frozen=True, kw_only=True)
