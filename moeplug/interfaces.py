@@ -168,6 +168,12 @@ class Experts(nn.Module, abc.ABC):
     y = down(silu(gate x) * (up x) * p). The routing weight p scales the activation, not the
     input rows, so dispatchers never keep weighted copies; with ``moe.apply_probs_on_input`` the
     MoE layer passes rows already scaled by p and p = 1.
+
+    ``recompute_activation`` (optional class attribute, default absent): a backend that defines
+    it accepts ``model.recompute.modules: [moe_act]`` (the trainer sets it True: keep FC1's
+    output, rebuild the activation in backward) and the ``expert_fc1`` / ``moe_act`` offload
+    names (its op passes those tensors to ``moeplug.ops.offload_marks.note``). A backend
+    without it is refused for those settings before training starts.
     """
 
     num_local_experts: int

@@ -489,5 +489,26 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
                             cfg.parallel)
     host.create("router", p.router, dict(p.router_options), m)
     dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, None)
-    host.create("experts", p.experts, dict(p.experts_options), m, dispatcher.num_local_experts)
+    experts = host.create("experts", p.experts, dict(p.experts_options), m,
+                          dispatcher.num_local_experts)
+    _check_expert_op_levers(type(experts), cfg)
     return host.create("precision", p.precision, dict(p.precision_options))
+
+
+def _check_expert_op_levers(experts_cls: type, cfg: Any) -> None:
+    """moe_act recompute and the expert_fc1 / moe_act offload names need an experts backend
+    that declares ``recompute_activation`` (moeplug.interfaces.Experts); refused here, before
+    any process group, rather than when the model is built."""
+    if hasattr(experts_cls, "recompute_activation"):
+        return
+    rc, wants = cfg.model.recompute, []
+    if rc.granularity == "selective" and "moe_act" in rc.modules:
+        wants.append("model.recompute.modules moe_act")
+    wants += [f"model.offload {n}" for n in ("expert_fc1", "moe_act") if n in cfg.model.offload]
+    if wants:
+        raise PluginError(
+            f"plugins.experts = {cfg.plugins.experts!r}: {experts_cls.__name__} cannot run "
+            f"{', '.join(wants)} (they need a backend that declares recompute_activation: its op "
+            f"keeps FC1's output and marks its saved tensors). Fix: use plugins.experts: "
+            f"grouped, or drop {', '.join(w.rpartition(' ')[2] for w in wants)} from those "
+            f"settings")

@@ -132,6 +132,64 @@ def test_bad_offload_config_fails_naming_field_value_and_fix(tmp_path):
         model_for(["moe_act"], experts="sequential")
 
 
+MOE_ACT = {"granularity": "selective", "modules": ["moe_act"]}
+
+
+@pytest.mark.parametrize("model, field", [
+    ({"recompute": MOE_ACT}, r"RecomputeConfig.modules = \['moe_act'\]: moe_act acts"),
+    ({"offload": ["expert_fc1", "moe_act"]},
+     r"ModelConfig.offload = \['expert_fc1', 'moe_act'\]: expert_fc1 and moe_act act"),
+])
+@pytest.mark.parametrize("over, words, fix", [
+    ({"plugins": {"precision": "mxfp8"}}, "plugins.precision = 'mxfp8' runs the experts through "
+     "its own emulated", "or use plugins.precision: fp32 or bf16"),
+    ({"runtime": {"sync_free": True}}, "runtime.sync_free runs the experts in its static region",
+     "or set runtime.sync_free: false"),
+])
+def test_expert_op_levers_are_refused_where_the_experts_would_ignore_them(model, field, over,
+                                                                        words, fix):
+    """moe_act recompute and the expert offload names act inside the fp32/bf16 expert ops; the
+    emulated low-precision experts and the sync-free region ran without them, silently (no
+    byte offloaded, the same activation memory)."""
+    with pytest.raises(ConfigError, match=f"{field} inside .*{words}.* Fix: drop .* from "
+                                          f"model\\.(recompute\\.modules|offload), {fix}"):
+        config_from_dict({"model": model, **over})
+    config_from_dict({"model": model})  # valid on their own
+    config_from_dict({"model": {"offload": ["core_attn"]}, **over})  # outside the experts: fine
+
+
+@pytest.mark.parametrize("settings", [
+    ("--set", "model.offload=[expert_fc1]"),
+    ("--set", "model.recompute={granularity: selective, modules: [moe_act]}"),
+])
+def test_an_experts_backend_without_the_ops_is_refused_before_training(run_cli, tiny_config_file,
+                                                                      tmp_path, settings):
+    """Once a traceback from the model build (exit 1); now a configuration error at the plugin
+    check, before data, model or process group, and no run directory."""
+    out = tmp_path / "run"
+    proc = run_cli("train", "--config", tiny_config_file(str(out)), "--set",
+                   "plugins.experts=sequential", *settings)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert ("plugins.experts = 'sequential': SequentialExperts cannot run model."
+            in proc.stderr), proc.stderr
+    assert "Fix: use plugins.experts: grouped" in proc.stderr and not out.exists()
+
+
+def test_cuda_refuses_the_expert_settings_its_path_does_not_run():
+    """``train.device: auto`` resolves to a GPU only at launch: the CUDA swiglu experts (torch's
+    grouped_mm autograd) would ignore moe_act and cannot delay dW. Checked on any machine."""
+    from moeplug.training.distributed import check_cuda_expert_levers
+    field = "TrainConfig.device = 'auto'"
+    for model, words in (({"recompute": MOE_ACT}, "moe_act is not built into the swiglu"),
+                         ({"moe": {"delay_wgrad_compute": True}}, "delay_wgrad_compute runs in "
+                          "the CPU expert ops only")):
+        with pytest.raises(ConfigError, match=f"{field}: model.*{words}.* Fix: "):
+            check_cuda_expert_levers(config_from_dict({"model": model}), field)
+    # the other activations run moeplug.ops.grouped_mlp on every device, which takes the flag
+    check_cuda_expert_levers(config_from_dict({"model": {"recompute": MOE_ACT, "moe": {
+        "activation": "gelu"}}}), field)
+
+
 def _ep2_on_off(rank: int, world: int) -> dict:
     """Two AdamW steps of an EP2 model with and without offloading, from the same seed."""
     import numpy as np

@@ -83,7 +83,24 @@ def resolve_device(cfg: RootConfig, num_local: int | None = None) -> torch.devic
         raise ConfigError(f"{field} with parallel.pp = {cfg.parallel.pp}: pipeline parallelism "
                           "runs on the CPU only so far. Fix: --set train.device=cpu, or "
                           "parallel.pp=1 (tp/ep/dp/cp for the GPUs)")
+    check_cuda_expert_levers(cfg, field)
     return torch.device("cuda", index)
+
+
+def check_cuda_expert_levers(cfg: RootConfig, field: str) -> None:
+    """Expert settings the GPU path does not run, refused before any work (``auto`` resolves to
+    a GPU only here, so RootConfig cannot see them): the swiglu experts' CUDA path is torch's
+    grouped_mm autograd, which keeps the activation and computes dW with dX."""
+    moe, rc = cfg.model.moe, cfg.model.recompute
+    if moe.delay_wgrad_compute:
+        raise ConfigError(f"{field}: model.moe.delay_wgrad_compute runs in the CPU expert ops "
+                          "only. Fix: set model.moe.delay_wgrad_compute: false, or "
+                          "--set train.device=cpu")
+    if moe.activation == "swiglu" and rc.granularity == "selective" and "moe_act" in rc.modules:
+        raise ConfigError(f"{field}: model.recompute.modules moe_act is not built into the swiglu "
+                          "experts' CUDA path (torch's grouped_mm keeps the activation), so it "
+                          "would be ignored. Fix: drop moe_act from model.recompute.modules, or "
+                          "--set train.device=cpu")
 
 
 def model_device(model: nn.Module) -> torch.device:
