@@ -93,6 +93,9 @@ class ModelRuntime:
         self.pool: Any = None
         self._bytes: torch.Tensor | None = None
         self.stash_active = bool(cfg.stash)
+        # Pages the tensors that did not fit would have taken, run total: the trainer's rerun
+        # message turns it into the runtime.stash_pages that would have held the step.
+        self.overflow_pages = 0
         self.sync_free = SyncFreeState(cfg)  # runtime.sync_free / capture (moeplug.syncfree)
         # model.offload: the moeplug.modules.offload.Offloader over the second tier (None: off).
         self.offloader: Any = None
@@ -142,8 +145,9 @@ class ModelRuntime:
             return t
         n = t.numel() * t.element_size()
         first, count = self.pool.alloc(n)
-        if first < 0:
-            return t  # overflow: counted by the pool, the tensor is kept (nothing lost)
+        if first < 0:  # overflow: counted by the pool, the tensor is kept (nothing lost)
+            self.overflow_pages += -(-n // self.pool.page_bytes)
+            return t
         off = first * self.pool.page_bytes
         view = memory[off:off + n].view(t.dtype).view(t.shape)
         view.copy_(t)

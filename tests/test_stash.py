@@ -133,6 +133,39 @@ def test_overflow_reruns_without_stash_and_matches_the_unstashed_run():
     assert all(s["overflows"] > 0 and s["reruns"] == 1 for s in stats)
 
 
+@pytest.mark.parametrize("experts", ["grouped", "sequential"])
+def test_an_overflow_names_the_pool_size_that_holds_the_step(experts):
+    """``pages_needed`` (the pool plus the pages of what did not fit) is enough: a pool of that
+    size overflows no more. The sequential backend saves more, smaller tensors than the grouped
+    op the automatic size is computed for: once it overflowed every step without a word."""
+    def cfg(**rt):
+        c = _cfg(stash=True, stash_page_bytes=4096, **rt)
+        c.plugins.experts = experts
+        return c
+    small = _train(cfg(stash_pages=2), steps=2)[1]
+    needed = max(s.stash["pages_needed"] for s, _ in small)
+    assert all(s.stash["overflows"] > 0 for s, _ in small) and needed > 2
+    held = _train(cfg(stash_pages=needed), steps=2)[1]
+    assert all(s.stash["overflows"] == 0 and s.stash["reruns"] == 0 for s, _ in held)
+    assert max(s.stash["high_water"] for s, _ in held) <= needed
+    with pytest.raises(StashOverflowError, match=f"at least {needed},"):
+        _train(cfg(stash_pages=2, stash_overflow="fail"), 1)
+
+
+def test_a_rerun_is_said_on_the_console_and_recorded(tiny_config_file, tmp_path):
+    out = tmp_path / "run"
+    res = run_cli(["train", "--config", tiny_config_file(), "--out", str(out), "--steps", "2",
+                   "--set", "runtime.stash=true", "--set", "runtime.stash_pages=1"], timeout=300)
+    assert res.returncode == 0, res.stderr
+    said = [line for line in (res.stdout + res.stderr).splitlines() if "stash pool overflowed"
+            in line]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    reruns = [r for r in records if r["kind"] == "stash_rerun"]
+    assert [r["step"] for r in reruns] == [1, 2] and [r["reruns"] for r in reruns] == [1, 2]
+    assert len(said) == 2 and f"Fix: --set runtime.stash_pages={reruns[0]['pages_needed']}" in \
+        said[0], said
+
+
 def test_overflow_keep_is_exact_too():
     off = _train(_cfg(stash=False), steps=2)
     keep = _train(_cfg(stash=True, stash_pages=1, stash_page_bytes=4096,

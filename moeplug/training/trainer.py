@@ -245,22 +245,25 @@ def _stashed_step(model, rt, forward_backward, groups) -> tuple:
     state (Megatron's paged-stash runner), fail, or keep (pack kept the tensors: exact)."""
     policy = rt.cfg.stash_overflow
     before = rt.stats()["overflows"] if rt.stats() else 0
+    pages_before = rt.overflow_pages
     rng = torch.get_rng_state()
     buffers = ({k: b.detach().clone() for k, b in model.named_buffers()}
                if policy == "rerun" else None)
     result = forward_backward()
     overflows = (rt.stats() or {}).get("overflows", 0) - before
+    missing = rt.overflow_pages - pages_before  # pages the kept tensors would have taken
     # Sync point: every rank must take the same branch (a rerun runs collectives).
     if groups is not None:
-        t = torch.tensor([overflows], dtype=torch.int64)
+        t = torch.tensor([overflows, missing], dtype=torch.int64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        overflows = int(t)
+        overflows, missing = (int(v) for v in t)
     reruns = 0
     if overflows and policy == "fail":
         raise StashOverflowError(
             f"runtime.stash_overflow = 'fail': the stash pool ({rt.pool.num_pages} pages of "
-            f"{rt.pool.page_bytes} bytes) overflowed {overflows} time(s) this step. Fix: raise "
-            f"runtime.stash_pages, or set runtime.stash_overflow: rerun")
+            f"{rt.pool.page_bytes} bytes) overflowed {overflows} time(s) this step. Fix: set "
+            f"runtime.stash_pages to at least {rt.pool.num_pages + missing}, or "
+            f"runtime.stash_overflow: rerun")
     if overflows and policy == "rerun":
         torch.set_rng_state(rng)
         with torch.no_grad():
@@ -272,7 +275,8 @@ def _stashed_step(model, rt, forward_backward, groups) -> tuple:
     stats = rt.stats() or {}
     return (*result, {"pages_in_use": stats.get("pages_in_use", 0),
                       "high_water": stats.get("high_water", 0),
-                      "overflows": overflows, "reruns": reruns})
+                      "overflows": overflows, "reruns": reruns,
+                      "pages_needed": rt.pool.num_pages + missing})
 
 
 def _sync_free_step(model, state, step_body, groups) -> tuple:
@@ -534,6 +538,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     # Non-finite steps: skipped in a row / in this run (moeplug.training.faults).
     skipped = skipped_total = 0
     sync_free_reruns = None  # over-budget steps rerun this run (runtime.sync_free)
+    stash_reruns = 0  # steps rerun without the stash this run (runtime.stash_overflow: rerun)
     test_fault = TestFault.from_env()
     if test_fault is not None:  # first: its NaN counts as the block's own output
         test_fault.install(model)
@@ -585,6 +590,15 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 progress.message(f"{line}; update skipped ({skipped_total} so far)")
             else:
                 skipped = 0
+            if stats.stash is not None and stats.stash["reruns"]:
+                stash_reruns += 1  # each one ran the step's forward and backward twice
+                over, needed = stats.stash["overflows"], stats.stash["pages_needed"]
+                write({"kind": "stash_rerun", "step": done, "overflows": over,
+                       "pages_needed": needed, "reruns": stash_reruns})
+                progress.message(f"step {done}: the stash pool overflowed ({over} tensors did "
+                                 f"not fit); reran without the stash ({stash_reruns} so far, "
+                                 f"each a second forward and backward). Fix: --set "
+                                 f"runtime.stash_pages={needed}")
             if stats.sync_free is not None:
                 sync_free_reruns = (sync_free_reruns or 0) + stats.sync_free["reruns"]
                 if stats.sync_free["reruns"]:
