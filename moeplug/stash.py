@@ -126,6 +126,15 @@ class ModelRuntime:
             self.pool = get_runtime().PagePool(self.cfg.stash_page_bytes, pages,
                                                own_memory=False)
 
+    def grow(self, num_pages: int) -> None:
+        """A pool of ``num_pages`` from now on (``runtime.stash_pages: 0`` after an overflow).
+        Called between steps, when no page is in use; the old pool's memory goes with its last
+        reference, and the new one is made on the next tensor stashed."""
+        if self.pool.stats()["pages_in_use"]:
+            raise RuntimeError("stash: grow() while pages are in use; call it between steps")
+        self.pool = get_runtime().PagePool(self.pool.page_bytes, num_pages, own_memory=False)
+        self._bytes = None
+
     def _memory(self, device: torch.device) -> torch.Tensor:
         if self._bytes is None:
             if device.type == "cpu":  # the C++ pool's own aligned host allocation, zero-copy

@@ -152,7 +152,24 @@ def test_an_overflow_names_the_pool_size_that_holds_the_step(experts):
         _train(cfg(stash_pages=2, stash_overflow="fail"), 1)
 
 
-def test_a_rerun_is_said_on_the_console_and_recorded(tiny_config_file, tmp_path):
+def test_an_automatic_pool_grows_to_what_a_step_needed_once():
+    """``stash_pages: 0`` sizes the pool for what the grouped op saves; the sequential backend
+    saves more, and the pool overflowed on every step (each step run twice). Now the first
+    overflow grows it to ``pages_needed`` and the steps after it stash everything."""
+    cfg = _cfg(stash=True)
+    cfg.plugins.experts = "sequential"
+    model, history = _train(cfg, steps=3)
+    first, *rest = [s.stash for s, _ in history]
+    assert first["overflows"] > 0 and first["reruns"] == 1
+    assert first["grown_to"] == first["pages_needed"] == stash_runtime(model).pool.num_pages
+    assert all(s["overflows"] == 0 and s["reruns"] == 0 and s["grown_to"] is None
+               and 0 < s["high_water"] <= first["grown_to"] for s in rest)
+    off = _cfg(stash=False)
+    off.plugins.experts = "sequential"
+    _assert_same_training((model, history), _train(off, steps=3))
+
+
+def test_an_overflow_is_said_on_the_console_and_recorded(tiny_config_file, tmp_path):
     out = tmp_path / "run"
     res = run_cli(["train", "--config", tiny_config_file(), "--out", str(out), "--steps", "2",
                    "--set", "runtime.stash=true", "--set", "runtime.stash_pages=1"], timeout=300)
@@ -160,10 +177,11 @@ def test_a_rerun_is_said_on_the_console_and_recorded(tiny_config_file, tmp_path)
     said = [line for line in (res.stdout + res.stderr).splitlines() if "stash pool overflowed"
             in line]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    reruns = [r for r in records if r["kind"] == "stash_rerun"]
-    assert [r["step"] for r in reruns] == [1, 2] and [r["reruns"] for r in reruns] == [1, 2]
-    assert len(said) == 2 and f"Fix: --set runtime.stash_pages={reruns[0]['pages_needed']}" in \
-        said[0], said
+    over = [r for r in records if r["kind"] == "stash_overflow"]
+    assert [r["step"] for r in over] == [1, 2] and [r["reruns"] for r in over] == [1, 2]
+    assert all(r["grown_to"] is None for r in over)  # a size the user set is kept
+    assert len(said) == 2 and "reran it without the stash" in said[0], said
+    assert f"Fix: --set runtime.stash_pages={over[0]['pages_needed']}" in said[0], said
 
 
 def test_overflow_keep_is_exact_too():

@@ -273,10 +273,16 @@ def _stashed_step(model, rt, forward_backward, groups) -> tuple:
             result = forward_backward()
         reruns = 1
     stats = rt.stats() or {}
-    return (*result, {"pages_in_use": stats.get("pages_in_use", 0),
-                      "high_water": stats.get("high_water", 0),
-                      "overflows": overflows, "reruns": reruns,
-                      "pages_needed": rt.pool.num_pages + missing})
+    record = {"pages_in_use": stats.get("pages_in_use", 0),
+              "high_water": stats.get("high_water", 0), "overflows": overflows,
+              "reruns": reruns, "pages_needed": rt.pool.num_pages + missing, "grown_to": None}
+    if overflows and not rt.cfg.stash_pages:
+        # The automatic size counts what the grouped experts save for one micro-batch at
+        # average routing; other backends, recipes and EP's uneven receives save more. Like the
+        # shared-memory heap, an automatic pool grows to what the step needed, once.
+        rt.grow(record["pages_needed"])
+        record["grown_to"] = record["pages_needed"]
+    return (*result, record)
 
 
 def _sync_free_step(model, state, step_body, groups) -> tuple:
@@ -590,15 +596,20 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 progress.message(f"{line}; update skipped ({skipped_total} so far)")
             else:
                 skipped = 0
-            if stats.stash is not None and stats.stash["reruns"]:
-                stash_reruns += 1  # each one ran the step's forward and backward twice
-                over, needed = stats.stash["overflows"], stats.stash["pages_needed"]
-                write({"kind": "stash_rerun", "step": done, "overflows": over,
-                       "pages_needed": needed, "reruns": stash_reruns})
-                progress.message(f"step {done}: the stash pool overflowed ({over} tensors did "
-                                 f"not fit); reran without the stash ({stash_reruns} so far, "
-                                 f"each a second forward and backward). Fix: --set "
-                                 f"runtime.stash_pages={needed}")
+            if stats.stash is not None and stats.stash["overflows"]:
+                st = stats.stash
+                stash_reruns += st["reruns"]  # each one ran the step's forward and backward twice
+                write({"kind": "stash_overflow", "step": done, "overflows": st["overflows"],
+                       "pages_needed": st["pages_needed"], "grown_to": st["grown_to"],
+                       "reruns": stash_reruns})
+                what = ("reran it without the stash" if st["reruns"] else
+                        "kept those in torch memory")
+                then = (f"the pool (runtime.stash_pages: 0, sized from the model) grew to "
+                        f"{st['grown_to']} pages for the next steps" if st["grown_to"] else
+                        f"Fix: --set runtime.stash_pages={st['pages_needed']}")
+                progress.message(f"step {done}: the stash pool overflowed ({st['overflows']} "
+                                 f"tensors did not fit); {what} ({stash_reruns} rerun(s) so "
+                                 f"far); {then}")
             if stats.sync_free is not None:
                 sync_free_reruns = (sync_free_reruns or 0) + stats.sync_free["reruns"]
                 if stats.sync_free["reruns"]:
