@@ -924,14 +924,15 @@ class RootConfig:
                   f"{self.train.device!r}", f"set train.device: cpu or {name}: false")
 
     def _check_expert_op_levers(self) -> None:
-        # moe_act recompute and the expert_fc1 / moe_act offload names act inside the grouped
-        # experts' fp32/bf16 ops (moeplug.ops.expert_mlp, grouped_mlp): the op keeps FC1's output
-        # instead of the activation, and notes which of its saved tensors the names mean. The
-        # emulated low-precision experts (moeplug.quant) and the static sync-free region run
-        # GEMMs of their own that do neither, so either switch would do nothing, silently.
+        # moe_act recompute and the expert_fc1 / moe_act offload names act inside the dynamic
+        # expert ops (moeplug.ops.expert_mlp, grouped_mlp, moeplug.quant's experts): the op keeps
+        # FC1's output instead of the activation, and notes which of its saved tensors the names
+        # mean. The static sync-free region runs GEMMs of its own that do neither, so either
+        # switch would do nothing there, silently.
         m, rc = self.model, self.model.recompute
-        if not isinstance(rc, RecomputeConfig) or not isinstance(m.offload, list):
-            return  # already reported by their own checks
+        if not self.runtime.sync_free or not isinstance(rc, RecomputeConfig) or \
+                not isinstance(m.offload, list):
+            return  # (a bad recompute or offload value is reported by its own check)
         levers = []
         if rc.granularity == "selective" and isinstance(rc.modules, list) and \
                 "moe_act" in rc.modules:
@@ -941,17 +942,10 @@ class RootConfig:
             levers.append((m, "offload", m.offload, inside, "offload"))
         for obj, field_name, value, names, key in levers:
             what = " and ".join(names) + (" acts" if len(names) == 1 else " act")
-            it = "it" if len(names) == 1 else "them"
-            drop = f"drop {' and '.join(names)} from model.{key}"
-            if self.plugins.precision not in ("fp32", "bf16"):
-                _fail(obj, field_name, value, f"{what} inside the fp32/bf16 expert ops; "
-                      f"plugins.precision = {self.plugins.precision!r} runs the experts through "
-                      f"its own emulated low-precision GEMMs, which would ignore {it}",
-                      f"{drop}, or use plugins.precision: fp32 or bf16")
-            elif self.runtime.sync_free:
-                _fail(obj, field_name, value, f"{what} inside the dynamic expert ops; "
-                      f"runtime.sync_free runs the experts in its static region, which would "
-                      f"ignore {it}", f"{drop}, or set runtime.sync_free: false")
+            _fail(obj, field_name, value, f"{what} inside the dynamic expert ops; "
+                  f"runtime.sync_free runs the experts in its static region, which would ignore "
+                  f"{'it' if len(names) == 1 else 'them'}", f"drop {' and '.join(names)} from "
+                  f"model.{key}, or set runtime.sync_free: false")
 
     def _check_sync_free(self) -> None:
         # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself in the

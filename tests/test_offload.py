@@ -83,6 +83,23 @@ def test_offload_with_the_paged_stash_and_a_torch_activation(tmp_path):
                  run(model_for([], stash=True)))
 
 
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "nvfp4"])
+def test_offload_of_the_emulated_low_precision_experts_is_identical(precision, tmp_path):
+    """The emulated recipes' experts (moeplug.quant.quant_expert_mlp) mark their rows and FC1
+    outputs too: once they offloaded nothing, silently."""
+    def under_recipe(model):  # a fresh recipe: NVFP4's rounding draws from its own generator
+        recipe = PluginHost.load().create("precision", precision, {})
+        with recipe.autocast("cpu"):
+            return run(model), model.runtime.offloader
+    want, _ = under_recipe(model_for([]))
+    got, o = under_recipe(model_for(["expert_fc1", "moe_act"], tmp_path=tmp_path))
+    _assert_same(got, want)
+    stream("offload").synchronize()
+    stats = o.stats()
+    assert stats["bytes_offloaded"] > 0 and stats["bytes_prefetched"] == stats["bytes_offloaded"]
+    assert got[2] < want[2]  # less held for backward
+
+
 def test_offload_with_selective_recompute_is_identical():
     rc = RecomputeConfig(granularity="selective", modules=["moe_act", "mlp"])
     ref, got = model_for([]), model_for(["expert_fc1", "moe_act", "attn_proj"])
@@ -140,21 +157,18 @@ MOE_ACT = {"granularity": "selective", "modules": ["moe_act"]}
     ({"offload": ["expert_fc1", "moe_act"]},
      r"ModelConfig.offload = \['expert_fc1', 'moe_act'\]: expert_fc1 and moe_act act"),
 ])
-@pytest.mark.parametrize("over, words, fix", [
-    ({"plugins": {"precision": "mxfp8"}}, "plugins.precision = 'mxfp8' runs the experts through "
-     "its own emulated", "or use plugins.precision: fp32 or bf16"),
-    ({"runtime": {"sync_free": True}}, "runtime.sync_free runs the experts in its static region",
-     "or set runtime.sync_free: false"),
-])
-def test_expert_op_levers_are_refused_where_the_experts_would_ignore_them(model, field, over,
-                                                                        words, fix):
-    """moe_act recompute and the expert offload names act inside the fp32/bf16 expert ops; the
-    emulated low-precision experts and the sync-free region ran without them, silently (no
-    byte offloaded, the same activation memory)."""
-    with pytest.raises(ConfigError, match=f"{field} inside .*{words}.* Fix: drop .* from "
-                                          f"model\\.(recompute\\.modules|offload), {fix}"):
+def test_expert_op_levers_are_refused_where_sync_free_would_ignore_them(model, field):
+    """moe_act recompute and the expert offload names act inside the dynamic expert ops; the
+    sync-free region ran without them, silently (no byte offloaded, the same activation
+    memory)."""
+    over = {"runtime": {"sync_free": True}}
+    with pytest.raises(ConfigError, match=f"{field} inside the dynamic expert ops; "
+                                          f"runtime.sync_free runs the experts in its static "
+                                          f"region.* Fix: drop .* from model\\.(recompute\\."
+                                          f"modules|offload), or set runtime.sync_free: false"):
         config_from_dict({"model": model, **over})
     config_from_dict({"model": model})  # valid on their own
+    config_from_dict({"model": model, "plugins": {"precision": "mxfp8"}})  # the quant experts too
     config_from_dict({"model": {"offload": ["core_attn"]}, **over})  # outside the experts: fine
 
 

@@ -219,3 +219,48 @@ def test_quant_linear_is_the_quantized_product(recipe):
     assert (x.grad - dx_ref).norm() / dx_ref.norm() < tol
     assert (w.grad - dw_ref).norm() / dw_ref.norm() < tol
     assert x.grad.dtype == w.grad.dtype == torch.float32
+
+
+# ---- moe_act recompute and the offload marks on the emulated experts -------------------------
+
+def _experts_grads(recipe, activation, recompute, dtype):
+    """quant_expert_mlp's output and every gradient for seeded inputs, and the bytes of each
+    tensor autograd saved for backward (weights aside)."""
+    from moeplug.quant import quant_expert_mlp
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([40, 0, 56, 32])
+    X = 64 if activation == "swiglu" else 32
+    x = torch.randn(128, 48, generator=gen).requires_grad_(True)
+    p = torch.rand(128, generator=gen).requires_grad_(True)
+    w1 = torch.randn(4, X, 48, generator=gen).mul_(0.1).requires_grad_(True)
+    w2 = torch.randn(4, 48, 32, generator=gen).mul_(0.1).requires_grad_(True)
+    saved = []
+    weights = {w.untyped_storage().data_ptr() for w in (w1, w2)}
+
+    def pack(t):  # bytes of what autograd keeps, the weights aside
+        if t.untyped_storage().data_ptr() not in weights:
+            saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
+        y = quant_expert_mlp(x, p, counts, w1, w2, activation, recipe, recompute)
+    y.float().square().sum().backward()
+    return y, [t.grad for t in (x, p, w1, w2)], saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("recipe_cls", [Tensorwise, Delayed, Blockwise, MXFP8, NVFP4],
+                         ids=lambda c: c.__name__)
+def test_moe_act_recompute_of_the_emulated_experts_is_bitwise_and_keeps_less(
+        recipe_cls, activation, dtype):
+    """Once ignored (config now lets it through): FC2 keeps FC1's output and rebuilds
+    act(h) * p in backward under the forward's autocast, so output and gradients are bitwise
+    those of keeping the activation, and fewer tensors are saved."""
+    # a fresh recipe each: NVFP4's stochastic rounding draws from the recipe's own generator
+    y0, g0, saved0 = _experts_grads(recipe_cls(), activation, False, dtype)
+    y1, g1, saved1 = _experts_grads(recipe_cls(), activation, True, dtype)
+    assert torch.equal(y0, y1)
+    for name, a, b in zip(("x", "probs", "w1", "w2"), g0, g1):
+        assert a is not None and torch.equal(a, b), name
+    assert sum(saved1) < sum(saved0), (sum(saved1), sum(saved0))

@@ -85,6 +85,23 @@ def test_moe_act_recompute_with_torch_activation():
     assert peak < ref_peak
 
 
+@pytest.mark.parametrize("precision", ["fp8_tensorwise", "mxfp8"])
+def test_moe_act_recompute_of_the_emulated_low_precision_experts(precision):
+    """Under an emulated recipe the experts run moeplug.quant's GEMMs, which once ignored
+    moe_act: the same model, the same bits, less held (the op-level bitwise check for every
+    recipe is in tests/test_quant.py)."""
+    rc = RecomputeConfig(granularity="selective", modules=["moe_act"])
+
+    def under_recipe(model):
+        with PluginHost.load().create("precision", precision, {}).autocast("cpu"):
+            return run(model)
+    ref_losses, ref_grads, _, ref_peak = under_recipe(model_for(None))
+    losses, grads, _, peak = under_recipe(model_for(rc))
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+    assert peak < ref_peak, (peak, ref_peak)
+
+
 def test_full_recompute_holds_about_one_input_per_chunk():
     """Full uniform recompute of every layer keeps (about) only each block's input: far less
     than selective recompute of every module."""

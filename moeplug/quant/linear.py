@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from moeplug.ops.activations import activation_fn
+from moeplug.ops.offload_marks import note
 
 _state = threading.local()
 
@@ -41,28 +42,75 @@ def row_alignment(configured: int = 1) -> int:
     return configured if configured > 1 or recipe is None else recipe.row_alignment
 
 
+def _quant_forward(x_MK, w_NK, recipe, key, out_dtype):
+    return (recipe.fake(x_MK, "x", 1, key) @ recipe.fake(w_NK, "w", 1, key).t()).to(out_dtype)
+
+
+def _quant_backward(r, key, x_MK, w_NK, g_MN, need_x: bool, need_w: bool):
+    """(dx, dw) of ``_quant_forward``, each None where not needed."""
+    g_MN = g_MN.float()
+    dx = dw = None
+    if need_x:
+        dx = (r.fake(g_MN, "g", 1, key) @ r.fake(w_NK, "w", 0, key, record=False))
+        dx = dx.to(x_MK.dtype)
+    if need_w:
+        gt, xt = r.wgrad_inputs(g_MN, x_MK.float())
+        dw = (r.fake(gt, "g", 0, key, record=False).t()
+              @ r.fake(xt, "x", 0, key, record=False)).to(w_NK.dtype)
+    return dx, dw
+
+
 class QuantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK, w_NK, recipe, key, out_dtype):
-        y_MN = recipe.fake(x_MK, "x", 1, key) @ recipe.fake(w_NK, "w", 1, key).t()
         ctx.save_for_backward(x_MK, w_NK)
         ctx.recipe, ctx.key = recipe, key
-        return y_MN.to(out_dtype)
+        return _quant_forward(x_MK, w_NK, recipe, key, out_dtype)
 
     @staticmethod
     def backward(ctx, g_MN):
         x_MK, w_NK = ctx.saved_tensors
-        r, key = ctx.recipe, ctx.key
-        g_MN = g_MN.float()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = (r.fake(g_MN, "g", 1, key) @ r.fake(w_NK, "w", 0, key, record=False))
-            dx = dx.to(x_MK.dtype)
-        if ctx.needs_input_grad[1]:
-            gt, xt = r.wgrad_inputs(g_MN, x_MK.float())
-            dw = (r.fake(gt, "g", 0, key, record=False).t()
-                  @ r.fake(xt, "x", 0, key, record=False)).to(w_NK.dtype)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dx, dw = _quant_backward(ctx.recipe, ctx.key, x_MK, w_NK, g_MN, need_x, need_w)
         return dx, dw, None, None, None
+
+
+def _act_times_probs(act, h_MX, p_M):
+    a_MF = act(h_MX)
+    return a_MF if p_M is None else a_MF * p_M.unsqueeze(-1).to(h_MX.dtype)  # Megatron's weighted act
+
+
+class _QuantActDown(torch.autograd.Function):
+    """One expert's ``down(act(h) * p)`` through the recipe, keeping h, p and the weight but not
+    the activation: backward rebuilds act(h) * p from h (moe_act recompute), with the autocast
+    state of the forward, then runs the same GEMM gradients as QuantLinear."""
+
+    @staticmethod
+    def forward(ctx, h_MX, p_M, w_NF, act, recipe, key, out_dtype):
+        ctx.save_for_backward(h_MX, p_M, w_NF)
+        ctx.act, ctx.recipe, ctx.key = act, recipe, key
+        dev = h_MX.device.type
+        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        return _quant_forward(_act_times_probs(act, h_MX, p_M), w_NF, recipe, key, out_dtype)
+
+    @staticmethod
+    def backward(ctx, g_MN):
+        h_MX, p_M, w_NF = ctx.saved_tensors
+        need_h, need_p, need_w = ctx.needs_input_grad[:3]
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(h_MX.device.type, dtype=dtype, enabled=enabled):
+            h = h_MX.detach().requires_grad_(need_h)
+            p = None if p_M is None else p_M.detach().requires_grad_(need_p)
+            a_MF = _act_times_probs(ctx.act, h, p)
+        da, dw = _quant_backward(ctx.recipe, ctx.key, a_MF.detach(), w_NF, g_MN,
+                                 need_h or need_p, need_w)
+        dh = dp = None
+        wrt = [t for t in (h, p) if t is not None and t.requires_grad]
+        if wrt:
+            grads = iter(torch.autograd.grad(a_MF, wrt, da))
+            dh = next(grads) if need_h else None
+            dp = next(grads) if p is not None and need_p else None
+        return dh, dp, dw, None, None, None, None
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -80,20 +128,32 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recip
     return y if b is None else y + b.to(y.dtype)
 
 
-def quant_expert_mlp(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation, recipe):
-    """Every local expert's MLP with both GEMMs through ``recipe`` (rows grouped by expert)."""
+def quant_expert_mlp(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation, recipe,
+                     recompute_act: bool = False):
+    """Every local expert's MLP with both GEMMs through ``recipe`` (rows grouped by expert).
+
+    ``recompute_act`` (moe_act recompute): FC2 keeps FC1's output instead of its input and
+    rebuilds act(h) * p in backward (the same ops, so the same gradients). The rows and FC1's
+    outputs are what model.offload's ``expert_fc1`` / ``moe_act`` mean (offload_marks.note).
+    """
     act = activation_fn(activation)
+    note("expert_fc1", x_SD)  # each expert's FC1 keeps a view of these rows
     ys, start = [], 0
     for e, n in enumerate(counts_L.tolist()):
         if n == 0:  # no rows: no GEMM (and no amax of an empty tensor)
             continue
         x_nD = x_SD[start:start + n]
-        h_nX = quant_linear(x_nD, w1_LXD[e], None, recipe, (id(w1_LXD), e))
-        a_nF = act(h_nX)
-        if probs_S is not None:  # Megatron weighted activation
-            a_nF = a_nF * probs_S[start:start + n].unsqueeze(-1).to(h_nX.dtype)
+        p_n = None if probs_S is None else probs_S[start:start + n]
         start += n
-        ys.append(quant_linear(a_nF, w2_LDF[e], None, recipe, (id(w2_LDF), e)))
+        h_nX = quant_linear(x_nD, w1_LXD[e], None, recipe, (id(w1_LXD), e))
+        note("moe_act", h_nX)
+        key = (id(w2_LDF), e)
+        if recompute_act:
+            ys.append(_QuantActDown.apply(h_nX, p_n, w2_LDF[e], act, recipe, key,
+                                          _out_dtype(h_nX)))
+        else:
+            ys.append(quant_linear(_act_times_probs(act, h_nX, p_n), w2_LDF[e], None, recipe,
+                                   key))
     return torch.cat(ys, dim=0) if ys else x_SD.new_zeros(0, w2_LDF.shape[1])
 
 

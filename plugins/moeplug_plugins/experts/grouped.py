@@ -30,7 +30,7 @@ class GroupedExperts(ExpertParams):
         recipe = active_recipe()  # a low-precision precision plugin's recipe (emulated GEMMs)
         if recipe is not None:
             return quant_expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
-                                    self.activation, recipe)
+                                    self.activation, recipe, self.recompute_activation)
         if self.activation == "swiglu":  # the fused C++ SwiGLU kernel
             return expert_mlp(x_SD, probs_S, counts_L, self.gate_up_proj, self.down_proj,
                               self.recompute_activation, self.delay_wgrad_compute)
