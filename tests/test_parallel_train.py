@@ -40,6 +40,7 @@ GRAD_CLIP = 0.05  # below the tiny model's grad norm, so clipping always acts
 # is a name, or a plugins section (dispatcher, its options, router options) as made by _hier,
 # _a2a and _dw.
 TIED = {"tie_embeddings": True}
+DENSE_STAGE = {"first_k_dense": 2}  # pp2 over 4 layers: stage 0 holds the 2 dense ones
 DROP = {"capacity_factor": 0.5}                        # the tiny model drops some choices
 DROP_PAD = {"capacity_factor": 0.5, "pad_to_capacity": True}
 
@@ -70,6 +71,10 @@ WORLD2 = {
     "pp2_vpp2": ({"pp": 2, "vpp": 2}, "alltoall", 2),
     "pp2_tied": ({"pp": 2}, "alltoall", 2, TIED),
     "pp2_tied_distopt": ({"pp": 2, "distributed_optimizer": True}, "alltoall", 2, TIED),
+    # A first stage of dense layers only: its rank has no MoE layer, yet must join the stash's
+    # and sync-free's per-step flag all-reduce (it once skipped it, and both ranks hung).
+    "pp2_dense_stage_stash": ({"pp": 2}, "alltoall", 2, DENSE_STAGE, {"stash": True}),
+    "pp2_dense_stage_sync_free": ({"pp": 2}, "alltoall", 2, DENSE_STAGE, {"sync_free": True}),
     "dp2_distopt": ({"distributed_optimizer": True}, "alltoall", 1),
     "dp2_ep2_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
     "ep2_hier": ({"ep": 2}, _hier(1), 1),
@@ -135,9 +140,11 @@ HIER_PAIRS = {
 }
 
 
-def _cfg(parallel: dict, dispatcher: str | dict, grad_accum: int, model: dict | None = None):
+def _cfg(parallel: dict, dispatcher: str | dict, grad_accum: int, model: dict | None = None,
+         runtime: dict | None = None):
     from moeplug.config import config_from_dict
     return config_from_dict({
+        "runtime": runtime or {},
         "model": {"hidden_size": 16, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_hidden_size": 16,
                   "init_std": 0.1,

@@ -87,6 +87,9 @@ class PipelineChunk(ModelStages, nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.layers = layers
         self.cfg, self._groups, self._cp_group = model.cfg, model._groups, model._cp_group
+        # The model's moeplug.stash.ModelRuntime, on every chunk: a rank whose stages hold no MoE
+        # layer still takes part in the stash's and sync-free's per-step collectives.
+        self.runtime = model.runtime
         self.hidden_size = model.cfg.hidden_size  # the [B, S, D] activation the stages exchange
         # Set only on a stage whose embedding has a twin on another pipeline rank.
         self.embedding_group = embedding_group

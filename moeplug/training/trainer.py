@@ -231,7 +231,14 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
 
 
 def stash_runtime(model: torch.nn.Module) -> Any:
-    """The moeplug.stash.ModelRuntime the model's MoE layers registered with (None: none)."""
+    """The moeplug.stash.ModelRuntime ``model`` was built with: a MoETransformer's, or every
+    pipeline chunk's, whether or not this rank's stages hold a MoE layer (the stash and
+    sync-free steps all-reduce their flags, so every rank must take the same path). Else the
+    one its MoE layers registered with, else None."""
+    from moeplug.stash import ModelRuntime
+    for m in D.pipeline_chunks(model) or [model]:
+        if isinstance(getattr(m, "runtime", None), ModelRuntime):
+            return m.runtime
     for m in model.modules():
         handle = getattr(m, "runtime", None)
         if handle is not None and hasattr(handle, "stash_scope"):
@@ -250,13 +257,16 @@ def _stashed_step(model, rt, forward_backward, groups) -> tuple:
     buffers = ({k: b.detach().clone() for k, b in model.named_buffers()}
                if policy == "rerun" else None)
     result = forward_backward()
-    overflows = (rt.stats() or {}).get("overflows", 0) - before
+    stats = rt.stats() or {}
+    overflows = stats.get("overflows", 0) - before
     missing = rt.overflow_pages - pages_before  # pages the kept tensors would have taken
-    # Sync point: every rank must take the same branch (a rerun runs collectives).
+    high_water, in_use = stats.get("high_water", 0), stats.get("pages_in_use", 0)
+    # Sync point: every rank must take the same branch (a rerun runs collectives). The figures
+    # recorded are the world's largest (rank 0 writes them; under PP it may hold no MoE layer).
     if groups is not None:
-        t = torch.tensor([overflows, missing], dtype=torch.int64)
+        t = torch.tensor([overflows, missing, high_water, in_use], dtype=torch.int64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        overflows, missing = (int(v) for v in t)
+        overflows, missing, high_water, in_use = (int(v) for v in t)
     reruns = 0
     if overflows and policy == "fail":
         raise StashOverflowError(
@@ -272,9 +282,7 @@ def _stashed_step(model, rt, forward_backward, groups) -> tuple:
         with rt.stash_disabled():
             result = forward_backward()
         reruns = 1
-    stats = rt.stats() or {}
-    record = {"pages_in_use": stats.get("pages_in_use", 0),
-              "high_water": stats.get("high_water", 0), "overflows": overflows,
+    record = {"pages_in_use": in_use, "high_water": high_water, "overflows": overflows,
               "reruns": reruns, "pages_needed": rt.pool.num_pages + missing, "grown_to": None}
     if overflows and not rt.cfg.stash_pages:
         # The automatic size counts what the grouped experts save for one micro-batch at
