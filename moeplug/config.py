@@ -1036,9 +1036,16 @@ class RootConfig:
 # silently computes something else with the same tensors (top_k, activation, routing options).
 MODEL_DEFINING = ("model", "plugins.router", "plugins.router_options", "data.tokenizer",
                   "data.vocab_size")
-# Fields under "model" that change how the model runs, not what it computes: a resume may
-# change them (overlap on or off gives the same outputs and gradients).
-EXECUTION_ONLY = ("model.moe.overlap_chunks", "model.moe.delay_wgrad_compute")
+# Fields under "model" (and the sections below them) that change how the model runs, not what
+# it computes: a resume may change them. Overlap on or off, recompute and offloading give the
+# same outputs and gradients, bitwise (tests/test_overlap.py, test_recompute.py,
+# test_offload.py); a run that resumes short of memory turns recompute or offloading on.
+EXECUTION_ONLY = ("model.moe.overlap_chunks", "model.moe.delay_wgrad_compute", "model.recompute",
+                  "model.offload")
+
+
+def _execution_only(key: str) -> bool:
+    return any(key == f or key.startswith(f + ".") for f in EXECUTION_ONLY)
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -1060,7 +1067,7 @@ def model_differences(saved: RootConfig, requested: RootConfig) -> list[tuple[st
     unset = "(not set)"
     return [(k, a.get(k, unset), b.get(k, unset)) for k in {**b, **a}
             if any(k == f or k.startswith(f + ".") for f in MODEL_DEFINING)
-            and k not in EXECUTION_ONLY
+            and not _execution_only(k)
             and a.get(k, unset) != b.get(k, unset)]
 
 

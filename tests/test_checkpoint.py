@@ -407,6 +407,20 @@ def test_resume_with_another_model_names_each_differing_field(run4, tmp_path, ru
     assert "load_state_dict" not in proc.stderr and "rank" not in proc.stderr.lower()
 
 
+def test_resume_may_turn_recompute_and_offloading_on(run4, tmp_path, run_cli):
+    """Memory levers change how the model runs, not what it computes: once refused as a
+    different model, they now resume the run, bitwise as without them."""
+    losses = []
+    for name, extra in (("plain", ()), ("levers", (
+            "--set", "model.recompute={granularity: selective, modules: [moe_act, core_attn]}",
+            "--set", "model.offload=[expert_fc1, mlp_norm]"))):
+        run = _copy_run(run4, tmp_path / name)
+        proc = _resume(run_cli, run4, run, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses.append({s: v for s, v in _losses(_read_run(run)).items() if s > 4})
+    assert sorted(losses[0]) == [5, 6] and losses[0] == losses[1]
+
+
 def test_resume_under_another_layout_is_refused_once_before_launching(run4, tmp_path, run_cli):
     # A checkpoint written before the shard manifests (no reshard_version) cannot go to PP.
     run = _copy_run(run4, tmp_path)

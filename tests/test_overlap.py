@@ -412,6 +412,17 @@ def test_overlap_is_not_model_defining():
     assert [d[0] for d in model_differences(a, b)] == ["model.moe.top_k"]
 
 
+def test_memory_levers_are_not_model_defining():
+    """A run that resumes short of memory may turn recompute or offloading on (both bitwise
+    the run without them); once refused as 'a different model'."""
+    from moeplug.config import config_from_dict, model_differences
+    a = config_from_dict({})
+    b = config_from_dict({"model": {"recompute": {"granularity": "selective",
+                                                  "modules": ["moe_act", "core_attn"]},
+                                    "offload": ["expert_fc1"], "num_layers": 3}})
+    assert [d[0] for d in model_differences(a, b)] == ["model.num_layers"]
+
+
 @pytest.mark.parametrize("over, words", [
     ({"train": {"grad_accum_steps": 1}}, "needs two micro-batches in flight"),
     ({"runtime": {"stash": True}}, "cannot be combined with runtime.stash"),
