@@ -990,6 +990,9 @@ class RootConfig:
                       + ("the MTP blocks and loss are not tensor/vocab-parallel" if degree == "tp"
                          else "MTP shifts tokens across context-parallel shards") + ")",
                       f"set model.mtp_num_layers: 0 or parallel.{degree}: 1")
+        if m.attention == "mla" and par.cp > 1:  # else a traceback from every rank's build
+            _fail(m, "attention", "mla", f"multi-head latent attention does not support "
+                  f"parallel.cp = {par.cp} yet", "set model.attention: gqa or parallel.cp: 1")
         if par.overlap_moe_expert_parallel_comm is True:
             self._check_combined_1f1b()
         if par.pp > 1 and par.vpp > 1 and self.train.grad_accum_steps % par.pp:

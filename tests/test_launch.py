@@ -76,6 +76,10 @@ def test_nproc2_ep2_equals_one_process_with_double_accumulation(run_cli, tiny_co
     (["--nproc", "2", "--set", "parallel.cp=2", "--set", "model.mtp_num_layers=2"],
      ["ModelConfig.mtp_num_layers = 2", "parallel.cp = 2",
       "Fix: set model.mtp_num_layers: 0 or parallel.cp: 1"]),
+    # MLA under CP: was a ValueError traceback from every rank's model build
+    (["--nproc", "2", "--set", "parallel.cp=2", "--set", "model.attention=mla"],
+     ["ModelConfig.attention = 'mla'", "parallel.cp = 2",
+      "Fix: set model.attention: gqa or parallel.cp: 1"]),
 ])
 def test_layout_errors_exit_2_before_launching(run_cli, tiny_config_file, tmp_path, extra,
                                                words):
