@@ -6,9 +6,10 @@
 What is loaded is what the run trained: the model is rebuilt from the config stored in the
 checkpoint's meta.json and filled from its safetensors (never unpickled); the tokenizer is the
 run's, found (or rebuilt) by :func:`moeplug.data.prepare_corpus` from the same data config, and
-checked against the fingerprint the trainer stored in the checkpoint. One process: checkpoints
-of data-parallel runs load (every rank saved the whole model), ones that split the model
-(tp/cp/pp/ep/etp > 1) are refused.
+checked against the fingerprint the trainer stored in the checkpoint. One process, whatever
+layout trained it: the shards of a tp/cp/pp/ep/etp run are joined as a one-process resume joins
+them (moeplug.training.reshard), and only what defines the model is taken from the run's config
+(:func:`inference_config`), so neither its layout nor an execution setting stands in the way.
 
 Decoding: greedy (temperature 0) takes the argmax token; sampling divides the logits by the
 temperature, keeps the ``top_k`` largest (0: all) and draws from their softmax with a CPU
@@ -20,6 +21,7 @@ Legend: V vocabulary, S context length.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import math
 import sys
@@ -75,16 +77,41 @@ def _check_args(args: argparse.Namespace) -> None:
                           "(greedy). Fix: add --temperature 0.8 (for example), or drop --top-k")
 
 
+# Sections and fields of a run's config that say how it trained, not what model it is: one
+# process reading its text runs none of them, so they are set back to their defaults (a GPU-only
+# dispatcher or precision, a layout, or an execution setting a newer release refuses would
+# otherwise keep the checkpoint from loading). The model-defining fields (config.MODEL_DEFINING),
+# data and train.seq_len (the context) are kept.
+_INFERENCE_DEFAULTS = ("parallel", "runtime", "plugins.dispatcher", "plugins.dispatcher_options",
+                       "plugins.precision", "plugins.precision_options", "train.param_dtype",
+                       "train.master_dtype", "train.optimizer_dtype", "train.device")
+
+
+def inference_config(saved: dict) -> dict:
+    """The config (a nested mapping, as meta.json stores it) with which one process rebuilds a
+    run's model for inference: ``saved`` without its training-only settings
+    (``_INFERENCE_DEFAULTS``) and execution-only model fields (config.EXECUTION_ONLY)."""
+    from moeplug.config import EXECUTION_ONLY
+    out = copy.deepcopy(saved)
+    for dotted in _INFERENCE_DEFAULTS + EXECUTION_ONLY:
+        *parents, leaf = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
 def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
-    """The model and tokenizer of a checkpoint (or a run directory's newest) of a one-process or
-    data-parallel run, on ``device`` (a ``train.device`` value). CheckpointError/ConfigError
-    with the fix otherwise."""
+    """The model and tokenizer of a checkpoint (or a run directory's newest) of a run of any
+    layout, on ``device`` (a ``train.device`` value). CheckpointError/ConfigError with the fix
+    otherwise."""
     from moeplug.data import prepare_corpus
     from moeplug.modules import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training import distributed as D
-    from moeplug.training.checkpoint import (find_checkpoint, load_model_weights, read_meta,
-                                             whole_model_file)
+    from moeplug.training.checkpoint import find_checkpoint, load_checkpoint, read_meta
 
     path = find_checkpoint(ckpt)
     if path is None:
@@ -93,13 +120,16 @@ def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
             f"meta.json, or a run directory with 'latest' or step_* checkpoints). Fix: pass "
             f"the --out / train.out_dir of a finished 'moeplug train' run")
     meta = read_meta(path)
-    whole_model_file(path, meta)  # shards that split the model: refused before any work
     if "hf" in meta:
         raise CheckpointError(
             f"--ckpt {path!r} was imported from Hugging Face ({meta['hf'].get('source')}): "
             f"its tokenizer is not one moeplug trains. Fix: generate with transformers from the "
             f"original directory, or train it on with 'moeplug train --resume' first")
-    saved = config_from_dict(meta["config"])
+    if not isinstance(meta.get("config"), dict):
+        raise CheckpointError(
+            f"--ckpt {path!r}: its meta.json stores no 'config', so the model cannot be rebuilt. "
+            f"Fix: generate from a checkpoint written by moeplug train")
+    saved = config_from_dict(inference_config(meta["config"]))
     # The device is this machine's choice, not the run's: validated by TrainConfig's own rule.
     cfg = dataclasses.replace(saved, train=dataclasses.replace(saved.train, device=device))
     if D.world_from_env() > 1:
@@ -115,7 +145,7 @@ def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
             f"so its ids would decode to the wrong text. Fix: restore the corpus files the run "
             f"trained on (data.corpus)")
     model = build_model(cfg, PluginHost.load(block=cfg.plugins.block), corpus.vocab_size)
-    load_model_weights(path, model)
+    load_checkpoint(path, model, optimizer=None, restore_rng=False)  # any layout's shards
     return LoadedModel(model.to(target).eval(), corpus.tokenizer, cfg, path, int(meta["step"]))
 
 

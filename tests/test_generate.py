@@ -138,12 +138,14 @@ def test_bad_input_exits_2_with_the_fix(env, run_dir, tmp_path, args, parts):
         assert part.format(**fill) in proc.stderr, proc.stderr
 
 
-def test_data_parallel_checkpoint_loads_and_split_models_are_refused(env, tiny_corpus,
-                                                                       tmp_path):
+def test_checkpoints_of_every_layout_load_as_the_ranks_saved_them(env, tiny_corpus, tmp_path):
+    """Data parallel: every rank saved the whole model. Expert parallel: each rank saved half the
+    experts; they once were refused ('moeplug does not merge such shards') and now load joined,
+    checked here against the rank files themselves. The export of that checkpoint once died
+    looking for a model.safetensors a multi-process run does not write."""
     from safetensors.torch import load_file
     from moeplug.generate import load_checkpoint_model
 
-    # Data parallel: every rank saved the whole model; generate reads rank 0's.
     dp2 = _train(env, tmp_path / "dp2", tiny_corpus, 3, "parallel.dp=2", "--nproc=2")
     assert _text(_generate(env, dp2, "--prompt", PROMPT, "--max-new-tokens", "5")
                  ).startswith(PROMPT)
@@ -152,11 +154,34 @@ def test_data_parallel_checkpoint_loads_and_split_models_are_refused(env, tiny_c
     assert replica.keys() <= loaded.keys()
     for name, t in replica.items():
         assert torch.equal(loaded[name], t), name
-    # Expert parallel: each rank holds half the experts; not merged, refused with the reason.
-    ep2 = _train(env, tmp_path / "ep2", tiny_corpus, 3, "parallel.ep=2", "--nproc=2")
-    proc = _generate(env, ep2)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "2-process run whose model is split (ep=2)" in proc.stderr and "Fix:" in proc.stderr
+
+    # EP2 with the sync-free static path and its execution settings: none of them is needed to
+    # read the model, and each rank holds experts 0-1 or 2-3 of [4, ...] (qk_norm: a model
+    # Qwen3-MoE's format can hold, for the export below).
+    ep2 = _train(env, tmp_path / "ep2", tiny_corpus, 3, "parallel.ep=2", "--nproc=2",
+                 "runtime.sync_free=true", "runtime.stash=true", "model.qk_norm=true")
+    proc = _generate(env, ep2, "--prompt", PROMPT, "--max-new-tokens", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _text(proc).startswith(PROMPT)
+    loaded = load_checkpoint_model(ep2, "cpu").model.state_dict()
+    ranks = [load_file(os.path.join(ep2, "step_000003", f"model_rank{r}.safetensors"))
+             for r in (0, 1)]
+    experts = 0
+    for name, t0 in ranks[0].items():
+        if loaded[name].shape == t0.shape:  # replicated over EP
+            assert torch.equal(loaded[name], t0) and torch.equal(ranks[1][name], t0), name
+        else:
+            experts += 1
+            assert torch.equal(loaded[name], torch.cat([t0, ranks[1][name]])), name
+    assert experts == 2  # the MoE layer's gate_up_proj and down_proj
+
+    hf = tmp_path / "ep2_hf"
+    proc = _cli(env, "convert", "export", "--ckpt", ep2, "--out", str(hf), "--family",
+                "qwen3_moe")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exported = load_file(str(hf / "model.safetensors"))
+    down = loaded["blocks.1.ffn.experts.down_proj"]
+    assert torch.equal(exported["model.layers.1.mlp.experts.3.down_proj.weight"], down[3])
 
 
 def test_bpe_tokenizer_is_found_rebuilt_and_checked(env, tiny_corpus, tmp_path):

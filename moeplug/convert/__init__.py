@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-from safetensors import safe_open
 
 from moeplug.config import RootConfig, config_from_dict
 from moeplug.convert import deepseek_v3, mixtral, qwen3_moe
@@ -82,10 +81,11 @@ def import_hf(hf_dir: str, out_dir: str, experts: str = "grouped") -> str:
         "hf": {"model_type": model_type, "source": os.path.abspath(hf_dir)}})
 
 
-def _vocab_size(ckpt: str) -> int:
-    from moeplug.training.checkpoint import MODEL_FILE
-    with safe_open(os.path.join(ckpt, MODEL_FILE), "pt") as f:
-        return int(f.get_slice("embed.weight").get_shape()[0])
+def _vocab_size(ckpt: str, meta: dict) -> int:
+    """The embedding's rows, from a one-process checkpoint or the shards of any layout (a
+    multi-process run writes no model.safetensors: export once died on it)."""
+    from moeplug.training.checkpoint import saved_model_shape
+    return saved_model_shape(ckpt, meta, "embed.weight")[0]
 
 
 def guess_model_type(cfg: RootConfig) -> str:
@@ -111,7 +111,7 @@ def export_hf(ckpt: str, out_dir: str, model_type: str | None = None) -> str:
                               f"moeplug train or moeplug convert import")
     model_type = model_type or (meta.get("hf") or {}).get("model_type") or guess_model_type(cfg)
     fam = family(model_type)
-    vocab = _vocab_size(path)
+    vocab = _vocab_size(path, meta)
     hf_config = fam.config_to_hf(cfg, vocab)  # refuses what the family cannot express, early
     model = build_from_config(cfg, vocab)
     load_checkpoint(path, model, optimizer=None, restore_rng=False)

@@ -725,24 +725,8 @@ def _load_resharded(path: str, meta: dict, model: torch.nn.Module, optimizer: An
     (``groups``; None: one process) — see moeplug.training.reshard; return its meta."""
     from moeplug.training import reshard
     _note_if_unverified(path, meta)
-    layout = meta.get("parallel")
-    world = layout.get("world_size") if layout else 1
-    if not _is_int(world) or world < 1:
-        raise _meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
-                          "must be an integer >= 1")
-    ranks = range(world) if layout else ()
-    handles: dict[str, Any] = {}
-
-    def open_file(name: str) -> Any:  # each file verified once, then read tensor by tensor
-        if name not in handles:
-            handles[name] = _open_safetensors(path, meta, name)
-        return handles[name]
-
+    saved = _saved_ranks(path, meta, model)  # a bad meta.json is its own CheckpointError
     try:
-        saved = reshard.SavedRanks(layout, [_rank_files(r)[0] for r in ranks] or [MODEL_FILE],
-                                   [_rank_files(r)[1] for r in ranks] or [OPTIM_FILE],
-                                   open_file, legacy_model=model,
-                                   legacy_tp_dims=meta.get(reshard.TP_DIMS))
         local = reshard.local_model_state(model, saved, groups)
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(
@@ -762,29 +746,44 @@ def _load_resharded(path: str, meta: dict, model: torch.nn.Module, optimizer: An
     return meta
 
 
-def whole_model_file(path: str, meta: dict) -> str:
-    """The name of the file of checkpoint ``path`` (with ``meta``) that holds the whole model. A
-    multi-process checkpoint has one when no degree splits the model (pure data parallelism,
-    with or without the distributed optimizer, which shards only optimizer state): every rank
-    saved the whole model, rank 0's is taken. Otherwise a CheckpointError."""
-    layout = meta.get("parallel") or {}
-    split = {k: layout[k] for k in ("tp", "cp", "pp", "ep", "etp") if layout.get(k, 1) != 1}
-    if split:
-        raise CheckpointError(
-            f"checkpoint {path!r} holds per-rank shards of a {layout.get('world_size')}-process "
-            f"run whose model is split ({', '.join(f'{k}={v}' for k, v in split.items())}); one "
-            f"process cannot load it and moeplug does not merge such shards. Fix: use a "
-            f"checkpoint of a one-process or data-parallel-only run")
-    return _rank_files(0)[0] if layout else MODEL_FILE
+def _saved_ranks(path: str, meta: dict, legacy_model: torch.nn.Module | None = None) -> Any:
+    """Checkpoint ``path``'s files, whatever layout wrote them, as a reshard.SavedRanks: each
+    file verified against its checksum when first opened, then read tensor by tensor.
+    ``legacy_model``: the model being loaded, which names the expert parameters of checkpoints
+    written before the shard manifests."""
+    from moeplug.training import reshard
+    layout = meta.get("parallel")
+    world = layout.get("world_size") if layout else 1
+    if not _is_int(world) or world < 1:
+        raise _meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
+                          "must be an integer >= 1")
+    ranks = range(world) if layout else ()
+    handles: dict[str, Any] = {}
+
+    def open_file(name: str) -> Any:
+        if name not in handles:
+            handles[name] = _open_safetensors(path, meta, name)
+        return handles[name]
+
+    return reshard.SavedRanks(layout, [_rank_files(r)[0] for r in ranks] or [MODEL_FILE],
+                              [_rank_files(r)[1] for r in ranks] or [OPTIM_FILE], open_file,
+                              legacy_model=legacy_model, legacy_tp_dims=meta.get(reshard.TP_DIMS))
 
 
-def load_model_weights(path: str, model: torch.nn.Module) -> dict:
-    """Load only the model weights of checkpoint ``path`` into a one-process ``model`` (for
-    inference; see :func:`whole_model_file`); return its meta."""
-    meta = read_meta(path)
-    _note_if_unverified(path, meta)
-    _load_model_state(path, model, _load_safetensors(path, meta, whole_model_file(path, meta)))
-    return meta
+def saved_model_shape(path: str, meta: dict, name: str) -> tuple[int, ...]:
+    """The one-process shape of model tensor ``name`` in checkpoint ``path``, whatever layout
+    wrote it (TP shards joined): e.g. the vocabulary rows of ``embed.weight``."""
+    saved = _saved_ranks(path, meta)
+    try:
+        t = saved.model_tensor(name)
+    except (KeyError, ValueError, RuntimeError) as e:
+        t, why = None, f" ({e})"
+    else:
+        why = ""
+    if t is None:
+        raise CheckpointError(f"checkpoint {path!r} holds no complete {name!r}{why}. Fix: use a "
+                              f"checkpoint written by moeplug train or moeplug convert import")
+    return tuple(t.shape)
 
 
 def _shares_storage_with(model: torch.nn.Module, key: str, stored: set[str]) -> bool:
