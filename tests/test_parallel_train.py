@@ -41,6 +41,8 @@ GRAD_CLIP = 0.05  # below the tiny model's grad norm, so clipping always acts
 # _a2a and _dw.
 TIED = {"tie_embeddings": True}
 DENSE_STAGE = {"first_k_dense": 2}  # pp2 over 4 layers: stage 0 holds the 2 dense ones
+FP8_BF16_ENDS = {"dispatcher": "alltoall", "precision": "fp8_tensorwise",
+                 "precision_options": {"bf16_first_layers": 1, "bf16_last_layers": 1}}
 DROP = {"capacity_factor": 0.5}                        # the tiny model drops some choices
 DROP_PAD = {"capacity_factor": 0.5, "pad_to_capacity": True}
 
@@ -75,6 +77,9 @@ WORLD2 = {
     # and sync-free's per-step flag all-reduce (it once skipped it, and both ranks hung).
     "pp2_dense_stage_stash": ({"pp": 2}, "alltoall", 2, DENSE_STAGE, {"stash": True}),
     "pp2_dense_stage_sync_free": ({"pp": 2}, "alltoall", 2, DENSE_STAGE, {"sync_free": True}),
+    # bf16_first/last_layers count the model's blocks, not each pipeline chunk's (they once
+    # kept every stage's first and last block in bf16: another model than one process's).
+    "pp2_fp8_bf16_ends": ({"pp": 2}, FP8_BF16_ENDS, 2),
     "dp2_distopt": ({"distributed_optimizer": True}, "alltoall", 1),
     "dp2_ep2_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
     "ep2_hier": ({"ep": 2}, _hier(1), 1),
@@ -208,11 +213,12 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
                                           step_batches, train_step)
 
     host = PluginHost.load()
-    precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(3).integers(0, V, 2048).astype(np.int64)
     report: dict[str, dict] = {}
     for name, (parallel, dispatcher, accum, *extra) in layouts.items():
         cfg = _cfg(parallel, dispatcher, accum, *extra)
+        precision = host.create("precision", cfg.plugins.precision,
+                                dict(cfg.plugins.precision_options))
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         ref_cfg = single_process_equivalent(cfg, groups.size("dp"))
         seed_everything(cfg.train.seed)

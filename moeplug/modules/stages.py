@@ -4,7 +4,7 @@ Legend: B batch, S sequence (this rank's: S/CP under context parallelism, S/TP b
 under sequence parallelism), D hidden, V vocabulary (V/TP under tensor parallelism).
 
     embed_tokens(tokens_BS)                      -> x_BSD          first stage
-    run_blocks(x_BSD, blocks)                    -> BlocksOutput   any stage
+    run_blocks(x_BSD, blocks, first_layer)       -> BlocksOutput   any stage
     head_and_loss(x_BSD, tokens_BS, targets_BS)  -> HeadOutput     last stage (+ MTP)
 
 :class:`ModelStages` is a mixin: :class:`moeplug.modules.transformer.MoETransformer` and
@@ -68,15 +68,20 @@ class ModelStages:
         at each held token's global position (CP layout) itself."""
         return self.embed(tokens_BS)
 
-    def run_blocks(self, x_BSD: torch.Tensor, blocks: Iterable[torch.nn.Module]) -> BlocksOutput:
+    def run_blocks(self, x_BSD: torch.Tensor, blocks: Iterable[torch.nn.Module],
+                   first_layer: int = 0) -> BlocksOutput:
+        """``blocks``: the model's layers ``first_layer``, ``first_layer + 1``, ... (a pipeline
+        chunk's contiguous range)."""
         aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         expert_counts: list[torch.Tensor] = []
         router_losses: list[dict] = []
         rc = self.cfg.recompute  # full recompute: chunks of blocks keep only their input
         blocks = list(blocks)
         # The precision recipe of each block, decided now: a recomputed chunk re-runs its
-        # blocks during backward, outside the precision's plan.
-        scopes = [block_scope_factory(i, len(blocks)) for i in range(len(blocks))]
+        # blocks during backward, outside the precision's plan. bf16_first/last_layers count
+        # the model's layers (Megatron's), whichever pipeline chunk runs them.
+        scopes = [block_scope_factory(first_layer + i, self.cfg.num_layers)
+                  for i in range(len(blocks))]
         block_outs, start = [], 0
         for i, chunk in enumerate(block_chunks(blocks, rc)):
             block_outs += run_chunk(chunk, x_BSD, chunk_is_checkpointed(i, rc),

@@ -119,7 +119,7 @@ class PipelineChunk(ModelStages, nn.Module):
         if self.is_first:
             tokens_BS = x
             x = self.embed_tokens(x)
-        blocks_out = self.run_blocks(x, self.blocks.values())
+        blocks_out = self.run_blocks(x, self.blocks.values(), self.layers.start)
         if not self.is_last:
             return ChunkOutput(blocks_out.x_BSD, None, blocks_out.aux_loss,
                                blocks_out.expert_counts)

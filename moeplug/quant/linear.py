@@ -198,9 +198,9 @@ def recipe_plan(recipe, bf16_first_layers: int = 0, bf16_last_layers: int = 0):
 
 
 def block_scope_factory(index: int, num_blocks: int):
-    """A factory of fresh recipe scopes for block ``index`` of the ``num_blocks`` being run (a
-    pipeline chunk counts its own blocks), with the plan read now: full recompute re-runs a
-    block during backward, outside the plan, and must run it under the same recipe."""
+    """A factory of fresh recipe scopes for layer ``index`` of the model's ``num_blocks`` (a
+    pipeline chunk passes its layers' global indices), with the plan read now: full recompute
+    re-runs a block during backward, outside the plan, and must run it under the same recipe."""
     plan = getattr(_state, "plan", None)
     if plan is None:
         return contextlib.nullcontext
