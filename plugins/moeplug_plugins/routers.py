@@ -84,6 +84,8 @@ class TopKOptions:
     dtype: Literal["fp32", "fp64", "input"] = "fp32"
     # Capacity: None = dropless. Drop policy: "probs" keeps each expert's highest-weight choices,
     # "position" keeps the earliest tokens. pad_to_capacity gives every expert exactly C rows.
+    # C counts the tokens this router call routes: under TP/SP and CP a rank's chunk of the
+    # sequences (Megatron's local tokens), so those layouts drop per chunk, unlike one process.
     capacity_factor: float | None = None
     token_drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
