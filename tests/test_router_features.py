@@ -152,6 +152,43 @@ def test_global_aux_loss_accumulates_over_micro_batches_and_resets_per_step(host
     torch.testing.assert_close(router(x2).losses["global_aux_loss"], plain(x2).losses["aux_loss"])
 
 
+def _global_aux_over_dp(rank: int, world: int) -> dict:
+    """Each rank routes its own micro-batches (DP); the global aux loss's f_i is the counts of
+    every rank's micro-batches so far, P_i this rank's (Megatron reduces n_i over TP x DP x CP)."""
+    import torch.distributed as dist
+    from moeplug.plugin_host import PluginHost
+    out = {}
+    for fused in (True, False):
+        torch.manual_seed(0)  # the same router weight on every rank
+        router = _router(PluginHost.load(), {"load_balancing_type": "global_aux_loss",
+                                             "aux_loss_coeff": 1.0, "fused": fused})
+        gen = torch.Generator().manual_seed(5)
+        xs = [[torch.randn(n, 16, generator=gen) for n in (10, 6)] for _ in range(world)]
+
+        def counts(x):
+            return R.expert_counts(torch.softmax(x @ router.weight.detach().t(), -1).topk(2)[1], 4)
+        got, want = [], []
+        for m in range(2):  # micro-batch m of every rank at once
+            got.append(router(xs[rank][m], batch_group=dist.group.WORLD)
+                       .losses["global_aux_loss"].item())
+            seen = [xs[r][i] for r in range(world) for i in range(m + 1)]
+            s_local = torch.softmax(xs[rank][m] @ router.weight.detach().t(), -1)
+            want.append(R.switch_aux_loss(s_local, sum(counts(x) for x in seen),
+                                          sum(x.shape[0] for x in seen), 2).item())
+        out[fused] = (got, want, int(router.global_tokens))
+    return out
+
+
+def test_global_aux_loss_counts_every_data_parallel_rank():
+    """Once each rank summed only its own micro-batches' counts, so under DP the 'global' loss
+    was each rank's own: not Megatron's."""
+    from moeplug.testing.distributed import run_distributed
+    for res in run_distributed(_global_aux_over_dp, 2, timeout=120):
+        for fused, (got, want, tokens) in res.items():
+            assert got == pytest.approx(want, rel=1e-6), (fused, got, want)
+            assert tokens == 2 * (10 + 6)
+
+
 def test_aux_loss_counts_plain_topk_versus_routed(host):
     opts = {"score_function": "sigmoid", "enable_expert_bias": True, "aux_loss_coeff": 1.0}
     plain = _router(host, opts)

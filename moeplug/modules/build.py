@@ -53,6 +53,7 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
         moe_layers.append(MoELayer(router, dispatcher, experts, shared,
                                    apply_probs_on_input=m.moe.apply_probs_on_input,
                                    token_group=moe_token_group(groups),
+                                   batch_group=None if groups is None else groups.tp_dp_cp,
                                    overlap_chunks=m.moe.overlap_chunks,
                                    runtime=register_moe_layer(runtime, cfg, len(moe_layers),
                                                               dispatcher.num_local_experts)))

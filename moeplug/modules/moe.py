@@ -83,7 +83,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, router: Router, dispatcher: Dispatcher, experts: Experts,
                  shared: nn.Module | None = None, apply_probs_on_input: bool = False,
-                 token_group: Any = None, runtime: Any = None, overlap_chunks: int = 1) -> None:
+                 token_group: Any = None, runtime: Any = None, overlap_chunks: int = 1,
+                 batch_group: Any = None) -> None:
         super().__init__()
         if not isinstance(overlap_chunks, int) or isinstance(overlap_chunks, bool) \
                 or overlap_chunks < 1:
@@ -113,6 +114,9 @@ class MoELayer(nn.Module):
         # over the whole group; the aux loss is then averaged over it, which equals the loss of
         # the unsplit batch, with each rank's grad that of its own tokens.
         self.token_group = token_group
+        # The ranks training the step's other micro-batches of this stage (TP x DP x CP):
+        # routers that accept it sum the global aux loss's counts over it (Megatron's n_i).
+        self.batch_group = batch_group
         # The moeplug.stash.LayerHandle this layer got when the model registered with the
         # runtime (None: built outside build_model); its stash_scope wraps the experts stage.
         self.runtime = runtime
@@ -224,6 +228,8 @@ class MoELayer(nn.Module):
         kwargs = {}
         if self.token_group is not None and getattr(self.router, "accepts_token_group", False):
             kwargs["token_group"] = self.token_group
+        if self.batch_group is not None and getattr(self.router, "accepts_batch_group", False):
+            kwargs["batch_group"] = self.batch_group
         if getattr(self.router, "accepts_num_sequences", False):
             return self.router(x_TD, num_sequences=num_sequences, **kwargs)
         return self.router(x_TD, **kwargs)

@@ -199,6 +199,10 @@ class TopKRouter(Router):
     # Under TP the MoE layer routes one chunk of each sequence per rank and passes the TP group:
     # expert counts are summed over it so f_i is the whole batch's (see MoELayer.token_group).
     accepts_token_group = True
+    # And the ranks that train the step's other micro-batches (TP x DP x CP of this stage): the
+    # global aux loss sums its counts over them each micro-batch, as Megatron reduces n_i over
+    # TP x DP x CP (MoELayer.batch_group).
+    accepts_batch_group = True
 
     def __init__(self, model: ModelConfig, options: TopKOptions):
         super().__init__()
@@ -230,7 +234,8 @@ class TopKRouter(Router):
         # micro-batch, for its re-run in backward (moeplug.modules.recompute).
         self._replay: list = []
 
-    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1, token_group=None) -> RouterOutput:
+    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1, token_group=None,
+                batch_group=None) -> RouterOutput:
         o, E, K = self.options, self.num_experts, self.top_k
         T = x_TD.shape[0]
         # Not while recompute re-runs this forward in backward: a micro-batch counts once.
@@ -264,7 +269,7 @@ class TopKRouter(Router):
         # 5. losses
         losses: dict[str, torch.Tensor] = {}
         aux_loss = self._aux_losses(logits_TE, ids_TK, num_sequences, counting, losses, token_group,
-                                    stats)
+                                    stats, batch_group)
         if o.z_loss_coeff > 0 and WL.z_loss_applies(logits_TE):
             # The composition below in one Function over workspace buffers (issue 7).
             aux_loss, losses["z_loss"] = WL.add_z_loss(aux_loss, logits_TE, o.z_loss_coeff)
@@ -300,9 +305,10 @@ class TopKRouter(Router):
 
     def _aux_losses(self, logits_TE: torch.Tensor, ids_TK: torch.Tensor, num_sequences: int,
                     counting: bool, losses: dict, token_group=None,
-                    stats: R.AuxStats | None = None) -> torch.Tensor:
+                    stats: R.AuxStats | None = None, batch_group=None) -> torch.Tensor:
         """Sum of coeff * loss over the configured types; unscaled values go to ``losses``.
-        ``stats``: the fused router's per-sequence means and counts (else computed here)."""
+        ``stats``: the fused router's per-sequence means and counts (else computed here).
+        ``batch_group`` (else ``token_group``): the ranks whose counts the global aux loss sums."""
         active = self._active_aux_losses()
         T, K, E = ids_TK.shape[0], self.top_k, self.num_experts
         if stats is not None and T > 0 and stats.mean_BE.device.type == "cpu":
@@ -312,8 +318,10 @@ class TopKRouter(Router):
             counts_BE, W = R.sum_over_group(stats.counts_BE, token_group)
             acc_counts_E, acc_tokens = None, 0
             if "global_aux_loss" in active:
-                counts_E = torch.sum(counts_BE, 0, out=workspace.empty((E,), counts_BE.dtype))
-                acc_counts_E, acc_tokens = self._accumulate_global(counts_E, T * W, counting)
+                local_E = torch.sum(stats.counts_BE, 0, out=workspace.empty((E,),
+                                                                            counts_BE.dtype))
+                counts_E, Wb = R.sum_over_group(local_E, batch_group or token_group)
+                acc_counts_E, acc_tokens = self._accumulate_global(counts_E, T * Wb, counting)
             total, values = WL.aux_losses_from_stats(
                 stats.mean_BE, counts_BE, T * W, K, list(active.items()),
                 acc_counts_E, acc_tokens)
@@ -333,10 +341,14 @@ class TopKRouter(Router):
                 counts_E = R.expert_counts(count_ids_TK, E)
             else:
                 counts_E = stats.counts_E
+            local_E, T_local = counts_E, T
             # f_i over every rank of token_group (T counts the group's tokens); P_i stays this
             # rank's mean, and MoELayer averages the ranks' losses.
             counts_E, W = R.sum_over_group(counts_E, token_group)
             T = T * W
+            if "global_aux_loss" in active:  # over the step's other micro-batches' ranks too
+                global_E, Wb = R.sum_over_group(local_E, batch_group or token_group)
+                global_T = T_local * Wb
 
         def switch(counts, tokens):
             if stats is None:
@@ -352,7 +364,7 @@ class TopKRouter(Router):
                 value = R.seq_aux_loss_from_stats(stats.mean_BE, stats.counts_BE, S, K,
                                                   token_group)
             else:
-                value = switch(*self._accumulate_global(counts_E, T, counting))
+                value = switch(*self._accumulate_global(global_E, global_T, counting))
             losses[loss_type] = value.detach().float()
             total = total + coeff * value
         return total
