@@ -153,6 +153,7 @@ def test_cli_config_on_cpu_calibrates_this_machine(run_cli, tiny_corpus, cache_d
     (["--mapping", "tp=two"], "--mapping"),
     (["--mapping", "tp=3"], "tp·cp·pp = 3"),
     (["--mapping", "ep=3"], "ep=3"),
+    (["--mapping", "cp=0"], "(each >= 1)"),  # was a ZeroDivisionError traceback
     (["--preset", "nope"], "--preset 'nope'"),
     (["--recompute", "everything"], "--recompute everything"),
     (["--gpus", "0"], "--gpus 0"),

@@ -48,10 +48,11 @@ def _parse_mapping(text: str) -> dict:
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         key = key.strip()
-        if not sep or key not in MAPPING_KEYS or not value.strip().isdigit():
+        if not sep or key not in MAPPING_KEYS or not value.strip().isdigit() \
+                or int(value) < 1:  # a 0 degree once reached a ZeroDivisionError traceback
             raise ConfigError(f"--mapping {text!r}: bad item {item!r}. Fix: write "
-                              f"key=integer pairs with keys {', '.join(MAPPING_KEYS)}, "
-                              "e.g. --mapping tp=2,ep=8,pp=4")
+                              f"key=integer pairs (each >= 1) with keys "
+                              f"{', '.join(MAPPING_KEYS)}, e.g. --mapping tp=2,ep=8,pp=4")
         out[key] = int(value)
     return out
 
