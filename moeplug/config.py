@@ -262,6 +262,25 @@ _OFFLOAD_INSIDE_RECOMPUTE = {"core_attn": ("core_attn",), "layernorm": ("attn_no
                              "moe": ("expert_fc1", "moe_act")}
 
 
+def expert_op_levers(m: "ModelConfig") -> dict[str, list[str]]:
+    """The memory levers that act inside the routed experts' op, as asked for in ``m``, by
+    ``model.*`` field: ``{"recompute.modules": ["moe_act"], "offload": ["expert_fc1", ...]}``
+    (only those set). The op keeps FC1's output instead of the activation (moe_act recompute)
+    and notes which of its saved tensors the offload names mean; a path that runs the experts
+    otherwise would ignore them (RootConfig, plugin_host.check_plugins and
+    training.distributed.resolve_device refuse them there)."""
+    out: dict[str, list[str]] = {}
+    rc = m.recompute
+    if isinstance(rc, RecomputeConfig) and rc.granularity == "selective" and \
+            isinstance(rc.modules, list) and "moe_act" in rc.modules:
+        out["recompute.modules"] = ["moe_act"]
+    inside = [n for n in ("expert_fc1", "moe_act") if isinstance(m.offload, list)
+              and n in m.offload]
+    if inside:
+        out["offload"] = inside
+    return out
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """Decoder-only transformer. ``vocab_size = 0`` means: take it from the tokenizer."""
@@ -924,28 +943,19 @@ class RootConfig:
                   f"{self.train.device!r}", f"set train.device: cpu or {name}: false")
 
     def _check_expert_op_levers(self) -> None:
-        # moe_act recompute and the expert_fc1 / moe_act offload names act inside the dynamic
-        # expert ops (moeplug.ops.expert_mlp, grouped_mlp, moeplug.quant's experts): the op keeps
-        # FC1's output instead of the activation, and notes which of its saved tensors the names
-        # mean. The static sync-free region runs GEMMs of its own that do neither, so either
-        # switch would do nothing there, silently.
-        m, rc = self.model, self.model.recompute
-        if not self.runtime.sync_free or not isinstance(rc, RecomputeConfig) or \
-                not isinstance(m.offload, list):
-            return  # (a bad recompute or offload value is reported by its own check)
-        levers = []
-        if rc.granularity == "selective" and isinstance(rc.modules, list) and \
-                "moe_act" in rc.modules:
-            levers.append((rc, "modules", rc.modules, ["moe_act"], "recompute.modules"))
-        inside = [n for n in ("expert_fc1", "moe_act") if n in m.offload]
-        if inside:
-            levers.append((m, "offload", m.offload, inside, "offload"))
-        for obj, field_name, value, names, key in levers:
+        # The static sync-free region runs GEMMs of its own, which neither keep FC1's output
+        # nor note saved tensors (expert_op_levers): either switch would do nothing there.
+        if not self.runtime.sync_free:
+            return
+        m = self.model
+        for key, names in expert_op_levers(m).items():
+            obj, field_name = (m.recompute, "modules") if key == "recompute.modules" \
+                else (m, "offload")
             what = " and ".join(names) + (" acts" if len(names) == 1 else " act")
-            _fail(obj, field_name, value, f"{what} inside the dynamic expert ops; "
-                  f"runtime.sync_free runs the experts in its static region, which would ignore "
-                  f"{'it' if len(names) == 1 else 'them'}", f"drop {' and '.join(names)} from "
-                  f"model.{key}, or set runtime.sync_free: false")
+            _fail(obj, field_name, getattr(obj, field_name), f"{what} inside the dynamic expert "
+                  f"ops; runtime.sync_free runs the experts in its static region, which would "
+                  f"ignore {'it' if len(names) == 1 else 'them'}", f"drop {' and '.join(names)} "
+                  f"from model.{key}, or set runtime.sync_free: false")
 
     def _check_sync_free(self) -> None:
         # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself in the
@@ -1047,8 +1057,9 @@ EXECUTION_ONLY = ("model.moe.overlap_chunks", "model.moe.delay_wgrad_compute", "
                   "model.offload")
 
 
-def _execution_only(key: str) -> bool:
-    return any(key == f or key.startswith(f + ".") for f in EXECUTION_ONLY)
+def _under(key: str, fields: tuple[str, ...]) -> bool:
+    """``key`` (dotted) is one of ``fields`` or lies below one of them."""
+    return any(key == f or key.startswith(f + ".") for f in fields)
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -1069,8 +1080,7 @@ def model_differences(saved: RootConfig, requested: RootConfig) -> list[tuple[st
         a.pop("data.vocab_size"), b.pop("data.vocab_size")  # only BPE reads it
     unset = "(not set)"
     return [(k, a.get(k, unset), b.get(k, unset)) for k in {**b, **a}
-            if any(k == f or k.startswith(f + ".") for f in MODEL_DEFINING)
-            and not _execution_only(k)
+            if _under(k, MODEL_DEFINING) and not _under(k, EXECUTION_ONLY)
             and a.get(k, unset) != b.get(k, unset)]
 
 

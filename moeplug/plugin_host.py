@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Literal
 import pluggy
 
 from moeplug import hookspecs
-from moeplug.config import ConfigError
+from moeplug.config import ConfigError, expert_op_levers
 
 KINDS = ("router", "dispatcher", "experts", "precision")  # == moeplug.interfaces.KINDS (no torch here)
 BLOCK_ENV = "MOEPLUG_BLOCK_PLUGINS"
@@ -496,19 +496,16 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
 
 
 def _check_expert_op_levers(experts_cls: type, cfg: Any) -> None:
-    """moe_act recompute and the expert_fc1 / moe_act offload names need an experts backend
-    that declares ``recompute_activation`` (moeplug.interfaces.Experts); refused here, before
-    any process group, rather than when the model is built."""
-    if hasattr(experts_cls, "recompute_activation"):
+    """moe_act recompute and the expert_fc1 / moe_act offload names (config.expert_op_levers)
+    need an experts backend that declares ``recompute_activation`` (moeplug.interfaces.Experts);
+    refused here, before any process group, rather than when the model is built."""
+    levers = expert_op_levers(cfg.model)
+    if not levers or hasattr(experts_cls, "recompute_activation"):
         return
-    rc, wants = cfg.model.recompute, []
-    if rc.granularity == "selective" and "moe_act" in rc.modules:
-        wants.append("model.recompute.modules moe_act")
-    wants += [f"model.offload {n}" for n in ("expert_fc1", "moe_act") if n in cfg.model.offload]
-    if wants:
-        raise PluginError(
-            f"plugins.experts = {cfg.plugins.experts!r}: {experts_cls.__name__} cannot run "
-            f"{', '.join(wants)} (they need a backend that declares recompute_activation: its op "
-            f"keeps FC1's output and marks its saved tensors). Fix: use plugins.experts: "
-            f"grouped, or drop {', '.join(w.rpartition(' ')[2] for w in wants)} from those "
-            f"settings")
+    wants = [f"model.{key} {n}" for key, names in levers.items() for n in names]
+    names = [n for ns in levers.values() for n in ns]
+    raise PluginError(
+        f"plugins.experts = {cfg.plugins.experts!r}: {experts_cls.__name__} cannot run "
+        f"{', '.join(wants)} (they need a backend that declares recompute_activation: its op "
+        f"keeps FC1's output and marks its saved tensors). Fix: use plugins.experts: "
+        f"grouped, or drop {', '.join(names)} from those settings")

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeplug.config import ConfigError, RootConfig
+from moeplug.config import ConfigError, RootConfig, expert_op_levers
 
 
 def _env_int(name: str, default: int) -> int:
@@ -91,12 +91,12 @@ def check_cuda_expert_levers(cfg: RootConfig, field: str) -> None:
     """Expert settings the GPU path does not run, refused before any work (``auto`` resolves to
     a GPU only here, so RootConfig cannot see them): the swiglu experts' CUDA path is torch's
     grouped_mm autograd, which keeps the activation and computes dW with dX."""
-    moe, rc = cfg.model.moe, cfg.model.recompute
+    moe = cfg.model.moe
     if moe.delay_wgrad_compute:
         raise ConfigError(f"{field}: model.moe.delay_wgrad_compute runs in the CPU expert ops "
                           "only. Fix: set model.moe.delay_wgrad_compute: false, or "
                           "--set train.device=cpu")
-    if moe.activation == "swiglu" and rc.granularity == "selective" and "moe_act" in rc.modules:
+    if moe.activation == "swiglu" and "recompute.modules" in expert_op_levers(cfg.model):
         raise ConfigError(f"{field}: model.recompute.modules moe_act is not built into the swiglu "
                           "experts' CUDA path (torch's grouped_mm keeps the activation), so it "
                           "would be ignored. Fix: drop moe_act from model.recompute.modules, or "
