@@ -76,8 +76,8 @@ class QuantLinear(torch.autograd.Function):
 
 
 def _act_times_probs(act, h_MX, p_M):
-    a_MF = act(h_MX)
-    return a_MF if p_M is None else a_MF * p_M.unsqueeze(-1).to(h_MX.dtype)  # Megatron's weighted act
+    a_MF = act(h_MX)  # Megatron's weighted activation: the routing weight after act
+    return a_MF if p_M is None else a_MF * p_M.unsqueeze(-1).to(h_MX.dtype)
 
 
 class _QuantActDown(torch.autograd.Function):

@@ -231,18 +231,14 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
 
 
 def stash_runtime(model: torch.nn.Module) -> Any:
-    """The moeplug.stash.ModelRuntime ``model`` was built with: a MoETransformer's, or every
-    pipeline chunk's, whether or not this rank's stages hold a MoE layer (the stash and
-    sync-free steps all-reduce their flags, so every rank must take the same path). Else the
-    one its MoE layers registered with, else None."""
+    """The moeplug.stash.ModelRuntime ``model`` was built with (build_model sets it): a
+    MoETransformer's, or every pipeline chunk's, whether or not this rank's stages hold a MoE
+    layer (the stash and sync-free steps all-reduce their flags, so every rank must take the
+    same path). None for a model built otherwise."""
     from moeplug.stash import ModelRuntime
     for m in D.pipeline_chunks(model) or [model]:
         if isinstance(getattr(m, "runtime", None), ModelRuntime):
             return m.runtime
-    for m in model.modules():
-        handle = getattr(m, "runtime", None)
-        if handle is not None and hasattr(handle, "stash_scope"):
-            return handle.runtime
     return None
 
 
