@@ -184,6 +184,32 @@ def test_checkpoints_of_every_layout_load_as_the_ranks_saved_them(env, tiny_corp
     assert torch.equal(exported["model.layers.1.mlp.experts.3.down_proj.weight"], down[3])
 
 
+def test_a_checkpoint_without_a_config_or_a_tensor_is_refused_with_the_fix(env, run_dir,
+                                                                           tmp_path):
+    """generate rebuilds the model from meta.json's config (a checkpoint older than it stores
+    none), and convert export reads the vocabulary from the saved embedding: each missing
+    piece is a CheckpointError naming the checkpoint and the fix, not a KeyError."""
+    from moeplug.training.checkpoint import (CheckpointError, find_checkpoint, read_meta,
+                                             saved_model_shape)
+    step = find_checkpoint(run_dir)
+    meta = read_meta(step)
+    assert saved_model_shape(step, meta, "embed.weight")[0] == 256  # byte tokens
+    with pytest.raises(CheckpointError, match=r"holds no complete 'no\.such\.weight'.*Fix: "):
+        saved_model_shape(step, meta, "no.such.weight")
+    copy = str(tmp_path / "step")
+    shutil.copytree(step, copy)
+    meta_path = os.path.join(copy, "meta.json")
+    with open(meta_path) as f:
+        stored = json.load(f)
+    del stored["config"]
+    with open(meta_path, "w") as f:
+        json.dump(stored, f)
+    proc = _generate(env, copy)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "stores no 'config'" in proc.stderr and "Fix: generate from a checkpoint written " \
+        "by moeplug train" in proc.stderr, proc.stderr
+
+
 def test_bpe_tokenizer_is_found_rebuilt_and_checked(env, tiny_corpus, tmp_path):
     corpus = str(tmp_path / "corpus")
     shutil.copytree(tiny_corpus, corpus)

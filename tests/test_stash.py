@@ -169,6 +169,20 @@ def test_an_automatic_pool_grows_to_what_a_step_needed_once():
     _assert_same_training((model, history), _train(off, steps=3))
 
 
+def test_the_pool_grows_only_between_steps():
+    """grow() replaces the pool; with pages still handed out it refuses, naming the rule."""
+    model = build_model(_cfg(stash=True), PluginHost.load(), VOCAB)
+    rt = stash_runtime(model)
+    first, count = rt.pool.alloc(1)
+    assert first >= 0
+    with pytest.raises(RuntimeError, match=r"grow\(\) while pages are in use; call it between "
+                                           r"steps"):
+        rt.grow(rt.pool.num_pages + 1)
+    rt.pool.free(first, count)
+    rt.grow(rt.pool.num_pages + 1)
+    assert rt.pool.num_pages == 9 and rt.pool.stats()["pages_in_use"] == 0
+
+
 def test_an_overflow_is_said_on_the_console_and_recorded(tiny_config_file, tmp_path):
     out = tmp_path / "run"
     res = run_cli(["train", "--config", tiny_config_file(), "--out", str(out), "--steps", "2",
