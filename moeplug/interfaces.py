@@ -211,6 +211,15 @@ class Precision(abc.ABC):
     def load_state_dict(self, state: Any, model: Any) -> None:
         """Restore :meth:`state_dict` on resume (``model``: the model now running)."""
 
+    def end_step(self, model: Any, groups: Any = None, train: bool = True) -> None:
+        """Called by the trainer on every rank once a training step's forward and backward are
+        done (``train``), before the optimizer, and after each evaluation (``train=False``).
+        A stateful recipe folds what the step's GEMMs recorded into its state here (delayed
+        scaling: the step's amaxes, reduced over the stage's ranks, into the histories) or, after
+        an evaluation, drops it: evaluating must not change the training. ``groups``: the run's
+        ``moeplug.parallel.ParallelGroups`` (None in one process); with groups and ``train`` this
+        is a collective over ``groups.tp_dp_cp``. Stateless recipes do nothing (the default)."""
+
 
 # --------------------------------------------------------------------------------------------
 # Factories: what a plugin registers. The registry validates ``options`` with the plugin's

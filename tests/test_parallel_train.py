@@ -43,6 +43,9 @@ TIED = {"tie_embeddings": True}
 DENSE_STAGE = {"first_k_dense": 2}  # pp2 over 4 layers: stage 0 holds the 2 dense ones
 FP8_BF16_ENDS = {"dispatcher": "alltoall", "precision": "fp8_tensorwise",
                  "precision_options": {"bf16_first_layers": 1, "bf16_last_layers": 1}}
+# fp8_delayed folds a step's amaxes into its histories once, the max over its micro-batches: the
+# pipeline's schedule (2 micro-batches per rank, as one process) takes one process's scales.
+DELAYED = {"dispatcher": "alltoall", "precision": "fp8_delayed"}
 DROP = {"capacity_factor": 0.5}                        # the tiny model drops some choices
 DROP_PAD = {"capacity_factor": 0.5, "pad_to_capacity": True}
 
@@ -80,6 +83,7 @@ WORLD2 = {
     # bf16_first/last_layers count the model's blocks, not each pipeline chunk's (they once
     # kept every stage's first and last block in bf16: another model than one process's).
     "pp2_fp8_bf16_ends": ({"pp": 2}, FP8_BF16_ENDS, 2),
+    "pp2_fp8_delayed": ({"pp": 2}, DELAYED, 2),
     "dp2_distopt": ({"distributed_optimizer": True}, "alltoall", 1),
     "dp2_ep2_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
     "ep2_hier": ({"ep": 2}, _hier(1), 1),
@@ -217,8 +221,10 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
     report: dict[str, dict] = {}
     for name, (parallel, dispatcher, accum, *extra) in layouts.items():
         cfg = _cfg(parallel, dispatcher, accum, *extra)
-        precision = host.create("precision", cfg.plugins.precision,
-                                dict(cfg.plugins.precision_options))
+        # one instance per model: a stateful recipe (fp8_delayed) keeps each model's own state
+        precision, ref_precision = (host.create("precision", cfg.plugins.precision,
+                                                dict(cfg.plugins.precision_options))
+                                    for _ in "ab")
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         ref_cfg = single_process_equivalent(cfg, groups.size("dp"))
         seed_everything(cfg.train.seed)
@@ -236,7 +242,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
             got = train_step(model, opt, step_batches(ids, cfg.train, step, groups), cfg.train,
                              precision, groups)
             want = train_step(ref, ref_opt, step_batches(ids, ref_cfg.train, step), ref_cfg.train,
-                              precision)
+                              ref_precision)
             losses.append(got.loss)
             grad_norms.append(got.grad_norm)
             assert got.losses().keys() == want.losses().keys() == {"loss", "lm_loss", "aux_loss"}
@@ -260,7 +266,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         gen = torch.Generator().manual_seed(11)
         val = [get_batch(ids, cfg.train.micro_batch_size, cfg.train.seq_len, gen) for _ in "ab"]
         errs["val_loss"] = abs(evaluate(model, val, precision, groups)
-                               - evaluate(ref, val, precision))
+                               - evaluate(ref, val, ref_precision))
         report[name] = {"errs": errs, "losses": losses, "grad_norms": grad_norms, "dropped": dropped,
                         "min_ref_norm": min_ref_norm,
                         "num_grads": num_grads, "dp": groups.size("dp")}

@@ -189,20 +189,28 @@ def test_ep2_quantized_dispatch_matches_one_process_and_sends_fp8_bytes():
         assert r["wire"] == {"rows": 24, "bytes": 24 * 66}, r
 
 
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_delayed"])
 @pytest.mark.parametrize("recompute", [
     ["model.recompute.granularity=full", "model.recompute.num_layers=1"],
     ["model.recompute.granularity=selective", "model.recompute.modules=[moe,mlp]"]],
     ids=["full", "selective-moe-mlp"])
-def test_recompute_under_a_recipe_equals_no_recompute(tiny_cfg, host, recompute):
+def test_recompute_under_a_recipe_equals_no_recompute(tiny_cfg, host, recompute, recipe):
     """Recompute ≡ no recompute under a low-precision recipe (grads bitwise), with the first
-    block kept bf16 so the per-block recipe decision is part of what is recomputed."""
-    base = ["plugins.precision=fp8_tensorwise", "plugins.precision_options.bf16_first_layers=1"]
-    ref_model, precision = _model(tiny_cfg, host, *base)
-    _loss(ref_model, precision).backward()
-    model, precision = _model(tiny_cfg, host, *base, *recompute)
-    _loss(model, precision).backward()
-    ref = dict(ref_model.named_parameters())
-    for name, p in model.named_parameters():
+    block kept bf16 so the per-block recipe decision is part of what is recomputed. Two steps,
+    so fp8_delayed's second runs on scales from the first's amaxes: a recomputed forward must
+    quantize with the scale its original forward used (it once took the scale its own first
+    pass had just moved)."""
+    base = [f"plugins.precision={recipe}", "plugins.precision_options.bf16_first_layers=1"]
+    runs = []
+    for extra in ([], recompute):
+        model, precision = _model(tiny_cfg, host, *base, *extra)
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            _loss(model, precision).backward()
+            precision.end_step(model)
+        runs.append(model)
+    ref = dict(runs[0].named_parameters())
+    for name, p in runs[1].named_parameters():
         assert torch.equal(p.grad, ref[name].grad), name
 
 

@@ -88,14 +88,36 @@ def test_delayed_scaling_uses_the_history():
     s = fp8.DelayedScaler(history_len=2, algo="max", dtype=fp8.E4M3)
     _, first = s.quantize(torch.tensor([4.0]))
     assert first.item() == 1.0  # empty history: TE's initial scale
+    _, again = s.quantize(torch.tensor([3.0]))
+    assert again.item() == 1.0  # the scale holds for the whole step
+    s.commit(s.pending)  # step 1's amax: the max of its GEMMs' (4, 3)
+    assert s.history.tolist() == [4.0] and s.pending is None
     _, second = s.quantize(torch.tensor([1.0]))
     assert second.item() == 448.0 / 4.0  # the previous step's amax
-    s.quantize(torch.tensor([2.0]))  # history is now [1, 2]: the 4 has rolled out
-    assert s.scale().item() == 448.0 / 2.0
+    s.commit(s.pending)
+    s.quantize(torch.tensor([2.0]))
+    s.commit(s.pending)  # history is now [1, 2]: the 4 has rolled out
+    assert s.scale.item() == 448.0 / 2.0
+    s.commit(None)  # no GEMM recorded an amax this step: nothing appended
+    assert s.history.tolist() == [1.0, 2.0]
     recent = fp8.DelayedScaler(history_len=4, algo="most_recent", dtype=fp8.E4M3)
-    recent.quantize(torch.tensor([8.0]))
-    recent.quantize(torch.tensor([1.0]))
-    assert recent.scale().item() == 448.0
+    for v in (8.0, 1.0):
+        recent.quantize(torch.tensor([v]))
+        recent.commit(recent.pending)
+    assert recent.scale.item() == 448.0
+
+
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan")])
+def test_delayed_scaling_keeps_the_scale_through_a_zero_or_non_finite_amax(bad):
+    """TE's rule: fp8_max / amax only where amax is finite and > 0, else the previous scale."""
+    s = fp8.DelayedScaler(history_len=1, algo="max", dtype=fp8.E4M3)
+    s.quantize(torch.tensor([2.0]))
+    s.commit(s.pending)
+    s.quantize(torch.tensor([bad]))
+    s.commit(s.pending)
+    assert s.scale.item() == 448.0 / 2.0
+    s.restore([4.0], None)  # a checkpoint without the scale: the history's
+    assert s.scale.item() == 448.0 / 4.0
 
 
 # ---- MXFP8 ----------------------------------------------------------------------------------

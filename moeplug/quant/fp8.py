@@ -84,26 +84,51 @@ def dequantize_tiles(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> 
 
 
 class DelayedScaler:
-    """Delayed scaling for one tensor role: the scale comes from the amax *history* of earlier
-    steps (``max`` or ``most_recent`` of the last ``history_len`` amaxes), and this step's amax
-    is recorded after quantizing. An empty history gives scale 1 (TE's initial scale)."""
+    """Delayed scaling for one tensor role, as Transformer Engine's ``DelayedScaling``: every
+    GEMM of a step quantizes with the scale fixed at the end of the previous step; the step's
+    amaxes are recorded (``pending``, their max, on the device: no host sync per GEMM) and
+    ``commit`` appends them to the history once the step is over (after the trainer reduced
+    them over the ranks). The new scale is ``fp8_max / amax`` of the history (``max`` or
+    ``most_recent`` of the last ``history_len`` entries); a zero or non-finite amax keeps the
+    previous scale (TE's rule). The first step runs at scale 1 (TE's initial scale)."""
 
     def __init__(self, history_len: int, algo: str, dtype: torch.dtype):
         self.history_len, self.algo, self.dtype = history_len, algo, dtype
         self.history = torch.empty(0)
-        self.last_scale = torch.ones((), dtype=torch.float32)  # reused by the backward GEMMs
+        self.scale = torch.ones((), dtype=torch.float32)
+        self.pending: torch.Tensor | None = None
 
-    def scale(self) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, record: bool = True):
+        """(q, scale); ``record`` notes x's amax for this step (the backward's second use of
+        an operand, and recomputed forwards, see the same values: recording is idempotent)."""
+        q = quantize_with_scale(x, self.scale, self.dtype)
+        if record and x.numel():
+            amax = x.detach().abs().amax().float()
+            self.pending = amax if self.pending is None else torch.maximum(self.pending, amax)
+        return q, self.scale
+
+    def commit(self, amax: torch.Tensor | None) -> None:
+        """End of step: append ``amax`` (the step's, reduced; None when no rank recorded one)
+        to the history and derive the next step's scale."""
+        self.pending = None
+        if amax is None:
+            return
+        self.history = torch.cat([self.history, amax.reshape(1).float().cpu()])
+        self.history = self.history[-self.history_len:]
+        self._rescale()
+
+    def restore(self, history: list, scale: float | None) -> None:
+        """A checkpoint's history and scale (a checkpoint written before the scale was saved:
+        the scale its history gives)."""
+        self.history = torch.tensor(history, dtype=torch.float32)[-self.history_len:]
+        if scale is None:
+            self._rescale()
+        else:
+            self.scale = torch.tensor(scale, dtype=torch.float32)
+
+    def _rescale(self) -> None:
         if not self.history.numel():
-            return torch.ones((), dtype=torch.float32)
-        amax = self.history.amax() if self.algo == "max" else self.history[-1]
-        return amax_to_scale(amax, self.dtype)
-
-    def quantize(self, x: torch.Tensor):
-        scale = self.last_scale = self.scale()
-        q = quantize_with_scale(x, scale, self.dtype)
-        if not x.numel():
-            return q, scale
-        amax = x.detach().abs().amax().float().reshape(1).cpu()
-        self.history = torch.cat([self.history, amax])[-self.history_len:]
-        return q, scale
+            return
+        top = self.history.amax() if self.algo == "max" else self.history[-1]
+        if torch.isfinite(top) and top > 0:
+            self.scale = amax_to_scale(top, self.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from moeplug.parallel.keyed import KeyedMax
 from moeplug.quant import fp8, mx, nvfp4
 
 FORMATS = {"e4m3": (fp8.E4M3, fp8.E4M3), "hybrid": (fp8.E4M3, fp8.E5M2)}  # (fwd, grad)
@@ -63,7 +64,10 @@ class Tensorwise(Recipe):
 
 
 class Delayed(Tensorwise):
-    """Tensorwise FP8 whose scale comes from an amax history (one per GEMM operand)."""
+    """Tensorwise FP8 whose scale comes from an amax history (one per GEMM operand), one entry
+    per optimizer step: ``end_step`` folds the step's amaxes in, each the max over the step's
+    micro-batches and over every rank of the stage (TE's ``reduce_amax``), so the scales, and
+    with them the run, do not depend on how the batch is split over micro-batches and ranks."""
     name = "fp8_delayed"
 
     def __init__(self, fmt: str = "hybrid", amax_history_len: int = 16,
@@ -71,6 +75,7 @@ class Delayed(Tensorwise):
         super().__init__(fmt)
         self.history_len, self.algo = amax_history_len, amax_compute_algo
         self.scalers: dict = {}
+        self._reduce = KeyedMax()
 
     def scaler(self, key, role) -> fp8.DelayedScaler:
         k = (key, role)
@@ -78,17 +83,55 @@ class Delayed(Tensorwise):
             self.scalers[k] = fp8.DelayedScaler(self.history_len, self.algo, self.dtype(role))
         return self.scalers[k]
 
+    def fake(self, t, role, axis, key=None, record=True):
+        q, scale = self.scaler(key, role).quantize(t, record)
+        return q.float() / scale
+
+    def end_step(self, names: dict, experts: dict, group=None, train: bool = True) -> None:
+        """Fold the step's amaxes into the histories (``train``), or drop them (after an
+        evaluation, which must not steer training). ``names`` maps ``id(param)`` to its name;
+        ``experts`` maps an expert parameter's ``id`` to (this rank's first global expert, its
+        local experts). With ``group`` (every rank of the stage) the amaxes are reduced by
+        (name, global expert, role) first: a collective, every rank of the group calls it."""
+        if not train:
+            for s in self.scalers.values():
+                s.pending = None
+            return
+        named, local = {}, []
+        for (key, role), s in self.scalers.items():
+            pid, e = key if isinstance(key, tuple) else (key, None)
+            if pid not in names:  # a GEMM on a tensor that is no parameter: this rank's own
+                local.append(s)
+                continue
+            g = None if e is None else experts.get(pid, (0, 0))[0] + e
+            named[(names[pid], g, role)] = s.pending
+        ids = {n: pid for pid, n in names.items()}
+
+        def owns(k) -> bool:  # a key another rank recorded that this rank also holds
+            name, g, _ = k
+            if name not in ids:
+                return False
+            first, count = experts.get(ids[name], (0, 0))
+            return g is None or first <= g < first + count
+
+        for (name, g, role), amax in self._reduce(named, group, owns).items():
+            pid = ids[name]
+            key = pid if g is None else (pid, g - experts.get(pid, (0, 0))[0])
+            self.scaler(key, role).commit(amax)
+        for s in local:
+            s.commit(s.pending)
+
     def state_dict(self, names: dict) -> list:
-        """The amax histories (and the scales the backward reuses), JSON-ready, each under the
-        name of the parameter its GEMM multiplies: ``names`` maps ``id(param)`` to its name
-        (keys are ``id(w)``, or ``(id(w_LXD), expert)`` for the grouped experts)."""
+        """The amax histories and scales, JSON-ready, each under the name of the parameter its
+        GEMM multiplies: ``names`` maps ``id(param)`` to its name (keys are ``id(w)``, or
+        ``(id(w_LXD), expert)`` for the grouped experts, local expert ids)."""
         out = []
         for (key, role), s in self.scalers.items():
             pid, expert = key if isinstance(key, tuple) else (key, None)
             if pid not in names:  # a GEMM on a tensor that is no parameter: nothing to name
                 continue
             out.append({"param": names[pid], "expert": expert, "role": role,
-                        "history": s.history.tolist(), "last_scale": float(s.last_scale)})
+                        "history": s.history.tolist(), "scale": float(s.scale)})
         return out
 
     def load_state_dict(self, state: list, ids: dict) -> None:
@@ -100,18 +143,7 @@ class Delayed(Tensorwise):
                 continue
             pid = ids[e["param"]]
             key = pid if e["expert"] is None else (pid, e["expert"])
-            s = self.scaler(key, e["role"])
-            s.history = torch.tensor(e["history"], dtype=torch.float32)
-            s.last_scale = torch.tensor(e["last_scale"], dtype=torch.float32)
-
-    def fake(self, t, role, axis, key=None, record=True):
-        s = self.scaler(key, role)
-        if record:
-            q, scale = s.quantize(t)
-        else:
-            scale = s.last_scale
-            q = fp8.quantize_with_scale(t, scale, s.dtype)
-        return q.float() / scale
+            self.scaler(key, e["role"]).restore(e["history"], e.get("scale"))
 
 
 class Blockwise(Recipe):

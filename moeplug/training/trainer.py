@@ -82,14 +82,17 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
         # Whole sequences: the schedule takes each rank's CP shard itself.
         res = forward_backward_pipeline(chunks, batches, groups, forward_only=True,
                                         autocast=lambda: precision.autocast(device_type))
-        model.train(was_training)
-        return float(res.lm_loss)
-    losses = []
-    for tokens_BS, targets_BS in batches:
-        with precision.autocast(device_type):
-            losses.append(float(model(*D.local_sequence(tokens_BS, targets_BS, groups)).lm_loss))
+        loss = float(res.lm_loss)
+    else:
+        losses = []
+        for tokens_BS, targets_BS in batches:
+            with precision.autocast(device_type):
+                losses.append(float(model(*D.local_sequence(tokens_BS, targets_BS,
+                                                            groups)).lm_loss))
+        loss = sum(losses) / len(losses)
     model.train(was_training)
-    return sum(losses) / len(losses)
+    precision.end_step(model, groups, train=False)  # what the evaluation saw steers nothing
+    return loss
 
 
 def step_batches(ids: Any, tc: Any, step: int, groups: Any = None) -> list:
@@ -353,6 +356,10 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
             model, rt.sync_free, step_body, groups)
     else:
         (sums, counts_per_layer, routing, stash), sync_free = step_body(), None
+    # The recipe's per-step state (fp8_delayed: the step's amaxes, reduced over the stage,
+    # into the histories), once per step whatever reran: on every rank, also a skipped step.
+    with stage("comm_wait"):
+        precision.end_step(model, groups)
     # Clipping: rescale all grads together so their global L2 norm is <= grad_clip
     # (0 disables it; the norm is still computed for logging).
     if groups is None:

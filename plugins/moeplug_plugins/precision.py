@@ -135,6 +135,17 @@ class QuantizedPrecision(Precision):
         if state is not None and hasattr(self.recipe, "load_state_dict"):
             self.recipe.load_state_dict(state, {n: id(p) for n, p in model.named_parameters()})
 
+    def end_step(self, model, groups=None, train: bool = True) -> None:
+        if not hasattr(self.recipe, "end_step"):  # stateless recipes
+            return
+        from moeplug.parallel import expert_param_names
+        ep_rank = 0 if groups is None else groups.rank_in("ep")
+        params = dict(model.named_parameters())
+        experts = {id(params[n]): (ep_rank * params[n].shape[0], params[n].shape[0])
+                   for n in expert_param_names(model)}  # [L, ...]: global ids ep_rank * L + l
+        self.recipe.end_step({id(p): n for n, p in params.items()}, experts,
+                             None if groups is None else groups.tp_dp_cp, train)
+
 
 @contextlib.contextmanager
 def _quantized_autocast(device_type: str, recipe, o: QuantOptions):

@@ -1,0 +1,158 @@
+"""fp8_delayed's step-to-step state: one history entry per optimizer step, reduced over the ranks
+of a stage (Transformer Engine's ``reduce_amax``), untouched by evaluation and by recompute.
+
+The parallel proof compares histories, not losses: delayed scaling's first step quantizes at
+scale 1 (TE's initial scale), where the gradients' E5M2 rounding depends on how the loss was
+divided over micro-batches and ranks, so the runs part by ~1e-3 after that step whatever the
+scales. What reduction promises is checked directly: after a step every rank of the stage holds
+the same history under each (parameter, global expert, role), and each forward operand's
+(``x``, ``w``) equals the one-process run's amax of the same tensor. Under TP the activations
+(and ETP's experts) themselves differ from one process in bf16 (row-parallel partial sums), so
+there only the weights' amaxes (the max over the shards) are compared with one process.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from moeplug.testing.distributed import run_distributed
+
+V = 64
+DELAYED = {"dispatcher": "alltoall", "precision": "fp8_delayed"}
+WORLD2 = {"dp2": {}, "ep2": {"ep": 2}, "cp2": {"cp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}}
+WORLD4 = {"ep2_dp4": {"ep": 2}, "tp2_ep4_sp": {"tp": 2, "ep": 4, "sequence_parallel": True},
+          "etp2_ep2": {"ep": 2, "etp": 2}}
+
+
+def _histories(precision, model, groups) -> dict:
+    """{(parameter name, global expert or None, role): (history, scale)} of this rank."""
+    from moeplug.parallel import expert_param_names
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    first = {id(params[n]): (0 if groups is None else groups.rank_in("ep")) * params[n].shape[0]
+             for n in expert_param_names(model)}
+    out = {}
+    for (key, role), s in precision.recipe.scalers.items():
+        pid, e = key if isinstance(key, tuple) else (key, None)
+        out[(names[pid], None if e is None else first[pid] + e, role)] = (
+            s.history.tolist(), float(s.scale))
+    return out
+
+
+def _one_step(rank: int, world: int, layouts: dict) -> dict:
+    from tests.test_parallel_train import _cfg
+
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model, single_process_equivalent
+    from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
+                                          train_step)
+    host = PluginHost.load()
+    ids = np.random.default_rng(3).integers(0, V, 2048).astype(np.int64)
+    out = {}
+    for name, parallel in layouts.items():
+        cfg = _cfg(parallel, DELAYED, 1)
+        groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+        ref_cfg = single_process_equivalent(cfg, groups.size("dp"))
+        precision, ref_precision = (host.create("precision", "fp8_delayed", {}) for _ in "ab")
+        seed_everything(cfg.train.seed)
+        model = build_rank_model(cfg, host, V, groups)
+        seed_everything(cfg.train.seed)
+        ref = build_rank_model(ref_cfg, host, V, None)
+        train_step(model, build_rank_optimizer(model, cfg, groups),
+                   step_batches(ids, cfg.train, 0, groups), cfg.train, precision, groups)
+        train_step(ref, build_rank_optimizer(ref, ref_cfg), step_batches(ids, ref_cfg.train, 0),
+                   ref_cfg.train, ref_precision)
+        out[name] = (_histories(precision, model, groups), _histories(ref_precision, ref, None))
+    return out
+
+
+def _check(reports: list, name: str, layouts: dict) -> None:
+    ranks = [r[name][0] for r in reports]
+    ref = reports[0][name][1]
+    split = layouts[name].get("tp", 1) * layouts[name].get("etp", 1) > 1
+    exact = ("w",) if split else ("x", "w")
+    forward = [k for k in ref if k[2] in exact]
+    assert forward and any(k[1] is not None for k in forward)  # expert GEMMs among them
+    for rank, hist in enumerate(ranks):
+        for other, theirs in enumerate(ranks):
+            shared = hist.keys() & theirs.keys()
+            bad = [k for k in shared if hist[k] != theirs[k]]
+            assert not bad, f"{name}: ranks {rank} and {other} keep other scales for {bad[:3]}"
+        # an expert that got no rows on this rank still takes the step's amax of its replicas
+        held = [k for k in forward if k in hist]
+        assert len(held) * len(ranks) >= len(forward), f"{name}: rank {rank} holds too few"
+        bad = {k: (hist[k][0], ref[k][0]) for k in held if hist[k][0] != ref[k][0]}
+        assert not bad, f"{name}, rank {rank}: forward amaxes are not one process's: {bad}"
+    assert set().union(*ranks) >= set(forward)  # every one-process GEMM is someone's
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_one_step, 2, WORLD2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_distributed(_one_step, 4, WORLD4, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_every_rank_of_a_stage_takes_one_process_amaxes_world2(world2, name):
+    _check(world2, name, WORLD2)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_every_rank_of_a_stage_takes_one_process_amaxes_world4(world4, name):
+    _check(world4, name, WORLD4)
+
+
+def _train_losses(cfg_file: str, out: str, *extra: str) -> dict:
+    import os
+
+    from moeplug.cli import main
+    from moeplug.training.metrics import read_metrics
+    rc = main(["train", "--config", cfg_file, "--out", out, "--steps", "4",
+               "--set", "plugins.precision=fp8_delayed", "--set", "train.log_interval=1",
+               "--set", "train.ckpt_interval=0", *extra])
+    assert rc == 0
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}, records
+
+
+def test_evaluation_does_not_move_the_scales(tiny_config_file, tmp_path, monkeypatch):
+    """A run that evaluates every step trains bit for bit as one that never does: the val
+    batches' amaxes are dropped (they once went into the histories and steered training)."""
+    monkeypatch.setenv("MOEPLUG_CACHE", str(tmp_path / "cache"))
+    cfg_file = tiny_config_file()
+    quiet, _ = _train_losses(cfg_file, str(tmp_path / "quiet"), "--set", "train.eval_interval=0")
+    evaluated, records = _train_losses(cfg_file, str(tmp_path / "eval"),
+                                       "--set", "train.eval_interval=1")
+    assert sum(r["kind"] == "val" for r in records) >= 3  # the evaluations really ran
+    assert sorted(quiet) == [1, 2, 3, 4] and evaluated == quiet
+
+
+def _keyed(rank: int, world: int, _) -> list:
+    import torch.distributed as dist
+
+    from moeplug.parallel.keyed import KeyedMax
+    group = dist.group.WORLD
+    reduce, t = KeyedMax(), torch.tensor
+    mine = [{"a": t(1.0), "b": None}, {"b": t(3.0), "c": t(float("nan"))}][rank]
+    first = reduce(mine, group, owns=lambda k: k != "c")
+    again = reduce(mine, group, owns=lambda k: k != "c")  # same keys: the cached union
+    mine[f"d{rank}"] = t(2.0 + rank)  # a key set changes: the union is agreed anew
+    third = reduce(mine, group, owns=lambda k: False)
+    return [{k: None if v is None else float(v) for k, v in r.items()}
+            for r in (first, again, third)]
+
+
+def test_keyed_max_reduces_by_name_over_ranks_holding_other_keys():
+    r0, r1 = run_distributed(_keyed, 2, None, timeout=60)
+    inf = float("inf")
+    assert r0[0] == r0[1] == {"a": 1.0, "b": 3.0}  # a key it holds and one it owns
+    assert r1[0] == r1[1] == {"a": 1.0, "b": 3.0, "c": inf}  # NaN counts as +inf
+    assert r0[2] == {"a": 1.0, "b": 3.0, "d0": 2.0}
+    assert r1[2] == {"b": 3.0, "c": inf, "d1": 3.0}
