@@ -250,11 +250,19 @@ class _LeakyPrecision(Precision):
         return contextlib.nullcontext()
 
 
+class _PickledStatePrecision(Precision):
+    name, compute_dtype = "pickled", torch.float32
+
+    def state_dict(self, model):
+        return {"histories": torch.zeros(2)}  # a tensor: meta.json could not hold it
+
+
 @pytest.mark.parametrize("check, factory, rule", [
     (check_router, _DuplicateIdsRouter, "same expert twice"),
     (check_dispatcher, _StatefulDispatcher, "dispatch changed attributes on self (row_map_TK)"),
     (check_experts, _probs_ignoring_experts, "output differs from the reference"),
     (check_precision, lambda options: _LeakyPrecision(), "did not restore the previous autocast state"),
+    (check_precision, lambda options: _PickledStatePrecision(), "state_dict() must be JSON-ready"),
 ])
 def test_contract_checks_reject_broken_plugins(check, factory, rule):
     try:

@@ -1,10 +1,12 @@
 """Precision contract: a name and a compute dtype, an ``autocast`` that computes in that dtype, is
 re-enterable and restores the previous state, while parameters and their grads stay fp32 — also
 inside a transformer block, where a low-precision recipe (``moeplug.quant``) takes the GEMMs;
-``row_alignment`` a positive int."""
+``row_alignment`` a positive int; ``end_step`` runs after each step (and after an evaluation)
+in one process, and the step-to-step state is JSON-ready and loads back."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -38,5 +40,13 @@ def check_precision(source: Any, name: str | None = None, *, options: Any = None
         expect(torch.is_autocast_enabled(device_type) == was_enabled, label,
                "autocast did not restore the previous autocast state on exit")
         y.float().sum().backward()
+        expect(prec.end_step(layer) is None and prec.end_step(layer, train=False) is None, label,
+               "end_step(model) and end_step(model, train=False) must return None")
+    state = prec.state_dict(layer)
+    try:
+        json.dumps(state)
+    except (TypeError, ValueError) as e:
+        expect(False, label, f"state_dict() must be JSON-ready (it goes into meta.json): {e}")
+    prec.load_state_dict(json.loads(json.dumps(state)), layer)
     expect(layer.weight.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32, label,
            "parameters and their gradients must stay fp32 (master weights)")
