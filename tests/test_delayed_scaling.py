@@ -156,3 +156,16 @@ def test_keyed_max_reduces_by_name_over_ranks_holding_other_keys():
     assert r1[0] == r1[1] == {"a": 1.0, "b": 3.0, "c": inf}  # NaN counts as +inf
     assert r0[2] == {"a": 1.0, "b": 3.0, "d0": 2.0}
     assert r1[2] == {"b": 3.0, "c": inf, "d1": 3.0}
+
+
+def test_a_gemm_on_a_tensor_that_is_no_parameter_keeps_no_scaler():
+    """A plugin's derived weight is a new tensor (and key) every step: its scaler goes at the
+    step's end, while a parameter's takes the step's amax."""
+    from moeplug.quant.recipes import Delayed
+    recipe, w = Delayed(), torch.nn.Parameter(torch.full((2, 2), 3.0))
+    derived = w * 2
+    recipe.fake(torch.ones(2, 2), "x", 1, id(w))
+    recipe.fake(torch.ones(2, 2), "x", 1, id(derived))
+    recipe.end_step({id(w): "w"}, {})
+    assert list(recipe.scalers) == [(id(w), "x")]
+    assert recipe.scalers[(id(w), "x")].history.tolist() == [1.0]

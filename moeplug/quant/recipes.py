@@ -66,8 +66,8 @@ class Tensorwise(Recipe):
 class Delayed(Tensorwise):
     """Tensorwise FP8 whose scale comes from an amax history (one per GEMM operand), one entry
     per optimizer step: ``end_step`` folds the step's amaxes in, each the max over the step's
-    micro-batches and over every rank of the stage (TE's ``reduce_amax``), so the scales, and
-    with them the run, do not depend on how the batch is split over micro-batches and ranks."""
+    micro-batches and over every rank of the stage (TE's ``reduce_amax``): every rank of a
+    stage quantizes with the same scales, whatever tokens and shards it holds."""
     name = "fp8_delayed"
 
     def __init__(self, fmt: str = "hybrid", amax_history_len: int = 16,
@@ -97,11 +97,13 @@ class Delayed(Tensorwise):
             for s in self.scalers.values():
                 s.pending = None
             return
-        named, local = {}, []
-        for (key, role), s in self.scalers.items():
+        named = {}
+        for (key, role), s in list(self.scalers.items()):
             pid, e = key if isinstance(key, tuple) else (key, None)
-            if pid not in names:  # a GEMM on a tensor that is no parameter: this rank's own
-                local.append(s)
+            if pid not in names:
+                # A GEMM on a tensor that is no parameter (none of moeplug's; a plugin's derived
+                # weight): a new tensor, and key, every step. Keeping it would only leak.
+                del self.scalers[(key, role)]
                 continue
             g = None if e is None else experts.get(pid, (0, 0))[0] + e
             named[(names[pid], g, role)] = s.pending
@@ -118,8 +120,6 @@ class Delayed(Tensorwise):
             pid = ids[name]
             key = pid if g is None else (pid, g - experts.get(pid, (0, 0))[0])
             self.scaler(key, role).commit(amax)
-        for s in local:
-            s.commit(s.pending)
 
     def state_dict(self, names: dict) -> list:
         """The amax histories and scales, JSON-ready, each under the name of the parameter its
