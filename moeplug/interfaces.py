@@ -203,13 +203,19 @@ class Precision(abc.ABC):
     def autocast(self, device_type: str) -> ContextManager:
         return contextlib.nullcontext()
 
-    def state_dict(self, model: Any) -> Any:
+    def state_dict(self, model: Any, groups: Any = None) -> Any:
         """JSON-ready state the recipe carries from step to step (e.g. delayed scaling's amax
-        histories), saved in checkpoints; None when it has none (the default)."""
+        histories), saved in checkpoints; None when it has none (the default). Each rank's is
+        saved. ``groups`` as in :meth:`end_step`."""
         return None
 
-    def load_state_dict(self, state: Any, model: Any) -> None:
-        """Restore :meth:`state_dict` on resume (``model``: the model now running)."""
+    def load_state_dict(self, state: Any, model: Any, groups: Any = None) -> None:
+        """Restore a :meth:`state_dict` on resume (``model``: the model now running, ``groups``
+        its layout). On the layout that saved it each rank gets its own rank's state; on
+        another layout (resharding) every saved rank's state in turn, in rank order, so a
+        state keyed by what it describes (one-process parameter names, global expert ids)
+        lets each rank take the entries it now holds, and a later call adds to, not replaces,
+        what an earlier one restored. Ignoring a state starts afresh (the default)."""
 
     def end_step(self, model: Any, groups: Any = None, train: bool = True) -> None:
         """Called by the trainer on every rank once a training step's forward and backward are

@@ -169,3 +169,46 @@ def test_a_gemm_on_a_tensor_that_is_no_parameter_keeps_no_scaler():
     recipe.end_step({id(w): "w"}, {})
     assert list(recipe.scalers) == [(id(w), "x")]
     assert recipe.scalers[(id(w), "x")].history.tolist() == [1.0]
+
+
+def _state(ckpt) -> dict:
+    """{(param, global expert, role): history} over every rank of a checkpoint's meta.json."""
+    import json
+    state = json.loads((ckpt / "meta.json").read_text())["precision_state"]
+    out = {}
+    for rank_state in (state["ranks"] if isinstance(state, dict) else [state]):
+        for e in rank_state:
+            out[(e["param"], e["global_expert"], e["role"])] = e["history"]
+    return out
+
+
+@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.ep=2"]], ids=["pp2", "ep2"])
+def test_a_resume_onto_another_layout_keeps_the_histories(run_cli, tiny_config_file, tmp_path,
+                                                           layout):
+    """A one-process checkpoint resumed on 2 ranks: every rank takes the saved histories of the
+    GEMMs it now holds (keys are one-process names and global experts), so they go on from the
+    step-2 entries instead of starting afresh. pp2 keeps one process's micro-batches, so its
+    steps 3-4 are the uninterrupted run's; ep2 quantizes other row sets (see README)."""
+    import json
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    common = ["--config", cfg, "--steps", "4", "--set", "plugins.precision=fp8_delayed",
+              "--set", "train.log_interval=1", "--set", "train.eval_interval=0",
+              "--set", "train.ckpt_interval=2", "--set", "train.grad_accum_steps=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    proc = run_cli("train", "--out", str(one), *common, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("train", "--out", str(two), *common, "--nproc", "2",
+                   "--resume", str(one / "step_000002"),
+                   *[a for s in layout for a in ("--set", s)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved, resumed, uninterrupted = (_state(one / "step_000002"), _state(two / "step_000004"),
+                                     _state(one / "step_000004"))
+    assert resumed.keys() == uninterrupted.keys() == saved.keys()
+    assert all(len(h) == 2 for h in saved.values())
+    assert all(resumed[k][:2] == saved[k] and len(resumed[k]) == 4 for k in saved)
+    if layout == ["parallel.pp=2"]:
+        def losses(run):
+            return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").open()
+                    if json.loads(line)["kind"] == "train"]
+        assert max(abs(a - b) for a, b in zip(losses(two), losses(one)[2:])) < 2e-5
+        assert resumed == uninterrupted

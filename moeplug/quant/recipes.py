@@ -89,61 +89,79 @@ class Delayed(Tensorwise):
 
     def end_step(self, names: dict, experts: dict, group=None, train: bool = True) -> None:
         """Fold the step's amaxes into the histories (``train``), or drop them (after an
-        evaluation, which must not steer training). ``names`` maps ``id(param)`` to its name;
-        ``experts`` maps an expert parameter's ``id`` to (this rank's first global expert, its
-        local experts). With ``group`` (every rank of the stage) the amaxes are reduced by
-        (name, global expert, role) first: a collective, every rank of the group calls it."""
+        evaluation, which must not steer training). ``names`` maps ``id(param)`` to its
+        one-process name; ``experts`` maps an expert parameter's ``id`` to (this rank's first
+        global expert, its local experts). With ``group`` (every rank of the stage) the amaxes
+        are reduced by (name, global expert, role) first: a collective, every rank of the
+        group calls it."""
         if not train:
             for s in self.scalers.values():
                 s.pending = None
             return
         named = {}
         for (key, role), s in list(self.scalers.items()):
-            pid, e = key if isinstance(key, tuple) else (key, None)
-            if pid not in names:
+            k = _global_key(key, role, names, experts)
+            if k is None:
                 # A GEMM on a tensor that is no parameter (none of moeplug's; a plugin's derived
                 # weight): a new tensor, and key, every step. Keeping it would only leak.
                 del self.scalers[(key, role)]
                 continue
-            g = None if e is None else experts.get(pid, (0, 0))[0] + e
-            named[(names[pid], g, role)] = s.pending
-        ids = {n: pid for pid, n in names.items()}
+            named[k] = s.pending
+        local = _LocalKeys(names, experts)
+        for k, amax in self._reduce(named, group, local.holds).items():
+            self.scaler(*local.key(k)).commit(amax)
 
-        def owns(k) -> bool:  # a key another rank recorded that this rank also holds
-            name, g, _ = k
-            if name not in ids:
-                return False
-            first, count = experts.get(ids[name], (0, 0))
-            return g is None or first <= g < first + count
-
-        for (name, g, role), amax in self._reduce(named, group, owns).items():
-            pid = ids[name]
-            key = pid if g is None else (pid, g - experts.get(pid, (0, 0))[0])
-            self.scaler(key, role).commit(amax)
-
-    def state_dict(self, names: dict) -> list:
-        """The amax histories and scales, JSON-ready, each under the name of the parameter its
-        GEMM multiplies: ``names`` maps ``id(param)`` to its name (keys are ``id(w)``, or
-        ``(id(w_LXD), expert)`` for the grouped experts, local expert ids)."""
+    def state_dict(self, names: dict, experts: dict) -> list:
+        """The amax histories and scales, JSON-ready, each under the one-process name of the
+        parameter its GEMM multiplies, its global expert id (None for a parameter that is no
+        expert's) and its role: keys that mean the same GEMM in every layout. Arguments as
+        :meth:`end_step`'s."""
         out = []
         for (key, role), s in self.scalers.items():
-            pid, expert = key if isinstance(key, tuple) else (key, None)
-            if pid not in names:  # a GEMM on a tensor that is no parameter: nothing to name
-                continue
-            out.append({"param": names[pid], "expert": expert, "role": role,
-                        "history": s.history.tolist(), "scale": float(s.scale)})
+            k = _global_key(key, role, names, experts)
+            if k is not None:
+                out.append({"param": k[0], "global_expert": k[1], "role": role,
+                            "history": s.history.tolist(), "scale": float(s.scale)})
         return out
 
-    def load_state_dict(self, state: list, ids: dict) -> None:
-        """Restore :meth:`state_dict` ``state``; ``ids`` maps parameter names to ``id(param)``
-        of the model now running. float32 values round-trip exactly through JSON floats."""
-        self.scalers = {}
+    def load_state_dict(self, state: list, names: dict, experts: dict) -> None:
+        """Restore the entries of a :meth:`state_dict` (of any layout) that this rank holds,
+        adding to what is restored already. float32 values round-trip exactly through JSON
+        floats. Entries of checkpoints written before the keys were global (an ``expert`` field,
+        and one history entry per GEMM call, not per step) are left out: those start afresh."""
+        local = _LocalKeys(names, experts)
         for e in state:
-            if e["param"] not in ids:
-                continue
-            pid = ids[e["param"]]
-            key = pid if e["expert"] is None else (pid, e["expert"])
-            self.scaler(key, e["role"]).restore(e["history"], e.get("scale"))
+            k = (e.get("param"), e.get("global_expert"), e.get("role"))
+            if "global_expert" in e and local.holds(k):
+                self.scaler(*local.key(k)).restore(e["history"], e.get("scale"))
+
+
+def _global_key(key, role, names: dict, experts: dict):
+    """A scaler's (name, global expert or None, role), or None for a GEMM on no parameter."""
+    pid, e = key if isinstance(key, tuple) else (key, None)
+    if pid not in names:
+        return None
+    return names[pid], None if e is None else experts.get(pid, (0, 0))[0] + e, role
+
+
+class _LocalKeys:
+    """The inverse of ``_global_key`` on this rank: does it hold a (name, global expert, role),
+    and under which (key, role) do its GEMMs find it."""
+
+    def __init__(self, names: dict, experts: dict):
+        self.ids, self.experts = {n: pid for pid, n in names.items()}, experts
+
+    def holds(self, k) -> bool:
+        name, g, _ = k
+        if name not in self.ids:
+            return False
+        first, count = self.experts.get(self.ids[name], (0, 0))
+        return g is None or first <= g < first + count
+
+    def key(self, k) -> tuple:
+        name, g, role = k
+        pid = self.ids[name]
+        return (pid if g is None else (pid, g - self.experts[pid][0])), role
 
 
 class Blockwise(Recipe):

@@ -409,10 +409,9 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
 
 def _precision_state(precision: Any, model: Any, groups: Any) -> Any:
     """The precision recipe's step-to-step state (delayed scaling's amax histories) for a
-    checkpoint: this process's, or every rank's in rank order (each rank's GEMMs saw its own
-    tokens and shards). Collective over all ranks when ``groups`` is given."""
-    get = getattr(precision, "state_dict", None)
-    state = get(model) if get is not None else None
+    checkpoint: this process's, or every rank's in rank order. Collective over all ranks when
+    ``groups`` is given."""
+    state = precision.state_dict(model, groups)
     if groups is None:
         return state
     import torch.distributed as dist
@@ -423,22 +422,18 @@ def _precision_state(precision: Any, model: Any, groups: Any) -> Any:
 
 def _restore_precision_state(precision: Any, model: Any, meta: dict, groups: Any,
                              layout: dict | None) -> None:
+    """Each rank its own rank's state on the layout that saved it; on another layout (one
+    process <-> several included) every saved rank's, for the recipe to take what this rank
+    now holds (Precision.load_state_dict)."""
     state = meta.get("precision_state")
-    load = getattr(precision, "load_state_dict", None)
-    if state is None or load is None:
+    if state is None:
         return
-    # Per-rank state restores only onto the layout that saved it; a resharded resume (another
-    # layout, or one process <-> several) starts the histories afresh, as a run's first step.
-    sharded = isinstance(state, dict) and "ranks" in state
-    if groups is None:
-        if sharded:
-            return
-    elif not sharded or meta.get("parallel") != layout or \
-            len(state["ranks"]) != groups.world_size:
-        return
-    else:
-        state = state["ranks"][groups.rank]
-    load(state, model)
+    saved = state["ranks"] if isinstance(state, dict) and "ranks" in state else [state]
+    same = (groups is None and len(saved) == 1) or (
+        groups is not None and meta.get("parallel") == layout and len(saved) == groups.world_size)
+    for s in ([saved[0 if groups is None else groups.rank]] if same else saved):
+        if s is not None:
+            precision.load_state_dict(s, model, groups)
 
 
 def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:

@@ -126,25 +126,34 @@ class QuantizedPrecision(Precision):
     def autocast(self, device_type: str) -> ContextManager:
         return _quantized_autocast(device_type, self.recipe, self.options)
 
-    def state_dict(self, model):
+    def state_dict(self, model, groups=None):
         if not hasattr(self.recipe, "state_dict"):  # stateless recipes
             return None
-        return self.recipe.state_dict({id(p): n for n, p in model.named_parameters()})
+        return self.recipe.state_dict(*_naming(model, groups))
 
-    def load_state_dict(self, state, model) -> None:
+    def load_state_dict(self, state, model, groups=None) -> None:
         if state is not None and hasattr(self.recipe, "load_state_dict"):
-            self.recipe.load_state_dict(state, {n: id(p) for n, p in model.named_parameters()})
+            self.recipe.load_state_dict(state, *_naming(model, groups))
 
     def end_step(self, model, groups=None, train: bool = True) -> None:
         if not hasattr(self.recipe, "end_step"):  # stateless recipes
             return
-        from moeplug.parallel import expert_param_names
-        ep_rank = 0 if groups is None else groups.rank_in("ep")
-        params = dict(model.named_parameters())
-        experts = {id(params[n]): (ep_rank * params[n].shape[0], params[n].shape[0])
-                   for n in expert_param_names(model)}  # [L, ...]: global ids ep_rank * L + l
-        self.recipe.end_step({id(p): n for n, p in params.items()}, experts,
+        self.recipe.end_step(*_naming(model, groups),
                              None if groups is None else groups.tp_dp_cp, train)
+
+
+def _naming(model, groups) -> tuple[dict, dict]:
+    """What names a GEMM's parameter the same in every layout: ``id(param)`` -> its one-process
+    name, and ``id(expert param)`` -> (this rank's first global expert, its local experts)."""
+    from moeplug.parallel import expert_param_names
+    from moeplug.training.reshard import global_names, parts
+    ep_rank = 0 if groups is None else groups.rank_in("ep")
+    experts = {}
+    for _, m in parts(model):
+        params = dict(m.named_parameters())
+        for n in expert_param_names(m):  # [L, ...]: global experts ep_rank * L ..
+            experts[id(params[n])] = (ep_rank * params[n].shape[0], params[n].shape[0])
+    return global_names(model), experts
 
 
 @contextlib.contextmanager
