@@ -123,6 +123,9 @@ def assert_import_parity_and_round_trip(hf, tmp_path):
 
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert not [p for p in os.listdir(tmp_path / "out") if p.endswith((".bin", ".pt"))]
+    # every tensor HF saves, no other (a missing one HF would "newly initialize", e.g. the
+    # empty shared experts of a DeepSeek-V3 without them)
+    assert read_hf_dir(str(tmp_path / "out"))[1].keys() == read_hf_dir(str(tmp_path / "hf"))[1].keys()
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out",
                                                 attn_implementation="eager").eval()
     assert type(back) is type(hf)
@@ -150,6 +153,32 @@ def test_deepseek_v3_group_share_other_than_two_imports_with_hf_group_score(tmp_
     with open(tmp_path / "out" / "config.json", encoding="utf-8") as f:
         hf_cfg = json.load(f)
     assert {k: hf_cfg[k] for k in SHARE3} == SHARE3
+
+
+def test_deepseek_v3_without_shared_experts_round_trips_with_hf_empty_ones(tmp_path):
+    assert_import_parity_and_round_trip(randomised(deepseek_v3(n_shared_experts=0)), tmp_path)
+
+
+@pytest.mark.parametrize("groups", [
+    dict(n_routed_experts=8, n_group=4, topk_group=4, num_experts_per_tok=2),
+    dict(n_routed_experts=8, n_group=4, topk_group=3, num_experts_per_tok=2)],
+    ids=["every-group-kept", "more-groups-than-top-k"])
+def test_deepseek_v3_group_limits_beyond_top_k_import(groups, tmp_path):
+    """Both were refused at import (group_topk > top_k), though HF routes them: keeping every
+    group masks nothing (imported as plain top-k), and with HF's top-2 group score more kept
+    groups than top_k is well defined."""
+    ckpt = assert_import_parity_and_round_trip(randomised(deepseek_v3(**groups)), tmp_path)
+    with open(os.path.join(ckpt, "meta.json"), encoding="utf-8") as f:
+        router = json.load(f)["config"]["plugins"]["router_options"]
+    kept_all = groups["topk_group"] == groups["n_group"]
+    assert ("num_groups" not in router or router["num_groups"] is None) == kept_all, router
+
+
+def test_deepseek_v3_kept_groups_smaller_than_top_k_are_refused_naming_the_hf_field():
+    cfg = deepseek_v3(n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=6)
+    with pytest.raises(ConvertError, match=r"DeepseekV3Config.topk_group = 1: the 1 kept groups "
+                                           r".*fewer than num_experts_per_tok = 6.*Fix: "):
+        root_config_from_hf(cfg.config.to_dict())
 
 
 def test_cli_import_export_and_train_resume_accepts_the_import(tmp_path, capsys):

@@ -36,6 +36,7 @@ def _router(host, options=None, **cfg):
     ({"num_groups": 3, "group_topk": 1}, {}, r"num_groups = 3: does not divide num_experts \(4\).*Fix: choose a divisor"),
     ({"num_groups": 2, "group_topk": 3}, {}, r"group_topk = 3: exceeds num_groups \(2\). Fix: set group_topk <= 2"),
     ({"num_groups": 4, "group_topk": 1}, {"num_experts": 8, "top_k": 4}, r"group_topk = 1: the 1 kept groups hold 2 experts, fewer than top_k \(4\).*Fix"),
+    ({"num_groups": 4, "group_topk": 3}, {"num_experts": 8, "top_k": 2}, r"group_topk = 3: exceeds top_k \(2\), so group_score topk_share would score each group by its top 2 // 3 = 0 experts. Fix: set group_topk <= 2, or group_score: top2_sum"),
     ({"num_groups": 4}, {}, r"group_topk = None: num_groups and group_topk go together. Fix: set both"),
     ({"num_groups": 4, "group_topk": 2, "group_score": "top2_sum"}, {}, r"TopKOptions.group_score = 'top2_sum': sums each group's best 2 scores but a group holds 1 experts.*Fix: lower num_groups, or use group_score: topk_share"),
     ({"load_balancing_type": "sinkhorn"}, {}, r"load_balancing_type = 'sinkhorn': unknown type.*Fix: use 'none' or any of aux_loss"),

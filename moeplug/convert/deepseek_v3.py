@@ -46,7 +46,15 @@ def config_from_hf(hf: Mapping[str, Any], hf_sd: Mapping[str, torch.Tensor] = ()
                     "renormalize": bool(hf.get("norm_topk_prob", True)),
                     "topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
                     "load_balancing_type": "seq_aux_loss", "aux_loss_coeff": SEQ_AUX_LOSS_COEFF}
+    if 1 < groups <= group_topk:
+        groups = 1  # every group kept: HF's group limit masks nothing, plain top-k is the same
     if groups > 1:
+        if group_topk * (E // groups) < K:
+            hf_fail(FAMILY, "topk_group", group_topk, f"the {group_topk} kept groups of "
+                    f"n_routed_experts / n_group = {E} / {groups} experts hold fewer than "
+                    f"num_experts_per_tok = {K}, so HF would also route to experts of the groups "
+                    f"it masked out (at score 0)", "import a model with topk_group x "
+                    "n_routed_experts / n_group >= num_experts_per_tok")
         router.update(num_groups=groups, group_topk=group_topk, group_score=GROUP_SCORE)
     mtp = hf.get("num_nextn_predict_layers", 0) or 0
     if mtp and f"model.layers.{L}.eh_proj.weight" not in hf_sd:
@@ -150,6 +158,15 @@ def state_to_hf(sd: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, tor
     blocks, extras = _blocks_and_extras(m)
     out = convert_model_weights(sd, m, MOE_NAME, EXPERT_NAMES, to_ours=False,
                                 extra_pairs=extras, blocks=blocks)
+    if not m.moe.shared_expert_ffn_hidden_size:
+        # HF builds shared experts of n_shared_experts x moe_intermediate_size = 0 rows in every
+        # MoE block anyway, and reports missing weights as "newly initialized": write them
+        # empty, as HF's own save_pretrained does.
+        D = m.hidden_size
+        for h, _, moe in blocks:
+            if moe:
+                for p, shape in (("gate_proj", (0, D)), ("up_proj", (0, D)), ("down_proj", (D, 0))):
+                    out[f"{h}{MOE_NAME}.shared_experts.{p}.weight"] = torch.zeros(shape)
     # The original checkpoint gives each MTP layer its own copy of the shared embedding/head.
     head = "embed.weight" if m.tie_embeddings else "head.weight"
     for k in range(m.mtp_num_layers):

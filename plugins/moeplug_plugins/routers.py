@@ -178,9 +178,11 @@ def _check_against_model(model: ModelConfig, o: TopKOptions) -> None:
         if E % o.num_groups:
             _fail("num_groups", o.num_groups, f"does not divide num_experts ({E}): "
                   f"{E} % {o.num_groups} = {E % o.num_groups}", "choose a divisor of num_experts")
-        if o.group_topk > K:
-            _fail("group_topk", o.group_topk, f"exceeds top_k ({K}); each kept group must supply "
-                  f"at least one of the top_k experts", f"set group_topk <= {K}")
+        if o.group_topk > K and o.group_score == "topk_share":
+            # Megatron scores a group by its top top_k // group_topk experts: none here.
+            _fail("group_topk", o.group_topk, f"exceeds top_k ({K}), so group_score topk_share "
+                  f"would score each group by its top {K} // {o.group_topk} = 0 experts",
+                  f"set group_topk <= {K}, or group_score: top2_sum")
         if o.group_topk * (E // o.num_groups) < K:
             _fail("group_topk", o.group_topk, f"the {o.group_topk} kept groups hold "
                   f"{o.group_topk * (E // o.num_groups)} experts, fewer than top_k ({K})",
