@@ -466,6 +466,32 @@ def test_deepseek_v3_export_refuses_a_group_score_hf_would_not_compute(tmp_path,
     assert (hf_cfg["num_experts_per_tok"], hf_cfg["n_group"], hf_cfg["topk_group"]) == (top_k, 4, 2)
 
 
+def test_deepseek_v3_top1_renormalised_router_exports_what_it_computes(tmp_path):
+    """The sigmoid router renormalises only when top_k > 1 (Megatron), HF's whenever
+    norm_topk_prob is set: a top-1 model with renormalize: true once exported
+    norm_topk_prob: true, and HF weighted every expert 1.0 where moeplug weighs its score."""
+    base = preset("deepseek_v3_tiny")
+    base["model"]["moe"].update(top_k=1)
+    base["plugins"]["router_options"].update(renormalize=True, num_groups=None, group_topk=None)
+    cfg = config_from_dict({**base, "train": {"seq_len": 16, "warmup_steps": 0}})
+    model = build_model(cfg, PluginHost.load(), V)
+    from moeplug.training.checkpoint import save_checkpoint
+    from moeplug.training.optim import build_optimizer
+    save_checkpoint(str(tmp_path / "run"), 1, model, build_optimizer(model, cfg.train),
+                    {"config": cfg.to_dict()})
+    export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    assert hf.config.norm_topk_prob is False
+    x_BS = tokens()
+    with torch.no_grad():
+        ours, _ = logits_and_loss(model.eval(), x_BS)
+        theirs = hf(input_ids=x_BS).logits[:, :-1]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=ATOL)
+    with pytest.raises(ConvertError, match=r"DeepseekV3Config.norm_topk_prob = True: with "
+                                           r"num_experts_per_tok = 1 .*Fix: set norm_topk_prob"):
+        root_config_from_hf(read_hf_dir(str(tmp_path / "hf"))[0] | {"norm_topk_prob": True})
+
+
 @pytest.mark.parametrize("override,pattern", [
     ("model.attention=sparse", r"ModelConfig.attention = 'sparse': unknown attention type. Fix: use one of 'gqa', 'mla'"),
     ("model.kv_channels=15", r"ModelConfig.kv_channels = 15: is odd.*Fix: choose an even kv_channels"),

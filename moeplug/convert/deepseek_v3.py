@@ -42,6 +42,11 @@ def config_from_hf(hf: Mapping[str, Any], hf_sd: Mapping[str, torch.Tensor] = ()
     L, K = hf["num_hidden_layers"], hf["num_experts_per_tok"]
     E = hf["n_routed_experts"]
     groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
+    if K == 1 and hf.get("norm_topk_prob", True):
+        hf_fail(FAMILY, "norm_topk_prob", True, "with num_experts_per_tok = 1 HF divides the one "
+                "score by itself (a weight of routed_scaling_factor, no gate gradient); "
+                "Megatron's sigmoid router, and moeplug's, renormalise only when top_k > 1",
+                "set norm_topk_prob=false or num_experts_per_tok >= 2")
     router: dict = {"score_function": "sigmoid", "enable_expert_bias": True,
                     "renormalize": bool(hf.get("norm_topk_prob", True)),
                     "topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
@@ -124,7 +129,8 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
         "n_routed_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
         "n_shared_experts": F_shared // moe.ffn_hidden_size, "first_k_dense_replace": k,
         "n_group": groups, "topk_group": group_topk,
-        "norm_topk_prob": moe.top_k > 1 if renormalize is None else bool(renormalize),
+        # the sigmoid router renormalises only when top_k > 1 (Megatron), HF whenever asked
+        "norm_topk_prob": moe.top_k > 1 and (renormalize is None or bool(renormalize)),
         "routed_scaling_factor": float(opts.get("topk_scaling_factor", 1.0)),
         "num_nextn_predict_layers": m.mtp_num_layers,
         "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
