@@ -200,11 +200,19 @@ class MLAConfig:
     # DeepSeek checkpoints store the rope dims as interleaved pairs (x0, x1), (x2, x3), ...;
     # False: the Llama "rotate half" layout.
     rope_interleave: bool = True
+    # eps of the q / kv latent RMSNorms. None: model.norm_eps, as Megatron's MLA; DeepSeek-V3's
+    # reference code and Hugging Face fix it at 1e-6 whatever rms_norm_eps says.
+    latent_norm_eps: float | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self)
         _positive(self, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         _non_negative(self, "q_lora_rank")
+        v = self.latent_norm_eps
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or
+                              not v > 0):
+            _fail(self, "latent_norm_eps", v, "must be a number > 0, or null (model.norm_eps)",
+                  "set latent_norm_eps to a positive number, or remove it")
         if self.qk_rope_head_dim % 2:
             _fail(self, "qk_rope_head_dim", self.qk_rope_head_dim,
                   "is odd; RoPE rotates pairs of dimensions", "choose an even qk_rope_head_dim")

@@ -155,6 +155,28 @@ def test_deepseek_v3_group_share_other_than_two_imports_with_hf_group_score(tmp_
     assert {k: hf_cfg[k] for k in SHARE3} == SHARE3
 
 
+def test_deepseek_v3_latent_norms_keep_hf_eps_whatever_rms_norm_eps_says(tmp_path):
+    """HF's q/kv latent norms use eps 1e-6, its block norms rms_norm_eps: with 1e-5 the import
+    once used 1e-5 for both (logits 6e-5 off). Exporting a model whose latent norms use
+    another eps is refused."""
+    ckpt = assert_import_parity_and_round_trip(randomised(deepseek_v3(rms_norm_eps=1e-5)), tmp_path)
+    with open(os.path.join(ckpt, "meta.json"), encoding="utf-8") as f:
+        model = json.load(f)["config"]["model"]
+    assert (model["norm_eps"], model["mla"]["latent_norm_eps"]) == (1e-5, 1e-6)
+    base = preset("deepseek_v3_tiny")
+    base["model"].update(norm_eps=1e-5)  # latent_norm_eps None: the latent norms take 1e-5
+    cfg = config_from_dict({**base, "train": {"seq_len": 16, "warmup_steps": 0}})
+    model = build_model(cfg, PluginHost.load(), V)
+    from moeplug.training.checkpoint import save_checkpoint
+    from moeplug.training.optim import build_optimizer
+    save_checkpoint(str(tmp_path / "run"), 1, model, build_optimizer(model, cfg.train),
+                    {"config": cfg.to_dict()})
+    with pytest.raises(ConvertError, match=r"DeepseekV3Config.model.mla.latent_norm_eps = 1e-05: "
+                                           r"HF's DeepSeek-V3 fixes .* 1e-06.*Fix: export a model "
+                                           r"trained with mla.latent_norm_eps: 1e-06"):
+        export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+
+
 def test_deepseek_v3_without_shared_experts_round_trips_with_hf_empty_ones(tmp_path):
     assert_import_parity_and_round_trip(randomised(deepseek_v3(n_shared_experts=0)), tmp_path)
 
@@ -499,6 +521,7 @@ def test_deepseek_v3_top1_renormalised_router_exports_what_it_computes(tmp_path)
     ("model.mtp_num_layers=-1", r"ModelConfig.mtp_num_layers = -1: must be a number >= 0. Fix: set mtp_num_layers to 0"),
     ("model.mla.qk_rope_head_dim=7", r"MLAConfig.qk_rope_head_dim = 7: is odd.*Fix: choose an even qk_rope_head_dim"),
     ("model.mla.kv_lora_rank=0", r"MLAConfig.kv_lora_rank = 0: must be a positive integer. Fix: set kv_lora_rank"),
+    ("model.mla.latent_norm_eps=0", r"MLAConfig.latent_norm_eps = 0: must be a number > 0, or null \(model.norm_eps\). Fix: set latent_norm_eps"),
     ("model.mla.rope_interleave=2", r"MLAConfig.rope_interleave = 2: must be a boolean \(true or false\)\. Fix: write rope_interleave"),
 ])
 def test_new_model_fields_are_validated(override, pattern):

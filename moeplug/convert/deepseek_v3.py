@@ -33,6 +33,9 @@ MODEL_TYPE = "deepseek_v3"
 MOE_NAME = "mlp"
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 GROUP_SCORE = "top2_sum"  # HF/DeepSeek score a group by the sum of its 2 best experts
+# DeepseekV3Attention builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not
+# rms_norm_eps (as DeepSeek's reference inference code does)
+HF_LATENT_NORM_EPS = 1e-6
 SEQ_AUX_LOSS_COEFF = 1e-4  # DeepSeek-V3 paper, section 4.2 (alpha)
 
 
@@ -72,7 +75,8 @@ def config_from_hf(hf: Mapping[str, Any], hf_sd: Mapping[str, torch.Tensor] = ()
             mla=dict(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                      qk_nope_head_dim=hf["qk_nope_head_dim"],
                      qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-                     rope_interleave=bool(hf.get("rope_interleave", True))),
+                     rope_interleave=bool(hf.get("rope_interleave", True)),
+                     latent_norm_eps=HF_LATENT_NORM_EPS),
             max_seq_len=hf["max_position_embeddings"], rope_theta=rope_theta(FAMILY, hf),
             norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings")),
             first_k_dense=hf.get("first_k_dense_replace", 0) or 0,
@@ -90,6 +94,11 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
     if m.attention != "mla":
         hf_fail(FAMILY, "model.attention", m.attention, "DeepSeek-V3 uses multi-head latent "
                 "attention", "export as mixtral or qwen3_moe, or train with attention: mla")
+    latent_eps = m.norm_eps if m.mla.latent_norm_eps is None else m.mla.latent_norm_eps
+    if latent_eps != HF_LATENT_NORM_EPS:
+        hf_fail(FAMILY, "model.mla.latent_norm_eps", latent_eps, f"HF's DeepSeek-V3 fixes the "
+                f"q/kv latent norms' eps at {HF_LATENT_NORM_EPS} (None here means model.norm_eps)",
+                f"export a model trained with mla.latent_norm_eps: {HF_LATENT_NORM_EPS}")
     if moe.activation != "swiglu" or moe.shared_expert_gate:
         hf_fail(FAMILY, "model.moe", (moe.activation, moe.shared_expert_gate), "DeepSeek-V3 has "
                 "SwiGLU experts and an ungated shared expert", "use activation: swiglu and "
