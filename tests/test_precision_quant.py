@@ -267,3 +267,35 @@ def test_delayed_scaling_history_resumes_bitwise(tiny_config_file, tmp_path, mon
     (forgot / "meta.json").write_text(json.dumps(meta))
     without = losses(_train_cli(cfg_file, str(tmp_path / "forgot"), "--resume", str(forgot)))
     assert without[4] != uninterrupted[4]
+
+
+def _two_steps(tiny_cfg, host, *overrides):
+    """Loss and grads of a second forward/backward (after one end_step) of a fresh model."""
+    model, precision = _model(tiny_cfg, host, *overrides)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        loss = _loss(model, precision)
+        loss.backward()
+        precision.end_step(model)
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+# (loss, grad) bounds of overlap_chunks=2 against 1, as README's overlap section states them
+CHUNKED = {"fp32": (0.0, 1e-8), "fp8_delayed": (0.0, 1e-8), "fp8_blockwise": (0.0, 1e-8),
+           "bf16": (0.0, 5e-4), "mxfp8": (0.0, 1e-3), "fp8_tensorwise": (5e-4, 1e-2),
+           "nvfp4": (5e-4, 3e-2)}
+
+
+@pytest.mark.parametrize("recipe", sorted(CHUNKED))
+def test_overlap_chunks_and_the_stash_under_each_recipe(tiny_cfg, host, recipe):
+    """The stash is bitwise under every recipe. Chunking the MoE layer's tokens changes the
+    rows each expert GEMM quantizes together: exact to fp32 rounding where scales do not
+    depend on them, within the README's bounds where they do."""
+    base = f"plugins.precision={recipe}"
+    loss, grads = _two_steps(tiny_cfg, host, base)
+    stash_loss, stash_grads = _two_steps(tiny_cfg, host, base, "runtime.stash=true")
+    assert stash_loss == loss and all(torch.equal(stash_grads[n], g) for n, g in grads.items())
+    chunked_loss, chunked = _two_steps(tiny_cfg, host, base, "model.moe.overlap_chunks=2")
+    loss_bound, grad_bound = CHUNKED[recipe]
+    assert abs(chunked_loss - loss) <= loss_bound
+    assert max((chunked[n] - g).abs().max().item() for n, g in grads.items()) <= grad_bound
