@@ -136,11 +136,38 @@ def assert_import_parity_and_round_trip(hf, tmp_path):
     return ckpt
 
 
+def assert_gradient_parity(hf, tmp_path):
+    """The LM loss's gradients of the imported model equal transformers' (mapped through the
+    importer's own name map: HF's gradients read as a state dict; a buffer such as DeepSeek's
+    e_score_correction_bias as zeros)."""
+    from moeplug.convert import family, load_hf_into_moeplug
+    hf.save_pretrained(tmp_path / "hf_grad", safe_serialization=True)
+    cfg, ours, model_type = load_hf_into_moeplug(str(tmp_path / "hf_grad"))
+    x_BS = tokens()
+    hf.zero_grad()
+    hf(input_ids=x_BS, labels=x_BS).loss.backward()
+    ours.eval()
+    logits_and_loss(ours, x_BS)[1].backward()
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    grads |= {n: torch.zeros_like(b) for n, b in hf.state_dict().items() if n not in grads}
+    want = family(model_type).state_from_hf(grads, cfg.model)
+    got = {n: p.grad for n, p in ours.named_parameters()}
+    compared = 0
+    for name, g in want.items():
+        if got.get(name) is None:
+            assert not g.abs().max() > 0, f"{name}: transformers has a gradient, moeplug none"
+            continue
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+        compared += 1
+    assert compared == sum(p.grad is not None for p in ours.parameters())
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("tie", [False, True])
 def test_import_matches_transformers_and_export_round_trips(family, tie, tmp_path):
     assert_import_parity_and_round_trip(randomised(FAMILIES[family](tie_word_embeddings=tie)),
                                         tmp_path)
+    assert_gradient_parity(randomised(FAMILIES[family](tie_word_embeddings=tie)), tmp_path)
 
 
 def test_deepseek_v3_group_share_other_than_two_imports_with_hf_group_score(tmp_path):
