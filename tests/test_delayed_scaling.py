@@ -145,8 +145,9 @@ def _keyed(rank: int, world: int, _) -> list:
     again = reduce(mine, group, owns=lambda k: k != "c")  # same keys: the cached union
     mine[f"d{rank}"] = t(2.0 + rank)  # a key set changes: the union is agreed anew
     third = reduce(mine, group, owns=lambda k: False)
+    nothing = reduce({}, group, owns=lambda k: True)  # no rank holds a key: no vector at all
     return [{k: None if v is None else float(v) for k, v in r.items()}
-            for r in (first, again, third)]
+            for r in (first, again, third, nothing)]
 
 
 def test_keyed_max_reduces_by_name_over_ranks_holding_other_keys():
@@ -156,6 +157,7 @@ def test_keyed_max_reduces_by_name_over_ranks_holding_other_keys():
     assert r1[0] == r1[1] == {"a": 1.0, "b": 3.0, "c": inf}  # NaN counts as +inf
     assert r0[2] == {"a": 1.0, "b": 3.0, "d0": 2.0}
     assert r1[2] == {"b": 3.0, "c": inf, "d1": 3.0}
+    assert r0[3] == r1[3] == {}
 
 
 def test_a_gemm_on_a_tensor_that_is_no_parameter_keeps_no_scaler():

@@ -54,10 +54,13 @@ class KeyedMax:
                  owns: Callable[[Hashable], bool]) -> dict:
         alone = group is None or dist.get_world_size(group) == 1
         keys = sorted(values, key=repr) if alone else self.union(list(values), group)
+        if not keys:  # every rank agrees (the union is theirs): e.g. a stage kept all in bf16
+            return {}
         present = [v for v in values.values() if v is not None]
         device = present[0].device if present else torch.device("cpu")
-        if not alone and dist.get_backend(group) == "gloo":
-            device = torch.device("cpu")
+        if not alone:  # the collective's device: gloo reduces host tensors, NCCL device ones
+            device = (torch.device("cpu") if dist.get_backend(group) == "gloo" else
+                      torch.device("cuda", torch.cuda.current_device()))
         vec = torch.full((len(keys),), NONE, dtype=torch.float32, device=device)
         index = {k: i for i, k in enumerate(keys)}
         mine = [(index[k], v) for k, v in values.items() if v is not None]
