@@ -253,8 +253,15 @@ class _LeakyPrecision(Precision):
 class _PickledStatePrecision(Precision):
     name, compute_dtype = "pickled", torch.float32
 
-    def state_dict(self, model):
+    def state_dict(self, model, groups=None):
         return {"histories": torch.zeros(2)}  # a tensor: meta.json could not hold it
+
+
+class _OldSignaturePrecision(Precision):
+    name, compute_dtype = "old", torch.float32
+
+    def state_dict(self, model):  # before the trainer passed the run's groups
+        return None
 
 
 @pytest.mark.parametrize("check, factory, rule", [
@@ -263,6 +270,7 @@ class _PickledStatePrecision(Precision):
     (check_experts, _probs_ignoring_experts, "output differs from the reference"),
     (check_precision, lambda options: _LeakyPrecision(), "did not restore the previous autocast state"),
     (check_precision, lambda options: _PickledStatePrecision(), "state_dict() must be JSON-ready"),
+    (check_precision, lambda options: _OldSignaturePrecision(), "state_dict(model, groups) must accept"),
 ])
 def test_contract_checks_reject_broken_plugins(check, factory, rule):
     try:

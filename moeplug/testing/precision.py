@@ -40,13 +40,24 @@ def check_precision(source: Any, name: str | None = None, *, options: Any = None
         expect(torch.is_autocast_enabled(device_type) == was_enabled, label,
                "autocast did not restore the previous autocast state on exit")
         y.float().sum().backward()
-        expect(prec.end_step(layer) is None and prec.end_step(layer, train=False) is None, label,
-               "end_step(model) and end_step(model, train=False) must return None")
-    state = prec.state_dict(layer)
+        # called as the trainer calls them (groups None: one process)
+        ends = _call(label, prec.end_step, "end_step(model, groups, train=True)", layer, None), \
+            _call(label, prec.end_step, "end_step(model, groups, train=False)", layer, None,
+                  train=False)
+        expect(ends == (None, None), label, "end_step must return None")
+    expect(layer.weight.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32, label,
+           "parameters and their gradients must stay fp32 (master weights)")
+    state = _call(label, prec.state_dict, "state_dict(model, groups)", layer, None)
     try:
         json.dumps(state)
     except (TypeError, ValueError) as e:
         expect(False, label, f"state_dict() must be JSON-ready (it goes into meta.json): {e}")
-    prec.load_state_dict(json.loads(json.dumps(state)), layer)
-    expect(layer.weight.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32, label,
-           "parameters and their gradients must stay fp32 (master weights)")
+    _call(label, prec.load_state_dict, "load_state_dict(state, model, groups)",
+          json.loads(json.dumps(state)), layer, None)
+
+
+def _call(label: str, method: Any, signature: str, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return method(*args, **kwargs)
+    except TypeError as e:  # an override with another signature than the interface's
+        expect(False, label, f"{signature} must accept the interface's arguments: {e}")
