@@ -214,3 +214,12 @@ def test_a_resume_onto_another_layout_keeps_the_histories(run_cli, tiny_config_f
                     if json.loads(line)["kind"] == "train"]
         assert max(abs(a - b) for a, b in zip(losses(two), losses(one)[2:])) < 2e-5
         assert resumed == uninterrupted
+
+
+def test_the_margin_option_reaches_every_scaler():
+    from moeplug.plugin_host import PluginHost
+    precision = PluginHost.load().create("precision", "fp8_delayed", {"margin": 3})
+    w = torch.nn.Parameter(torch.ones(2, 2))
+    precision.recipe.fake(torch.full((2, 2), 7.0), "x", 1, id(w))
+    precision.recipe.end_step({id(w): "w"}, {})
+    assert precision.recipe.scalers[(id(w), "x")].scale.item() == 448.0 / 7.0 / 8.0

@@ -83,6 +83,7 @@ def test_dispatch_sends_fp8_rows_and_counts_the_bytes(tiny_cfg, host):
 
 @pytest.mark.parametrize("name, setting, message", [
     ("fp8_delayed", "amax_history_len=0", "FP8DelayedOptions.amax_history_len = 0"),
+    ("fp8_delayed", "margin=-1", "FP8DelayedOptions.margin = -1"),
     ("fp8_tensorwise", "format=e5m2", "format"),
     ("nvfp4", "bf16_first_layers=-1", "NVFP4Options.bf16_first_layers = -1"),
     ("mxfp8", "block_size=16", "block_size"),

@@ -120,6 +120,13 @@ def test_delayed_scaling_keeps_the_scale_through_a_zero_or_non_finite_amax(bad):
     assert s.scale.item() == 448.0 / 4.0
 
 
+def test_delayed_scaling_margin_divides_the_scale_by_a_power_of_two():
+    s = fp8.DelayedScaler(history_len=1, algo="max", dtype=fp8.E4M3, margin=2)
+    s.quantize(torch.tensor([2.0]))
+    s.commit(s.pending)
+    assert s.scale.item() == 448.0 / 2.0 / 4.0
+
+
 # ---- MXFP8 ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2])

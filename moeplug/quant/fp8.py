@@ -89,11 +89,12 @@ class DelayedScaler:
     amaxes are recorded (``pending``, their max, on the device: no host sync per GEMM) and
     ``commit`` appends them to the history once the step is over (after the trainer reduced
     them over the ranks). The new scale is ``fp8_max / amax`` of the history (``max`` or
-    ``most_recent`` of the last ``history_len`` entries); a zero or non-finite amax keeps the
-    previous scale (TE's rule). The first step runs at scale 1 (TE's initial scale)."""
+    ``most_recent`` of the last ``history_len`` entries), divided by ``2^margin``; a zero or
+    non-finite amax keeps the previous scale (TE's rule). The first step runs at scale 1 (TE's
+    initial scale)."""
 
-    def __init__(self, history_len: int, algo: str, dtype: torch.dtype):
-        self.history_len, self.algo, self.dtype = history_len, algo, dtype
+    def __init__(self, history_len: int, algo: str, dtype: torch.dtype, margin: int = 0):
+        self.history_len, self.algo, self.dtype, self.margin = history_len, algo, dtype, margin
         self.history = torch.empty(0)
         self.scale = torch.ones((), dtype=torch.float32)
         self.pending: torch.Tensor | None = None
@@ -130,5 +131,5 @@ class DelayedScaler:
         if not self.history.numel():
             return
         top = self.history.amax() if self.algo == "max" else self.history[-1]
-        if torch.isfinite(top) and top > 0:
-            self.scale = amax_to_scale(top, self.dtype)
+        if torch.isfinite(top) and top > 0:  # a power of two: exact in fp32
+            self.scale = amax_to_scale(top, self.dtype) / 2.0 ** self.margin

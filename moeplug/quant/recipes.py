@@ -71,16 +71,17 @@ class Delayed(Tensorwise):
     name = "fp8_delayed"
 
     def __init__(self, fmt: str = "hybrid", amax_history_len: int = 16,
-                 amax_compute_algo: str = "max"):
+                 amax_compute_algo: str = "max", margin: int = 0):
         super().__init__(fmt)
-        self.history_len, self.algo = amax_history_len, amax_compute_algo
+        self.history_len, self.algo, self.margin = amax_history_len, amax_compute_algo, margin
         self.scalers: dict = {}
         self._reduce = KeyedMax()
 
     def scaler(self, key, role) -> fp8.DelayedScaler:
         k = (key, role)
         if k not in self.scalers:
-            self.scalers[k] = fp8.DelayedScaler(self.history_len, self.algo, self.dtype(role))
+            self.scalers[k] = fp8.DelayedScaler(self.history_len, self.algo, self.dtype(role),
+                                                self.margin)
         return self.scalers[k]
 
     def fake(self, t, role, axis, key=None, record=True):

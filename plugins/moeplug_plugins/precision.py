@@ -84,6 +84,7 @@ class FP8DelayedOptions(QuantOptions):
     format: Literal["hybrid", "e4m3"] = "hybrid"
     amax_history_len: int = 1024
     amax_compute_algo: Literal["max", "most_recent"] = "max"
+    margin: int = 0  # scale = fp8_max / amax / 2^margin (TE's margin, Megatron's --fp8-margin)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,6 +92,10 @@ class FP8DelayedOptions(QuantOptions):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             _fail(type(self).__name__, "amax_history_len", v, "must be an integer >= 1",
                   "use e.g. 1024 (TE's default) or 1 (the last step only)")
+        v = self.margin
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            _fail(type(self).__name__, "margin", v, "must be an integer >= 0",
+                  "use 0 (TE's default), or the powers of two of headroom you want")
 
 
 @dataclass(frozen=True)
@@ -169,7 +174,8 @@ def make_fp8_tensorwise(o: FP8TensorwiseOptions) -> QuantizedPrecision:
 
 def make_fp8_delayed(o: FP8DelayedOptions) -> QuantizedPrecision:
     return QuantizedPrecision("fp8_delayed",
-                              Delayed(o.format, o.amax_history_len, o.amax_compute_algo), o)
+                              Delayed(o.format, o.amax_history_len, o.amax_compute_algo,
+                                      o.margin), o)
 
 
 def make_fp8_blockwise(o: FP8BlockwiseOptions) -> QuantizedPrecision:
