@@ -106,6 +106,17 @@ def rebuilt_from_checkpoint(ckpt):
     return model.eval()
 
 
+def _saved_run(data: dict, out: str, step: int = 1):
+    """A model built from config ``data`` (a preset's), saved as ``out``'s checkpoint at
+    ``step``, as a short run of it would leave it; returns the model."""
+    from moeplug.training.checkpoint import save_checkpoint
+    from moeplug.training.optim import build_optimizer
+    cfg = config_from_dict({**data, "train": {"seq_len": 16, "warmup_steps": 0}})
+    model = build_model(cfg, PluginHost.load(), V)
+    save_checkpoint(out, step, model, build_optimizer(model, cfg.train), {"config": cfg.to_dict()})
+    return model
+
+
 def assert_import_parity_and_round_trip(hf, tmp_path):
     """Import ``hf`` (saved to tmp_path/hf): logits and loss equal transformers'; export: the
     reloaded HF model's equal too. Returns the checkpoint directory."""
@@ -192,12 +203,7 @@ def test_deepseek_v3_latent_norms_keep_hf_eps_whatever_rms_norm_eps_says(tmp_pat
     assert (model["norm_eps"], model["mla"]["latent_norm_eps"]) == (1e-5, 1e-6)
     base = preset("deepseek_v3_tiny")
     base["model"].update(norm_eps=1e-5)  # latent_norm_eps None: the latent norms take 1e-5
-    cfg = config_from_dict({**base, "train": {"seq_len": 16, "warmup_steps": 0}})
-    model = build_model(cfg, PluginHost.load(), V)
-    from moeplug.training.checkpoint import save_checkpoint
-    from moeplug.training.optim import build_optimizer
-    save_checkpoint(str(tmp_path / "run"), 1, model, build_optimizer(model, cfg.train),
-                    {"config": cfg.to_dict()})
+    model = _saved_run(base, str(tmp_path / "run"))
     with pytest.raises(ConvertError, match=r"DeepseekV3Config.model.mla.latent_norm_eps = 1e-05: "
                                            r"HF's DeepSeek-V3 fixes .* 1e-06.*Fix: export a model "
                                            r"trained with mla.latent_norm_eps: 1e-06"):
@@ -341,16 +347,10 @@ def test_mtp_refuses_targets_that_are_not_next_tokens():
 
 
 def test_mtp_weights_round_trip_in_deepseek_checkpoint_layout(tmp_path):
-    cfg = config_from_dict({**preset("deepseek_v3_tiny"), "train": {"seq_len": 16,
-                                                                    "warmup_steps": 0}})
-    model = build_model(cfg, PluginHost.load(), V)
-    from moeplug.training.checkpoint import save_checkpoint
-    from moeplug.training.optim import build_optimizer
-    save_checkpoint(str(tmp_path / "run"), 5, model, build_optimizer(model, cfg.train),
-                    {"config": cfg.to_dict()})
+    model = _saved_run(preset("deepseek_v3_tiny"), str(tmp_path / "run"), 5)
     export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
     hf_cfg, hf_sd = read_hf_dir(str(tmp_path / "hf"))
-    L = cfg.model.num_layers
+    L = model.cfg.num_layers
     assert hf_cfg["num_nextn_predict_layers"] == 1
     assert torch.equal(hf_sd[f"model.layers.{L}.eh_proj.weight"], model.mtp[0].eh_proj.weight)
     assert torch.equal(hf_sd[f"model.layers.{L}.shared_head.head.weight"], model.head.weight)
@@ -474,13 +474,7 @@ def test_qwen3_sparse_step_maps_to_layer_freq():
 
 
 def test_export_refuses_what_the_family_cannot_express(tmp_path):
-    cfg = config_from_dict({**preset("qwen3_moe_tiny"), "train": {"seq_len": 16,
-                                                                  "warmup_steps": 0}})
-    model = build_model(cfg, PluginHost.load(), V)
-    from moeplug.training.checkpoint import save_checkpoint
-    from moeplug.training.optim import build_optimizer
-    save_checkpoint(str(tmp_path / "run"), 1, model, build_optimizer(model, cfg.train),
-                    {"config": cfg.to_dict()})
+    _saved_run(preset("qwen3_moe_tiny"), str(tmp_path / "run"))
     with pytest.raises(ConvertError, match=r"MixtralConfig.model.qk_norm = True: .*Fix: export "
                                            r"to a family that has it"):
         export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), model_type="mixtral")
@@ -497,12 +491,7 @@ def test_deepseek_v3_export_refuses_a_group_score_hf_would_not_compute(tmp_path,
     base = preset("deepseek_v3_tiny")
     base["model"]["moe"].update(num_experts=16, top_k=top_k)
     base["plugins"]["router_options"].update(group_score=group_score)  # num_groups 4, topk 2
-    cfg = config_from_dict({**base, "train": {"seq_len": 16, "warmup_steps": 0}})
-    model = build_model(cfg, PluginHost.load(), V)
-    from moeplug.training.checkpoint import save_checkpoint
-    from moeplug.training.optim import build_optimizer
-    save_checkpoint(str(tmp_path / "run"), 1, model, build_optimizer(model, cfg.train),
-                    {"config": cfg.to_dict()})
+    _saved_run(base, str(tmp_path / "run"))
     if refused:
         with pytest.raises(ConvertError, match=r"DeepseekV3Config.plugins.router_options."
                            r"group_score = 'topk_share': .*top_k // group_topk = 6 // 2 = 3 "
@@ -522,12 +511,7 @@ def test_deepseek_v3_top1_renormalised_router_exports_what_it_computes(tmp_path)
     base = preset("deepseek_v3_tiny")
     base["model"]["moe"].update(top_k=1)
     base["plugins"]["router_options"].update(renormalize=True, num_groups=None, group_topk=None)
-    cfg = config_from_dict({**base, "train": {"seq_len": 16, "warmup_steps": 0}})
-    model = build_model(cfg, PluginHost.load(), V)
-    from moeplug.training.checkpoint import save_checkpoint
-    from moeplug.training.optim import build_optimizer
-    save_checkpoint(str(tmp_path / "run"), 1, model, build_optimizer(model, cfg.train),
-                    {"config": cfg.to_dict()})
+    model = _saved_run(base, str(tmp_path / "run"))
     export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     assert hf.config.norm_topk_prob is False
