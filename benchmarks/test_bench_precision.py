@@ -113,7 +113,11 @@ def test_wire_bytes_per_token_per_dispatcher_and_recipe(report):
 
 
 # ---- 300 steps of the default model per recipe, against bf16 ---------------------------------
-# Final validation loss within these nats of bf16's (measured on 2 shared cores: see README).
+# Final validation loss at most these nats above bf16's (measured on 2 shared cores: see
+# README). One-sided: a recipe that ends below bf16 tracks it too. Other numerics move this
+# tiny model's 300-step loss both ways by more than the bounds (2026-11-28, one run each: fp32
+# 4.720, bf16 4.738, the five recipes 4.662-4.717), so a two-sided bound failed on runs that
+# were fine.
 VAL_TOLERANCE = {"fp8_tensorwise": 0.05, "fp8_delayed": 0.1, "fp8_blockwise": 0.05,
                  "mxfp8": 0.05, "nvfp4": 0.15}
 
@@ -146,4 +150,4 @@ def test_default_model_300_steps_per_recipe_tracks_bf16(tmp_path, report):
         report.row("precision", f"{name} 300-step val loss - bf16", gaps[max(gaps)], unit="",
                    note=f"{val[name][max(gaps)]:.4f} vs {val['bf16'][max(gaps)]:.4f}; "
                         f"largest |gap| {gaps[worst]:+.4f} at step {worst}")
-        assert abs(gaps[max(gaps)]) < VAL_TOLERANCE[name], (name, gaps)
+        assert gaps[max(gaps)] < VAL_TOLERANCE[name], (name, gaps)
