@@ -407,6 +407,11 @@ class ModelConfig:
                   "choose hidden_size / num_heads even")
 
     @property
+    def mla_latent_norm_eps(self) -> float:
+        """The eps of MLA's q/kv latent RMSNorms: mla.latent_norm_eps, else norm_eps."""
+        return self.norm_eps if self.mla.latent_norm_eps is None else self.mla.latent_norm_eps
+
+    @property
     def moe_layer_pattern(self) -> tuple[bool, ...]:
         """Per layer, True if it is an MoE layer: moe.layer_freq, then the first
         ``first_k_dense`` layers forced dense."""

@@ -94,9 +94,8 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
     if m.attention != "mla":
         hf_fail(FAMILY, "model.attention", m.attention, "DeepSeek-V3 uses multi-head latent "
                 "attention", "export as mixtral or qwen3_moe, or train with attention: mla")
-    latent_eps = m.norm_eps if m.mla.latent_norm_eps is None else m.mla.latent_norm_eps
-    if latent_eps != HF_LATENT_NORM_EPS:
-        hf_fail(FAMILY, "model.mla.latent_norm_eps", latent_eps, f"HF's DeepSeek-V3 fixes the "
+    if m.mla_latent_norm_eps != HF_LATENT_NORM_EPS:
+        hf_fail(FAMILY, "model.mla.latent_norm_eps", m.mla_latent_norm_eps, f"HF's DeepSeek-V3 fixes the "
                 f"q/kv latent norms' eps at {HF_LATENT_NORM_EPS} (None here means model.norm_eps)",
                 f"export a model trained with mla.latent_norm_eps: {HF_LATENT_NORM_EPS}")
     if moe.activation != "swiglu" or moe.shared_expert_gate:

@@ -34,16 +34,15 @@ class MLAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         self.kv_lora_rank = m.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
-        eps = cfg.norm_eps if m.latent_norm_eps is None else m.latent_norm_eps
         if m.q_lora_rank:
             self.q_a_proj = nn.Linear(D, m.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(m.q_lora_rank, eps)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, cfg.mla_latent_norm_eps)
             self.q_b_proj = nn.Linear(m.q_lora_rank, H * qk_dim, bias=False)
             self.q_proj = None
         else:
             self.q_proj = nn.Linear(D, H * qk_dim, bias=False)
         self.kv_a_proj = nn.Linear(D, m.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_a_norm = RMSNorm(m.kv_lora_rank, eps)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, cfg.mla_latent_norm_eps)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
         # Shared RoPE table, not registered per layer (see Attention).
