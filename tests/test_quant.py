@@ -116,8 +116,8 @@ def test_delayed_scaling_keeps_the_scale_through_a_zero_or_non_finite_amax(bad):
     s.quantize(torch.tensor([bad]))
     s.commit(s.pending)
     assert s.scale.item() == 448.0 / 2.0
-    s.restore([4.0], None)  # a checkpoint without the scale: the history's
-    assert s.scale.item() == 448.0 / 4.0
+    s.restore([4.0], 112.0)  # a checkpoint's history and scale, as saved
+    assert s.history.tolist() == [4.0] and s.scale.item() == 112.0
 
 
 def test_delayed_scaling_margin_divides_the_scale_by_a_power_of_two():

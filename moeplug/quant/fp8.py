@@ -116,20 +116,11 @@ class DelayedScaler:
             return
         self.history = torch.cat([self.history, amax.reshape(1).float().cpu()])
         self.history = self.history[-self.history_len:]
-        self._rescale()
-
-    def restore(self, history: list, scale: float | None) -> None:
-        """A checkpoint's history and scale (a checkpoint written before the scale was saved:
-        the scale its history gives)."""
-        self.history = torch.tensor(history, dtype=torch.float32)[-self.history_len:]
-        if scale is None:
-            self._rescale()
-        else:
-            self.scale = torch.tensor(scale, dtype=torch.float32)
-
-    def _rescale(self) -> None:
-        if not self.history.numel():
-            return
         top = self.history.amax() if self.algo == "max" else self.history[-1]
-        if torch.isfinite(top) and top > 0:  # a power of two: exact in fp32
+        if torch.isfinite(top) and top > 0:  # 2^margin: a power of two, exact in fp32
             self.scale = amax_to_scale(top, self.dtype) / 2.0 ** self.margin
+
+    def restore(self, history: list, scale: float) -> None:
+        """A checkpoint's history and scale."""
+        self.history = torch.tensor(history, dtype=torch.float32)[-self.history_len:]
+        self.scale = torch.tensor(scale, dtype=torch.float32)

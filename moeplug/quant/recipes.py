@@ -134,7 +134,7 @@ class Delayed(Tensorwise):
         for e in state:
             k = (e.get("param"), e.get("global_expert"), e.get("role"))
             if "global_expert" in e and local.holds(k):
-                self.scaler(*local.key(k)).restore(e["history"], e.get("scale"))
+                self.scaler(*local.key(k)).restore(e["history"], e["scale"])
 
 
 def _global_key(key, role, names: dict, experts: dict):
