@@ -54,6 +54,12 @@ def _fail(cls: str, name: str, value, rule: str, fix: str) -> None:
     raise ConfigError(f"{cls}.{name} = {value!r}: {rule}. Fix: {fix}")
 
 
+def _int_at_least(options, name: str, low: int, fix: str) -> None:
+    v = getattr(options, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        _fail(type(options).__name__, name, v, f"must be an integer >= {low}", fix)
+
+
 @dataclass(frozen=True)
 class QuantOptions:
     """Shared by every low-precision recipe. The first/last ``bf16_*_layers`` transformer blocks
@@ -66,10 +72,7 @@ class QuantOptions:
 
     def __post_init__(self) -> None:
         for name in ("bf16_first_layers", "bf16_last_layers"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                _fail(type(self).__name__, name, v, "must be an integer >= 0",
-                      "give how many blocks to keep in bf16, e.g. 1")
+            _int_at_least(self, name, 0, "give how many blocks to keep in bf16, e.g. 1")
 
 
 @dataclass(frozen=True)
@@ -88,14 +91,10 @@ class FP8DelayedOptions(QuantOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        v = self.amax_history_len
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            _fail(type(self).__name__, "amax_history_len", v, "must be an integer >= 1",
-                  "use e.g. 1024 (TE's default) or 1 (the last step only)")
-        v = self.margin
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            _fail(type(self).__name__, "margin", v, "must be an integer >= 0",
-                  "use 0 (TE's default), or the powers of two of headroom you want")
+        _int_at_least(self, "amax_history_len", 1,
+                      "use e.g. 1024 (TE's default) or 1 (the last step only)")
+        _int_at_least(self, "margin", 0,
+                      "use 0 (TE's default), or the powers of two of headroom you want")
 
 
 @dataclass(frozen=True)
