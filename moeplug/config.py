@@ -956,19 +956,22 @@ class RootConfig:
                   f"{self.train.device!r}", f"set train.device: cpu or {name}: false")
 
     def _check_expert_op_levers(self) -> None:
-        # The static sync-free region runs GEMMs of its own, which neither keep FC1's output
-        # nor note saved tensors (expert_op_levers): either switch would do nothing there.
-        if not self.runtime.sync_free:
+        # The eager CPU static region (moeplug.modules.static_arena) keeps FC1's output, never
+        # the activation (moe_act recompute is its only mode), and notes its saved tensors for
+        # the expert offload names. The captured region is compiled: inductor decides what it
+        # keeps and no saved-tensor hook sees inside, so either switch would do nothing there.
+        # (A GPU's region: moeplug.training.distributed.check_cuda_expert_levers.)
+        if not (self.runtime.sync_free and self.runtime.capture):
             return
         m = self.model
         for key, names in expert_op_levers(m).items():
             obj, field_name = (m.recompute, "modules") if key == "recompute.modules" \
                 else (m, "offload")
             what = " and ".join(names) + (" acts" if len(names) == 1 else " act")
-            _fail(obj, field_name, getattr(obj, field_name), f"{what} inside the dynamic expert "
-                  f"ops; runtime.sync_free runs the experts in its static region, which would "
-                  f"ignore {'it' if len(names) == 1 else 'them'}", f"drop {' and '.join(names)} "
-                  f"from model.{key}, or set runtime.sync_free: false")
+            _fail(obj, field_name, getattr(obj, field_name), f"{what} inside the expert ops; "
+                  f"runtime.capture compiles the sync-free region, which would ignore "
+                  f"{'it' if len(names) == 1 else 'them'}", f"drop {' and '.join(names)} "
+                  f"from model.{key}, or set runtime.capture: false")
 
     def _check_sync_free(self) -> None:
         # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself in the

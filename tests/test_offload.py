@@ -23,12 +23,12 @@ VOCAB = 40
 
 
 def model_for(offload: list[str], seed: int = 0, stash: bool = False, experts: str = "grouped",
-              activation: str = "swiglu", tmp_path=None):
+              activation: str = "swiglu", tmp_path=None, sync_free: bool = False):
     moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=24, shared_expert_ffn_hidden_size=16,
                     activation=activation)
     m = ModelConfig(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=32,
                     first_k_dense=1, dense_ffn_hidden_size=48, moe=moe, offload=offload)
-    rt = RuntimeSection(stash=stash, offload_min_bytes=0,
+    rt = RuntimeSection(stash=stash, offload_min_bytes=0, sync_free=sync_free,
                         offload_dir=str(tmp_path) if tmp_path else "")
     cfg = RootConfig(model=m, train=TrainConfig(seq_len=16, warmup_steps=0), runtime=rt)
     cfg.plugins.experts = experts
@@ -152,22 +152,64 @@ def test_bad_offload_config_fails_naming_field_value_and_fix(tmp_path):
 MOE_ACT = {"granularity": "selective", "modules": ["moe_act"]}
 
 
+@pytest.mark.parametrize("stash", [False, True], ids=["plain", "stash"])
+@pytest.mark.parametrize("names", [["expert_fc1"], ["moe_act"], ["expert_fc1", "moe_act"]],
+                         ids="+".join)
+def test_expert_offload_in_the_sync_free_region_is_identical_and_holds_less(names, stash,
+                                                                           tmp_path):
+    """runtime.sync_free's eager CPU region notes the tensors the expert names mean (its
+    packed FC1 input and FC1 output, budget padding included): they leave memory and come
+    back, gradients bitwise. Once refused at start-up; before that, silently ignored. With the
+    paged stash the offload scope is inside the stash's, as on the dynamic path: the named
+    tensors go to the tier instead of the pages (nothing held either way)."""
+    want = run(model_for([], stash=stash, sync_free=True))
+    model = model_for(names, stash=stash, sync_free=True, tmp_path=tmp_path)
+    got = run(model)
+    _assert_same(got, want)
+    stream("offload").synchronize()
+    stats = model.runtime.offloader.stats()
+    assert stats["bytes_offloaded"] > 0, names
+    assert stats["bytes_prefetched"] == stats["bytes_offloaded"]
+    assert stats["pages_in_use"] == 0 and stats["overflows"] == 0
+    if not stash:
+        assert got[2] < want[2], (names, got[2], want[2])
+
+
+def test_moe_act_recompute_is_the_sync_free_regions_only_mode():
+    """The eager CPU region keeps FC1's output and rebuilds the activation in backward
+    whatever is asked: moe_act recompute is accepted there and changes nothing (the same bytes
+    held, bitwise gradients), and still acts on the dynamic path that an over-budget rerun
+    and evaluation take."""
+    from moeplug.modules.recompute import apply_recompute
+    rc = RecomputeConfig(granularity="selective", modules=["moe_act"])
+    want = run(model_for([], sync_free=True))
+    model = model_for([], sync_free=True)
+    model.cfg.recompute = rc
+    apply_recompute(model, rc)
+    got = run(model)
+    _assert_same(got, want)
+    assert got[2] == want[2]
+    # the flag reached the experts (the dynamic path's op keeps h, not the activation)
+    assert all(b.ffn.experts.recompute_activation for b in model.blocks[1:])
+
+
 @pytest.mark.parametrize("model, field", [
     ({"recompute": MOE_ACT}, r"RecomputeConfig.modules = \['moe_act'\]: moe_act acts"),
     ({"offload": ["expert_fc1", "moe_act"]},
      r"ModelConfig.offload = \['expert_fc1', 'moe_act'\]: expert_fc1 and moe_act act"),
 ])
-def test_expert_op_levers_are_refused_where_sync_free_would_ignore_them(model, field):
-    """moe_act recompute and the expert offload names act inside the dynamic expert ops; the
-    sync-free region ran without them, silently (no byte offloaded, the same activation
-    memory)."""
-    over = {"runtime": {"sync_free": True}}
-    with pytest.raises(ConfigError, match=f"{field} inside the dynamic expert ops; "
-                                          f"runtime.sync_free runs the experts in its static "
-                                          f"region.* Fix: drop .* from model\\.(recompute\\."
-                                          f"modules|offload), or set runtime.sync_free: false"):
+def test_expert_op_levers_are_refused_where_capture_would_ignore_them(model, field):
+    """moe_act recompute and the expert offload names act inside the expert ops; the region
+    runtime.capture compiles keeps what inductor chooses, out of any saved-tensor hook's
+    sight. (Eager sync-free runs them: the tests above.)"""
+    over = {"runtime": {"sync_free": True, "capture": True}}
+    with pytest.raises(ConfigError, match=f"{field} inside the expert ops; runtime.capture "
+                                          f"compiles the sync-free region.* Fix: drop .* from "
+                                          f"model\\.(recompute\\.modules|offload), or set "
+                                          f"runtime.capture: false"):
         config_from_dict({"model": model, **over})
     config_from_dict({"model": model})  # valid on their own
+    config_from_dict({"model": model, "runtime": {"sync_free": True}})  # and sync-free eager
     config_from_dict({"model": model, "plugins": {"precision": "mxfp8"}})  # the quant experts too
     config_from_dict({"model": {"offload": ["core_attn"]}, **over})  # outside the experts: fine
 
@@ -200,11 +242,17 @@ def test_cuda_refuses_the_expert_settings_its_path_does_not_run():
         with pytest.raises(ConfigError, match=f"{field}: model.*{words}.* Fix: "):
             check_cuda_expert_levers(config_from_dict({"model": model}), field)
     # the other activations run moeplug.ops.grouped_mlp on every device, which takes the flag
-    check_cuda_expert_levers(config_from_dict({"model": {"recompute": MOE_ACT, "moe": {
-        "activation": "gelu"}}}), field)
+    gelu = {"recompute": MOE_ACT, "moe": {"activation": "gelu"}}
+    check_cuda_expert_levers(config_from_dict({"model": gelu}), field)
+    # but a GPU's sync-free region keeps the activation and has no offload scope
+    for model in (gelu, {"offload": ["expert_fc1"]}):
+        with pytest.raises(ConfigError, match=f"{field}: model.* act in the CPU's sync-free "
+                                              f"region only.* Fix: .*runtime.sync_free: false"):
+            check_cuda_expert_levers(config_from_dict({"model": model, "runtime": {
+                "sync_free": True}}), field)
 
 
-def _ep2_on_off(rank: int, world: int) -> dict:
+def _ep2_on_off(rank: int, world: int, sync_free: bool = False) -> dict:
     """Two AdamW steps of an EP2 model with and without offloading, from the same seed."""
     import numpy as np
     from moeplug.parallel import ParallelGroups
@@ -215,14 +263,17 @@ def _ep2_on_off(rank: int, world: int) -> dict:
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(3).integers(0, 64, 2048).astype(np.int64)
     out = {}
-    for name, offload in (("off", []), ("on", list(OFFLOAD_MODULES))):
+    # sync-free: the expert names only, so what moved is the static region's (its budget is
+    # 2x the balanced load, T rows an expert here: no step can overflow into the dynamic path)
+    names = ["expert_fc1", "moe_act"] if sync_free else list(OFFLOAD_MODULES)
+    for name, offload in (("off", []), ("on", names)):
         cfg = config_from_dict({
             "model": {"hidden_size": 16, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
                       "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_hidden_size": 16,
                       "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 8},
                       "offload": offload},
             "plugins": {"dispatcher": "alltoall"},
-            "runtime": {"offload_min_bytes": 0},
+            "runtime": {"offload_min_bytes": 0, "sync_free": sync_free},
             "train": {"steps": 2, "micro_batch_size": 2, "seq_len": 8, "lr": 1e-2,
                       "warmup_steps": 1, "seed": 7},
             "parallel": {"ep": 2}})
@@ -239,9 +290,10 @@ def _ep2_on_off(rank: int, world: int) -> dict:
     return out
 
 
-def test_offload_under_ep2_is_identical():
+@pytest.mark.parametrize("sync_free", [False, True], ids=["dynamic", "sync_free"])
+def test_offload_under_ep2_is_identical(sync_free):
     from moeplug.testing.distributed import run_distributed
-    for rank, r in enumerate(run_distributed(_ep2_on_off, 2, timeout=300)):
+    for rank, r in enumerate(run_distributed(_ep2_on_off, 2, sync_free, timeout=300)):
         assert r["on"]["moved"] > 0, rank
         assert r["on"]["losses"] == r["off"]["losses"], rank
         for n, p in r["off"]["params"].items():

@@ -193,7 +193,9 @@ class MoELayer(nn.Module):
             ep_size=self._ep_size(), group=getattr(self.dispatcher, "group", None),
             wrap=None if state.arena and not state.capture else functools.partial(
                 state.wrap, owner=self),
-            stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None)
+            stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None,
+            # model.offload's expert names: the experts module's scope (moeplug.modules.offload)
+            experts_call=getattr(self.experts, "call_offloaded", None))
         state.note_overflow(overflow)
         return y_TD, counts_E.detach()
 

@@ -280,7 +280,13 @@ def _offloaded_class(cls: type) -> type:
     if cls not in _SUBCLASSES:
         def forward(self, *args):
             return offloaded_call(self, super(sub, self).forward, *args)
-        sub = type(f"Offloaded{cls.__name__}", (cls,), {"forward": forward})
+
+        def call_offloaded(self, fn, *args):
+            # ``fn`` in place of forward (the sync-free region runs the experts' op itself,
+            # not their forward): the same scope, so what its op notes leaves memory.
+            return offloaded_call(self, fn, *args)
+        sub = type(f"Offloaded{cls.__name__}", (cls,),
+                   {"forward": forward, "call_offloaded": call_offloaded})
         _SUBCLASSES[cls] = sub
     return _SUBCLASSES[cls]
 

@@ -24,7 +24,7 @@ rows in stage 2).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +33,7 @@ from moeplug.ops._grouped import cast, compute_dtype
 from moeplug.ops.activations import act_width
 from moeplug.ops.grouped_rows_mm import (grouped_rows_act_backward_out, grouped_rows_act_out,
                                          grouped_rows_mm_backward_out, grouped_rows_mm_out)
+from moeplug.ops.offload_marks import note
 from moeplug.routing import sink_dropped
 from moeplug.runtime import get_runtime
 
@@ -115,6 +116,10 @@ class _PackedExperts(torch.autograd.Function):
                 grouped_rows_act_out(h_WSX[w], counts_WL[w], activation, a_SF)
                 grouped_rows_mm_out(a_SF, w2_c, counts_WL[w], y_WSD[w])
                 del a_SF
+        # What the offload names mean here (moeplug.ops.offload_marks; a no-op outside their
+        # scope): the tensors the dynamic grouped op marks.
+        note("expert_fc1", x_c)
+        note("moe_act", h_WSX)
         ctx.save_for_backward(x_c.view(W * S, D), h_WSX.view(W * S, -1), w13_c, w2_c)
         ctx.counts_WL = counts_WL  # a few ints: kept out of the stash's pages
         ctx.activation, ctx.arena = activation, workspace.current_arena()
@@ -156,6 +161,10 @@ def packed_experts(x_WSD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Ten
     """Stage 4 over packed chunks in the arena (see _PackedExperts): what the paged stash
     holds on the CPU."""
     return _PackedExperts.apply(x_WSD, w13_LXD, w2_LDF, activation, counts_WL)
+
+
+def _call(fn: Callable, *args: Any) -> Any:
+    return fn(*args)
 
 
 def _weight_grads(w: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -204,13 +213,15 @@ class _FromSlots(torch.autograd.Function):
 
 def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                   *, num_experts: int, budget: int, activation: str, weighted_input: bool,
-                  ep_size: int, exchange: Any, stash_scope: Any
+                  ep_size: int, exchange: Any, stash_scope: Any,
+                  experts_call: Callable | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 on the CPU, eager: (y_TD, overflow, counts_E). ``weighted_input``
     (``moe.apply_probs_on_input``): the routing weights scale the rows in stage 2, and stage 6
     sums them plainly. ``exchange(x_ECD, counts_WL) -> (x_ECD, counts_WL)`` and
     ``exchange.back(y_ECD)`` move the chunks over EP (identity at one rank); ``stash_scope``:
-    the paged stash's scope around stage 4, or None."""
+    the paged stash's scope around stage 4, or None; ``experts_call(fn, *args)`` runs stage 4
+    (the experts module's offload scope, inside the stash's as on the dynamic path), or None."""
     E, C, W = num_experts, budget, ep_size
     L = E // W
     slot_N, overflow, counts_E = slots(routing.ids_TK, routing.dropped_TK, E, C, W)
@@ -219,8 +230,8 @@ def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LD
     x_ECD = _ToSlots.apply(x_TD, slot_TK, E * C, probs_TK if weighted_input else None)
     x_ECD, counts_WL = exchange(x_ECD, counts_E.view(W, L))
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
-        y_WSD = packed_experts(x_ECD.view(W, L * C, -1), w13_LXD, w2_LDF, activation,
-                               counts_WL)
+        y_WSD = (experts_call or _call)(packed_experts, x_ECD.view(W, L * C, -1), w13_LXD,
+                                        w2_LDF, activation, counts_WL)
     y_ECD = exchange.back(y_WSD.view(W * L * C, -1))
     return (_FromSlots.apply(y_ECD, slot_TK, None if weighted_input else probs_TK), overflow,
             counts_E)

@@ -324,13 +324,15 @@ class PackedExchange:
 def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                *, num_experts: int, token_budget: float, activation: str, weighted_input: bool,
                ep_size: int = 1, group: Any = None,
-               wrap: Callable[[Callable], Callable] | None = None, stash_scope: Any = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               wrap: Callable[[Callable], Callable] | None = None, stash_scope: Any = None,
+               experts_call: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 for one micro-batch: (y_TD, overflow, counts_E), all device tensors.
     ``wrap`` turns each pure piece into its captured replay (moeplug.syncfree.captured); None:
     eager, where on the CPU the stages run in the layer's workspace arena
     (moeplug.modules.static_arena: the same ops, nothing allocated after warm-up).
-    ``stash_scope`` (eager only): the layer's paged-stash scope, around stage 4."""
+    ``stash_scope`` (eager only): the layer's paged-stash scope, around stage 4.
+    ``experts_call(fn, *args)`` (eager CPU only): runs stage 4 in the experts module's offload
+    scope (model.offload's expert_fc1 / moe_act), or None."""
     T, K = routing.ids_TK.shape
     C = budget_rows(T, K, num_experts, token_budget)
     L = num_experts // ep_size
@@ -339,7 +341,10 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
         return static_arena.static_region(
             x_TD, routing, w13_LXD, w2_LDF, num_experts=num_experts, budget=C,
             activation=activation, weighted_input=weighted_input, ep_size=ep_size,
-            exchange=PackedExchange(L * C, ep_size, group), stash_scope=stash_scope)
+            exchange=PackedExchange(L * C, ep_size, group), stash_scope=stash_scope,
+            experts_call=experts_call)
+    if experts_call is not None:  # config refuses the expert offload names here
+        raise ValueError("static_moe: experts_call runs only in the eager CPU region")
     wrap = wrap or (lambda fn: fn)
     args = (routing.ids_TK, routing.dropped_TK, routing.probs_TK)
     if ep_size == 1 and stash_scope is None:

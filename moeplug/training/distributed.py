@@ -96,7 +96,15 @@ def check_cuda_expert_levers(cfg: RootConfig, field: str) -> None:
         raise ConfigError(f"{field}: model.moe.delay_wgrad_compute runs in the CPU expert ops "
                           "only. Fix: set model.moe.delay_wgrad_compute: false, or "
                           "--set train.device=cpu")
-    if moe.activation == "swiglu" and "recompute.modules" in expert_op_levers(cfg.model):
+    levers = expert_op_levers(cfg.model)
+    if cfg.runtime.sync_free and levers:
+        wants = [f"model.{key} {n}" for key, names in levers.items() for n in names]
+        drop = " and ".join(n for names in levers.values() for n in names)
+        raise ConfigError(f"{field}: {', '.join(wants)} act in the CPU's sync-free region only; "
+                          "a GPU's (batched GEMMs under autograd, or CUDA graphs) keeps the "
+                          f"activation and offloads nothing. Fix: drop {drop} from those "
+                          "settings, set runtime.sync_free: false, or --set train.device=cpu")
+    if moe.activation == "swiglu" and "recompute.modules" in levers:
         raise ConfigError(f"{field}: model.recompute.modules moe_act is not built into the swiglu "
                           "experts' CUDA path (torch's grouped_mm keeps the activation), so it "
                           "would be ignored. Fix: drop moe_act from model.recompute.modules, or "
