@@ -992,10 +992,6 @@ class RootConfig:
             _fail(self.runtime, "sync_free", True, f"runs stages 2-4 unchunked; it cannot "
                   f"overlap model.moe.overlap_chunks = {self.model.moe.overlap_chunks} chunks",
                   "set model.moe.overlap_chunks: 1, or runtime.sync_free: false")
-        if "global_aux_loss" in str(self.plugins.router_options.get("load_balancing_type", "")):
-            _fail(self.runtime, "sync_free", True, "the global aux loss reads the step's token "
-                  "count on the host (a sync)", "use load_balancing_type aux_loss or "
-                  "seq_aux_loss, or runtime.sync_free: false")
 
     def _check_parallel_fits_model(self) -> None:
         # Shards must split evenly (heads % TP, experts % EP, layers per pipeline stage, seq_len

@@ -422,6 +422,45 @@ def test_within_budget_trains_like_dynamic_without_rerun():
     assert stash_runtime(on[0]).record()["sync_free"] is True
 
 
+def _global_aux_cfg(fused: bool, **runtime) -> RootConfig:
+    return config_from_dict({**_cfg(**runtime).to_dict(), "plugins": {"router_options": {
+        "load_balancing_type": ["aux_loss", "global_aux_loss"], "aux_loss_coeff": [1e-2, 1e-1],
+        "fused": fused}}})
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch"])
+def test_global_aux_loss_is_sync_free_and_reruns_bitwise(fused):
+    """The global aux loss's step token count is a device buffer used on the device: once it
+    was read on the host (``int(buffer)``, a sync) and sync_free refused the loss. Two
+    micro-batches of the static layer read zero syncs and give the dynamic layer's losses,
+    outputs and grads; over budget the rerun restores the count with the other buffers
+    (bitwise the run without sync_free); within budget no rerun."""
+    torch.manual_seed(0)
+    layer = _moe_layers(build_model(_global_aux_cfg(fused, sync_free=True), PluginHost.load(),
+                                    VOCAB))[0]
+    (x0, w0), (x1, w1) = _inputs(3), _inputs(4)
+    with HostSyncCounter() as c:
+        static = [_fwd_bwd(layer, x0, w0), _fwd_bwd(layer, x1, w1)]
+    assert c.count == 0, c.calls
+    assert int(layer.router.global_tokens) == 2 * 32  # both micro-batches counted
+    layer.router.finalize_step()
+    with stash_runtime_of(layer).sync_free.disabled():
+        dynamic = [_fwd_bwd(layer, x0, w0), _fwd_bwd(layer, x1, w1)]
+    for a, b in zip(static, dynamic):
+        _close(a, b)
+    off = _train(_global_aux_cfg(fused))
+    tiny = _train(_global_aux_cfg(fused, sync_free=True, token_budget=0.25))
+    within = _train(_global_aux_cfg(fused, sync_free=True))
+    for (sa, ga), (sb, gb), (sc, gc) in zip(tiny[1], off[1], within[1]):
+        assert sa.sync_free == {"overflows": 1, "reruns": 1}
+        assert sa.losses() == sb.losses()  # the rerun counted its tokens once
+        assert sc.sync_free == {"overflows": 0, "reruns": 0}
+        assert abs(sc.loss - sb.loss) < 1e-5
+        for n in gb:
+            assert torch.equal(ga[n], gb[n]), n
+            assert torch.allclose(gc[n], gb[n], atol=1e-5, rtol=0), n
+
+
 def test_stash_holds_the_static_experts_activations_in_the_same_pages_every_step():
     # sync_free + stash: stage 4 saves its 2-D input and FC1 rows in the pool; static shapes,
     # so each step takes the same pages and returns them all.

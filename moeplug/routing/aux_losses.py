@@ -62,16 +62,17 @@ def counts_for_aux(aux_scores_TE: torch.Tensor, routed_ids_TK: torch.Tensor, mod
     raise ValueError(f"aux_loss_counts = {mode!r}: unknown. Fix: use one of {', '.join(AUX_LOSS_COUNTS)}")
 
 
-def switch_aux_loss(aux_scores_TE: torch.Tensor, counts_E: torch.Tensor, num_tokens: float,
-                    top_k: int) -> torch.Tensor:
-    """E * sum_i (counts_i / (num_tokens*K)) * mean_t s[t, i]; counts carry no gradient."""
+def switch_aux_loss(aux_scores_TE: torch.Tensor, counts_E: torch.Tensor,
+                    num_tokens: float | torch.Tensor, top_k: int) -> torch.Tensor:
+    """E * sum_i (counts_i / (num_tokens*K)) * mean_t s[t, i]; counts carry no gradient.
+    ``num_tokens`` may be a 0-d device count (the global aux loss's): never read on the host."""
     if aux_scores_TE.shape[0] == 0:
         return aux_scores_TE.new_zeros(())
     return switch_aux_loss_from_mean(aux_scores_TE.mean(dim=0), counts_E, num_tokens, top_k)
 
 
-def switch_aux_loss_from_mean(mean_E: torch.Tensor, counts_E: torch.Tensor, num_tokens: float,
-                              top_k: int) -> torch.Tensor:
+def switch_aux_loss_from_mean(mean_E: torch.Tensor, counts_E: torch.Tensor,
+                              num_tokens: float | torch.Tensor, top_k: int) -> torch.Tensor:
     """:func:`switch_aux_loss` from P_i = mean_t s[t, i] already taken (the fused router's)."""
     f_E = counts_E.to(mean_E.dtype) / (num_tokens * top_k)
     return mean_E.shape[0] * torch.sum(f_E * mean_E)
@@ -131,7 +132,7 @@ def seq_aux_loss_from_stats(mean_BE: torch.Tensor, counts_BE: torch.Tensor, toke
 
 
 def global_aux_loss(aux_scores_TE: torch.Tensor, accumulated_counts_E: torch.Tensor,
-                    accumulated_tokens: float, top_k: int) -> torch.Tensor:
+                    accumulated_tokens: float | torch.Tensor, top_k: int) -> torch.Tensor:
     """Switch loss with f_i from counts accumulated over the step's micro-batches so far
     (including this one): f_i = accumulated_counts_i / (K * accumulated_tokens)."""
     return switch_aux_loss(aux_scores_TE, accumulated_counts_E, accumulated_tokens, top_k)

@@ -66,7 +66,11 @@ class _AuxFromStats(torch.autograd.Function):
                     counts_E, tokens = torch.sum(counts_BE, 0, out=_ws((E,), counts_BE.dtype)), T
                 else:
                     counts_E, tokens = acc_counts_E, acc_tokens
-                f = _ws((E,), dt).copy_(counts_E).div_(workspace.number(tokens * top_k, dt))
+                # tokens: an int, or the global aux loss's 0-d device count (never read on the
+                # host); either way the float of the same integer.
+                n = (workspace.number(tokens * top_k, dt) if isinstance(tokens, int) else
+                     _ws((), dt).copy_(tokens).mul_(workspace.number(top_k, dt)))
+                f = _ws((E,), dt).copy_(counts_E).div_(n)
                 prod = torch.mul(f, mean_E, out=_ws((E,), dt))
                 s = torch.sum(prod, 0, out=_ws((), dt))
                 value = torch.mul(s, workspace.number(E, dt), out=_ws((), dt))
@@ -111,7 +115,8 @@ class _AuxFromStats(torch.autograd.Function):
 
 def aux_losses_from_stats(mean_BE: torch.Tensor, counts_BE: torch.Tensor, num_tokens: int,
                           top_k: int, terms: list[tuple[str, float]],
-                          acc_counts_E: torch.Tensor | None = None, acc_tokens: int = 0
+                          acc_counts_E: torch.Tensor | None = None,
+                          acc_tokens: int | torch.Tensor = 0
                           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(sum of coeff * loss over ``terms``, {type: unscaled loss, detached}) from the fused
     router's per-sequence means and counts over ``num_tokens`` tokens (B = mean_BE.shape[0]

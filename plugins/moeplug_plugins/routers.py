@@ -229,7 +229,9 @@ class TopKRouter(Router):
         wants_global = "global_aux_loss" in self.aux_loss_coeffs
         self.register_buffer("global_counts_E", torch.zeros(E, dtype=torch.int64) if wants_global
                              else None, persistent=False)
-        # Tokens seen this step, for the global aux loss's f_i = sum n_i / (K * sum T).
+        # Tokens seen this step, for the global aux loss's f_i = sum n_i / (K * sum T). Kept and
+        # used on the device, never read on the host (runtime.sync_free: no sync); a buffer, so
+        # a rerun's buffer restore puts it back with the counts.
         self.register_buffer("global_tokens", torch.zeros((), dtype=torch.int64) if wants_global
                              else None, persistent=False)
         # Under recompute: the global aux loss's accumulated counts of each checkpointed
@@ -373,9 +375,10 @@ class TopKRouter(Router):
 
     @torch.no_grad()
     def _accumulate_global(self, counts_E: torch.Tensor, T: int, counting: bool
-                           ) -> tuple[torch.Tensor, int]:
+                           ) -> tuple[torch.Tensor, torch.Tensor | int]:
         """The global aux loss's (counts, tokens) so far this step, this micro-batch's
-        included; counted into the step's buffers when ``counting``."""
+        included (tokens a 0-d int64 device tensor); counted into the step's buffers when
+        ``counting``."""
         if self.global_counts_E is None:
             return counts_E, T
         if recomputing():
@@ -385,12 +388,14 @@ class TopKRouter(Router):
         if counts_E.device.type == "cpu":  # into the layer's arena (no allocation)
             acc_counts_E = torch.add(self.global_counts_E, counts_E,
                                      out=workspace.empty(tuple(counts_E.shape), counts_E.dtype))
+            acc_tokens = torch.add(self.global_tokens, T,
+                                   out=workspace.empty((), self.global_tokens.dtype))
         else:
             acc_counts_E = self.global_counts_E + counts_E
-        acc_tokens = int(self.global_tokens) + T
+            acc_tokens = self.global_tokens + T
         if counting:
             self.global_counts_E.copy_(acc_counts_E)
-            self.global_tokens.fill_(acc_tokens)
+            self.global_tokens.copy_(acc_tokens)
             if will_recompute():
                 self._replay.append((acc_counts_E, acc_tokens))
         return acc_counts_E, acc_tokens
