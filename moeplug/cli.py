@@ -24,8 +24,9 @@ from moeplug.plugin_host import check_plugins, load_host as _load_host
 
 EXIT_CONFIG = 2
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what `cat`/`yes` report when the reader went away
-DESCRIPTION = ("Train Mixture-of-Experts language models. Commands: train, plugins, convert, "
-               "plot-load; `moeplug COMMAND --help` lists a command's options.")
+# The commands are listed by argparse below it (a hand-written list here fell behind).
+DESCRIPTION = ("Train Mixture-of-Experts language models. `moeplug COMMAND --help` lists a "
+               "command's options.")
 
 
 def default_config_path() -> str:
