@@ -270,6 +270,12 @@ _OFFLOAD_INSIDE_RECOMPUTE = {"core_attn": ("core_attn",), "layernorm": ("attn_no
                              "moe": ("expert_fc1", "moe_act")}
 
 
+# The precisions the sync-free region runs (moeplug.modules.static_moe): autocast's dtypes and
+# the built-in emulated recipes (moeplug.quant), whose expert GEMMs it runs over its budget rows.
+SYNC_FREE_PRECISIONS = ("fp32", "bf16", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise",
+                        "mxfp8", "nvfp4")
+
+
 def expert_op_levers(m: "ModelConfig") -> dict[str, list[str]]:
     """The memory levers that act inside the routed experts' op, as asked for in ``m``, by
     ``model.*`` field: ``{"recompute.modules": ["moe_act"], "offload": ["expert_fc1", ...]}``
@@ -974,15 +980,20 @@ class RootConfig:
                   f"from model.{key}, or set runtime.capture: false")
 
     def _check_sync_free(self) -> None:
-        # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself in the
-        # autocast dtype and exchanges whole experts over EP: no emulated low-precision GEMMs,
-        # no tensor parallelism inside an expert.
+        # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself, in the
+        # autocast dtype or through a built-in emulated recipe, and exchanges whole experts over
+        # EP: no other precision plugin's GEMMs, no tensor parallelism inside an expert.
         if not self.runtime.sync_free:
             return
-        if self.plugins.precision not in ("fp32", "bf16"):
-            _fail(self.runtime, "sync_free", True, f"runs the expert GEMMs in fp32 or bf16, not "
+        if self.plugins.precision not in SYNC_FREE_PRECISIONS:
+            _fail(self.runtime, "sync_free", True, f"runs the expert GEMMs in fp32, bf16 or an "
+                  f"emulated recipe ({', '.join(SYNC_FREE_PRECISIONS[2:])}), not "
                   f"plugins.precision = {self.plugins.precision!r}",
-                  "set plugins.precision: fp32 or bf16, or runtime.sync_free: false")
+                  "set plugins.precision to one of those, or runtime.sync_free: false")
+        if self.runtime.capture and self.plugins.precision not in ("fp32", "bf16"):
+            _fail(self.runtime, "capture", True, f"compiles the sync-free region in fp32 or bf16 "
+                  f"only; plugins.precision = {self.plugins.precision!r} runs it eagerly",
+                  "set runtime.capture: false, or plugins.precision: fp32 or bf16")
         if self.parallel.etp > 1:
             _fail(self.runtime, "sync_free", True, f"does not split experts over "
                   f"parallel.etp = {self.parallel.etp}", "set parallel.etp: 1 or sync_free: false")

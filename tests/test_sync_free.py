@@ -497,7 +497,7 @@ def test_config_errors_name_field_value_and_fix(runtime, names):
         assert n in str(err.value)
 
 
-def test_sync_free_refuses_emulated_precision_before_any_group():
+def test_sync_free_refuses_a_precision_it_cannot_run_before_any_group():
     with pytest.raises(ConfigError, match=r"sync_free.*plugins.precision = 'fp8'.*Fix"):
         config_from_dict({"plugins": {"precision": "fp8"}, "runtime": {"sync_free": True}})
 

@@ -33,6 +33,7 @@ dynamic experts' weighting of the activation: FC2 is linear), so it never crosse
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable
 
@@ -43,7 +44,10 @@ from moeplug.ops import cuda_ops, slot_rows
 from moeplug.ops._grouped import compute_dtype
 from moeplug.ops.activations import activation_fn
 from moeplug.ops.grouped_rows_mm import grouped_rows_act, grouped_rows_mm
+from moeplug.ops.offload_marks import note
 from moeplug.parallel import comm
+from moeplug.quant import active_recipe, quant_expert_rows
+from moeplug.quant.wire import quantized_exchange
 
 
 def budget_rows(num_tokens: int, top_k: int, num_experts: int, token_budget: float) -> int:
@@ -89,11 +93,11 @@ def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: in
 
 
 def gather_rows(x_TD: torch.Tensor, slot_N: torch.Tensor, top_k: int, num_slots: int,
-                probs_TK: torch.Tensor | None = None) -> torch.Tensor:
+                probs_TK: torch.Tensor | None = None, zeros: bool = False) -> torch.Tensor:
     """Stage 2: x_ECD [E*C, D], zeros in empty slots (on the CPU: unwritten, as nothing
-    reads them); rows times their weight when ``probs_TK`` is given
+    reads them, unless ``zeros``); rows times their weight when ``probs_TK`` is given
     (``moe.apply_probs_on_input``)."""
-    if x_TD.device.type == "cpu":  # the runtime's row kernel (fp32 weights)
+    if x_TD.device.type == "cpu" and not zeros:  # the runtime's row kernel (fp32 weights)
         return slot_rows.to_slots(x_TD, slot_rows.slot_map(slot_N, num_slots, top_k),
                                   num_slots, None if probs_TK is None else probs_TK.float())
     n = slot_N.shape[0]
@@ -191,12 +195,14 @@ def stashed_experts_ffn(x_LBD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torc
 
 
 def combine_rows(y_ECD: torch.Tensor, slot_N: torch.Tensor, probs_TK: torch.Tensor,
-                 weighted_input: bool = False) -> torch.Tensor:
+                 weighted_input: bool = False, zeros: bool = False) -> torch.Tensor:
     """Stage 6: y_TD = sum_k p_tk * y_ECD[slot_tk], weight 0 for the dump slot; a plain sum
-    over the kept slots when the rows already carry their weights (``weighted_input``)."""
+    over the kept slots when the rows already carry their weights (``weighted_input``). The
+    gradient of an empty slot is zero (on the CPU: unwritten, as nothing reads it, unless
+    ``zeros``)."""
     T, K = probs_TK.shape
     num_slots = y_ECD.shape[0]
-    if y_ECD.device.type == "cpu":  # the runtime's row kernel: fp32 sums, fp32 weights
+    if y_ECD.device.type == "cpu" and not zeros:  # the runtime's row kernel: fp32 sums
         return slot_rows.from_slots(y_ECD, slot_rows.slot_map(slot_N, num_slots, K),
                                     None if weighted_input else probs_TK.float())
     if weighted_input:
@@ -336,6 +342,16 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
     T, K = routing.ids_TK.shape
     C = budget_rows(T, K, num_experts, token_budget)
     L = num_experts // ep_size
+    recipe = active_recipe()
+    if recipe is not None:  # an emulated FP8/FP4 recipe's block (moeplug.quant)
+        if wrap is not None:
+            raise ValueError("static_moe: a quantization recipe's region runs eagerly; "
+                             "config refuses runtime.capture with plugins.precision recipes")
+        align = recipe.row_alignment  # each expert's rows in whole quantization blocks
+        return quant_region(x_TD, routing, w13_LXD, w2_LDF, num_experts=num_experts,
+                            budget=-(-C // align) * align, activation=activation,
+                            weighted_input=weighted_input, ep_size=ep_size, group=group,
+                            recipe=recipe, stash_scope=stash_scope, experts_call=experts_call)
     on_cpu = x_TD.device.type == "cpu"
     if wrap is None and on_cpu:
         return static_arena.static_region(
@@ -344,7 +360,8 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
             exchange=PackedExchange(L * C, ep_size, group), stash_scope=stash_scope,
             experts_call=experts_call)
     if experts_call is not None:  # config refuses the expert offload names here
-        raise ValueError("static_moe: experts_call runs only in the eager CPU region")
+        raise ValueError("static_moe: experts_call runs only in the eager CPU region and "
+                         "under a quantization recipe")
     wrap = wrap or (lambda fn: fn)
     args = (routing.ids_TK, routing.dropped_TK, routing.probs_TK)
     if ep_size == 1 and stash_scope is None:
@@ -373,3 +390,61 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
             y_LBD = stashed_experts_ffn(x_LBD, w13_LXD, w2_LDF, activation)
     y_ECD = from_experts(y_LBD, C, ep_size, group)
     return wrap(back)(y_ECD, slot_N, routing.probs_TK, weighted_input), overflow, counts_E
+
+
+# ---- under an emulated low-precision recipe ------------------------------------------------
+
+def quant_experts_ffn(x_LBD: torch.Tensor, p_LB: torch.Tensor | None, w13_LXD: torch.Tensor,
+                      w2_LDF: torch.Tensor, activation: str, recipe: Any) -> torch.Tensor:
+    """Stage 4 through ``recipe``: each local expert's ``down(act(up(x)) * p)`` over its B
+    budget rows, as the dynamic quantized experts run it (moeplug.quant.quant_expert_rows,
+    keeping FC1's output: the region's only mode). Empty slots are zero rows of weight 0: they
+    raise no amax and add nothing to a weight gradient."""
+    act = activation_fn(activation)
+    note("expert_fc1", x_LBD)
+    return torch.stack([quant_expert_rows(x_LBD[e], None if p_LB is None else p_LB[e],
+                                          w13_LXD, w2_LDF, e, act, recipe, True)
+                        for e in range(x_LBD.shape[0])])
+
+
+def slot_probs(probs_TK: torch.Tensor, slot_N: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[num_slots] each slot's routing weight, 0 where no choice landed (the dump slot E*C
+    takes the over-budget choices and is cut); differentiable in ``probs_TK``."""
+    p_S1 = probs_TK.new_zeros(num_slots + 1).scatter(0, slot_N, probs_TK.reshape(-1))
+    return p_S1[:num_slots]
+
+
+def quant_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
+                 *, num_experts: int, budget: int, activation: str, weighted_input: bool,
+                 ep_size: int, group: Any, recipe: Any, stash_scope: Any,
+                 experts_call: Callable | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                         torch.Tensor]:
+    """Stages 1-6 with stage 4 through an emulated FP8/FP4 recipe, eager on any device:
+    (y_TD, overflow, counts_E). The batched layout (every expert B = W*C rows, empty slots
+    zero rows), so a recipe's per-tensor amax and its blocks along the rows see the expert's
+    rows as the dynamic path's padded groups do. The routing weight multiplies the activation
+    before FC2 as there (FC2's input is what gets quantized, so it cannot move to combine):
+    each slot's weight crosses EP beside its row."""
+    E, C, W = num_experts, budget, ep_size
+    L, K = E // W, routing.ids_TK.shape[1]
+    slot_N, overflow, counts_E = slots(routing.ids_TK, routing.dropped_TK, E, C)
+    x_ECD = gather_rows(x_TD, slot_N, K, E * C,
+                        routing.probs_TK if weighted_input else None, zeros=True)
+    if recipe.quantize_dispatch:  # rows cross in the recipe's row format, as the dispatchers
+        # send them (at one rank too: every layout sees the same numerics); grads in full
+        x_LBD = quantized_exchange(
+            x_ECD, recipe, lambda t: to_experts(t, L, C, W, group).reshape(L * W * C, -1),
+            lambda g: from_experts(g.view(L, W * C, -1), C, W, group)).view(L, W * C, -1)
+    else:
+        x_LBD = to_experts(x_ECD, L, C, W, group)
+    p_LB = None
+    if not weighted_input:
+        p_LB = to_experts(slot_probs(routing.probs_TK, slot_N, E * C).unsqueeze(1), L, C, W,
+                          group).squeeze(2)
+    with stash_scope if stash_scope is not None else contextlib.nullcontext():
+        call = experts_call or (lambda fn, *args: fn(*args))
+        y_LBD = call(quant_experts_ffn, x_LBD, p_LB, w13_LXD, w2_LDF, activation, recipe)
+    y_ECD = from_experts(y_LBD, C, W, group)
+    # zeros: the recipe's GEMMs read every row's gradient, the empty slots' too
+    return combine_rows(y_ECD, slot_N, routing.probs_TK, weighted_input=True, zeros=True), \
+        overflow, counts_E

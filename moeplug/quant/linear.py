@@ -142,19 +142,25 @@ def quant_expert_mlp(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation, recipe
     for e, n in enumerate(counts_L.tolist()):
         if n == 0:  # no rows: no GEMM (and no amax of an empty tensor)
             continue
-        x_nD = x_SD[start:start + n]
         p_n = None if probs_S is None else probs_S[start:start + n]
+        ys.append(quant_expert_rows(x_SD[start:start + n], p_n, w1_LXD, w2_LDF, e, act, recipe,
+                                    recompute_act))
         start += n
-        h_nX = quant_linear(x_nD, w1_LXD[e], None, recipe, (id(w1_LXD), e))
-        note("moe_act", h_nX)
-        key = (id(w2_LDF), e)
-        if recompute_act:
-            ys.append(_QuantActDown.apply(h_nX, p_n, w2_LDF[e], act, recipe, key,
-                                          _out_dtype(h_nX)))
-        else:
-            ys.append(quant_linear(_act_times_probs(act, h_nX, p_n), w2_LDF[e], None, recipe,
-                                   key))
     return torch.cat(ys, dim=0) if ys else x_SD.new_zeros(0, w2_LDF.shape[1])
+
+
+def quant_expert_rows(x_nD, p_n, w1_LXD, w2_LDF, e: int, act, recipe,
+                      recompute_act: bool) -> torch.Tensor:
+    """Local expert ``e``'s ``down(act(up(x)) * p)`` over its rows, both GEMMs through
+    ``recipe`` under the keys (parameter, expert) that stateful recipes name them by; FC1's
+    output is noted as ``moe_act``. Used by :func:`quant_expert_mlp` and by the sync-free
+    region (moeplug.modules.static_moe), whose rows are a fixed budget per expert."""
+    h_nX = quant_linear(x_nD, w1_LXD[e], None, recipe, (id(w1_LXD), e))
+    note("moe_act", h_nX)
+    key = (id(w2_LDF), e)
+    if recompute_act:
+        return _QuantActDown.apply(h_nX, p_n, w2_LDF[e], act, recipe, key, _out_dtype(h_nX))
+    return quant_linear(_act_times_probs(act, h_nX, p_n), w2_LDF[e], None, recipe, key)
 
 
 class _LinearMode(TorchFunctionMode):

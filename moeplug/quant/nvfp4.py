@@ -33,16 +33,22 @@ _TIES_UP = torch.tensor([0.75, 1.75, 3.5])
 E4M3_TINY = torch.finfo(E4M3).tiny
 
 
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; no ``.to`` call where it is there already (on the CPU a no-op, but
+    the sync-free region's host-sync counter cannot tell it from a device read)."""
+    return t if t.device == device else t.to(device)
+
+
 def e2m1_round(a: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """|x| (already clamped to [0, 6]) -> magnitude code 0..7. ``generator``: stochastic
     rounding (round up with probability equal to the distance from the lower grid value)."""
     if generator is None:
-        code = torch.bucketize(a, _MIDS.to(a.device))  # midpoints strictly below: ties go down
-        return (code + torch.isin(a, _TIES_UP.to(a.device))).to(torch.uint8)
-    grid = E2M1_GRID.to(a.device)
+        code = torch.bucketize(a, _on(_MIDS, a.device))  # midpoints strictly below: ties go down
+        return (code + torch.isin(a, _on(_TIES_UP, a.device))).to(torch.uint8)
+    grid = _on(E2M1_GRID, a.device)
     lo = (torch.searchsorted(grid, a.contiguous(), right=True) - 1).clamp(0, 6)
     frac = (a - grid[lo]) / (grid[lo + 1] - grid[lo])
-    u = torch.rand(a.shape, generator=generator).to(a.device)  # a CPU stream on every device
+    u = _on(torch.rand(a.shape, generator=generator), a.device)  # a CPU stream on every device
     return (lo + (u < frac).long()).to(torch.uint8)
 
 
@@ -52,7 +58,7 @@ def e2m1_encode(x: torch.Tensor, generator: torch.Generator | None = None) -> to
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    mag = E2M1_GRID.to(code.device)[(code & 7).long()]
+    mag = _on(E2M1_GRID, code.device)[(code & 7).long()]
     return torch.where((code & 8) != 0, -mag, mag)
 
 
@@ -114,5 +120,5 @@ def rht(x: torch.Tensor, axis: int, transform: torch.Tensor) -> torch.Tensor:
     its contraction axis it leaves the exact product unchanged while spreading outliers before
     quantization. ``axis`` is zero-padded to a multiple of 16 and stays padded (the transform
     moves mass into the padding, so cutting it off would change the product)."""
-    xb = to_blocks(x.float(), axis, transform.shape[0]) @ transform.t().to(x.device)
+    xb = to_blocks(x.float(), axis, transform.shape[0]) @ _on(transform.t(), x.device)
     return xb.reshape(*xb.shape[:-2], -1).movedim(-1, axis)

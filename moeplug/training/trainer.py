@@ -245,7 +245,7 @@ def stash_runtime(model: torch.nn.Module) -> Any:
     return None
 
 
-def _stashed_step(model, rt, forward_backward, groups) -> tuple:
+def _stashed_step(model, rt, forward_backward, groups, discard: Callable[[], None]) -> tuple:
     """Forward + backward with the paged stash; on an overflow on any rank, applies
     ``runtime.stash_overflow``: rerun once without the stash from the same RNG and buffer
     state (Megatron's paged-stash runner), fail, or keep (pack kept the tensors: exact)."""
@@ -274,6 +274,7 @@ def _stashed_step(model, rt, forward_backward, groups) -> tuple:
             f"runtime.stash_pages to at least {rt.pool.num_pages + missing}, or "
             f"runtime.stash_overflow: rerun")
     if overflows and policy == "rerun":
+        discard()
         torch.set_rng_state(rng)
         with torch.no_grad():
             for k, b in model.named_buffers():
@@ -292,7 +293,7 @@ def _stashed_step(model, rt, forward_backward, groups) -> tuple:
     return (*result, record)
 
 
-def _sync_free_step(model, state, step_body, groups) -> tuple:
+def _sync_free_step(model, state, step_body, groups, discard: Callable[[], None]) -> tuple:
     """``step_body`` with the MoE layers on their static, sync-free path; a step over any
     layer's token budget (a device flag, read here where the step syncs anyway) is rerun once on
     the dynamic path from the same RNG and buffer state, so no token is ever lost."""
@@ -309,6 +310,7 @@ def _sync_free_step(model, state, step_body, groups) -> tuple:
         torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
     overflows = int(over.max())
     if overflows:
+        discard()
         torch.set_rng_state(rng)
         with torch.no_grad():
             for k, b in model.named_buffers():
@@ -346,14 +348,19 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
 
     rt = stash_runtime(model)
 
+    def discard() -> None:
+        # A pass about to be rerun must not steer the recipe: what it recorded (fp8_delayed:
+        # amaxes of other rows and gradients than the rerun's) is dropped, as after evaluation.
+        precision.end_step(model, groups, train=False)
+
     def step_body() -> tuple:  # forward + backward, with the paged stash when it is on
         if rt is None or not rt.stash_active:
             return (*forward_backward(), None)
-        return _stashed_step(model, rt, forward_backward, groups)
+        return _stashed_step(model, rt, forward_backward, groups, discard)
 
     if rt is not None and rt.sync_free.active:  # runtime.sync_free: rerun when over budget
         sums, counts_per_layer, routing, stash, sync_free = _sync_free_step(
-            model, rt.sync_free, step_body, groups)
+            model, rt.sync_free, step_body, groups, discard)
     else:
         (sums, counts_per_layer, routing, stash), sync_free = step_body(), None
     # The recipe's per-step state (fp8_delayed: the step's amaxes, reduced over the stage,
