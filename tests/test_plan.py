@@ -101,6 +101,52 @@ def test_recompute_offload_and_sharding_move_the_right_bytes():
         base.activations_total
 
 
+def test_sync_free_keeps_and_sends_every_budget_slot():
+    """runtime.sync_free: the static region keeps FC1's input and output for every budget slot
+    (padding included) and never the activation, and exchanges every slot; a GPU's batched
+    experts compute the padding too, a CPU's only the routed rows."""
+    cfg = model_config("deepseek_v3")
+    mp = Mapping(world=256, pp=4, ep=64, vpp=4, gbs=8192)
+    base, sf = Options(), Options(token_budget=1.5)
+    a, b = stage_memory(cfg, mp, base, 1), stage_memory(cfg, mp, sf, 1)
+    for name in ("expert_fc1", "moe_fc1_out"):
+        assert b.activations[name] == pytest.approx(1.5 * a.activations[name])
+    assert "moe_act" in a.activations and "moe_act" not in b.activations
+    assert b.comm_buffers == pytest.approx(1.5 * a.comm_buffers)
+    h100 = get_cluster("h100", 256)
+    assert perf.a2a_seconds(cfg, mp, sf, h100) > perf.a2a_seconds(cfg, mp, base, h100)
+    assert perf.stage_seconds(cfg, mp, sf, h100, 1)["gemm"] > \
+        perf.stage_seconds(cfg, mp, base, h100, 1)["gemm"]
+    with pytest.raises(Exception, match="token_budget -1.*Fix"):
+        Options(token_budget=-1)
+
+
+def test_plan_of_a_config_takes_its_memory_levers(tmp_path, tiny_corpus, cache_dir):
+    """``moeplug plan --config`` planned the config's model and layout but none of its
+    levers: a run with recompute, offload, EP overlap or sync-free was planned as if it had
+    none. Now they come from the config (a flag given replaces the config's list)."""
+    import yaml
+
+    from conftest import tiny_config_dict
+    from moeplug.plan.cli import config_inputs
+    d = tiny_config_dict(tiny_corpus, str(tmp_path / "run"), cache_dir)
+    d["model"].update(recompute={"granularity": "selective", "modules": ["moe_act"]},
+                      offload=["expert_fc1"])
+    d["parallel"] = {"ep": 2, "overlap_moe_expert_parallel_comm": True}
+    d["train"]["grad_accum_steps"] = 2
+    d["runtime"] = {"sync_free": True, "token_budget": 1.25}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(d))
+    _, _, opts, _ = config_inputs(str(path))
+    assert opts["recompute"] == ("moe_act",) and opts["offload"] == ("expert_fc1",)
+    assert opts["a2a_overlap"] is True and opts["token_budget"] == 1.25
+    d["model"]["recompute"] = {"granularity": "full"}
+    d["model"]["offload"] = []
+    path.write_text(yaml.safe_dump(d))
+    _, _, opts, _ = config_inputs(str(path))
+    assert "moe" in opts["recompute"] and "core_attn" in opts["recompute"]
+
+
 def test_search_returns_valid_mappings_best_first_under_the_memory_limit():
     cfg, c = model_config("qwen3_235b"), get_cluster("h100", 256)
     cands = search(cfg, Options(), c, gbs=2048, seq=4096)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from moeplug.config import ConfigError
+from moeplug.config import RECOMPUTE_MODULES, ConfigError
 
 MAPPING_KEYS = ("tp", "cp", "pp", "ep", "etp", "vpp", "mbs")
 
@@ -82,6 +82,18 @@ def config_inputs(path: str):
     opts = dict(precision=prec, distributed_optimizer=par.distributed_optimizer,
                 dispatcher="allgather" if root.plugins.dispatcher == "allgather" else "alltoall",
                 param_bytes=4 if prec == "fp32" else 2)
+    # The config's memory levers, as its run would use them (flags given override them).
+    rc = root.model.recompute
+    if rc.granularity == "full":
+        # Whole blocks rebuilt: every module the planner can drop, dropped (an upper bound on
+        # what a checkpointed block keeps: its input alone).
+        opts["recompute"] = RECOMPUTE_MODULES
+    else:
+        opts["recompute"] = tuple(rc.modules)
+    opts["offload"] = tuple(root.model.offload)
+    opts["a2a_overlap"] = par.overlap_moe_expert_parallel_comm
+    if root.runtime.sync_free:
+        opts["token_budget"] = float(root.runtime.token_budget)
     router = root.plugins.router_options
     if router.get("num_groups"):  # group-limited routing bounds the nodes a token reaches
         opts["route_groups"] = int(router.get("group_topk", 0))
@@ -126,8 +138,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if cluster.name == "cpu":
         opts.setdefault("param_bytes", 4)
     opts.setdefault("route_groups", route_groups(args.preset or ""))
-    opt = Options(precision=precision, recompute=split(args.recompute),
-                  offload=split(args.offload), a2a_overlap=args.a2a_overlap, **opts)
+    for name in ("recompute", "offload"):  # a flag given replaces the config's list
+        if getattr(args, name):
+            opts[name] = split(getattr(args, name))
+    opts["a2a_overlap"] = args.a2a_overlap or opts.get("a2a_overlap", False)
+    opt = Options(precision=precision, **opts)
     cluster.peak(precision)  # a precision this cluster has no peak for fails here
     seq = args.seq or fields.pop("seq", 4096)
     fields.pop("seq", None)
@@ -135,6 +150,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     name = args.preset or args.config
     print(f"moeplug plan: {name} on {world} x {cluster.name} ({cluster.hbm_gb:.0f} GB, "
           f"{precision}), seq {seq}")
+    levers = [f"recompute {','.join(opt.recompute)}" if opt.recompute else "",
+              f"offload {','.join(opt.offload)}" if opt.offload else "",
+              "EP overlap (combined 1F1B)" if opt.a2a_overlap else "",
+              f"sync-free, token budget {opt.token_budget:g}" if opt.token_budget else ""]
+    if any(levers):
+        print("levers: " + "; ".join(x for x in levers if x))
     if args.mapping or not args.search:
         fields.update(_parse_mapping(args.mapping or ""))
         tp, cp, pp = (fields.get(k, 1) for k in ("tp", "cp", "pp"))

@@ -86,6 +86,10 @@ class Options:
     bf16_moments: bool = False
     param_bytes: int = 2             # weights as trained (fp32 CPU runs: 4)
     grad_bytes: int = 4              # main gradients
+    # Sync-free MoE (runtime.sync_free): its token budget, 0 = the dynamic path. The static
+    # region exchanges and keeps every budget slot (E*C ~ routed rows x budget, padding
+    # included) and keeps FC1's output, never the activation (moe_act recompute built in).
+    token_budget: float = 0.0
 
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp8", "fp32"):
@@ -96,6 +100,11 @@ class Options:
             if bad:
                 raise ConfigError(f"--{name} {','.join(bad)}: unknown module. Fix: use any of "
                                   f"{', '.join(allowed)}")
+        b = self.token_budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not b >= 0 \
+                or b == float("inf"):
+            raise ConfigError(f"token_budget {b!r}: must be a finite number >= 0. Fix: 0 for "
+                              "the dynamic path, or runtime.token_budget (e.g. 2.0)")
         if self.dispatcher not in ("flex", "alltoall", "allgather"):
             raise ConfigError(f"--dispatcher {self.dispatcher!r}: unknown. Fix: use flex, "
                               "alltoall or allgather")
@@ -192,11 +201,13 @@ def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options) ->
     m = cfg.moe
     gated = 2 if m.activation in GATED_ACTIVATIONS else 1
     routed = sp * m.top_k                                       # rows this rank computes
+    slots = routed * (opt.token_budget or 1.0)                  # sync-free: the budget slots
     drop_moe = "moe" in rc
     put("router", 2 * m.num_experts, sp, 4, drop_moe)            # fp32 logits + scores
-    put("expert_fc1", h, routed, lin, drop_moe)                  # permuted tokens
-    put("moe_fc1_out", gated * m.ffn_hidden_size / mp.etp, routed, b, drop_moe)
-    put("moe_act", m.ffn_hidden_size / mp.etp, routed, lin, drop_moe or "moe_act" in rc)
+    put("expert_fc1", h, slots, lin, drop_moe)                   # permuted tokens
+    put("moe_fc1_out", gated * m.ffn_hidden_size / mp.etp, slots, b, drop_moe)
+    put("moe_act", m.ffn_hidden_size / mp.etp, routed, lin,
+        drop_moe or "moe_act" in rc or bool(opt.token_budget))
     fs = m.shared_expert_ffn_hidden_size
     if fs:
         drop = drop_moe or "shared_experts" in rc
@@ -256,7 +267,8 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int) -> Memo
     comm = 0.0
     if cfg.moe.num_experts and mp.ep > 1 and any(layers):
         # Dispatch + combine buffers of one layer's worth of routed rows (double-buffered).
-        comm = 2 * tok / mp.tp * cfg.moe.top_k * cfg.hidden_size * opt.act_bytes
+        comm = 2 * tok / mp.tp * cfg.moe.top_k * cfg.hidden_size * opt.act_bytes \
+            * (opt.token_budget or 1.0)
     return MemoryBreakdown(rank=rank, weights_grads=wg, optimizer=optim, activations=acts,
                            comm_buffers=comm)
 

@@ -82,6 +82,13 @@ def _layer_macs(cfg: ModelConfig, moe: bool) -> tuple[float, float, float]:
                            + m.num_experts)  # router GEMM included: it takes time
 
 
+def _routed_macs(cfg: ModelConfig) -> float:
+    """Per token forward multiply-adds of the routed experts alone."""
+    m = cfg.moe
+    g = 3 if m.activation in GATED_ACTIVATIONS else 2
+    return cfg.hidden_size * g * m.top_k * m.ffn_hidden_size
+
+
 def _recompute_macs(cfg: ModelConfig, moe: bool, rc: set) -> tuple[float, bool]:
     """Per token multiply-adds run again in backward, and whether the MoE block (and its
     all-to-all) is rerun."""
@@ -111,10 +118,14 @@ def a2a_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster) -> floa
     local = min(1.0, c.nvlink_domain / group)  # share of EP peers inside the NVLink domain
     k = m.top_k
     b = opt.act_bytes  # MXFP8 still dispatches BF16 by default (P26 Table 8)
+    if opt.token_budget:
+        # Sync-free: equal chunks of every budget slot, padding included, whatever the
+        # dispatcher (no token-based dedup): k x budget rows a token, uniformly over the peers.
+        k = k * opt.token_budget
     intra = tokens * k * h * b * (local - 1 / mp.ep)
     inter = 0.0
     if local < 1:
-        if opt.dispatcher == "flex":
+        if opt.dispatcher == "flex" and not opt.token_budget:
             # Token-based dispatch sends a token once per remote domain it needs: with k
             # picks over at most `groups` expert groups (group-limited routing), uniformly
             # over N domains, a token touches N (1 - (1 - 1/N)^picks) of them.
@@ -151,6 +162,10 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
         if not count:
             continue
         lin, core_macs, ffn = _layer_macs(cfg, moe)
+        if moe and opt.token_budget and gen != "cpu":
+            # A GPU's static experts run a batched GEMM over every budget slot (the CPU's
+            # compute only the routed rows).
+            ffn += (opt.token_budget - 1) * _routed_macs(cfg)
         extra, rerun_moe = _recompute_macs(cfg, moe, rc)
         gemm += count * 2 * tok * (3 * lin + extra + 3 * ffn) / mp.tp
         core += count * 2 * tok * mp.seq * core_macs / mp.tp  # forward; backward is twice
