@@ -9,8 +9,8 @@ Proofs, on the full model (the recipe is active inside its blocks only):
     model's forward and backward make no host sync; the recipe really ran (a bf16 region gives
     other losses);
   * with the paged stash and the expert offload names: bitwise the same;
-  * over budget, a training step reruns on the dynamic path: bitwise the run without sync_free
-    (recipes without a random stream of their own);
+  * over budget, a training step reruns on the dynamic path: bitwise the run without
+    sync_free;
   * EP2 on real gloo ranks: equal to the dynamic alltoall path, bitwise or within the tolerance
     stated there (the padding between source ranks regroups MXFP8's blocks along the rows);
   * runtime.capture and other precision plugins are refused before any process group.
@@ -102,8 +102,10 @@ def _train(precision: str, steps: int = 2, **runtime):
     return model, history
 
 
-@pytest.mark.parametrize("precision", ["fp8_tensorwise", "fp8_delayed", "mxfp8"])
+@pytest.mark.parametrize("precision", ["fp8_tensorwise", "fp8_delayed", "mxfp8", "nvfp4"])
 def test_over_budget_under_a_recipe_reruns_bitwise(precision):
+    """The rerun drops what the aborted static pass recorded (fp8_delayed's amaxes of other
+    rows and gradients) and rewinds NVFP4's stochastic-rounding stream to the step's start."""
     off = _train(precision)
     tiny = _train(precision, sync_free=True, token_budget=0.25)
     for sa, sb in zip(tiny[1], off[1]):

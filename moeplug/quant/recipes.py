@@ -204,6 +204,17 @@ class NVFP4(Recipe):
         self.generator = torch.Generator().manual_seed(seed)
         signs = torch.randint(0, 2, (nvfp4.BLOCK,), generator=self.generator) * 2 - 1
         self.transform = nvfp4.random_hadamard(signs)
+        self._step_start = self.generator.get_state()  # the stream where this step began
+
+    def end_step(self, names: dict, experts: dict, group=None, train: bool = True) -> None:
+        """A finished step keeps its draws (the next step starts where it ended); a discarded
+        pass (``train`` false: an over-budget or stash-overflow pass about to be rerun, or an
+        evaluation, which draws nothing) puts the stream back where the step began, so a
+        rerun rounds as the pass it replaces would have."""
+        if train:
+            self._step_start = self.generator.get_state()
+        else:
+            self.generator.set_state(self._step_start)
 
     def fake(self, t, role, axis, key=None, record=True):
         if role == "w" and self.weight_2d and t.dim() == 2:
