@@ -46,6 +46,12 @@ class SyncFreeState:
         self.arena = True
         self._overflow: torch.Tensor | None = None
         self._flags: dict[torch.device, torch.Tensor] = {}  # the step's flag buffer per device
+        # The step's largest demand in token_budget units: (a rank's most choices of one expert
+        # - 1) over the balanced load T*K/E, max over layers and micro-batches (device fp64):
+        # a budget fits a call iff ceil(T*K/E * budget) >= its most choices, i.e. iff the
+        # budget is above that.
+        self._demand: torch.Tensor | None = None
+        self._demands: dict[torch.device, tuple] = {}
         self._graphs: Any = None  # moeplug.cuda_graph.GraphedPieces, made on first CUDA call
 
     def wrap(self, fn: Callable, owner: Any = None) -> Callable:
@@ -79,6 +85,33 @@ class SyncFreeState:
             self._overflow = buf.copy_(flag.detach())
         else:
             self._overflow.logical_or_(flag.detach())
+
+    def note_demand(self, wanted_E: torch.Tensor, balanced: float) -> None:
+        """Fold one layer call's demand into the step's: ``wanted_E`` this rank's choices per
+        expert (int64, the router's drops excluded), ``balanced`` T*K/E. On the device, in
+        place into buffers kept per device (no host sync; on the CPU no allocation)."""
+        dev = wanted_E.device
+        bufs = self._demands.get(dev)
+        if bufs is None:  # (step max, this call's peak count, its ratio, the balanced load, 1)
+            bufs = self._demands[dev] = (
+                torch.zeros((), dtype=torch.float64, device=dev),
+                torch.zeros((), dtype=torch.int64, device=dev),
+                torch.zeros((), dtype=torch.float64, device=dev),
+                torch.zeros((), dtype=torch.float64, device=dev),
+                torch.ones((), dtype=torch.float64, device=dev))
+        step, count, ratio, bal, one = bufs
+        torch.amax(wanted_E, 0, out=count)
+        torch.sub(ratio.copy_(count), one, out=ratio)  # a Python 1 would be a fresh tensor
+        torch.div(ratio, bal.fill_(balanced), out=ratio)
+        if self._demand is None:
+            self._demand = step.copy_(ratio)
+        else:
+            torch.maximum(step, ratio, out=step)
+
+    def take_demand(self) -> torch.Tensor | None:
+        """The step's demand so far (None: no static layer ran); resets it."""
+        demand, self._demand = self._demand, None
+        return demand
 
     def take_overflow(self) -> torch.Tensor | None:
         """The step's flag so far (None: no static layer ran); resets it. The buffer is

@@ -197,6 +197,9 @@ class MoELayer(nn.Module):
             # model.offload's expert names: the experts module's scope (moeplug.modules.offload)
             experts_call=getattr(self.experts, "call_offloaded", None))
         state.note_overflow(overflow)
+        # What budget this call needed: the trainer names it when the step reruns.
+        T, K = routing.ids_TK.shape
+        state.note_demand(self._counts(routing), T * K / self.router.num_experts)
         return y_TD, counts_E.detach()
 
     def _ep_size(self) -> int:

@@ -300,8 +300,9 @@ def _sync_free_step(model, state, step_body, groups, discard: Callable[[], None]
     rng = torch.get_rng_state()
     buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
     state.take_overflow()  # a flag left by an evaluation or an aborted step is not this step's
+    state.take_demand()
     result = step_body()
-    flag = state.take_overflow()
+    flag, demand = state.take_overflow(), state.take_demand()
     over = torch.zeros((), dtype=torch.int64) if flag is None else flag.to(torch.int64).cpu()
     # Sync point (already one: the step's losses were just read on the host). Every rank takes
     # the same branch, because a rerun runs collectives.
@@ -309,7 +310,15 @@ def _sync_free_step(model, state, step_body, groups, discard: Callable[[], None]
         over = over.reshape(1)
         torch.distributed.all_reduce(over, op=torch.distributed.ReduceOp.MAX)
     overflows = int(over.max())
+    stats = {"overflows": overflows, "reruns": overflows}
     if overflows:
+        # The budget that would have fit this step (Megatron's paged-stash runner logs the
+        # capacity factor likewise): the smallest multiple of 0.01 above every rank's demand.
+        need = (torch.zeros(1, dtype=torch.float64) if demand is None else
+                demand.reshape(1).cpu())
+        if groups is not None:
+            torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX)
+        stats["budget_needed"] = round((math.floor(float(need[0]) * 100 + 1e-9) + 1) / 100, 2)
         discard()
         torch.set_rng_state(rng)
         with torch.no_grad():
@@ -317,7 +326,7 @@ def _sync_free_step(model, state, step_body, groups, discard: Callable[[], None]
                 b.copy_(buffers[k])
         with state.disabled():
             result = step_body()
-    return (*result, {"overflows": overflows, "reruns": overflows})
+    return (*result, stats)
 
 
 def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -626,11 +635,14 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             if stats.sync_free is not None:
                 sync_free_reruns = (sync_free_reruns or 0) + stats.sync_free["reruns"]
                 if stats.sync_free["reruns"]:
+                    need = stats.sync_free["budget_needed"]
                     write({"kind": "sync_free_rerun", "step": done,
-                           "token_budget": cfg.runtime.token_budget, "reruns": sync_free_reruns})
+                           "token_budget": cfg.runtime.token_budget, "budget_needed": need,
+                           "reruns": sync_free_reruns})
                     progress.message(f"step {done}: over runtime.token_budget "
                                      f"({cfg.runtime.token_budget}) on some MoE layer; reran "
-                                     f"on the dynamic path ({sync_free_reruns} so far)")
+                                     f"on the dynamic path ({sync_free_reruns} so far); this "
+                                     f"step needed token_budget {need}")
             dt = time.perf_counter() - t0  # train time only: eval and checkpoints excluded
             window_tokens, window_seconds = window_tokens + tokens_per_step, window_seconds + dt
             run_tokens, run_seconds = run_tokens + tokens_per_step, run_seconds + dt
