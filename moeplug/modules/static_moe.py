@@ -423,13 +423,13 @@ def quant_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF
     (y_TD, overflow, counts_E). The batched layout (every expert B = W*C rows, empty slots
     zero rows), so a recipe's per-tensor amax and its blocks along the rows see the expert's
     rows as the dynamic path's padded groups do. The routing weight multiplies the activation
-    before FC2 as there (FC2's input is what gets quantized, so it cannot move to combine):
+    before FC2 as there (FC2's input is what gets quantized, so it cannot move to combine), or
+    with ``weighted_input`` the rows once they arrived (not before their quantized exchange):
     each slot's weight crosses EP beside its row."""
     E, C, W = num_experts, budget, ep_size
     L, K = E // W, routing.ids_TK.shape[1]
     slot_N, overflow, counts_E = slots(routing.ids_TK, routing.dropped_TK, E, C)
-    x_ECD = gather_rows(x_TD, slot_N, K, E * C,
-                        routing.probs_TK if weighted_input else None, zeros=True)
+    x_ECD = gather_rows(x_TD, slot_N, K, E * C, zeros=True)
     if recipe.quantize_dispatch:  # rows cross in the recipe's row format, as the dispatchers
         # send them (at one rank too: every layout sees the same numerics); grads in full
         x_LBD = quantized_exchange(
@@ -437,10 +437,11 @@ def quant_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF
             lambda g: from_experts(g.view(L, W * C, -1), C, W, group)).view(L, W * C, -1)
     else:
         x_LBD = to_experts(x_ECD, L, C, W, group)
-    p_LB = None
-    if not weighted_input:
-        p_LB = to_experts(slot_probs(routing.probs_TK, slot_N, E * C).unsqueeze(1), L, C, W,
-                          group).squeeze(2)
+    p_LB = to_experts(slot_probs(routing.probs_TK, slot_N, E * C).unsqueeze(1), L, C, W,
+                      group).squeeze(2)
+    if weighted_input:  # moe.apply_probs_on_input: on the rows as they arrived, as the
+        # dynamic layer scales them after the (quantized) dispatch; FC2's input unweighted
+        x_LBD, p_LB = x_LBD * p_LB.unsqueeze(-1).to(x_LBD.dtype), None
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
         call = experts_call or (lambda fn, *args: fn(*args))
         y_LBD = call(quant_experts_ffn, x_LBD, p_LB, w13_LXD, w2_LDF, activation, recipe)
