@@ -120,6 +120,11 @@ class Dispatcher(abc.ABC):
 
     num_experts: int
     num_local_experts: int
+    # True when, under a low-precision recipe with ``quantize_dispatch``, the rows travel in
+    # the recipe's row format and are dequantized on receipt (moeplug.quant.wire), so the
+    # experts see quantized inputs; the sync-free region (runtime.sync_free) then sends its
+    # rows the same way, to compute what this dispatcher's layer computes.
+    quantizes_dispatch: bool = False
 
     @abc.abstractmethod
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:

@@ -33,9 +33,9 @@ VOCAB = 64
 RECIPES = ["fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4"]
 
 
-def _model(precision: str, moe: dict | None = None, **runtime):
+def _model(precision: str, moe: dict | None = None, dispatcher: str = "alltoall", **runtime):
     d = _cfg(**runtime).to_dict()
-    d["plugins"] = {"precision": precision}
+    d["plugins"] = {"precision": precision, "dispatcher": dispatcher}
     d["model"]["moe"].update(moe or {})
     d["runtime"]["offload_min_bytes"] = 0
     torch.manual_seed(0)
@@ -76,6 +76,15 @@ def test_static_region_with_probs_on_input_under_a_recipe_equals_the_dynamic_pat
     moe = {"top_k": 1, "apply_probs_on_input": True}
     static = _run(_model(precision, moe, sync_free=True), precision)[0]
     _assert_equal(static, _run(_model(precision, moe), precision)[0])
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "hierarchical", "direct_write"])
+def test_static_region_sends_rows_as_the_layers_dispatcher_does(dispatcher):
+    """The rows cross in the recipe's row format only where the layer's dispatcher sends them
+    so (``Dispatcher.quantizes_dispatch``: not allgather, whose experts read full-precision
+    rows; quantizing them anyway once moved MXFP8's weight gradients)."""
+    static = _run(_model("mxfp8", dispatcher=dispatcher, sync_free=True), "mxfp8")[0]
+    _assert_equal(static, _run(_model("mxfp8", dispatcher=dispatcher), "mxfp8")[0])
 
 
 @pytest.mark.parametrize("precision", ["fp8_delayed", "mxfp8"])

@@ -195,7 +195,8 @@ class MoELayer(nn.Module):
                 state.wrap, owner=self),
             stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None,
             # model.offload's expert names: the experts module's scope (moeplug.modules.offload)
-            experts_call=getattr(self.experts, "call_offloaded", None))
+            experts_call=getattr(self.experts, "call_offloaded", None),
+            quantized_wire=getattr(self.dispatcher, "quantizes_dispatch", False))
         state.note_overflow(overflow)
         # What budget this call needed: the trainer names it when the step reruns.
         T, K = routing.ids_TK.shape

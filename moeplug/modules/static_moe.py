@@ -331,14 +331,16 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
                *, num_experts: int, token_budget: float, activation: str, weighted_input: bool,
                ep_size: int = 1, group: Any = None,
                wrap: Callable[[Callable], Callable] | None = None, stash_scope: Any = None,
-               experts_call: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               experts_call: Callable | None = None, quantized_wire: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 for one micro-batch: (y_TD, overflow, counts_E), all device tensors.
     ``wrap`` turns each pure piece into its captured replay (moeplug.syncfree.captured); None:
     eager, where on the CPU the stages run in the layer's workspace arena
     (moeplug.modules.static_arena: the same ops, nothing allocated after warm-up).
     ``stash_scope`` (eager only): the layer's paged-stash scope, around stage 4.
     ``experts_call(fn, *args)`` (eager CPU only): runs stage 4 in the experts module's offload
-    scope (model.offload's expert_fc1 / moe_act), or None."""
+    scope (model.offload's expert_fc1 / moe_act), or None. ``quantized_wire``: under a
+    recipe with ``quantize_dispatch``, the rows cross in its row format, as the layer's
+    dispatcher sends them (``Dispatcher.quantizes_dispatch``)."""
     T, K = routing.ids_TK.shape
     C = budget_rows(T, K, num_experts, token_budget)
     L = num_experts // ep_size
@@ -351,7 +353,8 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
         return quant_region(x_TD, routing, w13_LXD, w2_LDF, num_experts=num_experts,
                             budget=-(-C // align) * align, activation=activation,
                             weighted_input=weighted_input, ep_size=ep_size, group=group,
-                            recipe=recipe, stash_scope=stash_scope, experts_call=experts_call)
+                            recipe=recipe, stash_scope=stash_scope, experts_call=experts_call,
+                            quantized_wire=quantized_wire)
     on_cpu = x_TD.device.type == "cpu"
     if wrap is None and on_cpu:
         return static_arena.static_region(
@@ -417,8 +420,8 @@ def slot_probs(probs_TK: torch.Tensor, slot_N: torch.Tensor, num_slots: int) -> 
 def quant_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                  *, num_experts: int, budget: int, activation: str, weighted_input: bool,
                  ep_size: int, group: Any, recipe: Any, stash_scope: Any,
-                 experts_call: Callable | None) -> tuple[torch.Tensor, torch.Tensor,
-                                                         torch.Tensor]:
+                 experts_call: Callable | None, quantized_wire: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 with stage 4 through an emulated FP8/FP4 recipe, eager on any device:
     (y_TD, overflow, counts_E). The batched layout (every expert B = W*C rows, empty slots
     zero rows), so a recipe's per-tensor amax and its blocks along the rows see the expert's
@@ -430,8 +433,9 @@ def quant_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF
     L, K = E // W, routing.ids_TK.shape[1]
     slot_N, overflow, counts_E = slots(routing.ids_TK, routing.dropped_TK, E, C)
     x_ECD = gather_rows(x_TD, slot_N, K, E * C, zeros=True)
-    if recipe.quantize_dispatch:  # rows cross in the recipe's row format, as the dispatchers
-        # send them (at one rank too: every layout sees the same numerics); grads in full
+    if recipe.quantize_dispatch and quantized_wire:  # rows cross in the recipe's row format
+        # as the layer's dispatcher sends them (at one rank too: every layout sees the same
+        # numerics); grads in full
         x_LBD = quantized_exchange(
             x_ECD, recipe, lambda t: to_experts(t, L, C, W, group).reshape(L * W * C, -1),
             lambda g: from_experts(g.view(L, W * C, -1), C, W, group)).view(L, W * C, -1)

@@ -63,6 +63,7 @@ class _PendingDispatch:
 
 
 class AlltoAllDispatcher(Dispatcher):
+    quantizes_dispatch = True  # moeplug.quant.wire under a quantize_dispatch recipe
     overlaps_comm = True  # dispatch_start / combine_start return with the exchange in flight
 
     def __init__(self, model: ModelConfig, group=None):

@@ -83,6 +83,7 @@ class DirectWriteMeta:
 
 
 class DirectWriteDispatcher(Dispatcher):
+    quantizes_dispatch = True  # moeplug.quant.wire under a quantize_dispatch recipe
     overlaps_comm = True  # *_start write (or pull) and publish; *_wait wait for the peers
 
     def __init__(self, model: ModelConfig, options: DirectWriteOptions | None = None, group=None):

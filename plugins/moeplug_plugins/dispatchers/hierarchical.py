@@ -82,6 +82,7 @@ class HierarchicalMeta:
 
 
 class HierarchicalDispatcher(Dispatcher):
+    quantizes_dispatch = True  # moeplug.quant.wire under a quantize_dispatch recipe
     def __init__(self, model: ModelConfig, group=None, node_size: int = 0,
                  intra_node: str = "auto"):  # as the plugin option
         self.group = group
