@@ -204,6 +204,15 @@ class DistributedAdamW:
             i: {k: v for k, v in s.items() if k != MAIN} for i, s in state["state"].items()}})
         # The master slices are the parameters' values: re-read them from the (loaded) model,
         # or, where the parameters are their bf16 image, take the saved fp32 slices.
+        self.reload_masters(mains)
+
+    def reload_masters(self, mains: dict | None = None) -> None:
+        """Set the fp32 master slices from the parameters' current values (``mains``: saved
+        fp32 slices by bucket, taken instead where a bucket's parameters are their bf16 image).
+        The slices are cut at construction, from whatever the parameters held then: a model
+        loaded afterwards (a checkpoint with no optimizer state, e.g. a ``convert import``)
+        must call this, or the first step writes the construction-time values back."""
+        mains = mains or {}
         with torch.no_grad():
             for i, b in enumerate(self.buckets):
                 if i in mains and b.holds_main:

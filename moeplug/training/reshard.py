@@ -331,7 +331,9 @@ def load_optimizer_state(optimizer: Any, model: nn.Module, saved: SavedRanks,
 
     names = global_names(model)
     state = saved.optimizer_state(list(names.values()))
-    if not state:  # saved before the first optimizer step: the fresh optimizer is right
+    if not state:  # saved before the first optimizer step (e.g. a convert import): no moments
+        if isinstance(optimizer, DistributedAdamW):  # but its master slices are the model's
+            optimizer.reload_masters()
         return
     # The parameters stepped through an fp32 main copy (bf16 ones with train.param_dtype: bf16)
     if isinstance(optimizer, DistributedAdamW):
