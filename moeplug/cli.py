@@ -196,7 +196,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             source = " + ".join([f"--preset {args.preset}"] * bool(args.preset)
                                 + [f"--config {args.config}"] * bool(args.config)) \
                 or f"the packaged {path}"
-            check_resume(resume_from, cfg, source, layout)
+            check_resume(resume_from, cfg, source, layout,
+                         lambda name, opts: host.defining_options("router", name, opts))
     if world is not None:
         with problems.check():  # train.device=cuda without (enough) GPUs, before any rank starts
             device = D.resolve_device(cfg, None if launch.under_torchrun() else world)

@@ -21,7 +21,7 @@ import os
 import re
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -1095,16 +1095,33 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def model_differences(saved: RootConfig, requested: RootConfig) -> list[tuple[str, Any, Any]]:
+def model_differences(saved: RootConfig, requested: RootConfig,
+                      router_options: Callable[[str, dict], dict] | None = None,
+                      ignore: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
     """(dotted field, saved value, requested value) for every MODEL_DEFINING field that
-    differs; "(not set)" stands for an option present on one side only."""
-    a, b = _flatten(saved.to_dict()), _flatten(requested.to_dict())
+    differs in what it means; "(not set)" stands for an option present on one side only.
+    ``router_options(router, options)``: the options as the router reads them (its defaults
+    filled in, the ones that change only how it runs left out), so an option written out at
+    its default is no difference; ``ignore``: fields (and their sub-fields) not compared."""
+    views = []
+    for c in (saved, requested):
+        d = c.to_dict()
+        if router_options is not None:
+            d["plugins"]["router_options"] = router_options(c.plugins.router,
+                                                            dict(c.plugins.router_options))
+        views.append(_flatten(d))
+    a, b = views
     if saved.data.tokenizer == requested.data.tokenizer == "bytes":
         a.pop("data.vocab_size"), b.pop("data.vocab_size")  # only BPE reads it
+    if 0 in (saved.model.vocab_size, requested.model.vocab_size):
+        # 0 means the tokenizer's vocabulary: the embedding's saved shape decides at load
+        a.pop("model.vocab_size"), b.pop("model.vocab_size")
+    if all(saved.model.moe_layer_pattern) and all(requested.model.moe_layer_pattern):
+        a.pop("model.dense_ffn_hidden_size"), b.pop("model.dense_ffn_hidden_size")  # no dense
     unset = "(not set)"
     return [(k, a.get(k, unset), b.get(k, unset)) for k in {**b, **a}
             if _under(k, MODEL_DEFINING) and not _under(k, EXECUTION_ONLY)
-            and a.get(k, unset) != b.get(k, unset)]
+            and not _under(k, ignore) and a.get(k, unset) != b.get(k, unset)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -377,6 +377,24 @@ class PluginHost:
         _check_interface(kind, name, entry, component)
         return component
 
+    def defining_options(self, kind: str, name: str, options: dict | None) -> dict:
+        """``options`` as plugin ``name`` reads them, for comparing two configs: every option
+        with its default filled in, less those its ``options_cls`` lists in
+        ``execution_only`` (a class attribute: options that change how it runs, not what it
+        computes). ``options`` as given where the plugin is unknown, unavailable or rejects
+        them (the run reports that itself)."""
+        self._check_kind(kind)
+        entry = self._entries[kind].get(name)
+        if entry is None or entry.reason or entry.options_cls is None:
+            return dict(options or {})
+        try:
+            built = _build_options(entry, options)
+        except PluginError:
+            return dict(options or {})
+        skip = set(getattr(entry.options_cls, "execution_only", ()))
+        return {f.name: getattr(built, f.name) for f in dataclasses.fields(built)
+                if f.init and f.name not in skip}
+
     def check_parallel(self, kind: str, name: str, options: dict | None, parallel: Any) -> None:
         """Rules of a plugin's options that need the parallel layout (``cfg.parallel``), e.g. a
         node size that must divide ``parallel.ep``: an ``options_cls`` may define

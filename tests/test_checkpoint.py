@@ -393,7 +393,7 @@ def test_resume_refuses_a_binary_latest_pointer(run4, tmp_path, run_cli):
      ["model.hidden_size: checkpoint 32, requested 64",
       "model.moe.num_experts: checkpoint 4, requested 8"]),
     (["--set", "plugins.router_options.score_function=sigmoid"],
-     ["plugins.router_options.score_function: checkpoint '(not set)', requested 'sigmoid'"]),
+     ["plugins.router_options.score_function: checkpoint 'softmax', requested 'sigmoid'"]),
     # Refused by the launching process: once, before any rank or process group exists.
     (["--nproc", "2", "--set", "parallel.ep=2", "--set", "model.moe.activation=gelu"],
      ["model.moe.activation: checkpoint 'swiglu', requested 'gelu'"]),
@@ -405,6 +405,41 @@ def test_resume_with_another_model_names_each_differing_field(run4, tmp_path, ru
     _assert_exit_2(proc, "holds a different model than the one requested (from --config "
                    f"{run4[0]}", *fragments, "start a new run in another --out")
     assert "load_state_dict" not in proc.stderr and "rank" not in proc.stderr.lower()
+
+
+def test_resume_accepts_the_same_model_written_otherwise(run4, tmp_path, run_cli):
+    """Router options are compared as the router reads them: one written out at its default,
+    or one that changes only how it runs (``fused``, the same math), is the same model. Both
+    were refused as differences (found by a cross-layout resume sweep)."""
+    run = _copy_run(run4, tmp_path)
+    proc = _resume(run_cli, run4, run, "--set", "plugins.router_options.dtype=fp32",
+                   "--set", "plugins.router_options.fused=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_model_differences_compare_what_the_fields_mean():
+    from moeplug.config import config_from_dict, model_differences
+    from moeplug.plugin_host import PluginHost
+    host = PluginHost.load()
+
+    def diff(a: dict, b: dict, **kw):
+        return [k for k, _, _ in model_differences(config_from_dict(a), config_from_dict(b),
+                                                   lambda n, o: host.defining_options(
+                                                       "router", n, o), **kw)]
+    all_moe = {"first_k_dense": 0, "dense_ffn_hidden_size": 64}
+    assert diff({"model": all_moe}, {"model": {"first_k_dense": 0}}) == []  # no dense layer
+    assert diff({"model": {"dense_ffn_hidden_size": 64}}, {"model": {}}) == \
+        ["model.dense_ffn_hidden_size"]  # the first layer is dense: it is used
+    assert diff({"model": {"vocab_size": 2048}}, {"model": {"vocab_size": 0}}) == []
+    assert diff({"model": {"vocab_size": 2048}}, {"model": {"vocab_size": 512}}) == \
+        ["model.vocab_size"]
+    assert diff({"plugins": {"router_options": {"dtype": "fp32", "fused_cuda": True}}},
+                {}) == []
+    assert diff({"plugins": {"router_options": {"dtype": "fp64"}}}, {}) == \
+        ["plugins.router_options.dtype"]
+    tok = {"data": {"tokenizer": "bytes"}}
+    assert diff({}, tok) == ["data.tokenizer"]
+    assert diff({}, tok, ignore=("data.tokenizer", "data.vocab_size")) == []
 
 
 def test_resume_may_turn_recompute_and_offloading_on(run4, tmp_path, run_cli):

@@ -552,3 +552,25 @@ def test_mla_rejects_gqa_only_fields():
 def test_kv_channels_decouples_head_dim_from_hidden():
     cfg = load_config(None, ["model.hidden_size=96", "model.num_heads=4", "model.kv_channels=16"])
     assert cfg.model.head_dim == 16  # 96 / 4 = 24 without the override
+
+
+@pytest.mark.slow
+def test_an_import_resumes_under_the_tokenizer_the_config_names(tmp_path, run_cli, tiny_corpus,
+                                                                cache_dir):
+    """``convert import`` records a tokenizer it cannot know (an HF model's is not moeplug's):
+    a 256-token model resumed with the bytes tokenizer was refused as another model, and
+    every other tokenizer setting was refused too. The import's checkpoint now takes the
+    requested tokenizer; the embedding's saved shape must fit it."""
+    import yaml
+    hf = randomised(mixtral(vocab_size=256))
+    hf.save_pretrained(tmp_path / "hf")
+    ckpt = import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
+    cfg = json.load(open(os.path.join(ckpt, "meta.json")))["config"]
+    cfg["data"] = {"corpus": tiny_corpus, "tokenizer": "bytes", "val_works": ["val_text"],
+                   "cache_dir": cache_dir}
+    cfg["train"].update(steps=2, seq_len=16, micro_batch_size=2, eval_interval=0,
+                        log_interval=1, out_dir=str(tmp_path / "run"))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run_cli("train", "--config", str(path), "--resume", ckpt, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -594,14 +594,19 @@ def nothing_to_train(path: str, step: int, steps: int) -> CheckpointError:
         f"pass --steps N with N > {step} to train on, or resume from an earlier checkpoint")
 
 
-def check_resume(path: str, cfg: RootConfig, config_source: str, layout: dict | None) -> dict:
+def check_resume(path: str, cfg: RootConfig, config_source: str, layout: dict | None,
+                 router_options: Any = None) -> dict:
     """Before anything is built: can checkpoint ``path`` continue a run configured as ``cfg``?
 
     Its meta.json must be sound; its config must define the same model: every field that
     changes the weights' shapes or what they compute (all of ``model``, the router and its
     options, the tokenizer) is compared and each difference named; its parallel layout must be
     ``layout`` (None: one process) and its step below ``train.steps``. ``config_source`` says
-    where ``cfg`` came from, for the messages. Returns the meta.
+    where ``cfg`` came from, for the messages; ``router_options(router, options)`` resolves
+    router options as the router reads them (PluginHost.defining_options), so an option
+    written out at its default is no difference. A checkpoint of ``moeplug convert import``
+    records no tokenizer of its own (an HF model's is not moeplug's): the requested one is
+    taken, and the embedding's saved shape must fit it. Returns the meta.
     """
     meta = read_meta(path)
     saved = saved_config(path, meta)
@@ -610,7 +615,8 @@ def check_resume(path: str, cfg: RootConfig, config_source: str, layout: dict | 
                      f"resuming with the model from {config_source}, checked against the "
                      f"saved tensors' shapes only")
     else:
-        diffs = model_differences(saved, cfg)
+        ignore = ("data.tokenizer", "data.vocab_size") if meta.get("hf") else ()
+        diffs = model_differences(saved, cfg, router_options, ignore)
         if diffs:
             listed = "; ".join(f"{k}: checkpoint {a!r}, requested {b!r}" for k, a, b in diffs)
             raise CheckpointError(

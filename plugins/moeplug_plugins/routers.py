@@ -27,7 +27,7 @@ recomputation under no_grad do not count.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import nn
@@ -49,6 +49,9 @@ def _fail(name: str, value, rule: str, fix: str) -> None:
 @dataclass(frozen=True)
 class TopKOptions:
     """Options of router ``topk`` (Megatron's ``moe_router_*`` / ``moe_*`` names, prefix dropped)."""
+
+    # How it runs, not what it computes (the same math): a resume may change them.
+    execution_only: ClassVar[tuple[str, ...]] = ("fused", "fused_cuda")
 
     # Score function. softmax + renormalize=True is Megatron's post-softmax (= Mixtral);
     # softmax + renormalize=False is Megatron's pre_softmax. For sigmoid/sqrtsoftplus,
