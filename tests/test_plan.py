@@ -179,6 +179,20 @@ def test_cli_mapping_prints_memory_and_step_breakdown(run_cli):
         assert word in r.stdout, word
 
 
+def test_cli_token_budget_plans_sync_free_and_says_so(run_cli):
+    args = ("plan", "--preset", "deepseek_v3", "--cluster", "h100", "--gpus", "256",
+            "--mapping", "tp=1,ep=64,pp=4,vpp=4", "--gbs", "8192")
+    plain, sf = run_cli(*args), run_cli(*args, "--token-budget", "1.25")
+    assert plain.returncode == sf.returncode == 0, sf.stderr
+    assert "levers: sync-free, token budget 1.25" in sf.stdout and "levers" not in plain.stdout
+
+    def gb(out: str, part: str) -> float:
+        return float(next(ln.split()[-1] for ln in out.splitlines()
+                          if ln.strip().startswith(part)))
+    assert gb(sf.stdout, "moe_fc1_out") == pytest.approx(1.25 * gb(plain.stdout, "moe_fc1_out"),
+                                                         abs=0.1)
+
+
 @pytest.mark.slow  # ~40 s alone: every op of four units is replayed and timed
 def test_cli_config_on_cpu_calibrates_this_machine(run_cli, tiny_corpus, cache_dir, tmp_path):
     import yaml
@@ -205,6 +219,7 @@ def test_cli_config_on_cpu_calibrates_this_machine(run_cli, tiny_corpus, cache_d
     (["--gpus", "0"], "--gpus 0"),
     (["--out", "x.png"], "--out x.png"),
     (["--precision", "fp4"], "--precision 'fp4'"),
+    (["--token-budget", "-1"], "token_budget -1.0"),
 ])
 def test_cli_bad_input_exits_2_naming_the_field_and_fix(run_cli, args, field):
     r = run_cli("plan", *args)

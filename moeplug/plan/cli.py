@@ -40,6 +40,9 @@ def add_plan_parser(sub) -> None:
                    "(expert_fc1, moe_act, ...)")
     p.add_argument("--dispatcher", default="flex", help="flex (DeepEP/HybridEP) or alltoall")
     p.add_argument("--a2a-overlap", action="store_true", help="combined-1F1B EP overlap")
+    p.add_argument("--token-budget", type=float, default=None, metavar="F",
+                   help="plan sync-free MoE (runtime.sync_free) with this token budget "
+                   "(default: the config's, else off)")
     p.add_argument("--out", metavar="PNG", help="with --search: plot of the search")
 
 
@@ -142,6 +145,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if getattr(args, name):
             opts[name] = split(getattr(args, name))
     opts["a2a_overlap"] = args.a2a_overlap or opts.get("a2a_overlap", False)
+    if args.token_budget is not None:
+        opts["token_budget"] = args.token_budget
     opt = Options(precision=precision, **opts)
     cluster.peak(precision)  # a precision this cluster has no peak for fails here
     seq = args.seq or fields.pop("seq", 4096)
