@@ -1096,21 +1096,22 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def model_differences(saved: RootConfig, requested: RootConfig,
-                      router_options: Callable[[str, dict], dict] | None = None,
+                      router_options: Callable[[str, dict], dict | None] | None = None,
                       ignore: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
     """(dotted field, saved value, requested value) for every MODEL_DEFINING field that
     differs in what it means; "(not set)" stands for an option present on one side only.
     ``router_options(router, options)``: the options as the router reads them (its defaults
-    filled in, the ones that change only how it runs left out), so an option written out at
-    its default is no difference; ``ignore``: fields (and their sub-fields) not compared."""
-    views = []
-    for c in (saved, requested):
-        d = c.to_dict()
-        if router_options is not None:
-            d["plugins"]["router_options"] = router_options(c.plugins.router,
-                                                            dict(c.plugins.router_options))
-        views.append(_flatten(d))
-    a, b = views
+    filled in, the ones that change only how it runs left out; None where it cannot tell, and
+    then both sides are compared as written), so an option written out at its default is no
+    difference; ``ignore``: fields (and their sub-fields) not compared."""
+    dicts = [saved.to_dict(), requested.to_dict()]
+    if router_options is not None:
+        read = [router_options(c.plugins.router, dict(c.plugins.router_options))
+                for c in (saved, requested)]
+        if None not in read:
+            for d, opts in zip(dicts, read):
+                d["plugins"]["router_options"] = opts
+    a, b = (_flatten(d) for d in dicts)
     if saved.data.tokenizer == requested.data.tokenizer == "bytes":
         a.pop("data.vocab_size"), b.pop("data.vocab_size")  # only BPE reads it
     if 0 in (saved.model.vocab_size, requested.model.vocab_size):

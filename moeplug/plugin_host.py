@@ -377,20 +377,20 @@ class PluginHost:
         _check_interface(kind, name, entry, component)
         return component
 
-    def defining_options(self, kind: str, name: str, options: dict | None) -> dict:
+    def defining_options(self, kind: str, name: str, options: dict | None) -> dict | None:
         """``options`` as plugin ``name`` reads them, for comparing two configs: every option
         with its default filled in, less those its ``options_cls`` lists in
         ``execution_only`` (a class attribute: options that change how it runs, not what it
-        computes). ``options`` as given where the plugin is unknown, unavailable or rejects
-        them (the run reports that itself)."""
+        computes). None where the plugin is unknown, unavailable or rejects them (compare
+        them as written; the run reports the problem itself)."""
         self._check_kind(kind)
         entry = self._entries[kind].get(name)
         if entry is None or entry.reason or entry.options_cls is None:
-            return dict(options or {})
+            return None
         try:
             built = _build_options(entry, options)
         except PluginError:
-            return dict(options or {})
+            return None
         skip = set(getattr(entry.options_cls, "execution_only", ()))
         return {f.name: getattr(built, f.name) for f in dataclasses.fields(built)
                 if f.init and f.name not in skip}

@@ -437,6 +437,9 @@ def test_model_differences_compare_what_the_fields_mean():
                 {}) == []
     assert diff({"plugins": {"router_options": {"dtype": "fp64"}}}, {}) == \
         ["plugins.router_options.dtype"]
+    # an option the router rejects: both sides as written, the one difference named
+    assert diff({"plugins": {"router_options": {"nope": 1}}}, {}) == \
+        ["plugins.router_options.nope"]
     tok = {"data": {"tokenizer": "bytes"}}
     assert diff({}, tok) == ["data.tokenizer"]
     assert diff({}, tok, ignore=("data.tokenizer", "data.vocab_size")) == []
