@@ -144,7 +144,24 @@ def test_plan_of_a_config_takes_its_memory_levers(tmp_path, tiny_corpus, cache_d
     d["model"]["offload"] = []
     path.write_text(yaml.safe_dump(d))
     _, _, opts, _ = config_inputs(str(path))
-    assert "moe" in opts["recompute"] and "core_attn" in opts["recompute"]
+    assert opts["recompute"] == ("full",)
+
+
+def test_full_recompute_keeps_each_blocks_input_and_reruns_its_forward():
+    """Megatron's granularity full: a block keeps its input; in backward one block at a time
+    holds its tensors again, and every block's forward runs twice (its all-to-all too)."""
+    cfg = model_config("deepseek_v3")
+    mp = Mapping(world=256, pp=4, ep=64, vpp=4, gbs=8192)
+    base, full = Options(), Options(recompute=("full",))
+    a, b = stage_memory(cfg, mp, base, 1), stage_memory(cfg, mp, full, 1)
+    assert set(b.activations) == {"block_input", "rebuilt_block"}
+    assert b.activations_total < 0.2 * a.activations_total
+    h100 = get_cluster("h100", 256)
+    sa, sb = perf.stage_seconds(cfg, mp, base, h100, 1), perf.stage_seconds(cfg, mp, full, h100, 1)
+    assert sb["gemm"] > 1.2 * sa["gemm"] and sb["attention"] > sa["attention"]
+    assert sb["all_to_all"] == pytest.approx(1.5 * sa["all_to_all"])
+    with pytest.raises(Exception, match="full recomputes whole blocks"):
+        Options(recompute=("full", "moe_act"))
 
 
 def test_search_returns_valid_mappings_best_first_under_the_memory_limit():

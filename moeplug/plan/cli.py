@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from moeplug.config import RECOMPUTE_MODULES, ConfigError
+from moeplug.config import ConfigError
 
 MAPPING_KEYS = ("tp", "cp", "pp", "ep", "etp", "vpp", "mbs")
 
@@ -35,7 +35,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--precision", default=None, help="GEMM precision: bf16 (default on GPUs), "
                    "fp8, fp32 (default on cpu)")
     p.add_argument("--recompute", default="", metavar="M,..", help="recomputed modules "
-                   "(Megatron recompute_modules: layernorm, mla_up_proj, moe_act, mlp, moe, ...)")
+                   "(Megatron recompute_modules: layernorm, mla_up_proj, moe_act, mlp, moe, ...), "
+                   "or full (whole blocks, Megatron's granularity full)")
     p.add_argument("--offload", default="", metavar="M,..", help="offloaded activations "
                    "(expert_fc1, moe_act, ...)")
     p.add_argument("--dispatcher", default="flex", help="flex (DeepEP/HybridEP) or alltoall")
@@ -87,12 +88,7 @@ def config_inputs(path: str):
                 param_bytes=4 if prec == "fp32" else 2)
     # The config's memory levers, as its run would use them (flags given override them).
     rc = root.model.recompute
-    if rc.granularity == "full":
-        # Whole blocks rebuilt: every module the planner can drop, dropped (an upper bound on
-        # what a checkpointed block keeps: its input alone).
-        opts["recompute"] = RECOMPUTE_MODULES
-    else:
-        opts["recompute"] = tuple(rc.modules)
+    opts["recompute"] = ("full",) if rc.granularity == "full" else tuple(rc.modules)
     opts["offload"] = tuple(root.model.offload)
     opts["a2a_overlap"] = par.overlap_moe_expert_parallel_comm
     if root.runtime.sync_free:

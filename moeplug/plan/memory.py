@@ -16,7 +16,7 @@ offloaded tensors stay on the device for one layer only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moeplug.config import (GATED_ACTIVATIONS, OFFLOAD_MODULES, RECOMPUTE_MODULES, ConfigError,
                             ModelConfig)
@@ -77,7 +77,7 @@ class Mapping:
 @dataclass(frozen=True, kw_only=True)
 class Options:
     precision: str = "bf16"          # GEMM precision: bf16, fp8 or fp32 (CPU runs)
-    recompute: tuple = ()
+    recompute: tuple = ()            # module names, or ("full",): whole blocks (granularity full)
     offload: tuple = ()
     a2a_overlap: bool = False
     dispatcher: str = "flex"          # "flex" (token-based DeepEP/HybridEP) or "alltoall"
@@ -95,7 +95,12 @@ class Options:
         if self.precision not in ("bf16", "fp8", "fp32"):
             raise ConfigError(f"--precision {self.precision!r}: unknown. Fix: use bf16, fp8 or "
                               "fp32")
-        for name, allowed in (("recompute", RECOMPUTE_MODULES), ("offload", OFFLOAD_MODULES)):
+        if "full" in self.recompute and len(self.recompute) > 1:
+            raise ConfigError(f"--recompute {','.join(self.recompute)}: full recomputes whole "
+                              "blocks, it takes no module names. Fix: --recompute full, or "
+                              "the module names alone")
+        for name, allowed in (("recompute", RECOMPUTE_MODULES + ("full",)),
+                              ("offload", OFFLOAD_MODULES)):
             bad = [m for m in getattr(self, name) if m not in allowed]
             if bad:
                 raise ConfigError(f"--{name} {','.join(bad)}: unknown module. Fix: use any of "
@@ -108,6 +113,11 @@ class Options:
         if self.dispatcher not in ("flex", "alltoall", "allgather"):
             raise ConfigError(f"--dispatcher {self.dispatcher!r}: unknown. Fix: use flex, "
                               "alltoall or allgather")
+
+    @property
+    def full_recompute(self) -> bool:
+        """Megatron's recompute granularity full: every block rebuilt in backward."""
+        return "full" in self.recompute
 
     @property
     def act_bytes(self) -> int:
@@ -255,8 +265,18 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int) -> Memo
     acts: dict[str, float] = {}
     held = inflight(mp, rank)
     layers = stage_layers(cfg, mp.pp)[rank]
+    if opt.full_recompute:
+        # Each block keeps its input (the sequence-parallel shard of the residual stream); the
+        # one block being rebuilt in backward holds its tensors again, once.
+        tok_sp = mp.mbs * mp.seq / mp.cp / mp.tp
+        acts["block_input"] = len(layers) * held * tok_sp * cfg.hidden_size * opt.act_bytes
+        plain = replace(opt, recompute=())
+        acts["rebuilt_block"] = max(sum(layer_activations(cfg, moe, mp, plain).values())
+                                    for moe in set(layers))
     for moe in (False, True):
         count = sum(1 for x in layers if x == moe)
+        if opt.full_recompute:
+            break
         for k, v in (layer_activations(cfg, moe, mp, opt).items() if count else ()):
             # Offloaded tensors stay on the device for the layer being computed only.
             mult = count / len(layers) if k in opt.offload else count * held

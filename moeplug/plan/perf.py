@@ -92,6 +92,9 @@ def _routed_macs(cfg: ModelConfig) -> float:
 def _recompute_macs(cfg: ModelConfig, moe: bool, rc: set) -> tuple[float, bool]:
     """Per token multiply-adds run again in backward, and whether the MoE block (and its
     all-to-all) is rerun."""
+    if "full" in rc:  # the whole block's forward again
+        lin, _, ffn = _layer_macs(cfg, moe)
+        return lin + ffn, moe
     extra = 0.0
     if "mla_up_proj" in rc and cfg.attention == "mla":
         a, n = cfg.mla, cfg.num_heads
@@ -155,7 +158,7 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
     peak, eff, overhead = _gemm_rate(c, opt, constants or CONSTANTS)
     tok = mp.mbs * mp.seq / mp.cp
     rc = set(opt.recompute)
-    gemm = core = mem = a2a = tp = 0.0
+    gemm = core = core_rerun = mem = a2a = tp = 0.0
     layers = stage_layers(cfg, mp.pp)[rank]
     for moe in (False, True):  # each layer kind once, times how many the stage holds
         count = sum(1 for x in layers if x == moe)
@@ -169,11 +172,14 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
         extra, rerun_moe = _recompute_macs(cfg, moe, rc)
         gemm += count * 2 * tok * (3 * lin + extra + 3 * ffn) / mp.tp
         core += count * 2 * tok * mp.seq * core_macs / mp.tp  # forward; backward is twice
+        if "full" in rc:  # and the rebuilt block's forward once more
+            core_rerun += count * 2 * tok * mp.seq * core_macs / mp.tp
         # Recompute drops tensors from memory, not from the work: every tensor is still
         # written, read and its gradient written and read, and a recomputed one is written
         # once more in backward.
-        kept = sum(layer_activations(cfg, moe, mp, opt).values())
         saved = sum(layer_activations(cfg, moe, mp, replace(opt, recompute=())).values())
+        kept = (tok / mp.tp * cfg.hidden_size * opt.act_bytes if opt.full_recompute else
+                sum(layer_activations(cfg, moe, mp, opt).values()))  # full: the block input
         mem += count * (MEMORY_PASSES * saved + (saved - kept)) / (c.hbm_tbps * 1e12)
         if moe:
             a2a += count * (4 + 2 * rerun_moe) * a2a_seconds(cfg, mp, opt, c)
@@ -187,9 +193,9 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
                                + cfg.mtp_num_layers * 2 * h * h) / mp.tp
     if gen in ATTENTION_TFLOPS:
         fwd, bwd = ATTENTION_TFLOPS[gen]
-        attn = core / (fwd * 1e12) + 2 * core / (bwd * 1e12)
+        attn = (core + core_rerun) / (fwd * 1e12) + 2 * core / (bwd * 1e12)
     else:
-        attn = 3 * core / (peak * eff)
+        attn = (3 * core + core_rerun) / (peak * eff)
     if opt.a2a_overlap and a2a:
         eff *= 1 - COMM_SM_FRACTION.get(gen, 0.0)
     gemm_s = gemm / (peak * eff)
