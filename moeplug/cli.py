@@ -168,7 +168,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     from moeplug.training import distributed as D
     from moeplug.training import launch
     from moeplug.training.checkpoint import check_resume, resolve_resume
-    from moeplug.training.run_dir import check_run_dir, clear_run
+    from moeplug.training.run_dir import LOCKED_ENV, check_run_dir, clear_run, lock_run_dir
     # A model that cannot fit is refused first: the plugin check below already allocates.
     from moeplug.memory import check_fits
     check_fits(cfg, 1 if launch.under_torchrun() else args.nproc or 1)
@@ -203,6 +203,12 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             device = D.resolve_device(cfg, None if launch.under_torchrun() else world)
     if problems.errors:
         raise ConfigError(*problems.errors)
+    # One live run per out dir: the launcher (or a process alone) holds its lock; its ranks
+    # skip it; under a plain torchrun, rank 0 takes it.
+    if not launch.under_torchrun() or os.environ.get("RANK") == "0":
+        lock_run_dir(cfg.train.out_dir)
+    if world > 1 and not launch.under_torchrun():
+        os.environ[LOCKED_ENV] = os.path.realpath(cfg.train.out_dir)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
     from moeplug.training.trainer import seed_everything, train
@@ -291,7 +297,11 @@ def _run(argv: list[str]) -> int:
         if args.command == "plugins":
             return cmd_plugins()
         if args.command == "train":
-            return cmd_train(args, argv)
+            from moeplug.training.run_dir import release_run_dirs
+            try:
+                return cmd_train(args, argv)
+            finally:  # in-process callers (tests, notebooks) may train there again
+                release_run_dirs()
         if args.command == "convert":
             from moeplug.convert.cli import cmd_convert
             return cmd_convert(args)

@@ -314,3 +314,38 @@ def test_a_signal_to_the_launch_stops_every_rank_in_one_line(tiny_config_file, c
     while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), ranks
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_second_live_run_in_the_same_out_dir_is_refused(tiny_config_file, cli_env, run_cli,
+                                                         tmp_path, nproc):
+    """Two live runs in one out dir (a job re-queued while the first still runs) each appended
+    to the other's metrics and deleted the other's checkpoint in progress, one ending in a
+    FileNotFoundError traceback (a fault sweep). The running one holds the directory's lock,
+    its ranks under --nproc do not contend for it, and the second is refused naming it; once
+    the first is killed (SIGKILL: no cleanup), the directory is free again."""
+    import subprocess
+    import sys
+    out = str(tmp_path / "run")
+    cfg = tiny_config_file(out)
+    args = ["train", "--config", cfg, "--steps", "100000", "--set", "train.log_interval=1",
+            "--set", "train.ckpt_interval=1"] + (["--nproc", str(nproc)] if nproc > 1 else [])
+    first = subprocess.Popen([sys.executable, "-m", "moeplug", *args], env=cli_env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in first.stdout:  # training has started
+            if line.startswith("step "):
+                break
+        second = run_cli(*args[:3], "--steps", "100000", "--resume", "auto")
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"train.out_dir = {out!r} is in use by another live run (pid {first.pid} " in \
+            second.stderr, second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        first.kill()
+        first.communicate(timeout=60)
+    if nproc > 1:  # the killed launch's ranks: torchrun's agent died with it; wait them out
+        time.sleep(3)
+    third = run_cli(*args[:3], "--steps", "3", "--set", "train.ckpt_interval=0",
+                    "--overwrite")
+    assert third.returncode == 0, third.stderr[-2000:]

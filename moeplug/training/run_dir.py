@@ -6,17 +6,29 @@ new run there would append its records to the old run's and leave the old model'
 beside its own. So a used directory is refused unless the run continues it (``--resume auto``
 or a checkpoint inside it) or ``--overwrite`` clears the old run first. Other files (a config
 the user keeps there, a plot) are neither counted nor removed.
+
+Nor may two *live* runs share a directory (a job re-queued while the first still runs): each
+would append to the other's metrics and delete the other's checkpoint in progress. A run holds
+an exclusive lock on ``.moeplug.lock`` there for its lifetime (:func:`lock_run_dir`): the
+launching process, or one process alone; under a plain ``torchrun``, rank 0. The kernel drops
+the lock when the process ends, however it ends, so a killed run never leaves it behind.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import socket
 
 from moeplug.config import ConfigError
 from moeplug.training.checkpoint import LATEST
 
 METRICS_FILE = "metrics.jsonl"
+LOCK_FILE = ".moeplug.lock"
+# Set by the launching process for its ranks: the directory whose lock it holds for them.
+LOCKED_ENV = "MOEPLUG_RUN_DIR_LOCKED"
+_held: list = []  # this process's open lock files: the lock lives as long as they stay open
 
 
 def run_artifacts(out_dir: str) -> list[str]:
@@ -59,3 +71,33 @@ def clear_run(out_dir: str) -> None:
             shutil.rmtree(path)
         else:
             os.remove(path)
+
+
+def lock_run_dir(out_dir: str) -> None:
+    """Hold ``out_dir``'s run lock until this process ends; ConfigError naming the holder if
+    another live run has it. Skipped in a rank whose launcher holds it (``LOCKED_ENV``)."""
+    if os.environ.get(LOCKED_ENV) == os.path.realpath(out_dir):
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    f = open(os.path.join(out_dir, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "its process id unknown"
+        f.close()
+        raise ConfigError(f"train.out_dir = {out_dir!r} is in use by another live run "
+                          f"({holder}): two runs there would interleave their metrics and "
+                          f"delete each other's checkpoints in progress. Fix: wait for that run "
+                          f"to end (or stop it), or pass --out NEW_DIR") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _held.append(f)
+
+
+def release_run_dirs() -> None:
+    """Drop every run lock this process holds (its train command returned)."""
+    while _held:
+        _held.pop().close()
