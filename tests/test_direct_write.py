@@ -600,3 +600,28 @@ def test_cli_ep2_training_logs_alltoall_losses(run_cli, tiny_config_file, tmp_pa
     assert len(losses["alltoall"]) == 3
     assert max(abs(a - b) for a, b in zip(losses["alltoall"], losses["direct_write"])) <= 1e-5, \
         losses
+
+
+def _timeouts(rank: int, world: int) -> dict:
+    import datetime
+
+    import torch.distributed as dist
+
+    from moeplug.plugin_host import PluginHost
+    from moeplug.testing._common import tiny_model_config
+    host = PluginHost.load()
+    cfg = tiny_model_config(num_experts=E, top_k=K, hidden_size=8, ffn_hidden_size=8)
+    out = {}
+    for name, options in (("default", {}), ("set", {"timeout_s": 42.0})):
+        group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=7))
+        dw = host.create("dispatcher", "direct_write", options, cfg, group)
+        out[name] = dw._heap().timeout_s
+    return out
+
+
+def test_a_peer_wait_fails_after_the_groups_timeout_unless_set():
+    """The heap's waits on a hung peer took the option's 300 s default whatever
+    parallel.timeout_s said (a fault sweep: a SIGSTOPped rank held its peers 300 s under
+    timeout_s 10). Unset, they now fail with the EP group's timeout, as its collectives do."""
+    for r in run_distributed(_timeouts, 2, timeout=120):
+        assert r == {"default": 7.0, "set": 42.0}, r

@@ -19,8 +19,9 @@ class DirectWriteOptions:
     # that needs more fails naming this option and the size it needs.
     heap_bytes: int = 0
     # How long a rank waits for a peer's flag before failing with the peer's rank (a dead peer
-    # is noticed within 50 ms anyway).
-    timeout_s: float = 300.0
+    # is noticed within 50 ms anyway). None: the EP group's, i.e. parallel.timeout_s, as a
+    # collective on a hung peer fails (it was 300 s whatever parallel.timeout_s said).
+    timeout_s: float | None = None
     # true: combine reads the expert rows straight out of the peers' memory (Linux cross-memory
     # attach, process_vm_readv) and sums them in cache: one pass over the rows instead of two (a
     # write into the source's heap, then a sum out of it). Used when the heap's set-up probe
@@ -38,6 +39,7 @@ class DirectWriteOptions:
         if 0 < self.heap_bytes < MiB:
             raise ConfigError(f"DirectWriteOptions.heap_bytes = {self.heap_bytes}: below 1 MiB. "
                               f"Fix: set heap_bytes >= {MiB} or 0 (sized from the model)")
-        if not self.timeout_s > 0:
+        if self.timeout_s is not None and not self.timeout_s > 0:
             raise ConfigError(f"DirectWriteOptions.timeout_s = {self.timeout_s}: must be > 0. "
-                              f"Fix: set timeout_s to a number of seconds, e.g. 300")
+                              f"Fix: set timeout_s to a number of seconds, e.g. 300, or leave "
+                              f"it unset (parallel.timeout_s)")

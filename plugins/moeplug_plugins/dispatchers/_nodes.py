@@ -94,6 +94,13 @@ def group_timeout(group: Any) -> Any:
     return None
 
 
+def group_timeout_s(group: Any) -> float:
+    """:func:`group_timeout` in seconds, 300 if torch hides it: what a shared-memory heap's
+    waits on ``group``'s peers fail after, as its collectives do."""
+    timeout = group_timeout(group)
+    return timeout.total_seconds() if timeout is not None else 300.0
+
+
 def node_groups(members: list[int], s: NodeSplit, timeout: Any = None) -> tuple[Any, Any]:
     """(intra, inter) process groups; None for a subgroup of one rank.
 

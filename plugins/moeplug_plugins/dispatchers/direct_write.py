@@ -59,6 +59,7 @@ from moeplug.quant.wire import quantized_exchange
 from moeplug_plugins.dispatchers._dw_options import OPTION, DirectWriteOptions
 from moeplug_plugins.dispatchers._dw_plan import DirectWritePlan, build_plan, local_counts
 from moeplug_plugins.dispatchers._group import ep_layout
+from moeplug_plugins.dispatchers._nodes import group_timeout_s
 
 
 def default_heap_bytes(model: ModelConfig, ep_size: int) -> int:
@@ -100,8 +101,9 @@ class DirectWriteDispatcher(Dispatcher):
         # Created collectively by the first op on the group, shared by every layer. Inside the
         # combined 1F1B's overlapped backward (moeplug.parallel.ep_overlap) the group's twin
         # has a heap of its own: the two threads' ops never share a sequence.
-        return heap_for(active_group(self.group), self.heap_bytes, 2 + self.num_experts,
-                        self.timeout_s)
+        group = active_group(self.group)
+        return heap_for(group, self.heap_bytes, 2 + self.num_experts,
+                        self.timeout_s or group_timeout_s(group))
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         return self.dispatch_wait(self.dispatch_start(x_TD, routing))

@@ -52,12 +52,6 @@ from moeplug_plugins.dispatchers.direct_write import default_heap_bytes
 from moeplug_plugins.dispatchers.intra_node import ShmIntraNode, TorchIntraNode
 
 
-def _timeout_s(group: Any) -> float:
-    """The EP group's timeout in seconds (the heap's waits fail with it), 300 if torch hides it."""
-    timeout = _nodes.group_timeout(group)
-    return timeout.total_seconds() if timeout is not None else 300.0
-
-
 def _id_dtype(num_node_experts: int) -> torch.dtype:
     """Smallest dtype gloo and NCCL both carry that holds ids 0..M (M: "not in this node")."""
     return torch.uint8 if num_node_experts < 256 else torch.int32
@@ -112,7 +106,7 @@ class HierarchicalDispatcher(Dispatcher):
             from moeplug_plugins.dispatchers import direct_write_unavailable
             intra_node = "torch" if direct_write_unavailable() else "shm"
         self.intra = (ShmIntraNode(intra, default_heap_bytes(model, self.split.node_size),
-                                   _timeout_s(group))
+                                   _nodes.group_timeout_s(group))
                       if intra_node == "shm" and intra is not None else self._torch_intra)
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
