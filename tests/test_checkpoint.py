@@ -542,3 +542,37 @@ def test_sharded_checkpoint_records_every_rank_file_and_refuses_a_damaged_shard(
     ok, refused = run_distributed(_sharded_rank, 2, str(tmp_path), False)
     assert ok == "loaded"  # rank 0's own files are intact
     assert f"checkpoint file '{damaged}' is damaged" in refused and "Fix:" in refused
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(tiny_config_file,
+                                                                       cli_env, tmp_path):
+    """A full disk mid-run (here a real one: the process's file-size limit, so every write past
+    it fails with EFBIG) ended in a safetensors traceback and left the failed save's temporary
+    directory holding its space (a fault sweep). Now: one line naming the directory, the error
+    and the last complete checkpoint, no temporary directory left, and `latest` untouched."""
+    import resource
+    import subprocess
+    import sys
+    out = str(tmp_path / "run")
+    cfg = tiny_config_file(out)
+    args = [sys.executable, "-m", "moeplug", "train", "--config", cfg, "--steps", "2",
+            "--set", "train.ckpt_interval=1"]
+    ok = subprocess.run(args, env=cli_env, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-2000:]  # the corpus cache exists; step 1, 2 saved
+    size = os.path.getsize(os.path.join(out, "step_000001", "model.safetensors"))
+
+    def small_files():  # writes beyond half a model file fail (Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+    proc = subprocess.run(args[:7] + ["4", "--resume", "auto", "--set", "train.ckpt_interval=1"],
+                          env=cli_env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=small_files)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"could not write the step-3 checkpoint in train.out_dir = {out!r} (" in
+            proc.stderr and "File too large" in proc.stderr and
+            "its last complete checkpoint is " in proc.stderr and
+            "step_000002" in proc.stderr and "run again with --resume auto" in proc.stderr), \
+        proc.stderr[-3000:]
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp-")]
+    with open(os.path.join(out, "latest")) as f:
+        assert f.read().strip() == "step_000002"

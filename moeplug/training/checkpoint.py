@@ -223,18 +223,24 @@ def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
 
     from moeplug.training import reshard
     optim_tensors, param_groups = _optimizer_payload(optimizer)
-    save_file(_model_tensors(model), os.path.join(tmp, MODEL_FILE),
-              metadata=reshard.model_manifest(model))
-    save_file(optim_tensors, os.path.join(tmp, OPTIM_FILE),
-              metadata=reshard.optimizer_manifest(model, optimizer))
-    _fsync_path(os.path.join(tmp, MODEL_FILE))
-    _fsync_path(os.path.join(tmp, OPTIM_FILE))
-    full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(),
-                     reshard_version=reshard.VERSION, optimizer={"param_groups": param_groups},
-                     files=_file_records(tmp, (MODEL_FILE, OPTIM_FILE)))
-    _test_pause_in_save()
-    _write_json(os.path.join(tmp, META_FILE), full_meta)  # last: its presence marks completeness
-    _fsync_path(tmp)
+    try:
+        save_file(_model_tensors(model), os.path.join(tmp, MODEL_FILE),
+                  metadata=reshard.model_manifest(model))
+        save_file(optim_tensors, os.path.join(tmp, OPTIM_FILE),
+                  metadata=reshard.optimizer_manifest(model, optimizer))
+        _fsync_path(os.path.join(tmp, MODEL_FILE))
+        _fsync_path(os.path.join(tmp, OPTIM_FILE))
+        full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(),
+                         reshard_version=reshard.VERSION,
+                         optimizer={"param_groups": param_groups},
+                         files=_file_records(tmp, (MODEL_FILE, OPTIM_FILE)))
+        _test_pause_in_save()
+        _write_json(os.path.join(tmp, META_FILE), full_meta)  # last: marks completeness
+        _fsync_path(tmp)
+    except Exception:
+        # A failed write (a full disk) hands its space back now, not at the next save.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _publish(out_dir, name, tmp, final)
     prune_checkpoints(out_dir, keep_last)
     return final

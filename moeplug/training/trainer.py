@@ -553,10 +553,24 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         state = _precision_state(precision, model, groups)
         if state is not None:
             meta["precision_state"] = state
-        if groups is None:
-            return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last)
-        return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups, layout,
-                                       tc.keep_last)
+        try:
+            if groups is None:
+                return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last)
+            return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups,
+                                           layout, tc.keep_last)
+        except Exception as e:  # OSError, safetensors' SafetensorError: a full or unwritable disk
+            if not isinstance(e, OSError) and type(e).__name__ != "SafetensorError":
+                raise
+            from moeplug.training.checkpoint import resolve_resume
+            try:
+                last = resolve_resume("auto", tc.out_dir)
+            except Exception:  # noqa: BLE001 - only for the message
+                last = None
+            raise TrainingFault(
+                f"could not write the step-{step} checkpoint in train.out_dir = {tc.out_dir!r} "
+                f"({type(e).__name__}: {e}); the run stopped there, its last complete "
+                f"checkpoint is {last or 'none'}. Fix: free space in (or make writable) "
+                f"{tc.out_dir!r}, then run again with --resume auto") from e
 
     model.train()
     loss_step = float("nan")
