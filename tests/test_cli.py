@@ -244,7 +244,8 @@ def test_runs_never_mix_in_one_directory(run_cli, preset_config_file, tmp_path):
 
     proc = train("--preset", "qwen3_moe_tiny", "--out", str(old), "--steps", "1", "--overwrite")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(os.listdir(old)) == ["latest", "metrics.jsonl", "step_000001"]
+    # and the run lock (moeplug.training.run_dir), which no run removes: a killed one cannot
+    assert sorted(os.listdir(old)) == [".moeplug.lock", "latest", "metrics.jsonl", "step_000001"]
     [run] = _records(str(old), "run")
     assert run["config"]["model"]["qk_norm"] is True  # the qwen3 model, alone
 
