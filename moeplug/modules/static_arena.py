@@ -163,7 +163,8 @@ def packed_experts(x_WSD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Ten
     return _PackedExperts.apply(x_WSD, w13_LXD, w2_LDF, activation, counts_WL)
 
 
-def _call(fn: Callable, *args: Any) -> Any:
+def call_directly(fn: Callable, *args: Any) -> Any:
+    """Stage 4's runner when no offload scope wraps it (the default ``experts_call``)."""
     return fn(*args)
 
 
@@ -230,7 +231,7 @@ def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LD
     x_ECD = _ToSlots.apply(x_TD, slot_TK, E * C, probs_TK if weighted_input else None)
     x_ECD, counts_WL = exchange(x_ECD, counts_E.view(W, L))
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
-        y_WSD = (experts_call or _call)(packed_experts, x_ECD.view(W, L * C, -1), w13_LXD,
+        y_WSD = (experts_call or call_directly)(packed_experts, x_ECD.view(W, L * C, -1), w13_LXD,
                                         w2_LDF, activation, counts_WL)
     y_ECD = exchange.back(y_WSD.view(W * L * C, -1))
     return (_FromSlots.apply(y_ECD, slot_TK, None if weighted_input else probs_TK), overflow,

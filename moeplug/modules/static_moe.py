@@ -331,7 +331,8 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
                *, num_experts: int, token_budget: float, activation: str, weighted_input: bool,
                ep_size: int = 1, group: Any = None,
                wrap: Callable[[Callable], Callable] | None = None, stash_scope: Any = None,
-               experts_call: Callable | None = None, quantized_wire: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               experts_call: Callable | None = None, quantized_wire: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 for one micro-batch: (y_TD, overflow, counts_E), all device tensors.
     ``wrap`` turns each pure piece into its captured replay (moeplug.syncfree.captured); None:
     eager, where on the CPU the stages run in the layer's workspace arena
@@ -447,8 +448,8 @@ def quant_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF
         # dynamic layer scales them after the (quantized) dispatch; FC2's input unweighted
         x_LBD, p_LB = x_LBD * p_LB.unsqueeze(-1).to(x_LBD.dtype), None
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
-        call = experts_call or (lambda fn, *args: fn(*args))
-        y_LBD = call(quant_experts_ffn, x_LBD, p_LB, w13_LXD, w2_LDF, activation, recipe)
+        y_LBD = (experts_call or static_arena.call_directly)(
+            quant_experts_ffn, x_LBD, p_LB, w13_LXD, w2_LDF, activation, recipe)
     y_ECD = from_experts(y_LBD, C, W, group)
     # zeros: the recipe's GEMMs read every row's gradient, the empty slots' too
     return combine_rows(y_ECD, slot_N, routing.probs_TK, weighted_input=True, zeros=True), \
