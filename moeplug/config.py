@@ -981,8 +981,8 @@ class RootConfig:
 
     def _check_sync_free(self) -> None:
         # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself, in the
-        # autocast dtype or through a built-in emulated recipe, and exchanges whole experts over
-        # EP: no other precision plugin's GEMMs, no tensor parallelism inside an expert.
+        # autocast dtype or through a built-in emulated recipe: no other precision plugin's
+        # GEMMs. It has its own static EP exchange (and ETP gather), which it does not chunk.
         if not self.runtime.sync_free:
             return
         if self.plugins.precision not in SYNC_FREE_PRECISIONS:
@@ -994,9 +994,6 @@ class RootConfig:
             _fail(self.runtime, "capture", True, f"compiles the sync-free region in fp32 or bf16 "
                   f"only; plugins.precision = {self.plugins.precision!r} runs it eagerly",
                   "set runtime.capture: false, or plugins.precision: fp32 or bf16")
-        if self.parallel.etp > 1:
-            _fail(self.runtime, "sync_free", True, f"does not split experts over "
-                  f"parallel.etp = {self.parallel.etp}", "set parallel.etp: 1 or sync_free: false")
         if isinstance(self.model.moe.overlap_chunks, int) and self.model.moe.overlap_chunks > 1:
             # The static region has its own fixed-shape exchange; chunking it is not built, and
             # silently ignoring one of the two switches would hide it.

@@ -80,6 +80,9 @@ WORLD2 = {
     # and sync-free's per-step flag all-reduce (it once skipped it, and both ranks hung).
     "pp2_dense_stage_stash": ({"pp": 2}, "alltoall", 2, DENSE_STAGE, {"stash": True}),
     "pp2_dense_stage_sync_free": ({"pp": 2}, "alltoall", 2, DENSE_STAGE, {"sync_free": True}),
+    # The static region under ETP: the arrived chunks all-gathered over ETP, the F-slices'
+    # partial outputs reduce-scattered back (moeplug.modules.static_moe.PackedExchange).
+    "etp2_sync_free": ({"etp": 2}, "alltoall", 1, None, {"sync_free": True}),
     # bf16_first/last_layers count the model's blocks, not each pipeline chunk's (they once
     # kept every stage's first and last block in bf16: another model than one process's).
     "pp2_fp8_bf16_ends": ({"pp": 2}, FP8_BF16_ENDS, 2),
@@ -114,6 +117,10 @@ WORLD4 = {
                         "alltoall", 1),
     "pp2_cp2": ({"pp": 2, "cp": 2}, "alltoall", 2),
     "ep2_dp4_distopt": ({"ep": 2, "distributed_optimizer": True}, "alltoall", 1),
+    "ep2_etp2": ({"ep": 2, "etp": 2}, "alltoall", 1),
+    "ep2_etp2_sync_free": ({"ep": 2, "etp": 2}, "alltoall", 1, None, {"sync_free": True}),
+    "ep2_etp2_sync_free_stash": ({"ep": 2, "etp": 2}, "alltoall", 1, None,
+                                 {"sync_free": True, "stash": True}),
     "ep4_hier": ({"ep": 4}, _hier(2), 1),
     "ep4_drop": ({"ep": 4}, _a2a(DROP), 1),
     "ep4_hier_drop": ({"ep": 4}, _hier(2, DROP), 1),
@@ -235,6 +242,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         errs = {"loss": 0.0, "lm_loss": 0.0, "aux_loss": 0.0, "val_loss": 0.0,
                 "router_losses": 0.0, "grad_norm": 0.0, "grad": 0.0, "param": 0.0}
         losses, grad_norms, min_ref_norm, num_grads, dropped = [], [], float("inf"), 0, 0.0
+        static_steps = 0  # sync-free steps that kept the static path (no over-budget rerun)
         for step in range(3):
             for o in (opt, ref_opt):
                 for g in o.param_groups:
@@ -244,6 +252,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
             want = train_step(ref, ref_opt, step_batches(ids, ref_cfg.train, step), ref_cfg.train,
                               ref_precision)
             losses.append(got.loss)
+            static_steps += got.sync_free is not None and not got.sync_free["reruns"]
             grad_norms.append(got.grad_norm)
             assert got.losses().keys() == want.losses().keys() == {"loss", "lm_loss", "aux_loss"}
             for key, value in got.losses().items():  # as the train record logs them
@@ -268,13 +277,14 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
         errs["val_loss"] = abs(evaluate(model, val, precision, groups)
                                - evaluate(ref, val, ref_precision))
         report[name] = {"errs": errs, "losses": losses, "grad_norms": grad_norms, "dropped": dropped,
-                        "min_ref_norm": min_ref_norm,
+                        "min_ref_norm": min_ref_norm, "static_steps": static_steps,
                         "num_grads": num_grads, "dp": groups.size("dp")}
     return report
 
 
 def _check(reports, name):
-    parallel, dispatcher, _, *_ = {**WORLD2, **WORLD4, **WORLD8}[name]
+    parallel, dispatcher, _, *extra = {**WORLD2, **WORLD4, **WORLD8}[name]
+    sync_free = len(extra) > 1 and extra[1].get("sync_free", False)
     distopt = parallel.get("distributed_optimizer", False)
     router = dispatcher.get("router_options", {}) if isinstance(dispatcher, dict) else {}
     # pipeline runs log no per-layer dropped fractions
@@ -284,6 +294,8 @@ def _check(reports, name):
         assert not drops or r["dropped"] > 0, f"{name}: capacity must drop for the case to bite"
         assert r["min_ref_norm"] > 2 * GRAD_CLIP, "clipping must act for the norm to be tested"
         assert distopt or r["num_grads"] > 0
+        # a sync-free layout must have trained on its static path, not only on reruns
+        assert not sync_free or r["static_steps"] == 3, (name, rank, r["static_steps"])
         bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
         assert not bad, f"{name}, rank {rank}: differs from one process by more than {TOL}: {bad}"
 

@@ -525,33 +525,41 @@ def test_sync_free_refuses_overlap_chunks():
 
 # ---- EP2, real gloo -----------------------------------------------------------------------
 
-def _ep2_layer(rank: int, **runtime) -> tuple:
-    """(layer, x, w) on this rank of the EP2 world: a sync-free MoE layer (4 experts, 2 here)
-    over the alltoall dispatcher, registered with its own runtime, and this rank's inputs."""
+def _ep2_layer(rank: int, etp: bool = False, **runtime) -> tuple:
+    """(layer, x, w) on this rank of the 2-rank world: a sync-free MoE layer (4 experts) over
+    the alltoall dispatcher, registered with its own runtime, and this rank's inputs. EP2: 2
+    experts here; ``etp``: ETP2 instead, all 4 experts here with half of F, the rows gathered
+    over both ranks (moeplug.parallel.expert_tp, as build_model wires it)."""
     import torch.distributed as dist
 
     from moeplug.config import RuntimeSection
+    from moeplug.parallel.expert_tp import ExpertTPDispatcher, expert_model_config
     from moeplug.stash import ModelRuntime
     from moeplug.testing._common import tiny_model_config
     cfg = tiny_model_config(num_experts=4, top_k=2, hidden_size=16, ffn_hidden_size=8)
     host = PluginHost.load()
     torch.manual_seed(0)
+    local = 4 if etp else 2
     rt = ModelRuntime(RuntimeSection(sync_free=True, **runtime))
     handle = rt.register_layer(index=0, num_experts=4, top_k=2, hidden=16, ffn_hidden=8,
-                               num_local_experts=2, dtype="float32", activation="swiglu",
+                               num_local_experts=local, dtype="float32", activation="swiglu",
                                stash_bytes=1 << 16 if runtime.get("stash") else 0)
     rt.finalize()
-    layer = MoELayer(host.create("router", "topk", {}, cfg),
-                     host.create("dispatcher", "alltoall", {}, cfg, dist.group.WORLD),
-                     host.create("experts", "grouped", {}, cfg, 2), runtime=handle)
+    dispatcher = host.create("dispatcher", "alltoall", {}, cfg, None if etp else dist.group.WORLD)
+    if etp:
+        dispatcher = ExpertTPDispatcher(dispatcher, dist.group.WORLD)
+    layer = MoELayer(host.create("router", "topk", {}, cfg), dispatcher,
+                     host.create("experts", "grouped", {}, expert_model_config(cfg, 2 if etp
+                                                                              else 1), local),
+                     runtime=handle)
     g = torch.Generator().manual_seed(10 + rank)
     return layer, torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
 
 
-def _ep2_rank(rank: int, world: int) -> dict:
+def _ep2_rank(rank: int, world: int, etp: bool = False) -> dict:
     out = {}
     for name, runtime in (("eager", {}), ("replay", {"capture": True}), ("stash", {"stash": True})):
-        layer, x, w = _ep2_layer(rank, **runtime)
+        layer, x, w = _ep2_layer(rank, etp, **runtime)
         rt = stash_runtime_of(layer)
         static = _fwd_bwd(layer, x, w)
         static_again = _fwd_bwd(layer, x, w)  # replay: the compiled code's second run
@@ -568,9 +576,10 @@ def _ep2_rank(rank: int, world: int) -> dict:
 
 
 @pytest.mark.slow
-def test_ep2_static_eager_replay_and_stash_equal_dynamic_alltoall():
+@pytest.mark.parametrize("etp", [False, True], ids=["ep2", "etp2"])
+def test_ep2_static_eager_replay_and_stash_equal_dynamic_alltoall(etp):
     from moeplug.testing.distributed import run_distributed
-    for rank, res in enumerate(run_distributed(_ep2_rank, 2, timeout=400)):
+    for rank, res in enumerate(run_distributed(_ep2_rank, 2, etp, timeout=400)):
         for name in ("eager", "replay", "stash"):
             assert not res[name]["overflow"] and res[name]["stashed"] > 0
             assert res[name]["again"] == 0.0, (rank, name)

@@ -142,14 +142,14 @@ def test_over_budget_under_a_recipe_reruns_bitwise(precision):
         assert torch.equal(pa, pb), n
 
 
-def _ep2_rank(rank: int, world: int, precision: str) -> dict:
+def _ep2_rank(rank: int, world: int, precision: str, parallel: dict) -> dict:
     from moeplug.parallel import ParallelGroups
     from moeplug.training.distributed import build_rank_model
     out = {}
     for name, sync_free in (("dynamic", False), ("static", True)):
         d = _cfg(sync_free=sync_free).to_dict()
         d["plugins"] = {"precision": precision, "dispatcher": "alltoall"}
-        d["parallel"] = {"ep": 2}
+        d["parallel"] = parallel
         cfg = config_from_dict(d)
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         torch.manual_seed(0)
@@ -169,9 +169,12 @@ EP2_TOL = {"fp8_delayed": 0.0, "fp8_blockwise": 0.0, "mxfp8": 3e-2}
 
 
 @pytest.mark.parametrize("precision", sorted(EP2_TOL))
-def test_ep2_static_under_a_recipe_matches_the_dynamic_alltoall(precision):
+@pytest.mark.parametrize("parallel", [{"ep": 2}, {"etp": 2}], ids=["ep2", "etp2"])
+def test_ep2_static_under_a_recipe_matches_the_dynamic_alltoall(precision, parallel):
+    # ETP2: both ranks hold F-slices of every expert; the static region gathers the rows (and
+    # their weights) over ETP after the quantized EP exchange, as ExpertTPDispatcher does.
     from moeplug.testing.distributed import run_distributed
-    for rank, r in enumerate(run_distributed(_ep2_rank, 2, precision, timeout=300)):
+    for rank, r in enumerate(run_distributed(_ep2_rank, 2, precision, parallel, timeout=300)):
         assert r["static"]["syncs"] == 0, rank
         assert all(torch.equal(a, b) for a, b in zip(r["static"]["losses"],
                                                       r["dynamic"]["losses"])), rank

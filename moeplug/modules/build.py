@@ -73,7 +73,8 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
 def register_moe_layer(runtime: ModelRuntime, cfg: RootConfig, index: int,
                        num_local_experts: int) -> Any:
     """Registers MoE layer ``index`` with the runtime; its reservation is the stash of one
-    micro-batch at average routing (T*K rows on every rank; sync_free: the E*C budget rows)."""
+    micro-batch at average routing (T*K rows on every rank; sync_free: the E*C budget rows;
+    times the ETP size, at F/ETP)."""
     m, tc = cfg.model, cfg.train
     dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(cfg.plugins.precision,
                                                         cfg.plugins.precision)
@@ -82,12 +83,15 @@ def register_moe_layer(runtime: ModelRuntime, cfg: RootConfig, index: int,
     if cfg.runtime.sync_free:  # static buffers: E experts x C budget rows each
         rows = m.moe.num_experts * budget_rows(tc.micro_batch_size * tc.seq_len, m.moe.top_k,
                                                m.moe.num_experts, cfg.runtime.token_budget)
+    # ETP: the experts see the rows of every ETP rank, each with its F/ETP slice.
+    etp = cfg.parallel.etp
     F = m.moe.ffn_hidden_size
-    fc1 = fc1_rows(m.moe.activation, F)
+    rows, F_local = rows * etp, F // etp
+    fc1 = fc1_rows(m.moe.activation, F_local)
     # With overlap_chunks = N the experts run N times per micro-batch, each stashing its own
     # page-rounded tensors: reserve N chunks' worth (moeplug.modules.moe_overlap).
     chunks = m.moe.overlap_chunks
-    stash_bytes = chunks * layer_stash_bytes(-(-rows // chunks), m.hidden_size, fc1, F,
+    stash_bytes = chunks * layer_stash_bytes(-(-rows // chunks), m.hidden_size, fc1, F_local,
                                              itemsize, cfg.runtime.stash_page_bytes)
     return runtime.register_layer(
         index=index, num_experts=m.moe.num_experts, top_k=m.moe.top_k, hidden=m.hidden_size,

@@ -22,6 +22,7 @@ from moeplug.ops import workspace
 from moeplug.ops.cast import cast
 from moeplug.ops.cuda_ops import device_counts
 from moeplug.ops.scale_rows import ones, scale_rows
+from moeplug.parallel.expert_tp import expert_groups
 from moeplug.parallel.tensor_parallel import average_over_token_group
 from moeplug.quant import active_recipe
 from moeplug.modules.shared_experts import add_shared
@@ -186,11 +187,12 @@ class MoELayer(nn.Module):
     def _static_stages(self, x_TD: torch.Tensor, routing, state) -> tuple:
         # Stages 2-4 in static shapes (moeplug.modules.static_moe); counts_E stays on the
         # device (the trainer reads it after the step). The overflow flag goes to the runtime.
+        ep_group, etp_group = expert_groups(self.dispatcher)
         y_TD, overflow, counts_E = static_moe(
             x_TD, routing, self.experts.gate_up_proj, self.experts.down_proj,
             num_experts=self.router.num_experts, token_budget=state.cfg.token_budget,
             activation=self.experts.activation, weighted_input=self.apply_probs_on_input,
-            ep_size=self._ep_size(), group=getattr(self.dispatcher, "group", None),
+            ep_size=self._ep_size(ep_group), group=ep_group, etp_group=etp_group,
             wrap=None if state.arena and not state.capture else functools.partial(
                 state.wrap, owner=self),
             stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None,
@@ -203,11 +205,11 @@ class MoELayer(nn.Module):
         state.note_demand(self._counts(routing), T * K / self.router.num_experts)
         return y_TD, counts_E.detach()
 
-    def _ep_size(self) -> int:
+    def _ep_size(self, ep_group: Any) -> int:
         # From the expert split, not a dispatcher attribute: any dispatcher plugin works as long
         # as it exposes its EP process group as ``group`` when the experts are split.
         ep_size = self.router.num_experts // self.dispatcher.num_local_experts
-        if ep_size > 1 and getattr(self.dispatcher, "group", None) is None:
+        if ep_size > 1 and ep_group is None:
             raise ValueError(
                 f"MoELayer: runtime.sync_free with {ep_size} EP ranks needs the dispatcher's "
                 f"process group, but {type(self.dispatcher).__name__} has no .group. Fix: use "

@@ -220,7 +220,8 @@ def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LD
     """Stages 1-6 on the CPU, eager: (y_TD, overflow, counts_E). ``weighted_input``
     (``moe.apply_probs_on_input``): the routing weights scale the rows in stage 2, and stage 6
     sums them plainly. ``exchange(x_ECD, counts_WL) -> (x_ECD, counts_WL)`` and
-    ``exchange.back(y_ECD)`` move the chunks over EP (identity at one rank); ``stash_scope``:
+    ``exchange.back(y_ECD)`` move the chunks over EP (identity at one rank; under ETP the
+    chunks of the whole ETP group arrive, static_moe.PackedExchange); ``stash_scope``:
     the paged stash's scope around stage 4, or None; ``experts_call(fn, *args)`` runs stage 4
     (the experts module's offload scope, inside the stash's as on the dynamic path), or None."""
     E, C, W = num_experts, budget, ep_size
@@ -230,9 +231,10 @@ def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LD
     probs_TK = routing.probs_TK
     x_ECD = _ToSlots.apply(x_TD, slot_TK, E * C, probs_TK if weighted_input else None)
     x_ECD, counts_WL = exchange(x_ECD, counts_E.view(W, L))
+    x_WSD = x_ECD.view(-1, L * C, x_ECD.shape[1])  # W chunks (P*W once gathered over ETP)
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
-        y_WSD = (experts_call or call_directly)(packed_experts, x_ECD.view(W, L * C, -1), w13_LXD,
-                                        w2_LDF, activation, counts_WL)
-    y_ECD = exchange.back(y_WSD.view(W * L * C, -1))
+        y_WSD = (experts_call or call_directly)(packed_experts, x_WSD, w13_LXD, w2_LDF,
+                                                activation, counts_WL)
+    y_ECD = exchange.back(y_WSD.view(-1, y_WSD.shape[2]))
     return (_FromSlots.apply(y_ECD, slot_TK, None if weighted_input else probs_TK), overflow,
             counts_E)

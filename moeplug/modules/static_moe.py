@@ -2,8 +2,9 @@
 synchronisation (``runtime.sync_free``).
 
 Legend: T tokens, K top-k, N = T*K choices, D hidden, E experts (global), W EP ranks,
-L = E/W local experts, C budget rows per (source rank, expert), B = W*C rows per local expert,
-X FC1 rows (2F gated, F plain), F FFN hidden.
+L = E/W local experts, C budget rows per (source rank, expert), B = W*C rows per local expert
+(P*W*C under expert tensor parallelism over P ranks), X FC1 rows (2F gated, F plain), F FFN
+hidden (this rank's F/P slice under ETP).
 
     C = ceil(T*K/E * runtime.token_budget)
 Every shape follows from (T, K, D, E, W, C), never from the routing, so nothing waits for the
@@ -17,13 +18,15 @@ from a count exchange) and the region can be captured once and replayed (moeplug
                  (the CPU: one pass of a runtime kernel, empty slots left unwritten)
     3. exchange  [W, L*C, D] chunks to the rank owning the experts: equal splits, known
                  without any count (identity at one rank) -> x_LBD, expert-major,
-                 source-rank-major (CPU: the chunks as they came, and their [W, L] counts)
+                 source-rank-major (CPU: the chunks as they came, and their [W, L] counts);
+                 under ETP then all-gathered over the P ranks holding the experts' F-slices
     4. experts   y_LBD = down(act(x_LBD @ gate_up^T)) as two batched GEMMs (padding rows are
                  zeros; their outputs are never read). On the CPU the slots are packed
                  (inside each rank's chunk, expert e's right after expert e-1's), the counts
                  cross EP beside the rows, and the GEMMs are grouped over just the routed
                  rows (moeplug.ops.grouped_rows_mm): no padding FLOPs
-    5. back      the inverse exchange -> y_ECD on the source rank
+    5. back      the inverse exchange -> y_ECD on the source rank (under ETP first the sum of
+                 the P partial outputs, reduce-scattered)
     6. combine   y_TD = sum_k p_tk * y_ECD[slot_tk] (weight 0 for the dump slot; the CPU:
                  one pass of a runtime kernel, moeplug.ops.slot_rows)
 Choices the router dropped (``dropped_TK``, its own capacity) take the dump slot without
@@ -236,6 +239,29 @@ def from_experts(y_LBD: torch.Tensor, budget: int, ep_size: int, group: Any) -> 
     return y_ECD
 
 
+def etp_gather(x_LBD: torch.Tensor, etp_group: Any) -> torch.Tensor:
+    """Stage 3 under expert tensor parallelism (P ranks holding F-slices of the same experts):
+    every ETP rank's x_LBD, all-gathered -> [L, P*B, D], each expert's rows ETP-rank-major.
+    Backward sums the P ranks' partial grads (a reduce-scatter). Identity without ETP."""
+    P = comm.group_size(etp_group)
+    if P == 1:
+        return x_LBD
+    L, B, D = x_LBD.shape
+    x_PLBD = comm.all_gather(x_LBD.reshape(L * B, D), etp_group, [L * B] * P).view(P, L, B, D)
+    return x_PLBD.transpose(0, 1).reshape(L, P * B, D)
+
+
+def etp_reduce(y_LBD: torch.Tensor, etp_group: Any) -> torch.Tensor:
+    """The inverse of :func:`etp_gather`: [L, P*B, D] partial outputs -> their sum over the ETP
+    group, this rank's B rows of each expert (a reduce-scatter; backward all-gathers)."""
+    P = comm.group_size(etp_group)
+    if P == 1:
+        return y_LBD
+    L, PB, D = y_LBD.shape
+    y_PLBD = y_LBD.view(L, P, PB // P, D).transpose(0, 1).reshape(P * L * (PB // P), D)
+    return comm.reduce_scatter(y_PLBD, etp_group).view(L, PB // P, D)
+
+
 # ---- the static region: stages 1-6 as pure functions of tensors and ints --------------------
 # Pure so that moeplug.replay can capture them (torch.compile fullgraph on the CPU); the EP
 # exchange sits between two captured pieces because a process-group call is not capturable.
@@ -308,20 +334,33 @@ class PackedExchange:
     """Stages 3 and 5 of the CPU's packed layout: W equal chunks of L*C rows to the ranks
     owning their experts, with each source's kept counts per local expert (a [W, L] exchange of
     static shape: the grouped GEMM's kernel reads them, nothing waits on the host), and the
-    rows back. At one rank both are views."""
+    rows back. At one rank both are views.
 
-    def __init__(self, chunk_rows: int, ep_size: int, group: Any):
+    With expert tensor parallelism (``etp_group`` of P ranks, each holding an F-slice of the
+    same experts) the arrived chunks are then all-gathered over ETP: P*W chunks, each with its
+    own counts, so the grouped GEMMs need no change; ``back`` first sums the P partial outputs
+    and keeps this rank's chunks (a reduce-scatter), as Megatron's A2A(EP) -> AG(ETP) ->
+    experts -> RS(ETP) -> A2A(EP) (moeplug.parallel.expert_tp). Every size stays static."""
+
+    def __init__(self, chunk_rows: int, ep_size: int, group: Any, etp_group: Any = None):
         self.chunks, self.ep_size, self.group = [chunk_rows] * ep_size, ep_size, group
+        self.etp_group, self.etp_size = etp_group, comm.group_size(etp_group)
 
     def __call__(self, x_ECD: torch.Tensor, counts_WL: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ep_size == 1:
-            return x_ECD, counts_WL
-        ones = [1] * self.ep_size
-        return (comm.all_to_all(x_ECD, self.chunks, self.chunks, self.group),
-                comm.all_to_all(counts_WL, ones, ones, self.group))
+        if self.ep_size > 1:
+            ones = [1] * self.ep_size
+            x_ECD, counts_WL = (comm.all_to_all(x_ECD, self.chunks, self.chunks, self.group),
+                                comm.all_to_all(counts_WL, ones, ones, self.group))
+        if self.etp_size > 1:
+            P = self.etp_size
+            x_ECD = comm.all_gather(x_ECD, self.etp_group, [x_ECD.shape[0]] * P)
+            counts_WL = comm.all_gather(counts_WL, self.etp_group, [counts_WL.shape[0]] * P)
+        return x_ECD, counts_WL
 
     def back(self, y_ECD: torch.Tensor) -> torch.Tensor:
+        if self.etp_size > 1:
+            y_ECD = comm.reduce_scatter(y_ECD, self.etp_group)
         if self.ep_size == 1:
             return y_ECD
         return comm.all_to_all(y_ECD, self.chunks, self.chunks, self.group)
@@ -331,8 +370,8 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
                *, num_experts: int, token_budget: float, activation: str, weighted_input: bool,
                ep_size: int = 1, group: Any = None,
                wrap: Callable[[Callable], Callable] | None = None, stash_scope: Any = None,
-               experts_call: Callable | None = None, quantized_wire: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               experts_call: Callable | None = None, quantized_wire: bool = True,
+               etp_group: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 for one micro-batch: (y_TD, overflow, counts_E), all device tensors.
     ``wrap`` turns each pure piece into its captured replay (moeplug.syncfree.captured); None:
     eager, where on the CPU the stages run in the layer's workspace arena
@@ -341,7 +380,10 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
     ``experts_call(fn, *args)`` (eager CPU only): runs stage 4 in the experts module's offload
     scope (model.offload's expert_fc1 / moe_act), or None. ``quantized_wire``: under a
     recipe with ``quantize_dispatch``, the rows cross in its row format, as the layer's
-    dispatcher sends them (``Dispatcher.quantizes_dispatch``)."""
+    dispatcher sends them (``Dispatcher.quantizes_dispatch``). ``etp_group``: expert tensor
+    parallelism's group (the experts' F-slices; None without ETP): the arrived rows are
+    gathered over it and the partial outputs summed back (:class:`PackedExchange`,
+    :func:`etp_gather`)."""
     T, K = routing.ids_TK.shape
     C = budget_rows(T, K, num_experts, token_budget)
     L = num_experts // ep_size
@@ -355,44 +397,44 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
                             budget=-(-C // align) * align, activation=activation,
                             weighted_input=weighted_input, ep_size=ep_size, group=group,
                             recipe=recipe, stash_scope=stash_scope, experts_call=experts_call,
-                            quantized_wire=quantized_wire)
+                            quantized_wire=quantized_wire, etp_group=etp_group)
     on_cpu = x_TD.device.type == "cpu"
     if wrap is None and on_cpu:
         return static_arena.static_region(
             x_TD, routing, w13_LXD, w2_LDF, num_experts=num_experts, budget=C,
             activation=activation, weighted_input=weighted_input, ep_size=ep_size,
-            exchange=PackedExchange(L * C, ep_size, group), stash_scope=stash_scope,
+            exchange=PackedExchange(L * C, ep_size, group, etp_group), stash_scope=stash_scope,
             experts_call=experts_call)
     if experts_call is not None:  # config refuses the expert offload names here
         raise ValueError("static_moe: experts_call runs only in the eager CPU region and "
                          "under a quantization recipe")
     wrap = wrap or (lambda fn: fn)
     args = (routing.ids_TK, routing.dropped_TK, routing.probs_TK)
-    if ep_size == 1 and stash_scope is None:
+    if ep_size == 1 and etp_group is None and stash_scope is None:
         return wrap(one_rank)(x_TD, *args, w13_LXD, w2_LDF, num_experts, C, activation,
                               weighted_input)
     if on_cpu:  # packed chunks: the experts compute only the routed rows
         x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C,
                                                         weighted_input, True, ep_size)
-        exchange = PackedExchange(L * C, ep_size, group)
+        exchange = PackedExchange(L * C, ep_size, group, etp_group)
         x_ECD, counts_WL = exchange(x_ECD, counts_E.view(ep_size, L))
-        x_WSD = x_ECD.view(ep_size, L * C, -1)
+        x_WSD = x_ECD.view(-1, L * C, x_ECD.shape[1])  # W chunks (P*W under ETP)
         if stash_scope is None:
             y_WSD = wrap(packed_chunks_ffn)(x_WSD, counts_WL, w13_LXD, w2_LDF, activation)
         else:
             with stash_scope:  # the stash is eager only: the arena form's experts
                 y_WSD = static_arena.packed_experts(x_WSD, w13_LXD, w2_LDF, activation,
                                                     counts_WL)
-        y_ECD = exchange.back(y_WSD.view(ep_size * L * C, -1))
+        y_ECD = exchange.back(y_WSD.view(-1, y_WSD.shape[2]))
         return wrap(back)(y_ECD, slot_N, routing.probs_TK, weighted_input), overflow, counts_E
     x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C, weighted_input)
-    x_LBD = to_experts(x_ECD, L, C, ep_size, group)
+    x_LBD = etp_gather(to_experts(x_ECD, L, C, ep_size, group), etp_group)
     if stash_scope is None:
         y_LBD = wrap(experts_ffn)(x_LBD, w13_LXD, w2_LDF, activation)
     else:
         with stash_scope:
             y_LBD = stashed_experts_ffn(x_LBD, w13_LXD, w2_LDF, activation)
-    y_ECD = from_experts(y_LBD, C, ep_size, group)
+    y_ECD = from_experts(etp_reduce(y_LBD, etp_group), C, ep_size, group)
     return wrap(back)(y_ECD, slot_N, routing.probs_TK, weighted_input), overflow, counts_E
 
 
@@ -421,15 +463,16 @@ def slot_probs(probs_TK: torch.Tensor, slot_N: torch.Tensor, num_slots: int) -> 
 def quant_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                  *, num_experts: int, budget: int, activation: str, weighted_input: bool,
                  ep_size: int, group: Any, recipe: Any, stash_scope: Any,
-                 experts_call: Callable | None, quantized_wire: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 experts_call: Callable | None, quantized_wire: bool = True,
+                 etp_group: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stages 1-6 with stage 4 through an emulated FP8/FP4 recipe, eager on any device:
     (y_TD, overflow, counts_E). The batched layout (every expert B = W*C rows, empty slots
     zero rows), so a recipe's per-tensor amax and its blocks along the rows see the expert's
     rows as the dynamic path's padded groups do. The routing weight multiplies the activation
     before FC2 as there (FC2's input is what gets quantized, so it cannot move to combine), or
     with ``weighted_input`` the rows once they arrived (not before their quantized exchange):
-    each slot's weight crosses EP beside its row."""
+    each slot's weight crosses EP beside its row. Under ETP both are then gathered over
+    ``etp_group`` (the dynamic path's ExpertTPDispatcher gathers the dequantized rows too)."""
     E, C, W = num_experts, budget, ep_size
     L, K = E // W, routing.ids_TK.shape[1]
     slot_N, overflow, counts_E = slots(routing.ids_TK, routing.dropped_TK, E, C)
@@ -442,15 +485,16 @@ def quant_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF
             lambda g: from_experts(g.view(L, W * C, -1), C, W, group)).view(L, W * C, -1)
     else:
         x_LBD = to_experts(x_ECD, L, C, W, group)
-    p_LB = to_experts(slot_probs(routing.probs_TK, slot_N, E * C).unsqueeze(1), L, C, W,
-                      group).squeeze(2)
+    x_LBD = etp_gather(x_LBD, etp_group)
+    p_LB = etp_gather(to_experts(slot_probs(routing.probs_TK, slot_N, E * C).unsqueeze(1), L, C,
+                                 W, group), etp_group).squeeze(2)
     if weighted_input:  # moe.apply_probs_on_input: on the rows as they arrived, as the
         # dynamic layer scales them after the (quantized) dispatch; FC2's input unweighted
         x_LBD, p_LB = x_LBD * p_LB.unsqueeze(-1).to(x_LBD.dtype), None
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
         y_LBD = (experts_call or static_arena.call_directly)(
             quant_experts_ffn, x_LBD, p_LB, w13_LXD, w2_LDF, activation, recipe)
-    y_ECD = from_experts(y_LBD, C, W, group)
+    y_ECD = from_experts(etp_reduce(y_LBD, etp_group), C, W, group)
     # zeros: the recipe's GEMMs read every row's gradient, the empty slots' too
     return combine_rows(y_ECD, slot_N, routing.probs_TK, weighted_input=True, zeros=True), \
         overflow, counts_E
