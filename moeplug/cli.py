@@ -211,7 +211,6 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         os.environ[LOCKED_ENV] = os.path.realpath(cfg.train.out_dir)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
-    from moeplug.training.trainer import seed_everything, train
 
     if world > 1 and not launch.under_torchrun():
         prepare_corpus(cfg.data)  # once, here: the ranks then only read the cache
@@ -219,22 +218,17 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
-    from moeplug.training.faults import (EXIT_FAULT, TrainingFault, exit_on_stop_signals,
-                                         is_peer_failure, rank_failure_line)
+    from moeplug.training.faults import (EXIT_FAULT, Stopped, TrainingFault,
+                                         exit_on_stop_signals, is_peer_failure,
+                                         rank_failure_line, stop_on_signals, stopped_line)
     if groups is not None:
         exit_on_stop_signals(D.heartbeat(groups), groups.rank)
     try:
-        if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
-            D.barrier(groups)
-        corpus = prepare_corpus(cfg.data)
-        if D.is_main_rank(groups):
-            D.barrier(groups)
-        seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
-        model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, device)
-        plugin_names = {k: getattr(cfg.plugins, k) for k in ("router", "dispatcher", "experts", "precision")}
-        if args.overwrite and D.is_main_rank(groups):  # the last moment: data and model built
-            clear_run(cfg.train.out_dir)
-        summary = train(cfg, model, corpus, precision, plugin_names, groups=groups)
+        with contextlib.nullcontext() if groups is not None else stop_on_signals():
+            summary = _train_rank(cfg, args, host, precision, groups, device)
+    except Stopped as e:  # one process, Ctrl-C or SIGTERM (ranks: exit_on_stop_signals)
+        print(stopped_line(e.signum, cfg.train.out_dir), file=sys.stderr)
+        return 128 + e.signum
     except TrainingFault as e:  # a non-finite step under train.nonfinite=stop, ...
         print(f"moeplug: {e}", file=sys.stderr)
         if groups is None:
@@ -259,6 +253,26 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if groups is not None:
         _leave_rank(groups, 0)
     return 0
+
+
+def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, groups, device):
+    """This process's part of the run: data, model, loop; train()'s summary."""
+    from moeplug.data import prepare_corpus
+    from moeplug.training import distributed as D
+    from moeplug.training.run_dir import clear_run
+    from moeplug.training.trainer import seed_everything, train
+    if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
+        D.barrier(groups)
+    corpus = prepare_corpus(cfg.data)
+    if D.is_main_rank(groups):
+        D.barrier(groups)
+    seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
+    model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, device)
+    plugin_names = {k: getattr(cfg.plugins, k)
+                    for k in ("router", "dispatcher", "experts", "precision")}
+    if args.overwrite and D.is_main_rank(groups):  # the last moment: data and model built
+        clear_run(cfg.train.out_dir)
+    return train(cfg, model, corpus, precision, plugin_names, groups=groups)
 
 
 def _leave_rank(groups, code: int) -> None:

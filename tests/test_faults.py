@@ -231,3 +231,42 @@ def test_a_rank_stopped_by_sigterm_names_the_rank_behind(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err.strip() == ("moeplug: rank 1 failed (the launcher stopped this rank); this rank "
                            "(0) stops"), err
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_a_single_process_run_stops_it_in_one_line_and_it_resumes(
+        tiny_config_file, cli_env, tmp_path, sig):
+    """Ctrl-C (SIGINT) or a scheduler's SIGTERM to a one-process `moeplug train` once a
+    checkpoint exists: one line naming the signal, the newest checkpoint and how to go on, exit
+    128 + the signal (a KeyboardInterrupt traceback before, or for SIGTERM a silent death);
+    no save left half-written; `--resume auto` continues from that checkpoint."""
+    from moeplug.training.checkpoint import find_latest
+    out = str(tmp_path / "run")
+    args = ["--config", tiny_config_file(out), "--set", "train.log_interval=1",
+            "--set", "train.ckpt_interval=1", "--set", "train.eval_interval=0"]
+    proc = subprocess.Popen([sys.executable, "-m", "moeplug", "train", *args,
+                             "--steps", "100000"], env=cli_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # step 2 logged: step 1's checkpoint is written
+            if line.startswith("step      2"):
+                break
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    latest = find_latest(out)
+    assert proc.returncode == 128 + getattr(signal, sig), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"moeplug: stopped by {sig}; the newest checkpoint is {latest} (the steps after it "
+        f"are lost). Fix: continue with the same command and --resume auto"), err[-3000:]
+    assert not [d for d in os.listdir(out) if d.startswith(".tmp-")]
+    done = int(os.path.basename(latest)[5:])
+    resumed = subprocess.run([sys.executable, "-m", "moeplug", "train", *args, "--steps",
+                              str(done + 1), "--resume", "auto"], env=cli_env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))
+             if r.get("kind") == "train"]
+    assert steps[-1] == done + 1, steps

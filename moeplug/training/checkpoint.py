@@ -237,8 +237,9 @@ def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
         _test_pause_in_save()
         _write_json(os.path.join(tmp, META_FILE), full_meta)  # last: marks completeness
         _fsync_path(tmp)
-    except Exception:
-        # A failed write (a full disk) hands its space back now, not at the next save.
+    except BaseException:
+        # A failed write (a full disk) or a stop (Ctrl-C) hands its space back now, not at the
+        # next save.
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _publish(out_dir, name, tmp, final)

@@ -26,14 +26,16 @@ forever), ``nan:layer=L:step=N`` or ``step=N-M`` (block L's output becomes NaN, 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -151,6 +153,47 @@ def exit_on_stop_signals(heartbeat: Heartbeat, rank: int) -> None:
         os._exit(128 + signum)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM reached a single-process run (:func:`stop_on_signals`)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """A single-process run: SIGTERM (a scheduler's stop) raises :class:`Stopped` as Ctrl-C
+    does, so both end the run the same way, with :func:`stopped_line` and status 128 + signal,
+    not a traceback or a silent death. The handlers are restored after; off the main thread
+    (an in-process caller's worker) Python allows no handler, and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise Stopped(signum)
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def stopped_line(signum: int, out_dir: str) -> str:
+    """What a stopped single-process run prints: the signal, what is kept, how to go on (the
+    words of the launch's own line, moeplug.training.launch)."""
+    from moeplug.training.checkpoint import find_latest
+    name = signal.Signals(signum).name
+    latest = find_latest(out_dir) if os.path.isdir(out_dir) else None
+    if latest is None:
+        return (f"moeplug: stopped by {name} before the first checkpoint; nothing to resume. "
+                f"Fix: run again with --overwrite (or another --out)")
+    return (f"moeplug: stopped by {name}; the newest checkpoint is {latest} (the steps after "
+            f"it are lost). Fix: continue with the same command and --resume auto")
 
 
 class TestFault:
