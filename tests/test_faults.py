@@ -185,6 +185,11 @@ def test_heartbeat_names_the_ranks_behind_and_the_line_says_so():
     beats[1].beat(4)
     beats[3].beat(4)
     assert "ranks 1, 3 failed" in rank_failure_line(timeout, 0, beats[0])
+    # a long error text is cut between words, never mid-word
+    long = RuntimeError("Connection closed by peer [127.0.0.1]:51234 " * 6)
+    cut = rank_failure_line(long, 0, None).split("connection lost: ")[1].split("); this")[0]
+    kept = cut[:-len(" ...")]
+    assert len(cut) <= 160 and cut.endswith(" ...") and long.args[0].startswith(kept + " "), cut
 
 
 def test_nan_gradient_with_a_finite_loss_is_skipped_and_named(cli_env, tiny_config_file,

@@ -32,6 +32,7 @@ import os
 import re
 import signal
 import sys
+import textwrap
 import threading
 import time
 from datetime import timedelta
@@ -130,7 +131,9 @@ def rank_failure_line(error: BaseException, rank: int, heartbeat: Heartbeat | No
     who = _who(peers)
     reason = "timed out" if "timeout" in text.lower() or "timed out" in text.lower() \
         else "connection lost"
-    return (f"moeplug: {who} failed (collective {reason}: {text[:160]}); this rank ({rank}) "
+    # at most 160 characters, cut between words
+    text = textwrap.shorten(text, 160, placeholder=" ...")
+    return (f"moeplug: {who} failed (collective {reason}: {text}); this rank ({rank}) "
             f"stops. Fix: find why that rank died or stalled (its output, the launcher's line); "
             "parallel.timeout_s bounds the wait for a stalled one")
 
