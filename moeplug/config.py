@@ -982,7 +982,7 @@ class RootConfig:
     def _check_sync_free(self) -> None:
         # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself, in the
         # autocast dtype or through a built-in emulated recipe: no other precision plugin's
-        # GEMMs. It has its own static EP exchange (and ETP gather), which it does not chunk.
+        # GEMMs. It has its own static EP exchange (and ETP gather).
         if not self.runtime.sync_free:
             return
         if self.plugins.precision not in SYNC_FREE_PRECISIONS:
@@ -994,12 +994,19 @@ class RootConfig:
             _fail(self.runtime, "capture", True, f"compiles the sync-free region in fp32 or bf16 "
                   f"only; plugins.precision = {self.plugins.precision!r} runs it eagerly",
                   "set runtime.capture: false, or plugins.precision: fp32 or bf16")
-        if isinstance(self.model.moe.overlap_chunks, int) and self.model.moe.overlap_chunks > 1:
-            # The static region has its own fixed-shape exchange; chunking it is not built, and
-            # silently ignoring one of the two switches would hide it.
-            _fail(self.runtime, "sync_free", True, f"runs stages 2-4 unchunked; it cannot "
-                  f"overlap model.moe.overlap_chunks = {self.model.moe.overlap_chunks} chunks",
-                  "set model.moe.overlap_chunks: 1, or runtime.sync_free: false")
+        chunks = self.model.moe.overlap_chunks
+        if isinstance(chunks, int) and chunks > 1:
+            # The chunked static region (moeplug.modules.static_overlap) is the eager CPU one;
+            # silently ignoring one of the two switches elsewhere would hide it.
+            where = ("runtime.capture compiles the region whole" if self.runtime.capture else
+                     f"plugins.precision = {self.plugins.precision!r} runs the region through "
+                     f"its recipe" if self.plugins.precision not in ("fp32", "bf16") else
+                     f"train.device = {self.train.device!r} runs the GPU's region"
+                     if self.train.device.startswith("cuda") else None)
+            if where is not None:
+                _fail(self.model.moe, "overlap_chunks", chunks, f"pipelines the sync-free "
+                      f"region eagerly on the CPU in fp32 or bf16 only; {where}, unchunked",
+                      "set model.moe.overlap_chunks: 1, or runtime.sync_free: false")
 
     def _check_parallel_fits_model(self) -> None:
         # Shards must split evenly (heads % TP, experts % EP, layers per pipeline stage, seq_len

@@ -192,6 +192,9 @@ MODES = {
     # moe.apply_probs_on_input (top-1): the weights scale the rows in the arena's stage 2
     "sync_free_probs_on_input": ({"sync_free": True}, {"top_k": 1, "apply_probs_on_input": True},
                                  False, "fp32", ("_ToSlots", "_PackedExperts", "_FromSlots")),
+    # pipelined over chunks (moeplug.modules.static_overlap): each chunk's stages in the arena
+    "sync_free_chunks_stash": ({"sync_free": True}, {"overlap_chunks": 2}, True, "fp32",
+                               ("_ToSlots", "_PackedExperts", "_FromSlots")),
     "delay_wgrad": (None, {"delay_wgrad_compute": True}, False, "fp32", ("_ExpertMLP",)),
     "delay_wgrad_chunks_bf16": (None, {"delay_wgrad_compute": True, "overlap_chunks": 2},
                                 False, "bf16", ("_ExpertMLP",)),

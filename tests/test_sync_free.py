@@ -138,7 +138,8 @@ def test_static_layer_with_syncs_inserted_is_counted(monkeypatch, form):
     # CPU form (static_arena), or into the combine of the pure pieces (what capture and a GPU
     # run), called eagerly on the layer's own routing and weights.
     from moeplug.modules import static_arena, static_moe
-    module, name = (static_arena, "slots") if form == "arena" else (static_moe, "combine_rows")
+    module, name = ((static_arena, "_budget_slots") if form == "arena"
+                    else (static_moe, "combine_rows"))
     real = getattr(module, name)
 
     def leaky(*args, **kwargs):
@@ -514,13 +515,6 @@ def test_config_errors_name_field_value_and_fix(runtime, names):
 def test_sync_free_refuses_a_precision_it_cannot_run_before_any_group():
     with pytest.raises(ConfigError, match=r"sync_free.*plugins.precision = 'fp8'.*Fix"):
         config_from_dict({"plugins": {"precision": "fp8"}, "runtime": {"sync_free": True}})
-
-
-def test_sync_free_refuses_overlap_chunks():
-    # Both switches replace stages 2-4; the static region is unchunked, so one would be ignored.
-    with pytest.raises(ConfigError, match=r"sync_free.*overlap_chunks = 2.*Fix"):
-        config_from_dict({"model": {"moe": {"overlap_chunks": 2}},
-                          "runtime": {"sync_free": True}})
 
 
 # ---- EP2, real gloo -----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from moeplug.delayed_wgrad import flush_at
 from moeplug.interfaces import Dispatcher, Experts, Router
 from moeplug.modules.moe_overlap import overlapped_routed
 from moeplug.modules.static_moe import static_moe
+from moeplug.modules.static_overlap import overlapped_static
 from moeplug.observability.timing import stage
 from moeplug.ops import workspace
 from moeplug.ops.cast import cast
@@ -73,7 +74,8 @@ class MoELayer(nn.Module):
     With ``runtime.sync_free`` (the layer's runtime handle says so), stages 2-4 are
     moeplug.modules.static_moe instead: static shapes from a token budget, no host sync, the
     experts' weights used directly, counts_E left on the device; an over-budget flag goes to
-    the runtime, whose trainer reruns the step on the path above.
+    the runtime, whose trainer reruns the step on the path above. Both: the static region
+    pipelined over the chunks, each with its own budget (moeplug.modules.static_overlap).
     With ``model.moe.delay_wgrad_compute`` the experts' backward queues its weight GEMMs to run
     during the dispatch's backward exchange; the layer's input is marked so that whatever is
     still queued runs when the backward reaches it (moeplug.delayed_wgrad).
@@ -138,7 +140,10 @@ class MoELayer(nn.Module):
         with stage("router"):
             routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
         sync_free = self._sync_free()
-        if sync_free is not None:  # 2.-4. with static shapes, no host sync (static_moe)
+        if sync_free is not None and 1 < self.overlap_chunks <= x_TD.shape[0]:
+            # 2.-6. static and pipelined over chunks (static_overlap)
+            y_TD, counts_E = self._overlapped_static(x_TD, routing, sync_free)
+        elif sync_free is not None:  # 2.-4. with static shapes, no host sync (static_moe)
             with stage("experts"):
                 y_TD, counts_E = self._static_stages(x_TD, routing, sync_free)
             if self.shared is not None:
@@ -204,6 +209,27 @@ class MoELayer(nn.Module):
         T, K = routing.ids_TK.shape
         state.note_demand(self._counts(routing), T * K / self.router.num_experts)
         return y_TD, counts_E.detach()
+
+    def _overlapped_static(self, x_TD: torch.Tensor, routing, state) -> tuple:
+        # The static region over overlap_chunks chunks, each exchange in flight while another
+        # chunk's experts run; the chunks' flags and demands go to the runtime.
+        if x_TD.device.type != "cpu" or state.capture or active_recipe() is not None:
+            raise ValueError(  # RootConfig refuses these: a layer built without it
+                "MoELayer: runtime.sync_free with overlap_chunks > 1 runs eagerly on the CPU in "
+                "fp32 or bf16 only (no capture, no quantization recipe). Fix: overlap_chunks 1")
+        ep_group, etp_group = expert_groups(self.dispatcher)
+        y_TD, chunks = overlapped_static(
+            x_TD, routing, self.overlap_chunks, self.experts.gate_up_proj,
+            self.experts.down_proj, num_experts=self.router.num_experts,
+            token_budget=state.cfg.token_budget, activation=self.experts.activation,
+            weighted_input=self.apply_probs_on_input, ep_size=self._ep_size(ep_group),
+            group=ep_group, etp_group=etp_group, shared=self.shared,
+            stash_scope=self._stash_scope if self.runtime.runtime.stash_active else None,
+            experts_call=getattr(self.experts, "call_offloaded", None))
+        for flag, (wanted_E, balanced) in zip(chunks.flags, chunks.demands):
+            state.note_overflow(flag)
+            state.note_demand(wanted_E, balanced)
+        return y_TD, chunks.kept_counts()
 
     def _ep_size(self, ep_group: Any) -> int:
         # From the expert split, not a dispatcher attribute: any dispatcher plugin works as long

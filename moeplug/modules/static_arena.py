@@ -44,6 +44,13 @@ def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: in
           ep_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1, packed: (slot_N, overflow, counts_E) as ``static_moe.slots(..., packed=True,
     ep_size=W)`` returns them (overflow a 0-d bool), from the arena."""
+    return _budget_slots(ids_TK, dropped_TK, num_experts, budget, ep_size)[:3]
+
+
+def _budget_slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: int,
+                  budget: int, ep_size: int) -> tuple[torch.Tensor, ...]:
+    """:func:`slots` and ``wanted_E``, each expert's choices before the budget cut (a view of
+    the kernel's scratch, whose first E counters end at those counts: row_plan.cpp)."""
     E = num_experts
     key_N = sink_dropped(ids_TK, dropped_TK, E).reshape(-1).contiguous()
     n = key_N.numel()
@@ -53,7 +60,7 @@ def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: in
                                budget=budget, chunks=ep_size, packed=True,
                                scratch=scratch.data_ptr(), slot=slot_N.data_ptr(),
                                counts=counts_E.data_ptr(), overflow=overflow.data_ptr())
-    return slot_N, overflow, counts_E
+    return slot_N, overflow, counts_E, scratch[:E]
 
 
 def _fp32(probs_TK: torch.Tensor | None) -> torch.Tensor | None:
@@ -221,20 +228,43 @@ def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LD
     (``moe.apply_probs_on_input``): the routing weights scale the rows in stage 2, and stage 6
     sums them plainly. ``exchange(x_ECD, counts_WL) -> (x_ECD, counts_WL)`` and
     ``exchange.back(y_ECD)`` move the chunks over EP (identity at one rank; under ETP the
-    chunks of the whole ETP group arrive, static_moe.PackedExchange); ``stash_scope``:
-    the paged stash's scope around stage 4, or None; ``experts_call(fn, *args)`` runs stage 4
+    chunks of the whole ETP group arrive, static_moe.PackedExchange); ``stash_scope``: the
+    paged stash's scope around stage 4, or None; ``experts_call(fn, *args)`` runs stage 4
     (the experts module's offload scope, inside the stash's as on the dynamic path), or None."""
-    E, C, W = num_experts, budget, ep_size
-    L = E // W
-    slot_N, overflow, counts_E = slots(routing.ids_TK, routing.dropped_TK, E, C, W)
-    slot_TK = slot_rows.slot_map(slot_N, E * C, routing.ids_TK.shape[1], _empty)
-    probs_TK = routing.probs_TK
-    x_ECD = _ToSlots.apply(x_TD, slot_TK, E * C, probs_TK if weighted_input else None)
-    x_ECD, counts_WL = exchange(x_ECD, counts_E.view(W, L))
-    x_WSD = x_ECD.view(-1, L * C, x_ECD.shape[1])  # W chunks (P*W once gathered over ETP)
+    x_ECD, counts_E, _, slot_TK, overflow = region_front(
+        x_TD, routing, num_experts=num_experts, budget=budget, weighted_input=weighted_input,
+        ep_size=ep_size)
+    x_ECD, counts_WL = exchange(x_ECD, counts_E.view(ep_size, -1))
     with stash_scope if stash_scope is not None else contextlib.nullcontext():
-        y_WSD = (experts_call or call_directly)(packed_experts, x_WSD, w13_LXD, w2_LDF,
-                                                activation, counts_WL)
+        y_WSD = region_experts(x_ECD, counts_WL, w13_LXD, w2_LDF, activation, experts_call)
     y_ECD = exchange.back(y_WSD.view(-1, y_WSD.shape[2]))
-    return (_FromSlots.apply(y_ECD, slot_TK, None if weighted_input else probs_TK), overflow,
-            counts_E)
+    return region_back(y_ECD, slot_TK, routing.probs_TK, weighted_input), overflow, counts_E
+
+
+def region_front(x_TD: torch.Tensor, routing: Any, *, num_experts: int, budget: int,
+                 weighted_input: bool, ep_size: int) -> tuple[torch.Tensor, ...]:
+    """Stages 1-2: (x_ECD, counts_E, wanted_E, slot_TK, overflow), the rows in their packed
+    slots; ``wanted_E`` each expert's choices before the budget cut (the arena's: read it
+    before the next step)."""
+    E, C = num_experts, budget
+    slot_N, overflow, counts_E, wanted_E = _budget_slots(routing.ids_TK, routing.dropped_TK,
+                                                         E, C, ep_size)
+    slot_TK = slot_rows.slot_map(slot_N, E * C, routing.ids_TK.shape[1], _empty)
+    x_ECD = _ToSlots.apply(x_TD, slot_TK, E * C, routing.probs_TK if weighted_input else None)
+    return x_ECD, counts_E, wanted_E, slot_TK, overflow
+
+
+def region_experts(x_ECD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: torch.Tensor,
+                   w2_LDF: torch.Tensor, activation: str,
+                   experts_call: Callable | None = None) -> torch.Tensor:
+    """Stage 4 over the arrived chunks (W of them, P*W once gathered over ETP), one per row
+    of ``counts_WL``: y_WSD."""
+    x_WSD = x_ECD.view(counts_WL.shape[0], -1, x_ECD.shape[1])
+    return (experts_call or call_directly)(packed_experts, x_WSD, w13_LXD, w2_LDF, activation,
+                                           counts_WL)
+
+
+def region_back(y_ECD: torch.Tensor, slot_TK: torch.Tensor, probs_TK: torch.Tensor,
+                weighted_input: bool) -> torch.Tensor:
+    """Stage 6: y_TD (a plain sum when the rows were weighted in stage 2)."""
+    return _FromSlots.apply(y_ECD, slot_TK, None if weighted_input else probs_TK)

@@ -365,6 +365,32 @@ class PackedExchange:
             return y_ECD
         return comm.all_to_all(y_ECD, self.chunks, self.chunks, self.group)
 
+    # Split in two for the chunked overlap (moeplug.modules.static_overlap): the rows travel
+    # on the backend's threads between start and wait (comm.all_to_all_start, whose backward
+    # splits the same way); the [W, L] counts and the ETP collectives stay blocking.
+
+    def start(self, x_ECD: torch.Tensor, counts_WL: torch.Tensor) -> Callable[[], tuple]:
+        """:meth:`__call__` begun: returns its ``wait() -> (x_ECD, counts_WL)``."""
+        pending = comm.all_to_all_start(x_ECD, self.chunks, self.chunks, self.group)
+        if self.ep_size > 1:
+            ones = [1] * self.ep_size
+            counts_WL = comm.all_to_all(counts_WL, ones, ones, self.group)
+
+        def wait() -> tuple[torch.Tensor, torch.Tensor]:
+            x, counts = pending.wait(), counts_WL
+            if self.etp_size > 1:
+                P = self.etp_size
+                x = comm.all_gather(x, self.etp_group, [x.shape[0]] * P)
+                counts = comm.all_gather(counts, self.etp_group, [counts.shape[0]] * P)
+            return x, counts
+        return wait
+
+    def back_start(self, y_ECD: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """:meth:`back` begun: returns its ``wait() -> y_ECD``."""
+        if self.etp_size > 1:
+            y_ECD = comm.reduce_scatter(y_ECD, self.etp_group)
+        return comm.all_to_all_start(y_ECD, self.chunks, self.chunks, self.group).wait
+
 
 def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
                *, num_experts: int, token_budget: float, activation: str, weighted_input: bool,

@@ -104,6 +104,11 @@ def check_cuda_expert_levers(cfg: RootConfig, field: str) -> None:
                           "a GPU's (batched GEMMs under autograd, or CUDA graphs) keeps the "
                           f"activation and offloads nothing. Fix: drop {drop} from those "
                           "settings, set runtime.sync_free: false, or --set train.device=cpu")
+    if cfg.runtime.sync_free and moe.overlap_chunks > 1:
+        raise ConfigError(f"{field}: model.moe.overlap_chunks = {moe.overlap_chunks} pipelines "
+                          "the CPU's sync-free region only; a GPU's runs unchunked. Fix: set "
+                          "model.moe.overlap_chunks: 1, runtime.sync_free: false, or "
+                          "--set train.device=cpu")
     if moe.activation == "swiglu" and "recompute.modules" in levers:
         raise ConfigError(f"{field}: model.recompute.modules moe_act is not built into the swiglu "
                           "experts' CUDA path (torch's grouped_mm keeps the activation), so it "

@@ -62,7 +62,9 @@ void budget_slots(const int64_t* key_N, int64_t N, int64_t E, int64_t C, int64_t
                                 std::to_string(N) + ", " + std::to_string(E) + ", " +
                                 std::to_string(C) + ", " + std::to_string(W));
   }
-  int64_t* seen_E1 = scratch;       // choices counted, then the next position of each expert
+  // seen_E1: choices counted, then the next position of each expert, so that its first E
+  // entries end at each expert's choice count (moeplug.modules.static_arena reads them).
+  int64_t* seen_E1 = scratch;
   int64_t* base_E = scratch + E + 1;
   std::fill(seen_E1, seen_E1 + E + 1, int64_t{0});
   for (int64_t i = 0; i < N; ++i) {

@@ -34,7 +34,8 @@ void place_rows(const int64_t* ids_N, int64_t N, int64_t E, int64_t L, const int
 // base[e] = e * C, or (packed) its chunk's start w * L * C (W chunks of L = E / W experts)
 // plus the kept counts of the chunk's experts before e. Dropped and over-budget choices get
 // the dump slot E * C; overflow[0] = 1 when some routed choice went over the budget, else 0.
-// counts_E[e] = min(choices of e, C). scratch holds 2 * E + 1 int64. Throws
+// counts_E[e] = min(choices of e, C). scratch holds 2 * E + 1 int64; on return its first E
+// entries are the choices of each expert (before the budget cut). Throws
 // std::invalid_argument naming the first choice whose id is outside [0, E].
 void budget_slots(const int64_t* key_N, int64_t N, int64_t E, int64_t C, int64_t W, bool packed,
                   int64_t* scratch, int64_t* slot_N, int64_t* counts_E, uint8_t* overflow);
