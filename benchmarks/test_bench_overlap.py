@@ -14,8 +14,8 @@ time, as in a real step), medians over rounds, rank 0's view.
 
 Communication time: in the overlap-off steps every EP exchange is a blocking
 ``dist.all_to_all_single`` (dispatch and combine, forward and backward, count exchanges
-included); the benchmark times each such call (a wrapper that calls the real collective and
-reads the clock around it). Then
+included), started and waited for at once by ``comm._run``; the benchmark times each such call
+(a wrapper around ``comm._run`` that reads the clock around it). Then
 
     hidden share = (step time off - step time on) / communication time off     (target >= 0.8)
 
@@ -57,7 +57,9 @@ def _cfg(chunks: int, merged: bool, delay: bool = False, dispatcher: str = "allt
          sync_free: bool = False):
     from moeplug.config import config_from_dict
     return config_from_dict({
-        "runtime": {"sync_free": sync_free},
+        # sync-free: 4x the balanced load per expert (the packed CPU region computes only the
+        # routed rows, so the budget costs no FLOPs); the untrained router is uneven
+        "runtime": {"sync_free": sync_free, "token_budget": 4.0},
         "model": {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                   "max_seq_len": 128, "first_k_dense": 0, "dense_ffn_hidden_size": 256,
                   "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 256,
@@ -71,17 +73,20 @@ def _cfg(chunks: int, merged: bool, delay: bool = False, dispatcher: str = "allt
 
 
 class _CommClock:
-    """Seconds spent inside blocking ``dist.all_to_all_single`` calls while ``on``."""
+    """Seconds spent in blocking all-to-alls while ``on``: it wraps ``comm._run``, through which
+    every blocking exchange goes (started, then waited for at once), and clocks the calls that
+    carry ``dist.all_to_all_single``. (It once wrapped ``dist.all_to_all_single`` itself and
+    skipped ``async_op`` calls: since ``_run`` starts every exchange async, it clocked 0 s.)"""
 
-    def __init__(self, real):
-        self.real, self.seconds, self.on = real, 0.0, False
+    def __init__(self, real, a2a):
+        self.real, self.a2a, self.seconds, self.on = real, a2a, 0.0, False
 
-    def __call__(self, *args, **kwargs):
-        if not self.on or kwargs.get("async_op"):
-            return self.real(*args, **kwargs)
+    def __call__(self, collective, *args, **kwargs):
+        if not self.on or collective is not self.a2a:
+            return self.real(collective, *args, **kwargs)
         t0 = time.perf_counter()
         try:
-            return self.real(*args, **kwargs)
+            return self.real(collective, *args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -94,8 +99,9 @@ def _run(rank: int, world: int) -> dict:
     from moeplug.training.distributed import build_rank_model
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches, train_step
 
-    clock = _CommClock(dist.all_to_all_single)
-    dist.all_to_all_single = clock  # comm.py looks it up on the module at each call
+    from moeplug.parallel import comm
+    clock = _CommClock(comm._run, dist.all_to_all_single)
+    comm._run = clock  # comm's blocking exchanges look it up on the module at each call
     host = PluginHost.load()
     precision = host.create("precision", "fp32", {})
     ids = np.random.default_rng(0).integers(0, 256, 200_000).astype(np.int64)
