@@ -483,6 +483,48 @@ def test_export_refuses_what_the_family_cannot_express(tmp_path):
         export_hf(str(tmp_path / "run"), str(tmp_path / "hf"), model_type="deepseek_v3")
 
 
+# What a model's router or expert weighting computes decides whether a family can hold it;
+# options that only change how it runs or what it adds in training do not (a sweep found top-1
+# Mixtral, a capacity or forced balance under DeepSeek-V3, and apply_probs_on_input exported
+# silently with other logits, and fused: false / z_loss_coeff / dtype refused).
+@pytest.mark.parametrize("name, moe, router, pattern", [
+    ("mixtral_tiny", {"top_k": 1}, {}, r"MixtralConfig.plugins.router_options.renormalize = "
+     r"False: Mixtral routes only with renormalize = True.*Fix: export a model trained with "
+     r"Mixtral's router"),
+    ("deepseek_v3_tiny", {}, {"capacity_factor": 0.5}, r"DeepseekV3Config.plugins."
+     r"router_options.capacity_factor = 0.5: DeepseekV3 routes only with capacity_factor = "
+     r"None.*Fix: export a model trained with DeepSeek-V3's router"),
+    ("deepseek_v3_tiny", {}, {"force_load_balancing": True}, r"router_options."
+     r"force_load_balancing = True: .*Fix"),
+    ("qwen3_moe_tiny", {}, {"score_function": "sigmoid"}, r"Qwen3MoeConfig.plugins."
+     r"router_options.score_function = 'sigmoid': .*Fix"),
+    ("qwen3_moe_tiny", {"top_k": 1, "apply_probs_on_input": True}, {"renormalize": False},
+     r"Qwen3MoeConfig.model.moe.apply_probs_on_input = True: .*Fix: export a model trained "
+     r"with apply_probs_on_input: false"),
+    ("mixtral_tiny", {}, {"fused": False, "z_loss_coeff": 1e-3, "dtype": "fp64",
+                          "input_jitter_eps": 0.01}, None),
+    ("qwen3_moe_tiny", {}, {"fused": False, "z_loss_coeff": 1e-3, "aux_loss_counts": "routed"},
+     None),
+    ("deepseek_v3_tiny", {}, {"fused": False, "bias_update_rate": 1e-2}, None),
+])
+def test_export_holds_exactly_what_the_router_computes(tmp_path, name, moe, router, pattern):
+    base = preset(name)
+    base["model"]["moe"].update(moe)
+    base["plugins"]["router_options"] = {**base["plugins"].get("router_options", {}), **router}
+    model = _saved_run(base, str(tmp_path / "run"))
+    if pattern is not None:
+        with pytest.raises(ConvertError, match=pattern):
+            export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+        return
+    export_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    x_BS = tokens()
+    with torch.no_grad():
+        ours, _ = logits_and_loss(model.eval(), x_BS)
+        theirs = hf(input_ids=x_BS).logits[:, :-1]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize("top_k, group_score, refused", [
     (6, "topk_share", True), (6, "top2_sum", False), (4, "topk_share", False)])
 def test_deepseek_v3_export_refuses_a_group_score_hf_would_not_compute(tmp_path, top_k,

@@ -236,3 +236,58 @@ def topk_options(cfg: RootConfig, family: str) -> dict:
         hf_fail(family, "plugins.router", cfg.plugins.router, "export knows the weights of the "
                 "built-in 'topk' router only", "train with plugins.router: topk")
     return dict(cfg.plugins.router_options)
+
+
+# topk router options that leave what a trained model computes unchanged: how the router runs
+# (its execution_only ones are dropped before this), the gate GEMM's precision, and what it
+# adds in training only: balancing losses, input noise, the expert bias's update rate, and the
+# zero-weight padding rows of quantized GEMMs. (token_drop_policy and pad_to_capacity act only
+# with a capacity_factor, which no family expresses.) No HF family computes any of them.
+INFERENCE_NEUTRAL = frozenset({
+    "load_balancing_type", "aux_loss_coeff", "aux_loss_counts", "z_loss_coeff",
+    "input_jitter_eps", "bias_update_rate", "dtype", "padding_for_quantization",
+    "force_load_balancing_seed", "token_drop_policy", "pad_to_capacity"})
+# A plain top-k router: what Mixtral and Qwen3-MoE compute (softmax, renormalised or not).
+PLAIN_ROUTER = {"score_function": "softmax", "topk_scaling_factor": 1.0, "num_groups": None,
+                "group_topk": None, "enable_expert_bias": False, "capacity_factor": None,
+                "force_load_balancing": False}
+
+
+def router_semantics(cfg: RootConfig, family: str) -> dict:
+    """What the ``topk`` router computes at inference, as its options: defaults filled in,
+    ``renormalize`` resolved (None: top_k > 1), the inference-neutral ones left out, and
+    ``group_score`` only with groups. Refuses another router and invalid options."""
+    from moeplug.plugin_host import PluginHost
+    opts = topk_options(cfg, family)
+    full = PluginHost.load(block=cfg.plugins.block).defining_options("router", "topk", opts)
+    if full is None:
+        hf_fail(family, "plugins.router_options", opts, "are not valid options of the topk "
+                "router", "fix them as `moeplug train` reports, then export")
+    sem = {k: v for k, v in full.items() if k not in INFERENCE_NEUTRAL}
+    if sem["renormalize"] is None:
+        sem["renormalize"] = cfg.model.moe.top_k > 1
+    if (sem["num_groups"] or 1) <= 1:
+        sem.pop("group_score")
+    return sem
+
+
+def check_router(family: str, sem: dict, expressed: dict, fix: str) -> None:
+    """Refuse unless every routing option in ``sem`` (:func:`router_semantics`) has the value
+    ``expressed`` gives it (a value, or a tuple of the values the family can write), or, when
+    not named there, a plain router's (:data:`PLAIN_ROUTER`)."""
+    for name, value in sem.items():
+        want = expressed.get(name, PLAIN_ROUTER.get(name, value))
+        ok = value in want if isinstance(want, tuple) else value == want
+        if not ok:
+            what = f"{want!r}" if not isinstance(want, tuple) else " or ".join(map(repr, want))
+            hf_fail(family, f"plugins.router_options.{name}", value, f"{family.removesuffix('Config')} "
+                    f"routes only with {name} = {what}, so the exported model would route "
+                    f"differently", fix)
+
+
+def check_moe_forward(cfg: RootConfig, family: str) -> None:
+    """What every family computes the same way: each expert's output times its weight."""
+    if cfg.model.moe.apply_probs_on_input:
+        hf_fail(family, "model.moe.apply_probs_on_input", True, "the HF MoE blocks weight each "
+                "expert's output, not its input (FC2's input differs after the activation)",
+                "export a model trained with apply_probs_on_input: false")

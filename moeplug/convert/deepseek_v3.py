@@ -26,7 +26,8 @@ import torch
 from moeplug import routing as R
 from moeplug.config import ModelConfig, RootConfig
 from moeplug.convert.common import (
-    convert_model_weights, hf_fail, hf_rope, main_blocks, require, rope_theta, take, topk_options)
+    check_moe_forward, check_router, convert_model_weights, hf_fail, hf_rope, main_blocks,
+    require, rope_theta, router_semantics, take)
 
 FAMILY = "DeepseekV3Config"
 MODEL_TYPE = "deepseek_v3"
@@ -112,12 +113,19 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
         hf_fail(FAMILY, "model.moe.shared_expert_ffn_hidden_size", F_shared,
                 f"must be a multiple of moe.ffn_hidden_size ({moe.ffn_hidden_size}): HF stores "
                 f"n_shared_experts", "use n x ffn_hidden_size")
-    opts = topk_options(cfg, FAMILY)
-    if opts.get("score_function") != "sigmoid" or not opts.get("enable_expert_bias"):
-        hf_fail(FAMILY, "plugins.router_options", opts, "DeepSeek-V3 routes with sigmoid scores "
-                "and an expert bias", "set score_function: sigmoid, enable_expert_bias: true")
-    groups, group_topk = opts.get("num_groups") or 1, opts.get("group_topk") or 1
-    group_score = opts.get("group_score", "topk_share")
+    check_moe_forward(cfg, FAMILY)
+    sem = router_semantics(cfg, FAMILY)
+    # DeepSeek-V3's router: sigmoid scores, a selection bias, optional groups, renormalisation
+    # and scaling; no capacity, no forced balance
+    check_router(FAMILY, sem, {
+        "score_function": "sigmoid", "enable_expert_bias": True,
+        "renormalize": (True, False), "topk_scaling_factor": sem["topk_scaling_factor"],
+        "num_groups": sem["num_groups"], "group_topk": sem["group_topk"],
+        "group_score": sem.get("group_score")},
+        "export a model trained with DeepSeek-V3's router: score_function: sigmoid, "
+        "enable_expert_bias: true, no capacity_factor or force_load_balancing")
+    groups, group_topk = sem["num_groups"] or 1, sem["group_topk"] or 1
+    group_score = sem.get("group_score", "topk_share")
     if groups > 1 and (R.group_members(moe.top_k, group_topk, group_score)
                        != R.group_members(moe.top_k, group_topk, GROUP_SCORE)):
         hf_fail(FAMILY, "plugins.router_options.group_score", group_score,
@@ -125,7 +133,6 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
                 f"{group_topk} = {moe.top_k // group_topk} experts, HF by its top 2, so HF "
                 f"would route differently", f"export a model trained with group_score: "
                 f"{GROUP_SCORE} (or with group_topk = top_k / 2, where the two agree)")
-    renormalize = opts.get("renormalize")
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": MODEL_TYPE, "dtype": "float32",
         "vocab_size": vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
@@ -138,8 +145,8 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
         "n_shared_experts": F_shared // moe.ffn_hidden_size, "first_k_dense_replace": k,
         "n_group": groups, "topk_group": group_topk,
         # the sigmoid router renormalises only when top_k > 1 (Megatron), HF whenever asked
-        "norm_topk_prob": moe.top_k > 1 and (renormalize is None or bool(renormalize)),
-        "routed_scaling_factor": float(opts.get("topk_scaling_factor", 1.0)),
+        "norm_topk_prob": moe.top_k > 1 and sem["renormalize"],
+        "routed_scaling_factor": float(sem["topk_scaling_factor"]),
         "num_nextn_predict_layers": m.mtp_num_layers,
         "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.init_std,

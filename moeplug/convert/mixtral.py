@@ -13,7 +13,8 @@ import torch
 
 from moeplug.config import ModelConfig, RootConfig
 from moeplug.convert.common import (
-    convert_model_weights, hf_fail, hf_rope, require, rope_theta, topk_options)
+    check_moe_forward, check_router, convert_model_weights, hf_fail, hf_rope, require,
+    rope_theta, router_semantics, topk_options)
 
 FAMILY = "MixtralConfig"
 MODEL_TYPE = "mixtral"
@@ -64,12 +65,12 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
     if not all(m.moe_layer_pattern):
         hf_fail(FAMILY, "model.first_k_dense / moe.layer_freq", (m.first_k_dense, moe.layer_freq),
                 "Mixtral has only MoE layers", "export as qwen3_moe (mlp_only_layers)")
+    check_moe_forward(cfg, FAMILY)
+    # Mixtral's router: softmax over the top-k logits (renormalised; at top_k 1 a weight of 1)
+    check_router(FAMILY, router_semantics(cfg, FAMILY), {"renormalize": True},
+                 "export a model trained with Mixtral's router: softmax, renormalize: true "
+                 "(top_k >= 2), no expert bias, groups, scaling or capacity")
     opts = topk_options(cfg, FAMILY)
-    bad = {k: v for k, v in opts.items() if k not in ("input_jitter_eps", "load_balancing_type",
-                                                       "aux_loss_coeff", "renormalize")}
-    if bad or opts.get("renormalize", True) is not True:
-        hf_fail(FAMILY, "plugins.router_options", opts, "Mixtral routes with softmax renormalised "
-                "over the top-k and nothing else", "export as qwen3_moe or deepseek_v3")
     return {
         "architectures": ["MixtralForCausalLM"], "model_type": MODEL_TYPE, "dtype": "float32",
         "vocab_size": vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,

@@ -16,7 +16,8 @@ import torch
 
 from moeplug.config import ModelConfig, RootConfig
 from moeplug.convert.common import (
-    convert_model_weights, hf_fail, hf_rope, require, rope_theta, topk_options)
+    check_moe_forward, check_router, convert_model_weights, hf_fail, hf_rope, require,
+    rope_theta, router_semantics)
 
 FAMILY = "Qwen3MoeConfig"
 MODEL_TYPE = "qwen3_moe"
@@ -85,13 +86,11 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
     if not m.qk_norm:
         hf_fail(FAMILY, "model.qk_norm", False, "Qwen3-MoE always normalises q and k",
                 "export as mixtral, or train with qk_norm: true")
-    opts = topk_options(cfg, FAMILY)
-    bad = {k: v for k, v in opts.items() if k not in ("renormalize", "load_balancing_type",
-                                                       "aux_loss_coeff")}
-    if bad or opts.get("score_function", "softmax") != "softmax":
-        hf_fail(FAMILY, "plugins.router_options", opts, "Qwen3-MoE routes with a softmax top-k "
-                "(optionally renormalised) and nothing else", "export as deepseek_v3")
-    renormalize = opts.get("renormalize")
+    check_moe_forward(cfg, FAMILY)
+    sem = router_semantics(cfg, FAMILY)
+    check_router(FAMILY, sem, {"renormalize": (True, False)},
+                 "export a model trained with a softmax top-k router (renormalised or not), no "
+                 "expert bias, groups, scaling or capacity")
     return {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": MODEL_TYPE, "dtype": "float32",
         "vocab_size": vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
@@ -99,7 +98,7 @@ def config_to_hf(cfg: RootConfig, vocab_size: int) -> dict:
         "head_dim": m.head_dim, "intermediate_size": m.dense_ffn_hidden_size,
         "moe_intermediate_size": moe.ffn_hidden_size, "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
-        "norm_topk_prob": moe.top_k > 1 if renormalize is None else bool(renormalize),
+        "norm_topk_prob": sem["renormalize"],
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i, moe_layer in enumerate(m.moe_layer_pattern) if not moe_layer],
         "max_position_embeddings": m.max_seq_len, "rms_norm_eps": m.norm_eps,
