@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import importlib.metadata
 import importlib.util
+import math
 import os
 import re
 import types
@@ -255,6 +256,11 @@ def _build_options(entry: _Entry, options: dict | None) -> Any:
         if not ok:
             raise PluginError(f"{where}: option {field_path}.{key} = {value!r} "
                               f"({type(value).__name__}) must be {expected}. Fix: set {key} to {expected}")
+        # inf and nan pass every range check written as a comparison (nan < 0 is False)
+        if any(isinstance(v, float) and not math.isfinite(v)
+               for v in (value if isinstance(value, (list, tuple)) else [value])):
+            raise PluginError(f"{where}: option {field_path}.{key} = {value!r} must be finite. "
+                              f"Fix: set {key} to a finite number")
     for name, f in fields.items():
         required = (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         if required and name not in options:

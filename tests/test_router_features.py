@@ -44,7 +44,9 @@ def _router(host, options=None, **cfg):
     ({"aux_loss_coeff": -1.0}, {}, r"aux_loss_coeff = -1.0: coefficients must be numbers >= 0. Fix"),
     ({"pad_to_capacity": True}, {}, r"pad_to_capacity = True: needs a capacity. Fix: set capacity_factor"),
     ({"capacity_factor": 0.0}, {}, r"capacity_factor = 0.0: must be > 0. Fix"),
-    ({"padding_for_quantization": 0}, {}, r"padding_for_quantization = 0: must be >= 1. Fix: use 1 \(off\), 16"),
+    ({"padding_for_quantization": 0}, {}, r"padding_for_quantization = 0: must be between 1 and 256. Fix: use 1 \(off\), 16"),
+    # accepted once, it padded every expert to a million rows: the OOM killer took the run
+    ({"padding_for_quantization": 1000000}, {}, r"padding_for_quantization = 1000000: must be between 1 and 256. Fix"),
     ({"input_jitter_eps": 1.5}, {}, r"input_jitter_eps = 1.5: must be < 1.*Fix"),
     ({"z_loss_coeff": -0.1}, {}, r"z_loss_coeff = -0.1: must be >= 0. Fix"),
     ({"topk_scaling_factor": 0.0}, {}, r"topk_scaling_factor = 0.0: must be > 0. Fix"),
@@ -63,6 +65,23 @@ def test_option_type_errors_come_from_the_host(host):
     with pytest.raises(PluginError, match=r"plugins.router_options.dtype = 'bf16' \(str\) must be "
                                           r"one of 'fp32', 'fp64', 'input'. Fix: set dtype"):
         _router(host, {"dtype": "bf16"})
+
+
+@pytest.mark.parametrize("options", [{"topk_scaling_factor": float("inf")},
+                                     {"z_loss_coeff": float("inf")},
+                                     {"aux_loss_coeff": float("nan")},
+                                     {"aux_loss_coeff": [0.01, float("nan")],
+                                      "load_balancing_type": ["aux_loss", "seq_aux_loss"]},
+                                     {"bias_update_rate": float("nan"), "enable_expert_bias": True,
+                                      "score_function": "sigmoid"}])
+def test_non_finite_options_are_refused_by_the_host(host, options):
+    # nan passes every range check written as a comparison (nan < 0 is False), and inf trained
+    # to a NaN loss blamed on the learning rate, or (bias_update_rate) silently
+    name = next(k for k, v in options.items() if v != v or v == float("inf")
+                or isinstance(v, list))
+    with pytest.raises(PluginError, match=rf"plugins.router_options.{name} = .*must be finite. "
+                                          rf"Fix: set {name} to a finite number"):
+        _router(host, options)
 
 
 def test_bad_group_score_is_a_config_error_through_the_cli(run_cli, tiny_config_file):

@@ -46,6 +46,11 @@ def _fail(name: str, value, rule: str, fix: str) -> None:
     raise ConfigError(f"TopKOptions.{name} = {value!r}: {rule}. Fix: {fix}")
 
 
+# The largest row multiple padding_for_quantization takes: 2x the largest quantization block
+# (FP8 blockwise's 128 rows).
+MAX_ROW_PADDING = 256
+
+
 @dataclass(frozen=True)
 class TopKOptions:
     """Options of router ``topk`` (Megatron's ``moe_router_*`` / ``moe_*`` names, prefix dropped)."""
@@ -157,9 +162,11 @@ class TopKOptions:
                   "leave it unset (dropless) or use e.g. 1.25")
         if self.pad_to_capacity and self.capacity_factor is None:
             _fail("pad_to_capacity", True, "needs a capacity", "set capacity_factor (e.g. 1.0)")
-        if self.padding_for_quantization < 1:
-            _fail("padding_for_quantization", self.padding_for_quantization, "must be >= 1",
-                  "use 1 (off), 16 (FP8) or 32 (MXFP8/NVFP4)")
+        if not 1 <= self.padding_for_quantization <= MAX_ROW_PADDING:
+            # each expert's rows round up to it: a huge value allocates gigabytes per layer
+            _fail("padding_for_quantization", self.padding_for_quantization,
+                  f"must be between 1 and {MAX_ROW_PADDING}",
+                  "use 1 (off), 16 (FP8), 32 (MXFP8/NVFP4) or 128 (FP8 blockwise)")
         if self.pad_to_capacity and self.padding_for_quantization > 1:
             _fail("padding_for_quantization", self.padding_for_quantization,
                   "cannot combine with pad_to_capacity (capacity fixes the row count)",
