@@ -99,6 +99,15 @@ def _positive(obj: Any, *names: str) -> None:
             _fail(obj, n, v, "must be a positive integer", f"set {n} to an integer >= 1")
 
 
+SEED_LIMIT = 2 ** 63  # torch.manual_seed and numpy's generators take seeds in [0, 2**63)
+
+
+def _check_seed(obj: Any, name: str, value: Any) -> None:
+    if not 0 <= value < SEED_LIMIT:
+        _fail(obj, name, value, "must be in [0, 2**63) (torch's and numpy's generators take "
+              "no other)", f"set {name} to e.g. 1234")
+
+
 def _non_negative(obj: Any, *names: str) -> None:
     for n in names:
         v = getattr(obj, n)
@@ -577,6 +586,7 @@ class TrainConfig:
                       "eval_interval", "ckpt_interval", "keep_last", "threads")
         if self.min_lr > self.lr:
             _fail(self, "min_lr", self.min_lr, f"exceeds lr ({self.lr})", "set min_lr <= lr")
+        _check_seed(self, "seed", self.seed)
         for n in ("beta1", "beta2"):
             v = getattr(self, n)
             if not 0.0 <= v < 1.0:
@@ -1144,8 +1154,8 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
     parents (``_Unbuilt``)."""
     found = _found.get()
     if not isinstance(data, Mapping):
-        found.append(f"{path or cls.__name__} = {data!r}: must be a mapping. "
-                     f"Fix: write it as `key: value` lines")
+        found.append(f"{path.rstrip('.') or cls.__name__} = {data!r}: must be a mapping (the "
+                     f"{cls.__name__} section). Fix: write it as `key: value` lines")
         raise _Unbuilt
     known = {f.name: f for f in fields(cls)}
     kwargs: dict[str, Any] = {}
@@ -1163,7 +1173,7 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
             except _Unbuilt:
                 complete = False
                 continue
-        elif known[key].type == "float":
+        elif known[key].type in ("float", "float | None"):
             value = _as_float(value)
         kwargs[key] = value
     if not complete:
@@ -1242,7 +1252,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is not a section. Fix: check the key path")
-        node[parts[-1]] = _parse_scalar(raw)
+        value = _parse_scalar(raw)
+        old = node.get(parts[-1])
+        # a section given as a mapping merges into it, as a file does over a preset
+        node[parts[-1]] = (merge_config_dicts(old, value)
+                           if isinstance(value, Mapping) and isinstance(old, Mapping) else value)
     return data
 
 
@@ -1272,6 +1286,23 @@ def _utf16_or_32(path: str) -> bool:
     return False
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last: a
+    second `model:` block silently replaced the first)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"config file {self.name!r}: key {key!r} appears twice in one "
+                                  f"section (lines "
+                                  f"{seen[key] + 1} and {key_node.start_mark.line + 1}); YAML "
+                                  f"would keep only the last. Fix: merge the two into one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None,
                 base: Mapping[str, Any] | None = None) -> RootConfig:
     """Defaults ← ``base`` (a preset) ← YAML file ← dotted overrides, validated as one RootConfig."""
@@ -1282,11 +1313,12 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
             raise ConfigError(f"config file {path!r} is a directory, not a YAML file. Fix: pass "
                               f"a file" + (f" (there: {', '.join(inside)})" if inside else ""))
         if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist. Fix: pass an existing YAML "
+            what = "is not a regular file" if os.path.exists(path) else "does not exist"
+            raise ConfigError(f"config file {path!r} {what}. Fix: pass an existing YAML "
                               f"file to --config, or leave --config out to use the packaged default")
         try:
             with open(path, encoding="utf-8-sig") as f:  # -sig: a UTF-8 BOM is fine
-                loaded = yaml.safe_load(f)
+                loaded = yaml.load(f, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r} is not valid YAML: "
                               f"{' '.join(str(e).split())}. Fix: correct the syntax there") from None

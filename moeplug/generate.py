@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from moeplug.config import ConfigError, RootConfig, TrainConfig, config_from_dict
+from moeplug.config import SEED_LIMIT, ConfigError, RootConfig, TrainConfig, config_from_dict
 from moeplug.training.checkpoint import CheckpointError
 
 
@@ -68,6 +68,9 @@ def _check_args(args: argparse.Namespace) -> None:
                           "Fix: 0 for greedy decoding, e.g. 0.8 to sample")
     if args.top_k < 0:
         raise ConfigError(f"--top-k {args.top_k}: must be >= 0. Fix: 0 keeps every token")
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise ConfigError(f"--seed {args.seed}: must be in [0, 2**63) (torch's generator takes "
+                          "no other). Fix: pass e.g. --seed 1")
     try:
         TrainConfig(device=args.device)  # train.device's own rule
     except ConfigError as e:
@@ -186,12 +189,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     # An empty prompt starts where every work starts in training: after the work separator.
     prompt_ids = tok.encode(args.prompt) or tok.encode(WORK_SEPARATOR)
+    mode = ("greedy" if args.temperature == 0 else
+            f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
+    # first, so a long generation shows what runs
+    print(f"moeplug generate: {loaded.path} (step {loaded.step}), {mode}, "
+          f"{args.max_new_tokens} new tokens", file=sys.stderr, flush=True)
     new_ids = generate_ids(loaded.model, prompt_ids, args.max_new_tokens,
                            loaded.cfg.train.seq_len, tok.vocab_size, args.temperature,
                            args.top_k, args.seed)
-    mode = ("greedy" if args.temperature == 0 else
-            f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
-    print(f"moeplug generate: {loaded.path} (step {loaded.step}), {mode}", file=sys.stderr)
     # The prompt verbatim, then the continuation (byte-level tokenizers: decoding the new ids
     # alone gives the same text as decoding prompt + new ids, since the prompt is whole chars).
     print(args.prompt + tok.decode(new_ids))

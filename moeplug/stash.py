@@ -23,10 +23,13 @@ import torch
 from moeplug.ops.workspace import Arena
 from moeplug.runtime import get_runtime
 from moeplug.syncfree import SyncFreeState
+from moeplug.training.faults import TrainingFault
 
 
-class StashOverflowError(RuntimeError):
-    """The stash pool could not hold a step's activations and the policy is ``fail``."""
+class StashOverflowError(TrainingFault):
+    """The stash pool could not hold a step's activations and the policy is ``fail``: a fault
+    that stops training, printed as one line by the CLI (exit 3), as every rank decides it
+    from the same all-reduced count."""
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,28 @@ def test_unknown_experts_plugin_lists_the_available_experts(run_cli):
     proc = run_cli("train", "--experts", "nope")
     assert_config_error(proc, "unknown experts 'nope'. Available experts: ")
     assert "expertss" not in proc.stderr
+
+
+@pytest.mark.parametrize("out, fragment", [
+    ("afile", "is a file, not a directory"),
+    ("afile/sub", "cannot be created or written (Not a directory)"),
+])
+def test_an_out_dir_that_cannot_be_one_exits_2(run_cli, small_corpus_config, tmp_path, out,
+                                               fragment):
+    # a FileExistsError / NotADirectoryError traceback from the run lock once
+    (tmp_path / "afile").write_text("not a run")
+    proc = run_cli("train", "--config", small_corpus_config(), "--out", str(tmp_path / out))
+    assert_config_error(proc, f"train.out_dir = '{tmp_path / out}' {fragment}", "Fix: pass --out")
+
+
+def test_a_stash_overflow_under_policy_fail_stops_in_one_line(run_cli, small_corpus_config):
+    # runtime.stash_overflow: fail is the documented way to stop: one line and exit 3 as any
+    # fault that stops training, not a StashOverflowError traceback
+    proc = run_cli("train", "--config", small_corpus_config(), "--set", "runtime.stash=true",
+                   "--set", "runtime.stash_pages=1", "--set", "runtime.stash_page_bytes=4096",
+                   "--set", "runtime.stash_overflow=fail", timeout=300)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("moeplug: runtime.stash_overflow = 'fail': the stash pool (1 pages")
+    assert "Fix: set runtime.stash_pages to at least" in last

@@ -106,7 +106,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
 def test_section_that_is_not_a_mapping():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model=5"])
-    assert_names(err, "model.", "5", "must be a mapping")
+    assert_names(err, "model = 5", "must be a mapping (the ModelConfig section)")
 
 
 def test_override_without_equals_sign():
@@ -138,6 +138,47 @@ def test_overrides_are_typed_and_applied_after_the_file(tmp_path):
     assert cfg.model.moe.num_experts == 16 and cfg.model.moe.top_k == 1
     assert cfg.train.lr == pytest.approx(1e-3) and isinstance(cfg.train.lr, float)
     assert cfg.plugins.block == ["a", "b"]
+
+
+def test_a_section_set_as_a_mapping_merges_into_it():
+    # --set model.moe={num_experts: 4} once replaced the whole section: default.yaml's
+    # ffn_hidden_size went back to the dataclass default without a word
+    from moeplug.cli import default_config_path
+    cfg = load_config(default_config_path(), ["model.moe={num_experts: 4}"])
+    default = load_config(default_config_path())
+    assert cfg.model.moe.num_experts == 4
+    assert cfg.model.moe.ffn_hidden_size == default.model.moe.ffn_hidden_size != 384
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  hidden_size: 128\nmodel:\n  num_layers: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path))
+    assert_names(err, str(path), "key 'model' appears twice", "lines 1 and 3", "merge the two")
+
+
+def test_a_config_path_that_is_no_regular_file_says_so():
+    with pytest.raises(ConfigError) as err:
+        load_config("/dev/null")
+    assert_names(err, "'/dev/null' is not a regular file", "--config")
+
+
+@pytest.mark.parametrize("override, parts", [
+    ("train.seed=-1", ["TrainConfig.seed", "-1", "[0, 2**63)"]),
+    (f"train.seed={2 ** 64}", ["TrainConfig.seed", str(2 ** 64), "[0, 2**63)"]),
+])
+def test_a_seed_the_generators_cannot_take_is_refused(override, parts):
+    # both once passed, and the run died in a traceback after the model was built
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert_names(err, *parts)
+
+
+def test_optional_float_fields_read_yaml_exponents_too():
+    # YAML 1.1 reads 1e-6 as a string; latent_norm_eps (float or null) refused it
+    assert load_config(None, ["model.mla.latent_norm_eps=1e-6"]).model.mla.latent_norm_eps \
+        == 1e-6
 
 
 def test_packaged_default_config_is_valid_and_self_consistent():

@@ -127,6 +127,10 @@ def test_long_empty_and_unseen_prompts(env, run_dir):
     (("--ckpt", "{run}", "--top-k", "3"), ["--top-k 3", "--temperature", "Fix:"]),
     (("--ckpt", "{run}", "--max-new-tokens", "0"), ["--max-new-tokens 0", "Fix:"]),
     (("--ckpt", "{run}", "--temperature", "-1"), ["--temperature -1", "Fix:"]),
+    # an overflow traceback from torch's generator once
+    (("--ckpt", "{run}", "--temperature", "1", "--seed", str(2 ** 64)),
+     [f"--seed {2 ** 64}: must be in [0, 2**63)", "Fix:"]),
+    (("--ckpt", "{run}", "--temperature", "1", "--seed", "-1"), ["--seed -1", "Fix:"]),
     (("--ckpt", "{run}", "--device", "tpu"), ["--device tpu", "must be auto, cpu, cuda or cuda:N", "Fix:"]),
 ])
 def test_bad_input_exits_2_with_the_fix(env, run_dir, tmp_path, args, parts):

@@ -49,6 +49,9 @@ def check_run_dir(out_dir: str, resume: str, resume_from: str | None, overwrite:
     """ConfigError unless a run may write to ``out_dir``: it is unused, or the run continues it
     (``resume`` is "auto", or ``resume_from``, the resolved checkpoint, lies inside it), or
     ``overwrite`` is set (and the run does not also resume from it)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"train.out_dir = {out_dir!r} is a file, not a directory. Fix: pass "
+                          "--out a directory (new or a run's)")
     continues = resume == "auto" or bool(resume_from and _inside(resume_from, out_dir))
     if overwrite and continues:
         raise ConfigError(f"--overwrite with train.resume = {resume!r}: overwriting would delete "
@@ -78,8 +81,13 @@ def lock_run_dir(out_dir: str) -> None:
     another live run has it. Skipped in a rank whose launcher holds it (``LOCKED_ENV``)."""
     if os.environ.get(LOCKED_ENV) == os.path.realpath(out_dir):
         return
-    os.makedirs(out_dir, exist_ok=True)
-    f = open(os.path.join(out_dir, LOCK_FILE), "a+")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        f = open(os.path.join(out_dir, LOCK_FILE), "a+")
+    except OSError as e:  # a parent that is a file, no permission, a read-only file system
+        raise ConfigError(f"train.out_dir = {out_dir!r} cannot be created or written "
+                          f"({e.strerror or e}). Fix: pass --out a directory this user can "
+                          "write") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
