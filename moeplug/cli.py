@@ -213,7 +213,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     from moeplug.data import prepare_corpus
 
     if world > 1 and not launch.under_torchrun():
-        prepare_corpus(cfg.data)  # once, here: the ranks then only read the cache
+        corpus = prepare_corpus(cfg.data)  # once, here: the ranks then only read the cache
+        _check_vocab_split(cfg, corpus.vocab_size)
         if args.overwrite:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
@@ -255,6 +256,19 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     return 0
 
 
+def _check_vocab_split(cfg: RootConfig, tokenizer_vocab: int) -> None:
+    """The tokenizer's vocabulary (model.vocab_size 0) splits over TP, checked once it is known
+    and before any rank starts (each rank's model build would raise it as a traceback)."""
+    tp = cfg.parallel.tp
+    if cfg.model.vocab_size or tokenizer_vocab % tp == 0:
+        return
+    padded = -(-tokenizer_vocab // tp) * tp
+    raise ConfigError(f"ModelConfig.vocab_size = 0: the tokenizer's {tokenizer_vocab} tokens "
+                      f"do not split over parallel.tp = {tp} (the embedding and head are split "
+                      f"over TP). Fix: set model.vocab_size: {padded} (the rows past the "
+                      f"tokenizer's are never used), or another data.vocab_size")
+
+
 def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, groups, device):
     """This process's part of the run: data, model, loop; train()'s summary."""
     from moeplug.data import prepare_corpus
@@ -266,6 +280,7 @@ def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, grou
     corpus = prepare_corpus(cfg.data)
     if D.is_main_rank(groups):
         D.barrier(groups)
+    _check_vocab_split(cfg, corpus.vocab_size)  # a plain torchrun launch checks it here
     seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
     model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, device)
     plugin_names = {k: getattr(cfg.plugins, k)

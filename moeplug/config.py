@@ -825,9 +825,11 @@ def validate_model(pcfg: ParallelConfig, *, num_experts: int, num_heads: int, nu
     ``num_layers=None`` leaves the layer split to :meth:`ParallelConfig.rank_layer_counts`."""
 
     def need(value: int, what: str, degree: int, label: str, field_name: str, fix: str) -> None:
+        # ``degree`` may be a product (2·CP·TP): the field's own value is named after it
         if value % degree:
             raise ConfigError(f"{what} {value} not divisible by {label} {degree} "
-                              f"(ParallelConfig.{field_name} = {degree}). Fix: {fix}")
+                              f"(ParallelConfig.{field_name} = {getattr(pcfg, field_name)}). "
+                              f"Fix: {fix}")
 
     need(num_heads, "num_heads", pcfg.tp, "TP", "tp",
          "choose tp dividing num_heads, or change num_heads")
@@ -1026,6 +1028,18 @@ class RootConfig:
                        num_kv_heads=m.num_kv_heads, num_layers=None,
                        ffn_hidden_size=m.moe.ffn_hidden_size, seq_len=self.train.seq_len)
         par.rank_layer_counts(m.num_layers)
+        # Tensor parallelism splits the dense MLPs' hidden and the vocabulary (embedding, head)
+        # over TP: refused here, else as a traceback from every rank's model build. A vocabulary
+        # the tokenizer decides (model.vocab_size 0) is checked once it is known, before the
+        # ranks start (moeplug.cli).
+        if par.tp > 1 and not all(m.moe_layer_pattern) and m.dense_ffn_hidden_size % par.tp:
+            _fail(m, "dense_ffn_hidden_size", m.dense_ffn_hidden_size, f"is not divisible by "
+                  f"parallel.tp = {par.tp} (the dense layers' MLPs are split over TP)",
+                  f"choose a multiple of {par.tp}")
+        if par.tp > 1 and m.vocab_size % par.tp:
+            _fail(m, "vocab_size", m.vocab_size, f"is not divisible by parallel.tp = {par.tp} "
+                  f"(the embedding and head are split over TP)",
+                  f"pad it to a multiple of {par.tp}, e.g. {-(-m.vocab_size // par.tp) * par.tp}")
         # The MTP blocks and their loss are built unsharded (not tensor/vocab-parallel) and MTP
         # shifts tokens across CP shards, so the model build would refuse these layouts: say so
         # here, before any rank starts, instead of as a traceback from build_model.

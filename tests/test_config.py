@@ -175,6 +175,33 @@ def test_a_seed_the_generators_cannot_take_is_refused(override, parts):
     assert_names(err, *parts)
 
 
+@pytest.mark.parametrize("overrides, parts", [
+    (["parallel.tp=2", "model.dense_ffn_hidden_size=255"],
+     ["ModelConfig.dense_ffn_hidden_size = 255", "parallel.tp = 2", "multiple of 2"]),
+    (["parallel.tp=2", "model.vocab_size=2049"],
+     ["ModelConfig.vocab_size = 2049", "parallel.tp = 2", "e.g. 2050"]),
+    # the field's own value after the product (it once printed cp = 4 for cp 2)
+    (["parallel.cp=2", "train.seq_len=30"],
+     ["seq_len 30 not divisible by 2·CP = 4", "(ParallelConfig.cp = 2)"]),
+])
+def test_tensor_parallel_splits_are_checked_before_any_rank(overrides, parts):
+    # both TP splits once passed, and every rank's model build raised a traceback
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert_names(err, *parts)
+
+
+def test_the_tokenizers_vocabulary_is_checked_against_tp_before_the_ranks_start():
+    from moeplug.cli import _check_vocab_split
+    cfg = load_config(None, ["parallel.tp=2"])
+    _check_vocab_split(cfg, 2048)
+    with pytest.raises(ConfigError) as err:
+        _check_vocab_split(cfg, 2049)
+    assert_names(err, "ModelConfig.vocab_size = 0", "2049 tokens", "parallel.tp = 2",
+                 "model.vocab_size: 2050")
+    _check_vocab_split(load_config(None, ["parallel.tp=2", "model.vocab_size=4096"]), 2049)
+
+
 def test_optional_float_fields_read_yaml_exponents_too():
     # YAML 1.1 reads 1e-6 as a string; latent_norm_eps (float or null) refused it
     assert load_config(None, ["model.mla.latent_norm_eps=1e-6"]).model.mla.latent_norm_eps \
