@@ -129,14 +129,18 @@ class _Problems:
             self.errors.extend(e.errors or [str(e)])
 
 
+def _nproc_error(nproc: int) -> str:
+    return (f"--nproc {nproc}: must be >= 1. Fix: pass --nproc N with N >= 1, or leave it out "
+            "to train in this one process")
+
+
 def _world_size(cfg: RootConfig, nproc: int | None) -> int:
     """Processes the command runs on; ConfigError for a bad ``--nproc`` or a layout that needs
     more processes than one when ``--nproc`` is missing."""
     from moeplug.training import distributed as D
     from moeplug.training import launch
     if nproc is not None and nproc < 1:
-        raise ConfigError(f"--nproc {nproc}: must be >= 1. Fix: pass --nproc N with N >= 1, or "
-                          "leave it out to train in this one process")
+        raise ConfigError(_nproc_error(nproc))
     if launch.under_torchrun():
         world = D.world_from_env()
         if nproc is not None and nproc != world:
@@ -164,7 +168,11 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         base = preset(args.preset)
     # A preset replaces the packaged default.yaml (whose model would override the preset's).
     path = args.config or (None if base else default_config_path())
-    cfg = load_config(path, _overrides(args), base=base)
+    try:
+        cfg = load_config(path, _overrides(args), base=base)
+    except ConfigError as e:  # the fields' problems, with a bad --nproc (needs no config)
+        nproc = [] if args.nproc is None or args.nproc >= 1 else [_nproc_error(args.nproc)]
+        raise ConfigError(*(e.errors or [str(e)]), *nproc) from None
     from moeplug.training import distributed as D
     from moeplug.training import launch
     from moeplug.training.checkpoint import check_resume, resolve_resume

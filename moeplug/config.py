@@ -349,7 +349,8 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 _fail(self, n, v, "must be a number", f"set {n} to a positive number")
         self._check_attention()
-        if self.first_k_dense > self.num_layers:
+        # (against a valid num_layers only: "set first_k_dense <= 0" would be no fix)
+        if _is_positive_int(self.num_layers) and self.first_k_dense > self.num_layers:
             _fail(self, "first_k_dense", self.first_k_dense,
                   f"exceeds num_layers ({self.num_layers})", f"set first_k_dense <= {self.num_layers}")
         # overlap_chunks composes with recompute of the MoE layer (selective "moe" or full):
@@ -416,7 +417,7 @@ class ModelConfig:
         if self.kv_channels % 2:
             _fail(self, "kv_channels", self.kv_channels, "is odd; RoPE needs an even head dim",
                   "choose an even kv_channels (or 0 for hidden_size / num_heads)")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.kv_channels:  # an odd kv_channels: said above
             _fail(self, "hidden_size", self.hidden_size,
                   f"head dim {self.head_dim} is odd; RoPE needs an even head dim",
                   "choose hidden_size / num_heads even")

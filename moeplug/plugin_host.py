@@ -508,15 +508,29 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
     config the same way without importing the CLI.
     """
     p, m = cfg.plugins, cfg.model
+    errors: list[str] = []  # every kind's problem, reported together
+
+    def attempt(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except PluginError as e:
+            errors.extend(e.errors or [str(e)])
+            return None
     for kind in ("router", "dispatcher", "experts", "precision"):  # rules needing parallel.*
-        host.check_parallel(kind, getattr(p, kind), dict(getattr(p, f"{kind}_options")),
-                            cfg.parallel)
-    host.create("router", p.router, dict(p.router_options), m)
-    dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, None)
-    experts = host.create("experts", p.experts, dict(p.experts_options), m,
-                          dispatcher.num_local_experts)
-    _check_expert_op_levers(type(experts), cfg)
-    return host.create("precision", p.precision, dict(p.precision_options))
+        attempt(host.check_parallel, kind, getattr(p, kind),
+                dict(getattr(p, f"{kind}_options")), cfg.parallel)
+    attempt(host.create, "router", p.router, dict(p.router_options), m)
+    dispatcher = attempt(host.create, "dispatcher", p.dispatcher, dict(p.dispatcher_options), m,
+                         None)
+    # one process: every expert local (a dispatcher that failed above does not hide the rest)
+    local = m.moe.num_experts if dispatcher is None else dispatcher.num_local_experts
+    experts = attempt(host.create, "experts", p.experts, dict(p.experts_options), m, local)
+    if experts is not None:
+        attempt(_check_expert_op_levers, type(experts), cfg)
+    precision = attempt(host.create, "precision", p.precision, dict(p.precision_options))
+    if errors:
+        raise PluginError(*dict.fromkeys(errors))  # a problem found twice is listed once
+    return precision
 
 
 def _check_expert_op_levers(experts_cls: type, cfg: Any) -> None:

@@ -246,6 +246,33 @@ def test_bad_plugin_option_names_the_option(tiny_cfg):
     assert_names(err, "router", "plugins.router_options.no_such_option", "1")
 
 
+def test_every_plugins_problem_is_reported_at_once(tiny_cfg):
+    # the first unknown name once hid the others (and a bad router option the dispatcher's)
+    from moeplug.cli import check_plugins
+    from moeplug.plugin_host import PluginHost
+    cfg = tiny_cfg("plugins.dispatcher=all2all", "plugins.experts=groupd",
+                   "plugins.precision=fp16", "plugins.router_options={nosuch: 1}")
+    with pytest.raises(ConfigError) as err:
+        check_plugins(PluginHost.load(), cfg)
+    assert len(err.value.errors) == 4, err.value.errors
+    assert_names(err, "unknown dispatcher 'all2all'", "unknown experts 'groupd'",
+                 "unknown precision 'fp16'", "plugins.router_options.nosuch")
+
+
+@pytest.mark.parametrize("overrides, want, not_want", [
+    (["model.num_layers=0"], "num_layers = 0", "first_k_dense"),
+    (["model.kv_channels=7"], "kv_channels = 7", "ModelConfig.hidden_size"),
+])
+def test_an_invalid_field_brings_no_follow_on_error_with_an_impossible_fix(overrides, want,
+                                                                          not_want):
+    # "first_k_dense = 1: exceeds num_layers (0). Fix: set first_k_dense <= 0", and an odd
+    # kv_channels blamed on hidden_size too
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert len(err.value.errors) == 1 and want in str(err.value), err.value.errors
+    assert not_want not in str(err.value)
+
+
 # --------------------------------------------------------------------------------------------
 # The CLI: exit 2, one paragraph, no traceback, nothing prepared
 # --------------------------------------------------------------------------------------------
@@ -299,6 +326,12 @@ def test_cli_reports_all_problems_of_one_command(run_cli, cli_env, tmp_path):
     assert proc.returncode == 2
     assert "unknown router 'topkk'" in proc.stderr and "TrainConfig.resume" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 2, proc.stderr
+    # a bad --nproc needs no config: it comes with the fields' problems
+    proc = run_cli("train", "--out", str(tmp_path / "run"), "--set", "model.moe.top_k=9",
+                   "--nproc", "0", timeout=120, env=dict(cli_env, MOEPLUG_CACHE=str(cache_dir)))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 2, proc.stderr
+    assert "MoEConfig.top_k = 9" in lines[0] and "--nproc 0: must be >= 1" in lines[1]
     assert not os.path.exists(cache_dir) and not (tmp_path / "run").exists()
 
 
