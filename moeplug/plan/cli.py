@@ -1,6 +1,6 @@
 """``moeplug plan``: per-rank memory, step time and TFLOP/s of a mapping, or the best mappings.
 
-    moeplug plan --preset deepseek_v3 --cluster gb200 --gpus 256 --mapping tp=1,ep=64,pp=4,vpp=4
+    moeplug plan --preset deepseek_v3 --cluster gb200 --gpus 256 --mapping tp=1,ep=64,pp=4
     moeplug plan --preset qwen3_235b --cluster h100 --gpus 256 --search --out search.png
     moeplug plan --config run.yaml --cluster cpu      # the config's model, parallel and batch
 """
@@ -81,7 +81,9 @@ def config_inputs(path: str):
     world = par.tp * par.cp * par.pp * par.dp if par.dp else None
     fields = dict(tp=par.tp, cp=par.cp, pp=par.pp, ep=par.ep, etp=par.etp, vpp=par.vpp,
                   mbs=tr.micro_batch_size, seq=tr.seq_len,
-                  gbs_per_dp=tr.micro_batch_size * tr.grad_accum_steps)
+                  gbs_per_dp=tr.micro_batch_size * tr.grad_accum_steps,
+                  first_stage_layers=par.num_layers_in_first_stage,
+                  last_stage_layers=par.num_layers_in_last_stage)
     prec = "fp32" if root.plugins.precision == "fp32" else "bf16"
     opts = dict(precision=prec, distributed_optimizer=par.distributed_optimizer,
                 dispatcher="allgather" if root.plugins.dispatcher == "allgather" else "alltoall",
@@ -108,13 +110,14 @@ def config_inputs(path: str):
 def cmd_plan(args: argparse.Namespace) -> int:
     from moeplug.plan import report
     from moeplug.plan.cluster import get_cluster
-    from moeplug.plan.memory import GB, Mapping, Options
+    from moeplug.plan.memory import GB, Mapping, Options, train_layer_split
     from moeplug.plan.models import route_groups
     from moeplug.plan.search import evaluate, search
 
+    _check_flags(args)
+    if args.out:  # before any calibration or search: a missing extra stops the command here
+        report.require_png(args.out)
     cfg, fields, opts, world = _inputs(args)
-    if args.gpus is not None and args.gpus < 1:
-        raise ConfigError(f"--gpus {args.gpus}: must be >= 1. Fix: pass the device count")
     if not (args.gpus or world) and fields:  # the config's layout on its smallest world
         world = max(fields["tp"] * fields["cp"], fields["ep"] * fields["etp"]) * fields["pp"]
     cluster = get_cluster(args.cluster, args.gpus or world or
@@ -145,7 +148,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         opts["token_budget"] = args.token_budget
     opt = Options(precision=precision, **opts)
     cluster.peak(precision)  # a precision this cluster has no peak for fails here
-    seq = args.seq or fields.pop("seq", 4096)
+    seq = args.seq if args.seq is not None else fields.pop("seq", 4096)
     fields.pop("seq", None)
     world = cluster.num_gpus
     name = args.preset or args.config
@@ -161,12 +164,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         fields.update(_parse_mapping(args.mapping or ""))
         tp, cp, pp = (fields.get(k, 1) for k in ("tp", "cp", "pp"))
         dp = max(1, world // (tp * cp * pp))
-        gbs = args.gbs or fields.pop("gbs_per_dp", 8) * dp
+        gbs = args.gbs if args.gbs is not None else fields.pop("gbs_per_dp", 8) * dp
         fields.pop("gbs_per_dp", None)
         mp = Mapping(world=world, seq=seq, gbs=gbs, **fields)
         cand = evaluate(cfg, mp, opt, cluster)
         print(f"mapping {mp.short()}  DP{mp.dp} EDP{mp.edp}  GBS {mp.gbs} "
               f"({mp.microbatches} micro-batches per DP rank)")
+        counts, first, last = train_layer_split(cfg.num_layers, mp)
+        if (first, last) != (mp.first_stage_layers, mp.last_stage_layers):
+            # Layers that do not split evenly: moeplug train runs them with uneven first /
+            # last stages, which its config must then set.
+            print(f"layers per pipeline rank {counts}: moeplug train needs "
+                  f"parallel.num_layers_in_first_stage={first}, "
+                  f"parallel.num_layers_in_last_stage={last}")
         print(report.memory_text(cand.memory, cluster.hbm_gb))
         print(report.step_text(cand.step))
         if cluster.costs is not None:
@@ -175,13 +185,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"does NOT fit: {cand.memory.total / GB:.1f} GB > {cand.limit / GB:.1f} GB "
                   "(90 % of the device)")
     if args.search:
-        gbs = args.gbs or 8 * world
+        gbs = args.gbs if args.gbs is not None else 8 * world
         cands = search(cfg, opt, cluster, gbs=gbs, seq=seq)
         print(f"search: GBS {gbs}, memory limit {cluster.hbm_gb * 0.9:.0f} GB per rank")
         print(report.search_table(cands))
-        if args.out and report.search_png(cands, args.out, f"{name} on {world} x "
-                                          f"{cluster.name}, GBS {gbs}"):
+        if args.out:
+            report.search_png(cands, args.out, f"{name} on {world} x {cluster.name}, GBS {gbs}")
             print(f"plot: {args.out}")
-    elif args.out:
-        raise ConfigError(f"--out {args.out}: the PNG plots a search. Fix: add --search")
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags' own rules, before any model is built, calibrated or searched."""
+    for flag, value, fix in (("--gpus", args.gpus, "pass the device count, e.g. --gpus 8"),
+                             ("--gbs", args.gbs, "pass the global batch in sequences, e.g. "
+                              "--gbs 256, or leave it out (8 per data-parallel rank)"),
+                             ("--seq", args.seq, "pass the sequence length in tokens, e.g. "
+                              "--seq 4096, or leave it out (4096, or the config's)")):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: must be a positive integer. Fix: {fix}")
+    if args.out and not args.search:
+        raise ConfigError(f"--out {args.out}: the PNG plots a search. Fix: add --search")

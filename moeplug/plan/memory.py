@@ -38,13 +38,22 @@ class Mapping:
     mbs: int = 1
     gbs: int = 0      # 0: one micro-batch per DP rank
     seq: int = 4096
+    # A config's parallel.num_layers_in_first_stage / _last_stage (None: moeplug train's even
+    # split, or the uneven one train_layer_split picks when the layers do not divide evenly).
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("world", "tp", "cp", "pp", "ep", "etp", "vpp", "mbs", "seq"):
+        for name in ("world", "tp", "cp", "pp", "ep", "etp", "vpp", "mbs", "seq", "gbs"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"mapping {name}={v!r}: must be a positive integer. "
-                                  f"Fix: write e.g. --mapping tp=1,ep=8,pp=2")
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "gbs" else 1):
+                # world, seq and gbs come from their own flags, the degrees from --mapping.
+                flag, fix = {"world": ("--gpus", "pass the device count, e.g. --gpus 8"),
+                             "seq": ("--seq", "pass the sequence length, e.g. --seq 4096"),
+                             "gbs": ("--gbs", "pass the global batch in sequences, e.g. "
+                                     "--gbs 256")}.get(
+                    name, (f"--mapping {name}", "write e.g. --mapping tp=1,ep=8,pp=2"))
+                raise ConfigError(f"{flag} {v!r}: must be a positive integer. Fix: {fix}")
         if self.world % (self.tp * self.cp * self.pp):
             raise ConfigError(f"mapping tp·cp·pp = {self.tp * self.cp * self.pp} does not divide "
                               f"{self.world} GPUs. Fix: choose degrees whose product divides "
@@ -53,6 +62,15 @@ class Mapping:
             raise ConfigError(f"mapping ep={self.ep}: etp·ep·pp = {self.etp * self.ep * self.pp} "
                               f"does not divide {self.world} GPUs. Fix: choose ep dividing "
                               f"{self.world // self.pp}")
+        per_step = self.dp * self.mbs
+        if self.gbs % per_step:
+            # Each DP rank trains whole micro-batches: GBS = DP x MBS x micro-batches.
+            lo = self.gbs // per_step * per_step
+            ok = " or ".join(f"--gbs {g}" for g in (lo, lo + per_step) if g > 0)
+            raise ConfigError(f"--gbs {self.gbs}: not a multiple of DP x micro-batch size = "
+                              f"{self.dp} x {self.mbs} = {per_step} (each of the {self.dp} DP "
+                              f"ranks trains whole micro-batches of {self.mbs}). Fix: use a "
+                              f"multiple of {per_step}, e.g. {ok}")
 
     @property
     def dp(self) -> int:
@@ -298,20 +316,99 @@ def peak_memory(cfg: ModelConfig, mp: Mapping, opt: Options) -> MemoryBreakdown:
     return max((stage_memory(cfg, mp, opt, r) for r in range(mp.pp)), key=lambda m: m.total)
 
 
+def _layer_split_config(mp: Mapping, first: int | None = None, last: int | None = None):
+    from moeplug.config import ParallelConfig
+    return ParallelConfig(tp=mp.tp, cp=mp.cp, pp=mp.pp, ep=mp.ep, etp=mp.etp, vpp=mp.vpp,
+                          sequence_parallel=mp.tp > 1, num_layers_in_first_stage=first,
+                          num_layers_in_last_stage=last)
+
+
+def train_layer_split(num_layers: int, mp: Mapping) -> tuple[list[int], int | None, int | None]:
+    """How ``moeplug train`` would split ``num_layers`` over ``mp``'s pipeline: (layers per
+    pipeline rank, num_layers_in_first_stage, num_layers_in_last_stage).
+
+    The rules are train's own (ParallelConfig.rank_layer_counts: an even split over PP·VPP, or
+    uneven first / last stages with the middle ones even, every rank a multiple of VPP). A
+    config's first / last stage (mp.first_stage_layers / last_stage_layers) is taken as given;
+    otherwise, when the layers do not split evenly, the most balanced first / last stage
+    train accepts is proposed (the run then sets them in its parallel section). Raises
+    ConfigError (train's refusal) when no split exists."""
+    first, last = mp.first_stage_layers, mp.last_stage_layers
+    if first is not None or last is not None:
+        return _layer_split_config(mp, first, last).rank_layer_counts(num_layers), first, last
+    try:
+        return _layer_split_config(mp).rank_layer_counts(num_layers), None, None
+    except ConfigError as even_error:
+        refusal = even_error
+    pp, v, n = mp.pp, mp.vpp, num_layers
+    best = None
+    if pp > 1:
+        # Middle stages hold m layers each (a multiple of vpp); the rest goes to the first and
+        # last stage, as evenly as multiples of vpp allow. rank_layer_counts judges each.
+        for m in sorted({n // pp // v * v, -(-n // pp // v) * v}) if pp > 2 else [0]:
+            rest = n - (pp - 2) * m
+            if rest < 0:
+                continue
+            l = rest // 2 // v * v
+            try:
+                counts = _layer_split_config(mp, rest - l, l).rank_layer_counts(n)
+            except ConfigError:
+                continue
+            # the fullest rank decides; then the least spread
+            if best is None or (max(counts), max(counts) - min(counts)) < \
+                    (max(best[0]), max(best[0]) - min(best[0])):
+                best = (counts, rest - l, l)
+    if best is None:
+        raise refusal
+    return best
+
+
 def check_model(cfg: ModelConfig, mp: Mapping) -> None:
-    """Shards must split evenly (heads over TP, experts over EP, layers over PP·VPP chunks)."""
-    from moeplug.parallel.layout import ParallelConfig, validate_model
-    # Layers need not divide PP·VPP (Megatron's uneven layouts; moeplug's num_layers_in_first/
-    # last_stage): the planner splits them itself, so validate_model sees a divisible count.
-    pc = ParallelConfig(tp=mp.tp, cp=mp.cp, pp=mp.pp, ep=mp.ep, etp=mp.etp,
-                        sequence_parallel=mp.tp > 1)
+    """The layout rules ``moeplug train`` applies (moeplug.config.validate_model and
+    ParallelConfig.rank_layer_counts): shards split evenly (heads over TP, experts over EP,
+    sequence over CP·TP) and the layers split over PP·VPP chunks as train splits them
+    (:func:`train_layer_split`: uneven first / last stages allowed, every rank a multiple of
+    VPP). The planner's own stage split (:func:`stage_layers`) stays Megatron's "earlier
+    stages take the remainder"; it differs from train's by at most a few layers per stage."""
+    from moeplug.parallel.layout import validate_model
+    pc = _layer_split_config(mp)
     validate_model(pc.resolve(mp.world), num_experts=cfg.moe.num_experts,
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                   num_layers=mp.pp * mp.vpp, vpp=mp.vpp, ffn_hidden_size=cfg.moe.ffn_hidden_size,
+                   num_layers=None, vpp=mp.vpp, ffn_hidden_size=cfg.moe.ffn_hidden_size,
                    seq_len=mp.seq)
     if cfg.num_layers < mp.pp * mp.vpp:
         raise ConfigError(f"mapping pp·vpp = {mp.pp * mp.vpp} exceeds num_layers "
                           f"{cfg.num_layers}. Fix: lower pp or vpp")
+    try:
+        train_layer_split(cfg.num_layers, mp)
+    except ConfigError as e:
+        ok = [v for v in range(1, cfg.num_layers // mp.pp + 1)
+              if _splits(cfg.num_layers, replace(mp, vpp=v, first_stage_layers=None,
+                                                 last_stage_layers=None))]
+        given = mp.first_stage_layers is not None or mp.last_stage_layers is not None
+        uneven = "" if given or mp.pp == 1 else \
+            " (and no uneven num_layers_in_first_stage / _last_stage fixes it)"
+        vpps = ", ".join(map(str, ok[:-1])) + (" or " if len(ok) > 1 else "") + str(ok[-1])
+        fix = (str(e).split(". Fix: ", 1)[-1] + " (the config's parallel section)" if given
+               else f"use vpp {vpps} with pp={mp.pp} (every pipeline rank holds a multiple of "
+               "vpp layers), or another pp")
+        raise ConfigError(
+            f"--mapping pp={mp.pp},vpp={mp.vpp}: moeplug train refuses this layer split: "
+            f"{_reason(e)}{uneven}. Fix: {fix}") from None
+
+
+def _splits(num_layers: int, mp: Mapping) -> bool:
+    try:
+        train_layer_split(num_layers, mp)
+        return True
+    except ConfigError:
+        return False
+
+
+def _reason(e: ConfigError) -> str:
+    """The middle of train's "<field> = <value>: <reason>. Fix: ..." line."""
+    text = str(e).split(". Fix:")[0]
+    return text.split(": ", 1)[1] if ": " in text else text
 
 
 def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) -> MemoryBreakdown:

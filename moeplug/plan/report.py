@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import sys
+import os
 
+from moeplug.config import ConfigError
 from moeplug.plan.memory import GB, MemoryBreakdown
 from moeplug.plan.perf import StepTime
 from moeplug.plan.search import Candidate
@@ -57,15 +58,28 @@ def search_table(cands: list[Candidate], top: int = 10) -> str:
     return "\n".join(rows)
 
 
+def require_png(path: str) -> None:
+    """ConfigError, naming --out, unless a search PNG can be written to ``path``: matplotlib
+    (the optional ``plot`` extra, checked as ``moeplug plot`` checks it) and a directory for
+    it. Called before the search, so a missing extra costs no search."""
+    from moeplug.observability.mpl import new_figure
+    try:
+        new_figure(1, 1)
+    except ConfigError as e:
+        raise ConfigError(f"--out {path}: {e}") from None
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # plot's mpl.save creates the missing directories
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {path}: cannot write under {parent}. Fix: choose a path in a "
+                          "writable directory")
+
+
 def search_png(cands: list[Candidate], path: str, title: str) -> bool:
     """Predicted TFLOP/s against per-rank memory, one point per mapping, the limit as a line.
-    Returns False (after saying why) when matplotlib, an optional extra, is missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"moeplug plan: --out {path} skipped: the PNG needs matplotlib. Fix: "
-              'pip install "moeplug[plot]"', file=sys.stderr)
-        return False
+    ConfigError (naming the extra) when matplotlib is missing: see :func:`require_png`."""
+    require_png(path)
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -84,6 +98,7 @@ def search_png(cands: list[Candidate], path: str, title: str) -> bool:
     ax.set_title(title)
     ax.legend(loc="lower right")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
