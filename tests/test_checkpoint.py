@@ -89,10 +89,12 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path, monkeypa
     good = save_checkpoint(str(tmp_path), 1, model, opt, {"metrics": {}})
     expected = {k: v.clone() for k, v in model.state_dict().items()}
 
-    # Crash in the middle of the next save: after the tensors, before meta.json is written.
+    # Crash in the middle of the next save: after the tensors, before meta.json is written,
+    # with no cleanup (a power cut runs no handler: the removal of the temp dir is disabled).
     def crash(*_a, **_k):
         raise KeyboardInterrupt("power cut")
     monkeypatch.setattr(ck, "_write_json", crash)
+    monkeypatch.setattr(ck.shutil, "rmtree", lambda *_a, **_k: None)
     with torch.no_grad():
         model.mid.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):
@@ -107,6 +109,22 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(tmp_path, monkeypa
     load_checkpoint(resolve_resume("auto", str(tmp_path)), fresh, None, restore_rng=False)
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, expected[k]), k
+
+
+def test_a_stop_inside_a_save_removes_its_temp_dir(tmp_path, monkeypatch):
+    # Ctrl-C (or the SIGTERM a one-process run turns into the same) mid-save: the partial
+    # directory goes at once, not at the next run's prune
+    model, opt = _trained()
+    good = save_checkpoint(str(tmp_path), 1, model, opt, {"metrics": {}})
+
+    def stop(*_a, **_k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ck, "_write_json", stop)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(str(tmp_path), 2, model, opt, {"metrics": {}})
+    monkeypatch.undo()
+    assert not [d for d in os.listdir(tmp_path) if d.startswith(".tmp-")]
+    assert find_latest(str(tmp_path)) == good
 
 
 def test_crash_between_rename_and_latest_update_finds_newest(tmp_path):

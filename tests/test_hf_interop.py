@@ -454,6 +454,18 @@ def test_cli_export_of_a_damaged_meta_json_exits_2_naming_it(tmp_path, run_cli):
     ("mixtral", {"sliding_window": 8}, r"MixtralConfig.sliding_window = 8: .*Fix: set sliding_window=None"),
     ("mixtral", {"num_experts_per_tok": 1}, r"MixtralConfig.num_experts_per_tok = 1: .*Fix: use num_experts_per_tok >= 2"),
     ("mixtral", {"hidden_act": "gelu"}, r"MixtralConfig.hidden_act = 'gelu': .*Fix: moeplug experts are SwiGLU"),
+    # refusals name the HF field the user wrote, not the moeplug field it became
+    ("qwen3_moe", {"num_hidden_layers": 1, "decoder_sparse_step": 2, "mlp_only_layers": []},
+     r"^Qwen3MoeConfig.decoder_sparse_step = 2: with num_hidden_layers = 1 no layer .*leaves no "
+     r"MoE layer. Fix: "),
+    ("qwen3_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [1, 3]},
+     r"^Qwen3MoeConfig.mlp_only_layers = \[1, 3\]: lists every layer decoder_sparse_step = 2 "
+     r"makes MoE"),
+    ("deepseek_v3", {"first_k_dense_replace": 5}, r"^DeepseekV3Config.first_k_dense_replace = 5: "
+     r"makes all num_hidden_layers = 3 layers dense, so it leaves no MoE layer. Fix: "),
+    ("deepseek_v3", {"qk_nope_head_dim": 0}, r"^DeepseekV3Config.qk_nope_head_dim = 0: must be a "
+     r"positive integer.*Fix: import a model whose config.json sets qk_nope_head_dim >= 1"),
+    ("mixtral", {"num_hidden_layers": 0}, r"^MixtralConfig.num_hidden_layers = 0: must be"),
     ("qwen3_moe", {"use_sliding_window": True}, r"Qwen3MoeConfig.use_sliding_window = True: .*Fix: set use_sliding_window=false"),
     ("qwen3_moe", {"mlp_only_layers": [0, 1, 2]}, r"Qwen3MoeConfig.mlp_only_layers = \[0, 1, 2\]: leaves no MoE layer"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
@@ -574,7 +586,7 @@ def test_deepseek_v3_top1_renormalised_router_exports_what_it_computes(tmp_path)
     ("model.mtp_num_layers=-1", r"ModelConfig.mtp_num_layers = -1: must be a number >= 0. Fix: set mtp_num_layers to 0"),
     ("model.mla.qk_rope_head_dim=7", r"MLAConfig.qk_rope_head_dim = 7: is odd.*Fix: choose an even qk_rope_head_dim"),
     ("model.mla.kv_lora_rank=0", r"MLAConfig.kv_lora_rank = 0: must be a positive integer. Fix: set kv_lora_rank"),
-    ("model.mla.latent_norm_eps=0", r"MLAConfig.latent_norm_eps = 0: must be a number > 0, or null \(model.norm_eps\). Fix: set latent_norm_eps"),
+    ("model.mla.latent_norm_eps=0", r"MLAConfig.latent_norm_eps = 0(\.0)?: must be a number > 0, or null \(model.norm_eps\). Fix: set latent_norm_eps"),
     ("model.mla.rope_interleave=2", r"MLAConfig.rope_interleave = 2: must be a boolean \(true or false\)\. Fix: write rope_interleave"),
 ])
 def test_new_model_fields_are_validated(override, pattern):
@@ -604,7 +616,7 @@ def test_an_import_resumes_under_the_tokenizer_the_config_names(tmp_path, run_cl
     every other tokenizer setting was refused too. The import's checkpoint now takes the
     requested tokenizer; the embedding's saved shape must fit it."""
     import yaml
-    hf = randomised(mixtral(vocab_size=256))
+    hf = randomised(mixtral(vocab_size=256, eos_token_id=7))
     hf.save_pretrained(tmp_path / "hf")
     ckpt = import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
     cfg = json.load(open(os.path.join(ckpt, "meta.json")))["config"]
@@ -616,3 +628,129 @@ def test_an_import_resumes_under_the_tokenizer_the_config_names(tmp_path, run_cl
     path.write_text(yaml.safe_dump(cfg))
     proc = run_cli("train", "--config", str(path), "--resume", ckpt, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The trained run's checkpoints carry the import's family and token ids: its export needs
+    # no --family and keeps the EOS (a sweep found them lost after fine-tuning), while the
+    # run is no longer marked an import (generate reads it).
+    trained = os.path.join(tmp_path / "run", "step_000002")
+    meta = json.load(open(os.path.join(trained, "meta.json")))
+    assert "hf" not in meta and meta["hf_origin"]["model_type"] == "mixtral"
+    export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    back = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert back["model_type"] == "mixtral" and back["eos_token_id"] == 7
+
+
+# --------------------------------------------------------------------------------------------
+# Every HF tensor is used; --out; token ids; refusals that name the CLI flag
+# --------------------------------------------------------------------------------------------
+
+def _rewrite_config(hf_dir, **changes):
+    path = hf_dir / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def _add_tensors(hf_dir, **tensors):
+    from safetensors.torch import load_file, save_file
+    path = str(hf_dir / "model.safetensors")
+    save_file(load_file(path) | tensors, path, metadata={"format": "pt"})
+
+
+def test_import_refuses_hf_tensors_it_would_drop(tmp_path):
+    """Shared-expert weights under a config.json saying n_shared_experts 0 were silently
+    dropped (other logits than the checkpoint's model); so was any tensor no field maps."""
+    randomised(deepseek_v3()).save_pretrained(tmp_path / "ds")
+    _rewrite_config(tmp_path / "ds", n_shared_experts=0)
+    with pytest.raises(ConvertError, match=r"^6 HF tensor\(s\) map to no weight of the model "
+                       r"config.json describes \(model.layers.1.mlp.shared_experts.down_proj."
+                       r"weight, .* and 3 more\); importing would silently drop them. Likely "
+                       r"cause: DeepseekV3Config.n_shared_experts = 0 does not describe them. "
+                       r"Fix: "):
+        import_hf(str(tmp_path / "ds"), str(tmp_path / "ck"))
+    assert not (tmp_path / "ck").exists()
+    randomised(mixtral()).save_pretrained(tmp_path / "mx")
+    _add_tensors(tmp_path / "mx", **{"model.layers.0.self_attn.q_proj.bias": torch.ones(32)})
+    with pytest.raises(ConvertError, match=r"^1 HF tensor\(s\) map .*\(model.layers.0.self_attn"
+                                           r".q_proj.bias\).*Likely cause: config.json does not "
+                                           r"describe them"):
+        import_hf(str(tmp_path / "mx"), str(tmp_path / "ck"))
+    _rewrite_config(tmp_path / "mx", num_hidden_layers=1)
+    with pytest.raises(ConvertError, match=r"Likely cause: MixtralConfig.num_hidden_layers = 1 "):
+        import_hf(str(tmp_path / "mx"), str(tmp_path / "ck"))
+
+
+def test_import_accepts_the_tensors_hf_itself_ignores(tmp_path):
+    """RoPE inv_freq buffers (older transformers saved them) and a tied head equal to the
+    embedding carry nothing the import needs."""
+    hf = randomised(qwen3_moe(tie_word_embeddings=True))
+    hf.save_pretrained(tmp_path / "hf")
+    embed = hf.model.embed_tokens.weight.detach().clone()
+    _add_tensors(tmp_path / "hf", **{"model.rotary_emb.inv_freq": torch.ones(8),
+                                     "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
+                                     "lm_head.weight": embed})
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ck"))
+    _add_tensors(tmp_path / "hf", **{"lm_head.weight": embed + 1})  # not the tied head
+    with pytest.raises(ConvertError, match=r"\(lm_head.weight\).*Likely cause: Qwen3MoeConfig."
+                                           r"tie_word_embeddings = True does not describe them"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "ck2"))
+
+
+def test_cli_import_refuses_an_out_holding_a_run_unless_overwrite(tmp_path, capsys):
+    """Import wrote its step_000000 and latest into another run's directory, beside that
+    run's checkpoints and metrics; train refuses such an --out unless --overwrite."""
+    randomised(mixtral()).save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    _saved_run(preset("mixtral_tiny"), str(run), step=5)
+    (run / "metrics.jsonl").write_text('{"step": 5}\n')
+    (run / "notes.txt").write_text("mine")
+    before = sorted(os.listdir(run))
+    capsys.readouterr()  # save_pretrained's progress bar
+    argv = ["convert", "import", "--hf", str(tmp_path / "hf"), "--out", str(run)]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--out {str(run)!r} already holds a run (latest, metrics.jsonl, " \
+        "step_000005)" in err[0] and "Fix: pass another --out, or --overwrite" in err[0], err
+    assert sorted(os.listdir(run)) == before
+    assert cli_main(argv + ["--overwrite"]) == 0
+    assert sorted(os.listdir(run)) == [".moeplug.lock"] * (".moeplug.lock" in os.listdir(run)) \
+        + ["latest", "notes.txt", "step_000000"]
+    rebuilt_from_checkpoint(str(run / "step_000000"))
+    (tmp_path / "file").write_text("")
+    assert cli_main(["convert", "import", "--hf", str(tmp_path / "hf"), "--out",
+                     str(tmp_path / "file")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+
+
+def test_token_ids_survive_import_and_export(tmp_path):
+    """Export wrote no bos/eos/pad: the exported model took the family's defaults (Mixtral's
+    eos 2), so generate() no longer stopped at the model's EOS."""
+    hf = randomised(mixtral(bos_token_id=5, eos_token_id=7, pad_token_id=3))
+    hf.save_pretrained(tmp_path / "hf")
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    gen["eos_token_id"] = [7, 9]  # generate() stops at either (Qwen3 and Llama 3 list two)
+    (tmp_path / "hf" / "generation_config.json").write_text(json.dumps(gen))
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "run"))
+    export_hf(str(tmp_path / "run"), str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (5, 7, 3)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert (back.config.bos_token_id, back.config.eos_token_id) == (5, 7)
+    assert back.generation_config.eos_token_id == [7, 9]
+    assert back.generation_config.pad_token_id == 3
+    # A model trained here knows no token ids: null, not Mixtral's eos 2 (another tokenizer's).
+    _saved_run(preset("mixtral_tiny"), str(tmp_path / "native"))
+    export_hf(str(tmp_path / "native"), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "generation_config.json").exists()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert (back.config.eos_token_id, back.generation_config.eos_token_id) == (None, None)
+
+
+def test_export_refusals_name_the_cli_flag(tmp_path, capsys):
+    _saved_run(preset("mixtral_tiny"), str(tmp_path / "run"))
+    assert cli_main(["convert", "export", "--ckpt", str(tmp_path / "run"), "--out",
+                     str(tmp_path / "hf"), "--family", "gpt2"]) == 2
+    err = capsys.readouterr().err
+    assert "--family = 'gpt2': no converter. Fix: use one of deepseek_v3, mixtral" in err, err
+    assert cli_main(["convert", "export", "--ckpt", str(tmp_path / "nowhere"), "--out",
+                     str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"--ckpt {str(tmp_path / 'nowhere')!r}: no checkpoint there" in err, err
+    assert "TrainConfig.resume" not in err and len(err.strip().splitlines()) == 1

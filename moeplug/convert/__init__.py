@@ -6,8 +6,11 @@
                                 model.safetensors that transformers' from_pretrained loads
 
 One module per family (mixtral, qwen3_moe, deepseek_v3), each with config_from_hf,
-config_to_hf, state_from_hf, state_to_hf; the shared renames and safe file handling live in
-moeplug.convert.common. Only safetensors and JSON are ever read.
+config_to_hf, state_from_hf, state_to_hf, and HF_DEFAULTS / HF_ALIASES (config.json read as
+transformers reads it) and UNREAD_HINTS (which field to blame for an HF tensor no weight takes:
+import refuses to drop one); the shared renames and safe file handling live in
+moeplug.convert.common. Only safetensors and JSON are ever read. The HF bos/eos/pad token ids
+travel in the checkpoint's meta.json ("hf" section) from import to export.
 """
 
 from __future__ import annotations
@@ -18,15 +21,22 @@ from types import ModuleType
 
 from moeplug.config import RootConfig, config_from_dict
 from moeplug.convert import deepseek_v3, mixtral, qwen3_moe
-from moeplug.convert.common import ConvertError, read_hf_config, read_hf_weights, write_hf_dir
+from moeplug.convert.common import (
+    TOKEN_ID_KEYS, ConvertError, ReadTracker, check_all_read, read_generation_token_ids,
+    read_hf_config, read_hf_weights, token_ids, write_hf_dir)
 
 FAMILIES: dict[str, ModuleType] = {f.MODEL_TYPE: f for f in (mixtral, qwen3_moe, deepseek_v3)}
 
 
-def family(model_type: str) -> ModuleType:
+def family(model_type: str | None, source: str = "config.json model_type") -> ModuleType:
+    """The converter of ``model_type``; ``source`` names where the value came from (config.json,
+    --family, a checkpoint's meta.json) in the refusal."""
+    names = ", ".join(sorted(FAMILIES))
+    if model_type is None and source == "config.json model_type":
+        raise ConvertError(f"config.json has no model_type (transformers needs it too, to pick "
+                           f"the model class). Fix: add \"model_type\": one of {names}")
     if model_type not in FAMILIES:
-        raise ConvertError(f"config.json model_type = {model_type!r}: no converter. Fix: use one "
-                           f"of {', '.join(sorted(FAMILIES))}")
+        raise ConvertError(f"{source} = {model_type!r}: no converter. Fix: use one of {names}")
     return FAMILIES[model_type]
 
 
@@ -51,12 +61,24 @@ def build_from_config(cfg: RootConfig, vocab_size: int):
 
 def load_hf_into_moeplug(hf_dir: str, experts: str = "grouped"):
     """(RootConfig, MoETransformer with the HF weights, model_type)."""
-    hf = read_hf_config(hf_dir)
-    fam = family(hf.get("model_type"))  # before reading (possibly many GB of) weights
-    hf_sd = read_hf_weights(hf_dir)
-    cfg = root_config_from_hf(hf, hf_sd, experts)
+    cfg, model, fam, _ = _load_hf(hf_dir, experts)
+    return cfg, model, fam.MODEL_TYPE
+
+
+def _load_hf(hf_dir: str, experts: str):
+    """(RootConfig, model with the HF weights, family module, config.json as the family's
+    transformers class reads it)."""
+    raw = read_hf_config(hf_dir)
+    fam = family(raw.get("model_type"))  # before reading (possibly many GB of) weights
+    hf = fam.read_config(raw)
+    cfg = root_config_from_hf(raw, (), experts)  # config errors before the weights, too
+    hf_sd = ReadTracker(read_hf_weights(hf_dir))
+    if fam is deepseek_v3:  # whether MTP weights are present decides mtp_num_layers
+        cfg = root_config_from_hf(raw, hf_sd, experts)
     model = build_from_config(cfg, cfg.model.vocab_size)
     sd = fam.state_from_hf(hf_sd, cfg.model)
+    check_all_read(fam.FAMILY, hf, hf_sd, cfg.model, fam.UNREAD_HINTS,
+                   getattr(fam, "ignored_weight", None))
     missing, unexpected = model.load_state_dict(sd, strict=False)
     # Tied heads have no key of their own; anything else missing is a converter bug.
     missing = [k for k in missing if not (k == "head.weight" and cfg.model.tie_embeddings)]
@@ -64,21 +86,49 @@ def load_hf_into_moeplug(hf_dir: str, experts: str = "grouped"):
         raise ConvertError(f"{hf_dir!r}: converted weights do not fit the model (missing "
                            f"{missing[:5]}, unexpected {unexpected[:5]}). Fix: report this "
                            f"with the config.json")
-    return cfg, model, fam.MODEL_TYPE
+    return cfg, model, fam, hf
 
 
-def import_hf(hf_dir: str, out_dir: str, experts: str = "grouped") -> str:
-    """Write the HF model as a step-0 moeplug checkpoint in ``out_dir``; returns its path."""
+def check_import_out(out_dir: str, overwrite: bool) -> None:
+    """Refuse an ``--out`` that holds another run (what ``moeplug train`` refuses there too,
+    moeplug.training.run_dir) unless ``overwrite``."""
+    from moeplug.training.run_dir import run_artifacts
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConvertError(f"--out {out_dir!r} is a file, not a directory. Fix: pass --out a "
+                           f"directory (new, or a run's with --overwrite)")
+    used = run_artifacts(out_dir)
+    if used and not overwrite:
+        shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
+        raise ConvertError(f"--out {out_dir!r} already holds a run ({shown}); importing there "
+                           f"would mix the imported checkpoint with that run's checkpoints and "
+                           f"metrics. Fix: pass another --out, or --overwrite to replace that run")
+
+
+def import_hf(hf_dir: str, out_dir: str, experts: str = "grouped", overwrite: bool = False) -> str:
+    """Write the HF model as a step-0 moeplug checkpoint in ``out_dir``; returns its path.
+
+    An ``out_dir`` holding another run is refused unless ``overwrite``, which removes that run's
+    checkpoints, ``latest`` and metrics (moeplug.training.run_dir.clear_run) once the model has
+    been converted, so a failed import leaves it intact. The HF token ids (config.json, and
+    generation_config.json where present) travel in meta.json's ``hf`` section for export."""
     from moeplug.training.checkpoint import save_checkpoint
     from moeplug.training.optim import build_optimizer, lr_at
-    cfg, model, model_type = load_hf_into_moeplug(hf_dir, experts)
+    from moeplug.training.run_dir import clear_run
+    check_import_out(out_dir, overwrite)
+    cfg, model, fam, hf = _load_hf(hf_dir, experts)
+    generation = read_generation_token_ids(hf_dir)
+    hf_meta = {"model_type": fam.MODEL_TYPE, "source": os.path.abspath(hf_dir),
+               "token_ids": token_ids(hf)}
+    if generation is not None:
+        hf_meta["generation_token_ids"] = generation
     plugins = {k: getattr(cfg.plugins, k) for k in ("router", "dispatcher", "experts", "precision")}
+    if overwrite:
+        clear_run(out_dir)
     # The trainer's own optimizer (empty state), so `train --resume` accepts the checkpoint.
     return save_checkpoint(out_dir, 0, model, build_optimizer(model, cfg.train), {
         "config": cfg.to_dict(), "plugins": plugins,
         "metrics": {"tokens_seen": 0, "train_seconds": 0.0},
-        "scheduler": {"step": 0, "lr": lr_at(0, cfg.train)},
-        "hf": {"model_type": model_type, "source": os.path.abspath(hf_dir)}})
+        "scheduler": {"step": 0, "lr": lr_at(0, cfg.train)}, "hf": hf_meta})
 
 
 def _vocab_size(ckpt: str, meta: dict) -> int:
@@ -99,24 +149,49 @@ def guess_model_type(cfg: RootConfig) -> str:
 
 
 def export_hf(ckpt: str, out_dir: str, model_type: str | None = None) -> str:
-    """Write ``ckpt`` (a step directory, or a run directory: its newest) as an HF directory."""
-    from moeplug.training.checkpoint import (CheckpointError, META_FILE, load_checkpoint,
-                                             read_meta, resolve_resume, saved_config)
-    path = resolve_resume(ckpt, "")
+    """Write ``ckpt`` (a step directory, or a run directory: its newest) as an HF directory.
+
+    ``model_type`` (``--family``): the family to write; default the imported one, else guessed.
+    The token ids an import recorded go to config.json and generation_config.json; a model
+    trained here has none, written as null (the family's defaults, e.g. Mixtral's eos 2, would
+    belong to another tokenizer)."""
+    from moeplug.training.checkpoint import (HF_ORIGIN, LATEST, CheckpointError, META_FILE,
+                                             find_checkpoint,
+                                             load_checkpoint, read_meta, saved_config)
+    path = find_checkpoint(ckpt) if ckpt else None
+    if path is None:
+        raise CheckpointError(f"--ckpt {ckpt!r}: no checkpoint there (expected a directory with "
+                              f"{META_FILE}, or a run directory with '{LATEST}' or step_* "
+                              f"checkpoints). Fix: pass a checkpoint or run directory written by "
+                              f"moeplug train or moeplug convert import")
     meta = read_meta(path)
     cfg = saved_config(path, meta)
     if cfg is None:
         raise CheckpointError(f"--ckpt {ckpt!r}: {META_FILE} stores no 'config', so the model "
                               f"cannot be rebuilt for export. Fix: export a checkpoint written by "
                               f"moeplug train or moeplug convert import")
-    model_type = model_type or (meta.get("hf") or {}).get("model_type") or guess_model_type(cfg)
-    fam = family(model_type)
+    # an import's record, or (a run resumed from one) the one its checkpoints carry on
+    hf_meta = meta.get("hf") or meta.get(HF_ORIGIN) or {}
+    if model_type is not None:
+        fam = family(model_type, "--family")
+    elif hf_meta.get("model_type"):
+        fam = family(hf_meta["model_type"], f"{os.path.join(path, META_FILE)} hf.model_type")
+    else:
+        fam = family(guess_model_type(cfg), "the guessed family")
     vocab = _vocab_size(path, meta)
     hf_config = fam.config_to_hf(cfg, vocab)  # refuses what the family cannot express, early
+    # Token ids: an import's; none for a model trained here (null, not the family's defaults,
+    # which belong to another tokenizer); an import older than this record: left to HF's
+    # defaults, as before.
+    generation = None
+    if "token_ids" in hf_meta or not hf_meta:
+        ids = {k: (hf_meta.get("token_ids") or {}).get(k) for k in TOKEN_ID_KEYS}
+        hf_config.update(ids)
+        generation = hf_meta.get("generation_token_ids") or ids
     model = build_from_config(cfg, vocab)
     load_checkpoint(path, model, optimizer=None, restore_rng=False)
     sd = {k: v for k, v in model.state_dict().items()}
-    write_hf_dir(out_dir, hf_config, fam.state_to_hf(sd, cfg.model))
+    write_hf_dir(out_dir, hf_config, fam.state_to_hf(sd, cfg.model), generation)
     return out_dir
 
 

@@ -19,6 +19,8 @@ def add_convert_parser(sub) -> None:
                    help="run directory to write (checkpoint step_000000 + latest)")
     i.add_argument("--experts", default="grouped", metavar="NAME",
                    help="experts plugin of the imported model (default: grouped)")
+    i.add_argument("--overwrite", action="store_true", help="replace the run already in --out "
+                   "(its metrics.jsonl, checkpoints and latest are deleted first)")
     e = csub.add_parser("export", help="moeplug checkpoint -> HF config.json + model.safetensors")
     e.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint or run directory")
     e.add_argument("--out", required=True, metavar="HF_DIR", help="directory to write")
@@ -30,7 +32,7 @@ def add_convert_parser(sub) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     from moeplug.convert import export_hf, import_hf
     if args.direction == "import":
-        path = import_hf(args.hf, args.out, experts=args.experts)
+        path = import_hf(args.hf, args.out, experts=args.experts, overwrite=args.overwrite)
         print(f"imported {args.hf} -> {path}")
     else:
         export_hf(args.ckpt, args.out, model_type=args.family)

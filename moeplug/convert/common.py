@@ -1,8 +1,10 @@
 """What every family shares: reading and writing HF directories safely, the moeplug checkpoint
 side (through moeplug.training.checkpoint), and the weight renames common to Llama-style models.
 
-HF side: ``config.json`` + ``*.safetensors`` only. Nothing here ever unpickles: a directory with
-only ``.bin``/``.pt`` weights is refused (pickle files can run code on load).
+HF side: ``config.json`` (missing keys at transformers' defaults: :func:`hf_config`),
+``generation_config.json``'s token ids, and ``*.safetensors`` only. Nothing here ever
+unpickles: a directory with only ``.bin``/``.pt`` weights is refused (pickle files can run code
+on load).
 
 Weight layouts (D hidden, F expert FFN, E experts): ours keep experts fused —
 ``ffn.experts.gate_up_proj`` [E, 2F, D] (gate rows, then up rows) and ``ffn.experts.down_proj``
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+import re
+from typing import Any, Callable, Mapping
 
 import torch
 from safetensors import SafetensorError
@@ -24,6 +27,7 @@ from moeplug.config import ConfigError, ModelConfig, RootConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 HF_WEIGHTS = "model.safetensors"
+GENERATION_CONFIG = "generation_config.json"
 
 
 class ConvertError(ConfigError):
@@ -32,6 +36,62 @@ class ConvertError(ConfigError):
 
 def hf_fail(family: str, name: str, value: Any, rule: str, fix: str) -> None:
     raise ConvertError(f"{family}.{name} = {value!r}: {rule}. Fix: {fix}")
+
+
+# --------------------------------------------------------------------------------------------
+# config.json as transformers reads it
+# --------------------------------------------------------------------------------------------
+# A key missing from config.json takes the default of the family's transformers config class
+# (MixtralConfig() etc.), as from_pretrained does. Each family module keeps the defaults it
+# reads in a table (HF_DEFAULTS) rather than asking transformers at import time: transformers
+# is an optional dependency (tests only), importing it costs seconds, and an import must mean
+# the same model whether it is installed or not. tests/test_hf_import_defaults.py checks every
+# entry against the installed transformers' classes, so a table that drifts fails there.
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class HFConfig(dict):
+    """config.json with the family's transformers defaults filled in. Reading a key that is
+    neither in config.json nor in the defaults table is a ConvertError naming it (not a bare
+    KeyError traceback)."""
+
+    def __init__(self, family: str, data: Mapping[str, Any]):
+        super().__init__(data)
+        self.family = family
+
+    def __missing__(self, key: str) -> Any:
+        raise ConvertError(f"config.json lacks {key!r}, which {self.family} has no default "
+                           f"for. Fix: add \"{key}\" to config.json (its value from the model's "
+                           f"source)")
+
+
+def hf_config(family: str, defaults: Mapping[str, Any], aliases: Mapping[str, str],
+              raw: Mapping[str, Any]) -> HFConfig:
+    """``raw`` (config.json) as the family's transformers class reads it: ``aliases`` (its
+    attribute_map: another name for the same field) renamed, missing keys at ``defaults``.
+    A key present with null stays null, as in transformers."""
+    if isinstance(raw, HFConfig):
+        return raw
+    data = dict(defaults)
+    data.update({aliases[k]: v for k, v in raw.items() if k in aliases})
+    data.update({k: v for k, v in raw.items() if k not in aliases})  # the real name wins
+    return HFConfig(family, data)
+
+
+def check_sizes(family: str, hf: Mapping[str, Any], *names: str) -> None:
+    """Refuse, naming the HF field, a size that is not a positive integer (moeplug's own
+    ModelConfig check would name its field, which the user never wrote)."""
+    for name in names:
+        v = hf[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            hf_fail(family, name, v, "must be a positive integer for moeplug to build the model",
+                    f"import a model whose config.json sets {name} >= 1")
+
+
+def token_ids(hf: Mapping[str, Any]) -> dict:
+    """bos/eos/pad token ids of config.json (family defaults filled in)."""
+    return {k: hf.get(k) for k in TOKEN_ID_KEYS}
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,17 +139,115 @@ def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def write_hf_dir(path: str, config: dict, tensors: Mapping[str, torch.Tensor]) -> None:
-    """config.json + one model.safetensors (tensors cloned contiguous: no shared storage)."""
+def read_generation_token_ids(path: str) -> dict | None:
+    """bos/eos/pad of ``generation_config.json`` (what transformers' generate() stops at), or
+    None without that file. A key it lacks is None, as in transformers' GenerationConfig."""
+    gen_path = os.path.join(path, GENERATION_CONFIG)
+    if not os.path.isfile(gen_path):
+        return None
+    try:
+        with open(gen_path, encoding="utf-8") as f:
+            gen = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{gen_path!r} is not valid JSON ({e}). Fix: restore the model's "
+                           f"{GENERATION_CONFIG}, or remove it (generation then takes the token "
+                           f"ids of config.json)") from None
+    if not isinstance(gen, dict):
+        raise ConvertError(f"{gen_path!r} holds a JSON {type(gen).__name__}, not an object. Fix: "
+                           f"restore the model's {GENERATION_CONFIG}, or remove it")
+    return {k: gen.get(k) for k in TOKEN_ID_KEYS}
+
+
+def write_hf_dir(path: str, config: dict, tensors: Mapping[str, torch.Tensor],
+                 generation: Mapping[str, Any] | None = None) -> None:
+    """config.json + one model.safetensors (tensors cloned contiguous: no shared storage), and
+    generation_config.json with the ``generation`` token ids when any is known (else none: a
+    stale one from an earlier export would still steer generate())."""
     os.makedirs(path, exist_ok=True)
     save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()},
               os.path.join(path, HF_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+    gen_path = os.path.join(path, GENERATION_CONFIG)
+    known = {k: v for k, v in (generation or {}).items() if v is not None}
+    if known:
+        with open(gen_path, "w", encoding="utf-8") as f:
+            json.dump(known, f, indent=2, sort_keys=True)
+    elif os.path.isfile(gen_path):
+        os.remove(gen_path)
+
+
+class ReadTracker(Mapping):
+    """A read-only view of HF weights that records which names were read (``in`` does not
+    count), so the importer can refuse weights it would otherwise drop unseen."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        self.read.add(name)
+        return t
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+# HF tensors that carry nothing to import: RoPE inverse frequencies (recomputed from
+# rope_theta; non-persistent since transformers 4.3x, older checkpoints saved them).
+_DERIVED = re.compile(r"(^|\.)(original_)?inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def check_all_read(family: str, hf: Mapping[str, Any], tracker: ReadTracker, m: ModelConfig,
+                   hints: tuple[tuple[str, str], ...],
+                   ignored: Callable[[str, ModelConfig], bool] | None = None) -> None:
+    """Refuse an import that would drop HF tensors: every tensor must have been read, except
+    derived buffers (``inv_freq``), empty tensors (what save_pretrained writes for zero shared
+    experts), a tied ``lm_head.weight`` equal to the embedding, and what ``ignored(name, m)``
+    names (a family's copies, e.g. DeepSeek-V3's MTP embedding/head). ``hints``: (regex,
+    config.json field) pairs naming the field that most likely should describe an unread
+    tensor."""
+    sd = tracker.tensors
+    embed = sd.get("model.embed_tokens.weight")
+    unread = []
+    for name in sorted(set(sd) - tracker.read):
+        t = sd[name]
+        if _DERIVED.search(name) or t.numel() == 0 or (ignored and ignored(name, m)):
+            continue
+        if (name == "lm_head.weight" and m.tie_embeddings and embed is not None
+                and t.shape == embed.shape and torch.equal(t, embed)):
+            continue
+        unread.append(name)
+    if not unread:
+        return
+    field = None
+    deep = [n for n in unread if _LAYER.match(n) and int(_LAYER.match(n).group(1)) >= m.num_layers]
+    if deep:
+        field = "num_hidden_layers"
+    elif "lm_head.weight" in unread:
+        field = "tie_word_embeddings"
+    else:
+        field = next((f for pattern, f in hints for n in unread if re.search(pattern, n)), None)
+    shown = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
+    cause = (f"{family}.{field} = {hf.get(field)!r} does not describe them" if field else
+             "config.json does not describe them")
+    raise ConvertError(f"{len(unread)} HF tensor(s) map to no weight of the model config.json "
+                       f"describes ({shown}); importing would silently drop them. Likely cause: "
+                       f"{cause}. Fix: correct config.json to match the weights (or remove "
+                       f"tensors that do not belong to this model)")
 
 
 def rope_theta(family: str, hf: Mapping) -> float:
-    """The RoPE base of a default-RoPE config (transformers 5 ``rope_parameters`` or 4.x keys)."""
+    """The RoPE base of a default-RoPE config (transformers 5 ``rope_parameters`` or 4.x keys;
+    ``hf`` from :func:`hf_config`, so ``rope_theta`` holds the family's default)."""
     params = hf.get("rope_parameters") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if hf.get("rope_scaling"):
@@ -98,7 +256,11 @@ def rope_theta(family: str, hf: Mapping) -> float:
         hf_fail(family, "rope_parameters.rope_type", rope_type,
                 "moeplug implements only the default RoPE (no YaRN/linear/dynamic scaling)",
                 "import a model with rope_type 'default'")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = params.get("rope_theta", hf["rope_theta"])
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        hf_fail(family, "rope_parameters.rope_theta", theta, "must be a number > 0",
+                "import a model with a positive rope_theta")
+    return float(theta)
 
 
 def hf_rope(theta: float) -> dict:

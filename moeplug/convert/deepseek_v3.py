@@ -26,8 +26,8 @@ import torch
 from moeplug import routing as R
 from moeplug.config import ModelConfig, RootConfig
 from moeplug.convert.common import (
-    check_moe_forward, check_router, convert_model_weights, hf_fail, hf_rope, main_blocks,
-    require, rope_theta, router_semantics, take)
+    check_moe_forward, check_router, check_sizes, convert_model_weights, hf_config, hf_fail,
+    hf_rope, main_blocks, require, rope_theta, router_semantics, take)
 
 FAMILY = "DeepseekV3Config"
 MODEL_TYPE = "deepseek_v3"
@@ -38,22 +38,61 @@ GROUP_SCORE = "top2_sum"  # HF/DeepSeek score a group by the sum of its 2 best e
 # rms_norm_eps (as DeepSeek's reference inference code does)
 HF_LATENT_NORM_EPS = 1e-6
 SEQ_AUX_LOSS_COEFF = 1e-4  # DeepSeek-V3 paper, section 4.2 (alpha)
+# transformers' DeepseekV3Config defaults for every key read here (see
+# moeplug.convert.common.hf_config) and its attribute_map: the real DeepSeek-V3's layout, so a
+# config.json without e.g. n_group means 8 groups, not none.
+HF_DEFAULTS = {
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
+    "max_position_embeddings": 4096, "initializer_range": 0.02, "rms_norm_eps": 1e-6,
+    "pad_token_id": None, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": 1,
+    "rope_theta": 10000.0}
+HF_ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
+# an unread HF tensor matching the pattern: the config.json field that should describe it
+UNREAD_HINTS = ((r"\.shared_experts\.", "n_shared_experts"),
+                (r"\.self_attn\.(q_a_proj|q_b_proj|q_a_layernorm)\.", "q_lora_rank"),
+                (r"\.self_attn\.q_proj\.", "q_lora_rank"),
+                (r"\.mlp\.(gate|up|down)_proj\.", "first_k_dense_replace"),
+                (r"\.experts\.", "n_routed_experts"),
+                (r"\.mlp\.gate\.", "first_k_dense_replace"))
+
+
+def read_config(hf: Mapping[str, Any]):
+    return hf_config(FAMILY, HF_DEFAULTS, HF_ALIASES, hf)
 
 
 def config_from_hf(hf: Mapping[str, Any], hf_sd: Mapping[str, torch.Tensor] = ()) -> dict:
+    hf = read_config(hf)
     require(FAMILY, hf, "hidden_act", ("silu",), "moeplug experts are SwiGLU (silu)")
     require(FAMILY, hf, "attention_bias", (False,), "use a model without attention biases")
+    check_sizes(FAMILY, hf, "vocab_size", "hidden_size", "num_hidden_layers",
+                "num_attention_heads", "intermediate_size", "moe_intermediate_size",
+                "max_position_embeddings", "n_routed_experts", "num_experts_per_tok",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if hf["qk_rope_head_dim"] % 2:
+        hf_fail(FAMILY, "qk_rope_head_dim", hf["qk_rope_head_dim"], "is odd; RoPE rotates pairs "
+                "of dimensions", "import a model with an even qk_rope_head_dim")
     L, K = hf["num_hidden_layers"], hf["num_experts_per_tok"]
     E = hf["n_routed_experts"]
-    groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
-    if K == 1 and hf.get("norm_topk_prob", True):
+    first_dense = hf["first_k_dense_replace"] or 0
+    if first_dense >= L:
+        hf_fail(FAMILY, "first_k_dense_replace", first_dense, f"makes all num_hidden_layers = {L} "
+                f"layers dense, so it leaves no MoE layer", "import a model with at least one "
+                f"MoE layer (first_k_dense_replace < num_hidden_layers)")
+    groups, group_topk = hf["n_group"] or 1, hf["topk_group"] or 1
+    if K == 1 and hf["norm_topk_prob"]:
         hf_fail(FAMILY, "norm_topk_prob", True, "with num_experts_per_tok = 1 HF divides the one "
                 "score by itself (a weight of routed_scaling_factor, no gate gradient); "
                 "Megatron's sigmoid router, and moeplug's, renormalise only when top_k > 1",
                 "set norm_topk_prob=false or num_experts_per_tok >= 2")
     router: dict = {"score_function": "sigmoid", "enable_expert_bias": True,
-                    "renormalize": bool(hf.get("norm_topk_prob", True)),
-                    "topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+                    "renormalize": bool(hf["norm_topk_prob"]),
+                    "topk_scaling_factor": float(hf["routed_scaling_factor"]),
                     "load_balancing_type": "seq_aux_loss", "aux_loss_coeff": SEQ_AUX_LOSS_COEFF}
     if 1 < groups <= group_topk:
         groups = 1  # every group kept: HF's group limit masks nothing, plain top-k is the same
@@ -65,7 +104,7 @@ def config_from_hf(hf: Mapping[str, Any], hf_sd: Mapping[str, torch.Tensor] = ()
                     f"it masked out (at score 0)", "import a model with topk_group x "
                     "n_routed_experts / n_group >= num_experts_per_tok")
         router.update(num_groups=groups, group_topk=group_topk, group_score=GROUP_SCORE)
-    mtp = hf.get("num_nextn_predict_layers", 0) or 0
+    mtp = hf["num_nextn_predict_layers"] or 0
     if mtp and f"model.layers.{L}.eh_proj.weight" not in hf_sd:
         mtp = 0  # config promises MTP modules the weights do not hold (save_pretrained drops them)
     nh = hf["num_attention_heads"]
@@ -73,18 +112,17 @@ def config_from_hf(hf: Mapping[str, Any], hf_sd: Mapping[str, torch.Tensor] = ()
         "model": dict(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=L,
             num_heads=nh, num_kv_heads=nh, attention="mla",
-            mla=dict(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+            mla=dict(q_lora_rank=hf["q_lora_rank"] or 0, kv_lora_rank=hf["kv_lora_rank"],
                      qk_nope_head_dim=hf["qk_nope_head_dim"],
                      qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-                     rope_interleave=bool(hf.get("rope_interleave", True)),
+                     rope_interleave=bool(hf["rope_interleave"]),
                      latent_norm_eps=HF_LATENT_NORM_EPS),
             max_seq_len=hf["max_position_embeddings"], rope_theta=rope_theta(FAMILY, hf),
-            norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings")),
-            first_k_dense=hf.get("first_k_dense_replace", 0) or 0,
-            dense_ffn_hidden_size=hf["intermediate_size"],
-            init_std=hf.get("initializer_range", 0.02), mtp_num_layers=mtp,
+            norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
+            first_k_dense=first_dense, dense_ffn_hidden_size=hf["intermediate_size"],
+            init_std=hf["initializer_range"], mtp_num_layers=mtp,
             moe=dict(num_experts=E, top_k=K, ffn_hidden_size=hf["moe_intermediate_size"],
-                     shared_expert_ffn_hidden_size=(hf.get("n_shared_experts") or 0)
+                     shared_expert_ffn_hidden_size=(hf["n_shared_experts"] or 0)
                      * hf["moe_intermediate_size"], aux_loss_coeff=SEQ_AUX_LOSS_COEFF)),
         "plugins": {"router": "topk", "router_options": router},
     }
@@ -195,3 +233,11 @@ def state_to_hf(sd: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, tor
         out[h + "embed_tokens.weight"] = take(sd, "embed.weight", "moeplug checkpoint")
         out[h + "shared_head.head.weight"] = take(sd, head, "moeplug checkpoint")
     return out
+
+
+def ignored_weight(name: str, m: ModelConfig) -> bool:
+    """The original checkpoint's per-MTP-layer copies of the embedding and head: import reads
+    the main model's (export writes the copies back from them)."""
+    return any(name in (f"model.layers.{m.num_layers + k}.embed_tokens.weight",
+                        f"model.layers.{m.num_layers + k}.shared_head.head.weight")
+               for k in range(m.mtp_num_layers))

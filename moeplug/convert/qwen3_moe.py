@@ -16,18 +16,54 @@ import torch
 
 from moeplug.config import ModelConfig, RootConfig
 from moeplug.convert.common import (
-    check_moe_forward, check_router, convert_model_weights, hf_fail, hf_rope, require,
-    rope_theta, router_semantics)
+    check_moe_forward, check_router, check_sizes, convert_model_weights, hf_config, hf_fail,
+    hf_rope, require, rope_theta, router_semantics)
 
 FAMILY = "Qwen3MoeConfig"
 MODEL_TYPE = "qwen3_moe"
 MOE_NAME = "mlp"
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+# transformers' Qwen3MoeConfig defaults for every key read here (see
+# moeplug.convert.common.hf_config) and its attribute_map (transformers 5 writes the expert
+# count as num_local_experts). Qwen3MoeConfig has no head_dim field: the attention takes
+# hidden_size // num_attention_heads unless config.json sets one.
+HF_DEFAULTS = {
+    "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+    "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 32768,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "use_sliding_window": False, "decoder_sparse_step": 1,
+    "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128,
+    "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "mlp_only_layers": None,
+    "pad_token_id": None, "bos_token_id": None, "eos_token_id": None, "rope_theta": 10000.0}
+HF_ALIASES = {"num_local_experts": "num_experts"}
+# an unread HF tensor matching the pattern: the config.json field that should describe it
+UNREAD_HINTS = ((r"\.mlp\.(gate|up|down)_proj\.", "mlp_only_layers"),
+                (r"\.experts\.", "num_experts"), (r"\.mlp\.gate\.", "mlp_only_layers"))
+
+
+def read_config(hf: Mapping[str, Any]):
+    return hf_config(FAMILY, HF_DEFAULTS, HF_ALIASES, hf)
 
 
 def layer_pattern(hf: Mapping[str, Any]) -> list[bool]:
-    step, dense = hf.get("decoder_sparse_step", 1) or 1, set(hf.get("mlp_only_layers") or [])
+    hf = read_config(hf)
+    step, dense = hf["decoder_sparse_step"] or 1, set(hf["mlp_only_layers"] or [])
     return [i not in dense and (i + 1) % step == 0 for i in range(hf["num_hidden_layers"])]
+
+
+def _refuse_all_dense(hf: Mapping[str, Any]) -> None:
+    """Name the field that leaves no MoE layer: decoder_sparse_step, mlp_only_layers or both."""
+    L, step, dense = hf["num_hidden_layers"], hf["decoder_sparse_step"] or 1, hf["mlp_only_layers"]
+    fix = "import a model with at least one MoE layer"
+    if not any((i + 1) % step == 0 for i in range(L)):
+        hf_fail(FAMILY, "decoder_sparse_step", step, f"with num_hidden_layers = {L} no layer i "
+                f"has (i + 1) % {step} == 0, so it leaves no MoE layer",
+                f"{fix} (decoder_sparse_step <= num_hidden_layers)")
+    if step == 1:
+        hf_fail(FAMILY, "mlp_only_layers", dense, "leaves no MoE layer", fix)
+    hf_fail(FAMILY, "mlp_only_layers", dense, f"lists every layer decoder_sparse_step = {step} "
+            f"makes MoE, so it leaves no MoE layer", fix)
 
 
 def pattern_fields(pattern: list[bool]) -> dict:
@@ -39,22 +75,26 @@ def pattern_fields(pattern: list[bool]) -> dict:
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> dict:
+    hf = read_config(hf)
     require(FAMILY, hf, "hidden_act", ("silu",), "moeplug experts are SwiGLU (silu)")
     require(FAMILY, hf, "attention_bias", (False,), "use a model without attention biases")
-    if hf.get("use_sliding_window"):
+    if hf["use_sliding_window"]:
         hf_fail(FAMILY, "use_sliding_window", True, "moeplug attention is full causal",
                 "set use_sliding_window=false")
-    norm_topk = bool(hf.get("norm_topk_prob", False))
+    check_sizes(FAMILY, hf, "vocab_size", "hidden_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "moe_intermediate_size", "max_position_embeddings", "num_experts",
+                "num_experts_per_tok")
+    norm_topk = bool(hf["norm_topk_prob"])
     if norm_topk and hf["num_experts_per_tok"] == 1:
         hf_fail(FAMILY, "norm_topk_prob", True, "with num_experts_per_tok = 1 the weight is always "
                 "1.0 and moeplug's topk router refuses it (no gate gradient)",
                 "set norm_topk_prob=false or num_experts_per_tok >= 2")
     pattern = layer_pattern(hf)
     if not any(pattern):
-        hf_fail(FAMILY, "mlp_only_layers", hf.get("mlp_only_layers"), "leaves no MoE layer",
-                "import a model with at least one MoE layer")
+        _refuse_all_dense(hf)
     H, D = hf["num_attention_heads"], hf["hidden_size"]
-    head_dim = hf.get("head_dim") or D // H
+    head_dim = hf["head_dim"] or D // H
     fields = pattern_fields(pattern)
     return {
         "model": dict(
@@ -62,13 +102,12 @@ def config_from_hf(hf: Mapping[str, Any]) -> dict:
             num_heads=H, num_kv_heads=hf["num_key_value_heads"],
             kv_channels=0 if head_dim * H == D else head_dim, qk_norm=True,
             max_seq_len=hf["max_position_embeddings"], rope_theta=rope_theta(FAMILY, hf),
-            norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings")),
+            norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf["tie_word_embeddings"]),
             first_k_dense=fields["first_k_dense"], dense_ffn_hidden_size=hf["intermediate_size"],
-            init_std=hf.get("initializer_range", 0.02),
-            # transformers 5 writes num_local_experts (an alias of num_experts) to config.json
-            moe=dict(num_experts=hf.get("num_experts", hf.get("num_local_experts")), top_k=hf["num_experts_per_tok"],
+            init_std=hf["initializer_range"],
+            moe=dict(num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
                      ffn_hidden_size=hf["moe_intermediate_size"],
-                     aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0), **fields["moe"])),
+                     aux_loss_coeff=hf["router_aux_loss_coef"] or 0.0, **fields["moe"])),
         "plugins": {"router": "topk", "router_options": {"renormalize": norm_topk}},
     }
 

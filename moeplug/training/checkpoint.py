@@ -538,8 +538,12 @@ def _is_number(v: Any) -> bool:
 
 
 # Optional meta.json entries and what each must be when present (None counts as absent).
+# "hf": the record of a Hugging Face import (moeplug.convert), in its step-0 checkpoint only
+# (it marks a model moeplug did not train); HF_ORIGIN: the same record, carried by the
+# checkpoints of a run resumed from such an import (export reads its family and token ids).
+HF_ORIGIN = "hf_origin"
 _OPTIONAL_OBJECTS = ("metrics", "optimizer", "parallel", "config", "plugins", "scheduler", "hf",
-                     FILES, "tp_dims")
+                     HF_ORIGIN, FILES, "tp_dims")
 
 
 def read_meta(path: str) -> dict:

@@ -30,7 +30,7 @@ from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.observability.timing import add_times, measure_stages, stage
 from moeplug.stash import StashOverflowError
 from moeplug.training import distributed as D
-from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoint,
+from moeplug.training.checkpoint import (HF_ORIGIN, load_checkpoint, load_sharded_checkpoint,
                                          nothing_to_train, resolve_resume, save_checkpoint,
                                          save_sharded_checkpoint)
 from moeplug.training.faults import (NonFiniteWatch, TestFault, TrainingFault, is_finite,
@@ -486,12 +486,14 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     num_params = sum(p.numel() for p in model.parameters())
 
     start_step, metrics_state = 0, {"tokens_seen": 0, "train_seconds": 0.0}
+    hf_origin = None  # the Hugging Face import this run continues, if any
     resume_from = resolve_resume(tc.resume, tc.out_dir)
     if resume_from:
         meta = (load_checkpoint(resume_from, model, optimizer) if groups is None else
                 load_sharded_checkpoint(resume_from, model, optimizer, groups,
                                         D.layout_manifest(cfg, groups)))
         start_step, metrics_state = meta["step"], meta.get("metrics") or metrics_state
+        hf_origin = meta.get("hf") or meta.get(HF_ORIGIN)  # carried on (convert export)
         _restore_precision_state(precision, model, meta, groups,
                                  None if groups is None else D.layout_manifest(cfg, groups))
         if start_step >= tc.steps:
@@ -553,6 +555,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         state = _precision_state(precision, model, groups)
         if state is not None:
             meta["precision_state"] = state
+        if hf_origin:
+            meta[HF_ORIGIN] = hf_origin
         try:
             if groups is None:
                 return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last)
