@@ -717,6 +717,21 @@ def test_cli_import_refuses_an_out_holding_a_run_unless_overwrite(tmp_path, caps
     assert cli_main(["convert", "import", "--hf", str(tmp_path / "hf"), "--out",
                      str(tmp_path / "file")]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
+    # a live run there (it holds the directory's lock): --overwrite must not clear it
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from moeplug.training."
+                               "run_dir import lock_run_dir; lock_run_dir(sys.argv[1]); "
+                               "print('held', flush=True); time.sleep(60)", str(run)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert cli_main(argv + ["--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out = {str(run)!r} is in use by another live run" in err, err
+        assert (run / "step_000000").exists()
+    finally:
+        holder.kill()
 
 
 def test_token_ids_survive_import_and_export(tmp_path):

@@ -111,10 +111,22 @@ def import_hf(hf_dir: str, out_dir: str, experts: str = "grouped", overwrite: bo
     checkpoints, ``latest`` and metrics (moeplug.training.run_dir.clear_run) once the model has
     been converted, so a failed import leaves it intact. The HF token ids (config.json, and
     generation_config.json where present) travel in meta.json's ``hf`` section for export."""
+    from moeplug.training.run_dir import lock_run_dir, release_run_dirs
+    check_import_out(out_dir, overwrite)
+    if not os.path.isdir(out_dir):  # a new directory: no run can be live there
+        return _import_into(hf_dir, out_dir, experts, overwrite)
+    # a live training run there holds the lock: an --overwrite must not clear it underneath
+    lock_run_dir(out_dir, "--out")
+    try:
+        return _import_into(hf_dir, out_dir, experts, overwrite)
+    finally:
+        release_run_dirs()
+
+
+def _import_into(hf_dir: str, out_dir: str, experts: str, overwrite: bool) -> str:
     from moeplug.training.checkpoint import save_checkpoint
     from moeplug.training.optim import build_optimizer, lr_at
     from moeplug.training.run_dir import clear_run
-    check_import_out(out_dir, overwrite)
     cfg, model, fam, hf = _load_hf(hf_dir, experts)
     generation = read_generation_token_ids(hf_dir)
     hf_meta = {"model_type": fam.MODEL_TYPE, "source": os.path.abspath(hf_dir),

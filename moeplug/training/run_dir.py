@@ -76,16 +76,17 @@ def clear_run(out_dir: str) -> None:
             os.remove(path)
 
 
-def lock_run_dir(out_dir: str) -> None:
-    """Hold ``out_dir``'s run lock until this process ends; ConfigError naming the holder if
-    another live run has it. Skipped in a rank whose launcher holds it (``LOCKED_ENV``)."""
+def lock_run_dir(out_dir: str, name: str = "train.out_dir") -> None:
+    """Hold ``out_dir``'s run lock until this process ends (or :func:`release_run_dirs`);
+    ConfigError naming the holder if another live run has it, the directory as ``name`` (the
+    field or flag it came from). Skipped in a rank whose launcher holds it (``LOCKED_ENV``)."""
     if os.environ.get(LOCKED_ENV) == os.path.realpath(out_dir):
         return
     try:
         os.makedirs(out_dir, exist_ok=True)
         f = open(os.path.join(out_dir, LOCK_FILE), "a+")
     except OSError as e:  # a parent that is a file, no permission, a read-only file system
-        raise ConfigError(f"train.out_dir = {out_dir!r} cannot be created or written "
+        raise ConfigError(f"{name} = {out_dir!r} cannot be created or written "
                           f"({e.strerror or e}). Fix: pass --out a directory this user can "
                           "write") from None
     try:
@@ -94,7 +95,7 @@ def lock_run_dir(out_dir: str) -> None:
         f.seek(0)
         holder = f.read().strip() or "its process id unknown"
         f.close()
-        raise ConfigError(f"train.out_dir = {out_dir!r} is in use by another live run "
+        raise ConfigError(f"{name} = {out_dir!r} is in use by another live run "
                           f"({holder}): two runs there would interleave their metrics and "
                           f"delete each other's checkpoints in progress. Fix: wait for that run "
                           f"to end (or stop it), or pass --out NEW_DIR") from None
