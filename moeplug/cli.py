@@ -227,6 +227,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
+    from moeplug.stash import StashOverflowError
     from moeplug.training.faults import (EXIT_FAULT, Stopped, TrainingFault,
                                          exit_on_stop_signals, is_peer_failure,
                                          rank_failure_line, stop_on_signals, stopped_line)
@@ -236,9 +237,13 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         with contextlib.nullcontext() if groups is not None else stop_on_signals():
             summary = _train_rank(cfg, args, host, precision, groups, device)
     except Stopped as e:  # one process, Ctrl-C or SIGTERM (ranks: exit_on_stop_signals)
-        print(stopped_line(e.signum, cfg.train.out_dir), file=sys.stderr)
+        from moeplug.training.checkpoint import find_latest
+        out = cfg.train.out_dir
+        print(stopped_line(e.signum, find_latest(out) if os.path.isdir(out) else None),
+              file=sys.stderr)
         return 128 + e.signum
-    except TrainingFault as e:  # a non-finite step under train.nonfinite=stop, ...
+    except (TrainingFault, StashOverflowError) as e:  # a non-finite step under
+        # train.nonfinite=stop, runtime.stash_overflow=fail, ...
         print(f"moeplug: {e}", file=sys.stderr)
         if groups is None:
             return EXIT_FAULT

@@ -23,13 +23,13 @@ import torch
 from moeplug.ops.workspace import Arena
 from moeplug.runtime import get_runtime
 from moeplug.syncfree import SyncFreeState
-from moeplug.training.faults import TrainingFault
 
 
-class StashOverflowError(TrainingFault):
+class StashOverflowError(RuntimeError):
     """The stash pool could not hold a step's activations and the policy is ``fail``: a fault
-    that stops training, printed as one line by the CLI (exit 3), as every rank decides it
-    from the same all-reduced count."""
+    that stops training, printed as one line by the CLI (exit 3) as a TrainingFault is, since
+    every rank decides it from the same all-reduced count. (Not a TrainingFault subclass: the
+    training package imports this module, so this one does not import it.)"""
 
 
 @dataclass(frozen=True)

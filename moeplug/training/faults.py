@@ -186,12 +186,11 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def stopped_line(signum: int, out_dir: str) -> str:
-    """What a stopped single-process run prints: the signal, what is kept, how to go on (the
-    words of the launch's own line, moeplug.training.launch)."""
-    from moeplug.training.checkpoint import find_latest
+def stopped_line(signum: int, latest: str | None) -> str:
+    """What a stopped single-process run prints: the signal, what is kept (``latest``, the
+    newest checkpoint, or None), how to go on (the words of the launch's own line,
+    moeplug.training.launch)."""
     name = signal.Signals(signum).name
-    latest = find_latest(out_dir) if os.path.isdir(out_dir) else None
     if latest is None:
         return (f"moeplug: stopped by {name} before the first checkpoint; nothing to resume. "
                 f"Fix: run again with --overwrite (or another --out)")
