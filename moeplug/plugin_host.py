@@ -362,8 +362,9 @@ class PluginHost:
         return sorted(n for n, e in self._entries[kind].items() if not (available_only and e.reason))
 
     # ---- creation --------------------------------------------------------------------------
-    def create(self, kind: str, name: str, options: dict | None = None, *args: Any) -> Any:
-        """Build component ``name`` of ``kind``; ``args`` as in the module docstring."""
+    def require(self, kind: str, name: str) -> _Entry:
+        """The entry of plugin ``name``; PluginError (what :meth:`create` would raise) when it
+        is unknown or unavailable. A check that builds nothing."""
         self._check_kind(kind)
         entry = self._entries[kind].get(name)
         if entry is None:
@@ -374,6 +375,11 @@ class PluginHost:
                                  if entry.reason.startswith("blocked") else
                                  "Fix: install what it needs, or choose one of: ")
                               + (", ".join(self.names(kind)) or "(none)"))
+        return entry
+
+    def create(self, kind: str, name: str, options: dict | None = None, *args: Any) -> Any:
+        """Build component ``name`` of ``kind``; ``args`` as in the module docstring."""
+        entry = self.require(kind, name)
         expected = _FACTORY_ARGS[kind]
         if len(args) != len(expected):
             raise TypeError(f"PluginHost.create('{kind}', ...) takes {len(expected)} argument(s) after "

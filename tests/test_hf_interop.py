@@ -769,3 +769,17 @@ def test_export_refusals_name_the_cli_flag(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--ckpt {str(tmp_path / 'nowhere')!r}: no checkpoint there" in err, err
     assert "TrainConfig.resume" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_import_reports_every_cheap_problem_at_once(tmp_path, capsys):
+    # only the first (the missing weights) was reported; --out and --experts came one by one
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(mixtral().config.to_dict()))
+    (tmp_path / "file").write_text("")
+    assert cli_main(["convert", "import", "--hf", str(tmp_path / "hf"), "--out",
+                     str(tmp_path / "file"), "--experts", "nosuch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3, err
+    for part, line in zip(("is a file, not a directory", "unknown experts 'nosuch'",
+                           "no weights, no *.safetensors"), err):
+        assert part in line and "Fix:" in line, (part, line)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Any
 
 
-from moeplug.config import RootConfig, config_from_dict
+from moeplug.config import ConfigError, RootConfig, config_from_dict
 from moeplug.convert import deepseek_v3, mixtral, qwen3_moe
 from moeplug.convert.common import (
-    TOKEN_ID_KEYS, ConvertError, ReadTracker, check_all_read, read_generation_token_ids,
-    read_hf_config, read_hf_weights, token_ids, write_hf_dir)
+    TOKEN_ID_KEYS, ConvertError, ReadTracker, check_all_read, hf_weight_files,
+    read_generation_token_ids, read_hf_config, read_hf_weights, token_ids, write_hf_dir)
 
 FAMILIES: dict[str, ModuleType] = {f.MODEL_TYPE: f for f in (mixtral, qwen3_moe, deepseek_v3)}
 
@@ -104,6 +105,29 @@ def check_import_out(out_dir: str, overwrite: bool) -> None:
                            f"metrics. Fix: pass another --out, or --overwrite to replace that run")
 
 
+def _preflight(hf_dir: str, out_dir: str, overwrite: bool, experts: str) -> None:
+    """The cheap checks of an import, every problem reported at once (the first once hid the
+    rest): --out, --experts, config.json and that safetensors files exist, before any weight
+    is read."""
+    from moeplug.plugin_host import PluginHost
+    errors: list[str] = []
+
+    def attempt(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ConfigError as e:
+            errors.extend(e.errors or [str(e)])
+            return None
+    attempt(check_import_out, out_dir, overwrite)
+    attempt(PluginHost.load().require, "experts", experts)
+    raw = attempt(read_hf_config, hf_dir)
+    if raw is not None:
+        attempt(root_config_from_hf, raw, (), experts)
+    attempt(hf_weight_files, hf_dir)
+    if errors:
+        raise ConvertError(*dict.fromkeys(errors))
+
+
 def import_hf(hf_dir: str, out_dir: str, experts: str = "grouped", overwrite: bool = False) -> str:
     """Write the HF model as a step-0 moeplug checkpoint in ``out_dir``; returns its path.
 
@@ -112,7 +136,7 @@ def import_hf(hf_dir: str, out_dir: str, experts: str = "grouped", overwrite: bo
     been converted, so a failed import leaves it intact. The HF token ids (config.json, and
     generation_config.json where present) travel in meta.json's ``hf`` section for export."""
     from moeplug.training.run_dir import lock_run_dir, release_run_dirs
-    check_import_out(out_dir, overwrite)
+    _preflight(hf_dir, out_dir, overwrite, experts)
     if not os.path.isdir(out_dir):  # a new directory: no run can be live there
         return _import_into(hf_dir, out_dir, experts, overwrite)
     # a live training run there holds the lock: an --overwrite must not clear it underneath

@@ -119,6 +119,18 @@ def read_hf_config(path: str) -> dict:
 
 
 def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for p in hf_weight_files(path):
+        try:
+            tensors.update(load_file(p))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConvertError(f"{p!r} is not a valid safetensors file ({e}). Fix: re-download "
+                               f"or re-save it") from None
+    return tensors
+
+
+def hf_weight_files(path: str) -> list[str]:
+    """The directory's *.safetensors files; ConvertError when there are none."""
     # A listing, not glob: a user's directory name may hold glob characters ("hf[1]").
     files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
@@ -129,14 +141,7 @@ def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
             f"--hf {path!r}: {what}, no *.safetensors. moeplug never loads pickle files (.bin/.pt "
             f"can run code). Fix: convert them to safetensors with a tool you trust (e.g. "
             f"transformers' save_pretrained), then import that directory")
-    tensors: dict[str, torch.Tensor] = {}
-    for p in files:
-        try:
-            tensors.update(load_file(p))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ConvertError(f"{p!r} is not a valid safetensors file ({e}). Fix: re-download "
-                               f"or re-save it") from None
-    return tensors
+    return files
 
 
 def read_generation_token_ids(path: str) -> dict | None:

@@ -83,7 +83,7 @@ def config_from_hf(hf: Mapping[str, Any], hf_sd: Mapping[str, torch.Tensor] = ()
     if first_dense >= L:
         hf_fail(FAMILY, "first_k_dense_replace", first_dense, f"makes all num_hidden_layers = {L} "
                 f"layers dense, so it leaves no MoE layer", "import a model with at least one "
-                f"MoE layer (first_k_dense_replace < num_hidden_layers)")
+                "MoE layer (first_k_dense_replace < num_hidden_layers)")
     groups, group_topk = hf["n_group"] or 1, hf["topk_group"] or 1
     if K == 1 and hf["norm_topk_prob"]:
         hf_fail(FAMILY, "norm_topk_prob", True, "with num_experts_per_tok = 1 HF divides the one "
