@@ -6,6 +6,7 @@ Proofs:
   * one rank: outputs and gradients equal the dynamic layer's, chunked and unchunked, and the
     unchunked static region's (fp32, the same tolerance as tests/test_sync_free.py), with the
     stash, shared experts and apply_probs_on_input too; no host sync in forward or backward;
+    under bf16 autocast within tests/test_sync_free.py's bf16 tolerance;
   * a step over the chunks' budget reruns on the dynamic path: bitwise the run without
     sync_free, naming a budget under which every chunk fits;
   * EP2 and ETP2 on real gloo ranks: the whole model's losses and gradients equal the dynamic
@@ -86,6 +87,22 @@ def test_chunked_static_equals_dynamic_with_no_host_sync(chunks, variant):
         errs = _err(static, other)
         assert errs.pop("counts") == 0, name
         assert max(errs.values()) <= TOL, (name, errs)
+
+
+def test_chunked_static_equals_dynamic_under_bf16_autocast():
+    # the chunked GEMMs take the autocast dtype as the unchunked region's do: 2e-2 of each
+    # tensor's largest value, as tests/test_sync_free.py allows (measured: at most 6.4e-3)
+    layer = _layer(2, sync_free=True)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 15, 32, generator=g), torch.randn(2, 15, 32, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        static = _fwd_bwd(layer, x, w)
+        assert not bool(layer.runtime.runtime.sync_free.take_overflow())
+        with layer.runtime.runtime.sync_free.disabled():
+            dynamic = _fwd_bwd(layer, x, w)
+    for k, want in dynamic.items():
+        err = float((static[k].float() - want.float()).abs().max())
+        assert err <= 2e-2 * float(want.float().abs().max()), (k, err)
 
 
 def test_the_chunks_are_really_static_and_chunked(monkeypatch):
