@@ -215,6 +215,18 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, str]:
     if origin in (typing.Union, types.UnionType):
         results = [_type_ok(value, a) for a in typing.get_args(tp)]
         return any(ok for ok, _ in results), " or ".join(name for _, name in results)
+    if origin in (list, tuple) and typing.get_args(tp):
+        args = typing.get_args(tp)
+        if not isinstance(value, origin):
+            return False, f"a {origin.__name__} of {_type_ok(None, args[0])[1]}"
+        elems = args[:1] * len(value) if origin is list or args[-1:] == (...,) else args
+        if len(elems) != len(value):
+            return False, f"a tuple of {len(elems)} values"
+        for v, a in zip(value, elems):
+            ok, name = _type_ok(v, a)
+            if not ok:
+                return False, f"a {origin.__name__} of {name} (an element is {v!r})"
+        return True, origin.__name__
     if origin is not None:
         tp = origin
     if tp is type(None):
@@ -228,6 +240,30 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, str]:
     if isinstance(tp, type):
         return isinstance(value, tp), tp.__name__
     return True, str(tp)
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """``value`` as YAML cannot write it for ``tp``: a number YAML 1.1 read as a string (1e-3,
+    as moeplug.config._as_float does for config fields) where a float goes, and a list where a
+    tuple goes (YAML has no tuples); elements of lists and tuples alike. Anything else as it
+    is, for :func:`_type_ok` to judge."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if isinstance(value, str) and float in args and str not in args:
+            return _coerce(value, float)
+        seqs = [a for a in args if typing.get_origin(a) in (list, tuple)]
+        return _coerce(value, seqs[0]) if len(seqs) == 1 and isinstance(value, list) else value
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if origin in (list, tuple) and args and isinstance(value, (list, tuple)):
+        elems = args[:1] * len(value) if origin is list or args[-1:] == (...,) else args
+        if len(elems) == len(value):
+            value = [_coerce(v, a) for v, a in zip(value, elems)]
+        return tuple(value) if origin is tuple else list(value)
+    return value
 
 
 def _build_options(entry: _Entry, options: dict | None) -> Any:
@@ -246,6 +282,8 @@ def _build_options(entry: _Entry, options: dict | None) -> Any:
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    options = {k: (_coerce(v, hints.get(k, Any)) if k in fields else v)
+               for k, v in options.items()}
     for key, value in options.items():
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
@@ -385,7 +423,20 @@ class PluginHost:
             raise TypeError(f"PluginHost.create('{kind}', ...) takes {len(expected)} argument(s) after "
                             f"options ({', '.join(expected) or 'none'}), got {len(args)}")
         opts = _build_options(entry, options)
-        component = entry.factory(*args[:1], opts, *args[1:])
+        try:
+            component = entry.factory(*args[:1], opts, *args[1:])
+        except ConfigError:
+            raise
+        except ValueError as exc:  # a factory refusing its options or the model: one line
+            raise PluginError(f"{kind} '{name}' (from {entry.source.dist}): {exc}") from exc
+        except TypeError as exc:
+            if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+                raise  # raised inside the factory: a bug there, keep its traceback
+            raise PluginError(  # the call itself failed: the factory's signature is wrong
+                f"{kind} '{name}' (from {entry.source.dist}): its factory cannot be called as "
+                f"{kind}({', '.join((*_FACTORY_ARGS[kind][:1], 'options', *_FACTORY_ARGS[kind][1:]))})"
+                f" ({exc}). Fix: give the factory that signature (README 'Writing a plugin')"
+            ) from exc
         _check_interface(kind, name, entry, component)
         return component
 

@@ -232,6 +232,49 @@ class _StatefulDispatcher(Dispatcher):
         return unpermute(y_SD, self.row_map_TK)
 
 
+def _permuted(x_TD, routing, E):
+    """(x_SD, probs_S, counts_L, row_map_TK): the rows grouped by expert, no padding."""
+    from moeplug.ops import permute
+    x_SD, row_map_TK, counts = permute(x_TD, routing.ids_TK, E)
+    p_S = routing.probs_TK.new_zeros(x_SD.shape[0]).index_put(
+        (row_map_TK.reshape(-1),), routing.probs_TK.reshape(-1))
+    return x_SD, p_S, counts, row_map_TK
+
+
+class _PaddingIgnoredDispatcher(Dispatcher):
+    """Right rows and weights, but no padding for routing.pad_multiple / capacity."""
+
+    def __init__(self, model, options, group):
+        self.num_experts = self.num_local_experts = model.moe.num_experts
+
+    def dispatch(self, x_TD, routing):
+        from moeplug.interfaces import Dispatched
+        return Dispatched(*_permuted(x_TD, routing, self.num_experts))
+
+    def combine(self, y_SD, meta):
+        from moeplug.ops import unpermute
+        return unpermute(y_SD, meta)
+
+
+class _WeightedCopiesDispatcher(_PaddingIgnoredDispatcher):
+    """Sends p * x with prob 1 (the interfaces forbid weighted copies): the same model under
+    linear experts, another one under any real expert. A sweep found the contract passed it."""
+
+    def dispatch(self, x_TD, routing):
+        from moeplug.interfaces import Dispatched
+        x_SD, p_S, counts, row_map_TK = _permuted(x_TD, routing, self.num_experts)
+        return Dispatched(x_SD * p_S.unsqueeze(-1), torch.ones_like(p_S), counts, row_map_TK)
+
+
+def _detached_experts(model, options, L):
+    from moeplug_plugins.experts.sequential import SequentialExperts
+
+    class Detached(SequentialExperts):
+        def forward(self, x_SD, probs_S, counts_L):
+            return super().forward(x_SD, probs_S, counts_L).detach()
+    return Detached(model, L)
+
+
 def _probs_ignoring_experts(model, options, L):
     from moeplug_plugins.experts.sequential import SequentialExperts
 
@@ -267,7 +310,11 @@ class _OldSignaturePrecision(Precision):
 @pytest.mark.parametrize("check, factory, rule", [
     (check_router, _DuplicateIdsRouter, "same expert twice"),
     (check_dispatcher, _StatefulDispatcher, "dispatch changed attributes on self (row_map_TK)"),
+    (check_dispatcher, _WeightedCopiesDispatcher, "differs from the reference"),
+    (check_dispatcher, _PaddingIgnoredDispatcher, "with pad_multiple = 4, counts_L ="),
     (check_experts, _probs_ignoring_experts, "output differs from the reference"),
+    # a bare RuntimeError from autograd once, not a ContractError naming the rule
+    (check_experts, _detached_experts, "the output carries no gradient"),
     (check_precision, lambda options: _LeakyPrecision(), "did not restore the previous autocast state"),
     (check_precision, lambda options: _PickledStatePrecision(), "state_dict() must be JSON-ready"),
     (check_precision, lambda options: _OldSignaturePrecision(), "state_dict(model, groups) must accept"),

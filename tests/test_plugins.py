@@ -340,6 +340,8 @@ class _Opts:
     scale: float = 1.0
     limit: int = 4
     tag: str | None = None
+    sizes: list[int] | None = None
+    pair: tuple[int, float] = (1, 0.5)
 
     def __post_init__(self):
         if self.limit < 1:
@@ -360,6 +362,10 @@ def test_options_are_validated_and_passed_to_the_factory():
     host = _opts_host()
     router = host.create("router", "opt", {"mode": "fast", "scale": 2, "tag": "x"}, tiny_model_config())
     assert router.options == _Opts(mode="fast", scale=2, limit=4, tag="x")
+    # as YAML writes them: 1e-3 read as a string (YAML 1.1), a list for a tuple
+    router = host.create("router", "opt", {"scale": "1e-3", "sizes": [1, 2],
+                                           "pair": [3, "2e-1"]}, tiny_model_config())
+    assert router.options == _Opts(scale=1e-3, sizes=[1, 2], pair=(3, 0.2))
     assert host.create("router", "opt", None, tiny_model_config()).options == _Opts()
     assert host.create("router", "req", {"seed": 3}, tiny_model_config()).options == _RequiredOpts(3)
 
@@ -374,6 +380,10 @@ def test_options_are_validated_and_passed_to_the_factory():
     ({"scale": "big"}, r"option plugins.router_options.scale = 'big' \(str\) must be float"),
     ({"mode": "slow"}, r"plugins.router_options.mode = 'slow' \(str\) must be one of 'fast', 'exact'"),
     ({"tag": 3}, r"plugins.router_options.tag = 3 \(int\) must be str or None"),
+    # list elements are checked too (a sweep got ['a', 2.5, None] through)
+    ({"sizes": ["a", 2.5, None]}, r"plugins.router_options.sizes = \['a', 2.5, None\] \(list\) "
+                                  r"must be a list of int \(an element is 'a'\) or None"),
+    ({"pair": [1]}, r"plugins.router_options.pair = \(1,\) \(tuple\) must be a tuple of 2 values"),
     ({"limit": 0}, r"router 'opt' \(from opt-dist\): invalid plugins.router_options = \{'limit': 0\}: "
                    r"limit = 0: must be >= 1. Fix: set limit to 1 or more"),
     ([1, 2], r"plugins.router_options = \[1, 2\] is not a mapping. Fix: write plugins.router_options:"),
@@ -468,3 +478,75 @@ def test_infos_are_frozen_records():
     assert dataclasses.is_dataclass(info)
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.name = "other"
+
+
+class _ScaledRouter(_ConstRouter):
+    """A router with a [1, E] parameter it initialises itself (to ones)."""
+
+    def __init__(self, model, options):
+        super().__init__(model, options)
+        self.expert_scale = torch.nn.Parameter(torch.empty(1, model.moe.num_experts))
+
+    def reset_parameters(self):
+        torch.nn.init.ones_(self.expert_scale)
+
+
+class _UnscaledRouter(_ConstRouter):
+    def __init__(self, model, options):
+        super().__init__(model, options)
+        self.expert_scale = torch.nn.Parameter(torch.ones(1, model.moe.num_experts))
+
+
+@pytest.mark.parametrize("cls, kept", [(_ScaledRouter, True), (_UnscaledRouter, False)])
+def test_a_plugin_that_defines_reset_parameters_initialises_its_own(cls, kept):
+    # moeplug draws every matrix from normal(0, init_std); a plugin's own [1, E] scale went
+    # that way silently. PyTorch's convention now lets it keep its own initialisation.
+    from moeplug.config import config_from_dict
+    from moeplug.modules import build_model
+
+    def moeplug_register_routers(registry):
+        registry.add("scaled", cls)
+    host = PluginHost.load(extra_plugins=[(_plugin(moeplug_register_routers=
+                                                   moeplug_register_routers), "scaled-dist")])
+    cfg = config_from_dict({"plugins": {"router": "scaled"},
+                            "model": {"hidden_size": 16, "num_layers": 1, "num_heads": 2,
+                                      "num_kv_heads": 1, "first_k_dense": 0,
+                                      "moe": {"num_experts": 4, "top_k": 2,
+                                              "ffn_hidden_size": 8}}})
+    model = build_model(cfg, host, 32)
+    scale = next(p for n, p in model.named_parameters() if n.endswith("expert_scale"))
+    assert torch.equal(scale, torch.ones_like(scale)) == kept
+    # the model's own matrices are drawn as before either way
+    assert float(model.embed.weight.std()) == pytest.approx(cfg.model.init_std, rel=0.2)
+
+
+def _refusing_router(model, options):
+    raise ValueError("mode 'remote' needs EP > 1. Fix: use mode local")
+
+
+@pytest.mark.parametrize("factory, pattern", [
+    (_refusing_router, r"router 'made' \(from made-dist\): mode 'remote' needs EP > 1. Fix: "),
+    (lambda: None, r"router 'made' \(from made-dist\): its factory cannot be called as "
+                   r"router\(model_cfg, options\) .*Fix: give the factory that signature"),
+])
+def test_a_factory_refusing_or_miscalled_is_one_plugin_error(factory, pattern):
+    # both were tracebacks from `moeplug train`; a TypeError raised inside a factory (a bug in
+    # it) keeps its traceback
+    def moeplug_register_routers(registry):
+        registry.add("made", factory)
+    host = PluginHost.load(extra_plugins=[(_plugin(moeplug_register_routers=
+                                                   moeplug_register_routers), "made-dist")])
+    with pytest.raises(PluginError, match=pattern):
+        host.create("router", "made", {}, tiny_model_config())
+
+
+def test_a_type_error_inside_a_factory_keeps_its_traceback():
+    def buggy(model, options):
+        return len(5)  # TypeError inside the factory
+
+    def moeplug_register_routers(registry):
+        registry.add("buggy", buggy)
+    host = PluginHost.load(extra_plugins=[(_plugin(moeplug_register_routers=
+                                                   moeplug_register_routers), "buggy-dist")])
+    with pytest.raises(TypeError, match="has no len"):
+        host.create("router", "buggy", {}, tiny_model_config())

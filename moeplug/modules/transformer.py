@@ -144,10 +144,23 @@ class MoETransformer(ModelStages, nn.Module):
         """normal(0, init_std) for every matrix; output projections (attention o_proj, FFN and
         expert down_proj) use init_std / sqrt(2 * num_layers) so the residual stream's variance
         does not grow with depth (GPT-2 / Megatron scaled init). Norm weights are 1; vectors owned
-        by plugins (e.g. router biases) keep the plugin's own initialisation."""
+        by plugins (e.g. router biases) keep the plugin's own initialisation. A plugin component
+        (router, dispatcher, experts) whose class defines ``reset_parameters()`` initialises all
+        of its own parameters with it instead (PyTorch's convention; a plugin's [1, E] scale
+        was drawn from normal(0, init_std) before)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2.0 * self.cfg.num_layers)
+        own: set[int] = set()  # parameters a plugin initialises itself
+        for module in self.modules():
+            if not isinstance(module, MoELayer):
+                continue
+            for part in (module.router, module.dispatcher, module.experts):
+                if isinstance(part, nn.Module) and callable(getattr(part, "reset_parameters", None)):
+                    part.reset_parameters()
+                    own.update(id(p) for p in part.parameters())
         for name, p in self.named_parameters():
+            if id(p) in own:
+                continue
             owner, _, leaf = name.rpartition(".")
             if p.ndim < 2:
                 if isinstance(self.get_submodule(owner), RMSNorm):

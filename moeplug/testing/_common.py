@@ -36,6 +36,14 @@ def build(source: Any, kind: str, name: str | None, options: Any, *args: Any) ->
     return source(*args[:1], options, *args[1:]), label
 
 
+def differentiable(t: torch.Tensor, label: str, what: str) -> torch.Tensor:
+    """``t``, after checking it carries a gradient (a detached output made autograd raise a
+    bare RuntimeError instead of naming the plugin and the rule)."""
+    expect(t.requires_grad, label, f"{what} carries no gradient (detached, or computed under "
+           "no_grad): backward would not reach the inputs and parameters")
+    return t
+
+
 def expect(cond: Any, label: str, rule: str) -> None:
     if not bool(cond):
         raise ContractError(f"{label}: {rule}")

@@ -1,19 +1,21 @@
-"""Dispatcher contract (one process): shapes, counts, expert-contiguous rows, dispatch -> identity
-experts -> combine gives sum_k p*x, gradients to tokens and probs, two dispatches in flight,
-and the split start/wait form (overlap) equal to dispatch/combine.
+"""Dispatcher contract (one process): shapes, counts, expert-contiguous rows, dispatch -> affine
+tagged experts -> combine gives sum_k p*f_e(x) (so weighted copies are caught), gradients to
+tokens and probs, the padding a routing asks for (pad_multiple, capacity), two dispatches in
+flight, and the split start/wait form (overlap) equal to dispatch/combine.
 
 Legend: T tokens, D hidden, E experts, K top-k, L local experts, S rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.testing._common import (build, close, expect, expect_no_new_state, state_snapshot,
+from moeplug.testing._common import (build, differentiable, close, expect, expect_no_new_state, state_snapshot,
                                      tiny_model_config)
 
 
@@ -27,15 +29,19 @@ def random_routing(T: int, E: int, K: int, generator: torch.Generator,
 
 
 def _tagged_experts(d: Dispatched) -> torch.Tensor:
-    # "Identity" experts that also tag each row with its expert (e + 1): a row grouped under the
-    # wrong expert, or carrying the wrong prob, changes the combined result.
+    # Affine experts f_e(x) = x * (e + 1) + (e + 1), weighted by the row's prob as an experts
+    # backend weights its output: a row grouped under the wrong expert or carrying the wrong
+    # prob changes the combined result, and so does a dispatcher that sends weighted copies
+    # p * x with prob 1 (f(p x) != p f(x) for an affine f; linear tags could not tell).
     e_S = torch.repeat_interleave(torch.arange(len(d.counts_L)), d.counts_L)
-    return d.x_SD * d.probs_S.unsqueeze(-1) * (e_S + 1).unsqueeze(-1).to(d.x_SD.dtype)
+    tag_S1 = (e_S + 1).unsqueeze(-1).to(d.x_SD.dtype)
+    return (d.x_SD * tag_S1 + tag_S1) * d.probs_S.unsqueeze(-1).to(d.x_SD.dtype)
 
 
 def _expected(x_TD: torch.Tensor, routing: RouterOutput) -> torch.Tensor:
-    weight_TK = routing.probs_TK * (routing.ids_TK + 1).to(routing.probs_TK.dtype)
-    return x_TD * weight_TK.sum(dim=-1, keepdim=True)
+    tag_TK = (routing.ids_TK + 1).to(routing.probs_TK.dtype)
+    weight_TK = routing.probs_TK * tag_TK
+    return x_TD * weight_TK.sum(dim=-1, keepdim=True) + weight_TK.sum(dim=-1, keepdim=True)
 
 
 def check_dispatcher(source: Any, name: str | None = None, *, model_cfg: ModelConfig | None = None,
@@ -62,10 +68,36 @@ def check_dispatcher(source: Any, name: str | None = None, *, model_cfg: ModelCo
         close(y_TD, _expected(x_TD, routing), label, "combine(identity experts(dispatch(x)))")
 
         w_TD = torch.randn(T, D, generator=gen)
-        grads = torch.autograd.grad((y_TD * w_TD).sum(), (x_TD, routing.probs_TK))
+        grads = torch.autograd.grad((differentiable(y_TD, label, "combine's output") * w_TD)
+                                    .sum(), (x_TD, routing.probs_TK))
         ref = torch.autograd.grad((_expected(x_TD, routing) * w_TD).sum(), (x_TD, routing.probs_TK))
         close(grads[0], ref[0], label, "gradient w.r.t. x_TD")
         close(grads[1], ref[1], label, "gradient w.r.t. probs_TK")
+
+    # The padding a routing asks for (RouterOutput): every local expert's rows a multiple of
+    # pad_multiple, or exactly capacity rows, the padding prob-0 rows; outputs unchanged.
+    for case in ("pad_multiple", "capacity"):
+        routing = random_routing(T, E, K, gen)
+        wanted_E = torch.bincount(routing.ids_TK.reshape(-1), minlength=E)
+        routing = (dataclasses.replace(routing, pad_multiple=4) if case == "pad_multiple" else
+                   dataclasses.replace(routing, capacity=int(wanted_E.max()) + 1))
+        x_TD = torch.randn(T, D, generator=gen)
+        d = disp.dispatch(x_TD, routing)
+        counts_E = d.counts_L
+        if case == "pad_multiple":
+            expect(bool(((counts_E % 4) == 0).all()) and bool((counts_E >= wanted_E).all()),
+                   label, f"with pad_multiple = 4, counts_L = {counts_E.tolist()} (routed "
+                   f"{wanted_E.tolist()}): each expert's rows must be padded up to a multiple of "
+                   "4 with prob-0 rows")
+        else:
+            expect(bool((counts_E == routing.capacity).all()), label,
+                   f"with capacity = {routing.capacity}, counts_L = {counts_E.tolist()}: every "
+                   "local expert must receive exactly capacity rows (padded with prob-0 rows)")
+        expect(d.x_SD.shape[0] == int(counts_E.sum()) == d.probs_S.shape[0], label,
+               f"with {case}, x_SD has {d.x_SD.shape[0]} rows and probs_S "
+               f"{d.probs_S.shape[0]}, but counts_L sums to {int(counts_E.sum())}")
+        close(disp.combine(_tagged_experts(d), d.meta), _expected(x_TD, routing), label,
+              f"combine(experts(dispatch(x))) with {case}")
 
     # Two micro-batches in flight, combined in reverse order: everything combine needs is in meta.
     r1, r2 = random_routing(T, E, K, gen), random_routing(T + 3, E, K, gen)

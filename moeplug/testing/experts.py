@@ -12,7 +12,7 @@ import torch
 
 from moeplug.config import GATED_ACTIVATIONS, ModelConfig
 from moeplug.interfaces import Experts
-from moeplug.testing._common import (build, close, expect, expect_no_new_state, state_snapshot,
+from moeplug.testing._common import (build, differentiable, close, expect, expect_no_new_state, state_snapshot,
                                      tiny_model_config)
 from moeplug.testing.reference import reference_expert_mlp
 
@@ -71,7 +71,8 @@ def _check_case(experts: Any, label: str, counts_L: torch.Tensor, D: int, gen: t
         return
     w_SD = torch.randn(S, D, generator=gen)
     inputs = (x_SD, p_S) + params
-    got = torch.autograd.grad((y_SD * w_SD).sum(), inputs, allow_unused=True)
+    got = torch.autograd.grad((differentiable(y_SD, label, f"{case}: the output") * w_SD).sum(),
+                              inputs, allow_unused=True)
     want = torch.autograd.grad((ref * w_SD).sum(), inputs)
     for what, g, r in zip(("x_SD", "probs_S", "gate_up_proj", "down_proj"), got, want):
         close(g if g is not None else torch.zeros_like(r), r, label, f"{case}: gradient w.r.t. {what}")

@@ -12,7 +12,7 @@ import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Router, RouterOutput
-from moeplug.testing._common import (build, expect, expect_no_new_state, state_snapshot,
+from moeplug.testing._common import (build, differentiable, expect, expect_no_new_state, state_snapshot,
                                      tiny_model_config)
 
 
@@ -54,7 +54,7 @@ def check_router(source: Any, name: str | None = None, *, model_cfg: ModelConfig
     else:
         expect(float(out.aux_loss) == 0.0, label, "aux_loss is non-zero but carries no gradient")
     w_TK = torch.randn(T, K)
-    (out.probs_TK * w_TK).sum().backward()
+    (differentiable(out.probs_TK, label, "probs_TK") * w_TK).sum().backward()
     expect(x_TD.grad is not None and torch.isfinite(x_TD.grad).all(), label,
            "probs_TK gives no finite gradient to the input")
     for p in params:
