@@ -112,6 +112,10 @@ def cmd_plugins() -> int:
             status = "available" if info.available else f"unavailable: {info.reason}"
             print(f"  {info.name:<16} [{info.dist}]  {status}"
                   + (f"  — {info.description}" if info.description else ""))
+    if host.skipped:  # blocked or autoload off: their components are not listed above
+        print("entry points not loaded:")
+        for s in host.skipped:
+            print(f"  {s.entry_point:<16} [{s.dist}]  {s.reason}")
     return 0
 
 

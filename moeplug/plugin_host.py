@@ -175,10 +175,16 @@ class ComponentRegistry:
             requires = (requires,)
         if name in self._sink:
             other = self._sink[name].source
-            raise PluginError(
-                f"{self.kind} '{name}' is registered twice: by {other} and by {self._source}. Fix: "
-                f"uninstall one of '{other.dist}' / '{self._source.dist}', or block one entry point "
-                f"with {BLOCK_ENV}={self._source.entry_point}")
+            builtin = next((s for s in (other, self._source) if s.dist == "moeplug"), None)
+            if builtin is not None:  # a built-in's name: the other package must rename
+                third = self._source if builtin is other else other
+                fix = (f"rename the {self.kind} in '{third.dist}' (moeplug's built-in names are "
+                       f"taken), or block its entry point with {BLOCK_ENV}={third.entry_point}")
+            else:
+                fix = (f"uninstall one of '{other.dist}' / '{self._source.dist}', or block one "
+                       f"entry point with {BLOCK_ENV}={self._source.entry_point}")
+            raise PluginError(f"{self.kind} '{name}' is registered twice: by {other} and by "
+                              f"{self._source}. Fix: {fix}")
         reason = _block_reason(self._blocks, f"{self.kind}:{name}", name)
         if not reason:
             reason = _missing_requirement(tuple(requires), install_hint)
@@ -511,6 +517,14 @@ def _entry_points() -> list[importlib.metadata.EntryPoint]:
 
 
 def _register(pm: pluggy.PluginManager, plugin: object, source: _Source) -> None:
+    # pluggy registers only functions marked @hookimpl: one named like a hook but unmarked would
+    # add nothing, silently (a misspelled marked one is already an error)
+    for hook_name in hookspecs.REGISTER_HOOKS.values():
+        fn = getattr(plugin, hook_name, None)
+        if callable(fn) and pm.parse_hookimpl_opts(plugin, hook_name) is None:
+            raise PluginError(f"plugin {source}: {hook_name} is not marked @hookimpl, so it "
+                              f"would register nothing. Fix: decorate it with "
+                              f"`@moeplug.hookimpl`")
     try:
         pm.register(plugin, name=f"{source.dist}:{source.entry_point}")
     except pluggy.PluginValidationError as exc:

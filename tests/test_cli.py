@@ -154,6 +154,15 @@ def test_the_forked_cli_runs_the_environment_and_directory_it_is_given(run_cli, 
     assert (tmp_path / "here" / "rel" / "metrics.jsonl").exists()
 
 
+def test_plugins_lists_the_entry_points_it_did_not_load(run_cli, cli_env):
+    # a blocked entry point's components vanished from the listing without a word
+    from moeplug.plugin_host import BLOCK_ENV
+    proc = run_cli("plugins", env=dict(cli_env, **{BLOCK_ENV: "builtin_routers"}), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tail = proc.stdout.split("entry points not loaded:\n")[1]
+    assert "builtin_routers" in tail and f"blocked by ${BLOCK_ENV}" in tail, proc.stdout
+
+
 def test_no_command_prints_help_and_exits_2(run_cli):
     proc = run_cli(timeout=120)
     assert proc.returncode == 2 and "train" in proc.stdout and "plugins" in proc.stdout

@@ -172,6 +172,11 @@ def test_duplicate_of_a_builtin_names_moeplug_and_the_newcomer():
                                           r"'builtin_routers' of distribution 'moeplug' and by .*"
                                           r"'shadowing-dist'"):
         PluginHost.load(extra_plugins=[(_router_plugin("topk"), "shadowing-dist")])
+    # the fix names the newcomer: uninstalling moeplug or blocking its built-ins was the advice
+    with pytest.raises(PluginError) as err:
+        PluginHost.load(extra_plugins=[(_router_plugin("topk"), "shadowing-dist")])
+    assert "Fix: rename the router in 'shadowing-dist' (moeplug's built-in names are taken)" \
+        in str(err.value) and "builtin_routers" not in str(err.value).split("Fix:")[1]
 
 
 def test_import_error_in_a_plugin_module_is_reported_against_it(tmp_path, monkeypatch):
@@ -550,3 +555,14 @@ def test_a_type_error_inside_a_factory_keeps_its_traceback():
                                                    moeplug_register_routers), "buggy-dist")])
     with pytest.raises(TypeError, match="has no len"):
         host.create("router", "buggy", {}, tiny_model_config())
+
+
+def test_a_hook_function_without_hookimpl_is_an_error():
+    # pluggy registers only marked functions: an unmarked one registered nothing, silently
+    def moeplug_register_routers(registry):
+        registry.add("never", _ConstRouter)
+    plugin = types.SimpleNamespace(__name__="unmarked_plugin",
+                                   moeplug_register_routers=moeplug_register_routers)
+    with pytest.raises(PluginError, match=r"moeplug_register_routers is not marked @hookimpl, "
+                                          r"so it would register nothing. Fix: decorate it"):
+        PluginHost.load(extra_plugins=[(plugin, "unmarked-dist")])
