@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import importlib.metadata
 import importlib.util
+import logging
 import math
 import os
 import re
@@ -44,6 +45,7 @@ from moeplug import hookspecs
 from moeplug.config import ConfigError, expert_op_levers
 
 KINDS = ("router", "dispatcher", "experts", "precision")  # == moeplug.interfaces.KINDS (no torch here)
+_log = logging.getLogger(__name__)  # notices; with no logging set up, Python prints them
 BLOCK_ENV = "MOEPLUG_BLOCK_PLUGINS"
 NO_AUTOLOAD_ENV = "MOEPLUG_DISABLE_PLUGIN_AUTOLOAD"
 CORE_DIST = "moeplug"
@@ -120,6 +122,26 @@ def _collect_blocks(block: Iterable[str]) -> dict[str, str]:
         if tok.strip():
             blocks.setdefault(tok.strip(), f"${BLOCK_ENV}")
     return blocks
+
+
+_noted_blocks: set[str] = set()  # tokens already noted in this process (hosts load often)
+
+
+def _note_unmatched_blocks(blocks: dict[str, str], entry_points: set[str],
+                           entries: dict[str, dict[str, Any]]) -> None:
+    """A note, once per process, for each block token that names no entry point, component or
+    kind:component (a typo blocked nothing, silently)."""
+    known = set(entry_points)
+    for kind, by_name in entries.items():
+        known.update(by_name)
+        known.update(f"{kind}:{n}" for n in by_name)
+    for tok, by in blocks.items():
+        if tok not in known and tok not in _noted_blocks:
+            _noted_blocks.add(tok)
+            close = difflib.get_close_matches(tok, sorted(known), n=1)
+            _log.warning(f"moeplug: note: {by} names '{tok}', which is no plugin, entry point or "
+                         f"kind:name here, so it blocks nothing"
+                         + (f" (did you mean '{close[0]}'?)" if close else ""))
 
 
 def _block_reason(blocks: dict[str, str], *tokens: str) -> str:
@@ -392,6 +414,8 @@ class PluginHost:
             for impl in sorted(impls, key=lambda i: _position(i.plugin, registered)):
                 registry = ComponentRegistry(kind, sources[id(impl.plugin)], entries[kind], blocks)
                 impl.function(**{arg: registry for arg in impl.argnames})
+        _note_unmatched_blocks(blocks, {s.entry_point for _, s in registered}
+                               | {s.entry_point for s in skipped}, entries)
         return cls(pm, entries, tuple(skipped), blocks)
 
     # ---- queries ---------------------------------------------------------------------------

@@ -566,3 +566,12 @@ def test_a_hook_function_without_hookimpl_is_an_error():
     with pytest.raises(PluginError, match=r"moeplug_register_routers is not marked @hookimpl, "
                                           r"so it would register nothing. Fix: decorate it"):
         PluginHost.load(extra_plugins=[(plugin, "unmarked-dist")])
+
+
+def test_a_block_token_that_matches_nothing_is_noted(caplog):
+    # a typo in plugins.block or $MOEPLUG_BLOCK_PLUGINS blocked nothing, silently
+    token = f"allgathr_{uuid.uuid4().hex[:4]}"
+    with caplog.at_level("WARNING", logger="moeplug.plugin_host"):
+        PluginHost.load(block=[token, "dispatcher:allgather"])
+    notes = [r.getMessage() for r in caplog.records if "blocks nothing" in r.getMessage()]
+    assert len(notes) == 1 and f"plugins.block names '{token}'" in notes[0], notes
