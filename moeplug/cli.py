@@ -19,7 +19,7 @@ from importlib import resources
 from typing import Sequence
 
 import moeplug
-from moeplug.config import ConfigError, RootConfig, load_config
+from moeplug.config import ConfigError, Problems, RootConfig, load_config
 from moeplug.plugin_host import check_plugins, load_host as _load_host
 
 EXIT_CONFIG = 2
@@ -119,20 +119,6 @@ def cmd_plugins() -> int:
     return 0
 
 
-class _Problems:
-    """Collects the ConfigErrors of independent checks so one command reports them all."""
-
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-
-    @contextlib.contextmanager
-    def check(self):
-        try:
-            yield
-        except ConfigError as e:
-            self.errors.extend(e.errors or [str(e)])
-
-
 def _nproc_error(nproc: int) -> str:
     return (f"--nproc {nproc}: must be >= 1. Fix: pass --nproc N with N >= 1, or leave it out "
             "to train in this one process")
@@ -184,7 +170,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     # A model that cannot fit is refused first: the plugin check below already allocates.
     from moeplug.memory import check_fits
     check_fits(cfg, 1 if launch.under_torchrun() else args.nproc or 1)
-    problems = _Problems()
+    problems = Problems()
     with problems.check():
         host = _load_host(cfg)
         precision = check_plugins(host, cfg)

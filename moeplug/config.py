@@ -13,6 +13,7 @@ keep going after a failure, and the cross-section checks still run over such sec
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import difflib
 import logging
@@ -21,7 +22,7 @@ import os
 import re
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import yaml
 
@@ -38,6 +39,31 @@ class ConfigError(ValueError):
     def __init__(self, *errors: str) -> None:
         super().__init__("\n".join(errors))
         self.errors = list(errors)
+
+
+class Problems:
+    """Collects the ConfigErrors of independent checks, so one command reports them all."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ConfigError as e:
+            self.errors.extend(e.errors or [str(e)])
+
+    def attempt(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, or None after recording its ConfigError."""
+        with self.check():
+            return fn(*args)
+        return None
+
+    def raise_all(self, error: type[ConfigError] = ConfigError) -> None:
+        """``error`` listing every problem recorded (each once), if any."""
+        if self.errors:
+            raise error(*dict.fromkeys(self.errors))
 
 
 # While config_from_dict builds a config, _fail records here instead of raising, so the

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Literal
 import pluggy
 
 from moeplug import hookspecs
-from moeplug.config import ConfigError, expert_op_levers
+from moeplug.config import ConfigError, Problems, expert_op_levers
 
 KINDS = ("router", "dispatcher", "experts", "precision")  # == moeplug.interfaces.KINDS (no torch here)
 _log = logging.getLogger(__name__)  # notices; with no logging set up, Python prints them
@@ -603,14 +603,8 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
     config the same way without importing the CLI.
     """
     p, m = cfg.plugins, cfg.model
-    errors: list[str] = []  # every kind's problem, reported together
-
-    def attempt(fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except PluginError as e:
-            errors.extend(e.errors or [str(e)])
-            return None
+    problems = Problems()  # every kind's problem, reported together
+    attempt = problems.attempt
     for kind in ("router", "dispatcher", "experts", "precision"):  # rules needing parallel.*
         attempt(host.check_parallel, kind, getattr(p, kind),
                 dict(getattr(p, f"{kind}_options")), cfg.parallel)
@@ -623,8 +617,7 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
     if experts is not None:
         attempt(_check_expert_op_levers, type(experts), cfg)
     precision = attempt(host.create, "precision", p.precision, dict(p.precision_options))
-    if errors:
-        raise PluginError(*dict.fromkeys(errors))  # a problem found twice is listed once
+    problems.raise_all(PluginError)
     return precision
 
 

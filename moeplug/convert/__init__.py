@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Any
 
 
-from moeplug.config import ConfigError, RootConfig, config_from_dict
+from moeplug.config import Problems, RootConfig, config_from_dict
 from moeplug.convert import deepseek_v3, mixtral, qwen3_moe
 from moeplug.convert.common import (
     TOKEN_ID_KEYS, ConvertError, ReadTracker, check_all_read, hf_weight_files,
@@ -110,22 +109,15 @@ def _preflight(hf_dir: str, out_dir: str, overwrite: bool, experts: str) -> None
     rest): --out, --experts, config.json and that safetensors files exist, before any weight
     is read."""
     from moeplug.plugin_host import PluginHost
-    errors: list[str] = []
-
-    def attempt(fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except ConfigError as e:
-            errors.extend(e.errors or [str(e)])
-            return None
+    problems = Problems()
+    attempt = problems.attempt
     attempt(check_import_out, out_dir, overwrite)
     attempt(PluginHost.load().require, "experts", experts)
     raw = attempt(read_hf_config, hf_dir)
     if raw is not None:
         attempt(root_config_from_hf, raw, (), experts)
     attempt(hf_weight_files, hf_dir)
-    if errors:
-        raise ConvertError(*dict.fromkeys(errors))
+    problems.raise_all(ConvertError)
 
 
 def import_hf(hf_dir: str, out_dir: str, experts: str = "grouped", overwrite: bool = False) -> str:
