@@ -247,7 +247,7 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, str]:
         args = typing.get_args(tp)
         if not isinstance(value, origin):
             return False, f"a {origin.__name__} of {_type_ok(None, args[0])[1]}"
-        elems = args[:1] * len(value) if origin is list or args[-1:] == (...,) else args
+        elems = _element_types(origin, args, len(value))
         if len(elems) != len(value):
             return False, f"a tuple of {len(elems)} values"
         for v, a in zip(value, elems):
@@ -270,6 +270,12 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, str]:
     return True, str(tp)
 
 
+def _element_types(origin: type, args: tuple, n: int) -> tuple:
+    """The annotations of the n elements of a ``list[X]`` / ``tuple[X, ...]`` (X each) or a
+    fixed ``tuple[X, Y]`` (its own, whatever n is)."""
+    return args[:1] * n if origin is list or args[-1:] == (...,) else args
+
+
 def _coerce(value: Any, tp: Any) -> Any:
     """``value`` as YAML cannot write it for ``tp``: a number YAML 1.1 read as a string (1e-3,
     as moeplug.config._as_float does for config fields) where a float goes, and a list where a
@@ -287,7 +293,7 @@ def _coerce(value: Any, tp: Any) -> Any:
         except ValueError:
             return value
     if origin in (list, tuple) and args and isinstance(value, (list, tuple)):
-        elems = args[:1] * len(value) if origin is list or args[-1:] == (...,) else args
+        elems = _element_types(origin, args, len(value))
         if len(elems) == len(value):
             value = [_coerce(v, a) for v, a in zip(value, elems)]
         return tuple(value) if origin is tuple else list(value)

@@ -92,10 +92,8 @@ def _load_hf(hf_dir: str, experts: str):
 def check_import_out(out_dir: str, overwrite: bool) -> None:
     """Refuse an ``--out`` that holds another run (what ``moeplug train`` refuses there too,
     moeplug.training.run_dir) unless ``overwrite``."""
-    from moeplug.training.run_dir import run_artifacts
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ConvertError(f"--out {out_dir!r} is a file, not a directory. Fix: pass --out a "
-                           f"directory (new, or a run's with --overwrite)")
+    from moeplug.training.run_dir import refuse_file, run_artifacts
+    refuse_file(out_dir, "--out")
     used = run_artifacts(out_dir)
     if used and not overwrite:
         shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")

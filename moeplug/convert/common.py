@@ -109,13 +109,16 @@ def read_hf_config(path: str) -> dict:
         raise ConvertError(f"--hf {path!r}: no config.json there. Fix: pass a Hugging Face model "
                            f"directory (config.json + *.safetensors), e.g. one written by "
                            f"save_pretrained")
+    return _json_file(cfg_path, "restore the model's config.json")
+
+
+def _json_file(path: str, fix: str) -> Any:
+    """The JSON in ``path``; ConvertError naming it and ``fix`` when it cannot be read."""
     try:
-        with open(cfg_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConvertError(f"{cfg_path!r} is not valid JSON ({e}). Fix: restore the model's "
-                           f"config.json") from None
-    return config
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise ConvertError(f"{path!r} is not valid JSON ({e}). Fix: {fix}") from None
 
 
 def read_hf_weights(path: str) -> dict[str, torch.Tensor]:
@@ -150,13 +153,8 @@ def read_generation_token_ids(path: str) -> dict | None:
     gen_path = os.path.join(path, GENERATION_CONFIG)
     if not os.path.isfile(gen_path):
         return None
-    try:
-        with open(gen_path, encoding="utf-8") as f:
-            gen = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConvertError(f"{gen_path!r} is not valid JSON ({e}). Fix: restore the model's "
-                           f"{GENERATION_CONFIG}, or remove it (generation then takes the token "
-                           f"ids of config.json)") from None
+    gen = _json_file(gen_path, f"restore the model's {GENERATION_CONFIG}, or remove it "
+                     f"(generation then takes the token ids of config.json)")
     if not isinstance(gen, dict):
         raise ConvertError(f"{gen_path!r} holds a JSON {type(gen).__name__}, not an object. Fix: "
                            f"restore the model's {GENERATION_CONFIG}, or remove it")

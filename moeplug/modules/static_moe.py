@@ -349,18 +349,11 @@ class PackedExchange:
     def __call__(self, x_ECD: torch.Tensor, counts_WL: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ep_size > 1:
-            ones = [1] * self.ep_size
-            x_ECD, counts_WL = (comm.all_to_all(x_ECD, self.chunks, self.chunks, self.group),
-                                comm.all_to_all(counts_WL, ones, ones, self.group))
-        if self.etp_size > 1:
-            P = self.etp_size
-            x_ECD = comm.all_gather(x_ECD, self.etp_group, [x_ECD.shape[0]] * P)
-            counts_WL = comm.all_gather(counts_WL, self.etp_group, [counts_WL.shape[0]] * P)
-        return x_ECD, counts_WL
+            x_ECD = comm.all_to_all(x_ECD, self.chunks, self.chunks, self.group)
+        return self._gathered(x_ECD, self._counts_exchanged(counts_WL))
 
     def back(self, y_ECD: torch.Tensor) -> torch.Tensor:
-        if self.etp_size > 1:
-            y_ECD = comm.reduce_scatter(y_ECD, self.etp_group)
+        y_ECD = self._reduced(y_ECD)
         if self.ep_size == 1:
             return y_ECD
         return comm.all_to_all(y_ECD, self.chunks, self.chunks, self.group)
@@ -372,24 +365,33 @@ class PackedExchange:
     def start(self, x_ECD: torch.Tensor, counts_WL: torch.Tensor) -> Callable[[], tuple]:
         """:meth:`__call__` begun: returns its ``wait() -> (x_ECD, counts_WL)``."""
         pending = comm.all_to_all_start(x_ECD, self.chunks, self.chunks, self.group)
-        if self.ep_size > 1:
-            ones = [1] * self.ep_size
-            counts_WL = comm.all_to_all(counts_WL, ones, ones, self.group)
-
-        def wait() -> tuple[torch.Tensor, torch.Tensor]:
-            x, counts = pending.wait(), counts_WL
-            if self.etp_size > 1:
-                P = self.etp_size
-                x = comm.all_gather(x, self.etp_group, [x.shape[0]] * P)
-                counts = comm.all_gather(counts, self.etp_group, [counts.shape[0]] * P)
-            return x, counts
-        return wait
+        counts_WL = self._counts_exchanged(counts_WL)
+        return lambda: self._gathered(pending.wait(), counts_WL)
 
     def back_start(self, y_ECD: torch.Tensor) -> Callable[[], torch.Tensor]:
         """:meth:`back` begun: returns its ``wait() -> y_ECD``."""
-        if self.etp_size > 1:
-            y_ECD = comm.reduce_scatter(y_ECD, self.etp_group)
-        return comm.all_to_all_start(y_ECD, self.chunks, self.chunks, self.group).wait
+        return comm.all_to_all_start(self._reduced(y_ECD), self.chunks, self.chunks,
+                                     self.group).wait
+
+    def _counts_exchanged(self, counts_WL: torch.Tensor) -> torch.Tensor:
+        """Each source's [1, L] kept counts to the rank owning those experts."""
+        if self.ep_size == 1:
+            return counts_WL
+        ones = [1] * self.ep_size
+        return comm.all_to_all(counts_WL, ones, ones, self.group)
+
+    def _gathered(self, x_ECD: torch.Tensor, counts_WL: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The arrived chunks and counts of every ETP rank (P*W chunks); as they are without."""
+        if self.etp_size == 1:
+            return x_ECD, counts_WL
+        P = self.etp_size
+        return (comm.all_gather(x_ECD, self.etp_group, [x_ECD.shape[0]] * P),
+                comm.all_gather(counts_WL, self.etp_group, [counts_WL.shape[0]] * P))
+
+    def _reduced(self, y_ECD: torch.Tensor) -> torch.Tensor:
+        """The P partial outputs summed, this rank's chunks kept; as it is without ETP."""
+        return y_ECD if self.etp_size == 1 else comm.reduce_scatter(y_ECD, self.etp_group)
 
 
 def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,

@@ -15,8 +15,8 @@ import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.testing._common import (build, differentiable, close, expect, expect_no_new_state, state_snapshot,
-                                     tiny_model_config)
+from moeplug.testing._common import (build, close, differentiable, expect, expect_no_new_state,
+                                     state_snapshot, tiny_model_config)
 
 
 def random_routing(T: int, E: int, K: int, generator: torch.Generator,

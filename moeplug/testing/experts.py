@@ -12,8 +12,8 @@ import torch
 
 from moeplug.config import GATED_ACTIVATIONS, ModelConfig
 from moeplug.interfaces import Experts
-from moeplug.testing._common import (build, differentiable, close, expect, expect_no_new_state, state_snapshot,
-                                     tiny_model_config)
+from moeplug.testing._common import (build, close, differentiable, expect, expect_no_new_state,
+                                     state_snapshot, tiny_model_config)
 from moeplug.testing.reference import reference_expert_mlp
 
 

@@ -12,8 +12,8 @@ import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Router, RouterOutput
-from moeplug.testing._common import (build, differentiable, expect, expect_no_new_state, state_snapshot,
-                                     tiny_model_config)
+from moeplug.testing._common import (build, differentiable, expect, expect_no_new_state,
+                                     state_snapshot, tiny_model_config)
 
 
 def check_router(source: Any, name: str | None = None, *, model_cfg: ModelConfig | None = None,

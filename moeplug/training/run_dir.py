@@ -49,9 +49,7 @@ def check_run_dir(out_dir: str, resume: str, resume_from: str | None, overwrite:
     """ConfigError unless a run may write to ``out_dir``: it is unused, or the run continues it
     (``resume`` is "auto", or ``resume_from``, the resolved checkpoint, lies inside it), or
     ``overwrite`` is set (and the run does not also resume from it)."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ConfigError(f"train.out_dir = {out_dir!r} is a file, not a directory. Fix: pass "
-                          "--out a directory (new or a run's)")
+    refuse_file(out_dir, "train.out_dir =")
     continues = resume == "auto" or bool(resume_from and _inside(resume_from, out_dir))
     if overwrite and continues:
         raise ConfigError(f"--overwrite with train.resume = {resume!r}: overwriting would delete "
@@ -64,6 +62,14 @@ def check_run_dir(out_dir: str, resume: str, resume_from: str | None, overwrite:
                           "there would mix its metrics and checkpoints with the old one's. Fix: "
                           "pass --resume auto to continue it, --overwrite to replace it, or "
                           "--out NEW_DIR")
+
+
+def refuse_file(out_dir: str, name: str) -> None:
+    """ConfigError when ``out_dir`` exists but is no directory; ``name`` says where it came
+    from (a field with " =", or a flag)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"{name} {out_dir!r} is a file, not a directory. Fix: pass --out a "
+                          "directory (new, or a run's)")
 
 
 def clear_run(out_dir: str) -> None:
