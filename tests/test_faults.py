@@ -275,3 +275,10 @@ def test_a_signal_to_a_single_process_run_stops_it_in_one_line_and_it_resumes(
     steps = [r["step"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))
              if r.get("kind") == "train"]
     assert steps[-1] == done + 1, steps
+
+
+def test_a_stop_before_the_first_checkpoint_says_nothing_is_kept():
+    from moeplug.training.faults import stopped_line
+    assert stopped_line(signal.SIGTERM, None) == (
+        "moeplug: stopped by SIGTERM before the first checkpoint; nothing to resume. Fix: run "
+        "again with --overwrite (or another --out)")

@@ -783,3 +783,21 @@ def test_cli_import_reports_every_cheap_problem_at_once(tmp_path, capsys):
     for part, line in zip(("is a file, not a directory", "unknown experts 'nosuch'",
                            "no weights, no *.safetensors"), err):
         assert part in line and "Fix:" in line, (part, line)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list, not an object")])
+def test_a_broken_generation_config_is_refused_naming_it(tmp_path, text, words):
+    randomised(mixtral()).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").write_text(text)
+    with pytest.raises(ConvertError, match=rf"generation_config.json'.* {words}.*Fix: restore "
+                                           rf"the model's generation_config.json, or remove it"):
+        import_hf(str(tmp_path / "hf"), str(tmp_path / "run"))
+
+
+def test_a_rope_theta_that_is_no_positive_number_is_refused_naming_the_hf_field():
+    with pytest.raises(ConvertError, match=r"MixtralConfig.rope_parameters.rope_theta = 0: must "
+                                           r"be a number > 0. Fix: import a model with a "
+                                           r"positive rope_theta"):
+        root_config_from_hf(mixtral().config.to_dict() | {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 0}})

@@ -212,3 +212,13 @@ def test_a_gpu_resolved_from_auto_refuses_the_chunked_region():
                                           r"region only.*Fix"):
         check_cuda_expert_levers(cfg, "train.device (auto: a GPU)")
     check_cuda_expert_levers(config_from_dict({"runtime": {"sync_free": True}}), "train.device")
+
+
+def test_a_layer_built_without_the_config_refuses_a_chunked_region_it_cannot_run():
+    # RootConfig refuses capture with chunks; a layer built without it says so, not silently
+    # unchunked or a crash in the CPU kernels
+    layer = _layer(2, sync_free=True)
+    layer.runtime.runtime.sync_free.capture = True
+    with pytest.raises(ValueError, match=r"overlap_chunks > 1 runs eagerly on the CPU in fp32 or "
+                                         r"bf16 only.*Fix: overlap_chunks 1"):
+        layer(torch.randn(2, 15, 32))
