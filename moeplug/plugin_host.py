@@ -278,7 +278,7 @@ def _element_types(origin: type, args: tuple, n: int) -> tuple:
 
 def _coerce(value: Any, tp: Any) -> Any:
     """``value`` as YAML cannot write it for ``tp``: a number YAML 1.1 read as a string (1e-3,
-    as moeplug.config._as_float does for config fields) where a float goes, and a list where a
+    as moeplug.config.loader._as_float does for config fields) where a float goes, and a list where a
     tuple goes (YAML has no tuples); elements of lists and tuples alike. Anything else as it
     is, for :func:`_type_ok` to judge."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)

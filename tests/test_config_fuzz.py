@@ -21,7 +21,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from moeplug import cli  # noqa: E402
-from moeplug.config import _SUBCONFIGS, ConfigError, RootConfig, config_from_dict  # noqa: E402
+from moeplug.config import ConfigError, RootConfig, config_from_dict  # noqa: E402
+from moeplug.config.loader import _SUBCONFIGS  # noqa: E402
 
 # The hypothesis tests run alone (serial): their deadlines are wall-clock time per example. The
 # real-CLI ones run beside other tests: their 30 s bound is ~10x what a refusal takes.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeplug.config import ParallelConfig
 from moeplug.testing.distributed import run_distributed
 
 V, MB, SEQ = 64, 2, 8
@@ -172,7 +173,7 @@ def test_schedule_errors_name_the_value_and_fix():
 # --------------------------------------------------------------------------------------------
 
 def test_partition_even_interleaved_and_uneven():
-    from moeplug.parallel.pipeline import PipelineConfig as P
+    from moeplug.config import ParallelConfig as P
 
     def layers(pipe, n, pp):
         return [[list(r) for r in ranks] for ranks in pipe.chunk_layers(n, pp)]
@@ -208,10 +209,9 @@ def test_partition_even_interleaved_and_uneven():
      r"ParallelConfig.num_layers_in_last_stage = 1: uneven stages need pp > 1. Fix: unset"),
 ])
 def test_partition_errors_name_field_value_and_fix(pipe_kwargs, num_layers, pp, match):
-    from moeplug.config import ConfigError
-    from moeplug.parallel.pipeline import PipelineConfig
+    from moeplug.config import ConfigError, ParallelConfig
     with pytest.raises(ConfigError, match=match):
-        PipelineConfig(**pipe_kwargs).chunk_layers(num_layers, pp)
+        ParallelConfig(**pipe_kwargs).chunk_layers(num_layers, pp)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -221,10 +221,9 @@ def test_partition_errors_name_field_value_and_fix(pipe_kwargs, num_layers, pp, 
     ({"num_layers_in_last_stage": 1.5}, r"num_layers_in_last_stage = 1.5: .*Fix"),
 ])
 def test_pipeline_config_field_errors(kwargs, match):
-    from moeplug.config import ConfigError
-    from moeplug.parallel.pipeline import PipelineConfig
+    from moeplug.config import ConfigError, ParallelConfig
     with pytest.raises(ConfigError, match=match):
-        PipelineConfig(**kwargs)
+        ParallelConfig(**kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,11 +239,11 @@ def _single_process_chunks(cfg, pipe, pp, rank):
 
 
 def test_chunk_state_dicts_partition_the_full_model():
-    from moeplug.parallel.pipeline import PipelineConfig, pipeline_state_dict
+    from moeplug.parallel.pipeline import pipeline_state_dict
     cfg = _cfg(num_layers=4)
     ref, _ = _reference(cfg, [])
     full = ref.state_dict()
-    pipe = PipelineConfig(vpp=2)
+    pipe = ParallelConfig(vpp=2)
     shards = [pipeline_state_dict(_single_process_chunks(cfg, pipe, 2, r)) for r in range(2)]
     assert not set(shards[0]) & set(shards[1])
     assert set(shards[0]) | set(shards[1]) == set(full)
@@ -256,15 +255,14 @@ def test_chunk_state_dicts_partition_the_full_model():
 
 
 def test_single_process_pipeline_step_is_gradient_accumulation():
-    from moeplug.parallel import ParallelConfig, ParallelGroups
-    from moeplug.parallel.pipeline import PipelineConfig
+    from moeplug.parallel import ParallelGroups
     from moeplug.parallel.schedules import forward_backward_pipeline
 
     cfg = _cfg(num_layers=2)
     mbs = _microbatches(3)
     ref, ref_loss = _reference(cfg, mbs)
     groups = ParallelGroups.build(ParallelConfig(), 1, 0)
-    chunks = _single_process_chunks(cfg, PipelineConfig(), 1, 0)
+    chunks = _single_process_chunks(cfg, ParallelConfig(), 1, 0)
     result = forward_backward_pipeline(chunks, mbs, groups)
     assert result.aux_loss > 0
     torch.testing.assert_close(result.loss.item(), ref_loss, **TOL)
@@ -280,9 +278,9 @@ def test_single_process_pipeline_step_is_gradient_accumulation():
 
 
 def test_load_pipeline_shard_errors():
-    from moeplug.parallel.pipeline import PipelineConfig, load_pipeline_shard
+    from moeplug.parallel.pipeline import load_pipeline_shard
     cfg = _cfg(num_layers=2)
-    chunks = _single_process_chunks(cfg, PipelineConfig(), 2, 1)
+    chunks = _single_process_chunks(cfg, ParallelConfig(), 2, 1)
     full = _reference(cfg, [])[0].state_dict()
     load_pipeline_shard(chunks, full)
     del full["head.weight"]
@@ -305,7 +303,7 @@ def _pipeline_rank(rank: int, world: int, pp: int, pipe_kwargs: dict, num_layers
     from moeplug.modules import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
-    from moeplug.parallel.pipeline import PipelineConfig, build_stage_modules, load_pipeline_shard
+    from moeplug.parallel.pipeline import build_stage_modules, load_pipeline_shard
     from moeplug.parallel.schedules import forward_backward_pipeline
     from moeplug.plugin_host import PluginHost
 
@@ -314,7 +312,7 @@ def _pipeline_rank(rank: int, world: int, pp: int, pipe_kwargs: dict, num_layers
     torch.manual_seed(0)
     full = build_model(cfg, host, V).state_dict()
     torch.manual_seed(1 + rank)  # different weights, so the shard loader has to do the work
-    chunks = build_stage_modules(cfg, host, V, groups, PipelineConfig(**pipe_kwargs))
+    chunks = build_stage_modules(cfg, host, V, groups, ParallelConfig(**pipe_kwargs))
     load_pipeline_shard(chunks, full)
     model = nn.ModuleList(chunks)
     out: dict = {"losses": [], "norms": []}

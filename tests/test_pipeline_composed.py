@@ -25,12 +25,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeplug.config import ParallelConfig
 from moeplug.testing.distributed import run_distributed
 
 V, MB, SEQ, NUM_MB = 64, 2, 8, 2
 TOL = dict(rtol=2e-5, atol=2e-6)  # fp32: same ops, only the collectives' summation order differs
 
-# name -> (world size, ParallelConfig kwargs, model overrides[, PipelineConfig kwargs])
+# name -> (world size, ParallelConfig kwargs, model overrides[, ParallelConfig kwargs])
 LAYOUTS = {
     "pp2_tp2": (4, dict(pp=2, tp=2), {}),
     "pp2_tp2_sp_tied": (4, dict(pp=2, tp=2, sequence_parallel=True),
@@ -88,7 +89,7 @@ def _rank(rank: int, world: int, name: str) -> dict:
 
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import global_grad_norm, sync_gradients
-    from moeplug.parallel.pipeline import PipelineConfig, build_stage_modules
+    from moeplug.parallel.pipeline import build_stage_modules
     from moeplug.parallel.schedules import forward_backward_pipeline
     from moeplug.parallel.sharding import load_parallel_shard, shard_state_dict
     from moeplug.plugin_host import PluginHost
@@ -102,7 +103,7 @@ def _rank(rank: int, world: int, name: str) -> dict:
     ref_params = dict(ref.named_parameters())
 
     torch.manual_seed(1 + rank)  # other weights than the reference: the loader must do the work
-    chunks = build_stage_modules(cfg, host, V, groups, PipelineConfig(**(pipe_kw or [{}])[0]))
+    chunks = build_stage_modules(cfg, host, V, groups, ParallelConfig(**(pipe_kw or [{}])[0]))
     for chunk in chunks:
         load_parallel_shard(chunk, ref.state_dict(), groups)
     res = forward_backward_pipeline(chunks, mbs[dp_rank * NUM_MB:(dp_rank + 1) * NUM_MB], groups)
@@ -165,15 +166,15 @@ def test_last_stage_embedding_copy_is_flagged_and_loaded():
     MTP) as a flagged copy, the first stage the original; an untied model without MTP shares
     nothing (the plain partition of tests/test_pipeline.py)."""
     from moeplug.modules import build_model
-    from moeplug.parallel.pipeline import PipelineConfig, split_model
+    from moeplug.parallel.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     for overrides, shared in (({"tie_embeddings": True}, True), ({"mtp_num_layers": 1}, True),
                               ({}, False)):
         cfg = _cfg(overrides)
         torch.manual_seed(0)
-        first = split_model(build_model(cfg, PluginHost.load(), V), PipelineConfig(), 2, 0)[0]
+        first = split_model(build_model(cfg, PluginHost.load(), V), ParallelConfig(), 2, 0)[0]
         torch.manual_seed(0)
-        last = split_model(build_model(cfg, PluginHost.load(), V), PipelineConfig(), 2, 1)[0]
+        last = split_model(build_model(cfg, PluginHost.load(), V), ParallelConfig(), 2, 1)[0]
         assert hasattr(last, "embed") == shared
         assert not getattr(first.embed.weight, "pipeline_copy", False)
         if shared:
@@ -184,10 +185,10 @@ def test_last_stage_embedding_copy_is_flagged_and_loaded():
 
 def test_mtp_last_stage_needs_tokens():
     from moeplug.modules import build_model
-    from moeplug.parallel.pipeline import PipelineConfig, split_model
+    from moeplug.parallel.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     cfg = _cfg({"mtp_num_layers": 1})
-    last = split_model(build_model(cfg, PluginHost.load(), V), PipelineConfig(), 2, 1)[0]
+    last = split_model(build_model(cfg, PluginHost.load(), V), ParallelConfig(), 2, 1)[0]
     tokens, targets = _microbatches(1)[0]
     x_BSD = torch.zeros(MB, SEQ, 16)
     with pytest.raises(ValueError, match=r"mtp_num_layers = 1 needs the input tokens.*tokens_BS "

@@ -49,7 +49,7 @@ _FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "squared_relu": _squared_relu,
 }
-# config.py validates names without importing torch; both lists must name the same functions.
+# moeplug.config validates names without importing torch; both lists must name the same functions.
 assert tuple(_FUNCS) == ACTIVATIONS, "moeplug.config.ACTIVATIONS and _FUNCS must match"
 
 

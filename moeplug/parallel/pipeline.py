@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeplug.config import PipelineConfig, RootConfig  # noqa: F401 (PipelineConfig: re-export)
+from moeplug.config import ParallelConfig, RootConfig
 from moeplug.modules.moe import MoELayer
 from moeplug.modules.stages import ModelStages
 from moeplug.modules.transformer import MoETransformer
@@ -135,7 +135,7 @@ class PipelineChunk(ModelStages, nn.Module):
                 block.ffn.router.finalize_step(group)
 
 
-def split_model(model: MoETransformer, pipe: PipelineConfig, pp: int, pp_rank: int,
+def split_model(model: MoETransformer, pipe: ParallelConfig, pp: int, pp_rank: int,
                 embedding_group: Any = None) -> list[PipelineChunk]:
     """The ``vpp`` chunks of pipeline rank ``pp_rank`` (references to ``model``'s submodules:
     drop ``model`` afterwards and the other ranks' layers are freed). ``embedding_group``: from
@@ -198,7 +198,7 @@ def embedding_grads_snapshot(chunks: list[PipelineChunk]) -> dict[int, torch.Ten
 
 
 def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
-                        pipe: PipelineConfig | None = None) -> list[PipelineChunk]:
+                        pipe: ParallelConfig | None = None) -> list[PipelineChunk]:
     """Build this rank's model chunks for ``groups`` (a ParallelGroups).
 
     The full model is built with :func:`moeplug.modules.build_model` (so whatever the model
@@ -208,7 +208,7 @@ def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any
     Collective (the embedding group, see :func:`build_embedding_group`)."""
     from moeplug.modules import build_model
 
-    pipe = pipe or PipelineConfig()
+    pipe = pipe or ParallelConfig()
     pp, pp_rank = groups.size("pp"), groups.rank_in("pp")
     pipe.chunk_layers(cfg.model.num_layers, pp)  # validate before the (larger) build
     embedding_group = build_embedding_group(groups, cfg.model)

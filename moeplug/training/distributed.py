@@ -307,9 +307,9 @@ def global_expert_counts(counts: list[torch.Tensor], groups: Any) -> list[torch.
 
 def single_process_equivalent(cfg: RootConfig, dp: int) -> RootConfig:
     """The one-process config a parallel run with data-parallel size ``dp`` equals."""
-    from moeplug.config import ParallelSection
+    from moeplug.config import ParallelConfig
     return dataclasses.replace(
-        cfg, parallel=ParallelSection(),
+        cfg, parallel=ParallelConfig(),
         train=dataclasses.replace(cfg.train, grad_accum_steps=cfg.train.grad_accum_steps * dp))
 
 

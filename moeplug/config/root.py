@@ -1,0 +1,255 @@
+"""The whole run (:class:`RootConfig`): the sections and the checks that span them; which
+fields define a model (what a resume may not change)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from moeplug.config._checks import _check_fields, _fail
+from moeplug.config.data import DataConfig
+from moeplug.config.model import ModelConfig, expert_op_levers
+from moeplug.config.parallel import ParallelConfig, validate_model
+from moeplug.config.plugins import PluginsConfig
+from moeplug.config.runtime import SYNC_FREE_PRECISIONS, RuntimeSection
+from moeplug.config.train import TrainConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class RootConfig:
+    """The whole run. Cross-component checks live here."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.train.seq_len > self.model.max_seq_len:
+            _fail(self.train, "seq_len", self.train.seq_len,
+                  f"exceeds model.max_seq_len ({self.model.max_seq_len})",
+                  f"set train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len")
+        for name in ("master_dtype", "param_dtype"):  # both make the parameters bf16
+            if getattr(self.train, name) == "bf16" and self.plugins.precision != "bf16":
+                _fail(self.train, name, "bf16", f"needs plugins.precision bf16 (got "
+                      f"{self.plugins.precision!r}): bf16 weights are computed with under bf16 "
+                      f"autocast", f"set plugins.precision: bf16 or train.{name}: fp32")
+        self._check_parallel_fits_model()
+        self._check_sync_free()
+        self._check_delay_wgrad()
+        self._check_expert_op_levers()
+
+    def _check_delay_wgrad(self) -> None:
+        # The split backward lives in the grouped experts' fp32/bf16 CPU ops (moeplug.ops
+        # expert_mlp, grouped_mlp); every other path computes its weight gradients inside
+        # torch's autograd, where they cannot be moved behind the exchange.
+        moe, name = self.model.moe, "delay_wgrad_compute"
+        if moe.delay_wgrad_compute is not True:
+            return
+        if self.plugins.experts != "grouped":
+            _fail(moe, name, True, f"needs the grouped experts backend (its op splits the "
+                  f"backward), not plugins.experts = {self.plugins.experts!r}",
+                  f"set plugins.experts: grouped or {name}: false")
+        if self.plugins.precision not in ("fp32", "bf16"):
+            _fail(moe, name, True, f"splits the fp32/bf16 expert GEMMs; plugins.precision = "
+                  f"{self.plugins.precision!r} runs the experts through its own quantized op",
+                  f"set plugins.precision: fp32 or bf16, or {name}: false")
+        if self.runtime.sync_free:
+            _fail(moe, name, True, "is not built into the static sync-free region "
+                  "(runtime.sync_free runs its own expert backward)",
+                  f"set runtime.sync_free: false or {name}: false")
+        if self.runtime.stash:
+            # The stash hands the experts' saved tensors back as views of its pages and frees
+            # the pages when autograd drops them - right after the dgrad, before the deferred
+            # weight GEMMs read them.
+            _fail(moe, name, True, "cannot be combined with runtime.stash (its pages return to "
+                  "the pool when the experts' backward node ends; the delayed weight GEMMs "
+                  "read them later)", f"set runtime.stash: false or {name}: false")
+        if self.train.device.startswith("cuda"):
+            _fail(moe, name, True, f"is implemented for the CPU expert ops only (on CUDA the "
+                  f"experts use torch's grouped_mm autograd), but train.device = "
+                  f"{self.train.device!r}", f"set train.device: cpu or {name}: false")
+
+    def _check_expert_op_levers(self) -> None:
+        # The eager CPU static region (moeplug.modules.static_arena) keeps FC1's output, never
+        # the activation (moe_act recompute is its only mode), and notes its saved tensors for
+        # the expert offload names. The captured region is compiled: inductor decides what it
+        # keeps and no saved-tensor hook sees inside, so either switch would do nothing there.
+        # (A GPU's region: moeplug.training.distributed.check_cuda_expert_levers.)
+        if not (self.runtime.sync_free and self.runtime.capture):
+            return
+        m = self.model
+        for key, names in expert_op_levers(m).items():
+            obj, field_name = (m.recompute, "modules") if key == "recompute.modules" \
+                else (m, "offload")
+            what = " and ".join(names) + (" acts" if len(names) == 1 else " act")
+            _fail(obj, field_name, getattr(obj, field_name), f"{what} inside the expert ops; "
+                  f"runtime.capture compiles the sync-free region, which would ignore "
+                  f"{'it' if len(names) == 1 else 'them'}", f"drop {' and '.join(names)} "
+                  f"from model.{key}, or set runtime.capture: false")
+
+    def _check_sync_free(self) -> None:
+        # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself, in the
+        # autocast dtype or through a built-in emulated recipe: no other precision plugin's
+        # GEMMs. It has its own static EP exchange (and ETP gather).
+        if not self.runtime.sync_free:
+            return
+        if self.plugins.precision not in SYNC_FREE_PRECISIONS:
+            _fail(self.runtime, "sync_free", True, f"runs the expert GEMMs in fp32, bf16 or an "
+                  f"emulated recipe ({', '.join(SYNC_FREE_PRECISIONS[2:])}), not "
+                  f"plugins.precision = {self.plugins.precision!r}",
+                  "set plugins.precision to one of those, or runtime.sync_free: false")
+        if self.runtime.capture and self.plugins.precision not in ("fp32", "bf16"):
+            _fail(self.runtime, "capture", True, f"compiles the sync-free region in fp32 or bf16 "
+                  f"only; plugins.precision = {self.plugins.precision!r} runs it eagerly",
+                  "set runtime.capture: false, or plugins.precision: fp32 or bf16")
+        chunks = self.model.moe.overlap_chunks
+        if isinstance(chunks, int) and chunks > 1:
+            # The chunked static region (moeplug.modules.static_overlap) is the eager CPU one;
+            # silently ignoring one of the two switches elsewhere would hide it.
+            where = ("runtime.capture compiles the region whole" if self.runtime.capture else
+                     f"plugins.precision = {self.plugins.precision!r} runs the region through "
+                     f"its recipe" if self.plugins.precision not in ("fp32", "bf16") else
+                     f"train.device = {self.train.device!r} runs the GPU's region"
+                     if self.train.device.startswith("cuda") else None)
+            if where is not None:
+                _fail(self.model.moe, "overlap_chunks", chunks, f"pipelines the sync-free "
+                      f"region eagerly on the CPU in fp32 or bf16 only; {where}, unchunked",
+                      "set model.moe.overlap_chunks: 1, or runtime.sync_free: false")
+
+    def _check_parallel_fits_model(self) -> None:
+        # Shards must split evenly (heads % TP, experts % EP, layers per pipeline stage, seq_len
+        # per CP/SP shard). No world size needed, so this runs on every load.
+        m, par = self.model, self.parallel
+        validate_model(par, num_experts=m.moe.num_experts, num_heads=m.num_heads,
+                       num_kv_heads=m.num_kv_heads, num_layers=None,
+                       ffn_hidden_size=m.moe.ffn_hidden_size, seq_len=self.train.seq_len)
+        par.rank_layer_counts(m.num_layers)
+        # Tensor parallelism splits the dense MLPs' hidden and the vocabulary (embedding, head)
+        # over TP: refused here, else as a traceback from every rank's model build. A vocabulary
+        # the tokenizer decides (model.vocab_size 0) is checked once it is known, before the
+        # ranks start (moeplug.cli).
+        if par.tp > 1 and not all(m.moe_layer_pattern) and m.dense_ffn_hidden_size % par.tp:
+            _fail(m, "dense_ffn_hidden_size", m.dense_ffn_hidden_size, f"is not divisible by "
+                  f"parallel.tp = {par.tp} (the dense layers' MLPs are split over TP)",
+                  f"choose a multiple of {par.tp}")
+        if par.tp > 1 and m.vocab_size % par.tp:
+            _fail(m, "vocab_size", m.vocab_size, f"is not divisible by parallel.tp = {par.tp} "
+                  f"(the embedding and head are split over TP)",
+                  f"pad it to a multiple of {par.tp}, e.g. {-(-m.vocab_size // par.tp) * par.tp}")
+        # The MTP blocks and their loss are built unsharded (not tensor/vocab-parallel) and MTP
+        # shifts tokens across CP shards, so the model build would refuse these layouts: say so
+        # here, before any rank starts, instead of as a traceback from build_model.
+        for degree in ("tp", "cp"):
+            if m.mtp_num_layers and getattr(par, degree) > 1:
+                _fail(m, "mtp_num_layers", m.mtp_num_layers,
+                      f"multi-token prediction does not support parallel.{degree} = "
+                      f"{getattr(par, degree)} yet ("
+                      + ("the MTP blocks and loss are not tensor/vocab-parallel" if degree == "tp"
+                         else "MTP shifts tokens across context-parallel shards") + ")",
+                      f"set model.mtp_num_layers: 0 or parallel.{degree}: 1")
+        if m.attention == "mla" and par.cp > 1:  # else a traceback from every rank's build
+            _fail(m, "attention", "mla", f"multi-head latent attention does not support "
+                  f"parallel.cp = {par.cp} yet", "set model.attention: gqa or parallel.cp: 1")
+        if par.overlap_moe_expert_parallel_comm is True:
+            self._check_combined_1f1b()
+        if par.pp > 1 and par.vpp > 1 and self.train.grad_accum_steps % par.pp:
+            _fail(self.train, "grad_accum_steps", self.train.grad_accum_steps,
+                  f"the interleaved pipeline schedule (parallel.vpp = {par.vpp}) needs a "
+                  f"multiple of parallel.pp = {par.pp} micro-batches",
+                  f"set train.grad_accum_steps to a multiple of {par.pp}, or parallel.vpp: 1")
+
+    def _check_combined_1f1b(self) -> None:
+        # Every layout composes: TP/SP, CP (both cp_comm modes), EP/ETP and DP collectives
+        # (MLA's and MTP's included) all pass their group through
+        # moeplug.parallel.comm.active_group, which puts the overlapped backward's on the twin
+        # groups; PP's tagged p2p messages match by tag whichever thread sends them
+        # (moeplug.parallel.schedules).
+        par, name = self.parallel, "overlap_moe_expert_parallel_comm"
+        if self.train.grad_accum_steps < 2:
+            _fail(par, name, True, f"needs two micro-batches in flight, but "
+                  f"train.grad_accum_steps = {self.train.grad_accum_steps}",
+                  f"set train.grad_accum_steps >= 2 or {name}: false")
+        rc = self.model.recompute
+        jitter = self.plugins.router_options.get("input_jitter_eps", 0.0)
+        recomputes = rc.granularity == "full" or bool(rc.modules)
+        if isinstance(jitter, (int, float)) and jitter > 0 and recomputes:
+            # A recompute replays the forward's RNG state on the helper thread (set, run,
+            # restore) while this thread's forward draws the jitter from the same global
+            # generator: the forward's draws would depend on the threads' timing.
+            _fail(par, name, True, f"cannot be combined with recompute while the router "
+                  f"draws input jitter (plugins.router_options.input_jitter_eps = {jitter}: "
+                  f"the overlapped backward's recompute replays torch's global RNG while the "
+                  f"forward draws from it)",
+                  f"set plugins.router_options.input_jitter_eps: 0, recompute nothing "
+                  f"(model.recompute.granularity: selective, modules: []) or {name}: false")
+        if self.runtime.stash:
+            _fail(par, name, True, "cannot be combined with runtime.stash (the stash pool "
+                  "serves one forward or backward at a time)",
+                  f"set runtime.stash: false or {name}: false")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# The fields that define a model's weights and the function they compute: a checkpoint resumed
+# under another value either mismatches shapes (num_experts, hidden_size, vocabulary) or
+# silently computes something else with the same tensors (top_k, activation, routing options).
+MODEL_DEFINING = ("model", "plugins.router", "plugins.router_options", "data.tokenizer",
+                  "data.vocab_size")
+# Fields under "model" (and the sections below them) that change how the model runs, not what
+# it computes: a resume may change them. Overlap on or off, recompute and offloading give the
+# same outputs and gradients, bitwise (tests/test_overlap.py, test_recompute.py,
+# test_offload.py); a run that resumes short of memory turns recompute or offloading on.
+EXECUTION_ONLY = ("model.moe.overlap_chunks", "model.moe.delay_wgrad_compute", "model.recompute",
+                  "model.offload")
+
+
+def _under(key: str, fields: tuple[str, ...]) -> bool:
+    """``key`` (dotted) is one of ``fields`` or lies below one of them."""
+    return any(key == f or key.startswith(f + ".") for f in fields)
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def model_differences(saved: RootConfig, requested: RootConfig,
+                      router_options: Callable[[str, dict], dict | None] | None = None,
+                      ignore: tuple[str, ...] = ()) -> list[tuple[str, Any, Any]]:
+    """(dotted field, saved value, requested value) for every MODEL_DEFINING field that
+    differs in what it means; "(not set)" stands for an option present on one side only.
+    ``router_options(router, options)``: the options as the router reads them (its defaults
+    filled in, the ones that change only how it runs left out; None where it cannot tell, and
+    then both sides are compared as written), so an option written out at its default is no
+    difference; ``ignore``: fields (and their sub-fields) not compared."""
+    dicts = [saved.to_dict(), requested.to_dict()]
+    if router_options is not None:
+        read = [router_options(c.plugins.router, dict(c.plugins.router_options))
+                for c in (saved, requested)]
+        if None not in read:
+            for d, opts in zip(dicts, read):
+                d["plugins"]["router_options"] = opts
+    a, b = (_flatten(d) for d in dicts)
+    if saved.data.tokenizer == requested.data.tokenizer == "bytes":
+        a.pop("data.vocab_size"), b.pop("data.vocab_size")  # only BPE reads it
+    if 0 in (saved.model.vocab_size, requested.model.vocab_size):
+        # 0 means the tokenizer's vocabulary: the embedding's saved shape decides at load
+        a.pop("model.vocab_size"), b.pop("model.vocab_size")
+    if all(saved.model.moe_layer_pattern) and all(requested.model.moe_layer_pattern):
+        a.pop("model.dense_ffn_hidden_size"), b.pop("model.dense_ffn_hidden_size")  # no dense
+    unset = "(not set)"
+    return [(k, a.get(k, unset), b.get(k, unset)) for k in {**b, **a}
+            if _under(k, MODEL_DEFINING) and not _under(k, EXECUTION_ONLY)
+            and not _under(k, ignore) and a.get(k, unset) != b.get(k, unset)]
+
