@@ -62,7 +62,7 @@ def _id_dtype(vocab_size: int) -> np.dtype:
 def _encode_works(tok: TextTokenizer, works: list[Work]) -> list[int]:
     """Each work encoded on its own (BPE: in parallel), joined by the encoded separator."""
     texts = [w.text for w in works]
-    per_work = tok.encode_batch(texts) if isinstance(tok, BPETokenizer) else [tok.encode(t) for t in texts]
+    per_work = tok.encode_batch(texts)
     sep = tok.encode(WORK_SEPARATOR)
     out: list[int] = []
     for i, ids in enumerate(per_work):

@@ -1,8 +1,11 @@
 """Tokenizers: byte-level BPE trained locally on the train split, or raw UTF-8 bytes.
 
-Both expose ``encode(str) -> list[int]``, ``decode(list[int]) -> str``, ``vocab_size`` and
-``fingerprint()`` (equal fingerprints: the same ids for the same text; checkpoints record it so
-``moeplug generate`` can prove it decodes with the tokenizer the run trained with).
+Both expose ``encode(str) -> list[int]``, ``encode_batch(list[str]) -> list[list[int]]``,
+``decode(list[int]) -> str``, ``vocab_size``, the special ids a document is framed with
+(``eos_id`` appended to every document, ``bos_id`` prepended when ``add_bos``; None: the
+tokenizer has none) and ``fingerprint()`` (equal fingerprints: the same ids for the same text;
+checkpoints record it so ``moeplug generate`` can prove it decodes with the tokenizer the run
+trained with).
 """
 
 from __future__ import annotations
@@ -16,8 +19,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 class TextTokenizer(Protocol):
     vocab_size: int
+    eos_id: int | None  # appended to every document (Megatron's --append-eod); None: no EOS
+    bos_id: int | None
+    add_bos: bool  # prepend bos_id to every document (the tokenizer's config asks for it)
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -28,9 +36,14 @@ class ByteTokenizer:
     """Token id = UTF-8 byte value; no training, no file."""
 
     vocab_size = 256
+    eos_id = bos_id = None
+    add_bos = False
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -41,6 +54,9 @@ class ByteTokenizer:
 
 class BPETokenizer:
     """A Hugging Face ``tokenizers`` byte-level BPE: any string round-trips exactly."""
+
+    eos_id = bos_id = None  # trained without special tokens: works are joined by a separator
+    add_bos = False
 
     def __init__(self, tok: Tokenizer) -> None:
         self._tok = tok
