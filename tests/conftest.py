@@ -98,12 +98,20 @@ def cli_env_without_core(cli_env, tmp_path) -> dict:
 
 
 @pytest.fixture
-def run_cli(cli_env):
-    """run_cli("train", "--steps", "3", timeout=...) -> CompletedProcess (text, captured)."""
+def run_cli(cli_env, tmp_path):
+    """run_cli("train", "--steps", "3", timeout=...) -> CompletedProcess (text, captured).
+
+    Hermetic: the CLI runs in a directory of this test's own (``tmp_path / "cwd"``) unless the
+    test passes ``cwd``, so a relative default such as ``train.out_dir: runs/default`` lands
+    there, never in the checkout (where README step 1 leaves a real run); the cache is
+    ``cli_env``'s."""
     from moeplug.testing.cli import run_cli as run_forked
 
     def run(*args: str, timeout: float = 300, env: dict | None = None, cwd: str | None = None,
             fresh: bool = False):
+        if cwd is None:
+            cwd = str(tmp_path / "cwd")
+            os.makedirs(cwd, exist_ok=True)
         return run_forked(args, env=env or cli_env, cwd=cwd, timeout=timeout, fresh=fresh)
     return run
 
@@ -144,3 +152,49 @@ def pytest_xdist_make_scheduler(config, log):
             return module if _defines_module_fixture(config.rootpath / module) else nodeid
 
     return ModuleFixtureScheduling(config, log)
+
+
+# -- hermeticity: the suite never writes the user's run directory or cache ----------------------
+# README step 1 leaves a real run in the checkout's runs/ and a tokenised corpus in
+# ~/.cache/moeplug; a test that ran the CLI with the default train.out_dir or cache met them
+# (a second error line) and, worse, could have overwritten them. Every CLI test gets its own
+# directory and cache (run_cli, cli_env); this check fails the session if any file there was
+# created, changed or deleted all the same, naming the files, so a new non-hermetic test cannot
+# pass unseen. (A run of the user's own in those places during the suite trips it too.)
+
+def _user_places(config) -> list[Path]:
+    return [config.rootpath / "runs", Path(os.path.expanduser("~")) / ".cache" / "moeplug"]
+
+
+def _snapshot(places: list[Path]) -> dict[str, tuple[int, int]]:
+    seen: dict[str, tuple[int, int]] = {}
+    for place in places:
+        for root, _, files in os.walk(place):
+            for name in files:
+                path = os.path.join(root, name)
+                try:
+                    st = os.stat(path)
+                except OSError:  # removed while walking: not ours to judge here
+                    continue
+                seen[path] = (st.st_mtime_ns, st.st_size)
+    return seen
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a plain pytest) only
+        session.config._moeplug_user_files = _snapshot(_user_places(session.config))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_moeplug_user_files", None)
+    if before is None:
+        return
+    after = _snapshot(_user_places(session.config))
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5
+                                          else "")
+        print(f"\nFAILED hermeticity: the tests created, changed or deleted {len(changed)} "
+              f"file(s) in the user's run directory or cache: {shown}. Fix: give the test its "
+              f"own out dir (tmp_path) and cache (the cli_env fixture)", flush=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
