@@ -128,7 +128,7 @@ class RootConfig:
         validate_model(par, num_experts=m.moe.num_experts, num_heads=m.num_heads,
                        num_kv_heads=m.num_kv_heads, num_layers=None,
                        ffn_hidden_size=m.moe.ffn_hidden_size, seq_len=self.train.seq_len)
-        par.rank_layer_counts(m.num_layers)
+        par.layer_layout(m.num_layers, m.mtp_num_layers)  # the pipeline split, MTP blocks too
         # Tensor parallelism splits the dense MLPs' hidden and the vocabulary (embedding, head)
         # over TP: refused here, else as a traceback from every rank's model build. A vocabulary
         # the tokenizer decides (model.vocab_size 0) is checked once it is known, before the

@@ -144,6 +144,10 @@ def layout_manifest(cfg: RootConfig, groups: Any) -> dict:
     return planned_layout_manifest(cfg, groups.config, groups.world_size)
 
 
+SPLIT_FIELDS = ("pipeline_layout", "account_for_embedding_in_pipeline_split",
+                "account_for_loss_in_pipeline_split")
+
+
 def planned_layout_manifest(cfg: RootConfig, pc: Any, world_size: int) -> dict:
     """:func:`layout_manifest` from the resolved ParallelConfig (:func:`resolve_layout`), before
     any process group exists: the CLI checks a checkpoint against it before launching ranks."""
@@ -152,7 +156,11 @@ def planned_layout_manifest(cfg: RootConfig, pc: Any, world_size: int) -> dict:
             "order": pc.order, "vpp": cfg.parallel.vpp,
             "num_layers_in_first_stage": cfg.parallel.num_layers_in_first_stage,
             "num_layers_in_last_stage": cfg.parallel.num_layers_in_last_stage,
-            "distributed_optimizer": cfg.parallel.distributed_optimizer}
+            "distributed_optimizer": cfg.parallel.distributed_optimizer,
+            # The other split fields only when set: manifests of the splits that predate them
+            # stay equal, and the same split reads only this rank's files.
+            **{k: getattr(cfg.parallel, k) for k in SPLIT_FIELDS
+               if getattr(cfg.parallel, k) not in (None, False)}}
 
 
 def init_distributed(cfg: RootConfig) -> Any:
