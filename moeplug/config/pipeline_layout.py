@@ -100,8 +100,9 @@ def _leftover(char: str) -> str:
 
 def parse_layout(text: str) -> list[list[tuple[str, int]]]:
     """The virtual stages of a layout string, each a list of (letter, column): Megatron's
-    ``parse_str_to_list`` with every letter's 1-based column in ``text``. Raises LayoutError
-    naming the column of the first character that is not a layer."""
+    ``parse_str_to_list`` with every letter's 1-based column in ``text``; each stage after the
+    first starts with ("|", column of its boundary). Raises LayoutError naming the column of
+    the first character that is not a layer."""
     if not isinstance(text, str):
         raise LayoutError(f"must be a string, not {type(text).__name__}",
                           "quote it, e.g. 'Et|tt|tL'")
@@ -110,7 +111,7 @@ def parse_layout(text: str) -> list[list[tuple[str, int]]]:
     stages: list[list[tuple[str, int]]] = [[]]
     for c, col in chars:
         if c == "|":
-            stages.append([])
+            stages.append([("|", col)])
         elif c in LETTERS:
             stages[-1].append((c, col))
         else:
@@ -206,6 +207,8 @@ def from_letters(stages: list[list[tuple[str, int]]], pp: int, vpp: int | None =
     (None or 1: whatever the stage count gives). ``num_layers`` / ``mtp_num_layers``: the
     model's, when known (None: not checked). Raises LayoutError naming the column."""
     n = len(stages)
+    starts = [s[0][1] if s[:1] and s[0][0] == "|" else 1 for s in stages]  # boundary columns
+    stages = [[x for x in s if x[0] != "|"] for s in stages]
     flat = [x for s in stages for x in s]
     end = max((col for _, col in flat), default=0)
 
@@ -214,12 +217,15 @@ def from_letters(stages: list[list[tuple[str, int]]], pp: int, vpp: int | None =
 
     if n % pp or (vpp not in (None, 1) and n != pp * vpp):
         want = pp * vpp if vpp not in (None, 1) else f"a multiple of {pp}"
-        raise LayoutError(f"has {n} virtual stage{'s' * (n != 1)} ({n - 1} '|'), but "
+        where = f", the last from the '|' at column {starts[-1]}" if n > 1 else ""
+        raise LayoutError(f"has {n} virtual stage{'s' * (n != 1)} ({n - 1} '|'{where}), but "
                           f"parallel.pp = {pp}" + (f" x parallel.vpp = {vpp}"
                                                    if vpp not in (None, 1) else "")
                           + f" needs {want}",
-                          f"write PP x VPP stages separated by '|' (e.g. {pp * 2} for vpp 2), "
-                          "or change parallel.pp / parallel.vpp")
+                          f"write {pp * vpp} stages separated by '|', or set parallel.vpp: 1 "
+                          "(the layout then sets it)" if vpp not in (None, 1) else
+                          f"write a multiple of {pp} stages separated by '|' (PP x VPP), or "
+                          "change parallel.pp")
     if len(col("E")) != 1 or stages[0][:1] != [("E", col("E")[0])]:
         at = f"column {col('E')[1]}: a second 'E'" if len(col("E")) > 1 else \
             f"column {col('E')[0]}: 'E' is not the first letter of the first stage" \
