@@ -117,8 +117,13 @@ def check_cuda_expert_levers(cfg: RootConfig, field: str) -> None:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """Where ``model`` (a model or a pipeline rank's ModuleList of chunks) lives."""
-    return next(model.parameters()).device
+    """Where ``model`` (a model or a pipeline rank's ModuleList of chunks) lives. A pipeline
+    rank whose stages hold nothing (a layout's empty stages) has no tensor: the CPU, where
+    its chunks were built."""
+    tensor = next(model.parameters(), None)
+    if tensor is None:
+        tensor = next(model.buffers(), None)
+    return torch.device("cpu") if tensor is None else tensor.device
 
 
 def to_device(batches: list, device: torch.device) -> list:
