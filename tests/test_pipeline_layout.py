@@ -28,8 +28,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from moeplug.config import ConfigError, ParallelConfig  # noqa: E402
 from moeplug.config.pipeline_layout import (LayoutError, balanced_sizes,  # noqa: E402
-                                            from_letters, from_stage_sizes, layout_of_string,
-                                            parse_layout)
+                                            from_stage_sizes, layout_of_string, parse_layout)
 
 mlayout = pytest.importorskip("megatron.core.transformer.pipeline_parallel_layer_layout",
                               reason="megatron-core (the test extra) is the reference")

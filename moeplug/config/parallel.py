@@ -26,8 +26,8 @@ class ParallelConfig:
     pp: pipeline parallel (shared by both grids)    vpp: model chunks per pipeline rank
     sequence_parallel: shard activations outside TP regions along the sequence (tp > 1).
 
-    Only arithmetic lives here (this module imports nothing of moeplug); the rank tables and
-    process groups are moeplug.parallel's. Model-dependent checks run in RootConfig; checks
+    Only arithmetic lives here (this module imports nothing of moeplug outside the config
+    package); the rank tables and process groups are moeplug.parallel's. Model-dependent checks run in RootConfig; checks
     that need the world size in :meth:`resolve` (the CLI calls it before launching any rank).
     """
 

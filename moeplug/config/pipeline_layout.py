@@ -180,12 +180,12 @@ class PipelineLayout:
 
     def text(self) -> str:
         """A Megatron layout string of these stages (runs of equal stages as ``(..|)*N``)."""
-        def run(letter: str, n: int) -> str:
+        def repeat(letter: str, n: int) -> str:
             return letter * n if n <= 3 else f"{letter}*{n}"
 
         def one(s: VirtualStage) -> str:
-            return ("E" if s.embedding else "") + run("t", len(s.layers)) + run("m", s.mtp) + \
-                ("L" if s.loss else "")
+            return ("E" if s.embedding else "") + repeat("t", len(s.layers)) + \
+                repeat("m", s.mtp) + ("L" if s.loss else "")
         parts, out, v = [one(s) for s in self.stages], [], 0
         while v < len(parts):
             run = 1
