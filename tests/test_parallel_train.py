@@ -287,6 +287,9 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
             if groups.size("pp") == 1:  # pipeline runs log no per-layer router losses
                 errs["router_losses"] = max(errs["router_losses"], _moe_err(got.moe, want.moe))
                 dropped = max(dropped, *got.moe["dropped_fraction"])
+            else:  # but every layer's tokens per expert, in the model's layer order
+                errs["tokens"] = max(errs.get("tokens", 0.0), float(
+                    got.moe["tokens"] != want.moe["tokens"]))
             errs["grad_norm"] = max(errs["grad_norm"], abs(got.grad_norm - want.grad_norm))
             min_ref_norm = min(min_ref_norm, want.grad_norm)
             if not cfg.parallel.distributed_optimizer:

@@ -302,9 +302,12 @@ def _mean_over(values: list[float], group: Any) -> list[float]:
     return (t / dist.get_world_size(group)).tolist()
 
 
-def global_expert_counts(counts: list[torch.Tensor], groups: Any) -> list[torch.Tensor]:
+def global_expert_counts(counts: list[torch.Tensor], groups: Any,
+                         layers: list[int] | None = None) -> list[torch.Tensor]:
     """Per MoE layer of the whole model, tokens routed to each expert over every rank: local
-    counts summed over the ranks of one pipeline stage (distinct tokens), stages concatenated."""
+    counts summed over the ranks of one pipeline stage (distinct tokens), the stages' put in
+    the model's layer order by ``layers`` (each local count's layer, :func:`moe_layer_order`;
+    None: stages concatenated in rank order, which is layer order without VPP or a layout)."""
     if groups is None or not counts and groups.pp is None:
         return counts
     if counts and groups.tp_dp_cp is not None:
@@ -314,8 +317,26 @@ def global_expert_counts(counts: list[torch.Tensor], groups: Any) -> list[torch.
     if groups.pp is None:
         return counts
     per_stage: list[Any] = [None] * groups.size("pp")
-    dist.all_gather_object(per_stage, [c.tolist() for c in counts], group=groups.pp)
-    return [torch.tensor(c, dtype=torch.int64) for stage in per_stage for c in stage]
+    mine = [c.tolist() for c in counts]
+    ordered = list(zip(layers, mine)) if layers is not None else list(enumerate(mine))
+    dist.all_gather_object(per_stage, ordered, group=groups.pp)
+    pairs = [pair for stage in per_stage for pair in stage]
+    if layers is not None:
+        pairs.sort(key=lambda pair: pair[0])
+    return [torch.tensor(c, dtype=torch.int64) for _, c in pairs]
+
+
+def moe_layer_order(chunks: list) -> list[int]:
+    """The model's index of each MoE block of a pipeline rank's ``chunks``, in the order their
+    expert counts come (chunk by chunk, its layers, then its MTP blocks, numbered after the
+    layers): the order :func:`global_expert_counts` sorts the stages' counts into."""
+    out = []
+    for chunk in chunks:
+        pattern, n = chunk.cfg.moe_layer_pattern, chunk.cfg.num_layers
+        out += [i for i in chunk.layers if pattern[i]]
+        if chunk.runs_mtp:  # the chunk its MTP blocks run in
+            out += [n + k for k in range(len(chunk.mtp)) if pattern[-1]]
+    return out
 
 
 def single_process_equivalent(cfg: RootConfig, dp: int) -> RootConfig:
