@@ -3,6 +3,7 @@ and against moeplug's own measured CPU runs (slow)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -310,6 +311,22 @@ def test_plan_plans_every_split_train_runs_and_names_the_setting():
                 assert layout.vpp == vpp and sum(layout.rank_layer_counts()) == cfg.num_layers
                 if not needs:  # the even split, as Megatron makes it
                     assert len({len(s.layers) for s in layout.stages}) == 1
+
+
+@pytest.mark.parametrize("row", [r for r in P26_ROWS + PF_ROWS if "not published" not in r.note],
+                         ids=lambda r: r.label)
+def test_every_published_mapping_is_planned_with_and_without_its_split(row):
+    """`moeplug plan --mapping` takes every P26 and PF row's mapping, VPP included (the VPP
+    rows were refused: no uneven first / last stage splits them), given its published split
+    or not: then the plan proposes one train accepts (test above)."""
+    from moeplug.plan.search import evaluate
+    from moeplug.plan.split import plan_layout
+    cfg, mp, opt, c = row_inputs(row)
+    for m in (mp, dataclasses.replace(mp, layout=None)):
+        cand = evaluate(cfg, m, opt, c)
+        layout, needs = plan_layout(cfg, m)
+        assert layout.vpp == row.vpp and cand.step.tflops_per_gpu > 0
+        assert bool(needs) == (m.layout is None and cfg.num_layers % (row.pp * row.vpp) > 0)
 
 
 def test_cli_uneven_layers_name_the_train_setting(run_cli):

@@ -27,8 +27,9 @@ class ParallelConfig:
     sequence_parallel: shard activations outside TP regions along the sequence (tp > 1).
 
     Only arithmetic lives here (this module imports nothing of moeplug outside the config
-    package); the rank tables and process groups are moeplug.parallel's. Model-dependent checks run in RootConfig; checks
-    that need the world size in :meth:`resolve` (the CLI calls it before launching any rank).
+    package); the rank tables and process groups are moeplug.parallel's. Model-dependent checks
+    run in RootConfig; checks that need the world size in :meth:`resolve` (the CLI calls it
+    before launching any rank).
     """
 
     tp: int = 1

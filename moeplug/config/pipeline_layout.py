@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 LETTERS = {"E": "embedding", "t": "transformer layer", "m": "MTP block", "L": "loss"}
 _DIGITS = "0123456789"
-_GRAMMAR = "E embedding, t transformer layer, m MTP block, L loss, | stage boundary, X*N and (...)*N repeats"
+_GRAMMAR = ("E embedding, t transformer layer, m MTP block, L loss, | stage boundary, X*N and "
+            "(...)*N repeats")
 
 
 class LayoutError(ValueError):
@@ -44,6 +45,21 @@ class LayoutError(ValueError):
 
 
 # ---------------------------------------------------------------- the string grammar
+
+# More letters than any model has layers: a count beyond it is a typo (and Megatron's parser
+# would try to build the string).
+MAX_LETTERS = 100_000
+
+
+def _count(digits: list[tuple[str, int]], size: int, have: int) -> int:
+    """The repeat count of ``digits`` (characters with their columns), refused when ``size``
+    characters repeated that often after ``have`` would exceed MAX_LETTERS."""
+    n = int("".join(c for c, _ in digits))
+    if have + n * size > MAX_LETTERS:
+        raise LayoutError(f"column {digits[0][1]}: the count {n} repeats to more than "
+                          f"{MAX_LETTERS:,} letters", "write the count the model's layers need")
+    return n
+
 
 def _repeat_groups(chars: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """Megatron's first substitution, ``re.sub(r'\\(([^)]+)\\)\\*(\\d+)', body * N)``, on
@@ -59,7 +75,7 @@ def _repeat_groups(chars: list[tuple[str, int]]) -> list[tuple[str, int]]:
             while k < n and chars[k][0] in _DIGITS:
                 k += 1
             if j > i + 1 and j + 2 < k and chars[j + 1][0] == "*":
-                out += chars[i + 1:j] * int("".join(c for c, _ in chars[j + 2:k]))
+                out += chars[i + 1:j] * _count(chars[j + 2:k], j - i - 1, len(out))
                 i = k
                 continue
         out.append(chars[i])
@@ -76,7 +92,7 @@ def _repeat_chars(chars: list[tuple[str, int]]) -> list[tuple[str, int]]:
         while k < n and chars[k][0] in _DIGITS:
             k += 1
         if i + 1 < n and chars[i + 1][0] == "*" and k > i + 2 and chars[i][0] != "\n":
-            out += [chars[i]] * int("".join(c for c, _ in chars[i + 2:k]))
+            out += [chars[i]] * _count(chars[i + 2:k], 1, len(out))
             i = k
             continue
         out.append(chars[i])

@@ -11,8 +11,8 @@ moeplug's fused weighted SwiGLU), so expert outputs are not saved. A pipeline st
 activations of its in-flight micro-batches: ``pp - rank`` of them under 1F1B; with VPP the
 ``(pp - rank - 1) * 2 + (vpp - 1) * pp + 1`` chunk forwards of Megatron's interleaved warm-up,
 each counted with its own chunk's layers (a layout's chunks may differ in size). The pipeline
-split is moeplug train's (moeplug.plan.split). Recompute drops the tensors of the named modules (Megatron ``recompute_modules``);
-offloaded tensors stay on the device for one layer only.
+split is moeplug train's (moeplug.plan.split). Recompute drops the tensors of the named modules
+(Megatron ``recompute_modules``); offloaded tensors stay on the device for one layer only.
 """
 
 from __future__ import annotations
