@@ -13,6 +13,7 @@ keep going after a failure, and the cross-section checks still run over such sec
     model       model: (MoEConfig, MLAConfig, RecomputeConfig, ModelConfig)
     plugins     plugins:      data   data:      train  train:
     parallel    parallel: and validate_model     runtime  runtime:
+    pipeline_layout  Megatron's pipeline layouts: what every virtual stage holds
     root        RootConfig (cross-section checks), model_differences
     loader      config_from_dict, load_config, apply_overrides
 """

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from moeplug.config._checks import _check_fields, _fail
+from moeplug.config._checks import ConfigError, _check_fields, _fail, _record
 from moeplug.config.data import DataConfig
 from moeplug.config.model import ModelConfig, expert_op_levers
 from moeplug.config.parallel import ParallelConfig, validate_model
@@ -128,7 +128,10 @@ class RootConfig:
         validate_model(par, num_experts=m.moe.num_experts, num_heads=m.num_heads,
                        num_kv_heads=m.num_kv_heads, num_layers=None,
                        ffn_hidden_size=m.moe.ffn_hidden_size, seq_len=self.train.seq_len)
-        par.rank_layer_counts(m.num_layers)
+        try:  # the pipeline split, MTP blocks too; a layout string's own error stays the one
+            par.layer_layout(m.num_layers, m.mtp_num_layers)
+        except ConfigError as e:
+            _record(e)
         # Tensor parallelism splits the dense MLPs' hidden and the vocabulary (embedding, head)
         # over TP: refused here, else as a traceback from every rank's model build. A vocabulary
         # the tokenizer decides (model.vocab_size 0) is checked once it is known, before the

@@ -46,10 +46,16 @@ class MTPLayer(nn.Module):
         return self.block(x_BSD)
 
 
-def mtp_losses(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
-               targets_BS: torch.Tensor, embed: nn.Embedding,
-               output_weight: Callable[[], torch.Tensor]):
-    """Per-depth cross-entropies [L_1, ..., L_K] plus the MoE blocks' aux losses and counts.
+def mtp_depths(cfg: ModelConfig, seq_len: int) -> int:
+    """MTP depths that have a target at sequence length ``seq_len``: depth k needs S - k > 0."""
+    return max(0, min(cfg.mtp_num_layers, seq_len - 1))
+
+
+def mtp_hidden(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
+               targets_BS: torch.Tensor, embed: nn.Embedding):
+    """Each depth's normed hidden state ``norm_k(h_k)`` [B, S - k, D] (what the output head
+    reads), plus the MoE blocks' aux losses and counts: the MTP blocks' part of
+    :func:`mtp_losses`, which a pipeline's MTP stage runs when the loss sits in a later one.
 
     ``targets_BS`` must be the next-token targets (``targets[:, i] = tokens[:, i + 1]``, as
     ``moeplug.data.get_batch`` returns them): depth k reads token i + k from them.
@@ -61,16 +67,37 @@ def mtp_losses(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch
                          "moeplug.data.get_batch, or set model.mtp_num_layers=0")
     # t_0..t_S: every token the batch knows; depth k feeds t_{i+k}, predicts t_{i+k+1}.
     seq_BS1 = torch.cat((tokens_BS[:, :1], targets_BS), dim=1)
-    losses, aux, counts = [], [], []
+    hidden, aux, counts = [], [], []
     for k, layer in enumerate(layers, start=1):
         if S - k <= 0:
             break  # too short to have a target k + 1 ahead: no loss at this depth
         emb_BSD = embed(seq_BS1[:, k:S])
         h_BSD, layer_aux, counts_E = layer(h_BSD[:, :S - k], emb_BSD)
-        logits_BSV = F.linear(layer.norm(h_BSD), output_weight())
-        losses.append(F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
-                                      seq_BS1[:, k + 1:S + 1].reshape(-1)))
+        hidden.append(layer.norm(h_BSD))
         if counts_E is not None:
             aux.append(layer_aux.float())
             counts.append(counts_E)
-    return losses, aux, counts
+    return hidden, aux, counts
+
+
+def mtp_head_losses(hidden: Sequence[torch.Tensor], tokens_BS: torch.Tensor,
+                    targets_BS: torch.Tensor, output_weight: Callable[[], torch.Tensor]):
+    """Per-depth cross-entropies [L_1, ..., L_K] of :func:`mtp_hidden`'s states through the
+    shared output head: depth k predicts t_{i+k+1}."""
+    S = tokens_BS.shape[1]
+    seq_BS1 = torch.cat((tokens_BS[:, :1], targets_BS), dim=1)
+    losses = []
+    for k, hn_BSD in enumerate(hidden, start=1):
+        logits_BSV = F.linear(hn_BSD, output_weight())
+        losses.append(F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
+                                      seq_BS1[:, k + 1:S + 1].reshape(-1)))
+    return losses
+
+
+def mtp_losses(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
+               targets_BS: torch.Tensor, embed: nn.Embedding,
+               output_weight: Callable[[], torch.Tensor]):
+    """Per-depth cross-entropies [L_1, ..., L_K] plus the MoE blocks' aux losses and counts:
+    :func:`mtp_hidden` then :func:`mtp_head_losses`."""
+    hidden, aux, counts = mtp_hidden(layers, h_BSD, tokens_BS, targets_BS, embed)
+    return mtp_head_losses(hidden, tokens_BS, targets_BS, output_weight), aux, counts

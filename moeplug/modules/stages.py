@@ -24,7 +24,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from moeplug.modules.mtp import mtp_losses
+from moeplug.modules.mtp import mtp_head_losses, mtp_losses
 from moeplug.modules.recompute import block_chunks, chunk_is_checkpointed, run_chunk
 from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
@@ -100,10 +100,13 @@ class ModelStages:
         return BlocksOutput(x_BSD, aux_loss, expert_counts, router_losses)
 
     def head_and_loss(self, x_BSD: torch.Tensor, tokens_BS: torch.Tensor | None,
-                      targets_BS: torch.Tensor | None) -> HeadOutput:
+                      targets_BS: torch.Tensor | None,
+                      mtp_hidden_states: list[torch.Tensor] | None = None) -> HeadOutput:
         """Final norm, output head, LM loss and (with targets) the MTP losses. ``x_BSD`` is the
         last block's output before the final norm (MTP depth 1 reads it); ``tokens_BS`` is
-        needed only by MTP."""
+        needed only by MTP. ``mtp_hidden_states``: the MTP depths' normed hidden states when an
+        earlier pipeline stage ran the MTP blocks (:func:`moeplug.modules.mtp.mtp_hidden`); then
+        only their logits and losses are computed here (their aux losses are that stage's)."""
         # TP: logits_BSV holds this rank's V/TP vocabulary columns; [B, S, V] is never built.
         logits_BSV = F.linear(tpar.enter_for(self._groups, self.norm(x_BSD)), self.output_weight())
         mtp_aux = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
@@ -118,15 +121,19 @@ class ModelStages:
         else:
             lm_loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
                                       targets_BS.reshape(-1))
-        if not len(self.mtp):
+        if not self.cfg.mtp_num_layers:
             return HeadOutput(logits_BSV, lm_loss, None, mtp_aux, [])
         if tokens_BS is None:
             raise ValueError("head_and_loss: ModelConfig.mtp_num_layers = "
-                             f"{len(self.mtp)} needs the input tokens (MTP embeds the tokens "
-                             "k steps ahead) but tokens_BS is None. Fix: pass the micro-batch's "
-                             "tokens to the last pipeline stage")
-        depth_losses, aux, mtp_counts = mtp_losses(
-            self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight)
-        mtp_loss = (self.cfg.mtp_loss_scaling_factor / len(self.mtp)) * sum(
+                             f"{self.cfg.mtp_num_layers} needs the input tokens (MTP embeds the "
+                             "tokens k steps ahead) but tokens_BS is None. Fix: pass the "
+                             "micro-batch's tokens to the last pipeline stage")
+        if mtp_hidden_states is None:
+            depth_losses, aux, mtp_counts = mtp_losses(
+                self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight)
+        else:
+            depth_losses, aux, mtp_counts = mtp_head_losses(
+                mtp_hidden_states, tokens_BS, targets_BS, self.output_weight), [], []
+        mtp_loss = (self.cfg.mtp_loss_scaling_factor / self.cfg.mtp_num_layers) * sum(
             depth_losses, torch.zeros((), device=x_BSD.device))
         return HeadOutput(logits_BSV, lm_loss, mtp_loss, sum(aux, mtp_aux), mtp_counts)

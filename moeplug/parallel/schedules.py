@@ -199,9 +199,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
                 x = p2p.recv(shape, activation_dtype, prev_rank, group,
                              tag(p2p.FORWARD, v - 1, m))
                 x.requires_grad_(not forward_only)
-            with autocast():
-                out = (chunks[c](x, targets_BS, tokens_BS) if v == last_stage else
-                       chunks[c](x))
+            with autocast():  # the loss and MTP stages read the targets and tokens
+                out = chunks[c](x, targets_BS, tokens_BS)
             aux_sum.add_(out.aux_loss.detach().double())
             for i, counts_E in enumerate(out.expert_counts):
                 counts[(c, i)] = counts.get((c, i), 0) + counts_E

@@ -412,7 +412,8 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     for m in (chunks or [model]):
         m.finalize_step(group)
     with stage("comm_wait"):  # logging only: counts summed
-        expert_counts = D.global_expert_counts(counts_per_layer, groups)
+        expert_counts = D.global_expert_counts(  # in layer order, whatever the pipeline split
+            counts_per_layer, groups, D.moe_layer_order(chunks) if chunks else None)
     moe = moe_metrics(routing, counts=expert_counts)
     with stage("comm_wait"):
         # Router losses and dropped fractions: averaged over the stage's ranks; counts: summed.
