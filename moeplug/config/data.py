@@ -123,8 +123,9 @@ class DataConfig:
                                  ("val_fraction", self.val_fraction > 0),
                                  ("val_corpus", self.val_corpus != "")) if on]
         if len(given) > 1:
-            _fail(self, given[1], getattr(self, given[1]), f"and data.{given[0]} both choose "
-                  "the validation documents", f"keep one of data.{' / data.'.join(given)}")
+            _fail(self, given[1], getattr(self, given[1]), f"data.{given[0]} is set too, and "
+                  "each chooses the validation documents", f"keep one of "
+                  f"data.{' / data.'.join(given)}")
         if self.num_workers < 0:
             _fail(self, "num_workers", self.num_workers, "must be >= 0",
                   "set num_workers to 0 (one per CPU) or a process count")

@@ -133,12 +133,6 @@ def open_indexed(prefix: str) -> IndexedTokens:
         raise _fail(ipath, f"its document indices do not run from 0 to its {num_seqs} "
                     "sequences in order", refix)
     ends = np.cumsum(lengths_S, dtype=np.int64) * dtype.itemsize
-    starts = ends - lengths_S.astype(np.int64) * dtype.itemsize
-    if not np.array_equal(starts, pointers_S):
-        bad = int(np.argmax(starts != pointers_S))
-        raise _fail(ipath, f"sequence {bad}'s byte pointer {int(pointers_S[bad])} is not the "
-                    f"sum of the lengths before it times {dtype.itemsize} ({int(starts[bad])})",
-                    refix)
     total = int(ends[-1]) if num_seqs else 0
     bsize = os.path.getsize(bpath)
     if bsize != total:
@@ -150,6 +144,12 @@ def open_indexed(prefix: str) -> IndexedTokens:
         raise _fail(bpath, f"{bsize} bytes, but {ipath} describes {total // dtype.itemsize} "
                     f"{dtype.name} tokens = {total} bytes"
                     + (hint or (" (truncated)" if bsize < total else " (extra bytes)")), refix)
+    starts = ends - lengths_S.astype(np.int64) * dtype.itemsize
+    if not np.array_equal(starts, pointers_S):
+        bad = int(np.argmax(starts != pointers_S))
+        raise _fail(ipath, f"sequence {bad}'s byte pointer {int(pointers_S[bad])} is not the "
+                    f"sum of the lengths before it times {dtype.itemsize} ({int(starts[bad])})",
+                    refix)
     tokens_N = (np.memmap(bpath, dtype=dtype, mode="r") if total else np.zeros(0, dtype))
     return IndexedTokens(prefix, lengths_S, pointers_S, doc_idx, tokens_N)
 

@@ -180,8 +180,8 @@ def prepare(reader: CorpusReader, path: str, tok: Any, out_dir: str,
         for chunk, r in _results(reader, path, tok, options, dtype, workers):
             if r.error is not None:
                 index, message = r.error
-                raise ConfigError(message.format(where=_where(reader, chunk, records_before,
-                                                              index)))
+                raise ConfigError(message.replace("{where}", _where(reader, chunk,
+                                                                    records_before, index)))
             records_before[chunk.file] += len(r.kept)
             writer.add_documents(r.ids, r.lengths)
             counts += r.counts
@@ -258,8 +258,8 @@ def records(reader: CorpusReader, path: str, options: ReadOptions) -> Iterator[s
                 n += 1
                 yield text
         except RecordError as e:
-            raise ConfigError(e.message.format(
-                where=_where(reader, chunk, records_before, e.index))) from None
+            raise ConfigError(e.message.replace(
+                "{where}", _where(reader, chunk, records_before, e.index))) from None
         records_before[chunk.file] += n
 
 
