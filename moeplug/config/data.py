@@ -53,6 +53,17 @@ def _blend_problem(value: object, field: str) -> tuple[str, str] | None:
     return None
 
 
+def _missing_path(value: str | list) -> str | None:
+    """The first local path of a corpus or blend that does not exist (a URI, with ``://``, is
+    its reader's business)."""
+    for item in [value] if isinstance(value, str) else value:
+        path = item if isinstance(item, str) else item["path"]
+        if path != "shakespeare" and "://" not in path and not os.path.exists(path) \
+                and not os.path.exists(path + ".idx"):
+            return path
+    return None
+
+
 def corpus_entries(value: str | list, field: str = "data.corpus",
                    format: str = "") -> list[CorpusEntry]:
     """``data.corpus`` / ``data.val_corpus`` (already checked) as blend entries."""
@@ -110,6 +121,10 @@ class DataConfig:
             problem = _blend_problem(value, f"data.{name}")
             if problem:
                 _fail(self, name, value, *problem)
+            elif _missing_path(value) is not None:
+                _fail(self, name, value, f"{_missing_path(value)!r}: no such file or folder",
+                      "give the path of your corpus (a folder, a file, a Megatron PREFIX of "
+                      ".bin/.idx), or 'shakespeare' for the bundled one")
         if not isinstance(self.text_field, str) or not self.text_field:
             _fail(self, "text_field", self.text_field, "must name a field",
                   "set text_field to the JSONL key / column of the text, e.g. text")

@@ -283,11 +283,6 @@ def _describe(corpus: Corpus) -> str:
     return f"data: train {size(corpus.train)}; validation ({corpus.split}) {size(corpus.val)}"
 
 
-def check_token_ids(corpus: Corpus, vocab: int, what: str) -> None:
-    """ConfigError naming the file and document when an id is >= ``vocab``."""
-    _check_ids(corpus, vocab, what)
-
-
 def _check_ids(corpus: Corpus, vocab: int, what: str) -> None:
     for p in corpus.train + corpus.val:
         top = int(np.flatnonzero(p.counts).max(initial=-1))
@@ -421,11 +416,11 @@ def _counts(tokens: IndexedTokens, folder: str, fp: str, cache: str) -> np.ndarr
 
 
 def check_run_data(corpus: Corpus, cfg: Any, resume_from: str | None = None) -> None:
-    """What a training run needs of its data, checked before any rank starts: every id inside
-    ``model.vocab_size``, samples of ``train.seq_len`` in both splits (their epoch-0 indices
-    are built and cached here), and a resume that keeps the data order (moeplug.data.loader)."""
-    if cfg.model.vocab_size:
-        check_token_ids(corpus, cfg.model.vocab_size, f"model.vocab_size = {cfg.model.vocab_size}")
+    """What a training run needs of its data, checked before any rank starts: samples of
+    ``train.seq_len`` in both splits (their epoch-0 indices are built and cached here) and a
+    resume that keeps the data order (moeplug.data.loader). (Every id is inside the
+    tokenizer's vocabulary, checked by prepare_corpus, and so inside the model's: a
+    model.vocab_size below the tokenizer's is refused with the model.)"""
     t = cfg.train
     stream = corpus.train_samples(t.seq_len, t.seed)
     for part in stream.corpora:

@@ -174,9 +174,12 @@ class IndexedWriter:
         self.num_tokens += int(len(ids_N))
         self.num_docs += len(lengths_S)
 
+    def close(self) -> None:
+        self._bin.close()
+
     def finalize(self) -> int:
         """Close the .bin and write the .idx; returns the number of documents."""
-        self._bin.close()
+        self.close()
         lengths_S = (np.concatenate(self._lengths) if self._lengths else
                      np.zeros(0, np.int32))
         n = len(lengths_S)

@@ -21,6 +21,7 @@ one ConfigError naming the file and line.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -36,6 +37,7 @@ import numpy as np
 from moeplug.config import ConfigError
 from moeplug.data.indexed import IndexedWriter, token_dtype
 from moeplug.data.reader import Chunk, CorpusReader, ReadOptions, RecordError
+from moeplug.data.tokenizer import BPETokenizer
 
 PREPARED_FORMAT = 1  # bump when the framing or the files change
 SEPARATOR = "\n\n"  # ends each document when the tokenizer has no EOS
@@ -52,7 +54,7 @@ class Framing:
 
     @classmethod
     def of(cls, tok: Any) -> "Framing":
-        head = (tok.bos_id,) if getattr(tok, "add_bos", False) and tok.bos_id is not None else ()
+        head = (tok.bos_id,) if tok.add_bos and tok.bos_id is not None else ()
         tail = (tok.eos_id,) if tok.eos_id is not None else tuple(tok.encode(SEPARATOR))
         return cls(head, tail)
 
@@ -171,32 +173,34 @@ def prepare(reader: CorpusReader, path: str, tok: Any, out_dir: str,
     start = time.perf_counter()
     bar = tqdm(unit="B", unit_scale=True, desc="prepare", file=sys.stderr, dynamic_ncols=True,
                disable=not (sys.stderr.isatty() if progress is None else progress))
+    writer = IndexedWriter(os.path.join(tmp, PREFIX), dtype)
     try:
-        writer = IndexedWriter(os.path.join(tmp, PREFIX), dtype)
         counts = np.zeros(tok.vocab_size, np.int64)
         records_before: dict[str, int] = collections.defaultdict(int)
         kept_mask: list[np.ndarray] = []
         empty = text_bytes = 0
-        for chunk, r in _results(reader, path, tok, options, dtype, workers):
-            if r.error is not None:
-                index, message = r.error
-                raise ConfigError(message.replace("{where}", _where(reader, chunk,
-                                                                    records_before, index)))
-            records_before[chunk.file] += len(r.kept)
-            writer.add_documents(r.ids, r.lengths)
-            counts += r.counts
-            kept_mask.append(r.kept)
-            empty += int(len(r.kept) - r.kept.sum())
-            text_bytes += r.text_bytes
-            bar.update(r.text_bytes)
-            bar.set_postfix(documents=f"{writer.num_docs:,}", tokens=f"{writer.num_tokens:,}",
-                            refresh=False)
+        # closing: a failure stops the workers at once (the pool's exit terminates them)
+        with contextlib.closing(_results(reader, path, tok, options, dtype, workers)) as results:
+            for chunk, r in results:
+                if r.error is not None:
+                    index, message = r.error
+                    raise ConfigError(message.replace("{where}", _where(reader, chunk,
+                                                                        records_before, index)))
+                records_before[chunk.file] += len(r.kept)
+                writer.add_documents(r.ids, r.lengths)
+                counts += r.counts
+                kept_mask.append(r.kept)
+                empty += int(len(r.kept) - r.kept.sum())
+                text_bytes += r.text_bytes
+                bar.update(r.text_bytes)
+                bar.set_postfix(documents=f"{writer.num_docs:,}", tokens=f"{writer.num_tokens:,}",
+                                refresh=False)
         documents = writer.finalize()
         info = {"format": "moeplug-prepared", "version": PREPARED_FORMAT, "reader": reader.name,
                 "source": path, "text_field": options.text_field,
                 "tokenizer": tok.fingerprint(), "vocab_size": tok.vocab_size,
                 "eos_id": tok.eos_id, "bos_id": tok.bos_id,
-                "add_bos": bool(getattr(tok, "add_bos", False)),
+                "add_bos": bool(tok.add_bos),
                 "separator": None if tok.eos_id is not None else SEPARATOR,
                 "documents": documents, "tokens": writer.num_tokens, "empty": empty,
                 **(meta or {})}
@@ -204,12 +208,13 @@ def prepare(reader: CorpusReader, path: str, tok: Any, out_dir: str,
             kept = np.concatenate(kept_mask) if kept_mask else np.zeros(0, bool)
             info["names"] = [n for n, k in zip(reader.names(path), kept) if k]
         np.save(os.path.join(tmp, "token_counts.npy"), counts)
-        if hasattr(tok, "save"):  # the local BPE: the tokenizer lives with its ids
+        if isinstance(tok, BPETokenizer):  # the local BPE: the tokenizer lives with its ids
             tok.save(os.path.join(tmp, "tokenizer.json"))
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=1)
         _publish(tmp, out_dir)
     except BaseException:
+        writer.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:

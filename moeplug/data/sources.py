@@ -42,10 +42,6 @@ def reader_for(host: Any, entry: CorpusEntry) -> CorpusReader:
         raise ConfigError(f"{entry.field} = {entry.path!r}: several readers claim it "
                           f"({', '.join(claimed)}). Fix: name one with data.format (or the "
                           f"entry's format:)")
-    if not os.path.exists(entry.path) and entry.path != "shakespeare" and \
-            not os.path.exists(entry.path + ".idx"):
-        raise ConfigError(f"{entry.field} = {entry.path!r}: no such file or folder. Fix: give "
-                          f"the path of your corpus, or 'shakespeare' for the bundled one")
     known = "; ".join(f"{n}: {r.description}" for n, r in readers.items())
     raise ConfigError(f"{entry.field} = {entry.path!r}: unknown format, no reader claims it "
                       f"(readers: {known}). Fix: convert it to one of those, name the reader "
