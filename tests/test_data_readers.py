@@ -272,23 +272,20 @@ def test_truncated_bin_is_refused(megatron_prefix):
         open_indexed(megatron_prefix)
 
 
-def test_idx_whose_dtype_does_not_match_the_bin(megatron_prefix):
+@pytest.mark.parametrize("offset, value, match", [
+    # int32: twice the bytes the .bin's uint16 ids take
+    (17, bytes([4]), r"corpus.bin: \d+ bytes, but .* describes \d+ int32 tokens = \d+ bytes; it "
+                     r"holds exactly that many uint16 ids: the .idx says int32 \(code 4\)"),
+    (18, (7).to_bytes(8, "little"), r"corpus.idx: \d+ bytes, but its counts \(7 sequences, 5 "
+                                    r"document indices\) need \d+ \(truncated or not a "
+                                    r"version-1 index\)"),
+    (0, b"NOTMEGA", r"corpus.idx: not a Megatron index: it does not start with"),
+], ids=["dtype", "counts", "header"])
+def test_idx_that_does_not_match_the_bin(megatron_prefix, offset, value, match):
     with open(megatron_prefix + ".idx", "r+b") as f:
-        f.seek(17)
-        f.write(bytes([4]))  # int32: twice the bytes the .bin's uint16 ids take
-    with pytest.raises(ConfigError, match=r"corpus.bin: \d+ bytes, but .* describes \d+ int32 "
-                       r"tokens = \d+ bytes; it holds exactly that many uint16 ids: the .idx "
-                       r"says int32 \(code 4\)"):
-        open_indexed(megatron_prefix)
-
-
-def test_idx_whose_counts_do_not_match_its_size(megatron_prefix):
-    with open(megatron_prefix + ".idx", "r+b") as f:
-        f.seek(18)
-        f.write((7).to_bytes(8, "little"))
-    with pytest.raises(ConfigError, match=r"corpus.idx: \d+ bytes, but its counts \(7 "
-                       r"sequences, 5 document indices\) need \d+ \(truncated or not a version-1 "
-                       r"index\)"):
+        f.seek(offset)
+        f.write(value)
+    with pytest.raises(ConfigError, match=match):
         open_indexed(megatron_prefix)
 
 
@@ -303,3 +300,28 @@ def test_token_ids_outside_the_vocabulary_name_the_document(tmp_path):
                        r"\(data.tokenizer = 'bytes'\)\. Fix: set data.tokenizer"):
         prepare_corpus(DataConfig(corpus=prefix, tokenizer="bytes", val_fraction=0.5,
                                   cache_dir=str(tmp_path / "c")))
+
+
+def test_every_builtin_reader_meets_the_reader_contract_on_a_sample(host, tmp_path):
+    """moeplug.testing.check_reader with a sample of each format and the texts it holds."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    datasets = pytest.importorskip("datasets")
+    from moeplug.testing import check_reader
+    write_jsonl(str(tmp_path / "c.jsonl"))
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in DOCS)
+    pq.write_table(pa.table({"text": DOCS}), str(tmp_path / "c.parquet"), row_group_size=2)
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "hf"), num_shards=2)
+    (tmp_path / "t" / "sub").mkdir(parents=True)
+    (tmp_path / "t" / "a.txt").write_text("alpha")
+    (tmp_path / "t" / "sub" / "b.txt").write_text("beta")
+    samples = {"jsonl": [(tmp_path / "c.jsonl", DOCS), (tmp_path / "c.jsonl.gz", DOCS)],
+               "parquet": [(tmp_path / "c.parquet", DOCS)], "hf_disk": [(tmp_path / "hf", DOCS)],
+               "txt": [(tmp_path / "t", ["alpha\n", "beta\n"])]}
+    for name, cases in samples.items():
+        for path, expected in cases:
+            check_reader(host, name, corpus=str(path), expected=expected)
+    out, _ = prep(host, "jsonl", str(tmp_path / "c.jsonl"), tmp_path)
+    check_reader(host, "megatron", corpus=os.path.join(out, "corpus"))
+    check_reader(host, "shakespeare")

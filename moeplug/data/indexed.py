@@ -95,8 +95,8 @@ def open_indexed(prefix: str) -> IndexedTokens:
         if not os.path.isfile(p):
             raise _fail(p, "not found (a Megatron prepared corpus is a PREFIX.bin and a "
                         "PREFIX.idx side by side)", "give data.corpus the prefix both files share")
-    refix = (f"prepare it again (moeplug data prepare, or Megatron's "
-             f"tools/preprocess_data.py) or copy it again from its source")
+    refix = ("prepare it again (moeplug data prepare, or Megatron's "
+             "tools/preprocess_data.py) or copy it again from its source")
     size = os.path.getsize(ipath)
     with open(ipath, "rb") as f:
         head = f.read(_HEAD_BYTES)

@@ -102,6 +102,14 @@ def files_under(folder: str, suffixes: tuple[str, ...]) -> list[str]:
     return sorted(found, key=lambda p: os.path.relpath(p, folder).split(os.sep))
 
 
+def file_or_files_under(path: str, suffixes: tuple[str, ...]) -> list[str]:
+    """``[path]`` for a file ending in one of ``suffixes``, the matching files below a folder
+    (:func:`files_under`), else []: what a one-file-or-a-folder format reads."""
+    if os.path.isfile(path):
+        return [path] if path.endswith(suffixes) else []
+    return files_under(path, suffixes) if os.path.isdir(path) else []
+
+
 def decode_utf8(data: bytes, where: str) -> str:
     """``data`` as UTF-8, or a ConfigError naming the first bad byte (never replaced
     silently)."""

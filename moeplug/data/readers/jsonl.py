@@ -19,7 +19,7 @@ from typing import Iterator
 
 from moeplug.config import ConfigError
 from moeplug.data.reader import (CHUNK_BYTES, Chunk, CorpusReader, ReadOptions, RecordError,
-                                 files_under)
+                                 file_or_files_under)
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 ZSTD_INSTALL = "pip install zstandard"
@@ -44,12 +44,10 @@ class JsonlReader(CorpusReader):
     description = "JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst), a file or a folder of them"
 
     def claims(self, path: str) -> bool:
-        if os.path.isfile(path):
-            return path.endswith(SUFFIXES)
-        return os.path.isdir(path) and bool(self.files(path))
+        return bool(self.files(path))
 
     def files(self, path: str) -> list[str]:
-        return [path] if os.path.isfile(path) else files_under(path, SUFFIXES)
+        return file_or_files_under(path, SUFFIXES)
 
     def chunks(self, path: str, options: ReadOptions) -> Iterator[Chunk]:
         for f in self.files(path):

@@ -4,11 +4,10 @@ read with pyarrow one row group at a time. One document per row: the string colu
 
 from __future__ import annotations
 
-import os
 from typing import Iterator
 
 from moeplug.config import ConfigError
-from moeplug.data.reader import Chunk, CorpusReader, ReadOptions, files_under
+from moeplug.data.reader import Chunk, CorpusReader, ReadOptions, file_or_files_under
 
 PYARROW_INSTALL = "pip install pyarrow"
 
@@ -42,12 +41,10 @@ class ParquetReader(CorpusReader):
     description = "Parquet files (pyarrow), a file or a folder of them"
 
     def claims(self, path: str) -> bool:
-        if os.path.isfile(path):
-            return path.endswith(".parquet")
-        return os.path.isdir(path) and bool(self.files(path))
+        return bool(self.files(path))
 
     def files(self, path: str) -> list[str]:
-        return [path] if os.path.isfile(path) else files_under(path, (".parquet",))
+        return file_or_files_under(path, (".parquet",))
 
     def chunks(self, path: str, options: ReadOptions) -> Iterator[Chunk]:
         pyarrow_module(path)

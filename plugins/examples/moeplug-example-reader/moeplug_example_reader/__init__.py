@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 
 from moeplug import hookimpl
-from moeplug.data.reader import Chunk, CorpusReader, RecordError, files_under
+from moeplug.data.reader import Chunk, CorpusReader, RecordError, file_or_files_under
 
 
 class CsvReader(CorpusReader):
@@ -19,13 +18,11 @@ class CsvReader(CorpusReader):
     record = "row"
     description = "CSV files with a header row (moeplug-example-reader), one document per row"
 
-    def claims(self, path):
-        if os.path.isfile(path):
-            return path.endswith(".csv")
-        return os.path.isdir(path) and bool(self.files(path))
+    def claims(self, path):  # cheap: file names only
+        return bool(self.files(path))
 
-    def files(self, path):
-        return [path] if os.path.isfile(path) else files_under(path, (".csv",))
+    def files(self, path):  # a .csv file, or every .csv below a folder, in sorted order
+        return file_or_files_under(path, (".csv",))
 
     def chunks(self, path, options):
         for f in self.files(path):
