@@ -155,7 +155,7 @@ def _prepare_peak(corpus: str, out: str, env: dict) -> tuple[int, int, float]:
             try:
                 with open(f"/proc/{proc.pid}/status") as f:
                     hwm = [int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")]
-                peak_main = max(peak_main, *hwm)
+                peak_main = max([peak_main, *hwm])
             except (OSError, ValueError):
                 pass
             time.sleep(0.02)

@@ -21,6 +21,8 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="pip install megatron-core==0.16.1 (test extra)")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|APEX).*")
+# megatron-core 0.16.1 under numpy 2: its readers warn about numpy's copy keyword, every call
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 torch = pytest.importorskip("torch")
 
 from megatron.core.datasets import helpers  # noqa: E402
@@ -84,13 +86,17 @@ def test_training_reads_a_megatron_prefix_as_its_documents(tmp_path):
     assert corpus.train[0].tokens.prefix == prefix
 
 
-def test_megatron_reads_what_moeplug_writes(tmp_path):
+@pytest.mark.parametrize("block", [IndexedWriter.BLOCK, 7])  # 7: the .idx in several passes
+def test_megatron_reads_what_moeplug_writes(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(IndexedWriter, "BLOCK", block)
     docs = random_docs(30, 50_000, 3)
     ours = str(tmp_path / "ours")
     w = IndexedWriter(ours, np.uint16)
-    w.add_documents(np.array([t for d in docs for t in d], np.uint16),
-                    np.array([len(d) for d in docs], np.int32))
+    for part in (docs[:11], docs[11:]):
+        w.add_documents(np.array([t for d in part for t in d], np.uint16),
+                        np.array([len(d) for d in part], np.int32))
     w.finalize()
+    assert sorted(os.listdir(tmp_path)) == ["ours.bin", "ours.idx"]
     theirs = str(tmp_path / "theirs")
     megatron_corpus(theirs, docs, np.uint16)
     for ext in (".bin", ".idx"):  # byte for byte the builder's files

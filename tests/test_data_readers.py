@@ -325,3 +325,22 @@ def test_every_builtin_reader_meets_the_reader_contract_on_a_sample(host, tmp_pa
     out, _ = prep(host, "jsonl", str(tmp_path / "c.jsonl"), tmp_path)
     check_reader(host, "megatron", corpus=os.path.join(out, "corpus"))
     check_reader(host, "shakespeare")
+
+
+def test_a_prepared_folder_carries_its_bpe_and_refuses_another_tokenizer(host, tmp_path):
+    from moeplug.data.tokenizer import BPETokenizer
+    docs = [f"document {i}: " + "the quick brown fox jumps " * (i % 5 + 1) for i in range(40)]
+    write_jsonl(str(tmp_path / "c.jsonl"), docs)
+    tok = BPETokenizer.train(docs, 300)
+    out = str(tmp_path / "prepared")
+    prepare(reader(host, "jsonl"), str(tmp_path / "c.jsonl"), tok, out, ReadOptions())
+    corpus = prepare_corpus(DataConfig(corpus=out, tokenizer="bpe", val_fraction=0.1,
+                                       cache_dir=str(tmp_path / "c")))
+    assert corpus.tokenizer.fingerprint() == tok.fingerprint()
+    assert corpus.train_ids.tolist() == [t for d in docs[:36] for t in tok.encode(d)
+                                         + tok.encode("\n\n")]
+    with pytest.raises(ConfigError, match=r"data.corpus = '.*prepared': prepared with another "
+                       r"tokenizer \(bpe-sha256:.*; its meta.json\) than data.tokenizer = "
+                       r"'bytes' gives \(bytes\)\. Fix: set data.tokenizer"):
+        prepare_corpus(DataConfig(corpus=out, tokenizer="bytes", val_fraction=0.1,
+                                  cache_dir=str(tmp_path / "c")))

@@ -19,6 +19,7 @@ Validation documents are never training documents: the split is by document.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -55,7 +56,9 @@ class CorpusPart:
     counts: np.ndarray  # how often each id occurs in the whole corpus (int64)
     folder: str  # the prepared folder ("" for a prefix prepared elsewhere)
 
+    @functools.cached_property
     def split_key(self) -> str:
+        """The ids' key and this split's documents: what its sample order depends on."""
         h = hashlib.sha256(self.key.encode())
         h.update(np.ascontiguousarray(self.docs, dtype=np.int64).tobytes())
         return h.hexdigest()[:20]
@@ -112,11 +115,11 @@ class Corpus:
     def order_key(self, seq_len: int, seed: int) -> str:
         """What the training sample order depends on: equal keys, equal batches."""
         return blend_key([str(PREPARED_FORMAT), str(seq_len), str(seed)] +
-                         [f"{p.split_key()}:{w!r}" for p, w in zip(self.train, self.weights)])
+                         [f"{p.split_key}:{w!r}" for p, w in zip(self.train, self.weights)])
 
     def _index_dir(self, part: CorpusPart, seq_len: int, seed: int) -> str:
         return os.path.join(self.cache_dir, "indices",
-                            blend_key([part.split_key(), str(seq_len), str(seed)]))
+                            blend_key([part.split_key, str(seq_len), str(seed)]))
 
     def train_samples(self, seq_len: int, seed: int) -> BlendedSamples:
         parts = [CorpusSamples(p.tokens, p.docs, seq_len, seed, self._index_dir(p, seq_len, seed))

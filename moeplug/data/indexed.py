@@ -156,41 +156,55 @@ def open_indexed(prefix: str) -> IndexedTokens:
 
 class IndexedWriter:
     """Writes ``PREFIX.bin``/``.idx`` as Megatron's ``IndexedDatasetBuilder`` does, one sequence
-    per document. The caller makes it atomic (it writes into a temporary directory that is
-    renamed into place once complete): a crash leaves no file a reader could take for whole."""
+    per document, in memory bounded by a block whatever the corpus size: the lengths go to a
+    side file as they come and the .idx is streamed from it at the end. The caller makes it
+    atomic (it writes into a temporary directory renamed into place once complete): a crash
+    leaves no file a reader could take for whole."""
+
+    BLOCK = 1 << 22  # documents per pass over the lengths when the .idx is written
 
     def __init__(self, prefix: str, dtype: np.dtype) -> None:
         self.prefix, self.dtype = prefix, np.dtype(dtype)
         if self.dtype not in _CODE_OF:
             raise ValueError(f"IndexedWriter: dtype {self.dtype} has no Megatron code")
         self._bin = open(bin_path(prefix), "wb")
-        self._lengths: list[np.ndarray] = []
+        self._lengths = open(prefix + ".lengths", "w+b")
         self.num_tokens = self.num_docs = 0
 
     def add_documents(self, ids_N: np.ndarray, lengths_S: np.ndarray) -> None:
         """Append documents given as their ids back to back and each one's length."""
         self._bin.write(np.ascontiguousarray(ids_N, dtype=self.dtype).tobytes())
-        self._lengths.append(np.asarray(lengths_S, dtype=np.int32))
+        self._lengths.write(np.asarray(lengths_S, dtype=np.int32).tobytes())
         self.num_tokens += int(len(ids_N))
         self.num_docs += len(lengths_S)
 
     def close(self) -> None:
         self._bin.close()
+        self._lengths.close()
 
     def finalize(self) -> int:
-        """Close the .bin and write the .idx; returns the number of documents."""
-        self.close()
-        lengths_S = (np.concatenate(self._lengths) if self._lengths else
-                     np.zeros(0, np.int32))
-        n = len(lengths_S)
-        pointers_S = np.zeros(n, np.int64)
-        if n:
-            pointers_S[1:] = np.cumsum(lengths_S[:-1], dtype=np.int64) * self.dtype.itemsize
-        with open(idx_path(self.prefix), "wb") as f:
-            f.write(INDEX_HEADER)
-            f.write(struct.pack("<QB", INDEX_VERSION, _CODE_OF[self.dtype]))
-            f.write(struct.pack("<QQ", n, n + 1))
-            f.write(lengths_S.tobytes())
-            f.write(pointers_S.tobytes())
-            f.write(np.arange(n + 1, dtype=np.int64).tobytes())
+        """Close the .bin and write the .idx (header, lengths, byte pointers, document
+        indices, each streamed); returns the number of documents."""
+        self._bin.close()
+        n, f = self.num_docs, self._lengths
+
+        def blocks():
+            f.seek(0)
+            while block := f.read(4 * self.BLOCK):
+                yield np.frombuffer(block, np.int32)
+        with open(idx_path(self.prefix), "wb") as out:
+            out.write(INDEX_HEADER)
+            out.write(struct.pack("<QB", INDEX_VERSION, _CODE_OF[self.dtype]))
+            out.write(struct.pack("<QQ", n, n + 1))
+            for lengths_S in blocks():
+                out.write(lengths_S.tobytes())
+            offset = 0  # bytes before the block's first sequence
+            for lengths_S in blocks():
+                ends = offset + np.cumsum(lengths_S, dtype=np.int64) * self.dtype.itemsize
+                out.write((ends - lengths_S.astype(np.int64) * self.dtype.itemsize).tobytes())
+                offset = int(ends[-1])
+            for lo in range(0, n + 1, self.BLOCK):
+                out.write(np.arange(lo, min(lo + self.BLOCK, n + 1), dtype=np.int64).tobytes())
+        f.close()
+        os.remove(self.prefix + ".lengths")
         return n

@@ -132,7 +132,7 @@ def eval_batches(val: Any, micro_batch_size: int, num_batches: int, groups: Any 
     return EvalBatches(batches, weights, min(nb * B, len(val)) * S)
 
 
-def loader_state(corpus: Any, cfg: Any, consumed: int) -> dict:
+def loader_state(corpus: Any, cfg: Any, consumed: int = 0) -> dict:
     """The loader's part of a checkpoint: its position and what the order depends on."""
     d, t = cfg.data, cfg.train
     return {"consumed_samples": consumed, "order": corpus.order_key(t.seq_len, t.seed),
@@ -147,7 +147,7 @@ def resume_position(saved: Any, corpus: Any, cfg: Any, checkpoint: str) -> int:
     orders (checked by the CLI before any process group exists)."""
     if not isinstance(saved, dict) or not isinstance(saved.get("consumed_samples"), int):
         return 0
-    here = loader_state(corpus, cfg, 0)
+    here = loader_state(corpus, cfg)
     if saved.get("order") == here["order"]:
         return saved["consumed_samples"]
     if cfg.data.allow_new_order:

@@ -112,6 +112,8 @@ def _encode(chunk: Chunk) -> _Result:
         return _Result(*_empty(dtype, tok.vocab_size), 0, (e.index, e.message))
     except ConfigError as e:
         return _Result(*_empty(dtype, tok.vocab_size), 0, (-1, str(e)))
+    except OSError as e:  # a file that vanished or cannot be read
+        return _Result(*_empty(dtype, tok.vocab_size), 0, (-1, _os_error(e, chunk.file)))
     kept = np.fromiter((bool(t) for t in texts), bool, len(texts))
     docs = [t for t in texts if t]
     encoded = tok.encode_batch(docs) if docs else []
@@ -189,7 +191,8 @@ def prepare(reader: CorpusReader, path: str, tok: Any, out_dir: str,
                 records_before[chunk.file] += len(r.kept)
                 writer.add_documents(r.ids, r.lengths)
                 counts += r.counts
-                kept_mask.append(r.kept)
+                if reader.named:  # names of the documents kept (those of other formats: none)
+                    kept_mask.append(r.kept)
                 empty += int(len(r.kept) - r.kept.sum())
                 text_bytes += r.text_bytes
                 bar.update(r.text_bytes)
@@ -213,6 +216,10 @@ def prepare(reader: CorpusReader, path: str, tok: Any, out_dir: str,
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as f:
             json.dump(info, f, indent=1)
         _publish(tmp, out_dir)
+    except OSError as e:
+        writer.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(_os_error(e, path)) from None
     except BaseException:
         writer.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -221,6 +228,11 @@ def prepare(reader: CorpusReader, path: str, tok: Any, out_dir: str,
         bar.close()
     return PrepareSummary(documents, writer.num_tokens, empty, int((counts > 0).sum()),
                           tok.vocab_size, text_bytes, time.perf_counter() - start, out_dir)
+
+
+def _os_error(e: OSError, path: str) -> str:
+    return (f"{e.filename or path}: {e.strerror or e}. Fix: make the corpus files readable and "
+            f"the output folder writable (with space free)")
 
 
 def _where(reader: CorpusReader, chunk: Chunk, records_before: dict, index: int) -> str:

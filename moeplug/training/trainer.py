@@ -538,6 +538,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     val = eval_batches(corpus.val_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
                        tc.eval_batches, groups)
     val = EvalBatches(D.to_device(val.batches, device), val.weights, val.total_tokens)
+    data_order = loader_state(corpus, cfg)  # what the order depends on, for the checkpoints
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     # Append, never truncate: the CLI refuses a used run directory unless told to resume it
     # (the records continue) or to overwrite it (it clears the old run first).
@@ -576,7 +577,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     def checkpoint(step: int) -> str:
         meta = {"config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
                 "scheduler": {"step": step, "lr": lr_at(step, tc)},
-                "data": loader_state(corpus, cfg, consumed),  # where the next batch starts
+                "data": {**data_order, "consumed_samples": consumed},  # the next batch's start
                 "tokenizer": corpus.tokenizer.fingerprint()}  # moeplug generate checks it
         state = _precision_state(precision, model, groups)
         if state is not None:
