@@ -219,7 +219,7 @@ def _loader_vs_step(cfg_dict: dict, corpus_cfg: dict):
     def step():
         train_step(model, opt, batches, tc, precision)
     times = interleave({"loader": lambda: [load() for _ in range(10)], "train_step": step},
-                       repeats=5, warmup=1)
+                       repeats=3, warmup=1)
     return times["loader"] / 10, times["train_step"]
 
 
