@@ -1,4 +1,4 @@
-"""Command line: ``moeplug train | plugins | convert | plot-load`` and ``moeplug --version``.
+"""Command line: ``moeplug train | plugins | convert | plot-load | data`` and ``moeplug --version``.
 
 ``train`` validates everything cheap first — config, plugin names, availability and options,
 resume target, run directory, process count and layout — and only then prepares data, builds
@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     add_plot_parsers(sub)
     from moeplug.generate import add_generate_parser
     add_generate_parser(sub)
+    from moeplug.data.cli import add_data_parser
+    add_data_parser(sub)
     from moeplug.plan.cli import add_plan_parser
     add_plan_parser(sub)
     return p
@@ -209,9 +211,12 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         os.environ[LOCKED_ENV] = os.path.realpath(cfg.train.out_dir)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
+    from moeplug.data.corpus import check_run_data
 
     if world > 1 and not launch.under_torchrun():
-        corpus = prepare_corpus(cfg.data)  # once, here: the ranks then only read the cache
+        # once, here: the ranks then only read the cache
+        corpus = prepare_corpus(cfg.data, host, log=print)
+        check_run_data(corpus, cfg, resume_from)
         _check_vocab_split(cfg, corpus.vocab_size)
         if args.overwrite:
             clear_run(cfg.train.out_dir)
@@ -275,14 +280,18 @@ def _check_vocab_split(cfg: RootConfig, tokenizer_vocab: int) -> None:
 def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, groups, device):
     """This process's part of the run: data, model, loop; train()'s summary."""
     from moeplug.data import prepare_corpus
+    from moeplug.data.corpus import check_run_data
     from moeplug.training import distributed as D
+    from moeplug.training.checkpoint import resolve_resume
     from moeplug.training.run_dir import clear_run
     from moeplug.training.trainer import seed_everything, train
     if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
         D.barrier(groups)
-    corpus = prepare_corpus(cfg.data)
+    corpus = prepare_corpus(cfg.data, host, log=print if D.is_main_rank(groups) else None)
+    check_run_data(corpus, cfg, resolve_resume(cfg.train.resume, cfg.train.out_dir))
     if D.is_main_rank(groups):
         D.barrier(groups)
+        print(corpus.description)
     _check_vocab_split(cfg, corpus.vocab_size)  # a plain torchrun launch checks it here
     seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
     model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, device)
@@ -346,6 +355,9 @@ def _run(argv: list[str]) -> int:
         if args.command == "plan":
             from moeplug.plan.cli import cmd_plan
             return cmd_plan(args)
+        if args.command == "data":
+            from moeplug.data.cli import cmd_data
+            return cmd_data(args)
     except ConfigError as e:
         for error in e.errors or [str(e)]:  # one line each, all of this command's problems
             print(f"moeplug: configuration error: {error}", file=sys.stderr)

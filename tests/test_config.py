@@ -42,7 +42,7 @@ def assert_names(err: pytest.ExceptionInfo, *parts: str) -> None:
     (TrainConfig, {"grad_clip": -1}, ["grad_clip", "-1", ">= 0"]),
     (DataConfig, {"tokenizer": "wordpiece"}, ["tokenizer", "'wordpiece'", "'bpe' or 'bytes'"]),
     (DataConfig, {"vocab_size": 100}, ["vocab_size", "100", "(256, 65536]"]),
-    (DataConfig, {"corpus": "/no/such/dir"}, ["corpus", "'/no/such/dir'", "folder of text files"]),
+    (DataConfig, {"corpus": "/no/such/dir"}, ["corpus", "'/no/such/dir'", "no such file or folder"]),
     (PluginsConfig, {"router": ""}, ["router", "''", "moeplug plugins"]),
     (PluginsConfig, {"router_options": [1]}, ["router_options", "[1]", "mapping"]),
     (PluginsConfig, {"block": 3}, ["block", "3", "must be a list"]),

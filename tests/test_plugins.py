@@ -41,6 +41,8 @@ BUILTINS = {
     ("precision", "te_fp8"): "builtin_precisions",
     **{("precision", n): "builtin_precisions"
        for n in ("fp8_tensorwise", "fp8_delayed", "fp8_blockwise", "mxfp8", "nvfp4")},
+    **{("dataset", n): "builtin_datasets"
+       for n in ("shakespeare", "txt", "jsonl", "parquet", "hf_disk", "megatron")},
 }
 
 

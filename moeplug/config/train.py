@@ -40,7 +40,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     eval_interval: int = 100
-    eval_batches: int = 8
+    # Micro-batches per evaluation: 0 = the whole validation set (every target once); N > 0 =
+    # its first N (the same ones each time). Evaluations run at step 0, every eval_interval
+    # steps and at the end.
+    eval_batches: int = 0
     ckpt_interval: int = 0  # 0: only at the end
     keep_last: int = 0  # keep the newest N step_* checkpoints of out_dir, delete older; 0: all
     log_interval: int = 10
@@ -88,10 +91,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
+        _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len",
                   "log_interval")
         _non_negative(self, "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip",
-                      "eval_interval", "ckpt_interval", "keep_last", "threads")
+                      "eval_interval", "eval_batches", "ckpt_interval", "keep_last", "threads")
         if self.min_lr > self.lr:
             _fail(self, "min_lr", self.min_lr, f"exceeds lr ({self.lr})", "set min_lr <= lr")
         _check_seed(self, "seed", self.seed)

@@ -13,17 +13,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE_ROUTER_DIR = Path(__file__).resolve().parents[2] / "plugins" / "examples" / "moeplug-example-router"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "plugins" / "examples"
+EXAMPLE_ROUTER_DIR = EXAMPLES_DIR / "moeplug-example-router"
 
 
 def install_example_router(target_dir: str | os.PathLike) -> dict[str, str]:
     """pip-install moeplug-example-router into ``target_dir``; return an env for subprocesses."""
-    if not (EXAMPLE_ROUTER_DIR / "pyproject.toml").is_file():
-        raise FileNotFoundError(f"example plugin not found at {EXAMPLE_ROUTER_DIR}. Fix: run from a "
+    return install_example(EXAMPLE_ROUTER_DIR, target_dir)
+
+
+def install_example(package_dir: Path, target_dir: str | os.PathLike) -> dict[str, str]:
+    """pip-install the example package in ``package_dir`` (plugins/examples/...) into
+    ``target_dir``; return an env for subprocesses that see it."""
+    if not (package_dir / "pyproject.toml").is_file():
+        raise FileNotFoundError(f"example plugin not found at {package_dir}. Fix: run from a "
                                 f"moeplug source checkout (pip install -e .)")
     # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
     source = Path(target_dir).with_name(Path(target_dir).name + "-src")
-    shutil.copytree(EXAMPLE_ROUTER_DIR, source, dirs_exist_ok=True,
+    shutil.copytree(package_dir, source, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
            "--no-index", "--target", str(target_dir), str(source)]

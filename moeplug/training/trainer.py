@@ -2,11 +2,12 @@
 
 Shape-suffix legend: B micro-batch size, S sequence length, E experts.
 
-Reproducibility contract: the model is initialised after :func:`seed_everything`; the batch of
-step ``s`` (all its micro-batches) comes from a generator seeded by ``(seed, s)``; validation uses
-fixed batches from ``(seed, "val")``; the LR is a pure function of the step. Model, optimizer and
-RNG states go into checkpoints, so a resumed run takes exactly the steps an uninterrupted one
-would.
+Reproducibility contract: the model is initialised after :func:`seed_everything`; step ``s``
+trains on the next global batch of the corpus' sample stream, epochs of Megatron GPTDataset
+indices seeded by ``train.seed`` (moeplug.data.loader); validation is the whole validation set,
+or its first ``train.eval_batches`` micro-batches; the LR is a pure function of the step.
+Model, optimizer and RNG states and the loader's position go into checkpoints, so a resumed run
+takes exactly the steps an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch
 
 from moeplug import delayed_wgrad
 from moeplug.config import RootConfig
-from moeplug.data import get_batch
+from moeplug.data.loader import (Batches, EvalBatches, eval_batches, loader_state,
+                                 resume_position, sample_batches)
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.observability.timing import add_times, measure_stages, stage
@@ -41,6 +43,8 @@ from moeplug.training.memory import (ActivationMeter, gather_ranks, memory_recor
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load
 from moeplug.training.optim import build_optimizer, lr_at
 
+# Streams of batch_generator: for tests and benchmarks that draw their own random windows
+# (moeplug.data.get_batch); the trainer's batches come from moeplug.data.loader.
 _TRAIN_STREAM, _VAL_STREAM = 0, 1
 
 
@@ -48,7 +52,7 @@ _TRAIN_STREAM, _VAL_STREAM = 0, 1
 class TrainSummary:
     steps: int                # completed optimizer steps
     final_train_loss: float   # mean loss of the last step's micro-batches (lm + aux + mtp)
-    val_loss: float           # mean lm loss over the fixed validation batches at the end
+    val_loss: float           # mean lm loss over the validation set at the end
     unigram_entropy: float    # corpus unigram entropy (nats/token): the no-context baseline
     tokens_per_s: float       # training tokens per second over this process's steps
     checkpoint: str           # the final checkpoint directory
@@ -69,41 +73,58 @@ def batch_generator(seed: int, step: int, stream: int = _TRAIN_STREAM) -> torch.
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any = None) -> float:
-    """Mean language-model loss (no aux loss) over fixed batches, in eval mode. Parallel: every
-    rank runs every batch (expert-parallel collectives need all ranks in each forward); CP
+def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any = None,
+             weights: list | None = None) -> float:
+    """Mean language-model loss (no aux loss) over ``batches``, each weighted by ``weights``
+    (default: equally), in eval mode; 0.0 when every weight is 0. Every rank of a DP replica
+    runs the same batches (expert-parallel collectives need all ranks in each forward); CP
     ranks take their shard, pipeline ranks run the forward-only schedule."""
     was_training = model.training
     model.eval()
+    weights = [1] * len(batches) if weights is None else list(weights)
     device_type = batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
     if chunks is not None:
         from moeplug.parallel.schedules import forward_backward_pipeline
-        # Whole sequences: the schedule takes each rank's CP shard itself.
-        res = forward_backward_pipeline(chunks, batches, groups, forward_only=True,
-                                        autocast=lambda: precision.autocast(device_type))
-        loss = float(res.lm_loss)
+        # Whole sequences: the schedule takes each rank's CP shard itself. It averages its
+        # micro-batches equally: all but the last (which may be shorter, or idle) go together.
+        losses = []
+        for part in ([batches[:-1]] if len(batches) > 1 else []) + [batches[-1:]]:
+            res = forward_backward_pipeline(chunks, part, groups, forward_only=True,
+                                            autocast=lambda: precision.autocast(device_type))
+            losses += [float(res.lm_loss)] * len(part)
     else:
         losses = []
         for tokens_BS, targets_BS in batches:
             with precision.autocast(device_type):
                 losses.append(float(model(*D.local_sequence(tokens_BS, targets_BS,
                                                             groups)).lm_loss))
-        loss = sum(losses) / len(losses)
     model.train(was_training)
     precision.end_step(model, groups, train=False)  # what the evaluation saw steers nothing
-    return loss
+    total = sum(weights)
+    return sum(v * w for v, w in zip(losses, weights)) / total if total else 0.0
 
 
-def step_batches(ids: Any, tc: Any, step: int, groups: Any = None) -> list:
-    """This rank's micro-batches of optimizer step ``step``: the step's DP * A micro-batches
-    are drawn in one-process order from the (seed, step) generator; DP rank r keeps
-    micro-batches r*A .. (r+1)*A - 1 (moeplug.training.distributed explains why)."""
-    dp = 1 if groups is None else groups.size("dp")
-    gen = batch_generator(tc.seed, step)
-    drawn = [get_batch(ids, tc.micro_batch_size, tc.seq_len, gen)
-             for _ in range(dp * tc.grad_accum_steps)]
-    return [drawn[i] for i in D.dp_slice(tc.grad_accum_steps, groups)]
+def evaluate_set(model: torch.nn.Module, val: EvalBatches, precision: Any,
+                 groups: Any = None) -> float:
+    """Mean lm loss over the validation set, every target counted once: each DP rank
+    evaluates its share (moeplug.data.loader.eval_batches); the token-weighted sums are added
+    over DP (sync point)."""
+    loss = evaluate(model, val.batches, precision, groups, val.weights)
+    if groups is None or groups.size("dp") == 1:
+        return loss
+    sums = torch.tensor([loss * sum(val.weights), float(sum(val.weights))], dtype=torch.float64)
+    torch.distributed.all_reduce(sums, group=groups.dp)
+    return float(sums[0] / sums[1])
+
+
+def step_batches(ids: Any, tc: Any, step: int, groups: Any = None,
+                 first: int | None = None) -> list:
+    """This rank's micro-batches of optimizer step ``step``: its share of the step's global
+    batch, the next DP * A * B samples of the stream (moeplug.data.loader; ``ids``: a corpus'
+    sample stream, or a token array read as one document); DP rank r trains on micro-batches
+    r*A .. (r+1)*A - 1 (moeplug.training.distributed explains why)."""
+    return sample_batches(ids, tc, step, groups, first)
 
 
 @dataclass(frozen=True)
@@ -488,6 +509,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
 
     start_step, metrics_state = 0, {"tokens_seen": 0, "train_seconds": 0.0}
     hf_origin = None  # the Hugging Face import this run continues, if any
+    consumed = 0  # samples of the stream the run has trained on (the loader's position)
     resume_from = resolve_resume(tc.resume, tc.out_dir)
     if resume_from:
         meta = (load_checkpoint(resume_from, model, optimizer) if groups is None else
@@ -495,6 +517,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                                         D.layout_manifest(cfg, groups)))
         start_step, metrics_state = meta["step"], meta.get("metrics") or metrics_state
         hf_origin = meta.get("hf") or meta.get(HF_ORIGIN)  # carried on (convert export)
+        consumed = resume_position(meta.get("data"), corpus, cfg, resume_from)
         _restore_precision_state(precision, model, meta, groups,
                                  None if groups is None else D.layout_manifest(cfg, groups))
         if start_step >= tc.steps:
@@ -511,9 +534,12 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     peak_1 = measure_peak_tflops(compute_dtype, device)
     peak = world * peak_1
     slow_bf16 = slow_bf16_note(peak_1, device) if compute_dtype == torch.bfloat16 else None
-    gen = batch_generator(tc.seed, 0, _VAL_STREAM)
-    val_batches = D.to_device([get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
-                               for _ in range(tc.eval_batches)], device)
+    data = Batches(corpus.train_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
+                   tc.grad_accum_steps)
+    val = eval_batches(corpus.val_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
+                       tc.eval_batches, groups)
+    val = EvalBatches(D.to_device(val.batches, device), val.weights, val.total_tokens)
+    data_order = loader_state(corpus, cfg)  # what the order depends on, for the checkpoints
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     # Append, never truncate: the CLI refuses a used run directory unless told to resume it
     # (the records continue) or to overwrite it (it clears the old run first).
@@ -552,6 +578,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     def checkpoint(step: int) -> str:
         meta = {"config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
                 "scheduler": {"step": step, "lr": lr_at(step, tc)},
+                "data": {**data_order, "consumed_samples": consumed},  # the next batch's start
                 "tokenizer": corpus.tokenizer.fingerprint()}  # moeplug generate checks it
         state = _precision_state(precision, model, groups)
         if state is not None:
@@ -592,14 +619,24 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     watch = NonFiniteWatch(model)
     rank = 0 if groups is None else groups.rank
     heartbeat = D.heartbeat(groups)
+
+    def validate(done: int) -> float:
+        loss = evaluate_set(model, val, precision, groups)
+        write({"kind": "val", "step": done, "val_loss": loss, "val_tokens": val.total_tokens})
+        progress.message(f"step {done:>6} | val loss {loss:.4f} ({val.total_tokens:,} tokens)")
+        return loss
+
     try:
+        if start_step == 0:  # the starting point: an imported model is scored before training
+            val_loss = validate(0)
         for step in range(start_step, tc.steps):
             t0 = time.perf_counter()
             # LR is set per step from the pure schedule, so resume needs no scheduler object.
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = D.to_device(step_batches(corpus.train_ids, tc, step, groups), device)
+            batches = D.to_device(data.step(consumed, groups, step), device)
+            consumed += data.global_batch(groups)
             done = step + 1
             watch.reset()
             if test_fault is not None:
@@ -692,9 +729,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             progress.step(record)
 
             if (tc.eval_interval and done % tc.eval_interval == 0) or done == tc.steps:
-                val_loss = evaluate(model, val_batches, precision, groups)
-                write({"kind": "val", "step": done, "val_loss": val_loss})
-                progress.message(f"step {done:>6} | val loss {val_loss:.4f}")
+                val_loss = validate(done)
             if (tc.ckpt_interval and done % tc.ckpt_interval == 0) or done == tc.steps:
                 ckpt_path = checkpoint(done)
     finally:
