@@ -90,7 +90,7 @@ def test_plugins_lists_every_registered_component(run_cli):
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     infos = PluginHost.load().infos()
-    assert {i.kind for i in infos} == {"router", "dispatcher", "experts", "precision"}
+    assert {i.kind for i in infos} == {"router", "dispatcher", "experts", "precision", "dataset"}
     for info in infos:
         assert f"{info.kind}:" in text
         line = next(l for l in text.splitlines() if l.strip().startswith(info.name + " "))
