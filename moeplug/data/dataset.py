@@ -20,7 +20,8 @@ import torch
 
 from moeplug.config import ConfigError, DataConfig
 from moeplug.data.corpus import Split, Work, load_split
-from moeplug.data.tokenizer import BPETokenizer, ByteTokenizer, TextTokenizer
+from moeplug.data.tokenizer import (BPETokenizer, ByteTokenizer, HFTokenizer, TextTokenizer,
+                                    frame_document, is_hf_tokenizer)
 
 CACHE_FORMAT = 1  # bump when the file layout or tokenisation rules change
 WORK_SEPARATOR = "\n\n"  # encoded between consecutive works
@@ -46,8 +47,11 @@ class Corpus:
         return float(-(val_counts_V * logp_V).sum() / val_counts_V.sum())
 
 
-def _cache_key(cfg: DataConfig, split: Split) -> str:
-    settings = json.dumps({"format": CACHE_FORMAT, "tokenizer": cfg.tokenizer,
+def _cache_key(cfg: DataConfig, split: Split, hf: HFTokenizer | None = None) -> str:
+    # An HF tokenizer by what it encodes (its fingerprint), not by where it lies: the same
+    # tokenizer found elsewhere (a checkpoint's copy) reuses the cache.
+    settings = json.dumps({"format": CACHE_FORMAT,
+                           "tokenizer": cfg.tokenizer if hf is None else hf.fingerprint(),
                            "vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else 256,
                            "separator": WORK_SEPARATOR}, sort_keys=True)
     return hashlib.sha256((settings + split.fingerprint()).encode()).hexdigest()[:20]
@@ -60,9 +64,12 @@ def _id_dtype(vocab_size: int) -> np.dtype:
 
 
 def _encode_works(tok: TextTokenizer, works: list[Work]) -> list[int]:
-    """Each work encoded on its own (BPE: in parallel), joined by the encoded separator."""
+    """Each work encoded on its own (BPE: in parallel), framed with the tokenizer's EOS (and
+    BOS) where it has one, else joined by the encoded separator."""
     texts = [w.text for w in works]
     per_work = tok.encode_batch(texts)
+    if tok.eos_id is not None:
+        return [i for ids in per_work for i in frame_document(tok, ids)]
     sep = tok.encode(WORK_SEPARATOR)
     out: list[int] = []
     for i, ids in enumerate(per_work):
@@ -81,7 +88,8 @@ def _write_atomic(path: str, data: bytes) -> None:
 def prepare_corpus(cfg: DataConfig) -> Corpus:
     """Train/load the tokenizer and tokenise the corpus once; later calls only memory-map."""
     split = load_split(cfg)
-    folder = os.path.join(cfg.resolved_cache_dir(), f"corpus-{_cache_key(cfg, split)}")
+    hf = HFTokenizer.load(cfg.tokenizer) if is_hf_tokenizer(cfg.tokenizer) else None
+    folder = os.path.join(cfg.resolved_cache_dir(), f"corpus-{_cache_key(cfg, split, hf)}")
     meta_path = os.path.join(folder, "meta.json")
     tok_path = os.path.join(folder, "tokenizer.json")
     if not os.path.exists(meta_path):
@@ -90,17 +98,19 @@ def prepare_corpus(cfg: DataConfig) -> Corpus:
             tok: TextTokenizer = BPETokenizer.train((w.text for w in split.train), cfg.vocab_size)
             tok.save(tok_path)
         else:
-            tok = ByteTokenizer()
+            tok = hf or ByteTokenizer()
         dtype = _id_dtype(tok.vocab_size)
         for name, works in (("train", split.train), ("val", split.val)):
             ids_N = np.asarray(_encode_works(tok, works), dtype=dtype)
             _write_atomic(os.path.join(folder, f"{name}.bin"), ids_N.tobytes())
-        meta = {"tokenizer": cfg.tokenizer, "vocab_size": tok.vocab_size, "dtype": dtype.name,
+        meta = {"tokenizer": "hf" if hf else cfg.tokenizer, "vocab_size": tok.vocab_size,
+                "dtype": dtype.name,
                 "train_works": [w.name for w in split.train], "val_works": [w.name for w in split.val]}
         _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
     with open(meta_path, encoding="utf-8") as f:
         meta = json.load(f)
-    tok = BPETokenizer.load(tok_path) if meta["tokenizer"] == "bpe" else ByteTokenizer()
+    tok = (BPETokenizer.load(tok_path) if meta["tokenizer"] == "bpe" else hf
+           if meta["tokenizer"] == "hf" else ByteTokenizer())
     ids = {name: np.memmap(os.path.join(folder, f"{name}.bin"), dtype=meta["dtype"], mode="r")
            for name in ("train", "val")}
     return Corpus(ids["train"], ids["val"], tok, int(meta["vocab_size"]), folder)

@@ -12,6 +12,7 @@ would.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import random
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from moeplug import delayed_wgrad
-from moeplug.config import RootConfig
+from moeplug.config import ConfigError, RootConfig
 from moeplug.data import get_batch
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
@@ -463,12 +464,22 @@ def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = 
 
 def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
           plugin_names: dict[str, str], log: Callable[[str], None] = print,
-          use_bar: bool | None = None, groups: Any = None) -> TrainSummary:
+          use_bar: bool | None = None, groups: Any = None, batches: Any = None,
+          val_batches: list | None = None, tokenizer: Any = None) -> TrainSummary:
     """Train ``model`` (this rank's model or pipeline chunks, from
     moeplug.training.distributed.build_rank_model) for ``cfg.train.steps``. ``groups``: the
     ParallelGroups of a multi-process run (None: one process). Only rank 0 logs, writes
-    metrics and the run-level checkpoint files."""
+    metrics and the run-level checkpoint files.
+
+    Data: the ``corpus``'s windows (moeplug.data), or — library use (moeplug.library), one
+    process, ``corpus`` None — ``batches``, an iterator of (tokens_BS, targets_BS)
+    micro-batches (``train.grad_accum_steps`` per step), ``val_batches`` (a list; empty: no
+    evaluation) and the ``tokenizer`` they were made with (None: unknown), which checkpoints
+    record."""
     tc = cfg.train
+    if corpus is not None:
+        tokenizer = corpus.tokenizer
+    batches = None if batches is None else iter(batches)
     if tc.threads > 0:
         torch.set_num_threads(tc.threads)
     main_rank = D.is_main_rank(groups)
@@ -503,16 +514,30 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     dp = 1 if groups is None else groups.size("dp")
     world = 1 if groups is None else groups.world_size
     tokens_per_step = dp * tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps  # all ranks
-    vocab_size = cfg.model.vocab_size or corpus.vocab_size
+    # the embedding's rows: the tokenizer's vocabulary as the model pads it
+    vocab_size = (cfg.model_vocab_size(corpus.vocab_size) if corpus is not None
+                  else model.vocab_size)
     flops_per_token = float(model_flops_per_token(cfg.model, vocab_size, tc.seq_len))
     device = D.model_device(model)  # the CLI put it on train.device; batches follow it
     compute_dtype = getattr(precision, "compute_dtype", torch.float32)
     peak_1 = measure_peak_tflops(compute_dtype, device)
     peak = world * peak_1
     slow_bf16 = slow_bf16_note(peak_1, device) if compute_dtype == torch.bfloat16 else None
-    gen = batch_generator(tc.seed, 0, _VAL_STREAM)
-    val_batches = D.to_device([get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
-                               for _ in range(tc.eval_batches)], device)
+    if corpus is not None:
+        gen = batch_generator(tc.seed, 0, _VAL_STREAM)
+        val_batches = [get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
+                       for _ in range(tc.eval_batches)]
+    val_batches = D.to_device(list(val_batches or []), device)
+
+    def draw(step: int) -> list:  # this rank's micro-batches of optimizer step ``step``
+        if batches is None:
+            return step_batches(corpus.train_ids, tc, step, groups)
+        drawn = list(itertools.islice(batches, tc.grad_accum_steps))
+        if len(drawn) < tc.grad_accum_steps:
+            raise ConfigError(f"TrainConfig.steps = {tc.steps}: the batches given ran out at "
+                              f"step {step + 1} ({tc.grad_accum_steps} micro-batch(es) a step, "
+                              f"train.grad_accum_steps). Fix: give more batches, or fewer steps")
+        return drawn
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     # Append, never truncate: the CLI refuses a used run directory unless told to resume it
     # (the records continue) or to overwrite it (it clears the old run first).
@@ -551,7 +576,10 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     def checkpoint(step: int) -> str:
         meta = {"config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
                 "scheduler": {"step": step, "lr": lr_at(step, tc)},
-                "tokenizer": corpus.tokenizer.fingerprint()}  # moeplug generate checks it
+                "model_vocab_size": vocab_size}  # the embedding's rows (a resume keeps them)
+        if tokenizer is not None:  # generate and a resume check it (moeplug.training.resume)
+            meta["tokenizer"] = tokenizer.fingerprint()
+        files = tokenizer.hf_files() if tokenizer is not None else None
         state = _precision_state(precision, model, groups)
         if state is not None:
             meta["precision_state"] = state
@@ -559,9 +587,10 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             meta[HF_ORIGIN] = hf_origin
         try:
             if groups is None:
-                return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last)
+                return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last,
+                                       tokenizer_files=files)
             return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups,
-                                           layout, tc.keep_last)
+                                           layout, tc.keep_last, tokenizer_files=files)
         except Exception as e:  # OSError, safetensors' SafetensorError: a full or unwritable disk
             if not isinstance(e, OSError) and type(e).__name__ != "SafetensorError":
                 raise
@@ -598,7 +627,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = D.to_device(step_batches(corpus.train_ids, tc, step, groups), device)
+            step_data = D.to_device(draw(step), device)
             done = step + 1
             watch.reset()
             if test_fault is not None:
@@ -610,7 +639,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             reset_process_peak(device)
             with measure_stages(timed) as times, (meter.active() if meter is not None
                                                   else contextlib.nullcontext()):
-                stats = train_step(model, optimizer, batches, tc, precision, groups)
+                stats = train_step(model, optimizer, step_data, tc, precision, groups)
             window_times = add_times(window_times, times)
             # This step's activation offloading (model.offload), read every step so each
             # record holds its own step's figures whatever train.log_interval is.
@@ -690,7 +719,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 window_tokens, window_seconds, window_times = 0, 0.0, {}
             progress.step(record)
 
-            if (tc.eval_interval and done % tc.eval_interval == 0) or done == tc.steps:
+            if val_batches and ((tc.eval_interval and done % tc.eval_interval == 0)
+                                or done == tc.steps):
                 val_loss = evaluate(model, val_batches, precision, groups)
                 write({"kind": "val", "step": done, "val_loss": val_loss})
                 progress.message(f"step {done:>6} | val loss {val_loss:.4f}")
@@ -703,6 +733,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         if tensorboard is not None:
             tensorboard.close()
     return TrainSummary(steps=tc.steps, final_train_loss=loss_step, val_loss=val_loss,
-                        unigram_entropy=float(corpus.unigram_entropy()),
+                        unigram_entropy=(float(corpus.unigram_entropy()) if corpus is not None
+                                         else float("nan")),
                         tokens_per_s=run_tokens / run_seconds if run_seconds else 0.0,
                         checkpoint=ckpt_path, metrics_path=metrics_path)
