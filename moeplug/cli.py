@@ -185,7 +185,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     tokenizer = None
     with problems.check():  # a Hugging Face tokenizer read now: a broken one fails here
         tokenizer = _cheap_tokenizer(cfg)
-        if tokenizer is not None:
+        if tokenizer is not None and resume_from is None:  # (a resume: check_tokenizer below)
             cfg.model_vocab_size(tokenizer.vocab_size)  # ids past model.vocab_size: refused
     world, layout = None, None
     with problems.check():  # layout vs world size: before any process or process group exists

@@ -148,7 +148,7 @@ def train(built: Built, batches: Iterable, *, out_dir: str, steps: int | None = 
     from moeplug.training.run_dir import check_run_dir, lock_run_dir, release_run_dirs
     from moeplug.training.trainer import train as run_trainer
 
-    extra = [f"train.out_dir={out_dir}", "train.resume="]
+    extra = [f"train.out_dir={out_dir}", "train.resume=''"]
     if steps is not None:
         extra.append(f"train.steps={steps}")
     cfg = config_from_dict(apply_overrides(built.cfg.to_dict(), [*overrides, *extra]))
