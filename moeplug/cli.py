@@ -276,16 +276,22 @@ def _resolve_config(args: argparse.Namespace, base: dict | None, problems: Probl
     from moeplug.config import config_from_dict, load_config_dict, merge_config_dicts
     from moeplug.training.checkpoint import read_meta, resolve_resume
     from moeplug.training.resume import from_checkpoint
+    from moeplug.config import TrainConfig
     given = load_config_dict(args.config, _overrides(args), base=base)
     fallback = {} if args.config or base else load_config_dict(default_config_path())
-    cfg = config_from_dict(merge_config_dicts(fallback, given))
+    merged = merge_config_dicts(fallback, given)
+    # Where to resume from, read before the whole config is checked: the checkpoint's model
+    # may be what makes the rest valid (a layout the packaged model's heads do not split).
+    train = merged.get("train") if isinstance(merged.get("train"), dict) else {}
+    resume, out = train.get("resume", ""), train.get("out_dir", TrainConfig().out_dir)
     resume_from = meta = None
-    with problems.check():  # a bad train.resume fails here, not later
-        resume_from = resolve_resume(cfg.train.resume, cfg.train.out_dir)
-        if resume_from is not None:
-            meta = read_meta(resume_from)
+    if isinstance(resume, str) and isinstance(out, str):
+        with problems.check():  # a bad train.resume fails here, not later
+            resume_from = resolve_resume(resume, out)
+            if resume_from is not None:
+                meta = read_meta(resume_from)
     if meta is None:
-        return cfg, resume_from, None
+        return config_from_dict(merged), resume_from, None
     taken = from_checkpoint(resume_from, meta)
     return (config_from_dict(merge_config_dicts(merge_config_dicts(fallback, taken), given)),
             resume_from, meta)
@@ -304,11 +310,10 @@ def _check_corpus_tokenizer(cfg: RootConfig, corpus, resume_from: str | None,
     """Once the tokenizer is built (a BPE is trained on the corpus): every id has a row in the
     model (the rows split over TP), and a resumed checkpoint was trained with the same
     tokenizer; before any rank starts. Returns the model's vocabulary rows."""
-    rows = cfg.model_vocab_size(corpus.vocab_size)
-    if resume_from is not None and meta is not None:
+    if resume_from is not None and meta is not None:  # first: it names the checkpoint
         from moeplug.training.resume import check_tokenizer
         check_tokenizer(resume_from, meta, cfg, corpus.tokenizer)
-    return rows
+    return cfg.model_vocab_size(corpus.vocab_size)
 
 
 def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, groups, device,

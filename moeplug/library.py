@@ -98,17 +98,23 @@ def build(config: str | dict | RootConfig | None = None, *, checkpoint: str | No
     spec = cfg.data.tokenizer
     tokenizer = (HFTokenizer.load(spec) if is_hf_tokenizer(spec)
                  else ByteTokenizer() if spec == "bytes" else None)
-    rows = (meta or {}).get("model_vocab_size") or cfg.model.vocab_size
-    tokens = vocab_size or (tokenizer.vocab_size if tokenizer is not None else None) or rows
+    saved_rows = (meta or {}).get("model_vocab_size")  # a checkpoint's embedding: its rows
+    tokens = (vocab_size or (tokenizer.vocab_size if tokenizer is not None else None)
+              or saved_rows or cfg.model.vocab_size)
     if not tokens:
         raise ConfigError("build: data.tokenizer = 'bpe' is trained on the corpus, so its "
                           "vocabulary is not known here. Fix: pass vocab_size=N, set "
                           "model.vocab_size, or use a Hugging Face tokenizer (data.tokenizer: "
                           "a path) or 'bytes'")
+    if saved_rows and tokens > saved_rows:
+        raise ConfigError(f"build: the tokenizer's {tokens} ids exceed the {saved_rows} "
+                          f"embedding rows of checkpoint {path!r}. Fix: build it with the "
+                          f"tokenizer it was trained with (leave data.tokenizer and vocab_size "
+                          f"out)")
     host = load_host(cfg)
     check_plugins(host, cfg)
     seed_everything(cfg.train.seed)
-    model = build_model(cfg, host, rows or cfg.model_vocab_size(tokens))
+    model = build_model(cfg, host, saved_rows or cfg.model_vocab_size(tokens))
     if path is not None:
         load_checkpoint(path, model, optimizer=None, restore_rng=False)
     model = model.to(D.resolve_device(cfg)).train()

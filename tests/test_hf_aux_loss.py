@@ -52,10 +52,6 @@ def _imported(hf, tmp_path, load_balancing_type: str):
     return cfg, ours.train()
 
 
-def _gate_grads(model, names):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if n in names}
-
-
 @pytest.mark.parametrize("layers, top_k", [(1, 2), (2, 1), (2, 2), (4, 2), (4, 4), (3, 3)])
 def test_hf_aux_loss_equals_transformers_load_balancing_loss(layers, top_k, tmp_path):
     hf = _hf(layers, top_k)
@@ -91,16 +87,22 @@ def test_pooled_formula_on_given_logits_equals_transformers_function():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
 
 
+def conventions_ratio(layers: int, top_k: int, folder) -> float:
+    """moeplug's default aux loss (Megatron's per-layer sum) over transformers' pooled one, at
+    the same coefficient, on one batch of an imported random Qwen3-MoE."""
+    hf = _hf(layers, top_k)
+    x_BS = torch.randint(0, V, (4, 32), generator=torch.Generator().manual_seed(5))
+    _, megatron = _imported(hf, folder / "a", "aux_loss")
+    _, pooled = _imported(hf, folder / "b", "hf_aux_loss")
+    with torch.no_grad():
+        return float(megatron(x_BS).aux_loss / pooled(x_BS).aux_loss)
+
+
 @pytest.mark.parametrize("layers, top_k", [(2, 2), (4, 2)])
 def test_per_layer_sum_is_about_layers_over_top_k_times_hf(layers, top_k, tmp_path):
     """What README and ``convert import`` say: at the same coefficient moeplug's default aux
     loss (Megatron's per-layer sum) is ~L/K times transformers' pooled one."""
-    hf = _hf(layers, top_k)
-    x_BS = torch.randint(0, V, (4, 32), generator=torch.Generator().manual_seed(5))
-    _, megatron = _imported(hf, tmp_path / "a", "aux_loss")
-    _, pooled = _imported(hf, tmp_path / "b", "hf_aux_loss")
-    with torch.no_grad():
-        ratio = float(megatron(x_BS).aux_loss / pooled(x_BS).aux_loss)
+    ratio = conventions_ratio(layers, top_k, tmp_path)
     assert 0.7 * layers / top_k < ratio < 1.4 * layers / top_k, ratio
 
 
@@ -133,3 +135,31 @@ def test_training_only_router_options_are_no_model_difference(tiny_cfg):
     routing = tiny_cfg("plugins.router_options.score_function=sigmoid")
     assert [d[0] for d in model_differences(saved, routing, options)] == [
         "plugins.router_options.score_function"]
+
+
+def test_convert_import_says_the_convention_it_trains_with(tmp_path):
+    from moeplug.convert import import_hf, import_notes
+    from tests.test_hf_interop import deepseek_v3
+    hf = _hf(4, 2)
+    hf.save_pretrained(tmp_path / "qwen")
+    ckpt = import_hf(str(tmp_path / "qwen"), str(tmp_path / "q"))
+    notes = " ".join(import_notes(str(tmp_path / "qwen"), ckpt))
+    assert "summed over the 4 layers, coefficient 0.02" in notes
+    assert "top_k / layers = 2/4" in notes and "output_router_logits (config.json: false)" in notes
+    assert "load_balancing_type=none" in notes and "tokenizer: none imported" in notes
+    deepseek_v3().save_pretrained(tmp_path / "ds")
+    ckpt = import_hf(str(tmp_path / "ds"), str(tmp_path / "d"))
+    notes = " ".join(import_notes(str(tmp_path / "ds"), ckpt))
+    assert "seq_aux_loss, coefficient 0.0001" in notes and "bias_update_rate 0.001" in notes
+    assert "trains with neither" in notes
+
+
+if __name__ == "__main__":  # `python tests/test_hf_aux_loss.py`: the ratios README quotes
+    import sys
+    import tempfile
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    for layers, top_k in ((2, 2), (4, 2), (8, 2), (4, 1)):
+        ratio = conventions_ratio(layers, top_k, Path(tempfile.mkdtemp()))
+        print(f"{layers} MoE layers, top-{top_k}: moeplug aux_loss / transformers' = "
+              f"{ratio:.2f} (layers / top-k = {layers / top_k:.2f})")

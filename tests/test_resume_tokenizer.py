@@ -125,6 +125,30 @@ def test_an_import_resumed_with_a_tokenizer_larger_than_its_embedding_is_refused
              "320 token ids exceed the 256 embedding rows")
 
 
+def test_an_import_with_its_tokenizer_generates_and_refuses_another_on_resume(
+        run_cli, tiny_corpus, cache_dir, texts, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tok = save_hf_tokenizer(tmp_path / "hf", texts, "bos")
+    hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64))
+    hf.save_pretrained(tmp_path / "hf")
+    proc = run_cli("convert", "import", "--hf", tok, "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokenizer: imported (320 ids, EOS id 0 appended to every document, BOS id 1" \
+        in proc.stdout
+    # generate reads the import at step 0 with its tokenizer (no corpus, no cache)
+    proc = run_cli("generate", "--ckpt", str(tmp_path / "run"), "--prompt", "KING:",
+                   "--max-new-tokens", "5")
+    assert proc.returncode == 0 and proc.stdout.startswith("KING:"), proc.stderr[-3000:]
+    other = save_hf_tokenizer(tmp_path / "other", texts[:5], "bos")
+    proc = run_cli("train", "--out", str(tmp_path / "run"), "--resume", "auto", "--steps", "2",
+                   "--set", f"data.corpus={tiny_corpus}", "--set", "data.val_works=[val_text]",
+                   "--set", f"data.tokenizer={other}")
+    _refused(proc, f"DataConfig.tokenizer = '{other}'", "step_000000/tokenizer', the copy")
+
+
 def test_a_checkpoint_from_before_vocabulary_padding_resumes_with_its_rows(
         run_cli, tiny_corpus, cache_dir, tmp_path):
     cfg = _config(tmp_path, tiny_corpus, cache_dir, tokenizer="bpe", vocab_size=300)
