@@ -57,6 +57,9 @@ class RouterOutput:
                   the dispatcher pads with prob-0 rows (static shapes, Megatron pad-to-capacity).
     pad_multiple: the dispatcher pads each local expert's rows to a multiple of this with prob-0
                   rows (quantised grouped GEMMs want 16/32-row tiles); outputs do not change.
+    pooled_aux:   a loss over *all* MoE layers together (moeplug.routing.pooled.PooledAuxStats:
+                  transformers' load_balancing_loss_func): this layer's statistics of it, which
+                  the model combines once per forward and adds to the aux loss.
     """
 
     probs_TK: torch.Tensor
@@ -67,6 +70,7 @@ class RouterOutput:
     dropped_TK: torch.Tensor | None = None
     capacity: int | None = None
     pad_multiple: int = 1
+    pooled_aux: Any = None
 
 
 @dataclass(frozen=True)

@@ -483,7 +483,8 @@ class PluginHost:
         """``options`` as plugin ``name`` reads them, for comparing two configs: every option
         with its default filled in, less those its ``options_cls`` lists in
         ``execution_only`` (a class attribute: options that change how it runs, not what it
-        computes). None where the plugin is unknown, unavailable or rejects them (compare
+        computes) or ``training_only`` (options that only weight or steer training: loss
+        coefficients, update rates; the trained model computes the same). None where the plugin is unknown, unavailable or rejects them (compare
         them as written; the run reports the problem itself)."""
         self._check_kind(kind)
         entry = self._entries[kind].get(name)
@@ -493,7 +494,8 @@ class PluginHost:
             built = _build_options(entry, options)
         except PluginError:
             return None
-        skip = set(getattr(entry.options_cls, "execution_only", ()))
+        skip = (set(getattr(entry.options_cls, "execution_only", ()))
+                | set(getattr(entry.options_cls, "training_only", ())))
         return {f.name: getattr(built, f.name) for f in dataclasses.fields(built)
                 if f.init and f.name not in skip}
 

@@ -55,8 +55,8 @@ def assert_config_error(proc, *fragments: str) -> None:
 def test_model_vocab_smaller_than_tokenizer_exits_2(run_cli, small_corpus_config):
     path = small_corpus_config(model={"vocab_size": 100})
     proc = run_cli("train", "--config", path, timeout=300)
-    assert_config_error(proc, "ModelConfig.vocab_size = 100", "(256)",
-                        "Fix: set model.vocab_size=0", ">= 256")
+    assert_config_error(proc, "ModelConfig.vocab_size = 100", "256 ids of the tokenizer",
+                        "data.tokenizer = 'bytes'", "set model.vocab_size: 0", ">= 256")
 
 
 def test_seq_len_longer_than_validation_split_exits_2(run_cli, small_corpus_config):

@@ -44,7 +44,7 @@ def cmd_data(args: argparse.Namespace) -> int:
     from moeplug.data.prepare import default_workers, iter_texts, prepare
     from moeplug.data.reader import ReadOptions
     from moeplug.data.sources import reader_for
-    from moeplug.data.tokenizer import BPETokenizer, ByteTokenizer
+    from moeplug.data.tokenizer import BPETokenizer, ByteTokenizer, HFTokenizer, is_hf_tokenizer
     from moeplug.plugin_host import PluginHost
 
     if args.workers < 0:
@@ -65,6 +65,8 @@ def cmd_data(args: argparse.Namespace) -> int:
         print(f"training the local BPE ({cfg.vocab_size} ids) on {args.corpus}",
               file=sys.stderr, flush=True)
         tok = BPETokenizer.train(iter_texts(reader, args.corpus, options), cfg.vocab_size)
+    elif is_hf_tokenizer(cfg.tokenizer):
+        tok = HFTokenizer.load(cfg.tokenizer, field="--tokenizer")
     else:
         tok = ByteTokenizer()
     summary = prepare(reader, args.corpus, tok, args.out, options,

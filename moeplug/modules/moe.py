@@ -50,10 +50,13 @@ class MoEOutput(tuple):
     have to change for."""
 
     router_losses: dict
+    pooled_aux: Any  # RouterOutput.pooled_aux: this layer's part of a loss over all layers
 
-    def __new__(cls, y: Any, aux_loss: Any, counts_E: Any, router_losses: dict) -> "MoEOutput":
+    def __new__(cls, y: Any, aux_loss: Any, counts_E: Any, router_losses: dict,
+                pooled_aux: Any = None) -> "MoEOutput":
         out = super().__new__(cls, (y, aux_loss, counts_E))
         out.router_losses = router_losses
+        out.pooled_aux = pooled_aux
         return out
 
 
@@ -166,7 +169,7 @@ class MoELayer(nn.Module):
                 y_TD = add_shared(y_TD, self.shared(x_TD))            # 5. shared, 6. sum
         y_ND = rows_as(y_TD, x_ND)                                    # 6. sum
         return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
-                         counts_E, dict(routing.losses))
+                         counts_E, dict(routing.losses), routing.pooled_aux)
 
     def _counts(self, routing) -> torch.Tensor:
         # Logged, never differentiated: on the host on the CPU, on the device on a GPU.

@@ -29,6 +29,7 @@ from moeplug.modules.recompute import block_chunks, chunk_is_checkpointed, run_c
 from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
 from moeplug.quant.linear import block_scope_factory
+from moeplug.routing.pooled import pooled_aux_loss
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,17 @@ class ModelStages:
                                     scopes[start:start + len(chunk)])
             start += len(chunk)
             x_BSD = block_outs[-1][0]
+        pooled = []  # the layers' parts of a loss over all of them (routing.pooled)
         for block_out in block_outs:
             _, layer_aux, counts_E = block_out
             if counts_E is not None:
                 aux_loss = aux_loss + layer_aux.float()
                 expert_counts.append(counts_E)
                 router_losses.append(block_out.router_losses)
+                if block_out.pooled_aux is not None:
+                    pooled.append(block_out.pooled_aux)
+        if pooled:  # one pipeline chunk holds every layer: the router refuses PP (and TP, CP)
+            aux_loss = aux_loss + pooled_aux_loss(pooled)
         if self._cp_group is not None:  # grad x CP: sync_gradients averages over CP (cp_aux_loss)
             # Linear, so applying it per pipeline chunk equals applying it to the model's sum.
             aux_loss = cp_aux_loss(aux_loss, self._cp_group)

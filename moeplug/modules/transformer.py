@@ -79,7 +79,8 @@ class TransformerBlock(nn.Module):
             moe_out = self.ffn(tpar.moe_tokens_in(self.ffn_norm(x_BSD), self._groups))
             y_BSD, aux_loss, counts_E = moe_out
             y_BSD = tpar.moe_tokens_out(y_BSD, self._groups)
-            return MoEOutput(x_BSD + y_BSD, aux_loss, counts_E, moe_out.router_losses)
+            return MoEOutput(x_BSD + y_BSD, aux_loss, counts_E, moe_out.router_losses,
+                             moe_out.pooled_aux)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD)), None, None
 
 

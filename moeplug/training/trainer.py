@@ -13,6 +13,7 @@ takes exactly the steps an uninterrupted one would.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import random
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from moeplug import delayed_wgrad
-from moeplug.config import RootConfig
+from moeplug.config import ConfigError, RootConfig
 from moeplug.data.loader import (Batches, EvalBatches, eval_batches, loader_state,
                                  resume_position, sample_batches)
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
@@ -485,12 +486,22 @@ def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = 
 
 def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
           plugin_names: dict[str, str], log: Callable[[str], None] = print,
-          use_bar: bool | None = None, groups: Any = None) -> TrainSummary:
+          use_bar: bool | None = None, groups: Any = None, batches: Any = None,
+          val_batches: list | None = None, tokenizer: Any = None) -> TrainSummary:
     """Train ``model`` (this rank's model or pipeline chunks, from
     moeplug.training.distributed.build_rank_model) for ``cfg.train.steps``. ``groups``: the
     ParallelGroups of a multi-process run (None: one process). Only rank 0 logs, writes
-    metrics and the run-level checkpoint files."""
+    metrics and the run-level checkpoint files.
+
+    Data: the ``corpus``'s sample stream (moeplug.data.loader), or — library use (moeplug.library), one
+    process, ``corpus`` None — ``batches``, an iterator of (tokens_BS, targets_BS)
+    micro-batches (``train.grad_accum_steps`` per step), ``val_batches`` (a list; empty: no
+    evaluation) and the ``tokenizer`` they were made with (None: unknown), which checkpoints
+    record."""
     tc = cfg.train
+    if corpus is not None:
+        tokenizer = corpus.tokenizer
+    batches = None if batches is None else iter(batches)
     if tc.threads > 0:
         torch.set_num_threads(tc.threads)
     main_rank = D.is_main_rank(groups)
@@ -517,7 +528,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                                         D.layout_manifest(cfg, groups)))
         start_step, metrics_state = meta["step"], meta.get("metrics") or metrics_state
         hf_origin = meta.get("hf") or meta.get(HF_ORIGIN)  # carried on (convert export)
-        consumed = resume_position(meta.get("data"), corpus, cfg, resume_from)
+        if corpus is not None:  # (the caller's batches: the caller's position)
+            consumed = resume_position(meta.get("data"), corpus, cfg, resume_from)
         _restore_precision_state(precision, model, meta, groups,
                                  None if groups is None else D.layout_manifest(cfg, groups))
         if start_step >= tc.steps:
@@ -527,19 +539,37 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     dp = 1 if groups is None else groups.size("dp")
     world = 1 if groups is None else groups.world_size
     tokens_per_step = dp * tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps  # all ranks
-    vocab_size = cfg.model.vocab_size or corpus.vocab_size
+    # the embedding's rows: the tokenizer's vocabulary as the model pads it
+    vocab_size = (cfg.model_vocab_size(corpus.vocab_size) if corpus is not None
+                  else model.vocab_size)
     flops_per_token = float(model_flops_per_token(cfg.model, vocab_size, tc.seq_len))
     device = D.model_device(model)  # the CLI put it on train.device; batches follow it
     compute_dtype = getattr(precision, "compute_dtype", torch.float32)
     peak_1 = measure_peak_tflops(compute_dtype, device)
     peak = world * peak_1
     slow_bf16 = slow_bf16_note(peak_1, device) if compute_dtype == torch.bfloat16 else None
-    data = Batches(corpus.train_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
-                   tc.grad_accum_steps)
-    val = eval_batches(corpus.val_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
-                       tc.eval_batches, groups)
-    val = EvalBatches(D.to_device(val.batches, device), val.weights, val.total_tokens)
-    data_order = loader_state(corpus, cfg)  # what the order depends on, for the checkpoints
+    if corpus is not None:
+        data = Batches(corpus.train_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
+                       tc.grad_accum_steps)
+        val = eval_batches(corpus.val_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
+                           tc.eval_batches, groups)
+        val = EvalBatches(D.to_device(val.batches, device), val.weights, val.total_tokens)
+        data_order = loader_state(corpus, cfg)  # what the order depends on, for the checkpoints
+    else:  # library use: the caller's batches, each validation batch weighted by its targets
+        data, data_order = None, None
+        given = D.to_device(list(val_batches or []), device)
+        weights = [int(t.numel()) for _, t in given]
+        val = EvalBatches(given, weights, sum(weights))
+
+    def draw(step: int) -> list:  # this rank's micro-batches of optimizer step ``step``
+        if batches is None:
+            return data.step(consumed, groups, step)
+        drawn = list(itertools.islice(batches, tc.grad_accum_steps))
+        if len(drawn) < tc.grad_accum_steps:
+            raise ConfigError(f"TrainConfig.steps = {tc.steps}: the batches given ran out at "
+                              f"step {step + 1} ({tc.grad_accum_steps} micro-batch(es) a step, "
+                              f"train.grad_accum_steps). Fix: give more batches, or fewer steps")
+        return drawn
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     # Append, never truncate: the CLI refuses a used run directory unless told to resume it
     # (the records continue) or to overwrite it (it clears the old run first).
@@ -578,8 +608,12 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     def checkpoint(step: int) -> str:
         meta = {"config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
                 "scheduler": {"step": step, "lr": lr_at(step, tc)},
-                "data": {**data_order, "consumed_samples": consumed},  # the next batch's start
-                "tokenizer": corpus.tokenizer.fingerprint()}  # moeplug generate checks it
+                "model_vocab_size": vocab_size}  # the embedding's rows (a resume keeps them)
+        if data_order is not None:  # the next batch's start, and what the order depends on
+            meta["data"] = {**data_order, "consumed_samples": consumed}
+        if tokenizer is not None:  # generate and a resume check it (moeplug.training.resume)
+            meta["tokenizer"] = tokenizer.fingerprint()
+        files = tokenizer.hf_files() if tokenizer is not None else None
         state = _precision_state(precision, model, groups)
         if state is not None:
             meta["precision_state"] = state
@@ -587,9 +621,10 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             meta[HF_ORIGIN] = hf_origin
         try:
             if groups is None:
-                return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last)
+                return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last,
+                                       tokenizer_files=files)
             return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups,
-                                           layout, tc.keep_last)
+                                           layout, tc.keep_last, tokenizer_files=files)
         except Exception as e:  # OSError, safetensors' SafetensorError: a full or unwritable disk
             if not isinstance(e, OSError) and type(e).__name__ != "SafetensorError":
                 raise
@@ -627,7 +662,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         return loss
 
     try:
-        if start_step == 0:  # the starting point: an imported model is scored before training
+        if start_step == 0 and val.batches:  # the starting point: an import is scored first
             val_loss = validate(0)
         for step in range(start_step, tc.steps):
             t0 = time.perf_counter()
@@ -635,8 +670,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = D.to_device(data.step(consumed, groups, step), device)
-            consumed += data.global_batch(groups)
+            step_data = D.to_device(draw(step), device)
+            if data is not None:
+                consumed += data.global_batch(groups)
             done = step + 1
             watch.reset()
             if test_fault is not None:
@@ -648,7 +684,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             reset_process_peak(device)
             with measure_stages(timed) as times, (meter.active() if meter is not None
                                                   else contextlib.nullcontext()):
-                stats = train_step(model, optimizer, batches, tc, precision, groups)
+                stats = train_step(model, optimizer, step_data, tc, precision, groups)
             window_times = add_times(window_times, times)
             # This step's activation offloading (model.offload), read every step so each
             # record holds its own step's figures whatever train.log_interval is.
@@ -728,7 +764,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 window_tokens, window_seconds, window_times = 0, 0.0, {}
             progress.step(record)
 
-            if (tc.eval_interval and done % tc.eval_interval == 0) or done == tc.steps:
+            if val.batches and ((tc.eval_interval and done % tc.eval_interval == 0)
+                                or done == tc.steps):
                 val_loss = validate(done)
             if (tc.ckpt_interval and done % tc.ckpt_interval == 0) or done == tc.steps:
                 ckpt_path = checkpoint(done)
@@ -739,6 +776,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         if tensorboard is not None:
             tensorboard.close()
     return TrainSummary(steps=tc.steps, final_train_loss=loss_step, val_loss=val_loss,
-                        unigram_entropy=float(corpus.unigram_entropy()),
+                        unigram_entropy=(float(corpus.unigram_entropy()) if corpus is not None
+                                         else float("nan")),
                         tokens_per_s=run_tokens / run_seconds if run_seconds else 0.0,
                         checkpoint=ckpt_path, metrics_path=metrics_path)
