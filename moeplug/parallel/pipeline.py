@@ -113,17 +113,20 @@ class PipelineChunk(ModelStages, nn.Module):
         return (B, S // comm.group_size(tp) if sp else S, self.hidden_size)
 
     def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None,
-                tokens_BS: torch.Tensor | None = None) -> ChunkOutput:
+                tokens_BS: torch.Tensor | None = None,
+                positions_BS: torch.Tensor | None = None) -> ChunkOutput:
         """``x`` is tokens_BS on the first virtual stage, else the previous stage's x_BSD.
-        ``targets_BS`` (and, for MTP, ``tokens_BS``) on the last virtual stage."""
+        ``targets_BS`` (and, for MTP, ``tokens_BS``) on the last virtual stage.
+        ``positions_BS``: the micro-batch's document positions on every stage (packed
+        documents), or None."""
         if self.is_first:
             tokens_BS = x
             x = self.embed_tokens(x)
-        blocks_out = self.run_blocks(x, self.blocks.values(), self.layers.start)
+        blocks_out = self.run_blocks(x, self.blocks.values(), self.layers.start, positions_BS)
         if not self.is_last:
             return ChunkOutput(blocks_out.x_BSD, None, blocks_out.aux_loss,
                                blocks_out.expert_counts)
-        head_out = self.head_and_loss(blocks_out.x_BSD, tokens_BS, targets_BS)
+        head_out = self.head_and_loss(blocks_out.x_BSD, tokens_BS, targets_BS, positions_BS)
         return ChunkOutput(None, head_out.lm_loss, blocks_out.aux_loss + head_out.mtp_aux_loss,
                            blocks_out.expert_counts + head_out.mtp_counts, head_out.mtp_loss)
 

@@ -25,6 +25,7 @@ import torch
 from moeplug import delayed_wgrad
 from moeplug.config import RootConfig
 from moeplug.data import get_batch
+from moeplug.documents import document_eod, with_positions
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.observability.timing import add_times, measure_stages, stage
@@ -85,10 +86,9 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
         loss = float(res.lm_loss)
     else:
         losses = []
-        for tokens_BS, targets_BS in batches:
+        for batch in batches:  # (tokens, targets[, document positions])
             with precision.autocast(device_type):
-                losses.append(float(model(*D.local_sequence(tokens_BS, targets_BS,
-                                                            groups)).lm_loss))
+                losses.append(float(model(*D.local_sequence(batch, groups)).lm_loss))
         loss = sum(losses) / len(losses)
     model.train(was_training)
     precision.end_step(model, groups, train=False)  # what the evaluation saw steers nothing
@@ -197,9 +197,10 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
             routing = add_micro_batch(routing, counts, router_losses)  # counts summed there
 
         def forward(m: int) -> Any:
-            tokens_BS, targets_BS = D.local_sequence(*micro_batches[m], groups)  # CP shard
+            # This CP rank's shard of tokens, targets (and document positions).
+            batch = D.local_sequence(micro_batches[m], groups)
             with precision.autocast(device_type):  # the precision plugin picks the dtype
-                out = model(tokens_BS, targets_BS)
+                out = model(*batch)
             mtp = out.lm_loss.new_zeros(()) if out.mtp_loss is None else out.mtp_loss
             reports[m] = (out.mtp_loss is not None,
                           [v.detach() for v in (out.loss, out.lm_loss, out.aux_loss, mtp)],
@@ -345,6 +346,8 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
 
     ``model``: a MoETransformer, or a pipeline rank's ``nn.ModuleList`` of chunks. ``groups``:
     a ParallelGroups (None = one process). ``optimizer``: AdamW, or a DistributedAdamW.
+    ``micro_batches``: (tokens_BS, targets_BS) of whole sequences, or with packed documents
+    (tokens_BS, targets_BS, positions_BS) (moeplug.documents.with_positions).
     """
     num_micro = len(micro_batches)
     device_type = micro_batches[0][0].device.type  # autocast where the data (and model) live
@@ -472,6 +475,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     if tc.threads > 0:
         torch.set_num_threads(tc.threads)
     main_rank = D.is_main_rank(groups)
+    # Packed documents: the EOD id their positions restart after (None: masking off). A
+    # tokenizer without EOS is refused here too (the CLI refuses it before any rank starts).
+    eod = document_eod(cfg, corpus.tokenizer)
     if not main_rank:
         log, use_bar = (lambda _msg: None), False
     host_allocator = "default (train.retain_freed_memory: false)"
@@ -511,8 +517,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     peak = world * peak_1
     slow_bf16 = slow_bf16_note(peak_1, device) if compute_dtype == torch.bfloat16 else None
     gen = batch_generator(tc.seed, 0, _VAL_STREAM)
-    val_batches = D.to_device([get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
-                               for _ in range(tc.eval_batches)], device)
+    val_batches = with_positions(D.to_device(
+        [get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
+         for _ in range(tc.eval_batches)], device), eod)
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     # Append, never truncate: the CLI refuses a used run directory unless told to resume it
     # (the records continue) or to overwrite it (it clears the old run first).
@@ -598,7 +605,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = D.to_device(step_batches(corpus.train_ids, tc, step, groups), device)
+            batches = with_positions(  # + document positions, once per micro-batch
+                D.to_device(step_batches(corpus.train_ids, tc, step, groups), device), eod)
             done = step + 1
             watch.reset()
             if test_fault is not None:
