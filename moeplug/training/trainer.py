@@ -75,7 +75,18 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
     rank runs every batch (expert-parallel collectives need all ranks in each forward); CP
     ranks take their shard, pipeline ranks run the forward-only schedule."""
     was_training = model.training
+    # Eval mode on every module (a pipeline rank's chunks too: ModuleList.eval recurses): no
+    # router jitter, no token counting for the expert-bias update, the dynamic MoE path.
     model.eval()
+    try:
+        loss = _eval_loss(model, batches, precision, groups)
+    finally:  # also when a batch fails: the caller's next step must not train in eval mode
+        model.train(was_training)
+    precision.end_step(model, groups, train=False)  # what the evaluation saw steers nothing
+    return loss
+
+
+def _eval_loss(model: torch.nn.Module, batches: list, precision: Any, groups: Any) -> float:
     device_type = batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
     if chunks is not None:
@@ -83,16 +94,12 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
         # Whole sequences: the schedule takes each rank's CP shard itself.
         res = forward_backward_pipeline(chunks, batches, groups, forward_only=True,
                                         autocast=lambda: precision.autocast(device_type))
-        loss = float(res.lm_loss)
-    else:
-        losses = []
-        for batch in batches:  # (tokens, targets[, document positions])
-            with precision.autocast(device_type):
-                losses.append(float(model(*D.local_sequence(batch, groups)).lm_loss))
-        loss = sum(losses) / len(losses)
-    model.train(was_training)
-    precision.end_step(model, groups, train=False)  # what the evaluation saw steers nothing
-    return loss
+        return float(res.lm_loss)
+    losses = []
+    for batch in batches:  # (tokens, targets[, document positions])
+        with precision.autocast(device_type):
+            losses.append(float(model(*D.local_sequence(batch, groups)).lm_loss))
+    return sum(losses) / len(losses)
 
 
 def step_batches(ids: Any, tc: Any, step: int, groups: Any = None) -> list:
@@ -352,6 +359,10 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     num_micro = len(micro_batches)
     device_type = micro_batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
+    # Train mode on every module, whoever called (train(), the library API, a test) and
+    # whatever ran before (an evaluation, generation): router jitter and token counting are
+    # training-only, and a step in eval mode would train another model than it logs.
+    model.train()
 
     def forward_backward() -> tuple[list, list, Any]:
         optimizer.zero_grad(set_to_none=True)
