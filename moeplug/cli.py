@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="DIR|auto", help="train.resume")
     t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events "
                    "to OUT_DIR/tb (train.tensorboard)")
+    t.add_argument("--wandb", action="store_true", help="also log to Weights & Biases "
+                   "(train.wandb; train.wandb_mode=offline needs no network)")
     t.add_argument("--overwrite", action="store_true", help="replace the run already in --out "
                    "(its metrics.jsonl, checkpoints and latest are deleted first)")
     t.add_argument("--nproc", type=int, metavar="N", help="run on N processes: re-executes this "
@@ -82,6 +84,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"train.resume={args.resume}")
     if args.tensorboard:
         out.append("train.tensorboard=true")
+    if args.wandb:
+        out.append("train.wandb=true")
     return out
 
 
@@ -178,6 +182,10 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         with problems.check():  # a missing optional package fails here too
             from moeplug.observability.tensorboard import summary_writer_class
             summary_writer_class()
+    if cfg.train.wandb:
+        with problems.check():
+            from moeplug.observability.wandb_writer import wandb_module
+            wandb_module()
     resume_from = None
     with problems.check():  # a bad train.resume fails here, not later
         resume_from = resolve_resume(cfg.train.resume, cfg.train.out_dir)

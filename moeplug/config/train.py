@@ -77,6 +77,13 @@ class TrainConfig:
     # grow well past the peak.
     retain_freed_memory: bool = False
     tensorboard: bool = False  # also write TensorBoard events to out_dir/tb (rank 0)
+    # Also log to Weights & Biases (rank 0; the wandb extra): the TensorBoard writer's tags.
+    # wandb_mode: offline (files under out_dir/wandb, no network), online, disabled, or empty
+    # for wandb's own ($WANDB_MODE, else online). moeplug.observability.wandb_writer.
+    wandb: bool = False
+    wandb_project: str = "moeplug"
+    wandb_name: str = ""  # empty: wandb's generated run name
+    wandb_mode: str = ""
     time_breakdown: bool = True  # per-stage seconds in train records (CPU runs)
     # Also the peak bytes held for backward in the train records' per-rank memory (a
     # saved-tensor meter, ~17% of a default-model step; moeplug.training.memory).
@@ -147,6 +154,12 @@ class TrainConfig:
         for n in ("tensorboard", "time_breakdown", "memory_stats"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
+        if self.wandb_mode not in ("", "online", "offline", "disabled"):
+            _fail(self, "wandb_mode", self.wandb_mode, "is not a W&B mode",
+                  "use offline (no network), online, disabled, or leave it empty ($WANDB_MODE)")
+        if self.wandb and not self.wandb_project:
+            _fail(self, "wandb_project", self.wandb_project, "must name a W&B project",
+                  "set wandb_project, e.g. moeplug")
         if self.nonfinite not in ("stop", "skip"):
             _fail(self, "nonfinite", self.nonfinite, "must be stop or skip",
                   "set nonfinite to stop (end the run) or skip (drop the update, go on)")

@@ -535,18 +535,21 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     # Append, never truncate: the CLI refuses a used run directory unless told to resume it
     # (the records continue) or to overwrite it (it clears the old run first).
     writer = MetricsWriter(metrics_path, append=True) if main_rank else None
-    tensorboard = None
+    mirrors = []  # TensorBoard, W&B: what each gets is what metrics.jsonl gets
     if main_rank and tc.tensorboard:
         from moeplug.observability.tensorboard import TensorBoardWriter
-        tensorboard = TensorBoardWriter(tc.out_dir, start_step)
+        mirrors.append(TensorBoardWriter(tc.out_dir, start_step))
+    if main_rank and tc.wandb:
+        from moeplug.observability.wandb_writer import WandbWriter
+        mirrors.append(WandbWriter(tc.out_dir, tc, cfg.to_dict(), start_step, resume_from))
     # Wall-clock stage times are only meaningful where ops finish before they return (CPU).
     timed = tc.time_breakdown and all(p.device.type == "cpu" for p in model.parameters())
 
     def write(record: dict) -> None:
         if writer is not None:
             writer.write(record)
-        if tensorboard is not None:
-            tensorboard.write(record)
+        for mirror in mirrors:
+            mirror.write(record)
 
     layout = None if groups is None else D.layout_manifest(cfg, groups)
     runtime = stash_runtime(model)  # what the model registered with the runtime at build
@@ -719,8 +722,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         progress.close()
         if writer is not None:
             writer.close()
-        if tensorboard is not None:
-            tensorboard.close()
+        for mirror in mirrors:
+            mirror.close()
     return TrainSummary(steps=tc.steps, final_train_loss=loss_step, val_loss=val_loss,
                         unigram_entropy=float(corpus.unigram_entropy()),
                         tokens_per_s=run_tokens / run_seconds if run_seconds else 0.0,
