@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="DIR|auto", help="train.resume")
     t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events "
                    "to OUT_DIR/tb (train.tensorboard)")
+    t.add_argument("--wandb", action="store_true", help="also log to Weights & Biases "
+                   "(train.wandb; train.wandb_mode=offline needs no network)")
     t.add_argument("--overwrite", action="store_true", help="replace the run already in --out "
                    "(its metrics.jsonl, checkpoints and latest are deleted first)")
     t.add_argument("--nproc", type=int, metavar="N", help="run on N processes: re-executes this "
@@ -84,6 +86,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"train.resume={args.resume}")
     if args.tensorboard:
         out.append("train.tensorboard=true")
+    if args.wandb:
+        out.append("train.wandb=true")
     return out
 
 
@@ -181,6 +185,10 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         with problems.check():  # a missing optional package fails here too
             from moeplug.observability.tensorboard import summary_writer_class
             summary_writer_class()
+    if cfg.train.wandb:
+        with problems.check():
+            from moeplug.observability.wandb_writer import wandb_module
+            wandb_module()
     if not resume_failed:  # (a train.resume that does not resolve said so already)
         with problems.check():  # may this run write there?
             check_run_dir(cfg.train.out_dir, cfg.train.resume, resume_from, args.overwrite)
@@ -220,12 +228,14 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
     from moeplug.data.corpus import check_run_data
+    from moeplug.documents import document_eod
 
     if world > 1 and not launch.under_torchrun():
         # once, here: the ranks then only read the cache
         corpus = prepare_corpus(cfg.data, host, log=print)
         _check_corpus_tokenizer(cfg, corpus, resume_from, meta)
         check_run_data(corpus, cfg, resume_from)
+        document_eod(cfg, corpus.tokenizer)  # data.document_mask needs the tokenizer's EOS
         if args.overwrite:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
@@ -326,6 +336,7 @@ def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, grou
     """This process's part of the run: data, model, loop; train()'s summary."""
     from moeplug.data import prepare_corpus
     from moeplug.data.corpus import check_run_data
+    from moeplug.documents import document_eod
     from moeplug.training import distributed as D
     from moeplug.training.run_dir import clear_run
     from moeplug.training.trainer import seed_everything, train
@@ -339,6 +350,7 @@ def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, grou
     # here
     rows = _check_corpus_tokenizer(cfg, corpus, resume_from, meta)
     check_run_data(corpus, cfg, resume_from)
+    document_eod(cfg, corpus.tokenizer)  # before the model is built
     seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
     model = D.build_rank_model(cfg, host, rows, groups, device)
     plugin_names = {k: getattr(cfg.plugins, k)

@@ -11,6 +11,7 @@ tokenizer, and logits equal to moeplug's within 1e-5 (fp32).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -39,8 +40,10 @@ def _moeplug(env: dict, *args: str, timeout: float = 600) -> subprocess.Complete
 
 
 def _fine_tune_args(out: str, corpus: str) -> list[str]:
-    # The import's model, router and tokenizer come from its checkpoint: one command.
-    sets = [f"data.corpus={corpus}", "data.val_works=[val_text]", "train.micro_batch_size=4",
+    # The import's model, router and tokenizer come from its checkpoint: one command. The
+    # corpus is JSONL, as a user's usually is: the training file and a validation file.
+    sets = [f"data.corpus={corpus}/train.jsonl", f"data.val_corpus={corpus}/val.jsonl",
+            "train.micro_batch_size=4",
             "train.seq_len=32", "train.warmup_steps=2", "train.eval_interval=10",
             "train.eval_batches=2", "train.log_interval=1", "train.ckpt_interval=5",
             "train.threads=1"]
@@ -49,11 +52,17 @@ def _fine_tune_args(out: str, corpus: str) -> list[str]:
 
 
 def test_import_fine_tune_kill_resume_generate_export(tmp_path, cli_env, tiny_corpus):
-    # The corpus: a folder of .txt files. LEAD: once h-data's JSONL reader is merged, write
-    # these works as one .jsonl file ({"text": ...} per line) and pass that file instead.
-    corpus = tiny_corpus
-    texts = [open(os.path.join(corpus, f), encoding="utf-8").read() for f in sorted(
-        os.listdir(corpus))]
+    # The corpus: the tiny corpus' works as JSONL records ({"text": ...} per line).
+    names = sorted(os.listdir(tiny_corpus))
+    texts = [open(os.path.join(tiny_corpus, f), encoding="utf-8").read() for f in names]
+    corpus = tmp_path / "jsonl"
+    corpus.mkdir()
+    for split, keep in (("train", lambda n: n != "val_text.txt"), ("val", lambda n: n == "val_text.txt")):
+        with open(corpus / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for name, text in zip(names, texts):
+                if keep(name):
+                    f.write(json.dumps({"text": text}) + "\n")
+    corpus = str(corpus)
     chunks = [t[i:i + 3000] for t in texts for i in range(0, len(t), 3000)]
     hf_dir = tmp_path / "hf"
     save_hf_tokenizer(hf_dir, chunks, "eos", vocab_size=320)

@@ -125,6 +125,10 @@ class DataConfig:
     # sample instead.
     allow_new_order: bool = False
     cache_dir: str = ""  # empty: $MOEPLUG_CACHE or ~/.cache/moeplug
+    # Packed documents (Megatron --reset-attention-mask --reset-position-ids): a token attends
+    # only within its document and RoPE restarts per document; documents end at the
+    # tokenizer's EOS (which it must have). moeplug.documents.
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         _check_fields(self)

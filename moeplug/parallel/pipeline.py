@@ -131,9 +131,12 @@ class PipelineChunk(ModelStages, nn.Module):
         return (B, S // comm.group_size(tp) if sp else S, self.hidden_size)
 
     def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None,
-                tokens_BS: torch.Tensor | None = None) -> ChunkOutput:
+                tokens_BS: torch.Tensor | None = None,
+                positions_BS: torch.Tensor | None = None) -> ChunkOutput:
         """``x`` is tokens_BS on the first virtual stage, else the previous stage's x_BSD.
-        ``targets_BS`` and ``tokens_BS`` are read by the loss and MTP stages."""
+        ``targets_BS`` and ``tokens_BS`` are read by the loss and MTP stages.
+        ``positions_BS``: the micro-batch's document positions on every stage (packed
+        documents), or None."""
         if self.is_first:
             tokens_BS = x
             x = self.embed_tokens(x)
@@ -142,19 +145,19 @@ class PipelineChunk(ModelStages, nn.Module):
             S = tokens_BS.shape[1]
             sizes = [S] + [S - k for k in range(1, mtp_depths(self.cfg, S) + 1)]
             x, *mtp_in = torch.split(x, sizes, dim=1)
-        blocks_out = self.run_blocks(x, self.blocks.values(), self.layers.start)
+        blocks_out = self.run_blocks(x, self.blocks.values(), self.layers.start, positions_BS)
         x, aux, counts = blocks_out.x_BSD, blocks_out.aux_loss, blocks_out.expert_counts
         if self.runs_mtp and not self.is_last:
             if tokens_BS is None or targets_BS is None:
                 raise ValueError("PipelineChunk: the MTP stage needs the micro-batch's tokens "
                                  "and targets. Fix: pass them to every stage's forward")
             mtp_in, mtp_aux, mtp_counts = mtp_hidden(self.mtp, x, tokens_BS, targets_BS,
-                                                     self.embed)
+                                                     self.embed, positions_BS)
             aux, counts = sum(mtp_aux, aux), counts + mtp_counts
         if not self.is_last:
             out = x if mtp_in is None else torch.cat([x, *mtp_in], dim=1)
             return ChunkOutput(out, None, aux, counts)
-        head_out = self.head_and_loss(x, tokens_BS, targets_BS, mtp_in)
+        head_out = self.head_and_loss(x, tokens_BS, targets_BS, mtp_in, positions_BS)
         return ChunkOutput(None, head_out.lm_loss, aux + head_out.mtp_aux_loss,
                            counts + head_out.mtp_counts, head_out.mtp_loss)
 

@@ -127,10 +127,9 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def to_device(batches: list, device: torch.device) -> list:
-    """(tokens, targets) micro-batches moved to ``device``. They are drawn on the CPU from the
-    CPU generator, so every device sees the same batches for the same seed."""
-    return [(t.to(device, non_blocking=True), y.to(device, non_blocking=True))
-            for t, y in batches]
+    """(tokens, targets[, positions]) micro-batches moved to ``device``. They are drawn on the
+    CPU from the CPU generator, so every device sees the same batches for the same seed."""
+    return [tuple(t.to(device, non_blocking=True) for t in batch) for batch in batches]
 
 
 def is_parallel(cfg: RootConfig, world_size: int) -> bool:
@@ -260,14 +259,14 @@ def dp_slice(num_micro: int, groups: Any) -> range:
     return range(r * num_micro, (r + 1) * num_micro)
 
 
-def local_sequence(tokens_BS: torch.Tensor, targets_BS: torch.Tensor,
-                   groups: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """This CP rank's shard of a micro-batch (identity without context parallelism)."""
+def local_sequence(batch: tuple, groups: Any) -> tuple:
+    """This CP rank's shard of a micro-batch, every tensor of it: (tokens_BS, targets_BS) and,
+    with packed documents, positions_BS (identity without context parallelism)."""
     if groups is None or groups.size("cp") == 1:
-        return tokens_BS, targets_BS
+        return tuple(batch)
     from moeplug.parallel.context_parallel import shard_sequence
     cp, r = groups.size("cp"), groups.rank_in("cp")
-    return shard_sequence(tokens_BS, cp, r), shard_sequence(targets_BS, cp, r)
+    return tuple(shard_sequence(t, cp, r) for t in batch)
 
 
 def mean_over_dp(values: list[float], groups: Any) -> list[float]:

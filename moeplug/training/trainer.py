@@ -28,6 +28,7 @@ from moeplug import delayed_wgrad
 from moeplug.config import ConfigError, RootConfig
 from moeplug.data.loader import (Batches, EvalBatches, eval_batches, loader_state,
                                  resume_position, sample_batches)
+from moeplug.documents import document_eod, with_positions
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.observability.timing import add_times, measure_stages, stage
@@ -81,7 +82,19 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
     runs the same batches (expert-parallel collectives need all ranks in each forward); CP
     ranks take their shard, pipeline ranks run the forward-only schedule."""
     was_training = model.training
+    # Eval mode on every module (a pipeline rank's chunks too: ModuleList.eval recurses): no
+    # router jitter, no token counting for the expert-bias update, the dynamic MoE path.
     model.eval()
+    try:
+        loss = _eval_loss(model, batches, precision, groups, weights)
+    finally:  # also when a batch fails: the caller's next step must not train in eval mode
+        model.train(was_training)
+    precision.end_step(model, groups, train=False)  # what the evaluation saw steers nothing
+    return loss
+
+
+def _eval_loss(model: torch.nn.Module, batches: list, precision: Any, groups: Any,
+               weights: list | None) -> float:
     weights = [1] * len(batches) if weights is None else list(weights)
     device_type = batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
@@ -96,12 +109,9 @@ def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any 
             losses += [float(res.lm_loss)] * len(part)
     else:
         losses = []
-        for tokens_BS, targets_BS in batches:
+        for batch in batches:  # (tokens, targets[, document positions])
             with precision.autocast(device_type):
-                losses.append(float(model(*D.local_sequence(tokens_BS, targets_BS,
-                                                            groups)).lm_loss))
-    model.train(was_training)
-    precision.end_step(model, groups, train=False)  # what the evaluation saw steers nothing
+                losses.append(float(model(*D.local_sequence(batch, groups)).lm_loss))
     total = sum(weights)
     return sum(v * w for v, w in zip(losses, weights)) / total if total else 0.0
 
@@ -219,9 +229,10 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
             routing = add_micro_batch(routing, counts, router_losses)  # counts summed there
 
         def forward(m: int) -> Any:
-            tokens_BS, targets_BS = D.local_sequence(*micro_batches[m], groups)  # CP shard
+            # This CP rank's shard of tokens, targets (and document positions).
+            batch = D.local_sequence(micro_batches[m], groups)
             with precision.autocast(device_type):  # the precision plugin picks the dtype
-                out = model(tokens_BS, targets_BS)
+                out = model(*batch)
             mtp = out.lm_loss.new_zeros(()) if out.mtp_loss is None else out.mtp_loss
             reports[m] = (out.mtp_loss is not None,
                           [v.detach() for v in (out.loss, out.lm_loss, out.aux_loss, mtp)],
@@ -367,10 +378,16 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
 
     ``model``: a MoETransformer, or a pipeline rank's ``nn.ModuleList`` of chunks. ``groups``:
     a ParallelGroups (None = one process). ``optimizer``: AdamW, or a DistributedAdamW.
+    ``micro_batches``: (tokens_BS, targets_BS) of whole sequences, or with packed documents
+    (tokens_BS, targets_BS, positions_BS) (moeplug.documents.with_positions).
     """
     num_micro = len(micro_batches)
     device_type = micro_batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
+    # Train mode on every module, whoever called (train(), the library API, a test) and
+    # whatever ran before (an evaluation, generation): router jitter and token counting are
+    # training-only, and a step in eval mode would train another model than it logs.
+    model.train()
 
     def forward_backward() -> tuple[list, list, Any]:
         optimizer.zero_grad(set_to_none=True)
@@ -493,9 +510,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     ParallelGroups of a multi-process run (None: one process). Only rank 0 logs, writes
     metrics and the run-level checkpoint files.
 
-    Data: the ``corpus``'s sample stream (moeplug.data.loader), or — library use (moeplug.library), one
-    process, ``corpus`` None — ``batches``, an iterator of (tokens_BS, targets_BS)
-    micro-batches (``train.grad_accum_steps`` per step), ``val_batches`` (a list; empty: no
+    Data: the ``corpus``'s sample stream (moeplug.data.loader), or — library use
+    (moeplug.library), one process, ``corpus`` None — ``batches``, an iterator of
+    (tokens_BS, targets_BS) micro-batches (``train.grad_accum_steps`` per step), ``val_batches`` (a list; empty: no
     evaluation) and the ``tokenizer`` they were made with (None: unknown), which checkpoints
     record."""
     tc = cfg.train
@@ -505,6 +522,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     if tc.threads > 0:
         torch.set_num_threads(tc.threads)
     main_rank = D.is_main_rank(groups)
+    # Packed documents: the EOD id their positions restart after (None: masking off). A
+    # tokenizer without EOS is refused here too (the CLI refuses it before any rank starts).
+    eod = document_eod(cfg, tokenizer)
     if not main_rank:
         log, use_bar = (lambda _msg: None), False
     host_allocator = "default (train.retain_freed_memory: false)"
@@ -553,12 +573,13 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                        tc.grad_accum_steps)
         val = eval_batches(corpus.val_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
                            tc.eval_batches, groups)
-        val = EvalBatches(D.to_device(val.batches, device), val.weights, val.total_tokens)
+        val = EvalBatches(with_positions(D.to_device(val.batches, device), eod), val.weights,
+                          val.total_tokens)
         data_order = loader_state(corpus, cfg)  # what the order depends on, for the checkpoints
     else:  # library use: the caller's batches, each validation batch weighted by its targets
         data, data_order = None, None
-        given = D.to_device(list(val_batches or []), device)
-        weights = [int(t.numel()) for _, t in given]
+        given = with_positions(D.to_device(list(val_batches or []), device), eod)
+        weights = [int(b[1].numel()) for b in given]
         val = EvalBatches(given, weights, sum(weights))
 
     def draw(step: int) -> list:  # this rank's micro-batches of optimizer step ``step``
@@ -574,18 +595,21 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     # Append, never truncate: the CLI refuses a used run directory unless told to resume it
     # (the records continue) or to overwrite it (it clears the old run first).
     writer = MetricsWriter(metrics_path, append=True) if main_rank else None
-    tensorboard = None
+    mirrors = []  # TensorBoard, W&B: what each gets is what metrics.jsonl gets
     if main_rank and tc.tensorboard:
         from moeplug.observability.tensorboard import TensorBoardWriter
-        tensorboard = TensorBoardWriter(tc.out_dir, start_step)
+        mirrors.append(TensorBoardWriter(tc.out_dir, start_step))
+    if main_rank and tc.wandb:
+        from moeplug.observability.wandb_writer import WandbWriter
+        mirrors.append(WandbWriter(tc.out_dir, tc, cfg.to_dict(), start_step, resume_from))
     # Wall-clock stage times are only meaningful where ops finish before they return (CPU).
     timed = tc.time_breakdown and all(p.device.type == "cpu" for p in model.parameters())
 
     def write(record: dict) -> None:
         if writer is not None:
             writer.write(record)
-        if tensorboard is not None:
-            tensorboard.write(record)
+        for mirror in mirrors:
+            mirror.write(record)
 
     layout = None if groups is None else D.layout_manifest(cfg, groups)
     runtime = stash_runtime(model)  # what the model registered with the runtime at build
@@ -670,7 +694,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            step_data = D.to_device(draw(step), device)
+            step_data = with_positions(  # + document positions, once per micro-batch
+                D.to_device(draw(step), device), eod)
             if data is not None:
                 consumed += data.global_batch(groups)
             done = step + 1
@@ -773,8 +798,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
         progress.close()
         if writer is not None:
             writer.close()
-        if tensorboard is not None:
-            tensorboard.close()
+        for mirror in mirrors:
+            mirror.close()
     return TrainSummary(steps=tc.steps, final_train_loss=loss_step, val_loss=val_loss,
                         unigram_entropy=(float(corpus.unigram_entropy()) if corpus is not None
                                          else float("nan")),
