@@ -267,10 +267,8 @@ class _Tok:
     def fingerprint(self) -> str:
         return "test-eod"
 
-
-def _corpus(train_ids, val_ids):
-    return SimpleNamespace(train_ids=train_ids, val_ids=val_ids, vocab_size=V, tokenizer=_Tok(),
-                           unigram_entropy=lambda: 0.0)
+    def hf_files(self) -> dict:
+        return {}  # no files to carry into the checkpoints
 
 
 def _doc_stream(n: int, seed: int) -> "object":
@@ -312,8 +310,12 @@ def test_train_feeds_document_positions_to_every_step_and_to_validation(tmp_path
         batches = with_positions(step_batches(train_ids, cfg.train, 0), EOD if mask else None)
         with torch.no_grad():
             want = sum(float(ref(*b).lm_loss) for b in batches) / len(batches)
-        train(cfg, model, _corpus(train_ids, val_ids), precision, {}, log=lambda _m: None,
-              use_bar=False)
+        # the caller's batches (the library's path): the trainer adds the positions itself
+        gen = batch_generator(cfg.train.seed, 0, 1)
+        train(cfg, model, None, precision, {}, log=lambda _m: None, use_bar=False,
+              batches=(mb for t in range(cfg.train.steps)
+                       for mb in step_batches(train_ids, cfg.train, t)),
+              val_batches=[get_batch(val_ids, 2, 16, gen) for _ in range(2)], tokenizer=_Tok())
         records = read_metrics(os.path.join(cfg.train.out_dir, "metrics.jsonl"))
         first = next(r for r in records if r["kind"] == "train")
         assert abs(first["lm_loss"] - want) <= TOL, (mask, first["lm_loss"], want)
@@ -323,8 +325,12 @@ def test_train_feeds_document_positions_to_every_step_and_to_validation(tmp_path
                              EOD if mask else None)
         last_val = [r for r in records if r["kind"] == "val"][-1]["val_loss"]
         assert abs(last_val - evaluate(model, val, precision)) <= TOL
-        return first["lm_loss"], last_val
+        # the same model on the same batches without positions: what the mask changes
+        gen = batch_generator(cfg.train.seed, 0, 1)
+        unmasked = evaluate(model, [get_batch(val_ids, 2, 16, gen) for _ in range(2)], precision)
+        return first["lm_loss"], last_val, unmasked
 
     masked, plain = run(True), run(False)
-    assert abs(masked[0] - plain[0]) > 100 * TOL and abs(masked[1] - plain[1]) > 100 * TOL, (
-        masked, plain)
+    assert abs(masked[0] - plain[0]) > 100 * TOL, (masked, plain)  # the training batches
+    assert abs(masked[1] - masked[2]) > 100 * TOL, masked  # the validation batches
+    assert plain[1] == plain[2], plain  # (no mask: nothing to remove)

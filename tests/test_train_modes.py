@@ -129,9 +129,8 @@ def test_evaluate_restores_the_mode_when_a_batch_fails():
 
 
 def test_train_loop_trains_in_train_mode_and_evaluates_in_eval_mode(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-
     import moeplug.training.trainer as T
+    from moeplug.data import get_batch
     cfg = _cfg(eval_interval=1, eval_batches=1, log_interval=1, out_dir=str(tmp_path / "run"),
                time_breakdown=False)
     model, _, precision = _pieces(cfg)
@@ -145,10 +144,12 @@ def test_train_loop_trains_in_train_mode_and_evaluates_in_eval_mode(tmp_path, mo
         steps.append(log.take())
         return out
     monkeypatch.setattr(T, "train_step", step)
-    corpus = SimpleNamespace(train_ids=_ids(), val_ids=_ids(), vocab_size=V,
-                             tokenizer=SimpleNamespace(eos_id=None, fingerprint=lambda: "t"),
-                             unigram_entropy=lambda: 0.0)
-    T.train(cfg, model, corpus, precision, {}, log=lambda _m: None, use_bar=False)
+    train_ids, val_ids = _ids(), _ids()
+    gen = T.batch_generator(cfg.train.seed, 0, 1)
+    T.train(cfg, model, None, precision, {}, log=lambda _m: None, use_bar=False,
+            batches=(mb for t in range(cfg.train.steps)
+                     for mb in T.step_batches(train_ids, cfg.train, t)),
+            val_batches=[get_batch(val_ids, cfg.train.micro_batch_size, cfg.train.seq_len, gen)])
     between.append(log.take())
     evals = [calls for calls in between if calls]
     assert len(steps) == 3 and len(evals) >= 3  # one evaluation after every step

@@ -114,7 +114,7 @@ def test_offline_run_holds_every_logged_value(tiny_cfg, tmp_path, monkeypatch):
     by_step: dict[int, dict] = {}
     for row in run["history"]:
         by_step.setdefault(row["_step"], {}).update(row)
-    assert sorted(by_step) == [1, 2, 3]
+    assert sorted(by_step) == [0, 1, 2, 3]  # step 0: the validation before training
     checked = 0
     for record in records:
         want = record_scalars(record)
@@ -152,7 +152,7 @@ def test_cli_wandb_and_a_resume_start_a_second_run_after_the_checkpoint(run_cli,
     runs = read_runs(out)
     assert len(runs) == 2
     steps = [sorted({row["_step"] for row in r["history"]}) for r in runs]
-    assert steps == [[1, 2], [3]]
+    assert steps == [[0, 1, 2], [3]]  # (a resume scores no step 0)
     meta = _config_value(runs[1]["config"]["moeplug"])
     assert meta["start_step"] == 2 and meta["resumed_from"].endswith("step_000002")
     logged = {row["_step"]: row for r in runs for row in r["history"] if "loss/lm" in row}

@@ -110,7 +110,7 @@ class ModelStages:
         return BlocksOutput(x_BSD, aux_loss, expert_counts, router_losses)
 
     def head_and_loss(self, x_BSD: torch.Tensor, tokens_BS: torch.Tensor | None,
-                      targets_BS: torch.Tensor | None,
+                      targets_BS: torch.Tensor | None, *,
                       mtp_hidden_states: list[torch.Tensor] | None = None,
                       positions_BS: torch.Tensor | None = None) -> HeadOutput:
         """Final norm, output head, LM loss and (with targets) the MTP losses. ``x_BSD`` is the

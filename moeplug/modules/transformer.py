@@ -184,7 +184,8 @@ class MoETransformer(ModelStages, nn.Module):
         # The stages (moeplug.modules.stages) are the ones pipeline chunks run, one code path.
         blocks_out = self.run_blocks(self.embed_tokens(tokens_BS), self.blocks,
                                      positions_BS=positions_BS)
-        head_out = self.head_and_loss(blocks_out.x_BSD, tokens_BS, targets_BS, positions_BS)
+        head_out = self.head_and_loss(blocks_out.x_BSD, tokens_BS, targets_BS,
+                                       positions_BS=positions_BS)
         lm_loss, aux_loss, mtp_loss = head_out.lm_loss, blocks_out.aux_loss, head_out.mtp_loss
         loss = None if lm_loss is None else lm_loss + aux_loss
         router_losses = list(blocks_out.router_losses)

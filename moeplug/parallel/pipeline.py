@@ -157,7 +157,8 @@ class PipelineChunk(ModelStages, nn.Module):
         if not self.is_last:
             out = x if mtp_in is None else torch.cat([x, *mtp_in], dim=1)
             return ChunkOutput(out, None, aux, counts)
-        head_out = self.head_and_loss(x, tokens_BS, targets_BS, mtp_in, positions_BS)
+        head_out = self.head_and_loss(x, tokens_BS, targets_BS, mtp_hidden_states=mtp_in,
+                                      positions_BS=positions_BS)
         return ChunkOutput(None, head_out.lm_loss, aux + head_out.mtp_aux_loss,
                            counts + head_out.mtp_counts, head_out.mtp_loss)
 
