@@ -40,6 +40,13 @@ from moeplug.testing.distributed import run_distributed, run_layouts
 V = 64
 TOL = 2e-5       # fp32, 3 AdamW steps, absolute, on loss / grad norm / every grad and parameter
 GRAD_CLIP = 0.05  # below the tiny model's grad norm, so clipping always acts
+# AdamW divides by sqrt(v) + eps: at torch's 1e-8, a gradient element near 0 (|g| ~ 1e-8) turns
+# the layout's different reduction order into an update of any size up to lr (cp2's
+# parameters once differed by 4.8e-5 with every gradient within TOL). At 1e-5 such an element's
+# update is ~lr * g / eps, so a rounding difference d in g moves the parameter by ~lr * d / eps
+# (~1e-6 for a rounding of 1e-9): the parameters compare what the layouts compute, not the
+# conditioning.
+ADAM_EPS = 1e-5
 
 # name -> (parallel overrides, dispatcher, grad_accum_steps[, model overrides]); the dispatcher
 # is a name, or a plugins section (dispatcher, its options, router options) as made by _hier,
@@ -215,7 +222,7 @@ def _cfg(parallel: dict, dispatcher: str | dict, grad_accum: int, model: dict | 
         "plugins": {"dispatcher": dispatcher} if isinstance(dispatcher, str) else dispatcher,
         "train": {"steps": 3, "micro_batch_size": 2, "seq_len": 8, "grad_accum_steps": grad_accum,
                   "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 1, "grad_clip": GRAD_CLIP,
-                  "seed": 7},
+                  "seed": 7, "adam_eps": ADAM_EPS},
         "parallel": parallel,
     })
 

@@ -112,7 +112,14 @@ def interleaved_1f1b(pp: int, rank: int, num_microbatches: int, vpp: int) -> lis
 def pipeline_schedule(pp: int, rank: int, num_microbatches: int, vpp: int = 1,
                       forward_only: bool = False) -> list[Op]:
     """The op order for this rank: 1F1B, interleaved 1F1B (vpp > 1), or forwards only (eval:
-    the forward order of the training schedule with the backwards left out)."""
+    the forward order of the training schedule with the backwards left out; interleaved with
+    a micro-batch count that is no multiple of PP — an evaluation's last, shorter micro-batch
+    runs alone — each micro-batch through this rank's chunks in turn)."""
+    if forward_only and vpp > 1 and pp > 1 and num_microbatches % pp:
+        _check(pp, rank, num_microbatches, 1)
+        # Every rank runs (micro-batch, virtual stage) in increasing order, and stage v of a
+        # micro-batch needs only stage v - 1 of it: no wait can close a cycle (sends are async).
+        return [Op("F", m, c) for m in range(num_microbatches) for c in range(vpp)]
     ops = (one_f_one_b(pp, rank, num_microbatches) if vpp == 1 else
            interleaved_1f1b(pp, rank, num_microbatches, vpp))
     return [o for o in ops if o.kind == "F"] if forward_only else ops
