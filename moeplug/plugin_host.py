@@ -474,7 +474,7 @@ class PluginHost:
             raise PluginError(  # the call itself failed: the factory's signature is wrong
                 f"{kind} '{name}' (from {entry.source.dist}): its factory cannot be called as "
                 f"{kind}({', '.join((*_FACTORY_ARGS[kind][:1], 'options', *_FACTORY_ARGS[kind][1:]))})"
-                f" ({exc}). Fix: give the factory that signature (README 'Writing a plugin')"
+                f" ({exc}). Fix: give the factory that signature (docs/plugins.md)"
             ) from exc
         _check_interface(kind, name, entry, component)
         return component

@@ -221,7 +221,7 @@ def load_config_dict(path: str | None = None, overrides: list[str] | None = None
             # An empty file means the dataclass defaults (README "Config reference"), which
             # differ from the packaged default.yaml that no --config would have used.
             _log.warning(f"moeplug: note: config file {path!r} is empty: training the dataclass "
-                         f"defaults (README 'Config reference'), not the packaged default.yaml")
+                         f"defaults (docs/config.md), not the packaged default.yaml")
         loaded = {} if loaded is None else loaded
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping. "

@@ -65,7 +65,7 @@ def resolve_device(cfg: RootConfig, num_local: int | None = None) -> torch.devic
     if not torch.cuda.is_available():
         raise ConfigError(f"{field}: torch {torch.__version__} sees no CUDA device (CUDA build: "
                           f"{torch.version.cuda or 'no'}). Fix: --set train.device=cpu, or "
-                          "install torch's CUDA build for your driver (README, 'GPU')")
+                          "install torch's CUDA build for your driver (docs/runtime.md, 'GPU')")
     num_local = num_local or _env_int("LOCAL_WORLD_SIZE", 1)
     count = torch.cuda.device_count()
     if ":" in want and num_local > 1:
