@@ -71,3 +71,48 @@ def test_cli_refuses_fsdp_with_zero1_before_launching(run_cli, tiny_config_file)
     assert r.returncode == 2, r.stderr
     assert "ParallelConfig.fsdp = True: shards the AdamW state itself" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _bf16_runs(rank: int, world: int, parallel: dict) -> dict:
+    """3 steps of the same bf16 run with and without FSDP: the losses, and the dtypes FSDP
+    gathers and reduces in."""
+    import numpy as np
+
+    from moeplug.parallel import ParallelGroups
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
+                                          train_step)
+
+    host = PluginHost.load()
+    ids = np.random.default_rng(3).integers(0, 64, 2048).astype(np.int64)
+    out = {}
+    for name, extra in {"fsdp": {"fsdp": True}, "plain": {}}.items():
+        cfg = _cfg({**parallel, **extra}, plugins={"precision": "bf16"},
+                   train={"steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2,
+                          "lr": 1e-2, "warmup_steps": 1, "seed": 7})
+        groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+        precision = host.create("precision", "bf16", {})
+        seed_everything(7)
+        model = build_rank_model(cfg, host, 64, groups)
+        opt = build_rank_optimizer(model, cfg, groups)
+        losses = [train_step(model, opt, step_batches(ids, cfg.train, s, groups), cfg.train,
+                             precision, groups).loss for s in range(3)]
+        policies = {str((m._get_fsdp_state()._mp_policy.param_dtype,
+                         m._get_fsdp_state()._mp_policy.reduce_dtype))
+                    for m in model.modules() if hasattr(m, "_get_fsdp_state")}
+        out[name] = {"losses": losses, "policies": policies,
+                     "param_dtypes": {str(p.dtype) for p in model.parameters()}}
+    return out
+
+
+@pytest.mark.parametrize("parallel", [{}, {"pp": 2}], ids=["dp2", "pp2"])
+def test_bf16_recipe_gathers_bf16_reduces_fp32_and_trains_like_without_fsdp(parallel):
+    from moeplug.testing.distributed import run_distributed
+    world = 2 * parallel.get("pp", 1)
+    for rank, r in enumerate(run_distributed(_bf16_runs, world, parallel, timeout=300)):
+        assert r["fsdp"]["policies"] == {"(torch.bfloat16, torch.float32)"}, r
+        assert r["fsdp"]["param_dtypes"] == {"torch.float32"}  # the shards: fp32 masters
+        gap = max(abs(a - b) for a, b in zip(r["fsdp"]["losses"], r["plain"]["losses"]))
+        # bf16 parameters in every op (norms too) against fp32 ones under autocast
+        assert gap < 2e-2, (rank, r["fsdp"]["losses"], r["plain"]["losses"])

@@ -66,6 +66,15 @@ def mixed_precision(precision: Any) -> Any:
     return MixedPrecisionPolicy()
 
 
+def gathered_dtype(module: nn.Module, param: torch.Tensor) -> torch.dtype:
+    """The dtype ``param`` of ``module`` computes in: FSDP's policy's (the recipe's bf16) when
+    ``module`` is an FSDP unit that gathers in another dtype, else the parameter's own."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    policy = getattr(state, "_mp_policy", None)
+    dtype = getattr(policy, "param_dtype", None)
+    return dtype if dtype is not None else param.dtype
+
+
 def _mesh(group: Any, device: torch.device) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
     return DeviceMesh.from_group(group, device.type)
