@@ -116,3 +116,79 @@ def test_bf16_recipe_gathers_bf16_reduces_fp32_and_trains_like_without_fsdp(para
         gap = max(abs(a - b) for a, b in zip(r["fsdp"]["losses"], r["plain"]["losses"]))
         # bf16 parameters in every op (norms too) against fp32 ones under autocast
         assert gap < 2e-2, (rank, r["fsdp"]["losses"], r["plain"]["losses"])
+
+
+# 4-rank layouts whose checkpoint files FSDP must write as the same layout without FSDP does
+FILE_LAYOUTS = {"dp2_tp2": {"tp": 2},
+                "dp2_tp2_sp_ep2_etp2": {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 2},
+                "pp2_dp2": {"pp": 2}}
+
+
+def _checkpoint_files(rank: int, world: int, layouts: dict) -> dict:
+    """Per layout: FSDP's and the plain run's model / optimizer tensors and manifests after 2
+    steps of the same training, and whether an FSDP model loading FSDP's tensors holds them."""
+    import numpy as np
+
+    from moeplug.parallel import ParallelGroups
+    from moeplug.parallel.fsdp import is_sharded
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training import reshard
+    from moeplug.training.checkpoint import (_load_model_state, _load_optimizer_state,
+                                             _model_tensors, _optimizer_payload)
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
+                                          train_step)
+
+    host = PluginHost.load()
+    ids = np.random.default_rng(3).integers(0, 64, 2048).astype(np.int64)
+    out = {}
+    for name, parallel in layouts.items():
+        saved = {}
+        for kind, extra in (("fsdp", {"fsdp": True}), ("plain", {})):
+            cfg = _cfg({**parallel, **extra}, train={"steps": 2, "micro_batch_size": 2,
+                                                     "grad_accum_steps": 2, "lr": 1e-2,
+                                                     "warmup_steps": 1, "seed": 7})
+            groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
+            precision = host.create("precision", "fp32", {})
+            seed_everything(7)
+            model = build_rank_model(cfg, host, 64, groups)
+            opt = build_rank_optimizer(model, cfg, groups)
+            for s in range(2):
+                train_step(model, opt, step_batches(ids, cfg.train, s, groups), cfg.train,
+                           precision, groups)
+            tensors, param_groups = _optimizer_payload(opt)
+            saved[kind] = {"model": _model_tensors(model), "optim": tensors,
+                           "manifests": (reshard.model_manifest(model),
+                                         reshard.optimizer_manifest(model, opt, groups))}
+            if kind == "fsdp":  # load them into a fresh FSDP model and optimizer
+                seed_everything(8)
+                fresh = build_rank_model(cfg, host, 64, groups)
+                fresh_opt = build_rank_optimizer(fresh, cfg, groups)
+                _load_model_state("mem", fresh, saved[kind]["model"])
+                _load_optimizer_state("mem", fresh_opt, tensors, param_groups, "mem")
+                again, _ = _optimizer_payload(fresh_opt)
+                model_back = _model_tensors(fresh)
+                saved[kind]["round_trip"] = max(
+                    [float((model_back[k] - v).abs().max()) for k, v in
+                     saved[kind]["model"].items()]
+                    + [float((again[k] - v).abs().max()) for k, v in tensors.items()])
+                saved[kind]["sharded"] = sum(is_sharded(p) for p in fresh.parameters())
+        out[name] = saved
+    return out
+
+
+def test_fsdp_checkpoint_files_are_those_of_the_same_layout_without_fsdp():
+    from moeplug.testing.distributed import run_distributed
+    for rank, per in enumerate(run_distributed(_checkpoint_files, 4, FILE_LAYOUTS,
+                                               timeout=400)):
+        for name, s in per.items():
+            fsdp, plain = s["fsdp"], s["plain"]
+            assert fsdp["manifests"] == plain["manifests"], (name, rank)
+            for part in ("model", "optim"):
+                assert fsdp[part].keys() == plain[part].keys(), (name, rank, part)
+                for k, v in plain[part].items():
+                    got = fsdp[part][k]
+                    assert got.shape == v.shape and got.dtype == v.dtype, (name, k)
+                    # the same training: equal up to the reduction order
+                    assert float((got - v).abs().max()) < 2e-5, (name, rank, k)
+            assert fsdp["sharded"] > 0 and fsdp["round_trip"] == 0.0, (name, rank, fsdp)
