@@ -16,7 +16,7 @@ from torch import nn
 
 from moeplug.config import TrainConfig
 from moeplug.parallel.fsdp import is_sharded, local, shard_like, whole_state
-from moeplug.training.optim import AdamW, _torch_adamw, lr_at, param_groups
+from moeplug.training.optim import AdamW, lr_at, param_groups
 
 
 class ShardedAdamW(AdamW):
@@ -24,35 +24,10 @@ class ShardedAdamW(AdamW):
     moments whole (a collective over each parameter's mesh: call it on every rank) and whose
     ``load_state_dict`` takes whole ones, each rank keeping its shard."""
 
-    @torch.no_grad()
-    def step(self) -> None:
-        # torch's fused AdamW takes no DTensor next to its plain step counts, nor a group that
-        # mixes FSDP's shards with the parameters it leaves whole (experts at EDP 1): it runs
-        # on the local tensors the DTensors hold (elementwise: the same update, bit for bit).
-        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:  # as AdamW: the step count on the CPU, moments laid out like p
-                    state["step"] = torch.tensor(0.0, dtype=scalar)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                params.append(local(p))
-                grads.append(local(p.grad))
-                exp_avgs.append(local(state["exp_avg"]))
-                exp_avg_sqs.append(local(state["exp_avg_sq"]))
-                steps.append(state["step"])
-            if not params:
-                continue
-            beta1, beta2 = group["betas"]
-            cpu = all(p.device.type == "cpu" for p in params)
-            _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps,
-                         fused=True if cpu else None, has_complex=False, amsgrad=False,
-                         beta1=beta1, beta2=beta2, lr=group["lr"],
-                         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+    # torch's fused AdamW takes no DTensor next to its plain step counts, nor a group that
+    # mixes FSDP's shards with the parameters it leaves whole (experts at EDP 1): AdamW's step
+    # runs on the local tensors the DTensors hold (elementwise: the same update, bit for bit).
+    _local = staticmethod(local)
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
