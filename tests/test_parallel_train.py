@@ -196,6 +196,25 @@ WORLD8 = {
     "pp2_ep2_tp2_sp_direct_write": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True},
                                     _dw(), 2),
 }
+# FSDP2 (parallel.fsdp, moeplug.parallel.fsdp): parameters, grads and AdamW state sharded over
+# DP x CP / expert-DP by torch's fully_shard. Grads and parameters are compared whole (each
+# DTensor's full_tensor: this rank's TP/EP slice). At world 2 the experts are whole under EP2
+# (EDP 1); at world 4 DP4 x EP2 shards them over EDP 2 (their reduce-scatter divided by |DP|).
+FSDP = {"fsdp": True}
+WORLD2_FSDP = {
+    "fsdp_dp2": (FSDP, "alltoall", 1),
+    "fsdp_dp2_ep2": ({**FSDP, "ep": 2}, "alltoall", 1),
+    "fsdp_dp2_keep_gathered": ({**FSDP, "fsdp_reshard_after_forward": False}, "alltoall", 2),
+}
+WORLD4_FSDP = {
+    "fsdp_dp4": (FSDP, "alltoall", 1),
+    "fsdp_dp4_ep2": ({**FSDP, "ep": 2}, "alltoall", 1),
+    "fsdp_dp2_tp2": ({**FSDP, "tp": 2}, "alltoall", 1),
+    "fsdp_dp2_tp2_sp_ep2_etp2": ({**FSDP, "tp": 2, "sequence_parallel": True, "ep": 2,
+                                  "etp": 2}, "alltoall", 1),
+    "fsdp_dp2_cp2": ({**FSDP, "cp": 2}, "alltoall", 1),
+    "fsdp_pp2_dp2": ({**FSDP, "pp": 2}, "alltoall", 2),
+}
 # hierarchical vs alltoall at the same layout (each also equals one process above)
 HIER_PAIRS = {
     2: [("ep2", "ep2_hier"), ("ep2_drop", "ep2_hier_drop"), ("ep2_drop_pad", "ep2_hier_drop_pad"),
@@ -270,6 +289,7 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
     from moeplug.data import get_batch
     from moeplug.documents import with_positions
     from moeplug.parallel import ParallelGroups
+    from moeplug.parallel.fsdp import is_sharded, whole
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model, single_process_equivalent
     from moeplug.training.optim import lr_at
@@ -336,11 +356,12 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
                 # after train_step: this rank's synced and clipped grads vs the reference's
                 for pname, expect in _ref_shards(model, ref, groups).items():
                     p = _named(model, groups)[pname]
-                    errs["grad"] = max(errs["grad"], (p.grad - expect).abs().max().item())
+                    errs["grad"] = max(errs["grad"], (whole(p.grad) - expect).abs().max().item())
                     num_grads += 1
         for pname, expect in _ref_params(model, ref, groups).items():
             p = _named(model, groups)[pname]
-            errs["param"] = max(errs["param"], (p.detach() - expect).abs().max().item())
+            errs["param"] = max(errs["param"], (whole(p.detach()) - expect).abs().max().item())
+        fsdp_sharded = sum(is_sharded(p) for p in _named(model, groups).values())
         # The val record's loss: whole sequences on every rank, as the trainer passes them.
         gen = torch.Generator().manual_seed(11)
         val = with_positions([get_batch(ids, cfg.train.micro_batch_size, cfg.train.seq_len, gen)
@@ -351,12 +372,13 @@ def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
                         "min_ref_norm": min_ref_norm, "static_steps": static_steps,
                         "num_grads": num_grads, "dp": groups.size("dp"),
                         "num_params": len(_named(model, groups)),
-                        "boundaries": boundaries}
+                        "boundaries": boundaries, "fsdp_sharded": fsdp_sharded}
     return report
 
 
 def _check(reports, name):
-    parallel, dispatcher, _, *extra = {**WORLD2, **WORLD4, **WORLD8}[name]
+    parallel, dispatcher, _, *extra = {**WORLD2, **WORLD4, **WORLD8, **WORLD2_FSDP,
+                                       **WORLD4_FSDP}[name]
     sync_free = len(extra) > 1 and (extra[1] or {}).get("sync_free", False)
     distopt = parallel.get("distributed_optimizer", False)
     router = dispatcher.get("router_options", {}) if isinstance(dispatcher, dict) else {}
@@ -371,6 +393,8 @@ def _check(reports, name):
         assert not name.endswith("_docs") or r["boundaries"] > 0, "packed samples must be tested"
         # a sync-free layout must have trained on its static path, not only on reruns
         assert not sync_free or r["static_steps"] == 3, (name, rank, r["static_steps"])
+        # an FSDP row must really shard (fully_shard put DTensors in place), a plain one not
+        assert (r["fsdp_sharded"] > 0) == parallel.get("fsdp", False), (name, r["fsdp_sharded"])
         bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
         assert not bad, f"{name}, rank {rank}: differs from one process by more than {TOL}: {bad}"
 
@@ -388,6 +412,26 @@ def world4():
 @pytest.fixture(scope="module")
 def world8():
     return run_distributed(_run_layouts, 8, WORLD8, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def world2_fsdp():
+    return run_layouts(_run_layouts, 2, WORLD2_FSDP, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world4_fsdp():
+    return run_layouts(_run_layouts, 4, WORLD4_FSDP, timeout=400)
+
+
+@pytest.mark.parametrize("name", list(WORLD2_FSDP))
+def test_world2_fsdp_layout_equals_single_process(world2_fsdp, name):
+    _check(world2_fsdp, name)
+
+
+@pytest.mark.parametrize("name", list(WORLD4_FSDP))
+def test_world4_fsdp_layout_equals_single_process(world4_fsdp, name):
+    _check(world4_fsdp, name)
 
 
 @pytest.mark.parametrize("name", list(WORLD2))

@@ -136,3 +136,16 @@ def test_ep2_and_tp2_with_the_distributed_optimizer_reshard_into_each_other_and_
     assert want and sorted(got) == sorted(want)
     assert all(float(t.abs().max()) > 0 for t in want.values())  # the bias has moved
     assert max(float((got[k] - want[k]).abs().max()) for k in want) < TOL
+
+
+def test_fsdp_layouts_reshard_to_one_process_zero1_and_back(run_cli, tiny_config_file,
+                                                            tmp_path):
+    # FSDP saves its shards whole (the files of the same layout without FSDP), so FSDP DP2 ->
+    # one process -> FSDP DP2 x EP2 -> ZeRO-1 EP2 -> FSDP DP2 each resume the others'
+    # checkpoints (steps 3, 6 of one chain, then a second chain for the other pairs).
+    fsdp = {"fsdp": True}
+    cfg = tiny_config_file(str(tmp_path / "unused"))
+    _chain(run_cli, cfg, tmp_path / "a", _layout(2, 1, **fsdp), _layout(1, 2),
+           _layout(2, 1, ep=2, **fsdp))
+    _chain(run_cli, cfg, tmp_path / "b", _layout(2, 1, ep=2, distributed_optimizer=True),
+           _layout(2, 1, ep=2, **fsdp), _layout(2, 1, **fsdp))

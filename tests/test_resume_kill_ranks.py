@@ -1,7 +1,8 @@
 """Exact resume of a 2-rank run under SIGKILL: ``moeplug train --nproc 2 --resume auto`` (the
 real launcher: torchrun, gloo) killed at random moments (seeded), some inside a checkpoint save,
 ends with the loss trajectory of the run nobody killed, bit for bit (CPU, one thread per rank,
-fixed layout: EP2 with the distributed optimizer, so each rank's files differ).
+fixed layout: EP2 with the distributed optimizer, so each rank's files differ; and EP2 under
+FSDP2, whose shards are saved whole and cut again on resume, moeplug.parallel.fsdp).
 
 Two ways to die, drawn at random: the whole machine (SIGKILL to every process of the launch:
 launcher, torchrun agent and both ranks) or one rank alone (SIGKILL to rank 0 or rank 1; the
@@ -32,10 +33,15 @@ MAX_OUTCOMES = 40
 HOWS = ("all", "rank 0", "rank 1")  # taken in turn, so each way to die occurs
 
 
-def _args(cfg_file: str, out: str) -> list[str]:
+# the layouts killed: what each adds to parallel.ep=2
+LAYOUTS = {"ep2_zero1": ["--set", "parallel.distributed_optimizer=true"],
+           "ep2_fsdp": ["--set", "parallel.fsdp=true"]}
+
+
+def _args(cfg_file: str, out: str, layout: str) -> list[str]:
     return [sys.executable, "-m", "moeplug", "train", "--config", cfg_file, "--out", out,
             "--nproc", "2", "--steps", str(STEPS), "--resume", "auto",
-            "--set", "parallel.ep=2", "--set", "parallel.distributed_optimizer=true",
+            "--set", "parallel.ep=2", *LAYOUTS[layout],
             "--set", "parallel.timeout_s=30", "--set", "train.warmup_steps=3",
             "--set", "train.log_interval=1", "--set", "train.eval_interval=6",
             "--set", "train.ckpt_interval=2", "--set", "train.keep_last=2"]
@@ -91,7 +97,7 @@ def _saving(out: str, pids) -> bool:
 
 
 def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random, how: str,
-                    aim: bool) -> str:
+                    aim: bool, layout: str) -> str:
     """Launch one resume; kill it (``how``: all processes, or one rank) once it has logged a
     random number (1-3) of further steps plus a random delay (``aim``: once a save is then
     under way). Returns 'killed all', 'killed rank N' (' in save' appended when a save was
@@ -100,7 +106,7 @@ def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random, how:
     if latest_step(out) == STEPS:  # killed after its final save: nothing left to train
         return "finished"
     target = rng.randint(1, 3)
-    proc, deadline = launch_and_wait(_args(cfg_file, out), out, env, target,
+    proc, deadline = launch_and_wait(_args(cfg_file, out, layout), out, env, target,
                                      rng.uniform(0.0, 0.4))
     tree = _tree(proc.pid)
     ranks = _ranks(tree)
@@ -129,11 +135,12 @@ def _kill_at_random(cfg_file: str, out: str, env: dict, rng: random.Random, how:
     return f"killed {how}{in_save}"
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_ranks_killed_at_random_steps_and_during_saves_resume_bitwise(
-        tiny_config_file, tmp_path, cli_env):
+        tiny_config_file, tmp_path, cli_env, layout):
     cfg_file = tiny_config_file()
     reference = str(tmp_path / "reference")
-    expected = uninterrupted(_args(cfg_file, reference), cli_env, reference, STEPS)
+    expected = uninterrupted(_args(cfg_file, reference, layout), cli_env, reference, STEPS)
 
     # Rank 0 pauses inside every save (after the shards, before meta.json) while rank 1 waits
     # at the save's barrier: a kill often lands mid-save. The trajectory is unaffected.
@@ -145,7 +152,7 @@ def test_two_ranks_killed_at_random_steps_and_during_saves_resume_bitwise(
         out, runs = str(tmp_path / f"killed{runs}"), runs + 1
         while (outcome := _kill_at_random(
                 cfg_file, out, env, rng, HOWS[len(outcomes) % len(HOWS)],
-                aim=len(outcomes) % 2 == 0)) != "finished":
+                aim=len(outcomes) % 2 == 0, layout=layout)) != "finished":
             outcomes.append(outcome)
             assert len(outcomes) < MAX_OUTCOMES, f"no end in sight: {outcomes}"
         outcomes.append(outcome)

@@ -57,6 +57,12 @@ class ParallelConfig:
     account_for_loss_in_pipeline_split: bool = False
     # ZeRO-1: AdamW state sharded over DP (dense params) / expert-DP (expert params).
     distributed_optimizer: bool = False
+    # FSDP2 (torch's fully_shard, moeplug.parallel.fsdp): parameters, gradients and AdamW state
+    # sharded over DP x CP (dense params) / expert-DP (expert params); ZeRO-1's alternative.
+    fsdp: bool = False
+    # Free each block's gathered parameters after its forward and gather them again for its
+    # backward (less memory, one more all-gather per block and micro-batch); fsdp only.
+    fsdp_reshard_after_forward: bool = True
     # Combined 1F1B EP overlap (Megatron overlap_moe_expert_parallel_comm; see
     # moeplug.parallel.ep_overlap): the backward of micro-batch m-1 runs on a second thread, over
     # a twin of every process group, while micro-batch m runs forward, so each one's exchanges
@@ -84,10 +90,12 @@ class ParallelConfig:
                 _fail(self, n, v, "must be null or an integer >= 0",
                       f"leave {n} unset for an even split, or give a layer count")
         for n in ("sequence_parallel", "distributed_optimizer", "overlap_moe_expert_parallel_comm",
-                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                  "fsdp", "fsdp_reshard_after_forward"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
         self._check_split_fields()
+        self._check_fsdp()
         if self.cp_comm not in ("allgather", "ring"):
             _fail(self, "cp_comm", self.cp_comm, "is not a context-parallel K/V exchange",
                   "use 'allgather' or 'ring'")
@@ -132,6 +140,24 @@ class ParallelConfig:
         elif counts and accounts:
             _fail(self, accounts[0], True, f"counts the embedding / loss in an even split, which "
                   f"{counts[0]} replaces", f"unset {counts[0]}, or {accounts[0]}")
+
+    def _check_fsdp(self) -> None:
+        """What FSDP (moeplug.parallel.fsdp) cannot hold within this section; the rules that
+        need other sections are :func:`check_fsdp_run`'s, the world size's :meth:`resolve`'s."""
+        if not self.fsdp:
+            if self.fsdp_reshard_after_forward is False:
+                _fail(self, "fsdp_reshard_after_forward", False, "acts only with fsdp: true",
+                      "set fsdp: true, or drop fsdp_reshard_after_forward")
+            return
+        if self.distributed_optimizer:
+            _fail(self, "fsdp", True, "shards the AdamW state itself; ZeRO-1 "
+                  "(distributed_optimizer) is the alternative to it, not an addition",
+                  "set distributed_optimizer: false, or fsdp: false")
+        if self.overlap_moe_expert_parallel_comm:
+            _fail(self, "fsdp", True, "gathers and reduces each block's parameters in hooks "
+                  "of one backward at a time; overlap_moe_expert_parallel_comm runs a "
+                  "micro-batch's backward on a second thread beside the next forward",
+                  "set overlap_moe_expert_parallel_comm: false, or fsdp: false")
 
     def layout(self) -> "ParallelConfig":
         """This section (the degrees); kept so ``cfg.parallel.layout()`` reads as before."""
@@ -187,6 +213,10 @@ class ParallelConfig:
             _fail(self, "sequence_parallel", False, f"tp = {tp} and ep = {ep} are both > 1, "
                   "which needs sequence parallelism",
                   "set sequence_parallel: true (or tp = 1 / ep = 1)")
+        if self.fsdp and dp * cp == 1:
+            _fail(self, "fsdp", True, f"shards over DP·CP = {dp}·{cp} = 1 rank at world size "
+                  f"{world_size}: nothing to shard", "set fsdp: false, or use more processes "
+                  "(dp > 1)")
         out = dataclasses.replace(self, dp=dp)
         # Both grids number ranks with one order; with pp > 1 their pipeline groups agree iff
         # the sizes of the names before 'pp' multiply to the same stride (dense: ep = 1;
@@ -298,6 +328,40 @@ class ParallelConfig:
     def chunk_layers(self, num_layers: int, pp: int | None = None) -> list[list[range]]:
         """``[rank][chunk]`` -> the global layer indices of that model chunk."""
         return self.layer_layout(num_layers, pp=pp).chunk_layers()
+
+
+def check_fsdp_run(cfg: object) -> None:
+    """FSDP's rules across sections (``cfg``: the RootConfig; RootConfig calls this). Each is a
+    part of moeplug that reads or writes parameters outside their module's forward, where
+    fully_shard leaves only this rank's shard, or that keeps its own copy of them."""
+    p = cfg.parallel  # type: ignore[attr-defined]
+    if not p.fsdp:
+        return
+    train, runtime, model = cfg.train, cfg.runtime, cfg.model  # type: ignore[attr-defined]
+    rules = [
+        (train.bf16_params, f"keeps fp32 sharded parameters and gathers them in the precision "
+         f"recipe's dtype; bf16 parameters (train.master_dtype {train.master_dtype!r}, "
+         f"param_dtype {train.param_dtype!r}) are another recipe for the same memory",
+         "set train.master_dtype and train.param_dtype: fp32"),
+        (train.optimizer_dtype == "bf16", "runs torch's AdamW on the sharded parameters; the "
+         "bf16-moments AdamW (train.optimizer_dtype: bf16) does not take sharded tensors",
+         "set train.optimizer_dtype: fp32"),
+        (runtime.sync_free, "leaves each expert weight sharded outside the experts' forward; "
+         "the sync-free region (runtime.sync_free) reads the whole weights itself",
+         "set runtime.sync_free: false"),
+        (runtime.stash, "leaves each expert weight sharded outside the experts' forward; the "
+         "paged stash (runtime.stash) registers the experts' parameters itself",
+         "set runtime.stash: false"),
+        (model.moe.delay_wgrad_compute, "reduce-scatters a block's weight gradients when its "
+         "backward ends; model.moe.delay_wgrad_compute computes them later",
+         "set model.moe.delay_wgrad_compute: false"),
+        (p.pp > 1 and model.tie_embeddings, "cannot sum the last pipeline stage's copy of the "
+         "tied embedding into the first stage's (their grads are sharded by different "
+         "stages)", "set model.tie_embeddings: false, or pp: 1"),
+    ]
+    for bad, rule, fix in rules:
+        if bad:
+            raise ConfigError(f"ParallelConfig.fsdp = True: {rule}. Fix: {fix}, or fsdp: false")
 
 
 def _error(obj: object, name: str, value: object, rule: str, fix: str) -> ConfigError:

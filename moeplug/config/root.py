@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 from moeplug.config._checks import ConfigError, _check_fields, _fail, _record
 from moeplug.config.data import DataConfig
 from moeplug.config.model import ModelConfig, expert_op_levers
-from moeplug.config.parallel import ParallelConfig, validate_model
+from moeplug.config.parallel import ParallelConfig, check_fsdp_run, validate_model
 from moeplug.config.plugins import PluginsConfig
 from moeplug.config.runtime import SYNC_FREE_PRECISIONS, RuntimeSection
 from moeplug.config.train import TrainConfig
@@ -39,6 +39,7 @@ class RootConfig:
                       f"{self.plugins.precision!r}): bf16 weights are computed with under bf16 "
                       f"autocast", f"set plugins.precision: bf16 or train.{name}: fp32")
         self._check_parallel_fits_model()
+        check_fsdp_run(self)
         self._check_sync_free()
         self._check_delay_wgrad()
         self._check_expert_op_levers()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeplug.parallel.experts import expert_param_names
+from moeplug.parallel.fsdp import is_sharded, local
 from moeplug.parallel.tensor_parallel import sum_partial_grads_over_tp
 
 
@@ -37,6 +38,12 @@ def _split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramet
         if p.requires_grad:
             (expert if name in expert_names else dense).append(p)
     return dense, expert
+
+
+def _unsharded(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The parameters FSDP does not manage (parallel.fsdp: the managed ones' grads were already
+    reduce-scattered, averaged as below, by FSDP's backward; moeplug.parallel.fsdp)."""
+    return [p for p in params if not is_sharded(p)]
 
 
 def _all_reduce_grads(params: Iterable[nn.Parameter], group: Any, scale: float) -> None:
@@ -76,8 +83,14 @@ def sync_gradients(model: nn.Module, groups: Any) -> None:
     # partial; sum them over TP first (moeplug.parallel.tensor_parallel).
     sum_partial_grads_over_tp(model, groups.tp)
     scale = 1.0 / groups.size("dp_cp")
-    _all_reduce_grads(dense, groups.dp_cp, scale)
-    _all_reduce_grads(expert, groups.edp, scale)
+    _all_reduce_grads(_unsharded(dense), groups.dp_cp, scale)
+    _all_reduce_grads(_unsharded(expert), groups.edp, scale)
+    # FSDP averaged the expert grads it shards over EDP: the rule is their sum over EDP divided
+    # by |DP x CP| (moeplug.parallel.fsdp).
+    rescale = groups.size("edp") * scale
+    for p in expert:
+        if is_sharded(p) and p.grad is not None and rescale != 1.0:
+            local(p.grad).mul_(rescale)
 
 
 @torch.no_grad()
@@ -88,24 +101,34 @@ def global_grad_norm(model: nn.Module, groups: Any) -> torch.Tensor:
     (e.g. ``nn.ModuleList(chunks)``) with pipeline parallelism."""
     dense, expert = _split_params(model)
 
-    def sq(ps: list[nn.Parameter]) -> torch.Tensor:
+    def sq(ps: list[nn.Parameter], shard_group: Any) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         for p in ps:
             # A pipeline stage's twin of a parameter held by another stage (the last stage's
             # embedding copy, moeplug.parallel.pipeline) holds the same grad: count it once.
-            if p.grad is not None and not getattr(p, "pipeline_copy", False):
+            if p.grad is not None and not getattr(p, "pipeline_copy", False) \
+                    and not is_sharded(p):
                 total += p.grad.detach().double().pow(2).sum().cpu()
-        return total
+        # FSDP's shards (parallel.fsdp) tile each parameter over its mesh: their squares are
+        # summed over that group, which leaves what the whole parameter's grad gives.
+        shards = torch.zeros((), dtype=torch.float64)
+        for p in ps:
+            if p.grad is not None and is_sharded(p) and not getattr(p, "pipeline_copy", False):
+                shards += local(p.grad).detach().double().pow(2).sum().cpu()
+        if any(is_sharded(p) for p in ps) and shard_group is not None:
+            dist.all_reduce(shards, group=shard_group)
+        return total + shards
 
-    expert_sq = sq(expert)
+    expert_sq = sq(expert, groups.edp)
     if groups.ep_etp is not None:
         dist.all_reduce(expert_sq, group=groups.ep_etp)
     # TP-sharded dense parameters (``partition_dim``) hold disjoint slices: add their squares
     # over TP; the replicated ones are counted once per rank.
-    tp_sq = sq([p for p in dense if hasattr(p, "partition_dim")])
+    tp_sq = sq([p for p in dense if hasattr(p, "partition_dim")], groups.dp_cp)
     if groups.tp is not None:
         dist.all_reduce(tp_sq, group=groups.tp)
-    total_sq = sq([p for p in dense if not hasattr(p, "partition_dim")]) + tp_sq + expert_sq
+    total_sq = sq([p for p in dense if not hasattr(p, "partition_dim")], groups.dp_cp) + tp_sq \
+        + expert_sq
     if groups.pp is not None:  # pipeline stages hold disjoint parameters: add their squares
         dist.all_reduce(total_sq, group=groups.pp)
     return total_sq.sqrt()

@@ -40,6 +40,7 @@ from moeplug.config import ConfigError
 from moeplug.observability.timing import stage
 from moeplug.parallel import p2p
 from moeplug.parallel.context_parallel import shard_sequence
+from moeplug.parallel.fsdp import gathered_dtype
 from moeplug.parallel.ep_overlap import run_beside
 from moeplug.parallel.pipeline import allreduce_embedding_grads, embedding_grads_snapshot
 
@@ -176,7 +177,9 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
     last_stage = pp * vpp - 1
     autocast = autocast or contextlib.nullcontext
     if activation_dtype is None:
-        activation_dtype = next((p.dtype for c in chunks for p in c.parameters()), torch.float32)
+        # (FSDP under a bf16 recipe gathers the fp32 shards in bf16: the stream is bf16 then)
+        activation_dtype = next((gathered_dtype(c, p) for c in chunks for p in c.parameters()),
+                                torch.float32)
     if groups.size("cp") > 1:
         cp, cp_rank = groups.size("cp"), groups.rank_in("cp")
         microbatches = [tuple(shard_sequence(t, cp, cp_rank) for t in mb) for mb in microbatches]

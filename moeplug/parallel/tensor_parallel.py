@@ -354,7 +354,9 @@ def sum_partial_grads_over_tp(model: nn.Module, tp_group: Any) -> None:
             p.grad = torch.zeros_like(p)
     if not params:
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    # FSDP (parallel.fsdp): the TP ranks' shards of a grad cover the same elements; sum those.
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=comm.active_group(tp_group))
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(g.view_as(p.grad))
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))

@@ -155,13 +155,20 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # Tied weights appear under two names sharing storage; safetensors refuses shared storage,
     # so every tensor is stored once, cloned contiguous, and duplicates are restored on load
     # by load_state_dict (both names point at the same Parameter).
+    # FSDP (parallel.fsdp): its shards saved whole, as the same layout without FSDP holds them
+    # (moeplug.parallel.fsdp.whole_state; a collective), so one format reshards everywhere.
+    from moeplug.parallel.fsdp import local, whole_state
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
-    for name, t in model.state_dict().items():
-        key = _alias_key(t)
+    state = model.state_dict()
+    keep = {}
+    for name, t in state.items():
+        key = _alias_key(local(t))
         if key in seen:
             continue
         seen.add(key)
+        keep[name] = t
+    for name, t in whole_state(keep).items():
         tensors[name] = t.detach().contiguous().clone()
     return tensors
 
@@ -703,8 +710,10 @@ def check_resume(path: str, cfg: RootConfig, config_source: str, layout: dict | 
 
 
 def _load_model_state(path: str, model: torch.nn.Module, model_sd: dict) -> None:
+    from moeplug.parallel.fsdp import shard_state
     try:
-        missing, unexpected = model.load_state_dict(model_sd, strict=False)
+        # FSDP: each rank keeps its shard of the whole tensors the files hold
+        missing, unexpected = model.load_state_dict(shard_state(model, model_sd), strict=False)
     except RuntimeError as e:  # shape mismatches: torch lists every one, keep the first few
         lines = [ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln]
         raise CheckpointError(

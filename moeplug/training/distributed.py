@@ -217,12 +217,21 @@ def build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
                      device: torch.device | str = "cpu") -> nn.Module:
     """This rank's model: the MoETransformer, or ``nn.ModuleList`` of its pipeline chunks when
     pp > 1, initialised with its shard of the single-process model (see the module docstring),
-    on ``device``. Call after seeding the RNG; ``groups=None`` is exactly
+    on ``device``, sharded by FSDP with ``parallel.fsdp``. Call after seeding the RNG;
+    ``groups=None`` is exactly
     ``build_model(cfg, host, vocab).to(device)``. Initialised on the CPU whatever the device, so
     the initial weights of a seed are the same on every device."""
     from moeplug.training.optim import apply_param_dtype  # bf16 weights (param/master_dtype)
-    return apply_param_dtype(_build_rank_model(cfg, host, vocab_size, groups).to(device),
+    model = apply_param_dtype(_build_rank_model(cfg, host, vocab_size, groups).to(device),
                               cfg.train)
+    if groups is not None and cfg.parallel.fsdp:
+        # FSDP2 from outside the modules, over the layout just applied (moeplug.parallel.fsdp);
+        # the recipe only decides the dtype the parameters are gathered in.
+        from moeplug.parallel.fsdp import apply_fsdp
+        precision = host.create("precision", cfg.plugins.precision,
+                                dict(cfg.plugins.precision_options))
+        apply_fsdp(model, groups, precision, cfg.parallel.fsdp_reshard_after_forward)
+    return model
 
 
 def _build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any) -> nn.Module:

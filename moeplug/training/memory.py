@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from moeplug.modules import recompute
+from moeplug.parallel.fsdp import local
 
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:
@@ -30,7 +31,7 @@ def tensor_bytes(tensors: Iterable[Any]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            s = t.untyped_storage()
+            s = local(t).untyped_storage()  # FSDP's DTensors: the shard this rank holds
             seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
@@ -80,7 +81,7 @@ class ActivationMeter:
     """Counts the bytes held for backward while active (see the module docstring)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.param_ptrs = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.live: dict[int, tuple[int, int]] = {}
         self.current = self.peak = 0
 

@@ -158,6 +158,11 @@ class AdamW(Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay})
 
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        """The tensor the update runs on (FSDP's AdamW: a DTensor's local shard)."""
+        return t
+
     @torch.no_grad()
     def step(self) -> None:
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -172,10 +177,10 @@ class AdamW(Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p,
                                                            memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
+                params.append(self._local(p))
+                grads.append(self._local(p.grad))
+                exp_avgs.append(self._local(state["exp_avg"]))
+                exp_avg_sqs.append(self._local(state["exp_avg_sq"]))
                 steps.append(state["step"])
             if not params:
                 continue

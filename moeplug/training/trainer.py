@@ -431,7 +431,8 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
             optimizer.reduce_gradients()
         with stage("optimizer"):
             grad_norm = float(optimizer.clip_grad_norm(tc.grad_clip))
-    else:  # sync point: grads averaged over DP x CP (experts: summed over expert-DP, / DP x CP)
+    else:  # sync point: grads averaged over DP x CP (experts: summed over expert-DP, / DP x CP);
+        # with parallel.fsdp, FSDP's backward already reduce-scattered the ones it shards
         from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
         with stage("comm_wait"):
             sync_gradients(model, groups)
@@ -494,10 +495,13 @@ def _restore_precision_state(precision: Any, model: Any, meta: dict, groups: Any
 
 def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = None) -> Any:
     """AdamW, or the ZeRO-1 DistributedAdamW when ``parallel.distributed_optimizer`` is on and
-    the run is parallel."""
+    the run is parallel, or AdamW on FSDP's shards with ``parallel.fsdp``."""
     if groups is not None and cfg.parallel.distributed_optimizer:
         from moeplug.training.dist_optim import DistributedAdamW
         return DistributedAdamW(model, cfg.train, groups)
+    if groups is not None and cfg.parallel.fsdp:  # AdamW on FSDP's shards, whole state dicts
+        from moeplug.training.fsdp_optim import build_fsdp_optimizer
+        return build_fsdp_optimizer(model, cfg.train)
     return build_optimizer(model, cfg.train)
 
 
