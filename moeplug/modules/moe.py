@@ -135,7 +135,7 @@ class MoELayer(nn.Module):
 
     def _forward(self, x_ND: torch.Tensor) -> MoEOutput:
         x_TD = token_rows(x_ND)  # a view, or (TP's s-major token chunk) an arena copy
-        if getattr(self.experts, "delay_wgrad_compute", False):
+        if self.experts.delay_wgrad_compute:
             x_TD = flush_at(x_TD)  # no expert weight gradient outlives this layer's backward
         with stage("router"):
             routing = self._route(x_TD, x_ND.shape[0] if x_ND.dim() == 3 else 1)  # 1. route
@@ -203,7 +203,7 @@ class MoELayer(nn.Module):
             stash_scope=self._stash_scope() if self.runtime.runtime.stash_active else None,
             # model.offload's expert names: the experts module's scope (moeplug.modules.offload)
             experts_call=getattr(self.experts, "call_offloaded", None),
-            quantized_wire=getattr(self.dispatcher, "quantizes_dispatch", False))
+            quantized_wire=self.dispatcher.quantizes_dispatch)
         state.note_overflow(overflow)
         # What budget this call needed: the trainer names it when the step reruns.
         T, K = routing.ids_TK.shape
@@ -260,10 +260,10 @@ class MoELayer(nn.Module):
         # Sequence boundaries only go to routers that declare they take them (see Router), so
         # third-party routers with forward(x_TD) keep working. Tokens are b-major (t = b*S + s).
         kwargs = {}
-        if self.token_group is not None and getattr(self.router, "accepts_token_group", False):
+        if self.token_group is not None and self.router.accepts_token_group:
             kwargs["token_group"] = self.token_group
-        if self.batch_group is not None and getattr(self.router, "accepts_batch_group", False):
+        if self.batch_group is not None and self.router.accepts_batch_group:
             kwargs["batch_group"] = self.batch_group
-        if getattr(self.router, "accepts_num_sequences", False):
+        if self.router.accepts_num_sequences:
             return self.router(x_TD, num_sequences=num_sequences, **kwargs)
         return self.router(x_TD, **kwargs)

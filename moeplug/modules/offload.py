@@ -338,8 +338,7 @@ def apply_offload(model: nn.Module, names: list[str], offloader: Offloader) -> N
     for block in blocks:
         for name in names:
             for m in _targets(block, name):
-                if name in ("expert_fc1", "moe_act") and not hasattr(type(m),
-                                                                     "recompute_activation"):
+                if name in ("expert_fc1", "moe_act") and not m.can_recompute_activation:
                     raise ValueError(
                         f"model.offload: {name} needs the grouped experts backend (its ops mark "
                         f"the FC1 input and output); {type(m).__name__} does not. Fix: use "

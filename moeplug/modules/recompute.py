@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from moeplug.config import RecomputeConfig
+from moeplug.interfaces import Experts
 from moeplug.quant.linear import active_recipe, recipe_scope
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("moeplug_recomputing", default=False)
@@ -191,7 +192,7 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
         for name in cfg.modules:
             if name == "moe_act" and isinstance(block.ffn, MoELayer):
                 experts = block.ffn.experts
-                if not hasattr(type(experts), "recompute_activation"):
+                if not experts.can_recompute_activation:
                     raise ValueError(
                         f"model.recompute.modules: moe_act needs an experts backend that can "
                         f"rebuild its activation in backward; {type(experts).__name__} cannot. "
@@ -207,7 +208,7 @@ def remove_recompute(model: nn.Module) -> None:
     for m in model.modules():
         if type(m) in marked:
             m.__class__ = type(m).__bases__[0]
-        if getattr(m, "recompute_activation", False):
+        if isinstance(m, Experts) and m.recompute_activation:
             m.recompute_activation = False
 
 

@@ -93,7 +93,7 @@ class ExpertTPDispatcher(Dispatcher):
         self.num_experts = inner.num_experts
         self.num_local_experts = inner.num_local_experts
         # The rows cross EP through ``inner``: in its row format if it quantizes them.
-        self.quantizes_dispatch = getattr(inner, "quantizes_dispatch", False)
+        self.quantizes_dispatch = inner.quantizes_dispatch
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         d = self.inner.dispatch(x_TD, routing)

@@ -14,6 +14,7 @@ from moeplug.config import GATED_ACTIVATIONS, ModelConfig
 from moeplug.interfaces import Experts
 from moeplug.testing._common import (build, close, differentiable, expect, expect_no_new_state,
                                      state_snapshot, tiny_model_config)
+from moeplug.testing.capabilities import check_declared
 from moeplug.testing.reference import reference_expert_mlp
 
 
@@ -24,6 +25,7 @@ def check_experts(source: Any, name: str | None = None, *, model_cfg: ModelConfi
     torch.manual_seed(seed)
     experts, label = build(source, "experts", name, options, cfg, L)
     expect(isinstance(experts, Experts), label, f"is a {type(experts).__name__}, not an Experts")
+    check_declared(experts, Experts, label)
     expect(experts.num_local_experts == L, label,
            f"num_local_experts = {experts.num_local_experts}, expected {L}")
     act = cfg.moe.activation  # gated ones (swiglu, geglu) have a [L, 2F, D] gate_up_proj

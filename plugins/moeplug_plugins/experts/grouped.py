@@ -16,14 +16,13 @@ from moeplug_plugins.experts._params import ExpertParams
 
 class GroupedExperts(ExpertParams):
     # moe_act recompute (moeplug.modules.recompute): keep FC1's output, rebuild the activation.
-    recompute_activation = False
-    # model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): the backward hands dX and dp to
-    # autograd first and queues the weight-gradient GEMMs to run during the dispatch's exchange.
-    # Not on the emulated low-precision path (RootConfig refuses that combination).
-    delay_wgrad_compute = False
+    can_recompute_activation = True
 
     def __init__(self, model, num_local_experts: int) -> None:
         super().__init__(model, num_local_experts)
+        # model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): the backward hands dX and dp to
+        # autograd first and queues the weight-gradient GEMMs to run during the dispatch's
+        # exchange. Not on the emulated low-precision path (RootConfig refuses that).
         self.delay_wgrad_compute = model.moe.delay_wgrad_compute
 
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
