@@ -97,11 +97,11 @@ ROUTER_FEATURES = {
     # The same under bf16 autocast (plugins.precision: bf16): nn.Linear's casts and GEMMs.
     "shared_experts_bf16": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
                             "_Linear", {"shared_expert_ffn_hidden_size": 48}, "bf16"),
-    # The routed experts' other activations (moeplug.ops.grouped_mlp), and a shared expert's.
-    "geglu": ({}, "_GroupedMLP", {"activation": "geglu"}),
-    "gelu": ({}, "_GroupedMLP", {"activation": "gelu"}),
-    "squared_relu": ({}, "_GroupedMLP", {"activation": "squared_relu"}),
-    "squared_relu_bf16": ({}, "_GroupedMLP", {"activation": "squared_relu"}, "bf16"),
+    # The routed experts' other activations (moeplug.ops.grouped_ffn.grouped_mlp), and a shared expert's.
+    "geglu": ({}, "_GroupedFFN", {"activation": "geglu"}),
+    "gelu": ({}, "_GroupedFFN", {"activation": "gelu"}),
+    "squared_relu": ({}, "_GroupedFFN", {"activation": "squared_relu"}),
+    "squared_relu_bf16": ({}, "_GroupedFFN", {"activation": "squared_relu"}, "bf16"),
     "shared_experts_gelu": ({}, "_ActivationParts", {"activation": "gelu",
                                                      "shared_expert_ffn_hidden_size": 48}),
     # Padded rows (routing.rows): every expert to its capacity, or to a multiple of 16 rows
@@ -129,7 +129,7 @@ ROUTER_FEATURES = {
 NO_BACKWARD_BUFFERS = {"force_load_balancing"}
 
 # Top-1 routing spreads the rows per expert wider: at fp32 the experts' one-expert scratch
-# (moeplug.ops.expert_mlp, sized by the largest expert's rows) first needs its 4 KiB arena class
+# (moeplug.ops.grouped_ffn.expert_mlp, sized by the largest expert's rows) first needs its 4 KiB arena class
 # in step 5, then nothing over the next 12 steps.
 WARM_UP_STEPS = {"apply_probs_on_input": 5}
 
@@ -184,20 +184,20 @@ def _allocations_without_arenas(router_options: dict, moe_options: dict | None,
 # with it) writes its deferred weight grads into workspace buffers.
 MODES = {
     "sync_free": ({"sync_free": True}, None, False, "fp32",
-                  ("_ToSlots", "_PackedExperts", "_FromSlots")),
+                  ("_ToSlots", "_GroupedFFN", "_FromSlots")),
     "sync_free_stash": ({"sync_free": True}, None, True, "fp32",
-                        ("_ToSlots", "_PackedExperts", "_FromSlots")),
+                        ("_ToSlots", "_GroupedFFN", "_FromSlots")),
     "sync_free_stash_bf16": ({"sync_free": True}, None, True, "bf16",
-                             ("_ToSlots", "_PackedExperts", "_FromSlots")),
+                             ("_ToSlots", "_GroupedFFN", "_FromSlots")),
     # moe.apply_probs_on_input (top-1): the weights scale the rows in the arena's stage 2
     "sync_free_probs_on_input": ({"sync_free": True}, {"top_k": 1, "apply_probs_on_input": True},
-                                 False, "fp32", ("_ToSlots", "_PackedExperts", "_FromSlots")),
+                                 False, "fp32", ("_ToSlots", "_GroupedFFN", "_FromSlots")),
     # pipelined over chunks (moeplug.modules.static_overlap): each chunk's stages in the arena
     "sync_free_chunks_stash": ({"sync_free": True}, {"overlap_chunks": 2}, True, "fp32",
-                               ("_ToSlots", "_PackedExperts", "_FromSlots")),
-    "delay_wgrad": (None, {"delay_wgrad_compute": True}, False, "fp32", ("_ExpertMLP",)),
+                               ("_ToSlots", "_GroupedFFN", "_FromSlots")),
+    "delay_wgrad": (None, {"delay_wgrad_compute": True}, False, "fp32", ("_GroupedFFN",)),
     "delay_wgrad_chunks_bf16": (None, {"delay_wgrad_compute": True, "overlap_chunks": 2},
-                                False, "bf16", ("_ExpertMLP",)),
+                                False, "bf16", ("_GroupedFFN",)),
 }
 
 
@@ -805,7 +805,7 @@ def test_ep2_sync_free_steps_allocate_nothing_on_the_moe_path():
     off = run_distributed(two_rank_moe_allocations, 2, "alltoall", False, *args, timeout=240)
     for (count_on, where_on), (_, where_off) in zip(on, off):
         assert count_on == 0, "\n".join(f"{n} x {k}" for k, n in where_on.items())
-        for op in ("_ToSlots", "_PackedExperts", "_FromSlotsBackward", "_AllToAll"):
+        for op in ("_ToSlots", "_GroupedFFN", "_FromSlotsBackward", "_AllToAll"):
             assert any(op in k for k in where_off), (op, where_off)
 
 

@@ -29,11 +29,8 @@ from typing import Any, Callable
 import torch
 
 from moeplug.ops import slot_rows, workspace
-from moeplug.ops._grouped import cast, compute_dtype
-from moeplug.ops.activations import act_width
-from moeplug.ops.grouped_rows_mm import (grouped_rows_act_backward_out, grouped_rows_act_out,
-                                         grouped_rows_mm_backward_out, grouped_rows_mm_out)
-from moeplug.ops.offload_marks import note
+from moeplug.ops._grouped import cast
+from moeplug.ops.grouped_ffn import grouped_ffn_packed
 from moeplug.routing import sink_dropped
 from moeplug.runtime import get_runtime
 
@@ -102,92 +99,9 @@ class _ToSlots(torch.autograd.Function):
         return g_TD, None, None, g_p
 
 
-class _PackedExperts(torch.autograd.Function):
-    """Stage 4 over packed chunks (``static_moe.packed_chunks_ffn``): per source chunk w, FC1,
-    the activation and FC2 over its counts_WL[w] rows per expert, in the autocast dtype. Saves
-    the expert input and FC1's output as 2-D rows (what the paged stash packs into its pages,
-    the same pages every step) and rebuilds the activation in backward. Grads come back in
-    each input's own dtype."""
-
-    @staticmethod
-    def forward(ctx, x_WSD, w13_LXD, w2_LDF, activation, counts_WL):
-        dtype = compute_dtype(x_WSD)
-        x_c, w13_c, w2_c = (cast(t, dtype) for t in (x_WSD, w13_LXD, w2_LDF))
-        W, S, D = x_c.shape
-        h_WSX = _empty((W, S, w13_c.shape[1]), dtype)
-        y_WSD = _empty((W, S, D), dtype)
-        with torch.autocast("cpu", enabled=False):
-            for w in range(W):  # chunk by chunk: one activation buffer, reused
-                grouped_rows_mm_out(x_c[w], w13_c, counts_WL[w], h_WSX[w])
-                a_SF = _empty((S, act_width(activation, h_WSX.shape[2])), dtype)
-                grouped_rows_act_out(h_WSX[w], counts_WL[w], activation, a_SF)
-                grouped_rows_mm_out(a_SF, w2_c, counts_WL[w], y_WSD[w])
-                del a_SF
-        # What the offload names mean here (moeplug.ops.offload_marks; a no-op outside their
-        # scope): the tensors the dynamic grouped op marks.
-        note("expert_fc1", x_c)
-        note("moe_act", h_WSX)
-        ctx.save_for_backward(x_c.view(W * S, D), h_WSX.view(W * S, -1), w13_c, w2_c)
-        ctx.counts_WL = counts_WL  # a few ints: kept out of the stash's pages
-        ctx.activation, ctx.arena = activation, workspace.current_arena()
-        ctx.dtypes = (x_WSD.dtype, w13_LXD.dtype, w2_LDF.dtype)
-        return y_WSD
-
-    @staticmethod
-    def backward(ctx, g_WSD):
-        with workspace.ctx_arena(ctx):
-            return _PackedExperts._backward(ctx, g_WSD)
-
-    @staticmethod
-    def _backward(ctx, g_WSD):
-        x_2D, h_2X, w13_c, w2_c = ctx.saved_tensors
-        counts_WL = ctx.counts_WL
-        W = g_WSD.shape[0]
-        x_WSD, h_WSX = x_2D.view(W, -1, x_2D.shape[1]), h_2X.view(W, -1, h_2X.shape[1])
-        g_c = cast(g_WSD, x_WSD.dtype)
-        gx_WSD = _empty(tuple(x_WSD.shape), x_WSD.dtype)
-        gw13, gw2 = _weight_grads(w13_c, W), _weight_grads(w2_c, W)
-        for w in range(W):
-            h_SX, counts_L = h_WSX[w], counts_WL[w]
-            a_SF = _empty((h_SX.shape[0], act_width(ctx.activation, h_SX.shape[1])), h_SX.dtype)
-            grouped_rows_act_out(h_SX, counts_L, ctx.activation, a_SF)  # rebuilt from h
-            g_a = _empty(tuple(a_SF.shape), a_SF.dtype)
-            grouped_rows_mm_backward_out(g_c[w], a_SF, w2_c, counts_L, g_a, gw2[w])
-            del a_SF
-            g_h = _empty(tuple(h_SX.shape), h_SX.dtype)
-            grouped_rows_act_backward_out(g_a, h_SX, counts_L, ctx.activation, g_h)
-            del g_a
-            grouped_rows_mm_backward_out(g_h, x_WSD[w], w13_c, counts_L, gx_WSD[w], gw13[w])
-        x_dtype, w13_dtype, w2_dtype = ctx.dtypes
-        return (cast(gx_WSD, x_dtype), cast(_summed(gw13), w13_dtype),
-                cast(_summed(gw2), w2_dtype), None, None)
-
-
-def packed_experts(x_WSD: torch.Tensor, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
-                   activation: str, counts_WL: torch.Tensor) -> torch.Tensor:
-    """Stage 4 over packed chunks in the arena (see _PackedExperts): what the paged stash
-    holds on the CPU."""
-    return _PackedExperts.apply(x_WSD, w13_LXD, w2_LDF, activation, counts_WL)
-
-
 def call_directly(fn: Callable, *args: Any) -> Any:
     """Stage 4's runner when no offload scope wraps it (the default ``experts_call``)."""
     return fn(*args)
-
-
-def _weight_grads(w: torch.Tensor, chunks: int) -> torch.Tensor:
-    """One weight grad per chunk ([chunks, *w.shape]), summed after as autograd sums them."""
-    return _empty((chunks, *w.shape), w.dtype)
-
-
-def _summed(g_W: torch.Tensor) -> torch.Tensor:
-    """g0 + g1 + ..., in place into the first chunk's grad (one chunk is itself). Autograd sums
-    the pure pieces' per-chunk grads; two terms add the same either way round (EP2), more may
-    add in another order (a fp32 reorder)."""
-    out = g_W[0]
-    for g in g_W[1:]:
-        out.add_(g)
-    return out
 
 
 class _FromSlots(torch.autograd.Function):
@@ -260,8 +174,8 @@ def region_experts(x_ECD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: torch.
     """Stage 4 over the arrived chunks (W of them, P*W once gathered over ETP), one per row
     of ``counts_WL``: y_WSD."""
     x_WSD = x_ECD.view(counts_WL.shape[0], -1, x_ECD.shape[1])
-    return (experts_call or call_directly)(packed_experts, x_WSD, w13_LXD, w2_LDF, activation,
-                                           counts_WL)
+    return (experts_call or call_directly)(grouped_ffn_packed, x_WSD, counts_WL, w13_LXD,
+                                           w2_LDF, activation)
 
 
 def region_back(y_ECD: torch.Tensor, slot_TK: torch.Tensor, probs_TK: torch.Tensor,

@@ -46,7 +46,7 @@ from moeplug.modules import static_arena
 from moeplug.ops import cuda_ops, slot_rows
 from moeplug.ops._grouped import compute_dtype
 from moeplug.ops.activations import activation_fn
-from moeplug.ops.grouped_rows_mm import grouped_rows_act, grouped_rows_mm
+from moeplug.ops.grouped_ffn import grouped_ffn_packed
 from moeplug.ops.offload_marks import note
 from moeplug.parallel import comm
 from moeplug.quant import active_recipe, quant_expert_rows
@@ -120,27 +120,6 @@ def _to_compute_dtype(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Te
     an autocast op), else as they are."""
     dtype = compute_dtype(x)
     return tuple(t.to(dtype) for t in (x, *weights))
-
-
-def _stack(chunks: list[torch.Tensor]) -> torch.Tensor:
-    """The chunks as [W, ...]: one chunk (one EP rank) without a copy."""
-    return chunks[0].unsqueeze(0) if len(chunks) == 1 else torch.stack(chunks)
-
-
-def packed_chunks_ffn(x_WSD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: torch.Tensor,
-                      w2_LDF: torch.Tensor, activation: str) -> torch.Tensor:
-    """Stage 4 over packed chunks (the CPU's layout; W = 1 at one EP rank): source rank w's
-    chunk holds its counts_WL[w] rows per local expert at its front; each expert's FFN on just
-    those rows, one pair of grouped GEMMs per chunk and the activation over the same rows
-    (moeplug.ops.grouped_rows_mm; rows past them come back unwritten, never read), the weights
-    cast to the autocast dtype once for all chunks."""
-    x_c, w13_c, w2_c = _to_compute_dtype(x_WSD, w13_LXD, w2_LDF)
-
-    def ffn(x_SD: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
-        # Chunk by chunk: FC1's output is never stacked (the largest tensor here).
-        h_SX = grouped_rows_mm(x_SD, w13_c, counts_L)
-        return grouped_rows_mm(grouped_rows_act(h_SX, counts_L, activation), w2_c, counts_L)
-    return _stack([ffn(x_c[w], counts_WL[w]) for w in range(len(x_c))])
 
 
 def _bmm(x_LBK: torch.Tensor, w_LNK: torch.Tensor) -> torch.Tensor:
@@ -295,8 +274,8 @@ def one_rank(x_TD: torch.Tensor, ids_TK: torch.Tensor, dropped_TK: torch.Tensor 
     if x_TD.device.type == "cpu":
         x_SD, slot_N, overflow, counts_E = front(x_TD, ids_TK, dropped_TK, probs_TK,
                                                  num_experts, budget, weighted_input, True)
-        y_SD = packed_chunks_ffn(x_SD.unsqueeze(0), counts_E.view(1, -1), w13_LXD, w2_LDF,
-                                 activation)[0]
+        y_SD = grouped_ffn_packed(x_SD.unsqueeze(0), counts_E.view(1, -1), w13_LXD, w2_LDF,
+                                  activation)[0]
         return back(y_SD, slot_N, probs_TK, weighted_input), overflow, counts_E
     x_ECD, slot_N, overflow, counts_E = front(x_TD, ids_TK, dropped_TK, probs_TK, num_experts,
                                               budget, weighted_input)
@@ -448,11 +427,10 @@ def static_moe(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: 
         x_ECD, counts_WL = exchange(x_ECD, counts_E.view(ep_size, L))
         x_WSD = x_ECD.view(-1, L * C, x_ECD.shape[1])  # W chunks (P*W under ETP)
         if stash_scope is None:
-            y_WSD = wrap(packed_chunks_ffn)(x_WSD, counts_WL, w13_LXD, w2_LDF, activation)
+            y_WSD = wrap(grouped_ffn_packed)(x_WSD, counts_WL, w13_LXD, w2_LDF, activation)
         else:
-            with stash_scope:  # the stash is eager only: the arena form's experts
-                y_WSD = static_arena.packed_experts(x_WSD, w13_LXD, w2_LDF, activation,
-                                                    counts_WL)
+            with stash_scope:  # the stash is eager only
+                y_WSD = grouped_ffn_packed(x_WSD, counts_WL, w13_LXD, w2_LDF, activation)
         y_ECD = exchange.back(y_WSD.view(-1, y_WSD.shape[2]))
         return wrap(back)(y_ECD, slot_N, routing.probs_TK, weighted_input), overflow, counts_E
     x_ECD, slot_N, overflow, counts_E = wrap(front)(x_TD, *args, num_experts, C, weighted_input)

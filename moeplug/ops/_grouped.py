@@ -1,6 +1,6 @@
-"""Pieces shared by the two grouped expert-MLP ops (:mod:`moeplug.ops.expert_mlp`, fused SwiGLU,
-and :mod:`moeplug.ops.grouped_mlp`, any activation): both take rows grouped by expert with one
-count per local expert, and both run their GEMMs in the autocast dtype when autocast is on.
+"""Pieces shared by the grouped expert FFN (:mod:`moeplug.ops.grouped_ffn`) and the grouped row
+GEMMs (:mod:`moeplug.ops.grouped_rows_mm`): rows grouped by expert with one count per local
+expert, GEMMs in the autocast dtype when autocast is on.
 
 Shape legend: S routed rows (grouped by expert), L local experts.
 """

@@ -13,7 +13,7 @@ bf16: its fake kernel checks CUDA's dtype rules).
 
 The CPU kernel reads the counts on the host, as torch's own CPU grouped GEMM reads its offsets:
 the counts are a CPU tensor, so there is no device to wait for. It runs one ``torch.mm`` per
-group, as the dynamic path's experts do (moeplug.ops.expert_mlp), bf16 row GEMMs over each
+group, as the dynamic path's experts do (moeplug.ops.grouped_ffn), bf16 row GEMMs over each
 group's rows rounded up to ``_grouped.ROW_MULTIPLE``. It replaced ``torch._grouped_mm``, which
 refused rows of no multiple of 16 bytes (odd feature counts took a zero-padded copy) and cannot
 pad rows; in fp32 the sync-free benchmark moved within its noise (dynamic / replay at the mid

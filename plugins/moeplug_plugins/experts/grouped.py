@@ -1,5 +1,6 @@
-"""``grouped`` experts: every local expert in one op — ``moeplug.ops.expert_mlp`` (fused C++
-SwiGLU) for swiglu, ``moeplug.ops.grouped_mlp`` (torch activation) for the others.
+"""``grouped`` experts: every local expert in one op, moeplug.ops.grouped_ffn — ``expert_mlp``
+(fused C++ SwiGLU; a GPU's grouped GEMM) for swiglu, ``grouped_mlp`` (torch activation) for
+the others; under a low-precision recipe moeplug.quant's quantized one.
 
 Legend: S rows, D hidden, F ffn hidden, L local experts.
 """
@@ -8,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import expert_mlp
-from moeplug.ops.grouped_mlp import grouped_mlp
+from moeplug.ops.grouped_ffn import expert_mlp, grouped_mlp
 from moeplug.quant import active_recipe, quant_expert_mlp
 from moeplug_plugins.experts._params import ExpertParams
 
