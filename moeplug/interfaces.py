@@ -12,11 +12,14 @@ Shape-suffix legend (torchtitan style), used throughout moeplug:
     F  expert FFN hidden size
     e.g. ``x_TD`` is a [T, D] tensor, ``ids_TK`` a [T, K] tensor, ``counts_L`` an [L] tensor.
 
-The MoE layer calls them in this order (see ``moeplug.modules.moe.MoELayer.forward``):
+The MoE layer calls them in this order (see ``moeplug.moe.MoELayer.forward``):
     1. route    ``router(x_TD) -> RouterOutput``
     2. dispatch ``dispatcher.dispatch(x_TD, routing) -> Dispatched``
     3. experts  ``experts(d.x_SD, d.probs_S, d.counts_L) -> y_SD``
     4. combine  ``dispatcher.combine(y_SD, d.meta) -> y_TD``
+With ``runtime.sync_free`` the dispatcher of steps 2 and 4 is the core's budgeted one
+(moeplug.moe.budgeted), wrapping the chosen plugin; step 3 is then the experts backend on
+budget rows (``Experts.budget_rows``, ``Experts.forward_packed``).
 No per-call state is kept on ``self``: everything ``combine`` needs travels in ``meta``, so two
 micro-batches can be in flight at once. With ``model.moe.overlap_chunks`` > 1 steps 2 and 4 run
 split in two (``Dispatcher.dispatch_start`` / ``dispatch_wait``, ``combine_start`` /
@@ -77,12 +80,22 @@ class Dispatched:
     probs_S:  float32 routing weight of each row (experts apply it after the activation).
     counts_L: int64 CPU tensor, rows per local expert; ``counts_L.sum() == S``.
     meta:     opaque, frozen object that only this dispatcher's ``combine`` understands.
+
+    Optional (defaults mean: the layer counts from the routing, rows as above):
+    counts_E: the choices this dispatcher kept per global expert, when it counts them itself
+              (runtime.sync_free's budgeted dispatcher: on the device, no host read); the
+              layer logs these instead of counting the routing.
+    packed:   runtime.sync_free's packed budget rows (``Experts.packed_rows``): x_SD holds G
+              equal chunks, ``counts_L`` is [G, L], ``probs_S`` is None; the layer calls
+              ``Experts.forward_packed`` instead of ``forward``.
     """
 
     x_SD: torch.Tensor
-    probs_S: torch.Tensor
+    probs_S: torch.Tensor | None
     counts_L: torch.Tensor
     meta: Any
+    counts_E: torch.Tensor | None = None
+    packed: bool = False
 
 
 class Router(nn.Module, abc.ABC):
@@ -221,6 +234,26 @@ class Experts(nn.Module, abc.ABC):
     @abc.abstractmethod
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         ...
+
+    @classmethod
+    def missing_capability(cls, *, sync_free: bool, capture: bool) -> str | None:
+        """What this backend lacks for runtime.sync_free / runtime.capture: its name, the
+        capability and the fix in one line (the plugin host refuses the run with it before any
+        rank starts), or None."""
+        name = cls.__name__
+        if sync_free and not cls.budget_rows:
+            return (f"{name} does not declare budget_rows, which runtime.sync_free needs (its "
+                    f"forward then takes a token budget's fixed rows: B per local expert, zero "
+                    f"rows of weight 0 where no choice landed, read on the host only as "
+                    f"constants). Fix: declare budget_rows = True on {name} once its forward "
+                    f"does (moeplug.interfaces.Experts), use plugins.experts: grouped, or set "
+                    f"runtime.sync_free: false")
+        if sync_free and capture and not cls.capturable:
+            return (f"{name} does not declare capturable, which runtime.capture needs (its "
+                    f"forward on budget rows is compiled whole, torch.compile fullgraph, or "
+                    f"recorded as a CUDA graph). Fix: declare capturable = True on {name} once "
+                    f"it is, use plugins.experts: grouped, or set runtime.capture: false")
+        return None
 
     def forward_packed(self, x_GSD: torch.Tensor, counts_GL: torch.Tensor) -> torch.Tensor:
         """Budgeted rows packed (``packed_rows``): y_GSD for G chunks of S rows each (one per

@@ -624,9 +624,21 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
     experts = attempt(host.create, "experts", p.experts, dict(p.experts_options), m, local)
     if experts is not None:
         attempt(_check_expert_op_levers, type(experts), cfg)
+        attempt(_check_mode_capabilities, type(experts), cfg)
     precision = attempt(host.create, "precision", p.precision, dict(p.precision_options))
     problems.raise_all(PluginError)
     return precision
+
+
+def _check_mode_capabilities(experts_cls: type, cfg: Any) -> None:
+    """runtime.sync_free and runtime.capture call the experts backend on budget rows
+    (moeplug.moe.budgeted): a backend that does not declare it takes them is refused here,
+    before any process group, rather than bypassed or failing in a step."""
+    rt = cfg.runtime
+    missing = experts_cls.missing_capability(sync_free=bool(rt.sync_free),
+                                             capture=bool(rt.capture))
+    if missing is not None:
+        raise PluginError(f"plugins.experts = {cfg.plugins.experts!r}: {missing}")
 
 
 def _check_expert_op_levers(experts_cls: type, cfg: Any) -> None:

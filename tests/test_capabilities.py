@@ -52,8 +52,6 @@ def _probes(path: pathlib.Path) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="MoELayer's sync-free stages still probe call_offloaded "
-                   "and the dispatcher's group: gone with the budgeted dispatcher (next step)")
 def test_the_core_reads_capabilities_as_declared_attributes_never_by_probing():
     probes = [p for f in sorted((ROOT / "moeplug").rglob("*.py"))
               if f.name != "capabilities.py" for p in _probes(f)]

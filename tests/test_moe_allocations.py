@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moeplug.config import config_from_dict
-from moeplug.modules.moe import MoELayer
+from moeplug.moe import MoELayer
 from moeplug.ops import permute, permute_probs, workspace
 from moeplug.routing import (expert_counts, router_logits, seq_aux_loss_from_stats,
                              switch_aux_loss_from_mean, switch_aux_loss_from_stats, z_loss)
@@ -179,7 +179,7 @@ def _allocations_without_arenas(router_options: dict, moe_options: dict | None,
 # Execution modes: (runtime options, model.moe options, stash, precision, the Functions the
 # counter must see allocate forward and backward once the arenas are off).
 # runtime.sync_free, eager on the CPU, runs its static stages in the layer's arena
-# (moeplug.modules.static_arena); the pure pieces allocated 263 buffers in two such steps (287
+# (moeplug.moe.budgeted.arena); the pure pieces allocated 263 buffers in two such steps (287
 # with the stash). Delayed wgrad work (model.moe.delay_wgrad_compute; the stash is refused
 # with it) writes its deferred weight grads into workspace buffers.
 MODES = {
@@ -192,7 +192,7 @@ MODES = {
     # moe.apply_probs_on_input (top-1): the weights scale the rows in the arena's stage 2
     "sync_free_probs_on_input": ({"sync_free": True}, {"top_k": 1, "apply_probs_on_input": True},
                                  False, "fp32", ("_ToSlots", "_GroupedFFN", "_FromSlots")),
-    # pipelined over chunks (moeplug.modules.static_overlap): each chunk's stages in the arena
+    # pipelined over chunks (moeplug.moe.overlap): each chunk's stages in the arena
     "sync_free_chunks_stash": ({"sync_free": True}, {"overlap_chunks": 2}, True, "fp32",
                                ("_ToSlots", "_GroupedFFN", "_FromSlots")),
     "delay_wgrad": (None, {"delay_wgrad_compute": True}, False, "fp32", ("_GroupedFFN",)),
@@ -536,7 +536,7 @@ def test_sink_rows_in_the_arena_match_torch_exactly():
 def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T, autocast,
                                                                                gate, activation):
     from moeplug.config import MoEConfig
-    from moeplug.modules.shared_experts import SharedExperts, add_shared
+    from moeplug.moe.shared_experts import SharedExperts, add_shared
     torch.manual_seed(T)
     m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
                                     shared_expert_ffn_hidden_size=48, shared_expert_gate=gate,
@@ -574,7 +574,7 @@ def test_shared_experts_leave_an_autocast_cached_input_to_torch():
     # Autocast casts a leaf that requires grad once per region and sums its grads in bf16
     # before the cast back; the per-linear casts would not, so such an input keeps torch.
     from moeplug.config import MoEConfig
-    from moeplug.modules.shared_experts import SharedExperts
+    from moeplug.moe.shared_experts import SharedExperts
     m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
                                     shared_expert_ffn_hidden_size=48))
     x = torch.randn(4, 32, requires_grad=True)

@@ -1,4 +1,4 @@
-"""Overlap on equals overlap off (``model.moe.overlap_chunks``; moeplug.modules.moe_overlap).
+"""Overlap on equals overlap off (``model.moe.overlap_chunks``; moeplug.moe.overlap).
 
 Every rank of a real gloo group builds the same model twice from one seed, once with
 ``overlap_chunks = 1`` (the plain layer) and once with ``CHUNKS`` (uneven chunks: T = 32 tokens

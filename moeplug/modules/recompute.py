@@ -158,9 +158,9 @@ def _selective_targets(block: nn.Module, name: str) -> list[nn.Module]:
     from moeplug.modules.attention import CoreAttention
     from moeplug.modules.mla import MLAttention
     from moeplug.modules.mlp import SwiGLUMLP
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.modules.norm import RMSNorm
-    from moeplug.modules.shared_experts import SharedExperts
+    from moeplug.moe.shared_experts import SharedExperts
     ffn = block.ffn
     if name == "core_attn":
         return [m for m in block.modules() if isinstance(m, CoreAttention)]
@@ -184,7 +184,7 @@ def _selective_targets(block: nn.Module, name: str) -> list[nn.Module]:
 
 def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
     """Mark the blocks of ``model`` (a MoETransformer or a pipeline chunk) for ``cfg``."""
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     blocks = list(model.blocks) + [layer.block for layer in getattr(model, "mtp", [])]
     if cfg.granularity != "selective":
         return  # full: ModelStages.run_blocks reads cfg.recompute itself (pipeline chunks too)

@@ -125,15 +125,6 @@ def etp_dispatcher(dispatcher: Dispatcher, groups: Any) -> Dispatcher:
     return dispatcher if etp is None else ExpertTPDispatcher(dispatcher, etp)
 
 
-def expert_groups(dispatcher: Dispatcher) -> tuple[Any, Any]:
-    """(EP group, ETP group) the experts behind ``dispatcher`` are split over: its ``group``
-    and None without ETP; the wrapped dispatcher's ``group`` and the ETP group with it. (A
-    dispatcher plugin exposes its EP group as ``group``; None at one rank.)"""
-    if isinstance(dispatcher, ExpertTPDispatcher):
-        return getattr(dispatcher.inner, "group", None), dispatcher.group
-    return getattr(dispatcher, "group", None), None
-
-
 def etp_experts_config(model: ModelConfig, groups: Any) -> ModelConfig:
     """:func:`expert_model_config` for ``groups``' ETP size (``model`` itself without ETP)."""
     return expert_model_config(model, 1 if groups is None else groups.size("etp"))

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeplug.config import ParallelConfig, RootConfig
-from moeplug.modules.moe import MoELayer
+from moeplug.moe import MoELayer
 from moeplug.modules.stages import ModelStages
 from moeplug.modules.transformer import MoETransformer
 from moeplug.parallel import comm

@@ -1,8 +1,8 @@
-"""The sync-free layer's static stages in eager CPU form: the ops of
-:mod:`moeplug.modules.static_moe`'s pure pieces, into the running layer's workspace arena.
+"""The budgeted dispatcher's stages 1, 2 and 6 in eager CPU form, packed: the ops of the pure
+pieces (moeplug.moe.budgeted.slots) into the running layer's workspace arena.
 
-Legend as in static_moe: T tokens, K top-k, N = T*K choices, D hidden, E experts, W EP ranks,
-L = E/W local experts, C budget rows, S = L*C slots a chunk, X FC1 width, F FFN hidden.
+Legend as in slots: T tokens, K top-k, N = T*K choices, D hidden, E experts, W EP ranks,
+L = E/W local experts, C budget rows, S = L*C slots a chunk.
 
 Why a second form: the pure pieces are what ``runtime.capture`` compiles and what a GPU runs,
 so they stay functional (every op returns a fresh tensor). Run eagerly on the CPU they
@@ -13,9 +13,10 @@ buffers, inside an autograd Function whose backward runs what autograd runs for 
 piece, so results and gradients equal the pure pieces' (``torch.equal``:
 tests/test_static_arena.py) and the host-sync counter sees the same work. Stage 1 is the
 runtime's ``budget_slots`` kernel (two counting passes over the choices; the torch form of
-:func:`static_moe.slots` is a stable sort plus a dozen [N] temporaries), whose integers equal
-``static_moe.slots``'s; stages 2 and 6 are the runtime's slot kernels
-(moeplug.ops.slot_rows), which the pure pieces run too.
+:func:`slots.slots` is a stable sort plus a dozen [N] temporaries), whose integers equal
+``slots.slots``'s; stages 2 and 6 are the runtime's slot kernels (moeplug.ops.slot_rows),
+which the pure pieces run too. The experts between them (stage 4) are the experts backend's
+``forward_packed`` (moeplug.ops.grouped_ffn for the built-in one).
 
 Used for every eager CPU layer, ``moe.apply_probs_on_input`` included (its weights scale the
 rows in stage 2).
@@ -23,14 +24,12 @@ rows in stage 2).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from moeplug.ops import slot_rows, workspace
 from moeplug.ops._grouped import cast
-from moeplug.ops.grouped_ffn import grouped_ffn_packed
 from moeplug.routing import sink_dropped
 from moeplug.runtime import get_runtime
 
@@ -39,7 +38,7 @@ _empty = workspace.empty
 
 def slots(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, num_experts: int, budget: int,
           ep_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage 1, packed: (slot_N, overflow, counts_E) as ``static_moe.slots(..., packed=True,
+    """Stage 1, packed: (slot_N, overflow, counts_E) as ``slots.slots(..., packed=True,
     ep_size=W)`` returns them (overflow a 0-d bool), from the arena."""
     return _budget_slots(ids_TK, dropped_TK, num_experts, budget, ep_size)[:3]
 
@@ -69,7 +68,7 @@ def _fp32(probs_TK: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class _ToSlots(torch.autograd.Function):
-    """Stage 2 (``static_moe.gather_rows``): x_SD[slot[t, k]] = x_TD[t], times p[t, k] with
+    """Stage 2 (``slots.gather_rows``): x_SD[slot[t, k]] = x_TD[t], times p[t, k] with
     ``moe.apply_probs_on_input``, the runtime's to_slots kernel; backward its from_slots sum
     (weighted alike) and the weights' dot products (moeplug.ops.slot_rows)."""
 
@@ -99,13 +98,8 @@ class _ToSlots(torch.autograd.Function):
         return g_TD, None, None, g_p
 
 
-def call_directly(fn: Callable, *args: Any) -> Any:
-    """Stage 4's runner when no offload scope wraps it (the default ``experts_call``)."""
-    return fn(*args)
-
-
 class _FromSlots(torch.autograd.Function):
-    """Stage 6 (``static_moe.combine_rows``): y_TD = sum_k p_tk * y_SD[slot_tk] over the
+    """Stage 6 (``slots.combine_rows``): y_TD = sum_k p_tk * y_SD[slot_tk] over the
     choices with a slot (a plain sum without probs: the rows were weighted in stage 2), the
     runtime's from_slots kernel (fp32 sums and weights); backward its from_slots_backward
     (moeplug.ops.slot_rows)."""
@@ -133,28 +127,6 @@ class _FromSlots(torch.autograd.Function):
         return g_SD, None, g_p
 
 
-def static_region(x_TD: torch.Tensor, routing: Any, w13_LXD: torch.Tensor, w2_LDF: torch.Tensor,
-                  *, num_experts: int, budget: int, activation: str, weighted_input: bool,
-                  ep_size: int, exchange: Any, stash_scope: Any,
-                  experts_call: Callable | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stages 1-6 on the CPU, eager: (y_TD, overflow, counts_E). ``weighted_input``
-    (``moe.apply_probs_on_input``): the routing weights scale the rows in stage 2, and stage 6
-    sums them plainly. ``exchange(x_ECD, counts_WL) -> (x_ECD, counts_WL)`` and
-    ``exchange.back(y_ECD)`` move the chunks over EP (identity at one rank; under ETP the
-    chunks of the whole ETP group arrive, static_moe.PackedExchange); ``stash_scope``: the
-    paged stash's scope around stage 4, or None; ``experts_call(fn, *args)`` runs stage 4
-    (the experts module's offload scope, inside the stash's as on the dynamic path), or None."""
-    x_ECD, counts_E, _, slot_TK, overflow = region_front(
-        x_TD, routing, num_experts=num_experts, budget=budget, weighted_input=weighted_input,
-        ep_size=ep_size)
-    x_ECD, counts_WL = exchange(x_ECD, counts_E.view(ep_size, -1))
-    with stash_scope if stash_scope is not None else contextlib.nullcontext():
-        y_WSD = region_experts(x_ECD, counts_WL, w13_LXD, w2_LDF, activation, experts_call)
-    y_ECD = exchange.back(y_WSD.view(-1, y_WSD.shape[2]))
-    return region_back(y_ECD, slot_TK, routing.probs_TK, weighted_input), overflow, counts_E
-
-
 def region_front(x_TD: torch.Tensor, routing: Any, *, num_experts: int, budget: int,
                  weighted_input: bool, ep_size: int) -> tuple[torch.Tensor, ...]:
     """Stages 1-2: (x_ECD, counts_E, wanted_E, slot_TK, overflow), the rows in their packed
@@ -166,16 +138,6 @@ def region_front(x_TD: torch.Tensor, routing: Any, *, num_experts: int, budget: 
     slot_TK = slot_rows.slot_map(slot_N, E * C, routing.ids_TK.shape[1], _empty)
     x_ECD = _ToSlots.apply(x_TD, slot_TK, E * C, routing.probs_TK if weighted_input else None)
     return x_ECD, counts_E, wanted_E, slot_TK, overflow
-
-
-def region_experts(x_ECD: torch.Tensor, counts_WL: torch.Tensor, w13_LXD: torch.Tensor,
-                   w2_LDF: torch.Tensor, activation: str,
-                   experts_call: Callable | None = None) -> torch.Tensor:
-    """Stage 4 over the arrived chunks (W of them, P*W once gathered over ETP), one per row
-    of ``counts_WL``: y_WSD."""
-    x_WSD = x_ECD.view(counts_WL.shape[0], -1, x_ECD.shape[1])
-    return (experts_call or call_directly)(grouped_ffn_packed, x_WSD, counts_WL, w13_LXD,
-                                           w2_LDF, activation)
 
 
 def region_back(y_ECD: torch.Tensor, slot_TK: torch.Tensor, probs_TK: torch.Tensor,
