@@ -1,4 +1,4 @@
-"""Command line: ``moeplug train | plugins | convert | plot-load`` and ``moeplug --version``.
+"""Command line: ``moeplug train | plugins | convert | plot-load | data`` and ``moeplug --version``.
 
 ``train`` validates everything cheap first — config, plugin names, availability and options,
 resume target, run directory, process count and layout — and only then prepares data, builds
@@ -19,7 +19,7 @@ from importlib import resources
 from typing import Sequence
 
 import moeplug
-from moeplug.config import ConfigError, Problems, RootConfig, load_config
+from moeplug.config import ConfigError, Problems, RootConfig
 from moeplug.plugin_host import check_plugins, load_host as _load_host
 
 EXIT_CONFIG = 2
@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="DIR|auto", help="train.resume")
     t.add_argument("--tensorboard", action="store_true", help="also write TensorBoard events "
                    "to OUT_DIR/tb (train.tensorboard)")
+    t.add_argument("--wandb", action="store_true", help="also log to Weights & Biases "
+                   "(train.wandb; train.wandb_mode=offline needs no network)")
     t.add_argument("--overwrite", action="store_true", help="replace the run already in --out "
                    "(its metrics.jsonl, checkpoints and latest are deleted first)")
     t.add_argument("--nproc", type=int, metavar="N", help="run on N processes: re-executes this "
@@ -63,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     add_plot_parsers(sub)
     from moeplug.generate import add_generate_parser
     add_generate_parser(sub)
+    from moeplug.data.cli import add_data_parser
+    add_data_parser(sub)
     from moeplug.plan.cli import add_plan_parser
     add_plan_parser(sub)
     return p
@@ -82,6 +86,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         out.append(f"train.resume={args.resume}")
     if args.tensorboard:
         out.append("train.tensorboard=true")
+    if args.wandb:
+        out.append("train.wandb=true")
     return out
 
 
@@ -158,19 +164,20 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         base = preset(args.preset)
     # A preset replaces the packaged default.yaml (whose model would override the preset's).
     path = args.config or (None if base else default_config_path())
+    problems = Problems()
     try:
-        cfg = load_config(path, _overrides(args), base=base)
+        cfg, resume_from, meta = _resolve_config(args, base, problems)
+        resume_failed = bool(problems.errors)
     except ConfigError as e:  # the fields' problems, with a bad --nproc (needs no config)
         nproc = [] if args.nproc is None or args.nproc >= 1 else [_nproc_error(args.nproc)]
         raise ConfigError(*(e.errors or [str(e)]), *nproc) from None
     from moeplug.training import distributed as D
     from moeplug.training import launch
-    from moeplug.training.checkpoint import check_resume, resolve_resume
+    from moeplug.training.checkpoint import check_resume
     from moeplug.training.run_dir import LOCKED_ENV, check_run_dir, clear_run, lock_run_dir
     # A model that cannot fit is refused first: the plugin check below already allocates.
     from moeplug.memory import check_fits
     check_fits(cfg, 1 if launch.under_torchrun() else args.nproc or 1)
-    problems = Problems()
     with problems.check():
         host = _load_host(cfg)
         precision = check_plugins(host, cfg)
@@ -178,10 +185,18 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         with problems.check():  # a missing optional package fails here too
             from moeplug.observability.tensorboard import summary_writer_class
             summary_writer_class()
-    resume_from = None
-    with problems.check():  # a bad train.resume fails here, not later
-        resume_from = resolve_resume(cfg.train.resume, cfg.train.out_dir)
-        check_run_dir(cfg.train.out_dir, cfg.train.resume, resume_from, args.overwrite)
+    if cfg.train.wandb:
+        with problems.check():
+            from moeplug.observability.wandb_writer import wandb_module
+            wandb_module()
+    if not resume_failed:  # (a train.resume that does not resolve said so already)
+        with problems.check():  # may this run write there?
+            check_run_dir(cfg.train.out_dir, cfg.train.resume, resume_from, args.overwrite)
+    tokenizer = None
+    with problems.check():  # a Hugging Face tokenizer read now: a broken one fails here
+        tokenizer = _cheap_tokenizer(cfg)
+        if tokenizer is not None and resume_from is None:  # (a resume: check_tokenizer below)
+            cfg.model_vocab_size(tokenizer.vocab_size)  # ids past model.vocab_size: refused
     world, layout = None, None
     with problems.check():  # layout vs world size: before any process or process group exists
         world = _world_size(cfg, args.nproc)
@@ -193,9 +208,12 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             # (once, before --nproc launches any rank), not after the model is built.
             source = " + ".join([f"--preset {args.preset}"] * bool(args.preset)
                                 + [f"--config {args.config}"] * bool(args.config)) \
-                or f"the packaged {path}"
+                or f"the checkpoint's own config over the packaged {path}"
             check_resume(resume_from, cfg, source, layout,
                          lambda name, opts: host.defining_options("router", name, opts))
+            if tokenizer is not None:  # the same ids as the embedding was trained on
+                from moeplug.training.resume import check_tokenizer
+                check_tokenizer(resume_from, meta, cfg, tokenizer)
     if world is not None:
         with problems.check():  # train.device=cuda without (enough) GPUs, before any rank starts
             device = D.resolve_device(cfg, None if launch.under_torchrun() else world)
@@ -209,10 +227,15 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         os.environ[LOCKED_ENV] = os.path.realpath(cfg.train.out_dir)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
+    from moeplug.data.corpus import check_run_data
+    from moeplug.documents import document_eod
 
     if world > 1 and not launch.under_torchrun():
-        corpus = prepare_corpus(cfg.data)  # once, here: the ranks then only read the cache
-        _check_vocab_split(cfg, corpus.vocab_size)
+        # once, here: the ranks then only read the cache
+        corpus = prepare_corpus(cfg.data, host, log=print)
+        _check_corpus_tokenizer(cfg, corpus, resume_from, meta)
+        check_run_data(corpus, cfg, resume_from)
+        document_eod(cfg, corpus.tokenizer)  # data.document_mask needs the tokenizer's EOS
         if args.overwrite:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
@@ -225,7 +248,8 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         exit_on_stop_signals(D.heartbeat(groups), groups.rank)
     try:
         with contextlib.nullcontext() if groups is not None else stop_on_signals():
-            summary = _train_rank(cfg, args, host, precision, groups, device)
+            summary = _train_rank(cfg, args, host, precision, groups, device, resume_from,
+                                  meta)
     except Stopped as e:  # one process, Ctrl-C or SIGTERM (ranks: exit_on_stop_signals)
         from moeplug.training.checkpoint import find_latest
         out = cfg.train.out_dir
@@ -259,33 +283,76 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     return 0
 
 
-def _check_vocab_split(cfg: RootConfig, tokenizer_vocab: int) -> None:
-    """The tokenizer's vocabulary (model.vocab_size 0) splits over TP, checked once it is known
-    and before any rank starts (each rank's model build would raise it as a traceback)."""
-    tp = cfg.parallel.tp
-    if cfg.model.vocab_size or tokenizer_vocab % tp == 0:
-        return
-    padded = -(-tokenizer_vocab // tp) * tp
-    raise ConfigError(f"ModelConfig.vocab_size = 0: the tokenizer's {tokenizer_vocab} tokens "
-                      f"do not split over parallel.tp = {tp} (the embedding and head are split "
-                      f"over TP). Fix: set model.vocab_size: {padded} (the rows past the "
-                      f"tokenizer's are never used), or another data.vocab_size")
+def _resolve_config(args: argparse.Namespace, base: dict | None, problems: Problems):
+    """(config, checkpoint to resume or None, its meta.json or None). A resume takes what the
+    command does not give (no --config/--preset/--set names it) from its checkpoint: the model,
+    router and tokenizer (moeplug.training.resume). ConfigError for the config's problems; a
+    bad train.resume is recorded in ``problems``."""
+    from moeplug.config import config_from_dict, load_config_dict, merge_config_dicts
+    from moeplug.training.checkpoint import read_meta, resolve_resume
+    from moeplug.training.resume import from_checkpoint
+    from moeplug.config import TrainConfig
+    given = load_config_dict(args.config, _overrides(args), base=base)
+    fallback = {} if args.config or base else load_config_dict(default_config_path())
+    merged = merge_config_dicts(fallback, given)
+    # Where to resume from, read before the whole config is checked: the checkpoint's model
+    # may be what makes the rest valid (a layout the packaged model's heads do not split).
+    train = merged.get("train") if isinstance(merged.get("train"), dict) else {}
+    resume, out = train.get("resume", ""), train.get("out_dir", TrainConfig().out_dir)
+    resume_from = meta = None
+    if isinstance(resume, str) and isinstance(out, str):
+        with problems.check():  # a bad train.resume fails here, not later
+            resume_from = resolve_resume(resume, out)
+            if resume_from is not None:
+                meta = read_meta(resume_from)
+    if meta is None:
+        return config_from_dict(merged), resume_from, None
+    taken = from_checkpoint(resume_from, meta)
+    return (config_from_dict(merge_config_dicts(merge_config_dicts(fallback, taken), given)),
+            resume_from, meta)
 
 
-def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, groups, device):
+def _cheap_tokenizer(cfg: RootConfig):
+    """The run's tokenizer when it needs no corpus (a Hugging Face one, bytes), else None."""
+    from moeplug.data.tokenizer import ByteTokenizer, HFTokenizer, is_hf_tokenizer
+    if is_hf_tokenizer(cfg.data.tokenizer):
+        return HFTokenizer.load(cfg.data.tokenizer)
+    return ByteTokenizer() if cfg.data.tokenizer == "bytes" else None
+
+
+def _check_corpus_tokenizer(cfg: RootConfig, corpus, resume_from: str | None,
+                            meta: dict | None) -> int:
+    """Once the tokenizer is built (a BPE is trained on the corpus): every id has a row in the
+    model (the rows split over TP), and a resumed checkpoint was trained with the same
+    tokenizer; before any rank starts. Returns the model's vocabulary rows."""
+    if resume_from is not None and meta is not None:  # first: it names the checkpoint
+        from moeplug.training.resume import check_tokenizer
+        check_tokenizer(resume_from, meta, cfg, corpus.tokenizer)
+    return cfg.model_vocab_size(corpus.vocab_size)
+
+
+def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, groups, device,
+                resume_from: str | None = None, meta: dict | None = None):
     """This process's part of the run: data, model, loop; train()'s summary."""
     from moeplug.data import prepare_corpus
+    from moeplug.data.corpus import check_run_data
+    from moeplug.documents import document_eod
     from moeplug.training import distributed as D
     from moeplug.training.run_dir import clear_run
     from moeplug.training.trainer import seed_everything, train
     if not D.is_main_rank(groups):  # rank 0 prepares the cache, the others then read it
         D.barrier(groups)
-    corpus = prepare_corpus(cfg.data)
+    corpus = prepare_corpus(cfg.data, host, log=print if D.is_main_rank(groups) else None)
     if D.is_main_rank(groups):
         D.barrier(groups)
-    _check_vocab_split(cfg, corpus.vocab_size)  # a plain torchrun launch checks it here
+        print(corpus.description)
+    # the launcher checked these before the ranks started; one process (or a plain torchrun)
+    # here
+    rows = _check_corpus_tokenizer(cfg, corpus, resume_from, meta)
+    check_run_data(corpus, cfg, resume_from)
+    document_eod(cfg, corpus.tokenizer)  # before the model is built
     seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
-    model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, device)
+    model = D.build_rank_model(cfg, host, rows, groups, device)
     plugin_names = {k: getattr(cfg.plugins, k)
                     for k in ("router", "dispatcher", "experts", "precision")}
     if args.overwrite and D.is_main_rank(groups):  # the last moment: data and model built
@@ -346,6 +413,9 @@ def _run(argv: list[str]) -> int:
         if args.command == "plan":
             from moeplug.plan.cli import cmd_plan
             return cmd_plan(args)
+        if args.command == "data":
+            from moeplug.data.cli import cmd_data
+            return cmd_data(args)
     except ConfigError as e:
         for error in e.errors or [str(e)]:  # one line each, all of this command's problems
             print(f"moeplug: configuration error: {error}", file=sys.stderr)

@@ -5,13 +5,17 @@
 
 What is loaded is what the run trained: the model is rebuilt from the config stored in the
 checkpoint's meta.json and filled from its safetensors (never unpickled); the tokenizer is the
-run's, found (or rebuilt) by :func:`moeplug.data.prepare_corpus` from the same data config, and
-checked against the fingerprint the trainer stored in the checkpoint. One process, whatever
+run's: the Hugging Face tokenizer the checkpoint carries (a run with ``data.tokenizer`` a path,
+an import of a model with its tokenizer), else the one :func:`moeplug.data.prepare_corpus`
+finds (or rebuilds) from the same data config; either is checked against the fingerprint the
+trainer stored in the checkpoint. One process, whatever
 layout trained it: the shards of a tp/cp/pp/ep/etp run are joined as a one-process resume joins
 them (moeplug.training.reshard), and only what defines the model is taken from the run's config
 (:func:`inference_config`), so neither its layout nor an execution setting stands in the way.
 
-Decoding: greedy (temperature 0) takes the argmax token; sampling divides the logits by the
+The prompt is framed as training framed a document: after the tokenizer's BOS where it adds one
+(an empty prompt: a document's start, after BOS, EOS or the works' separator); generation stops
+at the tokenizer's EOS. Decoding: greedy (temperature 0) takes the argmax token; sampling divides the logits by the
 temperature, keeps the ``top_k`` largest (0: all) and draws from their softmax with a CPU
 generator seeded by ``seed``, so a seed gives the same text on every device. The context is
 the last ``train.seq_len`` tokens: windows of that length are all the model was trained on.
@@ -114,7 +118,9 @@ def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
     from moeplug.modules import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training import distributed as D
-    from moeplug.training.checkpoint import find_checkpoint, load_checkpoint, read_meta
+    from moeplug.data.tokenizer import HFTokenizer
+    from moeplug.training.checkpoint import (carried_tokenizer, config_dict, find_checkpoint,
+                                             load_checkpoint, read_meta)
 
     path = find_checkpoint(ckpt)
     if path is None:
@@ -123,33 +129,43 @@ def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
             f"meta.json, or a run directory with 'latest' or step_* checkpoints). Fix: pass "
             f"the --out / train.out_dir of a finished 'moeplug train' run")
     meta = read_meta(path)
-    if "hf" in meta:
+    carried = carried_tokenizer(path, meta)
+    if "hf" in meta and carried is None:
         raise CheckpointError(
-            f"--ckpt {path!r} was imported from Hugging Face ({meta['hf'].get('source')}): "
-            f"its tokenizer is not one moeplug trains. Fix: generate with transformers from the "
-            f"original directory, or train it on with 'moeplug train --resume' first")
+            f"--ckpt {path!r} was imported from Hugging Face ({meta['hf'].get('source')}) "
+            f"without a tokenizer (that directory held no tokenizer.json), so nothing says "
+            f"which text its ids are. Fix: import a directory saved with its tokenizer "
+            f"(tokenizer.save_pretrained into it), or train it on with 'moeplug train --resume "
+            f"--set data.tokenizer=...' first")
     if not isinstance(meta.get("config"), dict):
         raise CheckpointError(
             f"--ckpt {path!r}: its meta.json stores no 'config', so the model cannot be rebuilt. "
             f"Fix: generate from a checkpoint written by moeplug train")
-    saved = config_from_dict(inference_config(meta["config"]))
+    config = inference_config(config_dict(path, meta))
+    if carried is not None:  # its tokenizer is all the data it needs (the corpus may be gone)
+        config["data"] = {"tokenizer": carried}
+    saved = config_from_dict(config)
     # The device is this machine's choice, not the run's: validated by TrainConfig's own rule.
     cfg = dataclasses.replace(saved, train=dataclasses.replace(saved.train, device=device))
     if D.world_from_env() > 1:
         raise ConfigError(f"$WORLD_SIZE = {D.world_from_env()}: generate runs in one process. "
                           "Fix: run 'moeplug generate' directly, not under torchrun")
     target = D.resolve_device(cfg)
-    corpus = prepare_corpus(cfg.data)  # the run's tokenizer: cached, or rebuilt from its data
+    if carried is not None:
+        tokenizer = HFTokenizer.load(carried, field=f"--ckpt {path!r} tokenizer")
+    else:  # the run's tokenizer: cached, or rebuilt from its data
+        tokenizer = prepare_corpus(cfg.data).tokenizer
     want = meta.get("tokenizer")
-    if want is not None and corpus.tokenizer.fingerprint() != want:
+    if want is not None and tokenizer.fingerprint() != want:
         raise CheckpointError(
             f"--ckpt {path!r}: the tokenizer built from the run's data config (corpus "
             f"{cfg.data.corpus!r}, {cfg.data.tokenizer}) differs from the one it trained with, "
             f"so its ids would decode to the wrong text. Fix: restore the corpus files the run "
             f"trained on (data.corpus)")
-    model = build_model(cfg, PluginHost.load(block=cfg.plugins.block), corpus.vocab_size)
+    rows = meta.get("model_vocab_size") or cfg.model_vocab_size(tokenizer.vocab_size)
+    model = build_model(cfg, PluginHost.load(block=cfg.plugins.block), rows)
     load_checkpoint(path, model, optimizer=None, restore_rng=False)  # any layout's shards
-    return LoadedModel(model.to(target).eval(), corpus.tokenizer, cfg, path, int(meta["step"]))
+    return LoadedModel(model.to(target).eval(), tokenizer, cfg, path, int(meta["step"]))
 
 
 @torch.no_grad()
@@ -164,20 +180,25 @@ def next_token_logits(model: torch.nn.Module, ids: list[int], context_len: int,
 
 def generate_ids(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int,
                  context_len: int, vocab_size: int, temperature: float = 0.0, top_k: int = 0,
-                 seed: int = 0) -> list[int]:
-    """The ``max_new_tokens`` ids that follow ``prompt_ids`` (non-empty), one forward each."""
+                 seed: int = 0, stop_id: int | None = None) -> list[int]:
+    """The (up to) ``max_new_tokens`` ids that follow ``prompt_ids`` (non-empty), one forward
+    each; ``stop_id`` (the tokenizer's EOS) ends the text early and is not returned."""
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         logits_V = next_token_logits(model, ids, context_len, vocab_size)
         if temperature == 0:
             ids.append(int(logits_V.argmax()))
+            if ids[-1] == stop_id:
+                return ids[len(prompt_ids):-1]
             continue
         logits_V = logits_V.cpu() / temperature
         if 0 < top_k < vocab_size:
             kth = torch.topk(logits_V, top_k).values[-1]
             logits_V = logits_V.masked_fill(logits_V < kth, -math.inf)
         ids.append(int(torch.multinomial(torch.softmax(logits_V, -1), 1, generator=gen)))
+        if ids[-1] == stop_id:
+            return ids[len(prompt_ids):-1]
     return ids[len(prompt_ids):]
 
 
@@ -187,8 +208,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_args(args)
     loaded = load_checkpoint_model(args.ckpt, args.device)
     tok = loaded.tokenizer
-    # An empty prompt starts where every work starts in training: after the work separator.
-    prompt_ids = tok.encode(args.prompt) or tok.encode(WORK_SEPARATOR)
+    text_ids = tok.encode(args.prompt)
+    # The prompt where training puts a document's text: after the BOS where the tokenizer adds
+    # one; an empty one at a document's start: after BOS, the previous document's EOS, or the
+    # works' separator.
+    head = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+    prompt_ids = head + text_ids or ([tok.eos_id] if tok.eos_id is not None
+                                     else tok.encode(WORK_SEPARATOR))
     mode = ("greedy" if args.temperature == 0 else
             f"temperature {args.temperature}, top-k {args.top_k or 'all'}, seed {args.seed}")
     # first, so a long generation shows what runs
@@ -196,8 +222,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{args.max_new_tokens} new tokens", file=sys.stderr, flush=True)
     new_ids = generate_ids(loaded.model, prompt_ids, args.max_new_tokens,
                            loaded.cfg.train.seq_len, tok.vocab_size, args.temperature,
-                           args.top_k, args.seed)
-    # The prompt verbatim, then the continuation (byte-level tokenizers: decoding the new ids
-    # alone gives the same text as decoding prompt + new ids, since the prompt is whole chars).
-    print(args.prompt + tok.decode(new_ids))
+                           args.top_k, args.seed, stop_id=tok.eos_id)
+    print(args.prompt + continuation(tok, text_ids, new_ids))
     return 0
+
+
+def continuation(tok: Any, text_ids: list[int], new_ids: list[int]) -> str:
+    """The text ``new_ids`` add after ``text_ids``: decoded together, less the prompt's own text
+    (a tokenizer may decode a token differently at a text's start, e.g. sentencepiece's
+    leading space); byte-level tokenizers give the new ids' text alone either way."""
+    head = tok.decode(text_ids)
+    whole = tok.decode(text_ids + new_ids)
+    return whole[len(head):] if whole.startswith(head) else tok.decode(new_ids)

@@ -90,12 +90,24 @@ def moeplug_register_precisions(registry: "ComponentRegistry") -> None:
     """
 
 
-# Which register hook fills which component kind (kinds as in moeplug.interfaces.KINDS).
+@hookspec(firstresult=False, historic=False)
+def moeplug_register_datasets(registry: "ComponentRegistry") -> None:
+    """Add corpus readers (data formats) with ``registry.add(...)``.
+
+    Called once per plugin while ``PluginHost.load`` runs. ``factory(options)`` must return a
+    :class:`moeplug.data.reader.CorpusReader`; ``data.corpus`` paths go to the reader whose
+    ``claims(path)`` is true (or the one ``data.format`` names). Return value: ignored.
+    """
+
+
+# Which register hook fills which component kind (the model kinds as in
+# moeplug.interfaces.KINDS, then the data kind).
 REGISTER_HOOKS = {
     "router": "moeplug_register_routers",
     "dispatcher": "moeplug_register_dispatchers",
     "experts": "moeplug_register_experts",
     "precision": "moeplug_register_precisions",
+    "dataset": "moeplug_register_datasets",
 }
 
 __all__ = ["hookspec", "hookimpl", "PROJECT_NAME", "ENTRY_POINT_GROUP", "REGISTER_HOOKS"]

@@ -60,6 +60,9 @@ class RouterOutput:
                   the dispatcher pads with prob-0 rows (static shapes, Megatron pad-to-capacity).
     pad_multiple: the dispatcher pads each local expert's rows to a multiple of this with prob-0
                   rows (quantised grouped GEMMs want 16/32-row tiles); outputs do not change.
+    pooled_aux:   a loss over *all* MoE layers together (moeplug.routing.pooled.PooledAuxStats:
+                  transformers' load_balancing_loss_func): this layer's statistics of it, which
+                  the model combines once per forward and adds to the aux loss.
     """
 
     probs_TK: torch.Tensor
@@ -70,6 +73,7 @@ class RouterOutput:
     dropped_TK: torch.Tensor | None = None
     capacity: int | None = None
     pad_multiple: int = 1
+    pooled_aux: Any = None
 
 
 @dataclass(frozen=True)
@@ -321,11 +325,14 @@ class PluginOptions:
 
     ``execution_only``: names of options that change how the plugin runs, not what it computes
     (a resume may change them; ``PluginHost.defining_options`` leaves them out).
+    ``training_only``: names of options that only weight or steer training (loss coefficients,
+    update rates): the trained model computes the same, so a resume may change them too.
     ``check_parallel(parallel)``: rules needing the parallel layout (``cfg.parallel``), run
     before any process group exists; raise ValueError/ConfigError with the field and a Fix.
     """
 
     execution_only: ClassVar[tuple[str, ...]] = ()
+    training_only: ClassVar[tuple[str, ...]] = ()
 
     def check_parallel(self, parallel: Any) -> None:
         """Nothing to check (the default)."""
@@ -334,6 +341,11 @@ class PluginOptions:
     def execution_only_of(options_cls: type) -> tuple[str, ...]:
         """``options_cls.execution_only``, () for a dataclass that declares none."""
         return tuple(getattr(options_cls, "execution_only", ()))
+
+    @staticmethod
+    def training_only_of(options_cls: type) -> tuple[str, ...]:
+        """``options_cls.training_only``, () for a dataclass that declares none."""
+        return tuple(getattr(options_cls, "training_only", ()))
 
     @staticmethod
     def parallel_check_of(options: Any) -> Callable[[Any], None] | None:

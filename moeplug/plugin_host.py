@@ -21,6 +21,7 @@ object always follows the model config, i.e. ``factory(*args[:1], options, *args
     dispatcher: factory(model_cfg, options, group)
     experts:    factory(model_cfg, options, num_local_experts)
     precision:  factory(options)
+    dataset:    factory(options)
 ``options`` is an instance of the plugin's ``options_cls`` or ``None`` when it declares none.
 """
 
@@ -44,7 +45,8 @@ import pluggy
 from moeplug import hookspecs
 from moeplug.config import ConfigError, Problems, expert_op_levers
 
-KINDS = ("router", "dispatcher", "experts", "precision")  # == moeplug.interfaces.KINDS (no torch here)
+# moeplug.interfaces.KINDS (no torch here), then the corpus readers (moeplug.data.reader).
+KINDS = ("router", "dispatcher", "experts", "precision", "dataset")
 _log = logging.getLogger(__name__)  # notices; with no logging set up, Python prints them
 BLOCK_ENV = "MOEPLUG_BLOCK_PLUGINS"
 NO_AUTOLOAD_ENV = "MOEPLUG_DISABLE_PLUGIN_AUTOLOAD"
@@ -56,6 +58,7 @@ _FACTORY_ARGS = {
     "dispatcher": ("model_cfg", "group"),
     "experts": ("model_cfg", "num_local_experts"),
     "precision": (),
+    "dataset": (),
 }
 
 
@@ -471,7 +474,7 @@ class PluginHost:
             raise PluginError(  # the call itself failed: the factory's signature is wrong
                 f"{kind} '{name}' (from {entry.source.dist}): its factory cannot be called as "
                 f"{kind}({', '.join((*_FACTORY_ARGS[kind][:1], 'options', *_FACTORY_ARGS[kind][1:]))})"
-                f" ({exc}). Fix: give the factory that signature (README 'Writing a plugin')"
+                f" ({exc}). Fix: give the factory that signature (docs/plugins.md)"
             ) from exc
         _check_interface(kind, name, entry, component)
         return component
@@ -480,7 +483,8 @@ class PluginHost:
         """``options`` as plugin ``name`` reads them, for comparing two configs: every option
         with its default filled in, less those its ``options_cls`` lists in
         ``execution_only`` (a class attribute: options that change how it runs, not what it
-        computes). None where the plugin is unknown, unavailable or rejects them (compare
+        computes) or ``training_only`` (options that only weight or steer training: loss
+        coefficients, update rates; the trained model computes the same). None where the plugin is unknown, unavailable or rejects them (compare
         them as written; the run reports the problem itself)."""
         self._check_kind(kind)
         entry = self._entries[kind].get(name)
@@ -491,7 +495,8 @@ class PluginHost:
         except PluginError:
             return None
         from moeplug.interfaces import PluginOptions  # imports torch: only when compared
-        skip = set(PluginOptions.execution_only_of(entry.options_cls))
+        skip = (set(PluginOptions.execution_only_of(entry.options_cls))
+                | set(PluginOptions.training_only_of(entry.options_cls)))
         return {f.name: getattr(built, f.name) for f in dataclasses.fields(built)
                 if f.init and f.name not in skip}
 
@@ -583,14 +588,16 @@ def _source_of(plugin: object, registered: list[tuple[object, _Source]]) -> str:
 
 
 def _check_interface(kind: str, name: str, entry: _Entry, component: Any) -> None:
-    from moeplug import interfaces  # imports torch: only when something is created
-
-    base = {"router": interfaces.Router, "dispatcher": interfaces.Dispatcher,
-            "experts": interfaces.Experts, "precision": interfaces.Precision}[kind]
+    if kind == "dataset":
+        from moeplug.data.reader import CorpusReader as base
+    else:
+        from moeplug import interfaces  # imports torch: only when something is created
+        base = {"router": interfaces.Router, "dispatcher": interfaces.Dispatcher,
+                "experts": interfaces.Experts, "precision": interfaces.Precision}[kind]
     if not isinstance(component, base):
         raise PluginError(f"{kind} '{name}' from {entry.source}: factory returned "
-                          f"{type(component).__name__}, not a moeplug.interfaces.{base.__name__}. "
-                          f"Fix: subclass moeplug.interfaces.{base.__name__}")
+                          f"{type(component).__name__}, not a {base.__module__}.{base.__name__}. "
+                          f"Fix: subclass {base.__module__}.{base.__name__}")
 
 
 __all__ = ["PluginHost", "PluginError", "PluginInfo", "SkippedEntryPoint", "ComponentRegistry",

@@ -34,7 +34,8 @@ def test_builtin_meets_the_public_contract(host, kind, name):
 
 
 def test_contract_runs_on_every_kind():
-    assert {kind for kind, _ in _builtins()} == {"router", "dispatcher", "experts", "precision"}
+    assert {kind for kind, _ in _builtins()} == {"router", "dispatcher", "experts", "precision",
+                                                 "dataset"}
 
 
 # ---- topk router vs a hand-written reference ------------------------------------------------

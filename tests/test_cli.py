@@ -34,8 +34,9 @@ def test_train_30_steps_loss_falls_and_everything_is_logged(run_cli, tiny_config
         assert layer["mean"] == pytest.approx(8 * 32 * 2 / 4)
         assert layer["max"] >= layer["mean"]
     val = _records(out, "val")
-    assert [r["step"] for r in val] == [10, 20, 30]
-    assert val[-1]["val_loss"] < val[0]["val_loss"]
+    assert [r["step"] for r in val] == [0, 10, 20, 30]  # step 0: the model before training
+    assert val[-1]["val_loss"] < val[1]["val_loss"] < val[0]["val_loss"]
+    assert {r["val_tokens"] for r in val} == {2 * 8 * 32}  # train.eval_batches = 2
 
     # stderr is a pipe here: plain log lines, no progress bar escape codes
     assert "step     30 | loss" in proc.stdout and "\r" not in proc.stderr
@@ -89,7 +90,7 @@ def test_plugins_lists_every_registered_component(run_cli):
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     infos = PluginHost.load().infos()
-    assert {i.kind for i in infos} == {"router", "dispatcher", "experts", "precision"}
+    assert {i.kind for i in infos} == {"router", "dispatcher", "experts", "precision", "dataset"}
     for info in infos:
         assert f"{info.kind}:" in text
         line = next(l for l in text.splitlines() if l.strip().startswith(info.name + " "))
@@ -285,6 +286,11 @@ def test_default_train_beats_unigram_entropy_within_10_minutes(run_cli, cli_env,
     # Independent check of the printed numbers against the metrics file.
     val = _records(str(tmp_path / "runs" / "default"), "val")
     assert val[-1]["val_loss"] == pytest.approx(val_loss, abs=1e-4)
+    # the whole validation set (Hamlet and The Tempest), from step 0 on, every 100 steps
+    assert [r["step"] for r in val] == [0, 100, 200, 300, 400, 500]
+    num_val = int(re.search(r"validation \(val_works .*\) \d+ documents, ([\d,]+) tokens",
+                            proc.stdout).group(1).replace(",", ""))
+    assert {r["val_tokens"] for r in val} == {(num_val - 1) // 128 * 128}
     assert val_loss < unigram - 1.0, (val_loss, unigram)
     # The README quotes these figures with the machine and torch's thread count (all cores).
     import torch

@@ -55,8 +55,8 @@ def assert_config_error(proc, *fragments: str) -> None:
 def test_model_vocab_smaller_than_tokenizer_exits_2(run_cli, small_corpus_config):
     path = small_corpus_config(model={"vocab_size": 100})
     proc = run_cli("train", "--config", path, timeout=300)
-    assert_config_error(proc, "ModelConfig.vocab_size = 100", "(256)",
-                        "Fix: set model.vocab_size=0", ">= 256")
+    assert_config_error(proc, "ModelConfig.vocab_size = 100", "256 ids of the tokenizer",
+                        "data.tokenizer = 'bytes'", "set model.vocab_size: 0", ">= 256")
 
 
 def test_seq_len_longer_than_validation_split_exits_2(run_cli, small_corpus_config):
@@ -65,8 +65,8 @@ def test_seq_len_longer_than_validation_split_exits_2(run_cli, small_corpus_conf
     num_val = len(prepare_corpus(load_config(path).data).val_ids)
     assert VAL_CHARS <= num_val < 400
     proc = run_cli("train", "--config", path, timeout=300)
-    assert_config_error(proc, "train.seq_len = 400", f"the split has {num_val}",
-                        f"Fix: lower train.seq_len below {num_val}")
+    assert_config_error(proc, "train.seq_len = 400", "the validation split of",
+                        f"has {num_val}. Fix: lower train.seq_len below {num_val}")
 
 
 def test_small_corpus_config_trains(run_cli, small_corpus_config):

@@ -40,9 +40,9 @@ def assert_names(err: pytest.ExceptionInfo, *parts: str) -> None:
     (TrainConfig, {"beta2": 1.0}, ["beta2", "1.0", "[0, 1)"]),
     (TrainConfig, {"micro_batch_size": 0}, ["micro_batch_size", "0", "positive integer"]),
     (TrainConfig, {"grad_clip": -1}, ["grad_clip", "-1", ">= 0"]),
-    (DataConfig, {"tokenizer": "wordpiece"}, ["tokenizer", "'wordpiece'", "'bpe' or 'bytes'"]),
+    (DataConfig, {"tokenizer": "wordpiece"}, ["tokenizer", "'wordpiece'", "'bpe', 'bytes' nor an existing path"]),
     (DataConfig, {"vocab_size": 100}, ["vocab_size", "100", "(256, 65536]"]),
-    (DataConfig, {"corpus": "/no/such/dir"}, ["corpus", "'/no/such/dir'", "folder of text files"]),
+    (DataConfig, {"corpus": "/no/such/dir"}, ["corpus", "'/no/such/dir'", "no such file or folder"]),
     (PluginsConfig, {"router": ""}, ["router", "''", "moeplug plugins"]),
     (PluginsConfig, {"router_options": [1]}, ["router_options", "[1]", "mapping"]),
     (PluginsConfig, {"block": 3}, ["block", "3", "must be a list"]),
@@ -191,15 +191,27 @@ def test_tensor_parallel_splits_are_checked_before_any_rank(overrides, parts):
     assert_names(err, *parts)
 
 
-def test_the_tokenizers_vocabulary_is_checked_against_tp_before_the_ranks_start():
-    from moeplug.cli import _check_vocab_split
+def test_the_tokenizers_vocabulary_is_padded_and_checked_against_tp_before_the_ranks_start():
+    """model.vocab_size 0: the tokenizer's ids padded up to a multiple of
+    make_vocab_size_divisible_by (Megatron's; 128), whatever the layout; rows that do not split
+    over TP, and ids past an explicit vocab_size, are refused naming the field and the fix."""
     cfg = load_config(None, ["parallel.tp=2"])
-    _check_vocab_split(cfg, 2048)
+    assert cfg.model_vocab_size(2048) == 2048
+    assert cfg.model_vocab_size(2049) == 2176  # 17 x 128
+    assert load_config(None, []).model_vocab_size(2049) == 2176  # the same model at TP 1
+    assert load_config(None, ["model.make_vocab_size_divisible_by=1"]).model_vocab_size(2049) \
+        == 2049
+    odd = load_config(None, ["parallel.tp=2", "model.make_vocab_size_divisible_by=3"])
     with pytest.raises(ConfigError) as err:
-        _check_vocab_split(cfg, 2049)
-    assert_names(err, "ModelConfig.vocab_size = 0", "2049 tokens", "parallel.tp = 2",
-                 "model.vocab_size: 2050")
-    _check_vocab_split(load_config(None, ["parallel.tp=2", "model.vocab_size=4096"]), 2049)
+        odd.model_vocab_size(2049)
+    assert_names(err, "ModelConfig.make_vocab_size_divisible_by = 3", "2049 ids padded to 2049",
+                 "parallel.tp = 2", "multiple of 2")
+    assert load_config(None, ["parallel.tp=2", "model.vocab_size=4096"]).model_vocab_size(
+        2049) == 4096
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.vocab_size=1024"]).model_vocab_size(2049)
+    assert_names(err, "ModelConfig.vocab_size = 1024", "2049 ids", "data.tokenizer = 'bpe'",
+                 "Fix:")
 
 
 def test_optional_float_fields_read_yaml_exponents_too():
@@ -336,7 +348,7 @@ def test_cli_reports_all_problems_of_one_command(run_cli, cli_env, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# The README's config reference stays complete and correct
+# The config reference (docs/config.md) stays complete and correct
 # --------------------------------------------------------------------------------------------
 
 def _all_fields(obj, prefix=""):
@@ -351,16 +363,16 @@ def _all_fields(obj, prefix=""):
 
 def test_readme_config_reference_lists_every_field_with_its_default():
     from pathlib import Path
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text(encoding="utf-8")
     rows = {line.split("|")[1].strip(): line for line in readme.splitlines()
             if line.startswith("| `") and line.count("|") >= 4}
     fields = dict(_all_fields(RootConfig()))
     missing = [k for k in fields if f"`{k}`" not in rows]
-    assert not missing, f"README config reference lacks: {missing}"
+    assert not missing, f"docs/config.md lacks: {missing}"
     wrong = [k for k, v in fields.items() if f"| `{v!r}` |" not in rows[f"`{k}`"]]
-    assert not wrong, f"README shows a stale default for: {wrong}"
+    assert not wrong, f"docs/config.md shows a stale default for: {wrong}"
     described = [k for k in fields if not rows[f"`{k}`"].rstrip(" |").split("|")[-1].strip()]
-    assert not described, f"README rows without a meaning: {described}"
+    assert not described, f"docs/config.md rows without a meaning: {described}"
 
 
 def test_float_fields_accept_yaml_exponents_and_reject_words():

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from moeplug.config import ConfigError, DataConfig
-from moeplug.data import (SHAKESPEARE_ATTRIBUTION, BPETokenizer, ByteTokenizer, get_batch,
-                          prepare_corpus)
-from moeplug.data.corpus import strip_gutenberg
+from moeplug.data import BPETokenizer, ByteTokenizer, get_batch, prepare_corpus
+from moeplug.data.readers.text import SHAKESPEARE_ATTRIBUTION, strip_gutenberg
 
 WORKS = {
     "alpha": "Now is the winter of our discontent\nMade glorious summer by this sun of York.\n" * 20,
@@ -60,7 +59,7 @@ def test_bpe_round_trip_and_compression(text_dir, tmp_path):
     train_text = WORKS["alpha"]
     assert len(tok.encode(train_text)) < len(train_text.encode("utf-8")) / 2  # it learnt merges
     # The saved tokenizer file reloads to the same encoder.
-    again = BPETokenizer.load(os.path.join(corpus.cache_dir, "tokenizer.json"))
+    again = BPETokenizer.load(os.path.join(corpus.train[0].folder, "tokenizer.json"))
     assert again.encode(train_text) == tok.encode(train_text)
     # Training is deterministic, so ranks that each prepare the corpus agree on the ids.
     retrained = BPETokenizer.train([WORKS["alpha"], WORKS["beta"]], 300)
@@ -70,10 +69,10 @@ def test_bpe_round_trip_and_compression(text_dir, tmp_path):
 def test_split_by_whole_works_and_exact_ids(text_dir, tmp_path):
     corpus = prepare_corpus(cfg(text_dir, tmp_path))
     tok = ByteTokenizer()
-    sep = tok.encode("\n\n")
-    expected_train = tok.encode(WORKS["alpha"]) + sep + tok.encode(WORKS["beta"])
+    sep = tok.encode("\n\n")  # ends every document: bytes has no EOS
+    expected_train = tok.encode(WORKS["alpha"]) + sep + tok.encode(WORKS["beta"]) + sep
     assert corpus.train_ids.tolist() == expected_train
-    assert corpus.val_ids.tolist() == tok.encode(WORKS["gamma"])
+    assert corpus.val_ids.tolist() == tok.encode(WORKS["gamma"]) + sep
     train_text = tok.decode(corpus.train_ids.tolist())
     assert "Quixotic" not in train_text and "Quixotic" in tok.decode(corpus.val_ids.tolist())
 
@@ -81,19 +80,22 @@ def test_split_by_whole_works_and_exact_ids(text_dir, tmp_path):
 def test_cache_is_reused_without_retokenising(text_dir, tmp_path):
     c = cfg(text_dir, tmp_path, tokenizer="bpe", vocab_size=300)
     first = prepare_corpus(c)
-    files = ["train.bin", "val.bin", "tokenizer.json", "meta.json"]
-    stamps = {f: os.stat(os.path.join(first.cache_dir, f)).st_mtime_ns for f in files}
+    folder = first.train[0].folder
+    files = ["corpus.bin", "corpus.idx", "tokenizer.json", "meta.json", "token_counts.npy"]
+    stamps = {f: os.stat(os.path.join(folder, f)).st_mtime_ns for f in files}
     second = prepare_corpus(c)
-    assert second.cache_dir == first.cache_dir
-    assert {f: os.stat(os.path.join(second.cache_dir, f)).st_mtime_ns for f in files} == stamps
-    assert isinstance(second.train_ids, np.memmap) and second.train_ids.dtype == np.uint16
+    assert second.train[0].folder == folder
+    assert {f: os.stat(os.path.join(folder, f)).st_mtime_ns for f in files} == stamps
+    tokens_N = second.train[0].tokens.tokens_N
+    assert isinstance(tokens_N, np.memmap) and tokens_N.dtype == np.uint16
     assert np.array_equal(second.train_ids, first.train_ids)
-    assert not [f for f in os.listdir(first.cache_dir) if ".tmp" in f]  # atomic writes left no tmp
+    cache = os.path.dirname(folder)
+    assert not [f for f in os.listdir(cache) if ".tmp" in f]  # atomic writes left no tmp
     # Different tokenizer settings or different text -> a different cache directory.
-    assert prepare_corpus(cfg(text_dir, tmp_path, tokenizer="bpe", vocab_size=320)).cache_dir != first.cache_dir
+    assert prepare_corpus(cfg(text_dir, tmp_path, tokenizer="bpe", vocab_size=320)).train[0].folder != folder
     with open(os.path.join(text_dir, "alpha.txt"), "a", encoding="utf-8") as f:
         f.write("A new line.\n")
-    assert prepare_corpus(c).cache_dir != first.cache_dir
+    assert prepare_corpus(c).train[0].folder != folder
 
 
 def test_batches_are_windows_shifted_by_one(text_dir, tmp_path):
@@ -132,7 +134,7 @@ def test_strip_gutenberg_header_and_footer():
 
 
 def test_error_unknown_val_work(text_dir, tmp_path):
-    with pytest.raises(ConfigError, match=r"DataConfig.val_works = \['delta'\]: \['delta'\] not in corpus .*Fix: choose file stems from: alpha, beta, gamma"):
+    with pytest.raises(ConfigError, match=r"DataConfig.val_works = \['delta'\]: delta not in corpus .*Fix: choose document names .* from its 3 documents \(.*e\.g\. alpha, beta, gamma\)"):
         prepare_corpus(cfg(text_dir, tmp_path, val_works=["delta"]))
 
 
@@ -144,7 +146,7 @@ def test_error_split_leaves_nothing(text_dir, tmp_path, val, what):
 
 def test_error_directory_without_txt(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match=r"DataConfig.corpus = .*empty.*no files ending in '\.txt'.*Fix: point data.corpus"):
+    with pytest.raises(ConfigError, match=r"data.corpus = .*empty.*: unknown format, no reader claims it \(readers: .*txt: a folder of .txt files.*Fix: convert it"):
         prepare_corpus(DataConfig(corpus=str(tmp_path / "empty"), tokenizer="bytes", val_works=["x"],
                                   cache_dir=str(tmp_path / "c")))
 
@@ -167,15 +169,15 @@ def test_real_shakespeare_with_byte_tokenizer(tmp_path):
     texts = os.path.join(os.path.dirname(shksprdata.__file__), "texts")
     works = sorted(f for f in os.listdir(texts) if f.endswith("_gut.txt"))
     assert len(works) == 42
-    # Val = Hamlet + The Tempest, train = the other 40, joined by "\n\n" (these texts carry no
-    # Gutenberg markers, so only trailing whitespace is normalised).
+    # Val = Hamlet + The Tempest, train = the other 40, each ending in "\n\n" (these texts carry
+    # no Gutenberg markers, so only trailing whitespace is normalised).
     def size(f):
         with open(os.path.join(texts, f), encoding="utf-8") as fh:
             return len((fh.read().strip() + "\n").encode("utf-8"))
     val = ["hamlet_gut.txt", "tempest_gut.txt"]
     train = [w for w in works if w not in val]
-    assert len(corpus.val_ids) == sum(map(size, val)) + 2
-    assert len(corpus.train_ids) == sum(map(size, train)) + 2 * (len(train) - 1)
+    assert len(corpus.val_ids) == sum(map(size, val)) + 2 * len(val)
+    assert len(corpus.train_ids) == sum(map(size, train)) + 2 * len(train)
     assert bytes(corpus.val_ids[:25].tolist()).decode() == "HAMLET, PRINCE OF DENMARK"
     # Bytes-level unigram cross-entropy of English text: a few nats, well below uniform ln 256.
     assert 2.5 < corpus.unigram_entropy() < math.log(256)

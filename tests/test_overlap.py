@@ -350,6 +350,49 @@ def test_tp_cp_collectives_use_the_twin_groups():
         assert all("Fix:" in e for e in r["errors"]), r["errors"]
 
 
+# A fresh process: MKL's code path (MKL_CBWR=COMPATIBLE, the same on every x86 CPU, where these
+# GEMMs round by how MKL splits them over threads) and a process default of 2 threads must be
+# set before torch loads MKL.
+_HELPER_THREADS = r"""
+import json, torch
+from moeplug.parallel.ep_overlap import run_beside
+torch.manual_seed(0)
+pairs = [(torch.randn(m, 16), torch.randn(16, 16)) for m in range(16, 40)]
+gemms = lambda: [x @ w.t() for x, w in pairs]
+torch.set_num_threads(2)
+two = gemms()
+torch.set_num_threads(1)  # as every rank of a gloo run, and train.threads
+one = gemms()
+box = []
+run_beside(lambda: box.append(gemms()), lambda: None, {})
+same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b))
+print(json.dumps({"split_rounds": not same(one, two), "helper_is_callers": same(box[0], one)}))
+"""
+
+
+def test_the_overlapped_backward_computes_on_the_callers_thread_count():
+    """run_beside's helper thread runs the backward on the caller's intra-op thread count.
+    A new thread's MKL took the process default (the cores) whatever torch.set_num_threads
+    said, so the combined 1F1B's GEMMs in the overlapped backward rounded as on 2+ threads where
+    the plain loop's ran on 1: bitwise only while MKL split none of them (this host's default
+    path for the tiny model), and PP2 x EP2 with the MoE recomputed failed under
+    MKL_CBWR=COMPATIBLE."""
+    import json
+    import os
+    import subprocess
+    import sys
+    if not torch.backends.mkl.is_available():
+        pytest.skip("torch is built without MKL: no MKL thread count to follow")
+    env = {**os.environ, "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-c", _HELPER_THREADS], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not r["split_rounds"]:
+        pytest.skip("this MKL rounds these GEMMs alike on 1 and 2 threads: nothing to tell apart")
+    assert r["helper_is_callers"], "the helper thread's GEMMs ran on another thread count"
+
+
 # ---- one process: the layer itself, and config ----------------------------------------------
 
 def test_single_process_layer_matches_unchunked():

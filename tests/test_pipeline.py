@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeplug.config import ParallelConfig
+from moeplug.config import ConfigError, ParallelConfig
 from moeplug.testing.distributed import run_distributed
 
 V, MB, SEQ = 64, 2, 8
@@ -409,3 +409,12 @@ def test_pp2_1f1b_three_adamw_steps_match_one_process():
     for r, res in enumerate(results):
         for k, p in res["params"].items():
             torch.testing.assert_close(p, ref_params[k].detach(), **TOL, msg=f"rank {r}: {k}")
+
+
+def test_forward_only_interleaved_takes_any_number_of_micro_batches():
+    from moeplug.parallel.schedules import pipeline_schedule
+    # an evaluation's micro-batches (the last one shorter runs alone): each in turn through
+    # the rank's chunks, so no multiple of PP is needed; training still refuses it
+    assert _ops(pipeline_schedule(2, 1, 3, 2, forward_only=True)) == "F0 F0c1 F1 F1c1 F2 F2c1"
+    with pytest.raises(ConfigError, match="not a multiple of PP = 2"):
+        pipeline_schedule(2, 1, 3, 2)

@@ -39,7 +39,7 @@ def _layout(nproc: int, accum: int, **degrees) -> list[str]:
     args = ["--nproc", str(nproc)] if nproc > 1 else []
     args += ["--set", f"train.grad_accum_steps={accum}"]
     for k, v in degrees.items():
-        args += ["--set", f"parallel.{k}={str(v).lower()}"]
+        args += ["--set", f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"]
     return args
 
 
@@ -85,6 +85,25 @@ def test_pp2_reshards_to_one_process_and_back(run_cli, tiny_config_file, tmp_pat
     # PP2 on 2 ranks: DP 1. Each stage's file holds its own layers under the one-process names.
     _chain(run_cli, tiny_config_file(str(tmp_path / "unused")), tmp_path,
            _layout(2, 1, pp=2), _layout(1, 1), _layout(2, 1, pp=2))
+
+
+# Megatron layout strings over the tiny model's 2 layers: PP2 x VPP2 with an embedding-only
+# first and a loss-only last stage (rank 0: E, then layer 1; rank 1: layer 0, then L), and
+# PP4 with a stage that holds nothing (rank 1) and a loss-only last stage (rank 3). The files
+# hold each chunk's pieces under the one-process names, whatever the chunk holds.
+PP2_VPP2_LAYOUT = _layout(2, 2, pp=2, pipeline_layout="E|t|t|L")
+PP4_LAYOUT = _layout(4, 2, pp=4, pipeline_layout="Et||t|L")
+
+
+def test_pipeline_layouts_reshard_to_one_process_and_back(run_cli, tiny_config_file, tmp_path):
+    _chain(run_cli, tiny_config_file(str(tmp_path / "unused")), tmp_path,
+           PP2_VPP2_LAYOUT, _layout(1, 2), PP4_LAYOUT)
+
+
+def test_pipeline_layouts_reshard_into_each_other_and_an_even_split(run_cli, tiny_config_file,
+                                                                    tmp_path):
+    _chain(run_cli, tiny_config_file(str(tmp_path / "unused")), tmp_path,
+           PP4_LAYOUT, PP2_VPP2_LAYOUT, _layout(2, 2, pp=2))
 
 
 def test_cp2_reshards_to_one_process_and_back(run_cli, tiny_config_file, tmp_path):

@@ -289,7 +289,7 @@ def test_readme_documents_the_group_options_with_their_defaults():
     import dataclasses
     from pathlib import Path
     from moeplug_plugins.routers import TopKOptions
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text(encoding="utf-8")
     defaults = {f.name: f.default for f in dataclasses.fields(TopKOptions)}
     for name in ("num_groups", "group_topk", "group_score", "dtype"):
         assert f"| `router_options.{name}` | `{defaults[name]!r}` |" in readme, name

@@ -159,8 +159,7 @@ def test_grad_accumulation_matches_one_big_batch(tiny_cfg, tmp_path):
     """2 micro-batches of 4, each loss divided by 2, must leave the gradient of the mean of the
     two micro-batch losses (checked on .grad, which the loop leaves in place after its last
     step: Adam alone would hide a wrong scale), and the same weights after the step."""
-    from moeplug.data import get_batch
-    from moeplug.training.trainer import batch_generator, train
+    from moeplug.training.trainer import step_batches, train
     cfg = tiny_cfg("train.steps=1", "train.warmup_steps=0", "train.micro_batch_size=4",
                    "train.grad_accum_steps=2", "train.grad_clip=0", "train.eval_batches=1")
     model, corpus, precision = _real_pieces(cfg)
@@ -170,8 +169,9 @@ def test_grad_accumulation_matches_one_big_batch(tiny_cfg, tmp_path):
     opt = build_optimizer(ref, cfg.train)
     for g in opt.param_groups:
         g["lr"] = lr_at(0, cfg.train)
-    gen = batch_generator(cfg.train.seed, 0)
-    batches = [get_batch(corpus.train_ids, 4, cfg.train.seq_len, gen) for _ in range(2)]
+    # step 1's two micro-batches: the first 8 samples of the training stream
+    batches = step_batches(corpus.train_samples(cfg.train.seq_len, cfg.train.seed), cfg.train, 0)
+    assert len(batches) == 2 and batches[0][0].shape == (4, cfg.train.seq_len)
     loss = sum(ref(t, y).loss for t, y in batches) / 2
     loss.backward()
     opt.step()

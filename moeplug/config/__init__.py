@@ -13,6 +13,7 @@ keep going after a failure, and the cross-section checks still run over such sec
     model       model: (MoEConfig, MLAConfig, RecomputeConfig, ModelConfig)
     plugins     plugins:      data   data:      train  train:
     parallel    parallel: and validate_model     runtime  runtime:
+    pipeline_layout  Megatron's pipeline layouts: what every virtual stage holds
     root        RootConfig (cross-section checks), model_differences
     loader      config_from_dict, load_config, apply_overrides
 """
@@ -20,21 +21,22 @@ keep going after a failure, and the cross-section checks still run over such sec
 from moeplug.config._checks import SEED_LIMIT, ConfigError, Problems
 from moeplug.config.data import DataConfig
 from moeplug.config.loader import (apply_overrides, config_from_dict, load_config,
-                                   merge_config_dicts)
+                                   load_config_dict, merge_config_dicts)
 from moeplug.config.model import (ACTIVATIONS, ATTENTION_TYPES, GATED_ACTIVATIONS,
                                   OFFLOAD_MODULES, RECOMPUTE_MODULES, MLAConfig, ModelConfig,
                                   MoEConfig, RecomputeConfig, expert_op_levers)
 from moeplug.config.parallel import DIM_NAMES, ParallelConfig, validate_model
 from moeplug.config.plugins import PluginsConfig
-from moeplug.config.root import EXECUTION_ONLY, MODEL_DEFINING, RootConfig, model_differences
+from moeplug.config.root import (EXECUTION_ONLY, MODEL_DEFINING, TRAINING_ONLY, RootConfig,
+                                 model_differences)
 from moeplug.config.runtime import SYNC_FREE_PRECISIONS, RuntimeSection
 from moeplug.config.train import TrainConfig
 
 __all__ = [
     "ACTIVATIONS", "ATTENTION_TYPES", "DIM_NAMES", "EXECUTION_ONLY", "GATED_ACTIVATIONS",
     "MODEL_DEFINING", "OFFLOAD_MODULES", "RECOMPUTE_MODULES", "SEED_LIMIT",
-    "SYNC_FREE_PRECISIONS", "ConfigError", "DataConfig", "MLAConfig", "ModelConfig",
+    "SYNC_FREE_PRECISIONS", "TRAINING_ONLY", "ConfigError", "DataConfig", "MLAConfig", "ModelConfig",
     "MoEConfig", "ParallelConfig", "PluginsConfig", "Problems", "RecomputeConfig", "RootConfig",
     "RuntimeSection", "TrainConfig", "apply_overrides", "config_from_dict", "expert_op_levers",
-    "load_config", "merge_config_dicts", "model_differences", "validate_model",
+    "load_config", "load_config_dict", "merge_config_dicts", "model_differences", "validate_model",
 ]

@@ -61,6 +61,18 @@ def _fail(obj: Any, name: str, value: Any, rule: str, fix: str) -> None:
         found.append(f"{head}{rule}. Fix: {fix}")
 
 
+def _record(error: ConfigError) -> None:
+    """``error``'s lines recorded as :func:`_fail` records them (raised when nothing collects):
+    a field that already has a problem keeps its first line only."""
+    found = _found.get()
+    if found is None:
+        raise error
+    for line in error.errors:
+        head = line.split(": ", 1)[0] + ": "
+        if not any(m.startswith(head) for m in found):
+            found.append(line)
+
+
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list": (list,),
           "dict": (dict,), "None": (type(None),)}
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string",

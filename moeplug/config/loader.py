@@ -187,6 +187,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_config(path: str | None = None, overrides: list[str] | None = None,
                 base: Mapping[str, Any] | None = None) -> RootConfig:
     """Defaults ← ``base`` (a preset) ← YAML file ← dotted overrides, validated as one RootConfig."""
+    return config_from_dict(load_config_dict(path, overrides, base))
+
+
+def load_config_dict(path: str | None = None, overrides: list[str] | None = None,
+                     base: Mapping[str, Any] | None = None) -> dict:
+    """What :func:`load_config` validates: ``base`` ← YAML file ← dotted overrides, as a nested
+    dict of only what they give (a resume takes the rest from its checkpoint)."""
     data: dict = {}
     if path:
         if os.path.isdir(path):
@@ -214,7 +221,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
             # An empty file means the dataclass defaults (README "Config reference"), which
             # differ from the packaged default.yaml that no --config would have used.
             _log.warning(f"moeplug: note: config file {path!r} is empty: training the dataclass "
-                         f"defaults (README 'Config reference'), not the packaged default.yaml")
+                         f"defaults (docs/config.md), not the packaged default.yaml")
         loaded = {} if loaded is None else loaded
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping. "
@@ -223,4 +230,4 @@ def load_config(path: str | None = None, overrides: list[str] | None = None,
     if base:
         data = merge_config_dicts(base, data)
     apply_overrides(data, list(overrides or []))
-    return config_from_dict(data)
+    return data

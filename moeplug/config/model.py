@@ -193,9 +193,15 @@ def expert_op_levers(m: "ModelConfig") -> dict[str, list[str]]:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """Decoder-only transformer. ``vocab_size = 0`` means: take it from the tokenizer."""
+    """Decoder-only transformer. ``vocab_size = 0`` means: the tokenizer's vocabulary, padded
+    up to a multiple of ``make_vocab_size_divisible_by`` (RootConfig.model_vocab_size)."""
 
     vocab_size: int = 0
+    # Megatron's --make-vocab-size-divisible-by: the padded rows keep the embedding and head
+    # GEMMs aligned and split over TP; no token id reaches them and generation never picks
+    # them. Megatron pads to a multiple of this times TP; moeplug leaves TP out so that the
+    # model's shape is the same in every layout (a checkpoint resumes under another TP).
+    make_vocab_size_divisible_by: int = 128
     hidden_size: int = 256
     num_layers: int = 4
     num_heads: int = 8
@@ -227,7 +233,7 @@ class ModelConfig:
         _check_fields(self)
         self._check_offload()
         _positive(self, "hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len",
-                  "dense_ffn_hidden_size")
+                  "dense_ffn_hidden_size", "make_vocab_size_divisible_by")
         _non_negative(self, "vocab_size", "first_k_dense", "kv_channels", "mtp_num_layers",
                       "mtp_loss_scaling_factor")
         _above_zero(self, "rope_theta", "norm_eps", "init_std")

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass
 
 from moeplug.config._checks import ConfigError, _check_fields, _fail
+from moeplug.config.pipeline_layout import (LayoutError, PipelineLayout, from_letters,
+                                            from_stage_sizes, layout_of_string, parse_layout)
 
 # Parallel dimension names of ParallelConfig.order (first name fastest in the rank numbering).
 DIM_NAMES = ("tp", "cp", "ep", "dp", "pp")
@@ -24,9 +26,10 @@ class ParallelConfig:
     pp: pipeline parallel (shared by both grids)    vpp: model chunks per pipeline rank
     sequence_parallel: shard activations outside TP regions along the sequence (tp > 1).
 
-    Only arithmetic lives here (this module imports nothing of moeplug); the rank tables and
-    process groups are moeplug.parallel's. Model-dependent checks run in RootConfig; checks
-    that need the world size in :meth:`resolve` (the CLI calls it before launching any rank).
+    Only arithmetic lives here (this module imports nothing of moeplug outside the config
+    package); the rank tables and process groups are moeplug.parallel's. Model-dependent checks
+    run in RootConfig; checks that need the world size in :meth:`resolve` (the CLI calls it
+    before launching any rank).
     """
 
     tp: int = 1
@@ -45,6 +48,13 @@ class ParallelConfig:
     vpp: int = 1
     num_layers_in_first_stage: int | None = None
     num_layers_in_last_stage: int | None = None
+    # Megatron's --pipeline-model-parallel-layout (moeplug.config.pipeline_layout): what every
+    # virtual stage holds, e.g. "Et*3|(tt|)*29m|L"; sets vpp (stages / pp) when vpp is 1.
+    pipeline_layout: str | None = None
+    # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding (loss) takes a
+    # layer's place in the first (last) virtual stage of an even split over PP·VPP.
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     # ZeRO-1: AdamW state sharded over DP (dense params) / expert-DP (expert params).
     distributed_optimizer: bool = False
     # Combined 1F1B EP overlap (Megatron overlap_moe_expert_parallel_comm; see
@@ -73,9 +83,11 @@ class ParallelConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
                 _fail(self, n, v, "must be null or an integer >= 0",
                       f"leave {n} unset for an even split, or give a layer count")
-        for n in ("sequence_parallel", "distributed_optimizer", "overlap_moe_expert_parallel_comm"):
+        for n in ("sequence_parallel", "distributed_optimizer", "overlap_moe_expert_parallel_comm",
+                  "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
+        self._check_split_fields()
         if self.cp_comm not in ("allgather", "ring"):
             _fail(self, "cp_comm", self.cp_comm, "is not a context-parallel K/V exchange",
                   "use 'allgather' or 'ring'")
@@ -87,6 +99,39 @@ class ParallelConfig:
                 or not self.timeout_s > 0:
             _fail(self, "timeout_s", self.timeout_s, "must be a number of seconds > 0",
                   "set timeout_s to e.g. 300")
+
+    def _check_split_fields(self) -> None:
+        """The pipeline split's own rules (Megatron's: a layout string replaces the other split
+        fields, uneven first / last stages exclude accounting the embedding / loss), and the
+        layout string's grammar and stage count; the layer counts need the model (RootConfig)."""
+        counts = [n for n in ("num_layers_in_first_stage", "num_layers_in_last_stage")
+                  if getattr(self, n) is not None]
+        accounts = [n for n in ("account_for_embedding_in_pipeline_split",
+                                "account_for_loss_in_pipeline_split") if getattr(self, n) is True]
+        if self.pipeline_layout is not None:
+            if counts or accounts:
+                _fail(self, "pipeline_layout", self.pipeline_layout, f"says what every virtual "
+                      f"stage holds, so {' and '.join(counts + accounts)} cannot be set with it",
+                      f"unset {' and '.join(counts + accounts)}, or pipeline_layout")
+                return
+            if not isinstance(self.pipeline_layout, str) or not all(
+                    isinstance(v, int) and v >= 1 for v in (self.pp, self.vpp)):
+                return  # _check_fields / the degree rules reported it
+            try:
+                stages = from_letters(parse_layout(self.pipeline_layout), self.pp, self.vpp)
+            except LayoutError as e:
+                _fail(self, "pipeline_layout", self.pipeline_layout, e.rule, e.fix)
+                return
+            if self.pp == 1 and stages.vpp > 1:
+                _fail(self, "pipeline_layout", self.pipeline_layout, f"has {stages.vpp} virtual "
+                      "stages, which need pipeline parallelism (pp = 1)",
+                      "remove the '|', or set pp > 1")
+                return
+            # Derived like dp: Megatron sets the virtual pipeline size from the layout.
+            self.vpp = stages.vpp
+        elif counts and accounts:
+            _fail(self, accounts[0], True, f"counts the embedding / loss in an even split, which "
+                  f"{counts[0]} replaces", f"unset {counts[0]}, or {accounts[0]}")
 
     def layout(self) -> "ParallelConfig":
         """This section (the degrees); kept so ``cfg.parallel.layout()`` reads as before."""
@@ -157,57 +202,107 @@ class ParallelConfig:
                   "put 'pp' last in order (e.g. 'tp-cp-ep-dp-pp') or make EDP equal DP")
         return out
 
-    def rank_layer_counts(self, num_layers: int, pp: int | None = None) -> list[int]:
-        """Layers held by each of the ``pp`` (default self.pp) pipeline ranks; raises
-        ConfigError when they cannot tile num_layers."""
+    def layer_layout(self, num_layers: int, mtp_num_layers: int | None = None,
+                     pp: int | None = None) -> PipelineLayout:
+        """What every virtual stage holds (moeplug.config.pipeline_layout), from
+        ``pipeline_layout``, or from the layer counts as Megatron splits them: an even split over
+        PP·VPP, uneven first / last stages (the middle ranks even, every rank a multiple of
+        VPP), or the embedding / loss counted as a layer each. ``mtp_num_layers``: the model's
+        (None: a layout string's MTP blocks are not counted; the count rules put them on the
+        last stage). Raises ConfigError naming the field and the fix."""
         pp = self.pp if pp is None else pp
+        mtp = mtp_num_layers or 0
+        if self.pipeline_layout is not None:
+            try:
+                return layout_of_string(self.pipeline_layout, pp, self.vpp,
+                                        num_layers=num_layers, mtp_num_layers=mtp_num_layers)
+            except LayoutError as e:
+                raise _error(self, "pipeline_layout", self.pipeline_layout, e.rule,
+                             e.fix) from None
+        counts, chunks = self.rank_layer_counts(num_layers, pp), pp * self.vpp
+        embedding, loss = (self.account_for_embedding_in_pipeline_split,
+                           self.account_for_loss_in_pipeline_split)
+        if embedding or loss:  # every virtual stage the same share, E and L included
+            sizes = [(num_layers + embedding + loss) // chunks] * chunks
+            sizes[0] -= embedding
+            sizes[-1] -= loss
+        else:  # virtual stage v = c * pp + r holds rank r's share of each of its chunks
+            sizes = [counts[v % pp] // self.vpp for v in range(chunks)]
+        return from_stage_sizes(sizes, pp, mtp)
+
+    def rank_layer_counts(self, num_layers: int, pp: int | None = None) -> list[int]:
+        """Decoder layers held by each of the ``pp`` (default self.pp) pipeline ranks; raises
+        ConfigError when they cannot tile num_layers. With the embedding / loss accounted for
+        in the split, rank 0 / PP-1 hold one layer fewer than their share."""
+        pp = self.pp if pp is None else pp
+        if self.pipeline_layout is not None:
+            return self.layer_layout(num_layers, pp=pp).rank_layer_counts()
         first, last = self.num_layers_in_first_stage, self.num_layers_in_last_stage
         if pp == 1:
             if self.vpp != 1:
-                _fail(self, "vpp", self.vpp, "virtual stages need pipeline parallelism (pp = 1)",
-                      "set vpp = 1, or pp > 1")
-            if first is not None or last is not None:
-                name = "num_layers_in_first_stage" if first is not None else \
-                    "num_layers_in_last_stage"
-                _fail(self, name, getattr(self, name), "uneven stages need pp > 1", f"unset {name}")
+                raise _error(self, "vpp", self.vpp, "virtual stages need pipeline parallelism "
+                             "(pp = 1)", "set vpp = 1, or pp > 1")
+            for name in ("num_layers_in_first_stage", "num_layers_in_last_stage",
+                         "account_for_embedding_in_pipeline_split",
+                         "account_for_loss_in_pipeline_split"):
+                if getattr(self, name) not in (None, False):
+                    raise _error(self, name, getattr(self, name), "uneven stages need pp > 1",
+                                 f"unset {name}")
             return [num_layers]
+        extra = self.account_for_embedding_in_pipeline_split + \
+            self.account_for_loss_in_pipeline_split
+        if extra:
+            # Megatron's account_for_embedding/loss_in_pipeline_split: the embedding and the
+            # loss each take a layer's place, so rank 0 / PP-1 build one layer fewer.
+            units, chunks = num_layers + extra, pp * self.vpp
+            name = "account_for_embedding_in_pipeline_split" if \
+                self.account_for_embedding_in_pipeline_split else \
+                "account_for_loss_in_pipeline_split"
+            if units % chunks:
+                raise _error(self, name, True, f"num_layers {num_layers} + {extra} (the "
+                             f"embedding / loss as layers) = {units} is not divisible by "
+                             f"PP·VPP = {pp}·{self.vpp} = {chunks}",
+                             "choose pp and vpp whose product divides that, or set "
+                             "pipeline_layout")
+            counts = [units // pp] * pp
+            counts[0] -= self.account_for_embedding_in_pipeline_split
+            counts[-1] -= self.account_for_loss_in_pipeline_split
+            return counts
         if first is None and last is None:
             if num_layers % (pp * self.vpp):
-                _fail(self, "vpp", self.vpp, f"num_layers {num_layers} is not divisible by "
-                      f"PP·VPP = {pp}·{self.vpp} = {pp * self.vpp}", "choose pp and vpp whose "
-                      "product divides num_layers, or set num_layers_in_first_stage / _last_stage")
+                raise _error(self, "vpp", self.vpp, f"num_layers {num_layers} is not divisible "
+                             f"by PP·VPP = {pp}·{self.vpp} = {pp * self.vpp}", "choose pp and "
+                             "vpp whose product divides num_layers, or set "
+                             "num_layers_in_first_stage / _last_stage or pipeline_layout")
             return [num_layers // pp] * pp
         fixed = {r: n for r, n in {0: first, pp - 1: last}.items() if n is not None}
         rest, middle = num_layers - sum(fixed.values()), pp - len(fixed)
         name = "num_layers_in_first_stage" if first is not None else "num_layers_in_last_stage"
         if rest < 0 or (middle == 0 and rest != 0) or (middle and rest % middle):
-            _fail(self, name, fixed.get(0, fixed.get(pp - 1)),
-                  f"with first = {first}, last = {last} the other {middle} stage(s) get "
-                  f"{rest} of num_layers {num_layers} layers, which does not split evenly",
-                  f"choose first/last so that num_layers - first - last is a multiple of the "
-                  f"{middle} middle stage(s)" if middle else
-                  f"make num_layers_in_first_stage + num_layers_in_last_stage = {num_layers}")
+            raise _error(self, name, fixed.get(0, fixed.get(pp - 1)),
+                         f"with first = {first}, last = {last} the other {middle} stage(s) get "
+                         f"{rest} of num_layers {num_layers} layers, which does not split evenly",
+                         f"choose first/last so that num_layers - first - last is a multiple of "
+                         f"the {middle} middle stage(s)" if middle else
+                         f"make num_layers_in_first_stage + num_layers_in_last_stage = "
+                         f"{num_layers}")
         counts = [fixed.get(r, rest // middle if middle else 0) for r in range(pp)]
         for r, n in enumerate(counts):
             if n % self.vpp:
-                _fail(self, "vpp", self.vpp, f"pipeline rank {r} holds {n} layers (per-rank "
-                      f"counts {counts}), not divisible into {self.vpp} chunks",
-                      "choose stage layer counts that are multiples of vpp")
+                raise _error(self, "vpp", self.vpp, f"pipeline rank {r} holds {n} layers "
+                             f"(per-rank counts {counts}), not divisible into {self.vpp} chunks",
+                             "choose stage layer counts that are multiples of vpp, or set "
+                             "pipeline_layout (any layers per virtual stage)")
         return counts
 
     def chunk_layers(self, num_layers: int, pp: int | None = None) -> list[list[range]]:
         """``[rank][chunk]`` -> the global layer indices of that model chunk."""
-        pp = self.pp if pp is None else pp
-        counts = self.rank_layer_counts(num_layers, pp)
-        sizes = [n // self.vpp for n in counts]  # layers per chunk on each rank
-        out: list[list[range]] = [[] for _ in range(pp)]
-        start = 0
-        for c in range(self.vpp):  # virtual stage v = c * pp + r, in increasing v
-            for r in range(pp):
-                out[r].append(range(start, start + sizes[r]))
-                start += sizes[r]
-        return out
+        return self.layer_layout(num_layers, pp=pp).chunk_layers()
 
+
+def _error(obj: object, name: str, value: object, rule: str, fix: str) -> ConfigError:
+    """The one-line ConfigError of :func:`_fail`, to raise where a caller needs the result."""
+    return ConfigError(f"{type(obj).__name__}.{name} = {value!r}: {rule}. Fix: {fix}")
 
 
 def validate_model(pcfg: ParallelConfig, *, num_experts: int, num_heads: int, num_kv_heads: int,

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from moeplug.config._checks import _check_fields, _fail
+from moeplug.config._checks import ConfigError, _check_fields, _fail, _record
 from moeplug.config.data import DataConfig
 from moeplug.config.model import ModelConfig, expert_op_levers
 from moeplug.config.parallel import ParallelConfig, validate_model
@@ -128,7 +128,10 @@ class RootConfig:
         validate_model(par, num_experts=m.moe.num_experts, num_heads=m.num_heads,
                        num_kv_heads=m.num_kv_heads, num_layers=None,
                        ffn_hidden_size=m.moe.ffn_hidden_size, seq_len=self.train.seq_len)
-        par.rank_layer_counts(m.num_layers)
+        try:  # the pipeline split, MTP blocks too; a layout string's own error stays the one
+            par.layer_layout(m.num_layers, m.mtp_num_layers)
+        except ConfigError as e:
+            _record(e)
         # Tensor parallelism splits the dense MLPs' hidden and the vocabulary (embedding, head)
         # over TP: refused here, else as a traceback from every rank's model build. A vocabulary
         # the tokenizer decides (model.vocab_size 0) is checked once it is known, before the
@@ -195,10 +198,38 @@ class RootConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def model_vocab_size(self, tokenizer_vocab: int, tokenizer: str | None = None) -> int:
+        """The embedding's rows for a tokenizer of ``tokenizer_vocab`` ids: ``model.vocab_size``,
+        or (0) the tokenizer's padded up to a multiple of ``model.make_vocab_size_divisible_by``.
+        ConfigError where a token id would have no row, or the rows do not split over TP.
+        ``tokenizer``: how the tokenizer was named, for the message (default data.tokenizer)."""
+        m, tp = self.model, self.parallel.tp
+        named = tokenizer or f"data.tokenizer = {self.data.tokenizer!r}"
+        if m.vocab_size:
+            if m.vocab_size < tokenizer_vocab:
+                raise ConfigError(
+                    f"ModelConfig.vocab_size = {m.vocab_size}: smaller than the {tokenizer_vocab} "
+                    f"ids of the tokenizer ({named}), so ids >= {m.vocab_size} would index "
+                    f"past the embedding. Fix: use a tokenizer of at most {m.vocab_size} ids "
+                    f"(the model's own), or set model.vocab_size: 0 (the tokenizer's, padded) "
+                    f"or >= {tokenizer_vocab} on a new run")
+            return m.vocab_size
+        multiple = m.make_vocab_size_divisible_by
+        padded = -(-tokenizer_vocab // multiple) * multiple
+        if padded % tp:
+            raise ConfigError(
+                f"ModelConfig.make_vocab_size_divisible_by = {multiple}: the tokenizer's "
+                f"{tokenizer_vocab} ids padded to {padded} rows do not split over parallel.tp = "
+                f"{tp} (the embedding and head are split over TP). Fix: set "
+                f"model.make_vocab_size_divisible_by to a multiple of {tp} (e.g. 128)")
+        return padded
+
 
 # The fields that define a model's weights and the function they compute: a checkpoint resumed
 # under another value either mismatches shapes (num_experts, hidden_size, vocabulary) or
 # silently computes something else with the same tensors (top_k, activation, routing options).
+# A Hugging Face tokenizer (a path in data.tokenizer) is compared by what it encodes, not by
+# its path (moeplug.training.resume compares the fingerprints).
 MODEL_DEFINING = ("model", "plugins.router", "plugins.router_options", "data.tokenizer",
                   "data.vocab_size")
 # Fields under "model" (and the sections below them) that change how the model runs, not what
@@ -207,6 +238,11 @@ MODEL_DEFINING = ("model", "plugins.router", "plugins.router_options", "data.tok
 # test_offload.py); a run that resumes short of memory turns recompute or offloading on.
 EXECUTION_ONLY = ("model.moe.overlap_chunks", "model.moe.delay_wgrad_compute", "model.recompute",
                   "model.offload")
+# Fields under "model" that only weight a training loss: the model computes the same function
+# whatever they are, so a resume (the fine-tuning of an import above all) may change them. The
+# router declares its own such options (TopKOptions.training_only: aux/seq/z-loss coefficients,
+# the expert-bias update rate, jitter), which PluginHost.defining_options leaves out.
+TRAINING_ONLY = ("model.moe.aux_loss_coeff", "model.mtp_loss_scaling_factor")
 
 
 def _under(key: str, fields: tuple[str, ...]) -> bool:
@@ -230,7 +266,7 @@ def model_differences(saved: RootConfig, requested: RootConfig,
     """(dotted field, saved value, requested value) for every MODEL_DEFINING field that
     differs in what it means; "(not set)" stands for an option present on one side only.
     ``router_options(router, options)``: the options as the router reads them (its defaults
-    filled in, the ones that change only how it runs left out; None where it cannot tell, and
+    filled in, the ones that change only how it runs or only weight a training loss left out; None where it cannot tell, and
     then both sides are compared as written), so an option written out at its default is no
     difference; ``ignore``: fields (and their sub-fields) not compared."""
     dicts = [saved.to_dict(), requested.to_dict()]
@@ -241,8 +277,14 @@ def model_differences(saved: RootConfig, requested: RootConfig,
             for d, opts in zip(dicts, read):
                 d["plugins"]["router_options"] = opts
     a, b = (_flatten(d) for d in dicts)
-    if saved.data.tokenizer == requested.data.tokenizer == "bytes":
+    if "bpe" not in (saved.data.tokenizer, requested.data.tokenizer):
         a.pop("data.vocab_size"), b.pop("data.vocab_size")  # only BPE reads it
+    if not {saved.data.tokenizer, requested.data.tokenizer} & {"bpe", "bytes"}:
+        a.pop("data.tokenizer"), b.pop("data.tokenizer")  # two paths: their fingerprints decide
+    # The padding multiple counts only through the rows it gives, which the resume checks
+    # against the checkpoint's embedding (moeplug.training.resume).
+    a.pop("model.make_vocab_size_divisible_by", None)
+    b.pop("model.make_vocab_size_divisible_by", None)
     if 0 in (saved.model.vocab_size, requested.model.vocab_size):
         # 0 means the tokenizer's vocabulary: the embedding's saved shape decides at load
         a.pop("model.vocab_size"), b.pop("model.vocab_size")
@@ -250,6 +292,6 @@ def model_differences(saved: RootConfig, requested: RootConfig,
         a.pop("model.dense_ffn_hidden_size"), b.pop("model.dense_ffn_hidden_size")  # no dense
     unset = "(not set)"
     return [(k, a.get(k, unset), b.get(k, unset)) for k in {**b, **a}
-            if _under(k, MODEL_DEFINING) and not _under(k, EXECUTION_ONLY)
+            if _under(k, MODEL_DEFINING) and not _under(k, EXECUTION_ONLY + TRAINING_ONLY)
             and not _under(k, ignore) and a.get(k, unset) != b.get(k, unset)]
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from moeplug.config._checks import (_check_fields, _check_seed, _fail,
+from moeplug.config._checks import (_above_zero, _check_fields, _check_seed, _fail,
                                       _non_negative, _positive)
+
+# Megatron's --lr-decay-style values and --lr-wsd-decay-style values, spelled as Megatron does.
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+_WSD_DEFAULTS = {"lr_wsd_decay_style": "exponential", "lr_wsd_decay_steps": 0,
+                 "lr_wsd_decay_fraction": 0.1}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -20,9 +26,24 @@ class TrainConfig:
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 30
+    # After warmup (Megatron --lr-decay-style; moeplug.training.optim.lr_at has the formulas):
+    # constant (lr), linear / cosine (lr -> min_lr over the decay horizon), inverse-square-root
+    # (lr * sqrt(warmup / step), floored at min_lr), WSD (lr, then the last decay steps of the
+    # horizon anneal to min_lr in lr_wsd_decay_style).
+    lr_decay_style: str = "cosine"
+    # The decay horizon (Megatron --lr-decay-iters, warmup included): the step at which the
+    # decay reaches min_lr, held after it. 0: train.steps.
+    lr_decay_steps: int = 0
+    # WSD only: the shape of the anneal (Megatron --lr-wsd-decay-style: linear, cosine,
+    # exponential, minus_sqrt) and its length: lr_wsd_decay_steps (Megatron
+    # --lr-wsd-decay-iters) or, when that is 0, lr_wsd_decay_fraction of the decay horizon.
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_steps: int = 0
+    lr_wsd_decay_fraction: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_eps: float = 1e-8  # AdamW's epsilon (Megatron --adam-eps), added to sqrt(v)
     # Precision-aware optimizer (Megatron --exp-avg-dtype / --exp-avg-sq-dtype): "bf16" stores
     # the AdamW moments in bf16 (half their bytes); the update math stays fp32.
     optimizer_dtype: str = "fp32"
@@ -40,7 +61,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     eval_interval: int = 100
-    eval_batches: int = 8
+    # Micro-batches per evaluation: 0 = the whole validation set (every target once); N > 0 =
+    # its first N (the same ones each time). Evaluations run at step 0, every eval_interval
+    # steps and at the end.
+    eval_batches: int = 0
     ckpt_interval: int = 0  # 0: only at the end
     keep_last: int = 0  # keep the newest N step_* checkpoints of out_dir, delete older; 0: all
     log_interval: int = 10
@@ -56,6 +80,13 @@ class TrainConfig:
     # grow well past the peak.
     retain_freed_memory: bool = False
     tensorboard: bool = False  # also write TensorBoard events to out_dir/tb (rank 0)
+    # Also log to Weights & Biases (rank 0; the wandb extra): the TensorBoard writer's tags.
+    # wandb_mode: offline (files under out_dir/wandb, no network), online, disabled, or empty
+    # for wandb's own ($WANDB_MODE, else online). moeplug.observability.wandb_writer.
+    wandb: bool = False
+    wandb_project: str = "moeplug"
+    wandb_name: str = ""  # empty: wandb's generated run name
+    wandb_mode: str = ""
     time_breakdown: bool = True  # per-stage seconds in train records (CPU runs)
     # Also the peak bytes held for backward in the train records' per-rank memory (a
     # saved-tensor meter, ~17% of a default-model step; moeplug.training.memory).
@@ -76,6 +107,18 @@ class TrainConfig:
         return min(self.warmup_steps, self.steps)
 
     @property
+    def lr_decay_horizon(self) -> int:
+        """The step at which the decay reaches ``min_lr``: ``lr_decay_steps``, or ``steps``."""
+        return self.lr_decay_steps or self.steps
+
+    @property
+    def lr_wsd_anneal_steps(self) -> int:
+        """WSD: the steps of the anneal, ``lr_wsd_decay_steps`` or the fraction of the
+        horizon (at least 1)."""
+        return self.lr_wsd_decay_steps or max(
+            1, round(self.lr_wsd_decay_fraction * self.lr_decay_horizon))
+
+    @property
     def bf16_params(self) -> bool:
         """The model's parameters are bf16 (param_dtype or master_dtype bf16)."""
         return "bf16" in (self.param_dtype, self.master_dtype)
@@ -88,17 +131,19 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len", "eval_batches",
+        _positive(self, "steps", "micro_batch_size", "grad_accum_steps", "seq_len",
                   "log_interval")
         _non_negative(self, "lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip",
-                      "eval_interval", "ckpt_interval", "keep_last", "threads")
+                      "eval_interval", "eval_batches", "ckpt_interval", "keep_last", "threads")
         if self.min_lr > self.lr:
             _fail(self, "min_lr", self.min_lr, f"exceeds lr ({self.lr})", "set min_lr <= lr")
+        self._check_lr_schedule()
         _check_seed(self, "seed", self.seed)
         for n in ("beta1", "beta2"):
             v = getattr(self, n)
             if not 0.0 <= v < 1.0:
                 _fail(self, n, v, "must be in [0, 1)", f"set {n} to e.g. 0.9")
+        _above_zero(self, "adam_eps")
         if self.optimizer_dtype not in ("fp32", "bf16"):
             _fail(self, "optimizer_dtype", self.optimizer_dtype, "must be fp32 or bf16",
                   "write optimizer_dtype: fp32 (default) or bf16 (bf16 AdamW moments)")
@@ -112,6 +157,12 @@ class TrainConfig:
         for n in ("tensorboard", "time_breakdown", "memory_stats"):
             if not isinstance(getattr(self, n), bool):
                 _fail(self, n, getattr(self, n), "must be a boolean", f"write {n}: true or false")
+        if self.wandb_mode not in ("", "online", "offline", "disabled"):
+            _fail(self, "wandb_mode", self.wandb_mode, "is not a W&B mode",
+                  "use offline (no network), online, disabled, or leave it empty ($WANDB_MODE)")
+        if self.wandb and not self.wandb_project:
+            _fail(self, "wandb_project", self.wandb_project, "must name a W&B project",
+                  "set wandb_project, e.g. moeplug")
         if self.nonfinite not in ("stop", "skip"):
             _fail(self, "nonfinite", self.nonfinite, "must be stop or skip",
                   "set nonfinite to stop (end the run) or skip (drop the update, go on)")
@@ -121,3 +172,32 @@ class TrainConfig:
             _fail(self, "device", self.device, "must be auto, cpu, cuda or cuda:N",
                   "set device to auto (GPU when present), cpu, cuda or e.g. cuda:0")
 
+
+    def _check_lr_schedule(self) -> None:
+        style = self.lr_decay_style
+        if style not in LR_DECAY_STYLES:
+            _fail(self, "lr_decay_style", style, "is not a decay style",
+                  f"use one of {', '.join(LR_DECAY_STYLES)} (Megatron's --lr-decay-style)")
+        _non_negative(self, "lr_decay_steps", "lr_wsd_decay_steps")
+        if isinstance(self.lr_decay_steps, int) and 0 < self.lr_decay_steps <= self.warmup_steps:
+            _fail(self, "lr_decay_steps", self.lr_decay_steps, f"must exceed warmup_steps "
+                  f"({self.warmup_steps}): the decay horizon includes the warmup",
+                  f"set lr_decay_steps > {self.warmup_steps}, or 0 (train.steps)")
+        if style != "WSD":  # the WSD fields would be ignored: say so rather than drop them
+            for name, default in _WSD_DEFAULTS.items():
+                if getattr(self, name) != default:
+                    _fail(self, name, getattr(self, name), f"is read only by lr_decay_style "
+                          f"WSD (lr_decay_style is {style!r})",
+                          f"set lr_decay_style: WSD, or drop {name}")
+            return
+        if self.lr_wsd_decay_style not in LR_WSD_DECAY_STYLES:
+            _fail(self, "lr_wsd_decay_style", self.lr_wsd_decay_style, "is not a WSD anneal "
+                  "shape", f"use one of {', '.join(LR_WSD_DECAY_STYLES)} (Megatron's "
+                  f"--lr-wsd-decay-style)")
+        f = self.lr_wsd_decay_fraction
+        if isinstance(f, (int, float)) and not 0.0 < f <= 1.0:
+            _fail(self, "lr_wsd_decay_fraction", f, "must be in (0, 1]",
+                  "set lr_wsd_decay_fraction to e.g. 0.1 (the last 10% of the decay horizon)")
+        if self.lr_wsd_decay_steps and f != _WSD_DEFAULTS["lr_wsd_decay_fraction"]:
+            _fail(self, "lr_wsd_decay_fraction", f, f"is not used when lr_wsd_decay_steps "
+                  f"({self.lr_wsd_decay_steps}) is set", "set only one of the two")

@@ -10,7 +10,11 @@ config_to_hf, state_from_hf, state_to_hf, and HF_DEFAULTS / HF_ALIASES (config.j
 transformers reads it) and UNREAD_HINTS (which field to blame for an HF tensor no weight takes:
 import refuses to drop one); the shared renames and safe file handling live in
 moeplug.convert.common. Only safetensors and JSON are ever read. The HF bos/eos/pad token ids
-travel in the checkpoint's meta.json ("hf" section) from import to export.
+travel in the checkpoint's meta.json ("hf" section) from import to export; the HF directory's
+tokenizer files (tokenizer.json, tokenizer_config.json, ...) travel in the checkpoint's
+``tokenizer/`` folder, which a resume, ``generate`` and every later checkpoint use, and which
+export writes back. :func:`import_notes` says what an import trains with (tokenizer, aux-loss
+convention), as ``convert import`` prints it.
 """
 
 from __future__ import annotations
@@ -112,10 +116,23 @@ def _preflight(hf_dir: str, out_dir: str, overwrite: bool, experts: str) -> None
     attempt(check_import_out, out_dir, overwrite)
     attempt(PluginHost.load().require, "experts", experts)
     raw = attempt(read_hf_config, hf_dir)
+    cfg = None
     if raw is not None:
-        attempt(root_config_from_hf, raw, (), experts)
+        cfg = attempt(root_config_from_hf, raw, (), experts)
+    tok = attempt(hf_tokenizer, hf_dir)
+    if cfg is not None and tok is not None:
+        attempt(cfg.model_vocab_size, tok.vocab_size, f"--hf {hf_dir!r}'s tokenizer.json")
     attempt(hf_weight_files, hf_dir)
     problems.raise_all(ConvertError)
+
+
+def hf_tokenizer(hf_dir: str):
+    """The HF directory's tokenizer (moeplug.data.tokenizer.HFTokenizer), or None when it holds
+    no tokenizer.json (an import of the model alone: the training run names a tokenizer)."""
+    from moeplug.data.tokenizer import TOKENIZER_JSON, HFTokenizer
+    if not os.path.isfile(os.path.join(hf_dir, TOKENIZER_JSON)):
+        return None
+    return HFTokenizer.load(hf_dir, field="--hf")
 
 
 def import_hf(hf_dir: str, out_dir: str, experts: str = "grouped", overwrite: bool = False) -> str:
@@ -141,7 +158,9 @@ def _import_into(hf_dir: str, out_dir: str, experts: str, overwrite: bool) -> st
     from moeplug.training.checkpoint import save_checkpoint
     from moeplug.training.optim import build_optimizer, lr_at
     from moeplug.training.run_dir import clear_run
+    from moeplug.training.checkpoint import TOKENIZER_DIR, step_dir_name
     cfg, model, fam, hf = _load_hf(hf_dir, experts)
+    tok = hf_tokenizer(hf_dir)
     generation = read_generation_token_ids(hf_dir)
     hf_meta = {"model_type": fam.MODEL_TYPE, "source": os.path.abspath(hf_dir),
                "token_ids": token_ids(hf)}
@@ -150,11 +169,69 @@ def _import_into(hf_dir: str, out_dir: str, experts: str, overwrite: bool) -> st
     plugins = {k: getattr(cfg.plugins, k) for k in ("router", "dispatcher", "experts", "precision")}
     if overwrite:
         clear_run(out_dir)
+    config = cfg.to_dict()
+    extra = {}
+    if tok is not None:  # the run resumed from here trains with it (moeplug.training.resume)
+        config["data"]["tokenizer"] = os.path.abspath(
+            os.path.join(out_dir, step_dir_name(0), TOKENIZER_DIR))
+        extra["tokenizer"] = tok.fingerprint()
     # The trainer's own optimizer (empty state), so `train --resume` accepts the checkpoint.
     return save_checkpoint(out_dir, 0, model, build_optimizer(model, cfg.train), {
-        "config": cfg.to_dict(), "plugins": plugins,
+        "config": config, "plugins": plugins,
         "metrics": {"tokens_seen": 0, "train_seconds": 0.0},
-        "scheduler": {"step": 0, "lr": lr_at(0, cfg.train)}, "hf": hf_meta})
+        "scheduler": {"step": 0, "lr": lr_at(0, cfg.train)}, "hf": hf_meta,
+        "model_vocab_size": cfg.model.vocab_size, **extra},
+        tokenizer_files=tok.hf_files() if tok is not None else None)
+
+
+def import_notes(hf_dir: str, ckpt: str) -> list[str]:
+    """What an import trains with, one line each (``convert import`` prints them): its
+    tokenizer, and the aux-loss convention, which is not transformers' (README "Fine-tuning
+    an import")."""
+    from moeplug.routing.pooled import HF_AUX_LOSS
+    from moeplug.training.checkpoint import carried_tokenizer, read_meta, saved_config
+    meta = read_meta(ckpt)
+    cfg = saved_config(ckpt, meta)
+    raw = read_hf_config(hf_dir)
+    lines = []
+    carried = carried_tokenizer(ckpt, meta)
+    if carried is None:
+        lines.append(f"tokenizer: none imported ({hf_dir} holds no tokenizer.json); name one "
+                     f"when training: --set data.tokenizer=PATH (a Hugging Face tokenizer "
+                     f"directory), or the model trains on moeplug's own BPE ids")
+    else:
+        from moeplug.data.tokenizer import HFTokenizer
+        tok = HFTokenizer.load(carried)
+        frame = (f"EOS id {tok.eos_id} appended to every document" if tok.eos_id is not None
+                 else "no EOS: documents joined by a blank line")
+        if tok.add_bos:
+            frame += f", BOS id {tok.bos_id} before it"
+        lines.append(f"tokenizer: imported ({tok.vocab_size} ids, {frame}); fine-tune with "
+                     f"moeplug train --out {os.path.dirname(ckpt)} --resume auto --set "
+                     f"data.corpus=DIR")
+    opts = cfg.plugins.router_options
+    types = opts.get("load_balancing_type", "aux_loss")
+    types = [types] if isinstance(types, str) else list(types)
+    moe_layers, k = sum(cfg.model.moe_layer_pattern), cfg.model.moe.top_k
+    coeff = opts.get("aux_loss_coeff")
+    coeff = cfg.model.moe.aux_loss_coeff if coeff is None else coeff
+    if raw.get("model_type") == deepseek_v3.MODEL_TYPE:
+        lines.append(f"aux loss: trains as DeepSeek-V3 was trained: the sequence-wise aux loss "
+                     f"(seq_aux_loss, coefficient {coeff}) and the aux-loss-free expert-bias "
+                     f"update (bias_update_rate {opts.get('bias_update_rate', 1e-3)}); "
+                     f"transformers' DeepseekV3ForCausalLM trains with neither. Without them: "
+                     f"--set plugins.router_options.load_balancing_type=none --set "
+                     f"plugins.router_options.bias_update_rate=0")
+    elif "aux_loss" in types and coeff:
+        on = bool(raw.get("output_router_logits", False))
+        lines.append(f"aux loss: Megatron's convention, one load-balancing loss per MoE layer "
+                     f"summed over the {moe_layers} layers, coefficient {coeff} (config.json "
+                     f"router_aux_loss_coef); transformers pools every layer into one loss, "
+                     f"about top_k / layers = {k}/{moe_layers} of this sum, and applies it only "
+                     f"with output_router_logits (config.json: {str(on).lower()}). To train as "
+                     f"transformers does: --set plugins.router_options.load_balancing_type="
+                     f"{HF_AUX_LOSS if on else 'none'}")
+    return lines
 
 
 def _vocab_size(ckpt: str, meta: dict) -> int:
@@ -179,10 +256,12 @@ def export_hf(ckpt: str, out_dir: str, model_type: str | None = None) -> str:
 
     ``model_type`` (``--family``): the family to write; default the imported one, else guessed.
     The token ids an import recorded go to config.json and generation_config.json; a model
-    trained here has none, written as null (the family's defaults, e.g. Mixtral's eos 2, would
-    belong to another tokenizer)."""
+    trained here with a Hugging Face tokenizer takes that tokenizer's; one trained with
+    moeplug's own has none, written as null (the family's defaults, e.g. Mixtral's eos 2, would
+    belong to another tokenizer). The tokenizer files the checkpoint carries are written beside
+    the weights, so AutoTokenizer.from_pretrained(out_dir) loads them too."""
     from moeplug.training.checkpoint import (HF_ORIGIN, LATEST, CheckpointError, META_FILE,
-                                             find_checkpoint,
+                                             carried_tokenizer, find_checkpoint,
                                              load_checkpoint, read_meta, saved_config)
     path = find_checkpoint(ckpt) if ckpt else None
     if path is None:
@@ -209,16 +288,36 @@ def export_hf(ckpt: str, out_dir: str, model_type: str | None = None) -> str:
     # Token ids: an import's; none for a model trained here (null, not the family's defaults,
     # which belong to another tokenizer); an import older than this record: left to HF's
     # defaults, as before.
+    carried = carried_tokenizer(path, meta)
     generation = None
     if "token_ids" in hf_meta or not hf_meta:
         ids = {k: (hf_meta.get("token_ids") or {}).get(k) for k in TOKEN_ID_KEYS}
+        if not hf_meta and carried is not None:  # trained here with an HF tokenizer: its ids
+            from moeplug.data.tokenizer import HFTokenizer
+            tok = HFTokenizer.load(carried)
+            ids.update(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
         hf_config.update(ids)
         generation = hf_meta.get("generation_token_ids") or ids
     model = build_from_config(cfg, vocab)
     load_checkpoint(path, model, optimizer=None, restore_rng=False)
     sd = {k: v for k, v in model.state_dict().items()}
     write_hf_dir(out_dir, hf_config, fam.state_to_hf(sd, cfg.model), generation)
+    write_tokenizer_files(out_dir, carried)
     return out_dir
+
+
+def write_tokenizer_files(out_dir: str, carried: str | None) -> None:
+    """The checkpoint's tokenizer files into ``out_dir``; tokenizer files an earlier export left
+    there and this one lacks are removed (AutoTokenizer would load a stale tokenizer)."""
+    import shutil
+    from moeplug.data.tokenizer import TOKENIZER_FILES
+    names = set(os.listdir(carried)) if carried is not None else set()
+    for name in TOKENIZER_FILES:
+        target = os.path.join(out_dir, name)
+        if name in names:
+            shutil.copyfile(os.path.join(carried, name), target)
+        elif os.path.isfile(target):
+            os.remove(target)
 
 
 __all__ = ["ConvertError", "FAMILIES", "export_hf", "import_hf", "load_hf_into_moeplug",

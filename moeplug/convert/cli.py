@@ -13,7 +13,8 @@ def add_convert_parser(sub) -> None:
     c = sub.add_parser("convert", help="convert between Hugging Face model directories and "
                        "moeplug checkpoints (safetensors only)")
     csub = c.add_subparsers(dest="direction", required=True)
-    i = csub.add_parser("import", help="HF config.json + *.safetensors -> moeplug checkpoint")
+    i = csub.add_parser("import", help="HF config.json + *.safetensors (+ tokenizer files) -> "
+                        "moeplug checkpoint")
     i.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face model directory")
     i.add_argument("--out", required=True, metavar="CKPT_DIR",
                    help="run directory to write (checkpoint step_000000 + latest)")
@@ -21,7 +22,8 @@ def add_convert_parser(sub) -> None:
                    help="experts plugin of the imported model (default: grouped)")
     i.add_argument("--overwrite", action="store_true", help="replace the run already in --out "
                    "(its metrics.jsonl, checkpoints and latest are deleted first)")
-    e = csub.add_parser("export", help="moeplug checkpoint -> HF config.json + model.safetensors")
+    e = csub.add_parser("export", help="moeplug checkpoint -> HF config.json + model.safetensors "
+                        "(+ the tokenizer files it carries)")
     e.add_argument("--ckpt", required=True, metavar="DIR", help="checkpoint or run directory")
     e.add_argument("--out", required=True, metavar="HF_DIR", help="directory to write")
     e.add_argument("--family", metavar="MODEL_TYPE", default=None,
@@ -30,10 +32,12 @@ def add_convert_parser(sub) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from moeplug.convert import export_hf, import_hf
+    from moeplug.convert import export_hf, import_hf, import_notes
     if args.direction == "import":
         path = import_hf(args.hf, args.out, experts=args.experts, overwrite=args.overwrite)
         print(f"imported {args.hf} -> {path}")
+        for line in import_notes(args.hf, path):
+            print(line)
     else:
         export_hf(args.ckpt, args.out, model_type=args.family)
         print(f"exported {args.ckpt} -> {args.out}")

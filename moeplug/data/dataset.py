@@ -1,109 +1,19 @@
-"""Tokenise the corpus once into memory-mapped token-id files, and sample training windows.
+"""Random training windows (``get_batch``): what the trainer drew before it sampled epochs as
+Megatron's GPTDataset does (moeplug.data.sampling). Kept for tests and benchmarks that need
+batches of some token array without a corpus.
 
-Cache layout: ``<cache_dir>/corpus-<key>/{tokenizer.json, train.bin, val.bin, meta.json}`` where
-key hashes the corpus texts, the split and the tokenizer settings, so any change re-tokenises
-into a fresh directory and an unchanged corpus is never tokenised twice. ``meta.json`` is written
-last: its presence means the directory is complete.
-
-Legend: B batch, S sequence length, N tokens in a split, V vocabulary.
+Legend: B batch, S sequence length, N tokens.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from moeplug.config import ConfigError, DataConfig
-from moeplug.data.corpus import Split, Work, load_split
-from moeplug.data.tokenizer import BPETokenizer, ByteTokenizer, TextTokenizer
+from moeplug.config import ConfigError
+from moeplug.data.prepare import SEPARATOR
 
-CACHE_FORMAT = 1  # bump when the file layout or tokenisation rules change
-WORK_SEPARATOR = "\n\n"  # encoded between consecutive works
-
-
-@dataclass(frozen=True)
-class Corpus:
-    train_ids: np.ndarray  # np.memmap, uint16 or int32
-    val_ids: np.ndarray
-    tokenizer: TextTokenizer
-    vocab_size: int
-    cache_dir: str
-
-    def unigram_entropy(self) -> float:
-        """Cross-entropy (nats/token) of the val ids under the train unigram distribution.
-
-        Add-one smoothing keeps tokens absent from train finite. A model must beat this number
-        to have learnt anything beyond token frequencies.
-        """
-        train_counts_V = np.bincount(self.train_ids, minlength=self.vocab_size).astype(np.float64)
-        val_counts_V = np.bincount(self.val_ids, minlength=self.vocab_size).astype(np.float64)
-        logp_V = np.log((train_counts_V + 1.0) / (train_counts_V.sum() + self.vocab_size))
-        return float(-(val_counts_V * logp_V).sum() / val_counts_V.sum())
-
-
-def _cache_key(cfg: DataConfig, split: Split) -> str:
-    settings = json.dumps({"format": CACHE_FORMAT, "tokenizer": cfg.tokenizer,
-                           "vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else 256,
-                           "separator": WORK_SEPARATOR}, sort_keys=True)
-    return hashlib.sha256((settings + split.fingerprint()).encode()).hexdigest()[:20]
-
-
-def _id_dtype(vocab_size: int) -> np.dtype:
-    # uint16 holds ids 0..65535, i.e. any vocabulary of at most 2**16 tokens: half the disk and
-    # page-cache footprint of int32.
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
-
-
-def _encode_works(tok: TextTokenizer, works: list[Work]) -> list[int]:
-    """Each work encoded on its own (BPE: in parallel), joined by the encoded separator."""
-    texts = [w.text for w in works]
-    per_work = tok.encode_batch(texts)
-    sep = tok.encode(WORK_SEPARATOR)
-    out: list[int] = []
-    for i, ids in enumerate(per_work):
-        out.extend(sep if i else [])
-        out.extend(ids)
-    return out
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def prepare_corpus(cfg: DataConfig) -> Corpus:
-    """Train/load the tokenizer and tokenise the corpus once; later calls only memory-map."""
-    split = load_split(cfg)
-    folder = os.path.join(cfg.resolved_cache_dir(), f"corpus-{_cache_key(cfg, split)}")
-    meta_path = os.path.join(folder, "meta.json")
-    tok_path = os.path.join(folder, "tokenizer.json")
-    if not os.path.exists(meta_path):
-        os.makedirs(folder, exist_ok=True)
-        if cfg.tokenizer == "bpe":
-            tok: TextTokenizer = BPETokenizer.train((w.text for w in split.train), cfg.vocab_size)
-            tok.save(tok_path)
-        else:
-            tok = ByteTokenizer()
-        dtype = _id_dtype(tok.vocab_size)
-        for name, works in (("train", split.train), ("val", split.val)):
-            ids_N = np.asarray(_encode_works(tok, works), dtype=dtype)
-            _write_atomic(os.path.join(folder, f"{name}.bin"), ids_N.tobytes())
-        meta = {"tokenizer": cfg.tokenizer, "vocab_size": tok.vocab_size, "dtype": dtype.name,
-                "train_works": [w.name for w in split.train], "val_works": [w.name for w in split.val]}
-        _write_atomic(meta_path, json.dumps(meta, indent=1).encode())
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
-    tok = BPETokenizer.load(tok_path) if meta["tokenizer"] == "bpe" else ByteTokenizer()
-    ids = {name: np.memmap(os.path.join(folder, f"{name}.bin"), dtype=meta["dtype"], mode="r")
-           for name in ("train", "val")}
-    return Corpus(ids["train"], ids["val"], tok, int(meta["vocab_size"]), folder)
+WORK_SEPARATOR = SEPARATOR  # ends each document when the tokenizer has no EOS
 
 
 def get_batch(ids_N: np.ndarray, batch_size: int, seq_len: int,

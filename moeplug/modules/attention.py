@@ -1,5 +1,8 @@
 """Causal grouped-query self-attention (Ainslie et al. 2023) on torch SDPA, with optional
 per-head q/k RMSNorm (Qwen3) and a head dim independent of hidden / heads (``kv_channels``).
+Given the tokens' positions in their documents (``positions_BS``, packed documents under
+``data.document_mask``), attention stays inside each document and RoPE restarts per document
+(moeplug.documents).
 
 Legend: B batch, S sequence, D hidden, H query heads, G key/value heads (H % G == 0), Dh head dim.
 """
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeplug.config import ModelConfig
+from moeplug.documents import attention_mask
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.parallel.context_parallel import cp_attention_for
@@ -21,14 +25,22 @@ from moeplug.parallel.tensor_parallel import enter_for, parallelize_attention
 
 class CoreAttention(nn.Module):
     """Causal softmax(q k^T / sqrt(Dh)) v on SDPA: Megatron's ``core_attn``, a module of its
-    own so that recompute (model.recompute.modules: [core_attn]) can checkpoint just it."""
+    own so that recompute (model.recompute.modules: [core_attn]) can checkpoint just it.
+    ``positions_BS`` (packed documents): also masked to each query's document, a boolean
+    block-diagonal causal mask [B, 1, S, S] built here from the positions."""
 
-    def forward(self, q_BHSDh: torch.Tensor, k_BGSDh: torch.Tensor,
-                v_BGSDh: torch.Tensor) -> torch.Tensor:
+    def forward(self, q_BHSDh: torch.Tensor, k_BGSDh: torch.Tensor, v_BGSDh: torch.Tensor,
+                positions_BS: torch.Tensor | None = None) -> torch.Tensor:
         # enable_gqa lets SDPA broadcast the G kv heads over H query heads without
         # materialising repeated K/V.
-        return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
-                                              enable_gqa=k_BGSDh.shape[1] != q_BHSDh.shape[1])
+        gqa = k_BGSDh.shape[1] != q_BHSDh.shape[1]
+        if positions_BS is None:
+            return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
+                                                  enable_gqa=gqa)
+        index_S = torch.arange(q_BHSDh.shape[-2], device=q_BHSDh.device)
+        return F.scaled_dot_product_attention(
+            q_BHSDh, k_BGSDh, v_BGSDh, attn_mask=attention_mask(index_S, index_S, positions_BS),
+            enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -61,7 +73,10 @@ class Attention(nn.Module):
         parallelize_attention(self, cfg, groups)
         self._groups = groups
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``positions_BS``: each token's position in its document (packed documents; this
+        CP rank's tokens, the whole sequence under SP), or None for one sequence per row."""
         x_BSD = enter_for(self._groups, x_BSD)  # TP: gather the sequence (SP) once for q, k, v
         B, S, _ = x_BSD.shape
         q_BHSDh = self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
@@ -70,8 +85,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q_BHSDh, k_BGSDh = self.q_norm(q_BHSDh), self.k_norm(k_BGSDh)
         if self._cp is not None:
-            out_BHSDh = self._cp(q_BHSDh, k_BGSDh, v_BGSDh, self._rope[0])
+            out_BHSDh = self._cp(q_BHSDh, k_BGSDh, v_BGSDh, self._rope[0], positions_BS)
         else:
-            q_BHSDh, k_BGSDh = self._rope[0](q_BHSDh, k_BGSDh)
-            out_BHSDh = self.core_attn(q_BHSDh, k_BGSDh, v_BGSDh)
+            q_BHSDh, k_BGSDh = self._rope[0](q_BHSDh, k_BGSDh, positions_BS=positions_BS)
+            # Positional: a recomputed core_attn's forward takes *args only.
+            out_BHSDh = self.core_attn(q_BHSDh, k_BGSDh, v_BGSDh, positions_BS)
         return self.o_proj(out_BHSDh.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

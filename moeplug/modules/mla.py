@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2, DeepSeek-V3), causal, on torch SDPA.
+"""Multi-head latent attention (DeepSeek-V2, DeepSeek-V3), causal, on torch SDPA; masked to
+each document of a packed sample when given document positions (moeplug.documents).
 
 Legend: B batch, S sequence, D hidden, H heads, Q q_lora_rank, C kv_lora_rank,
 N qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim.
@@ -49,7 +50,10 @@ class MLAttention(nn.Module):
         self._rope = [rope]
         self.core_attn = CoreAttention()
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``positions_BS``: the tokens' positions in their documents (packed documents, see
+        moeplug.documents), or None for one sequence per row."""
         B, S, _ = x_BSD.shape
         H, N, R, V = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
         if self.q_proj is not None:
@@ -64,10 +68,11 @@ class MLAttention(nn.Module):
         k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
 
         # One rope key for all heads (the "MQA" part): rotate it once as a single head.
-        q_rope_BHSR, k_rope_B1SR = self._rope[0](q_rope_BHSR, k_rope_BSR.unsqueeze(1))
+        q_rope_BHSR, k_rope_B1SR = self._rope[0](q_rope_BHSR, k_rope_BSR.unsqueeze(1),
+                                                 positions_BS=positions_BS)
         q_BHSQ = torch.cat((q_nope_BHSN, q_rope_BHSR), dim=-1)
         k_BHSQ = torch.cat((k_nope_BHSN, k_rope_B1SR.expand(B, H, S, R)), dim=-1)
         # SDPA's default scale is 1/sqrt(q's last dim) = 1/sqrt(N + R), DeepSeek's softmax scale
         # (no YaRN mscale: only the default rope is supported). V may differ from N + R.
-        out_BHSV = self.core_attn(q_BHSQ, k_BHSQ, v_BHSV)
+        out_BHSV = self.core_attn(q_BHSQ, k_BHSQ, v_BHSV, positions_BS)
         return self.o_proj(out_BHSV.transpose(1, 2).reshape(B, S, H * V))

@@ -12,7 +12,9 @@ modules 1..k-1, and the embedding of the token k steps further on:
 ``eh_proj`` stores its input columns as [embedding | hidden] — the order of the DeepSeek-V3
 checkpoint, Megatron and vLLM — which is the paper's M with its two column blocks swapped.
 Positions beyond S - k are simply cut: attention is causal, so the cut changes no kept position
-(Megatron rolls the sequence and masks the tail instead; same values).
+(Megatron rolls the sequence and masks the tail instead; same values). Packed documents: the
+block at position i attends within the document of token i, as the main model's blocks
+(Megatron passes MTP the main attention mask and rotary positions).
 """
 
 from __future__ import annotations
@@ -40,16 +42,24 @@ class MTPLayer(nn.Module):
         self.block = block
         self.norm = RMSNorm(D, cfg.norm_eps)
 
-    def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor):
+    def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor,
+                positions_BS: torch.Tensor | None = None):
         """Returns the block's (h_BSD, aux_loss or None, counts_E or None)."""
         x_BSD = self.eh_proj(torch.cat((self.enorm(emb_BSD), self.hnorm(h_BSD)), dim=-1))
-        return self.block(x_BSD)
+        return self.block(x_BSD) if positions_BS is None else self.block(x_BSD, positions_BS)
 
 
-def mtp_losses(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
+def mtp_depths(cfg: ModelConfig, seq_len: int) -> int:
+    """MTP depths that have a target at sequence length ``seq_len``: depth k needs S - k > 0."""
+    return max(0, min(cfg.mtp_num_layers, seq_len - 1))
+
+
+def mtp_hidden(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
                targets_BS: torch.Tensor, embed: nn.Embedding,
-               output_weight: Callable[[], torch.Tensor]):
-    """Per-depth cross-entropies [L_1, ..., L_K] plus the MoE blocks' aux losses and counts.
+               positions_BS: torch.Tensor | None = None):
+    """Each depth's normed hidden state ``norm_k(h_k)`` [B, S - k, D] (what the output head
+    reads), plus the MoE blocks' aux losses and counts: the MTP blocks' part of
+    :func:`mtp_losses`, which a pipeline's MTP stage runs when the loss sits in a later one.
 
     ``targets_BS`` must be the next-token targets (``targets[:, i] = tokens[:, i + 1]``, as
     ``moeplug.data.get_batch`` returns them): depth k reads token i + k from them.
@@ -61,16 +71,40 @@ def mtp_losses(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch
                          "moeplug.data.get_batch, or set model.mtp_num_layers=0")
     # t_0..t_S: every token the batch knows; depth k feeds t_{i+k}, predicts t_{i+k+1}.
     seq_BS1 = torch.cat((tokens_BS[:, :1], targets_BS), dim=1)
-    losses, aux, counts = [], [], []
+    hidden, aux, counts = [], [], []
     for k, layer in enumerate(layers, start=1):
         if S - k <= 0:
             break  # too short to have a target k + 1 ahead: no loss at this depth
         emb_BSD = embed(seq_BS1[:, k:S])
-        h_BSD, layer_aux, counts_E = layer(h_BSD[:, :S - k], emb_BSD)
-        logits_BSV = F.linear(layer.norm(h_BSD), output_weight())
-        losses.append(F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
-                                      seq_BS1[:, k + 1:S + 1].reshape(-1)))
+        h_BSD, layer_aux, counts_E = layer(
+            h_BSD[:, :S - k], emb_BSD, None if positions_BS is None else positions_BS[:, :S - k])
+        hidden.append(layer.norm(h_BSD))
         if counts_E is not None:
             aux.append(layer_aux.float())
             counts.append(counts_E)
-    return losses, aux, counts
+    return hidden, aux, counts
+
+
+def mtp_head_losses(hidden: Sequence[torch.Tensor], tokens_BS: torch.Tensor,
+                    targets_BS: torch.Tensor, output_weight: Callable[[], torch.Tensor]):
+    """Per-depth cross-entropies [L_1, ..., L_K] of :func:`mtp_hidden`'s states through the
+    shared output head: depth k predicts t_{i+k+1}."""
+    S = tokens_BS.shape[1]
+    seq_BS1 = torch.cat((tokens_BS[:, :1], targets_BS), dim=1)
+    losses = []
+    for k, hn_BSD in enumerate(hidden, start=1):
+        logits_BSV = F.linear(hn_BSD, output_weight())
+        losses.append(F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
+                                      seq_BS1[:, k + 1:S + 1].reshape(-1)))
+    return losses
+
+
+def mtp_losses(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
+               targets_BS: torch.Tensor, embed: nn.Embedding,
+               output_weight: Callable[[], torch.Tensor],
+               positions_BS: torch.Tensor | None = None):
+    """Per-depth cross-entropies [L_1, ..., L_K] plus the MoE blocks' aux losses and counts:
+    :func:`mtp_hidden` then :func:`mtp_head_losses`. ``positions_BS``: document positions
+    (packed documents), or None."""
+    hidden, aux, counts = mtp_hidden(layers, h_BSD, tokens_BS, targets_BS, embed, positions_BS)
+    return mtp_head_losses(hidden, tokens_BS, targets_BS, output_weight), aux, counts

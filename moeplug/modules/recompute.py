@@ -223,17 +223,19 @@ def block_chunks(blocks: list[nn.Module], cfg: RecomputeConfig | None) -> list[l
 
 
 def run_chunk(chunk: list[nn.Module], x_BSD: torch.Tensor, checkpoint_it: bool,
-              scopes: list | None = None) -> list:
+              scopes: list | None = None, positions_BS: torch.Tensor | None = None) -> list:
     """The chunk's block outputs in order (the last one's x is the chunk's output). ``scopes``:
     per block, a factory of the context to run it in (e.g. its precision recipe), entered again
-    when a checkpointed chunk is recomputed."""
+    when a checkpointed chunk is recomputed. ``positions_BS``: document positions for every
+    block's attention (packed documents), or None."""
     scopes = scopes or [contextlib.nullcontext] * len(chunk)
+    extra = () if positions_BS is None else (positions_BS,)
 
     def run(x):
         outs = []
         for block, scope in zip(chunk, scopes):
             with scope():
-                out = block(x)
+                out = block(x, *extra)
             outs.append(out)
             x = out[0]
         return outs

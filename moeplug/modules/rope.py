@@ -32,17 +32,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_PDh", emb_PDh.sin(), persistent=False)
 
     def forward(self, q_BHSDh: torch.Tensor, k_BHSDh: torch.Tensor,
-                positions_S: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate queries and keys of a sequence that starts at position 0, or, given
-        ``positions_S`` (int64), of tokens at those global positions (a context-parallel shard)."""
-        seq_len = q_BHSDh.shape[-2] if positions_S is None else int(positions_S.max()) + 1
+                positions_S: torch.Tensor | None = None,
+                positions_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate queries and keys of a sequence that starts at position 0; given
+        ``positions_S`` (int64), of tokens at those positions (a context-parallel shard's global
+        ones); given ``positions_BS``, each row's own (packed documents: positions restart per
+        document, moeplug.documents)."""
+        positions = positions_S if positions_BS is None else positions_BS
+        # Document positions are never past their token's index in the sequence, which
+        # RootConfig bounds by max_seq_len (train.seq_len): reading their max would sync a GPU
+        # in every layer for nothing.
+        seq_len = (q_BHSDh.shape[-2] if positions_S is None or positions_BS is not None
+                   else int(positions_S.max()) + 1)
         if seq_len > self.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} exceeds ModelConfig.max_seq_len = {self.max_seq_len}. "
                 f"Fix: raise model.max_seq_len to at least {seq_len} or shorten train.seq_len")
-        rows = slice(0, seq_len) if positions_S is None else positions_S
+        rows = slice(0, seq_len) if positions is None else positions
         cos_SDh = self.cos_PDh[rows].to(q_BHSDh.dtype)
         sin_SDh = self.sin_PDh[rows].to(q_BHSDh.dtype)
+        if positions_BS is not None:  # [B, S, Dh] -> [B, 1, S, Dh]: the same for every head
+            cos_SDh, sin_SDh = cos_SDh.unsqueeze(1), sin_SDh.unsqueeze(1)
         rotate = _rotate_interleaved if self.interleaved else _rotate
         return rotate(q_BHSDh, cos_SDh, sin_SDh), rotate(k_BHSDh, cos_SDh, sin_SDh)
 

@@ -7,6 +7,10 @@ under sequence parallelism), D hidden, V vocabulary (V/TP under tensor paralleli
     run_blocks(x_BSD, blocks, first_layer)       -> BlocksOutput   any stage
     head_and_loss(x_BSD, tokens_BS, targets_BS)  -> HeadOutput     last stage (+ MTP)
 
+Packed documents (``data.document_mask``): ``run_blocks`` and ``head_and_loss`` (for the MTP
+blocks) take the tokens' document positions ``positions_BS``, which only attention reads
+(moeplug.documents); every stage of a pipeline gets them with the micro-batch.
+
 :class:`ModelStages` is a mixin: :class:`moeplug.modules.transformer.MoETransformer` and
 :class:`moeplug.parallel.pipeline.PipelineChunk` both inherit it, so a pipelined run executes the
 very code of the single-process forward (TP: vocab-parallel embedding/head/CE and SP
@@ -24,11 +28,12 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from moeplug.modules.mtp import mtp_losses
+from moeplug.modules.mtp import mtp_head_losses, mtp_losses
 from moeplug.modules.recompute import block_chunks, chunk_is_checkpointed, run_chunk
 from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
 from moeplug.quant.linear import block_scope_factory
+from moeplug.routing.pooled import pooled_aux_loss
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,9 @@ class ModelStages:
         return self.embed(tokens_BS)
 
     def run_blocks(self, x_BSD: torch.Tensor, blocks: Iterable[torch.nn.Module],
-                   first_layer: int = 0) -> BlocksOutput:
+                   first_layer: int = 0, positions_BS: torch.Tensor | None = None) -> BlocksOutput:
         """``blocks``: the model's layers ``first_layer``, ``first_layer + 1``, ... (a pipeline
-        chunk's contiguous range)."""
+        chunk's contiguous range). ``positions_BS``: document positions (packed documents)."""
         aux_loss = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         expert_counts: list[torch.Tensor] = []
         router_losses: list[dict] = []
@@ -85,25 +90,36 @@ class ModelStages:
         block_outs, start = [], 0
         for i, chunk in enumerate(block_chunks(blocks, rc)):
             block_outs += run_chunk(chunk, x_BSD, chunk_is_checkpointed(i, rc),
-                                    scopes[start:start + len(chunk)])
+                                    scopes[start:start + len(chunk)], positions_BS)
             start += len(chunk)
             x_BSD = block_outs[-1][0]
+        pooled = []  # the layers' parts of a loss over all of them (routing.pooled)
         for block_out in block_outs:
             _, layer_aux, counts_E = block_out
             if counts_E is not None:
                 aux_loss = aux_loss + layer_aux.float()
                 expert_counts.append(counts_E)
                 router_losses.append(block_out.router_losses)
+                if block_out.pooled_aux is not None:
+                    pooled.append(block_out.pooled_aux)
+        if pooled:  # one pipeline chunk holds every layer: the router refuses PP (and TP, CP)
+            aux_loss = aux_loss + pooled_aux_loss(pooled)
         if self._cp_group is not None:  # grad x CP: sync_gradients averages over CP (cp_aux_loss)
             # Linear, so applying it per pipeline chunk equals applying it to the model's sum.
             aux_loss = cp_aux_loss(aux_loss, self._cp_group)
         return BlocksOutput(x_BSD, aux_loss, expert_counts, router_losses)
 
     def head_and_loss(self, x_BSD: torch.Tensor, tokens_BS: torch.Tensor | None,
-                      targets_BS: torch.Tensor | None) -> HeadOutput:
+                      targets_BS: torch.Tensor | None, *,
+                      mtp_hidden_states: list[torch.Tensor] | None = None,
+                      positions_BS: torch.Tensor | None = None) -> HeadOutput:
         """Final norm, output head, LM loss and (with targets) the MTP losses. ``x_BSD`` is the
         last block's output before the final norm (MTP depth 1 reads it); ``tokens_BS`` is
-        needed only by MTP."""
+        needed only by MTP. ``mtp_hidden_states``: the MTP depths' normed hidden states when an
+        earlier pipeline stage ran the MTP blocks (:func:`moeplug.modules.mtp.mtp_hidden`); then
+        only their logits and losses are computed here (their aux losses are that stage's).
+        ``positions_BS``: document positions (packed documents; the MTP blocks' attention), or
+        None."""
         # TP: logits_BSV holds this rank's V/TP vocabulary columns; [B, S, V] is never built.
         logits_BSV = F.linear(tpar.enter_for(self._groups, self.norm(x_BSD)), self.output_weight())
         mtp_aux = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
@@ -118,15 +134,20 @@ class ModelStages:
         else:
             lm_loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
                                       targets_BS.reshape(-1))
-        if not len(self.mtp):
+        if not self.cfg.mtp_num_layers:
             return HeadOutput(logits_BSV, lm_loss, None, mtp_aux, [])
         if tokens_BS is None:
             raise ValueError("head_and_loss: ModelConfig.mtp_num_layers = "
-                             f"{len(self.mtp)} needs the input tokens (MTP embeds the tokens "
-                             "k steps ahead) but tokens_BS is None. Fix: pass the micro-batch's "
-                             "tokens to the last pipeline stage")
-        depth_losses, aux, mtp_counts = mtp_losses(
-            self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight)
-        mtp_loss = (self.cfg.mtp_loss_scaling_factor / len(self.mtp)) * sum(
+                             f"{self.cfg.mtp_num_layers} needs the input tokens (MTP embeds the "
+                             "tokens k steps ahead) but tokens_BS is None. Fix: pass the "
+                             "micro-batch's tokens to the last pipeline stage")
+        if mtp_hidden_states is None:
+            depth_losses, aux, mtp_counts = mtp_losses(
+                self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight,
+                positions_BS)
+        else:
+            depth_losses, aux, mtp_counts = mtp_head_losses(
+                mtp_hidden_states, tokens_BS, targets_BS, self.output_weight), [], []
+        mtp_loss = (self.cfg.mtp_loss_scaling_factor / self.cfg.mtp_num_layers) * sum(
             depth_losses, torch.zeros((), device=x_BSD.device))
         return HeadOutput(logits_BSV, lm_loss, mtp_loss, sum(aux, mtp_aux), mtp_counts)

@@ -67,19 +67,24 @@ class TransformerBlock(nn.Module):
         self.ffn = ffn
         self._groups = groups
 
-    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``positions_BS``: the tokens' positions in their documents (packed documents, for
+        attention only; the whole CP-local sequence also under SP), or None."""
         with stage("attention"):
             h_BSD = self.attn_norm(x_BSD)
             if isinstance(self.attn, MLAttention):  # not split over TP: the whole sequence
-                x_BSD = x_BSD + tpar.on_whole_sequence(self.attn, h_BSD, self._groups)
+                x_BSD = x_BSD + tpar.on_whole_sequence(self.attn, h_BSD, self._groups,
+                                                       positions_BS)
             else:
-                x_BSD = x_BSD + self.attn(h_BSD)
+                x_BSD = x_BSD + self.attn(h_BSD, positions_BS)
         if isinstance(self.ffn, MoELayer):
             # TP: the MoE layer routes only this rank's sequence chunk (tpar.moe_tokens_in).
             moe_out = self.ffn(tpar.moe_tokens_in(self.ffn_norm(x_BSD), self._groups))
             y_BSD, aux_loss, counts_E = moe_out
             y_BSD = tpar.moe_tokens_out(y_BSD, self._groups)
-            return MoEOutput(x_BSD + y_BSD, aux_loss, counts_E, moe_out.router_losses)
+            return MoEOutput(x_BSD + y_BSD, aux_loss, counts_E, moe_out.router_losses,
+                             moe_out.pooled_aux)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD)), None, None
 
 
@@ -170,10 +175,17 @@ class MoETransformer(ModelStages, nn.Module):
             is_output = bool({"o_proj", "down_proj"} & {leaf, owner.rpartition(".")[2]})
             p.normal_(0.0, out_std if is_output else std)
 
-    def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None) -> ModelOutput:
+    def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
+                positions_BS: torch.Tensor | None = None) -> ModelOutput:
+        """``positions_BS``: each token's position in its document when the rows pack several
+        (moeplug.documents.document_positions; this CP rank's shard under CP):
+        attention stays inside each document and RoPE restarts per document. None: every row
+        is one sequence."""
         # The stages (moeplug.modules.stages) are the ones pipeline chunks run, one code path.
-        blocks_out = self.run_blocks(self.embed_tokens(tokens_BS), self.blocks)
-        head_out = self.head_and_loss(blocks_out.x_BSD, tokens_BS, targets_BS)
+        blocks_out = self.run_blocks(self.embed_tokens(tokens_BS), self.blocks,
+                                     positions_BS=positions_BS)
+        head_out = self.head_and_loss(blocks_out.x_BSD, tokens_BS, targets_BS,
+                                       positions_BS=positions_BS)
         lm_loss, aux_loss, mtp_loss = head_out.lm_loss, blocks_out.aux_loss, head_out.mtp_loss
         loss = None if lm_loss is None else lm_loss + aux_loss
         router_losses = list(blocks_out.router_losses)

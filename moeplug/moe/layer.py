@@ -51,10 +51,13 @@ class MoEOutput(tuple):
     have to change for."""
 
     router_losses: dict
+    pooled_aux: Any  # RouterOutput.pooled_aux: this layer's part of a loss over all layers
 
-    def __new__(cls, y: Any, aux_loss: Any, counts_E: Any, router_losses: dict) -> "MoEOutput":
+    def __new__(cls, y: Any, aux_loss: Any, counts_E: Any, router_losses: dict,
+                pooled_aux: Any = None) -> "MoEOutput":
         out = super().__new__(cls, (y, aux_loss, counts_E))
         out.router_losses = router_losses
+        out.pooled_aux = pooled_aux
         return out
 
 
@@ -164,7 +167,8 @@ class MoELayer(nn.Module):
                 kept_E = d.counts_E
             y_ND = rows_as(y_TD, x_ND)                                        # 6. sum
             return MoEOutput(y_ND, average_over_token_group(routing.aux_loss, self.token_group),
-                             self.expert_counts(routing, kept_E), dict(routing.losses))
+                             self.expert_counts(routing, kept_E), dict(routing.losses),
+                             routing.pooled_aux)
 
     # ---- the stages -----------------------------------------------------------------------------
 

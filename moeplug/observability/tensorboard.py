@@ -40,6 +40,34 @@ def summary_writer_class() -> Any:
     return SummaryWriter
 
 
+def record_scalars(record: dict) -> dict[str, float]:
+    """The scalars a train or val record is logged as, by tag (the module docstring's list):
+    what the TensorBoard and the Weights & Biases writers both log."""
+    if record.get("kind") == "val":
+        return {"loss/val": record["val_loss"]}
+    if record.get("kind") != "train":
+        return {}
+    out = {_TAGS.get(key, f"train/{key}"): value for key, value in record.items()
+           if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    moe = record.get("moe") or {}
+    z = [v for v in (moe.get("router_losses") or {}).get("z_loss", []) if v is not None]
+    if z:
+        out["loss/z"] = sum(z) / len(z)
+    for name in ("max_violation", "dropped_fraction"):
+        for layer, value in enumerate(moe.get(name) or []):
+            out[f"moe/{name}/layer_{layer}"] = value
+    for name, seconds in (record.get("time_breakdown") or {}).items():
+        out[f"time/{name}"] = seconds
+    return out
+
+
+def expert_load_image(run_dir: str) -> Any:
+    """The expert-load heat map of the run so far (uint8 [H, W, 3], from its metrics.jsonl),
+    or None when no record has per-expert counts yet: logged at every validation."""
+    history = load_history(read_records(run_dir))
+    return None if history is None else mpl.to_rgb(load_figure(history))
+
+
 class TensorBoardWriter:
     """Writes records as TensorBoard scalars and images. Holds the event-file writer and the
     run directory (whose metrics.jsonl the heat map is drawn from)."""
@@ -54,29 +82,13 @@ class TensorBoardWriter:
 
     def write(self, record: dict) -> None:
         step = record.get("step")
-        if record.get("kind") == "train":
-            self._train(record, step)
-        elif record.get("kind") == "val":
-            self._tb.add_scalar("loss/val", record["val_loss"], step)
-            history = load_history(read_records(self.run_dir))
-            if history is not None:
-                self._tb.add_image("moe/expert_load", mpl.to_rgb(load_figure(history)), step,
-                                   dataformats="HWC")
+        for tag, value in record_scalars(record).items():
+            self._tb.add_scalar(tag, value, step)
+        if record.get("kind") == "val":
+            image = expert_load_image(self.run_dir)
+            if image is not None:
+                self._tb.add_image("moe/expert_load", image, step, dataformats="HWC")
         self._tb.flush()
-
-    def _train(self, record: dict, step: int) -> None:
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tb.add_scalar(_TAGS.get(key, f"train/{key}"), value, step)
-        moe = record.get("moe") or {}
-        z = [v for v in (moe.get("router_losses") or {}).get("z_loss", []) if v is not None]
-        if z:
-            self._tb.add_scalar("loss/z", sum(z) / len(z), step)
-        for name in ("max_violation", "dropped_fraction"):
-            for layer, value in enumerate(moe.get(name) or []):
-                self._tb.add_scalar(f"moe/{name}/layer_{layer}", value, step)
-        for name, seconds in (record.get("time_breakdown") or {}).items():
-            self._tb.add_scalar(f"time/{name}", seconds, step)
 
     def close(self) -> None:
         self._tb.close()

@@ -17,6 +17,14 @@ visible token. Two ways to get them (``ParallelConfig.cp_comm``):
              the flash-attention log-sum-exp rule. The backward is its own ring: K, V travel
              again together with their dK, dV accumulators, which arrive home after W hops.
 
+Packed documents (``data.document_mask``): each held token also carries its position in its
+document, sharded with the tokens. RoPE rotates at those positions, and a query at global index
+i with position p sees only the keys in [i - p, i] (moeplug.documents.visible): the
+allgather mask and each ring block's mask come from the queries' positions and the keys' global
+indices, so no document ids travel. In the ring a query row may see no key of a block at all
+(the block lies in earlier documents); its partial result is empty (log-sum-exp -inf) and the
+merge gives it weight 0. Blocks that no query sees are skipped, as under the causal mask.
+
 Everything else (norms, MLP, MoE, the LM head) is per token and runs unchanged on the shard.
 The loss is the mean over every token of the CP group (:func:`cp_cross_entropy`); gradients of
 replicated parameters are then averaged over DP x CP by ``sync_gradients`` (its ``dp_cp``
@@ -35,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from moeplug.documents import attention_mask, visible
 from moeplug.parallel.comm import active_group, all_gather, all_reduce, group_rank, group_size
 from moeplug.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -108,11 +117,16 @@ class ContextParallelAttention:
         self.comm = comm
 
     def __call__(self, q_BHSDh: torch.Tensor, k_BGSDh: torch.Tensor, v_BGSDh: torch.Tensor,
-                 rope: Any) -> torch.Tensor:
+                 rope: Any, positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions_BS``: the held tokens' positions in their documents (packed documents):
+        RoPE at those, attention within each document; None: RoPE at the global positions."""
         W, r = group_size(self.group), group_rank(self.group)
-        pos_S = cp_positions(q_BHSDh.shape[-2] * W, W, r).to(q_BHSDh.device)
-        q_BHSDh, k_BGSDh = rope(q_BHSDh, k_BGSDh, positions_S=pos_S)
-        return cp_attention(q_BHSDh, k_BGSDh, v_BGSDh, self.group, self.comm)
+        if positions_BS is None:
+            pos_S = cp_positions(q_BHSDh.shape[-2] * W, W, r).to(q_BHSDh.device)
+            q_BHSDh, k_BGSDh = rope(q_BHSDh, k_BGSDh, positions_S=pos_S)
+        else:
+            q_BHSDh, k_BGSDh = rope(q_BHSDh, k_BGSDh, positions_BS=positions_BS)
+        return cp_attention(q_BHSDh, k_BGSDh, v_BGSDh, self.group, self.comm, positions_BS)
 
 
 def cp_attention_for(groups: Any) -> ContextParallelAttention | None:
@@ -123,24 +137,31 @@ def cp_attention_for(groups: Any) -> ContextParallelAttention | None:
 
 
 def cp_attention(q_BHSDh: torch.Tensor, k_BGSDh: torch.Tensor, v_BGSDh: torch.Tensor, group: Any,
-                 comm: str = "allgather") -> torch.Tensor:
+                 comm: str = "allgather", positions_BS: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole (CP-sharded) sequence.
 
     Inputs are this rank's shard in the load-balanced layout, RoPE already applied; the output
     equals the matching rows of ``scaled_dot_product_attention(..., is_causal=True)`` on the
-    full sequence, and so do the gradients (summed over the ranks' losses).
+    full sequence, and so do the gradients (summed over the ranks' losses). ``positions_BS``
+    (this rank's tokens' positions in their documents): with SDPA's block-diagonal causal mask
+    of the packed documents instead (moeplug.documents.visible).
     """
     if comm not in CP_COMMS:
         raise ValueError(f"cp_comm = {comm!r} is not a CP communication mode. "
                          f"Fix: use one of {', '.join(map(repr, CP_COMMS))}")
     H, G = q_BHSDh.shape[1], k_BGSDh.shape[1]
     if group_size(group) == 1:
-        return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
-                                              enable_gqa=G != H)
+        if positions_BS is None:
+            return F.scaled_dot_product_attention(q_BHSDh, k_BGSDh, v_BGSDh, is_causal=True,
+                                                  enable_gqa=G != H)
+        index_S = torch.arange(q_BHSDh.shape[-2], device=q_BHSDh.device)
+        return F.scaled_dot_product_attention(
+            q_BHSDh, k_BGSDh, v_BGSDh, attn_mask=attention_mask(index_S, index_S, positions_BS),
+            enable_gqa=G != H)
     _check_layout(q_BHSDh.shape[-2] * group_size(group), group_size(group), group_rank(group))
     if comm == "allgather":
-        return _allgather_attention(q_BHSDh, k_BGSDh, v_BGSDh, group)
-    return _RingAttention.apply(q_BHSDh, k_BGSDh, v_BGSDh, group)
+        return _allgather_attention(q_BHSDh, k_BGSDh, v_BGSDh, group, positions_BS)
+    return _RingAttention.apply(q_BHSDh, k_BGSDh, v_BGSDh, group, positions_BS)
 
 
 def cp_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, group: Any,
@@ -204,7 +225,7 @@ def cp_aux_loss(aux: torch.Tensor, group: Any) -> torch.Tensor:
 
 # --- all-gather KV exchange --------------------------------------------------------------------
 
-def _allgather_attention(q_BHSDh, k_BGSDh, v_BGSDh, group):
+def _allgather_attention(q_BHSDh, k_BGSDh, v_BGSDh, group, positions_BS=None):
     W, r = group_size(group), group_rank(group)
     B, H, S, Dh = q_BHSDh.shape
     G, N, c = k_BGSDh.shape[1], S * W, S // 2
@@ -219,12 +240,15 @@ def _allgather_attention(q_BHSDh, k_BGSDh, v_BGSDh, group):
     for j, chunk in enumerate(cp_chunk_ids(W, r)):
         # Chunk `chunk` sees the keys [0, (chunk+1)·c): the earlier chunks fully and its own
         # block causally (a bottom-right-aligned mask; SDPA's is_causal would align top-left).
+        # Packed documents: also within each query's document ([B, 1, c, J]).
         end = (chunk + 1) * c
         q_pos_c = torch.arange(chunk * c, end, device=q_BHSDh.device)
-        mask_cJ = torch.arange(end, device=q_BHSDh.device)[None, :] <= q_pos_c[:, None]
+        mask = attention_mask(q_pos_c, torch.arange(end, device=q_BHSDh.device),
+                              None if positions_BS is None else
+                              positions_BS[:, j * c:(j + 1) * c])
         outs.append(F.scaled_dot_product_attention(
             q_BHSDh[:, :, j * c:(j + 1) * c], k_BGNDh[:, :, :end], v_BGNDh[:, :, :end],
-            attn_mask=mask_cJ, enable_gqa=G != H))
+            attn_mask=mask, enable_gqa=G != H))
     return torch.cat(outs, dim=2)
 
 
@@ -247,13 +271,17 @@ def _ring_exchange(send: torch.Tensor, group: Any, tag: int) -> tuple[torch.Tens
     return recv, reqs
 
 
-def _visible(pos_q_S: torch.Tensor, pos_k_J: torch.Tensor):
-    """Causal mask of one block and the query rows / key columns that take part at all (under
-    the load-balanced layout half of them do not, so skipping them halves the block's work)."""
-    vis_SJ = pos_k_J[None, :] <= pos_q_S[:, None]
-    rows = vis_SJ.any(1).nonzero().squeeze(1)
-    cols = vis_SJ.any(0).nonzero().squeeze(1)
-    return vis_SJ[rows][:, cols], rows, cols
+def _visible(pos_q_S: torch.Tensor, pos_k_J: torch.Tensor, positions_BS: torch.Tensor | None):
+    """Mask of one block, [1 or B, 1, s, j] (causal; packed documents: also within each query's
+    document, per row), and the query rows / key columns that take part at all in any row
+    (under the load-balanced layout half of them do not, so skipping them halves the block's
+    work; documents skip more)."""
+    vis = visible(pos_q_S, pos_k_J, positions_BS)
+    vis_BSJ = vis[None] if positions_BS is None else vis
+    any_SJ = vis_BSJ.any(0)
+    rows = any_SJ.any(1).nonzero().squeeze(1)
+    cols = any_SJ.any(0).nonzero().squeeze(1)
+    return vis_BSJ[:, rows][:, :, cols].unsqueeze(1), rows, cols
 
 
 def _expand_kv(x_BGJDh: torch.Tensor, H: int) -> torch.Tensor:
@@ -268,16 +296,24 @@ def _block_forward(q_BHSDh, kv_2BGJDh, vis_sj, rows, cols, scale):
     k, v = (_expand_kv(t[:, :, cols], H).float() for t in kv_2BGJDh.unbind(0))
     s_BHsj = (q @ k.transpose(-1, -2)) * scale
     s_BHsj = s_BHsj.masked_fill(~vis_sj, float("-inf"))
-    lse_BHs = torch.logsumexp(s_BHsj, dim=-1)  # finite: every kept row sees >= 1 key
-    return torch.exp(s_BHsj - lse_BHs[..., None]) @ v, lse_BHs
+    # -inf where a row sees no key of this block (packed documents: the block lies in earlier
+    # documents of that row); its partial output is then 0 and the merge weighs it 0.
+    lse_BHs = torch.logsumexp(s_BHsj, dim=-1)
+    return torch.exp(s_BHsj - _finite(lse_BHs)[..., None]) @ v, lse_BHs
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (nothing seen) replaced by 0: exp(-inf - 0) = 0, not exp(nan)."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
 def _merge(out_BHSDh, lse_BHS, o_BHsDh, lse_BHs, rows):
     """Log-sum-exp merge of a block's partial result into the running one (rows ``rows``)."""
     old_o, old_lse = out_BHSDh[:, :, rows], lse_BHS[:, :, rows]
-    new_lse = torch.logaddexp(old_lse, lse_BHs)  # old_lse may be -inf (nothing seen yet)
-    out_BHSDh[:, :, rows] = (old_o * torch.exp(old_lse - new_lse)[..., None]
-                             + o_BHsDh * torch.exp(lse_BHs - new_lse)[..., None])
+    new_lse = torch.logaddexp(old_lse, lse_BHs)  # either may be -inf (nothing seen yet)
+    base = _finite(new_lse)  # both -inf: both weights exp(-inf) = 0, the row stays 0
+    out_BHSDh[:, :, rows] = (old_o * torch.exp(old_lse - base)[..., None]
+                             + o_BHsDh * torch.exp(lse_BHs - base)[..., None])
     lse_BHS[:, :, rows] = new_lse
 
 
@@ -305,7 +341,7 @@ class _RingAttention(Function):
     """Ring attention; forward and backward each pass K/V blocks around the CP ring."""
 
     @staticmethod
-    def forward(ctx, q_BHSDh, k_BGSDh, v_BGSDh, group):
+    def forward(ctx, q_BHSDh, k_BGSDh, v_BGSDh, group, positions_BS=None):
         W, r = group_size(group), group_rank(group)
         B, H, S, Dh = q_BHSDh.shape
         scale = Dh ** -0.5
@@ -318,20 +354,21 @@ class _RingAttention(Function):
             if step < W - 1:  # overlap: the next block travels while this one is computed
                 nxt, reqs = _ring_exchange(kv, group, _TAG_KV)
             pos_k = cp_positions(S * W, W, src).to(q_BHSDh.device)
-            vis, rows, cols = _visible(pos_q_S, pos_k)
-            o, lse = _block_forward(q_BHSDh, kv, vis, rows, cols, scale)
-            _merge(out_BHSDh, lse_BHS, o, lse, rows)
+            vis, rows, cols = _visible(pos_q_S, pos_k, positions_BS)
+            if rows.numel():  # packed documents: a block may hold no key any query sees
+                o, lse = _block_forward(q_BHSDh, kv, vis, rows, cols, scale)
+                _merge(out_BHSDh, lse_BHS, o, lse, rows)
             if step < W - 1:
                 for req in reqs:
                     req.wait()
                 kv = nxt
         ctx.group = group
-        ctx.save_for_backward(q_BHSDh, k_BGSDh, v_BGSDh, out_BHSDh, lse_BHS)
+        ctx.save_for_backward(q_BHSDh, k_BGSDh, v_BGSDh, out_BHSDh, lse_BHS, positions_BS)
         return out_BHSDh.to(q_BHSDh.dtype)
 
     @staticmethod
     def backward(ctx, dout_BHSDh):
-        q_BHSDh, k_BGSDh, v_BGSDh, out_BHSDh, lse_BHS = ctx.saved_tensors
+        q_BHSDh, k_BGSDh, v_BGSDh, out_BHSDh, lse_BHS, positions_BS = ctx.saved_tensors
         group = ctx.group
         W, r = group_size(group), group_rank(group)
         S, Dh = q_BHSDh.shape[2], q_BHSDh.shape[3]
@@ -348,12 +385,13 @@ class _RingAttention(Function):
             if step < W - 1:
                 nxt, reqs = _ring_exchange(kv, group, _TAG_KV)
             pos_k = cp_positions(S * W, W, src).to(q_BHSDh.device)
-            vis, rows, cols = _visible(pos_q_S, pos_k)
-            dq, dk, dv = _block_backward(q_BHSDh, kv, vis, rows, cols, scale, lse_BHS,
-                                         dout_BHSDh, delta_BHS)
-            dq_BHSDh[:, :, rows] += dq
-            dkv[0][:, :, cols] += dk
-            dkv[1][:, :, cols] += dv
+            vis, rows, cols = _visible(pos_q_S, pos_k, positions_BS)
+            if rows.numel():
+                dq, dk, dv = _block_backward(q_BHSDh, kv, vis, rows, cols, scale, lse_BHS,
+                                             dout_BHSDh, delta_BHS)
+                dq_BHSDh[:, :, rows] += dq
+                dkv[0][:, :, cols] += dk
+                dkv[1][:, :, cols] += dv
             if step < W - 1:
                 for req in reqs:
                     req.wait()
@@ -364,4 +402,4 @@ class _RingAttention(Function):
             for req in dreqs:
                 req.wait()
         dk_BGSDh, dv_BGSDh = dkv.to(k_BGSDh.dtype).unbind(0)
-        return dq_BHSDh.to(q_BHSDh.dtype), dk_BGSDh, dv_BGSDh, None
+        return dq_BHSDh.to(q_BHSDh.dtype), dk_BGSDh, dv_BGSDh, None, None

@@ -39,7 +39,8 @@ Still refused by config: one micro-batch, runtime.stash, and any recompute while
 draws input jitter (the replay on the helper thread would move the generator the forward
 draws from).
 
-Numerics: every micro-batch runs the same ops as in the plain loop and the backwards still run
+Numerics: every micro-batch runs the same ops as in the plain loop, on the same intra-op thread
+count (the helper thread takes the caller's), and the backwards still run
 one after another in micro-batch order (B_{m-1} is joined before B_m starts), so parameter
 gradients accumulate in the same order: losses and gradients are bitwise those of the plain
 loop (tests/test_overlap.py). Only the forward of m reads parameters while B_{m-1} writes
@@ -64,6 +65,8 @@ import functools
 import threading
 from typing import Any, Callable, Mapping, TypeVar
 
+import torch
+
 from moeplug.observability.timing import stage
 from moeplug.parallel.comm import on_twin_groups
 
@@ -77,9 +80,17 @@ def run_beside(backward: Callable[[], None], forward: Callable[[], Out],
     The join is the sync point: the backward's gradients are in ``.grad`` before the caller's
     next backward starts, so gradients accumulate in the plain order."""
     errors: list[BaseException] = []
+    threads = torch.get_num_threads()
 
     def run_backward() -> None:
         try:
+            # A new thread's MKL runs on the process default thread count (the cores, or
+            # OMP_NUM_THREADS as the process started), not on what torch.set_num_threads set
+            # here (torch.get_num_threads() on that thread still reports this one's). A GEMM
+            # that MKL splits rounds by the split: the backward was bitwise the plain loop's
+            # only where MKL happened not to split its GEMMs, and N ranks ran N x cores MKL
+            # threads (tests/test_overlap.py::test_the_overlapped_backward_...).
+            torch.set_num_threads(threads)
             with on_twin_groups(twins):
                 backward()
         except BaseException as exc:  # re-raised on the caller's thread below

@@ -1,25 +1,33 @@
 """Pipeline parallelism, part 1: which layers each pipeline rank holds, as model chunks.
 
 Legend: B micro-batch, S sequence, D hidden, V vocabulary; P pipeline ranks (PP), C model chunks
-per rank (VPP, "virtual stages"), N layers.
+per rank (VPP, "virtual stages"), N layers, K MTP depths.
 
-Partition (Megatron-Core semantics, ``get_num_layers_to_build`` / ``get_transformer_layer_offset``):
-  * Rank r holds ``n_r`` layers: ``num_layers_in_first_stage`` on rank 0 and
-    ``num_layers_in_last_stage`` on rank P-1 when set, the remaining layers split evenly over the
-    other ranks (every rank gets N / P when neither is set).
-  * With C > 1 each rank's layers split evenly into C chunks; chunk c of rank r is virtual stage
-    ``v = c * P + r``, and virtual stages hold consecutive layer blocks in v order. E.g. N = 8,
-    P = 2, C = 2: rank 0 holds layers {0,1} and {4,5}, rank 1 holds {2,3} and {6,7}.
-  * The first virtual stage (rank 0, chunk 0) also holds the embedding; the last (rank P-1,
-    chunk C-1) holds the final norm, the output head, the loss and the MTP layers.
-  * Tied embeddings or MTP: the last stage holds a copy of the embedding too, whose grads are
-    summed with the first stage's over the embedding group {first, last} after the backwards
-    (Megatron's embedding group and ``_allreduce_word_embedding_grads``).
+Partition: a :class:`moeplug.config.pipeline_layout.PipelineLayout` (from
+``ParallelConfig.layer_layout``: an even split, uneven first / last stages, the embedding / loss
+counted as layers, or Megatron's layout string) says what virtual stage ``v = c * P + r``
+(chunk c of rank r) holds: the embedding (v = 0), consecutive decoder layers, the MTP blocks
+(one stage, by default the last), the final norm + head + loss (the last stage, v = P·C - 1).
+E.g. N = 8, P = 2, C = 2 split evenly: rank 0 holds layers {0,1} and {4,5}, rank 1 {2,3} and
+{6,7}; ``E|ttt|t|L`` at P = 2: rank 0 the embedding alone and layer 3, rank 1 layers 0-2 and
+the loss alone. A stage may hold nothing at all: it passes its input on.
+
+Activations between stages are [B, S, D] (S / TP under SP). After a stage of MTP blocks that
+is not the last, they are the main hidden state and each MTP depth's normed hidden state,
+concatenated along the sequence ([B, S + (S-1) + ... + (S-K), D]; MTP runs without TP and CP):
+the loss stage computes every logit, as Megatron's MTP block hands its hidden states to the
+output layer.
+
+Embedding copies: the embedding lives on every rank that needs it -- the first stage, the MTP
+stage (MTP embeds the tokens k steps ahead), the last stage when the head is the tied
+embedding -- each a copy with the first stage's initial value, whose grads are summed over the
+embedding group (those pipeline ranks, Megatron's embedding group and
+``_allreduce_word_embedding_grads``) after the backwards.
 
 Chunks reuse the single-process model's submodules under the same names (``embed``,
-``blocks.<global layer index>``, ``norm``, ``head``), so a chunk's state_dict keys are a subset
-of the full model's: :func:`load_pipeline_shard` loads a full checkpoint into any layout and
-checkpoints can be resharded by key.
+``blocks.<global layer index>``, ``norm``, ``head``, ``mtp``), so a chunk's state_dict keys are a
+subset of the full model's: :func:`load_pipeline_shard` loads a full checkpoint into any layout
+and checkpoints can be resharded by key.
 
 Chunks run the model's own forward stages (embed_tokens / run_blocks / head_and_loss), so
 tensor/sequence, context and expert parallelism and MTP compose with PP without a second copy
@@ -36,9 +44,11 @@ import torch.distributed as dist
 from torch import nn
 
 from moeplug.config import ParallelConfig, RootConfig
-from moeplug.moe import MoELayer
+from moeplug.config.pipeline_layout import PipelineLayout, VirtualStage
+from moeplug.modules.mtp import mtp_depths, mtp_hidden
 from moeplug.modules.stages import ModelStages
 from moeplug.modules.transformer import MoETransformer
+from moeplug.moe import MoELayer
 from moeplug.parallel import comm
 from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.layout import layout_rank_groups
@@ -48,10 +58,11 @@ from moeplug.parallel.layout import layout_rank_groups
 class ChunkOutput:
     """What a chunk's forward returns for one micro-batch.
 
-    x_BSD: the activation for the next virtual stage (None on the last one).
+    x_BSD: the activation for the next virtual stage (None on the last one; after the MTP
+        stage, the concatenation described in the module docstring).
     lm_loss: mean cross-entropy of the micro-batch (last virtual stage only, else None).
     aux_loss: sum of this chunk's MoE routers' aux losses (already times their coefficient),
-        MTP blocks' included on the last stage.
+        its MTP blocks' included.
     expert_counts: per MoE layer of the chunk (MTP blocks last), int64 [E] tokens per expert.
     mtp_loss: the scaled multi-token-prediction loss (last stage with MTP layers, else None).
     """
@@ -63,29 +74,32 @@ class ChunkOutput:
     mtp_loss: torch.Tensor | None = None
 
 
-def needs_embedding_copy(model_cfg: Any) -> bool:
-    """Whether the last stage needs the embedding too: a tied head is the embedding, and MTP
-    embeds the tokens k steps ahead (Megatron keeps the same copy on its last stage)."""
-    return bool(model_cfg.tie_embeddings or model_cfg.mtp_num_layers)
+def model_layout(pipe: ParallelConfig, model_cfg: Any, pp: int | None = None) -> PipelineLayout:
+    """The pipeline layout of ``model_cfg`` under ``pipe`` (``pp`` ranks, default pipe.pp)."""
+    return pipe.layer_layout(model_cfg.num_layers, model_cfg.mtp_num_layers, pp)
 
 
 class PipelineChunk(ModelStages, nn.Module):
-    """A consecutive block of a :class:`MoETransformer`'s layers (plus its embedding on the first
-    virtual stage, its norm + head + MTP layers on the last), under the full model's parameter
-    names. Runs the model's own stages (:class:`moeplug.modules.stages.ModelStages`), so TP/SP,
-    CP and MTP behave exactly as in ``MoETransformer.forward``.
+    """One virtual stage of a :class:`MoETransformer` (:class:`VirtualStage`: embedding, a
+    block of consecutive layers, MTP blocks, norm + head + loss, any of them), under the full
+    model's parameter names. Runs the model's own stages
+    (:class:`moeplug.modules.stages.ModelStages`), so TP/SP, CP and MTP behave exactly as in
+    ``MoETransformer.forward``.
 
-    The last stage also holds ``embed`` when :func:`needs_embedding_copy`: a second copy of the
-    first stage's parameter (same name, same initial value). Its grad is summed with the first
-    stage's over ``embedding_group`` by :func:`allreduce_embedding_grads` (the schedule calls
-    it), so both copies get the single-process grad and stay equal under the optimizer. The
-    copy carries ``pipeline_copy = True`` so the global grad norm counts the parameter once."""
+    A stage other than the first that needs the embedding (MTP, a tied head) holds a second
+    copy of it (same name, same initial value), flagged ``pipeline_copy = True`` on ranks other
+    than the first so the global grad norm counts the parameter once. Its grad is summed with
+    the others over ``embedding_group`` by :func:`allreduce_embedding_grads` (the schedule calls
+    it), so every copy gets the single-process grad and they stay equal under the optimizer."""
 
-    def __init__(self, model: MoETransformer, layers: range, is_first: bool, is_last: bool,
-                 embedding_group: Any = None) -> None:
+    def __init__(self, model: MoETransformer, stage: VirtualStage, *, index: int = 0,
+                 mtp_stage: int | None = None, embedding_group: Any = None) -> None:
         super().__init__()
-        self.is_first, self.is_last = is_first, is_last
-        self.layers = layers
+        self.is_first, self.is_last = stage.embedding, stage.loss
+        self.layers = stage.layers
+        # After a standalone MTP stage the activation carries the MTP hidden states too.
+        self.receives_mtp = mtp_stage is not None and index > mtp_stage
+        self.runs_mtp = bool(stage.mtp)
         self.cfg, self._groups, self._cp_group = model.cfg, model._groups, model._cp_group
         # The model's moeplug.stash.ModelRuntime, on every chunk: a rank whose stages hold no MoE
         # layer still takes part in the stash's and sync-free's per-step collectives.
@@ -93,39 +107,60 @@ class PipelineChunk(ModelStages, nn.Module):
         self.hidden_size = model.cfg.hidden_size  # the [B, S, D] activation the stages exchange
         # Set only on a stage whose embedding has a twin on another pipeline rank.
         self.embedding_group = embedding_group
-        if is_first or (is_last and needs_embedding_copy(model.cfg)):
+        if stage.embedding or stage.mtp or (stage.loss and model.cfg.tie_embeddings):
             self.embed = model.embed
-            if not is_first:
-                for p in self.embed.parameters():
-                    p.pipeline_copy = True
         # Keys are global layer indices, so parameter names match the full model's blocks.<i>.
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        if is_last:
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in stage.layers})
+        if stage.mtp:
+            self.mtp = model.mtp
+        if stage.loss:
             self.norm = model.norm
             self.head = model.head
-            self.mtp = model.mtp
+            if not stage.mtp:  # the MTP blocks ran in an earlier stage (or there are none)
+                self.mtp = nn.ModuleList()
 
     def activation_shape(self, tokens_BS: torch.Tensor) -> tuple[int, int, int]:
         """Shape of the [B, S, D] activation this chunk receives for ``tokens_BS`` (this rank's
-        CP shard): under SP each TP rank holds S / TP positions, as between any two blocks."""
+        CP shard): under SP each TP rank holds S / TP positions, as between any two blocks;
+        after the MTP stage the MTP hidden states follow along S."""
         B, S = tokens_BS.shape
+        if self.receives_mtp:
+            return (B, S + sum(S - k for k in range(1, mtp_depths(self.cfg, S) + 1)),
+                    self.hidden_size)
         tp, sp = tpar.tp_of(self._groups)
         return (B, S // comm.group_size(tp) if sp else S, self.hidden_size)
 
     def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None,
-                tokens_BS: torch.Tensor | None = None) -> ChunkOutput:
+                tokens_BS: torch.Tensor | None = None,
+                positions_BS: torch.Tensor | None = None) -> ChunkOutput:
         """``x`` is tokens_BS on the first virtual stage, else the previous stage's x_BSD.
-        ``targets_BS`` (and, for MTP, ``tokens_BS``) on the last virtual stage."""
+        ``targets_BS`` and ``tokens_BS`` are read by the loss and MTP stages.
+        ``positions_BS``: the micro-batch's document positions on every stage (packed
+        documents), or None."""
         if self.is_first:
             tokens_BS = x
             x = self.embed_tokens(x)
-        blocks_out = self.run_blocks(x, self.blocks.values(), self.layers.start)
+        mtp_in = None  # the MTP depths' normed hidden states, from an earlier stage
+        if self.receives_mtp:
+            S = tokens_BS.shape[1]
+            sizes = [S] + [S - k for k in range(1, mtp_depths(self.cfg, S) + 1)]
+            x, *mtp_in = torch.split(x, sizes, dim=1)
+        blocks_out = self.run_blocks(x, self.blocks.values(), self.layers.start, positions_BS)
+        x, aux, counts = blocks_out.x_BSD, blocks_out.aux_loss, blocks_out.expert_counts
+        if self.runs_mtp and not self.is_last:
+            if tokens_BS is None or targets_BS is None:
+                raise ValueError("PipelineChunk: the MTP stage needs the micro-batch's tokens "
+                                 "and targets. Fix: pass them to every stage's forward")
+            mtp_in, mtp_aux, mtp_counts = mtp_hidden(self.mtp, x, tokens_BS, targets_BS,
+                                                     self.embed, positions_BS)
+            aux, counts = sum(mtp_aux, aux), counts + mtp_counts
         if not self.is_last:
-            return ChunkOutput(blocks_out.x_BSD, None, blocks_out.aux_loss,
-                               blocks_out.expert_counts)
-        head_out = self.head_and_loss(blocks_out.x_BSD, tokens_BS, targets_BS)
-        return ChunkOutput(None, head_out.lm_loss, blocks_out.aux_loss + head_out.mtp_aux_loss,
-                           blocks_out.expert_counts + head_out.mtp_counts, head_out.mtp_loss)
+            out = x if mtp_in is None else torch.cat([x, *mtp_in], dim=1)
+            return ChunkOutput(out, None, aux, counts)
+        head_out = self.head_and_loss(x, tokens_BS, targets_BS, mtp_hidden_states=mtp_in,
+                                      positions_BS=positions_BS)
+        return ChunkOutput(None, head_out.lm_loss, aux + head_out.mtp_aux_loss,
+                           counts + head_out.mtp_counts, head_out.mtp_loss)
 
     def finalize_step(self, group: Any = None) -> None:
         """Per optimizer step, after ``optimizer.step()`` (see MoETransformer.finalize_step)."""
@@ -143,33 +178,54 @@ def split_model(model: MoETransformer, pipe: ParallelConfig, pp: int, pp_rank: i
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank = {pp_rank} is outside [0, {pp}). Fix: pass "
                          "groups.rank_in('pp') and groups.size('pp')")
-    ranges = pipe.chunk_layers(model.cfg.num_layers, pp)[pp_rank]
+    layout = model_layout(pipe, model.cfg, pp)
+    shared = len(layout.embedding_ranks(model.cfg.tie_embeddings)) > 1
     chunks = []
-    for c, layers in enumerate(ranges):
-        is_first, is_last = pp_rank == 0 and c == 0, pp_rank == pp - 1 and c == pipe.vpp - 1
-        holds_twin = pp > 1 and (is_first or is_last) and needs_embedding_copy(model.cfg)
-        chunks.append(PipelineChunk(model, layers, is_first, is_last,
-                                    embedding_group if holds_twin else None))
+    for c, stage in enumerate(layout.rank_stages(pp_rank)):
+        chunk = PipelineChunk(model, stage, index=c * pp + pp_rank, mtp_stage=layout.mtp_stage,
+                              embedding_group=embedding_group if shared else None)
+        if not hasattr(chunk, "embed"):
+            chunk.embedding_group = None
+        elif pp_rank != 0:  # the first rank holds the original; the norm counts it once
+            for p in chunk.embed.parameters():
+                p.pipeline_copy = True
+        chunks.append(chunk)
     return chunks
 
 
-def build_embedding_group(groups: Any, model_cfg: Any) -> Any:
-    """The process group {first, last pipeline rank} of this rank's pipeline, over which the two
-    embedding copies' grads are summed (Megatron's embedding group). None when no copy is needed
-    or pp = 1; the pipeline group itself when pp = 2. Collective: every rank of the world must
-    call it (``dist.new_group`` for each pipeline's pair, in the same order everywhere)."""
+def build_embedding_group(groups: Any, model_cfg: Any, layout: PipelineLayout | None = None
+                          ) -> Any:
+    """The process group of this rank's pipeline ranks that hold an embedding copy
+    (:meth:`PipelineLayout.embedding_ranks`), over which the copies' grads are summed
+    (Megatron's embedding group). None when only one rank holds it; the pipeline group itself
+    when all do. Collective: every rank of the world must call it (``dist.new_group`` for each
+    pipeline's ranks, in the same order everywhere)."""
     pp = groups.size("pp")
-    if pp == 1 or not needs_embedding_copy(model_cfg):
+    if pp == 1:
         return None
-    if pp == 2:
+    layout = layout or model_layout(groups.config, model_cfg, pp)
+    holders = layout.embedding_ranks(model_cfg.tie_embeddings)
+    if len(holders) == 1:
+        return None
+    if len(holders) == pp:
         return groups.pp
     mine = None
     for ranks in layout_rank_groups(groups.config)["pp"]:
-        pair = [ranks[0], ranks[-1]]
-        g = dist.new_group(ranks=pair)
-        if groups.rank in pair:
+        members = [ranks[i] for i in holders]
+        g = dist.new_group(ranks=members)
+        if groups.rank in members:
             mine = g
     return mine
+
+
+def _embedding_params(chunks: list[PipelineChunk]) -> list[nn.Parameter]:
+    """The embedding copies' parameters of this rank, each once (two chunks of one rank share
+    the same module)."""
+    out: dict[int, nn.Parameter] = {}
+    for chunk in chunks:
+        if chunk.embedding_group is not None:
+            out.update((id(p), p) for p in chunk.embed.parameters())
+    return list(out.values())
 
 
 @torch.no_grad()
@@ -179,22 +235,19 @@ def allreduce_embedding_grads(chunks: list[PipelineChunk],
 
     ``grads_before`` (:func:`embedding_grads_snapshot`, taken before the step's backwards) is
     kept out of the sum, so grads accumulated over several calls are not added twice."""
-    for chunk in chunks:
-        if chunk.embedding_group is None:
-            continue
-        for p in chunk.embed.parameters():
-            before = grads_before.get(id(p))
-            grad = torch.zeros_like(p) if p.grad is None else p.grad
-            delta = grad if before is None else grad - before
-            dist.all_reduce(delta, group=chunk.embedding_group)
-            p.grad = delta if before is None else before + delta
+    group = next((c.embedding_group for c in chunks if c.embedding_group is not None), None)
+    for p in _embedding_params(chunks):
+        before = grads_before.get(id(p))
+        grad = torch.zeros_like(p) if p.grad is None else p.grad
+        delta = grad if before is None else grad - before
+        dist.all_reduce(delta, group=group)
+        p.grad = delta if before is None else before + delta
 
 
 def embedding_grads_snapshot(chunks: list[PipelineChunk]) -> dict[int, torch.Tensor | None]:
     """The embedding copies' current grads (cloned), keyed by parameter id."""
     return {id(p): None if p.grad is None else p.grad.clone()
-            for chunk in chunks if chunk.embedding_group is not None
-            for p in chunk.embed.parameters()}
+            for p in _embedding_params(chunks)}
 
 
 def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
@@ -210,8 +263,8 @@ def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any
 
     pipe = pipe or ParallelConfig()
     pp, pp_rank = groups.size("pp"), groups.rank_in("pp")
-    pipe.chunk_layers(cfg.model.num_layers, pp)  # validate before the (larger) build
-    embedding_group = build_embedding_group(groups, cfg.model)
+    layout = model_layout(pipe, cfg.model, pp)  # validate before the (larger) build
+    embedding_group = build_embedding_group(groups, cfg.model, layout)
     model = build_model(cfg, host, vocab_size, groups=groups)
     return split_model(model, pipe, pp, pp_rank, embedding_group)
 

@@ -112,7 +112,14 @@ def interleaved_1f1b(pp: int, rank: int, num_microbatches: int, vpp: int) -> lis
 def pipeline_schedule(pp: int, rank: int, num_microbatches: int, vpp: int = 1,
                       forward_only: bool = False) -> list[Op]:
     """The op order for this rank: 1F1B, interleaved 1F1B (vpp > 1), or forwards only (eval:
-    the forward order of the training schedule with the backwards left out)."""
+    the forward order of the training schedule with the backwards left out; interleaved with
+    a micro-batch count that is no multiple of PP — an evaluation's last, shorter micro-batch
+    runs alone — each micro-batch through this rank's chunks in turn)."""
+    if forward_only and vpp > 1 and pp > 1 and num_microbatches % pp:
+        _check(pp, rank, num_microbatches, 1)
+        # Every rank runs (micro-batch, virtual stage) in increasing order, and stage v of a
+        # micro-batch needs only stage v - 1 of it: no wait can close a cycle (sends are async).
+        return [Op("F", m, c) for m in range(num_microbatches) for c in range(vpp)]
     ops = (one_f_one_b(pp, rank, num_microbatches) if vpp == 1 else
            interleaved_1f1b(pp, rank, num_microbatches, vpp))
     return [o for o in ops if o.kind == "F"] if forward_only else ops
@@ -145,7 +152,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
     ``sum_m (lm_loss_m + aux_loss_m) / M`` accumulated in the chunks' ``.grad``.
 
     ``microbatches``: M pairs (tokens_BS, targets_BS) of whole sequences, the same on every
-    rank of the pipeline group (middle stages only read their shapes). Under context
+    rank of the pipeline group (middle stages only read their shapes), or triples with the
+    document positions (packed documents), which every stage's attention reads. Under context
     parallelism each rank takes its CP shard here (``shard_sequence``), as the single-process
     trainer does before ``model(...)``. ``groups``: a ParallelGroups. ``autocast``: a factory of
     the precision's forward context, entered around every chunk forward. Collective over the
@@ -171,8 +179,7 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
         activation_dtype = next((p.dtype for c in chunks for p in c.parameters()), torch.float32)
     if groups.size("cp") > 1:
         cp, cp_rank = groups.size("cp"), groups.rank_in("cp")
-        microbatches = [(shard_sequence(t, cp, cp_rank), shard_sequence(y, cp, cp_rank))
-                        for t, y in microbatches]
+        microbatches = [tuple(shard_sequence(t, cp, cp_rank) for t in mb) for mb in microbatches]
     embedding_grads = None if forward_only else embedding_grads_snapshot(list(chunks))
 
     def tag(direction: int, stage: int, m: int) -> int:
@@ -190,7 +197,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
     def run(op: Op) -> None:
         c, m = op.chunk, op.microbatch
         v = c * pp + rank
-        tokens_BS, targets_BS = microbatches[m]
+        tokens_BS, targets_BS, *documents = microbatches[m]
+        positions_BS = documents[0] if documents else None
         if op.kind == "F":
             if v == 0:
                 x = tokens_BS
@@ -199,9 +207,8 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
                 x = p2p.recv(shape, activation_dtype, prev_rank, group,
                              tag(p2p.FORWARD, v - 1, m))
                 x.requires_grad_(not forward_only)
-            with autocast():
-                out = (chunks[c](x, targets_BS, tokens_BS) if v == last_stage else
-                       chunks[c](x))
+            with autocast():  # the loss and MTP stages read the targets and tokens
+                out = chunks[c](x, targets_BS, tokens_BS, positions_BS)
             aux_sum.add_(out.aux_loss.detach().double())
             for i, counts_E in enumerate(out.expert_counts):
                 counts[(c, i)] = counts.get((c, i), 0) + counts_E

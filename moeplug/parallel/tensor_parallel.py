@@ -254,8 +254,10 @@ def parallelize_mlp(mlp: nn.Module, hidden_size: int, ffn_hidden_size: int, grou
     mlp.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, tp, sp)
 
 
-def on_whole_sequence(module: nn.Module, x_BsD: torch.Tensor, groups: Any) -> torch.Tensor:
-    """``module(x)`` for a module replicated over TP (not split, e.g. MLA). Without SP every
+def on_whole_sequence(module: nn.Module, x_BsD: torch.Tensor, groups: Any,
+                      *args: Any) -> torch.Tensor:
+    """``module(x, *args)`` for a module replicated over TP (not split, e.g. MLA; ``args``
+    belong to the whole sequence, e.g. document positions). Without SP every
     rank already holds the whole sequence. Under SP a causal attention must see every earlier
     chunk: gather the sequence, run it, keep this rank's chunk of the output. Backward: the
     slice passes on only this rank's chunk of the grad (the others' come from their ranks), so
@@ -263,8 +265,8 @@ def on_whole_sequence(module: nn.Module, x_BsD: torch.Tensor, groups: Any) -> to
     too (flagged ``sequence_parallel`` by moeplug.parallel.tp_model, summed over TP)."""
     tp, sp = tp_of(groups)
     if tp is None or not sp:
-        return module(x_BsD)
-    y_BSD = module(gather_sequence(x_BsD, tp))
+        return module(x_BsD, *args)
+    y_BSD = module(gather_sequence(x_BsD, tp), *args)
     return y_BSD.chunk(comm.group_size(tp), dim=1)[comm.group_rank(tp)]
 
 

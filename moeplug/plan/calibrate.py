@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from moeplug.config import ParallelConfig
 from moeplug.plan import perf
 from moeplug.plan.cluster import get_cluster
 from moeplug.plan.memory import Mapping, Options
@@ -23,8 +24,11 @@ BOUNDS = {"eff_hopper": (0.3, 0.9), "eff_blackwell": (0.3, 0.9), "fp8_speedup": 
 def row_inputs(row: Row):
     """(model config, mapping, options, cluster) of a published row."""
     cfg = model_config(row.model)
+    # the published split (moeplug train's parallel fields) as the layout train runs
+    layout = ParallelConfig(pp=row.pp, vpp=row.vpp, **row.split).layer_layout(
+        cfg.num_layers, cfg.mtp_num_layers).text() if row.split else None
     mp = Mapping(world=row.gpus, tp=row.tp, cp=row.cp, pp=row.pp, ep=row.ep, vpp=row.vpp,
-                 mbs=row.mbs, gbs=row.gbs, seq=row.seq)
+                 mbs=row.mbs, gbs=row.gbs, seq=row.seq, layout=layout)
     opt = Options(precision=row.precision, recompute=row.recompute, offload=row.offload,
                   a2a_overlap=row.a2a_overlap, dispatcher=row.dispatcher,
                   route_groups=route_groups(row.model))

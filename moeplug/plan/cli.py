@@ -26,8 +26,9 @@ def add_plan_parser(sub) -> None:
                    "(this machine, measured now); default h100")
     p.add_argument("--gpus", type=int, metavar="N", help="device count (default: one node, "
                    "or the config's world)")
-    p.add_argument("--mapping", metavar="K=V,..", help=f"keys {', '.join(MAPPING_KEYS)}; "
-                   "e.g. tp=2,ep=8,pp=4,vpp=2")
+    p.add_argument("--mapping", metavar="K=V,..", help=f"keys {', '.join(MAPPING_KEYS)}, "
+                   "and last layout=STRING (Megatron's pipeline layout, which may hold commas); "
+                   "e.g. tp=2,ep=8,pp=4,vpp=2 or 'pp=8,ep=32,layout=Et*3|(tt|)*29m|L'")
     p.add_argument("--search", action="store_true", help="rank every valid mapping")
     p.add_argument("--gbs", type=int, metavar="N", help="global batch in sequences "
                    "(default: 8 per data-parallel rank ... the config's)")
@@ -49,6 +50,14 @@ def add_plan_parser(sub) -> None:
 
 def _parse_mapping(text: str) -> dict:
     out = {}
+    head, sep, layout = text.partition("layout=")
+    if sep:  # the layout takes the rest: Megatron's strings may contain commas
+        if head and not head.endswith(","):
+            raise ConfigError(f"--mapping {text!r}: bad item {head.split(',')[-1] + sep!r}. "
+                              "Fix: write layout=STRING as the last item, e.g. "
+                              "--mapping 'pp=8,ep=32,layout=Et*3|(tt|)*29m|L'")
+        out["layout"] = layout
+        text = head
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         key = key.strip()
@@ -84,6 +93,10 @@ def config_inputs(path: str):
                   gbs_per_dp=tr.micro_batch_size * tr.grad_accum_steps,
                   first_stage_layers=par.num_layers_in_first_stage,
                   last_stage_layers=par.num_layers_in_last_stage)
+    if par.pipeline_layout is not None or par.account_for_embedding_in_pipeline_split \
+            or par.account_for_loss_in_pipeline_split:  # the config's split, as a layout
+        fields["layout"] = par.layer_layout(root.model.num_layers,
+                                            root.model.mtp_num_layers).text()
     prec = "fp32" if root.plugins.precision == "fp32" else "bf16"
     opts = dict(precision=prec, distributed_optimizer=par.distributed_optimizer,
                 dispatcher="allgather" if root.plugins.dispatcher == "allgather" else "alltoall",
@@ -110,7 +123,8 @@ def config_inputs(path: str):
 def cmd_plan(args: argparse.Namespace) -> int:
     from moeplug.plan import report
     from moeplug.plan.cluster import get_cluster
-    from moeplug.plan.memory import GB, Mapping, Options, train_layer_split
+    from moeplug.plan.memory import GB, Mapping, Options
+    from moeplug.plan.split import plan_layout
     from moeplug.plan.models import route_groups
     from moeplug.plan.search import evaluate, search
 
@@ -161,7 +175,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if any(levers):
         print("levers: " + "; ".join(x for x in levers if x))
     if args.mapping or not args.search:
-        fields.update(_parse_mapping(args.mapping or ""))
+        given = _parse_mapping(args.mapping or "")
+        if given.keys() & {"pp", "vpp", "layout"}:  # a new pipeline: the config's split goes
+            for k in ("layout", "first_stage_layers", "last_stage_layers"):
+                fields.pop(k, None)
+        fields.update(given)
         tp, cp, pp = (fields.get(k, 1) for k in ("tp", "cp", "pp"))
         dp = max(1, world // (tp * cp * pp))
         gbs = args.gbs if args.gbs is not None else fields.pop("gbs_per_dp", 8) * dp
@@ -170,13 +188,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cand = evaluate(cfg, mp, opt, cluster)
         print(f"mapping {mp.short()}  DP{mp.dp} EDP{mp.edp}  GBS {mp.gbs} "
               f"({mp.microbatches} micro-batches per DP rank)")
-        counts, first, last = train_layer_split(cfg.num_layers, mp)
-        if (first, last) != (mp.first_stage_layers, mp.last_stage_layers):
-            # Layers that do not split evenly: moeplug train runs them with uneven first /
-            # last stages, which its config must then set.
-            print(f"layers per pipeline rank {counts}: moeplug train needs "
-                  f"parallel.num_layers_in_first_stage={first}, "
-                  f"parallel.num_layers_in_last_stage={last}")
+        layout, needs = plan_layout(cfg, mp)
+        if mp.pp > 1:
+            print(f"pipeline layout {layout.text()} (layers per pipeline rank "
+                  f"{layout.rank_layer_counts()})")
+        if needs:
+            # Layers that do not split evenly: moeplug train runs them with the uneven first /
+            # last stages or the layout proposed here, which its config must then set.
+            print("moeplug train needs " + ", ".join(f"parallel.{k}={v}"
+                                                     for k, v in needs.items()))
         print(report.memory_text(cand.memory, cluster.hbm_gb))
         print(report.step_text(cand.step))
         if cluster.costs is not None:

@@ -8,10 +8,11 @@ Activations are the tensors autograd saves for backward, per transformer layer a
 (:func:`layer_activations`), in BF16 (2 B; FP8 runs keep linear-layer inputs in 1 B), with the
 routing weights applied inside the activation (Megatron's memory-efficient permutation and
 moeplug's fused weighted SwiGLU), so expert outputs are not saved. A pipeline stage holds the
-activations of its in-flight micro-batches: ``pp - rank`` of them under 1F1B, Megatron's
-interleaved warm-up ``((pp - rank - 1) * 2 + (vpp - 1) * pp + 1) / vpp`` stage-equivalents
-with VPP. Recompute drops the tensors of the named modules (Megatron ``recompute_modules``);
-offloaded tensors stay on the device for one layer only.
+activations of its in-flight micro-batches: ``pp - rank`` of them under 1F1B; with VPP the
+``(pp - rank - 1) * 2 + (vpp - 1) * pp + 1`` chunk forwards of Megatron's interleaved warm-up,
+each counted with its own chunk's layers (a layout's chunks may differ in size). The pipeline
+split is moeplug train's (moeplug.plan.split). Recompute drops the tensors of the named modules
+(Megatron ``recompute_modules``); offloaded tensors stay on the device for one layer only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from moeplug.config import (GATED_ACTIVATIONS, OFFLOAD_MODULES, RECOMPUTE_MODULES, ConfigError,
                             ModelConfig)
 from moeplug.modules.flops import attention_macs
+from moeplug.plan.split import model_blocks, plan_layout, rank_parts, split_config
 
 GB = 1e9
 
@@ -42,6 +44,9 @@ class Mapping:
     # split, or the uneven one train_layer_split picks when the layers do not divide evenly).
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    # Megatron's layout string (parallel.pipeline_layout): what every virtual stage holds;
+    # sets vpp when vpp is 1 (moeplug.plan.split).
+    layout: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("world", "tp", "cp", "pp", "ep", "etp", "vpp", "mbs", "seq", "gbs"):
@@ -54,6 +59,8 @@ class Mapping:
                                      "--gbs 256")}.get(
                     name, (f"--mapping {name}", "write e.g. --mapping tp=1,ep=8,pp=2"))
                 raise ConfigError(f"{flag} {v!r}: must be a positive integer. Fix: {fix}")
+        if self.layout is not None:
+            self._take_vpp_from_layout()
         if self.world % (self.tp * self.cp * self.pp):
             raise ConfigError(f"mapping tp·cp·pp = {self.tp * self.cp * self.pp} does not divide "
                               f"{self.world} GPUs. Fix: choose degrees whose product divides "
@@ -71,6 +78,18 @@ class Mapping:
                               f"{self.dp} x {self.mbs} = {per_step} (each of the {self.dp} DP "
                               f"ranks trains whole micro-batches of {self.mbs}). Fix: use a "
                               f"multiple of {per_step}, e.g. {ok}")
+
+    def _take_vpp_from_layout(self) -> None:
+        """vpp = the layout's stages / pp, as train sets it (parallel.pipeline_layout)."""
+        from moeplug.config.pipeline_layout import LayoutError, from_letters, parse_layout
+        if not isinstance(self.layout, str):
+            raise ConfigError(f"--mapping layout={self.layout!r}: must be a layout string. "
+                              "Fix: write e.g. layout=Et|tt|tL (last in --mapping)")
+        try:
+            stages = from_letters(parse_layout(self.layout), self.pp, self.vpp)
+        except LayoutError as e:
+            raise ConfigError(f"--mapping layout={self.layout}: {e.rule}. Fix: {e.fix}") from None
+        object.__setattr__(self, "vpp", stages.vpp)  # frozen: derived once, here
 
     @property
     def dp(self) -> int:
@@ -161,32 +180,23 @@ def layer_params(cfg: ModelConfig, moe: bool) -> tuple[float, float]:
     return attn + shared + m.num_experts * h, float(m.num_experts * g * h * m.ffn_hidden_size)
 
 
-def stage_layers(cfg: ModelConfig, pp: int) -> list[list[bool]]:
-    """Per pipeline stage, its layers' MoE flags: as even as possible, earlier stages take the
-    remainder (Megatron-style uneven split; MTP layers ride on the last stage)."""
-    pattern = list(cfg.moe_layer_pattern)
-    base, extra = divmod(len(pattern), pp)
-    out, i = [], 0
-    for r in range(pp):
-        n = base + (1 if r < extra else 0)
-        out.append(pattern[i:i + n])
-        i += n
-    out[-1] = out[-1] + [bool(pattern[-1])] * cfg.mtp_num_layers
-    return out
-
-
-def stage_params(cfg: ModelConfig, mp: Mapping, rank: int) -> tuple[float, float]:
-    """(dense, expert) parameters held by one rank of pipeline stage ``rank``."""
+def stage_params(cfg: ModelConfig, mp: Mapping, rank: int,
+                 parts: list | None = None) -> tuple[float, float]:
+    """(dense, expert) parameters held by one rank of pipeline stage ``rank``: its layers
+    and MTP blocks, the embedding where it sits (the first stage's, the copies of an MTP stage
+    or a tied head), the final norm and head on the loss stage. ``parts``: rank_parts(cfg,
+    mp), when the caller has them."""
     h, V = cfg.hidden_size, cfg.vocab_size
+    part = (parts or rank_parts(cfg, mp))[rank]
     dense = expert = 0.0
-    for moe in stage_layers(cfg, mp.pp)[rank]:
+    for moe in part.layers:
         d, e = layer_params(cfg, moe)
         dense, expert = dense + d, expert + e
-    if rank == 0:
-        dense += V * h                                   # embedding
-    if rank == mp.pp - 1:
+    if part.embedding:
+        dense += V * h                                   # embedding (or its copy)
+    if part.loss:
         dense += h + (0 if cfg.tie_embeddings else V * h)  # final norm + output head
-        dense += cfg.mtp_num_layers * (2 * h * h + 3 * h)  # MTP eh_proj + norms
+    dense += part.mtp * (2 * h * h + 3 * h)              # MTP eh_proj + norms
     return dense / mp.tp, expert / (mp.ep * mp.etp)
 
 
@@ -243,13 +253,19 @@ def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options) ->
     return out
 
 
-def inflight(mp: Mapping, rank: int) -> float:
-    """Micro-batches whose activations stage ``rank`` holds at its peak (in whole-stage units)."""
-    m = mp.microbatches
-    if mp.vpp == 1:
-        return float(min(mp.pp - rank, m))
-    chunks = (mp.pp - rank - 1) * 2 + (mp.vpp - 1) * mp.pp + 1
-    return min(chunks, m * mp.vpp) / mp.vpp
+def inflight(mp: Mapping, rank: int) -> list[float]:
+    """Per model chunk of stage ``rank``, the micro-batches whose activations it holds at the
+    rank's peak: the forwards of its warm-up (1F1B: ``pp - rank``; interleaved: Megatron's
+    ``(pp - rank - 1) * 2 + (vpp - 1) * pp + 1`` chunk forwards, which walk the chunks in
+    groups of ``pp`` micro-batches), so chunks of unequal size count each their own."""
+    m, vpp = mp.microbatches, mp.vpp
+    if vpp == 1:
+        return [float(min(mp.pp - rank, m))]
+    forwards = min((mp.pp - rank - 1) * 2 + (vpp - 1) * mp.pp + 1, m * vpp)
+    held = [0.0] * vpp
+    for k in range(forwards):  # forward k of the schedule runs chunk (k mod pp·vpp) // pp
+        held[(k % (mp.pp * vpp)) // mp.pp] += 1
+    return held
 
 
 @dataclass
@@ -270,8 +286,11 @@ class MemoryBreakdown:
         return self.weights_grads + self.optimizer + self.activations_total + self.comm_buffers
 
 
-def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int) -> MemoryBreakdown:
-    dense, expert = stage_params(cfg, mp, rank)
+def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
+                 parts: list | None = None) -> MemoryBreakdown:
+    parts = parts or rank_parts(cfg, mp)
+    part = parts[rank]
+    dense, expert = stage_params(cfg, mp, rank, parts)
     wg = (dense + expert) * (opt.param_bytes + opt.grad_bytes)
     state = 4 + (4 if opt.bf16_moments else 8)     # master weights + two moments
     if opt.distributed_optimizer:
@@ -281,13 +300,17 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int) -> Memo
     if opt.param_bytes == 4:                       # fp32 training: the weights are the master
         optim -= 4 * (dense + expert) / ((mp.dp * mp.cp) if opt.distributed_optimizer else 1)
     acts: dict[str, float] = {}
-    held = inflight(mp, rank)
-    layers = stage_layers(cfg, mp.pp)[rank]
-    if opt.full_recompute:
+    held = inflight(mp, rank)  # per chunk
+    layers = part.layers
+    # blocks times the micro-batches whose tensors each is holding, by kind
+    held_blocks = {moe: sum(h * chunk.count(moe) for h, chunk in zip(held, part.chunks))
+                   for moe in (False, True)}
+    if opt.full_recompute and layers:
         # Each block keeps its input (the sequence-parallel shard of the residual stream); the
         # one block being rebuilt in backward holds its tensors again, once.
         tok_sp = mp.mbs * mp.seq / mp.cp / mp.tp
-        acts["block_input"] = len(layers) * held * tok_sp * cfg.hidden_size * opt.act_bytes
+        acts["block_input"] = sum(held_blocks.values()) * tok_sp * cfg.hidden_size \
+            * opt.act_bytes
         plain = replace(opt, recompute=())
         acts["rebuilt_block"] = max(sum(layer_activations(cfg, moe, mp, plain).values())
                                     for moe in set(layers))
@@ -297,10 +320,10 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int) -> Memo
             break
         for k, v in (layer_activations(cfg, moe, mp, opt).items() if count else ()):
             # Offloaded tensors stay on the device for the layer being computed only.
-            mult = count / len(layers) if k in opt.offload else count * held
+            mult = count / len(layers) if k in opt.offload else held_blocks[moe]
             acts[k] = acts.get(k, 0.0) + v * mult
     tok = mp.mbs * mp.seq / mp.cp
-    if rank == mp.pp - 1:  # fp32 logits saved by the cross-entropy, one micro-batch at a time
+    if part.loss:  # fp32 logits saved by the cross-entropy, one micro-batch at a time
         acts["logits"] = tok * cfg.vocab_size / mp.tp * 4 * (1 + cfg.mtp_num_layers)
     comm = 0.0
     if cfg.moe.num_experts and mp.ep > 1 and any(layers):
@@ -313,102 +336,24 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int) -> Memo
 
 def peak_memory(cfg: ModelConfig, mp: Mapping, opt: Options) -> MemoryBreakdown:
     """The pipeline stage with the most bytes (the one that decides whether a mapping fits)."""
-    return max((stage_memory(cfg, mp, opt, r) for r in range(mp.pp)), key=lambda m: m.total)
-
-
-def _layer_split_config(mp: Mapping, first: int | None = None, last: int | None = None):
-    from moeplug.config import ParallelConfig
-    return ParallelConfig(tp=mp.tp, cp=mp.cp, pp=mp.pp, ep=mp.ep, etp=mp.etp, vpp=mp.vpp,
-                          sequence_parallel=mp.tp > 1, num_layers_in_first_stage=first,
-                          num_layers_in_last_stage=last)
-
-
-def train_layer_split(num_layers: int, mp: Mapping) -> tuple[list[int], int | None, int | None]:
-    """How ``moeplug train`` would split ``num_layers`` over ``mp``'s pipeline: (layers per
-    pipeline rank, num_layers_in_first_stage, num_layers_in_last_stage).
-
-    The rules are train's own (ParallelConfig.rank_layer_counts: an even split over PP·VPP, or
-    uneven first / last stages with the middle ones even, every rank a multiple of VPP). A
-    config's first / last stage (mp.first_stage_layers / last_stage_layers) is taken as given;
-    otherwise, when the layers do not split evenly, the most balanced first / last stage
-    train accepts is proposed (the run then sets them in its parallel section). Raises
-    ConfigError (train's refusal) when no split exists."""
-    first, last = mp.first_stage_layers, mp.last_stage_layers
-    if first is not None or last is not None:
-        return _layer_split_config(mp, first, last).rank_layer_counts(num_layers), first, last
-    try:
-        return _layer_split_config(mp).rank_layer_counts(num_layers), None, None
-    except ConfigError as even_error:
-        refusal = even_error
-    pp, v, n = mp.pp, mp.vpp, num_layers
-    best = None
-    if pp > 1:
-        # Middle stages hold m layers each (a multiple of vpp); the rest goes to the first and
-        # last stage, as evenly as multiples of vpp allow. rank_layer_counts judges each.
-        for m in sorted({n // pp // v * v, -(-n // pp // v) * v}) if pp > 2 else [0]:
-            rest = n - (pp - 2) * m
-            if rest < 0:
-                continue
-            l = rest // 2 // v * v
-            try:
-                counts = _layer_split_config(mp, rest - l, l).rank_layer_counts(n)
-            except ConfigError:
-                continue
-            # the fullest rank decides; then the least spread
-            if best is None or (max(counts), max(counts) - min(counts)) < \
-                    (max(best[0]), max(best[0]) - min(best[0])):
-                best = (counts, rest - l, l)
-    if best is None:
-        raise refusal
-    return best
+    parts = rank_parts(cfg, mp)
+    return max((stage_memory(cfg, mp, opt, r, parts) for r in range(mp.pp)),
+               key=lambda m: m.total)
 
 
 def check_model(cfg: ModelConfig, mp: Mapping) -> None:
     """The layout rules ``moeplug train`` applies (moeplug.config.validate_model and
-    ParallelConfig.rank_layer_counts): shards split evenly (heads over TP, experts over EP,
-    sequence over CP·TP) and the layers split over PP·VPP chunks as train splits them
-    (:func:`train_layer_split`: uneven first / last stages allowed, every rank a multiple of
-    VPP). The planner's own stage split (:func:`stage_layers`) stays Megatron's "earlier
-    stages take the remainder"; it differs from train's by at most a few layers per stage."""
+    ParallelConfig.layer_layout): shards split evenly (heads over TP, experts over EP,
+    sequence over CP·TP), and the layers split over PP·VPP chunks as train splits them
+    (moeplug.plan.split.plan_layout: the mapping's own split, else one train accepts, which
+    the plan then names)."""
     from moeplug.parallel.layout import validate_model
-    pc = _layer_split_config(mp)
+    pc = split_config(mp)
     validate_model(pc.resolve(mp.world), num_experts=cfg.moe.num_experts,
                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                    num_layers=None, vpp=mp.vpp, ffn_hidden_size=cfg.moe.ffn_hidden_size,
                    seq_len=mp.seq)
-    if cfg.num_layers < mp.pp * mp.vpp:
-        raise ConfigError(f"mapping pp·vpp = {mp.pp * mp.vpp} exceeds num_layers "
-                          f"{cfg.num_layers}. Fix: lower pp or vpp")
-    try:
-        train_layer_split(cfg.num_layers, mp)
-    except ConfigError as e:
-        ok = [v for v in range(1, cfg.num_layers // mp.pp + 1)
-              if _splits(cfg.num_layers, replace(mp, vpp=v, first_stage_layers=None,
-                                                 last_stage_layers=None))]
-        given = mp.first_stage_layers is not None or mp.last_stage_layers is not None
-        uneven = "" if given or mp.pp == 1 else \
-            " (and no uneven num_layers_in_first_stage / _last_stage fixes it)"
-        vpps = ", ".join(map(str, ok[:-1])) + (" or " if len(ok) > 1 else "") + str(ok[-1])
-        fix = (str(e).split(". Fix: ", 1)[-1] + " (the config's parallel section)" if given
-               else f"use vpp {vpps} with pp={mp.pp} (every pipeline rank holds a multiple of "
-               "vpp layers), or another pp")
-        raise ConfigError(
-            f"--mapping pp={mp.pp},vpp={mp.vpp}: moeplug train refuses this layer split: "
-            f"{_reason(e)}{uneven}. Fix: {fix}") from None
-
-
-def _splits(num_layers: int, mp: Mapping) -> bool:
-    try:
-        train_layer_split(num_layers, mp)
-        return True
-    except ConfigError:
-        return False
-
-
-def _reason(e: ConfigError) -> str:
-    """The middle of train's "<field> = <value>: <reason>. Fix: ..." line."""
-    text = str(e).split(". Fix:")[0]
-    return text.split(": ", 1)[1] if ": " in text else text
+    plan_layout(cfg, mp)
 
 
 def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) -> MemoryBreakdown:
@@ -423,7 +368,7 @@ def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) ->
     while its MLP or MoE unit runs backward."""
     base = stage_memory(cfg, mp, opt, 0)
     order = []  # forward order
-    for moe in stage_layers(cfg, 1)[0]:
+    for moe in model_blocks(cfg):
         order += [costs.units["attn"], costs.units["moe" if moe else "mlp"]]
     order.append(costs.units["head"])
     grads = base.weights_grads * opt.grad_bytes / (opt.param_bytes + opt.grad_bytes)

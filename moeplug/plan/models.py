@@ -87,6 +87,9 @@ class Row:
     mfu: float = 0.0          # published MFU (PF)
     note: str = ""
     extra: dict = field(default_factory=dict)
+    # The published pipeline split, as moeplug train's parallel fields (Megatron's own flags):
+    # a layout string, or the embedding / loss accounted in the split; {} for an even split.
+    split: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -96,28 +99,36 @@ class Row:
 
 _DSV3_GB = dict(model="deepseek_v3", dispatcher="flex")
 _QWEN = dict(model="qwen3_235b", dispatcher="flex")
+# Published layouts: megatron_moe.md (P26 Appendix B.2 and the Megatron-MoE-ModelZoo scripts):
+# GB200/GB300 PP4 x VPP4 "Et*4|(tttt|)*14tmL", H100 PP8 x VPP4 "Et*3|(tt|)*29m|L" (also the
+# ModelZoo's 256-GPU B200 PP8 EP32 line, which the GB200 BF16 PP8 x VPP4 row is); Qwen3-235B:
+# the ModelZoo's model config sets --account-for-embedding/loss-in-pipeline-split.
+_DSV3_PP4 = {"pipeline_layout": "Et*4|(tttt|)*14tmL"}
+_DSV3_PP8 = {"pipeline_layout": "Et*3|(tt|)*29m|L"}
+_QWEN_SPLIT = {"account_for_embedding_in_pipeline_split": True,
+               "account_for_loss_in_pipeline_split": True}
 P26_ROWS: tuple[Row, ...] = (
     Row(source="P26", cluster="gb300", gpus=256, precision="fp8", tp=1, pp=4, ep=64, vpp=4,
-        mbs=1, gbs=8192, a2a_overlap=True, tflops=1233, **_DSV3_GB),
+        split=_DSV3_PP4, mbs=1, gbs=8192, a2a_overlap=True, tflops=1233, **_DSV3_GB),
     Row(source="P26", cluster="gb200", gpus=256, precision="fp8", tp=1, pp=4, ep=64, vpp=4,
-        mbs=1, gbs=8192, recompute=("mlp",), tflops=1048, **_DSV3_GB),
+        split=_DSV3_PP4, mbs=1, gbs=8192, recompute=("mlp",), tflops=1048, **_DSV3_GB),
     Row(source="P26", cluster="gb200", gpus=256, precision="bf16", tp=1, pp=8, ep=32, vpp=4,
-        mbs=1, gbs=4096, recompute=("mlp",), tflops=857, **_DSV3_GB),
+        split=_DSV3_PP8, mbs=1, gbs=4096, recompute=("mlp",), tflops=857, **_DSV3_GB),
     # Table 17 / the MZ script say PP8 (Table 20's PP4 is the inconsistency megatron_moe.md notes).
     Row(source="P26", cluster="h100", gpus=1024, precision="fp8", tp=2, pp=8, ep=64, vpp=4,
-        mbs=1, gbs=8192, recompute=("mla_up_proj", "mlp"), a2a_overlap=True, tflops=368,
-        **_DSV3_GB),
+        split=_DSV3_PP8, mbs=1, gbs=8192, recompute=("mla_up_proj", "mlp"), a2a_overlap=True,
+        tflops=368, **_DSV3_GB),
     Row(source="P26", cluster="gb300", gpus=256, precision="fp8", tp=1, pp=4, ep=64, vpp=6,
-        mbs=2, gbs=3072, tflops=974, **_QWEN),
+        mbs=2, gbs=3072, tflops=974, split=_QWEN_SPLIT, **_QWEN),
     Row(source="P26", cluster="gb200", gpus=256, precision="fp8", tp=1, pp=4, ep=64, vpp=6,
         mbs=3, gbs=3072, recompute=("moe_act", "layernorm"), offload=("expert_fc1", "moe_act"),
-        a2a_overlap=True, tflops=919, **_QWEN),
+        a2a_overlap=True, tflops=919, split=_QWEN_SPLIT, **_QWEN),
     Row(source="P26", cluster="gb200", gpus=256, precision="bf16", tp=1, pp=4, ep=32, vpp=12,
         mbs=1, gbs=8192, recompute=("moe_act", "layernorm"), a2a_overlap=True, tflops=750,
-        **_QWEN),
+        split=_QWEN_SPLIT, **_QWEN),
     Row(source="P26", cluster="h100", gpus=256, precision="bf16", tp=2, pp=8, ep=32, vpp=4,
         mbs=1, gbs=2048, recompute=("moe_act", "layernorm"), a2a_overlap=True, tflops=320,
-        **_QWEN),
+        split=_QWEN_SPLIT, **_QWEN),
 )
 
 # PF: Mixtral-8x22B on 128 H100 (TP2 EP8 PP8, ETP1, seq 4096, GBS 256), BF16, alltoall
@@ -133,5 +144,6 @@ PF_ROWS: tuple[Row, ...] = (
 
 # P26 Table 3: DeepSeek-V3, BF16, PP4 x VPP4 x EP64 on 256 GPUs, per-GPU GB.
 DSV3_MEMORY_ROW = Row(source="P26 Table 3", model="deepseek_v3", cluster="gb200", gpus=256,
-                      precision="bf16", tp=1, pp=4, ep=64, vpp=4, mbs=1, gbs=8192)
+                      precision="bf16", tp=1, pp=4, ep=64, vpp=4, mbs=1, gbs=8192,
+                      split=_DSV3_PP4)
 DSV3_MEMORY_GB = {"weights_grads": 36.4, "optimizer": 32.1, "activations": 131.0}

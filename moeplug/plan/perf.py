@@ -32,18 +32,20 @@ from dataclasses import dataclass, field, replace
 from moeplug.config import GATED_ACTIVATIONS, ModelConfig
 from moeplug.modules.flops import attention_macs, flops_per_token
 from moeplug.plan.cluster import Cluster
-from moeplug.plan.memory import (Mapping, Options, layer_activations, stage_layers,
-                                 stage_params)
+from moeplug.plan.memory import Mapping, Options, layer_activations, stage_params
+from moeplug.plan.split import model_blocks, rank_parts
 
 # Fitted (see module docstring and moeplug.plan.calibrate): the fraction of BF16 dense peak
 # that model GEMMs reach per GPU generation, how much faster FP8 GEMMs run than BF16 ones
 # (datasheet: 2x; quantization kernels eat part of it), and a fixed cost per layer and
 # micro-batch (kernel launches and host work that CUDA graphs do not remove).
 # The fit trades efficiency against the per-layer cost along a shallow valley; its optimum's
-# 1.7 ms per layer and micro-batch agrees with P26's "+10 % from partial CUDA graphs" on
-# DeepSeek-V3/GB200 (2048 layer-micro-batches in a ~34 s step: 10 % is ~1.7 ms each).
-CONSTANTS = {"eff_hopper": 0.836, "eff_blackwell": 0.633, "fp8_speedup": 1.073,
-             "layer_overhead_us": 1679.0}
+# 1.4 ms per layer and micro-batch is of the size of P26's "+10 % from partial CUDA graphs" on
+# DeepSeek-V3/GB200 (2048 layer-micro-batches in a ~34 s step: 10 % is ~1.7 ms each). Fitted
+# with every row's published pipeline split (moeplug.plan.split; before, with an even split
+# of its own: 0.836 / 0.633 / 1.073 / 1679 us).
+CONSTANTS = {"eff_hopper": 0.782, "eff_blackwell": 0.563, "fp8_speedup": 1.064,
+             "layer_overhead_us": 1398.6}
 # This CPU: its peak *is* a measured GEMM, so efficiency 1; its per-layer cost is Python's.
 CPU_LAYER_OVERHEAD_US = 2000.0
 # Each saved tensor is written in the forward, read in the backward, and its gradient is
@@ -152,14 +154,16 @@ def _gemm_rate(c: Cluster, opt: Options, k: dict) -> tuple[float, float, float]:
 
 
 def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank: int,
-                  constants: dict | None = None) -> dict:
-    """Forward + backward seconds of one micro-batch on pipeline stage ``rank``, by part."""
+                  constants: dict | None = None, parts: list | None = None) -> dict:
+    """Forward + backward seconds of one micro-batch on pipeline stage ``rank``, by part.
+    ``parts``: moeplug.plan.split.rank_parts(cfg, mp), when the caller has them."""
     gen = c.generation
     peak, eff, overhead = _gemm_rate(c, opt, constants or CONSTANTS)
     tok = mp.mbs * mp.seq / mp.cp
     rc = set(opt.recompute)
     gemm = core = core_rerun = mem = a2a = tp = 0.0
-    layers = stage_layers(cfg, mp.pp)[rank]
+    part = (parts or rank_parts(cfg, mp))[rank]
+    layers = part.layers
     for moe in (False, True):  # each layer kind once, times how many the stage holds
         count = sum(1 for x in layers if x == moe)
         if not count:
@@ -188,9 +192,9 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
             calls = 4 * (1 if moe else 2)
             tp += count * _collective(calls * nbytes, calls, c.nvlink_gbps, c)
     h, V = cfg.hidden_size, cfg.vocab_size
-    if rank == mp.pp - 1:
-        gemm += 2 * 3 * tok * (h * V * (1 + cfg.mtp_num_layers)
-                               + cfg.mtp_num_layers * 2 * h * h) / mp.tp
+    if part.loss:  # the head: the main logits and every MTP depth's (Megatron's output layer)
+        gemm += 2 * 3 * tok * h * V * (1 + cfg.mtp_num_layers) / mp.tp
+    gemm += 2 * 3 * tok * part.mtp * 2 * h * h / mp.tp  # MTP eh_proj, where the blocks run
     if gen in ATTENTION_TFLOPS:
         fwd, bwd = ATTENTION_TFLOPS[gen]
         attn = (core + core_rerun) / (fwd * 1e12) + 2 * core / (bwd * 1e12)
@@ -218,7 +222,7 @@ def calibrated_cpu_parts(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster
     rank's threads (nothing overlaps on one CPU); then the step's collectives at the measured
     links, and the optimizer over this rank's shard. Pipeline layouts are not calibrated."""
     k = c.costs
-    layers = stage_layers(cfg, 1)[0]
+    layers = model_blocks(cfg)
     parts = dict.fromkeys(("gemm", "attention", "elementwise", "kernels", "host"), 0.0)
     for moe in layers:
         for u in (k.units["attn"], k.units["moe" if moe else "mlp"]):
@@ -241,14 +245,15 @@ def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
     """Predicted step of one global batch; ``constants`` overrides :data:`CONSTANTS`."""
     if c.costs is not None:
         return _throughput(cfg, mp, opt, c, calibrated_cpu_parts(cfg, mp, opt, c))
-    stages = [stage_seconds(cfg, mp, opt, c, r, constants) for r in range(mp.pp)]
+    split = rank_parts(cfg, mp)
+    stages = [stage_seconds(cfg, mp, opt, c, r, constants, split) for r in range(mp.pp)]
     slow = max(stages, key=lambda s: sum(s.values()))
     m = mp.microbatches
     parts = {k: v * m for k, v in slow.items()}
     per_mb = sum(slow.values())
     parts["pp_bubble"] = per_mb * (mp.pp - 1) / mp.vpp if mp.pp > 1 else 0.0
     # DP: fp32 gradient reduce-scatter + bf16 parameter all-gather, hidden under backward.
-    dense, expert = stage_params(cfg, mp, 0)
+    dense, expert = stage_params(cfg, mp, 0, split)
     dp_s = 0.0
     for n, d, span in ((dense, mp.dp * mp.cp, mp.world // mp.pp),
                        (expert, mp.edp, mp.world // mp.pp)):

@@ -26,17 +26,25 @@ def memory_text(mem: MemoryBreakdown, limit_gb: float) -> str:
 def step_text(st: StepTime) -> str:
     lines = [f"step time {st.total:.3f} s:"]
     lines += [f"  {k:<14} {v:9.4f} s" for k, v in st.parts.items() if v > 0]
-    lines.append(f"TFLOP/s per GPU {st.tflops_per_gpu:.1f}   MFU {st.mfu:.1%}   "
+    lines.append(f"{rate_text(st.tflops_per_gpu, 'per GPU')}   MFU {st.mfu:.1%}   "
                  f"tokens/s per GPU {st.tokens_per_s_per_gpu:,.0f}")
     return "\n".join(lines)
+
+
+def rate_text(tflops: float, what: str) -> str:
+    """A FLOP rate at a scale that shows it: TFLOP/s from 1 TFLOP/s (a GPU), else GFLOP/s
+    (a CPU process: "TFLOP/s per GPU 0.0" said nothing)."""
+    return f"TFLOP/s {what} {tflops:.1f}" if tflops >= 1 else \
+        f"GFLOP/s {what} {tflops * 1e3:.1f}"
 
 
 def calibration_text(costs) -> str:
     """What "this CPU" measured for the run (moeplug.plan.calibrate_cpu.CpuCosts)."""
     eff = ", ".join(f"{u} {costs.gemm_efficiency(u):.2f}" for u in costs.units
                     if costs.units[u].gemm_flops)
-    lines = [f"calibrated cpu: 512^2 fp32 matmul {costs.peak_tflops * 1e3:.1f} GFLOP/s; GEMM "
-             f"efficiency at the run's shapes: {eff}"]
+    lines = [f"calibrated cpu: peak {costs.peak_tflops * 1e3:.1f} GFLOP/s per CPU second, the "
+             f"best GEMM rate measured (512^2 fp32 matmul {costs.matmul_tflops * 1e3:.1f}); "
+             f"GEMM efficiency at the run's shapes: {eff}"]
     for name, u in costs.units.items():
         lines.append(f"  unit {name:<5} {u.total * 1e3:8.2f} ms per micro-batch (gemm "
                      f"{u.gemm * 1e3:.2f}, attention {u.attention * 1e3:.2f}, elementwise "
@@ -49,10 +57,13 @@ def calibration_text(costs) -> str:
 
 def search_table(cands: list[Candidate], top: int = 10) -> str:
     fit = [k for k in cands if k.fits]
-    head = f"{'mapping':<34} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7}  fits"
+    scale, unit = (1, "TFLOP/s") if any(k.step.tflops_per_gpu >= 1 for k in cands) else \
+        (1e3, "GFLOP/s")
+    head = f"{'mapping':<34} {unit:>8} {'MFU':>6} {'mem GB':>7}  fits"
     rows = [head, "-" * len(head)]
     for k in (fit or cands)[:top]:
-        rows.append(f"{k.mapping.short():<34} {k.step.tflops_per_gpu:8.1f} {k.step.mfu:6.1%} "
+        rows.append(f"{k.mapping.short():<34} {k.step.tflops_per_gpu * scale:8.1f} "
+                    f"{k.step.mfu:6.1%} "
                     f"{k.memory.total / GB:7.1f}  {'yes' if k.fits else 'no'}")
     rows.append(f"{len(fit)} of {len(cands)} valid mappings fit the memory limit")
     return "\n".join(rows)

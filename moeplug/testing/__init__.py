@@ -19,11 +19,12 @@ from moeplug.testing.dispatcher import check_dispatcher
 from moeplug.testing.dispatcher_parallel import check_dispatcher_ep
 from moeplug.testing.experts import check_experts
 from moeplug.testing.precision import check_precision
+from moeplug.testing.reader import check_reader
 from moeplug.testing.reference import reference_expert_mlp
 from moeplug.testing.router import check_router
 
 CHECKS = {"router": check_router, "dispatcher": check_dispatcher, "experts": check_experts,
-          "precision": check_precision}
+          "precision": check_precision, "dataset": check_reader}
 
 
 def check_component(host, kind: str, name: str, **kwargs) -> None:
@@ -33,4 +34,4 @@ def check_component(host, kind: str, name: str, **kwargs) -> None:
 
 __all__ = ["ContractError", "tiny_model_config", "check_declared", "check_router", "check_dispatcher",
            "check_dispatcher_ep", "check_experts",
-           "check_precision", "check_component", "reference_expert_mlp", "CHECKS"]
+           "check_precision", "check_reader", "check_component", "reference_expert_mlp", "CHECKS"]

@@ -1,5 +1,5 @@
 """Install a third-party plugin package into a private directory, for tests: the example
-router (plugins/examples) or the test-only packages under tests/thirdparty.
+router and reader (plugins/examples) or the test-only packages under tests/thirdparty.
 
 The package is installed with ``pip install --target`` (no deps, no build isolation) instead of
 into the shared venv, so it is visible only to processes whose PYTHONPATH includes that
@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLE_ROUTER_DIR = Path(__file__).resolve().parents[2] / "plugins" / "examples" / "moeplug-example-router"
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "plugins" / "examples"
+EXAMPLE_ROUTER_DIR = EXAMPLES_DIR / "moeplug-example-router"
 
 
 def install_example_router(target_dir: str | os.PathLike) -> dict[str, str]:

@@ -9,6 +9,10 @@ Layout of one run directory::
         optimizer.safetensors   optimizer state tensors, keyed "state.<param index>.<name>"
         meta.json               step, config, plugin names, RNG states, optimizer param groups,
                                 scheduler position, metrics state
+        tokenizer/              a Hugging Face tokenizer's files (tokenizer.json, ...), when the
+                                run's tokenizer is one (data.tokenizer a path, or an import's):
+                                each checkpoint carries it, so a resume, generate and export
+                                need nothing outside it (:func:`carried_tokenizer`)
 
 A multi-process run (:func:`save_sharded_checkpoint`) writes per-rank shards instead of the two
 safetensors files: ``model_rank{r}.safetensors``, ``optimizer_rank{r}.safetensors`` and
@@ -36,6 +40,7 @@ Loading never unpickles: only ``safetensors`` and ``json`` parsers touch the fil
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -62,6 +67,7 @@ OPTIM_FILE = "optimizer.safetensors"
 META_FILE = "meta.json"
 LATEST = "latest"
 FILES = "files"  # meta.json entry: {file name: {"sha256": hex digest, "bytes": size}}
+TOKENIZER_DIR = "tokenizer"
 
 _log = logging.getLogger(__name__)  # notices; with no logging set up, Python prints them
 
@@ -206,13 +212,31 @@ def _write_json(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def _write_tokenizer(tmp: str, files: dict[str, bytes] | None) -> tuple[str, ...]:
+    """The tokenizer's files into ``tmp/tokenizer/``, fsynced; their names as meta.json's
+    ``files`` records them."""
+    if not files:
+        return ()
+    folder = os.path.join(tmp, TOKENIZER_DIR)
+    os.makedirs(folder)
+    for name, data in files.items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    _fsync_path(folder)
+    return tuple(f"{TOKENIZER_DIR}/{name}" for name in files)
+
+
 def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
-                    optimizer: AnyOptimizer, meta: dict, keep_last: int = 0) -> str:
+                    optimizer: AnyOptimizer, meta: dict, keep_last: int = 0,
+                    tokenizer_files: dict[str, bytes] | None = None) -> str:
     """Write ``out_dir/step_XXXXXX`` atomically, then point ``latest`` at it and keep only the
     newest ``keep_last`` checkpoints (0: all; :func:`prune_checkpoints`). Returns its path.
 
     ``meta`` holds the JSON-side state (config dict, plugin names, metrics state...); step, RNG
-    states and optimizer param groups are added here.
+    states and optimizer param groups are added here. ``tokenizer_files``: a Hugging Face
+    tokenizer's files (name -> bytes), written into ``tokenizer/`` and checksummed like the rest.
     """
     os.makedirs(out_dir, exist_ok=True)
     name = step_dir_name(step)
@@ -230,10 +254,11 @@ def save_checkpoint(out_dir: str, step: int, model: torch.nn.Module,
                   metadata=reshard.optimizer_manifest(model, optimizer))
         _fsync_path(os.path.join(tmp, MODEL_FILE))
         _fsync_path(os.path.join(tmp, OPTIM_FILE))
+        carried = _write_tokenizer(tmp, tokenizer_files)
         full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(),
                          reshard_version=reshard.VERSION,
                          optimizer={"param_groups": param_groups},
-                         files=_file_records(tmp, (MODEL_FILE, OPTIM_FILE)))
+                         files=_file_records(tmp, (MODEL_FILE, OPTIM_FILE, *carried)))
         _test_pause_in_save()
         _write_json(os.path.join(tmp, META_FILE), full_meta)  # last: marks completeness
         _fsync_path(tmp)
@@ -257,7 +282,8 @@ def _rank_files(rank: int) -> tuple[str, str, str]:
 
 
 def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, optimizer: Any,
-                            meta: dict, groups: Any, layout: dict, keep_last: int = 0) -> str:
+                            meta: dict, groups: Any, layout: dict, keep_last: int = 0,
+                            tokenizer_files: dict[str, bytes] | None = None) -> str:
     """Every rank writes its shard into one temporary directory; rank 0 then writes meta.json
     (with ``parallel = layout``), renames the directory, updates ``latest`` and prunes exactly
     as :func:`save_checkpoint` does. Collective over all ranks; returns the final path."""
@@ -290,6 +316,7 @@ def save_sharded_checkpoint(out_dir: str, step: int, model: torch.nn.Module, opt
     dist.all_gather_object(records, _file_records(tmp, _rank_files(rank)))
     if rank == 0:
         files = {name: rec for per_rank in records for name, rec in per_rank.items()}
+        files.update(_file_records(tmp, _write_tokenizer(tmp, tokenizer_files)))
         full_meta = dict(meta, format=FORMAT, step=step, rng=rng_state(), parallel=layout,
                          reshard_version=reshard.VERSION, files=files)
         _test_pause_in_save()
@@ -584,13 +611,43 @@ def read_meta(path: str) -> dict:
     return meta
 
 
-def saved_config(path: str, meta: dict) -> RootConfig | None:
-    """The RootConfig stored in a checkpoint's meta.json (None if it stores none). An invalid
-    one is a CheckpointError: a run cannot be checked against a config nobody can read."""
+def carried_tokenizer(path: str, meta: dict) -> str | None:
+    """The ``tokenizer/`` directory checkpoint ``path`` carries (every file checked against its
+    checksum), or None: its run's tokenizer is moeplug's own (bpe, bytes), or it is an import
+    whose HF directory held no tokenizer.json."""
+    names = [n for n in (meta.get(FILES) or {}) if n.startswith(TOKENIZER_DIR + "/")]
+    for name in names:
+        _verified_file(path, meta, name)
+    return os.path.join(path, TOKENIZER_DIR) if names else None
+
+
+def config_dict(path: str, meta: dict) -> dict | None:
+    """The config of checkpoint ``path`` as meta.json stores it, as this release reads it:
+    ``data.tokenizer`` is the checkpoint's own copy of its tokenizer where it carries one (the
+    path it was first read from may be gone), and a checkpoint from before vocabulary padding
+    (no ``model.make_vocab_size_divisible_by``) keeps the rows it had, the tokenizer's own
+    count (a multiple of 1)."""
     if meta.get("config") is None:
         return None
+    data = copy.deepcopy(meta["config"])
+    model, section = data.get("model"), data.get("data")
+    if isinstance(model, dict) and "make_vocab_size_divisible_by" not in model:
+        model["make_vocab_size_divisible_by"] = 1
+    carried = carried_tokenizer(path, meta)
+    if carried is not None and isinstance(section, dict):
+        section["tokenizer"] = carried
+    return data
+
+
+def saved_config(path: str, meta: dict) -> RootConfig | None:
+    """The RootConfig stored in a checkpoint's meta.json (None if it stores none), as
+    :func:`config_dict` reads it. An invalid one is a CheckpointError: a run cannot be checked
+    against a config nobody can read."""
+    data = config_dict(path, meta)
+    if data is None:
+        return None
     try:
-        return config_from_dict(meta["config"])
+        return config_from_dict(data)
     except ConfigError as e:
         raise CheckpointError(
             f"checkpoint metadata {os.path.join(path, META_FILE)!r}: field 'config' is not a "
@@ -616,8 +673,10 @@ def check_resume(path: str, cfg: RootConfig, config_source: str, layout: dict | 
     where ``cfg`` came from, for the messages; ``router_options(router, options)`` resolves
     router options as the router reads them (PluginHost.defining_options), so an option
     written out at its default is no difference. A checkpoint of ``moeplug convert import``
-    records no tokenizer of its own (an HF model's is not moeplug's): the requested one is
-    taken, and the embedding's saved shape must fit it. Returns the meta.
+    whose HF directory held no tokenizer.json carries none: the requested one is taken, and
+    the embedding's saved shape must fit it; one that carries its tokenizer is compared like
+    any (moeplug.training.resume.check_tokenizer compares what two tokenizers encode).
+    Returns the meta.
     """
     meta = read_meta(path)
     saved = saved_config(path, meta)
@@ -626,7 +685,8 @@ def check_resume(path: str, cfg: RootConfig, config_source: str, layout: dict | 
                      f"resuming with the model from {config_source}, checked against the "
                      f"saved tensors' shapes only")
     else:
-        ignore = ("data.tokenizer", "data.vocab_size") if meta.get("hf") else ()
+        carries = carried_tokenizer(path, meta) is not None
+        ignore = ("data.tokenizer", "data.vocab_size") if meta.get("hf") and not carries else ()
         diffs = model_differences(saved, cfg, router_options, ignore)
         if diffs:
             listed = "; ".join(f"{k}: checkpoint {a!r}, requested {b!r}" for k, a, b in diffs)

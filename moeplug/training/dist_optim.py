@@ -107,8 +107,10 @@ class DistributedAdamW:
             shard = flat[r * n:(r + 1) * n].clone().to(master).requires_grad_(True)
             self.buckets.append(_Bucket(ps, group, is_expert, tp_sharded, copy, shard))
             inner_groups.append({"params": [shard], "weight_decay": weight_decay})
-        # AdamW (bf16 moments with train.optimizer_dtype: bf16) on the owned slices.
-        self.inner = adamw(inner_groups, cfg)
+        # AdamW (bf16 moments with train.optimizer_dtype: bf16) on the owned slices. A pipeline
+        # rank whose stages hold nothing (a layout's empty stages) has one empty group, so the
+        # trainer's lr updates and state_dict work as on every other rank.
+        self.inner = adamw(inner_groups or [{"params": [], "weight_decay": 0.0}], cfg)
 
     @property
     def param_groups(self) -> list[dict]:

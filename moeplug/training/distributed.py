@@ -65,7 +65,7 @@ def resolve_device(cfg: RootConfig, num_local: int | None = None) -> torch.devic
     if not torch.cuda.is_available():
         raise ConfigError(f"{field}: torch {torch.__version__} sees no CUDA device (CUDA build: "
                           f"{torch.version.cuda or 'no'}). Fix: --set train.device=cpu, or "
-                          "install torch's CUDA build for your driver (README, 'GPU')")
+                          "install torch's CUDA build for your driver (docs/runtime.md, 'GPU')")
     num_local = num_local or _env_int("LOCAL_WORLD_SIZE", 1)
     count = torch.cuda.device_count()
     if ":" in want and num_local > 1:
@@ -117,15 +117,19 @@ def check_cuda_expert_levers(cfg: RootConfig, field: str) -> None:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """Where ``model`` (a model or a pipeline rank's ModuleList of chunks) lives."""
-    return next(model.parameters()).device
+    """Where ``model`` (a model or a pipeline rank's ModuleList of chunks) lives. A pipeline
+    rank whose stages hold nothing (a layout's empty stages) has no tensor: the CPU, where
+    its chunks were built."""
+    tensor = next(model.parameters(), None)
+    if tensor is None:
+        tensor = next(model.buffers(), None)
+    return torch.device("cpu") if tensor is None else tensor.device
 
 
 def to_device(batches: list, device: torch.device) -> list:
-    """(tokens, targets) micro-batches moved to ``device``. They are drawn on the CPU from the
-    CPU generator, so every device sees the same batches for the same seed."""
-    return [(t.to(device, non_blocking=True), y.to(device, non_blocking=True))
-            for t, y in batches]
+    """(tokens, targets[, positions]) micro-batches moved to ``device``. They are drawn on the
+    CPU from the CPU generator, so every device sees the same batches for the same seed."""
+    return [tuple(t.to(device, non_blocking=True) for t in batch) for batch in batches]
 
 
 def is_parallel(cfg: RootConfig, world_size: int) -> bool:
@@ -144,6 +148,10 @@ def layout_manifest(cfg: RootConfig, groups: Any) -> dict:
     return planned_layout_manifest(cfg, groups.config, groups.world_size)
 
 
+SPLIT_FIELDS = ("pipeline_layout", "account_for_embedding_in_pipeline_split",
+                "account_for_loss_in_pipeline_split")
+
+
 def planned_layout_manifest(cfg: RootConfig, pc: Any, world_size: int) -> dict:
     """:func:`layout_manifest` from the resolved ParallelConfig (:func:`resolve_layout`), before
     any process group exists: the CLI checks a checkpoint against it before launching ranks."""
@@ -152,7 +160,11 @@ def planned_layout_manifest(cfg: RootConfig, pc: Any, world_size: int) -> dict:
             "order": pc.order, "vpp": cfg.parallel.vpp,
             "num_layers_in_first_stage": cfg.parallel.num_layers_in_first_stage,
             "num_layers_in_last_stage": cfg.parallel.num_layers_in_last_stage,
-            "distributed_optimizer": cfg.parallel.distributed_optimizer}
+            "distributed_optimizer": cfg.parallel.distributed_optimizer,
+            # The other split fields only when set: manifests of the splits that predate them
+            # stay equal, and the same split reads only this rank's files.
+            **{k: getattr(cfg.parallel, k) for k in SPLIT_FIELDS
+               if getattr(cfg.parallel, k) not in (None, False)}}
 
 
 def init_distributed(cfg: RootConfig) -> Any:
@@ -247,14 +259,14 @@ def dp_slice(num_micro: int, groups: Any) -> range:
     return range(r * num_micro, (r + 1) * num_micro)
 
 
-def local_sequence(tokens_BS: torch.Tensor, targets_BS: torch.Tensor,
-                   groups: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """This CP rank's shard of a micro-batch (identity without context parallelism)."""
+def local_sequence(batch: tuple, groups: Any) -> tuple:
+    """This CP rank's shard of a micro-batch, every tensor of it: (tokens_BS, targets_BS) and,
+    with packed documents, positions_BS (identity without context parallelism)."""
     if groups is None or groups.size("cp") == 1:
-        return tokens_BS, targets_BS
+        return tuple(batch)
     from moeplug.parallel.context_parallel import shard_sequence
     cp, r = groups.size("cp"), groups.rank_in("cp")
-    return shard_sequence(tokens_BS, cp, r), shard_sequence(targets_BS, cp, r)
+    return tuple(shard_sequence(t, cp, r) for t in batch)
 
 
 def mean_over_dp(values: list[float], groups: Any) -> list[float]:
@@ -289,9 +301,12 @@ def _mean_over(values: list[float], group: Any) -> list[float]:
     return (t / dist.get_world_size(group)).tolist()
 
 
-def global_expert_counts(counts: list[torch.Tensor], groups: Any) -> list[torch.Tensor]:
+def global_expert_counts(counts: list[torch.Tensor], groups: Any,
+                         layers: list[int] | None = None) -> list[torch.Tensor]:
     """Per MoE layer of the whole model, tokens routed to each expert over every rank: local
-    counts summed over the ranks of one pipeline stage (distinct tokens), stages concatenated."""
+    counts summed over the ranks of one pipeline stage (distinct tokens), the stages' put in
+    the model's layer order by ``layers`` (each local count's layer, :func:`moe_layer_order`;
+    None: stages concatenated in rank order, which is layer order without VPP or a layout)."""
     if groups is None or not counts and groups.pp is None:
         return counts
     if counts and groups.tp_dp_cp is not None:
@@ -301,8 +316,26 @@ def global_expert_counts(counts: list[torch.Tensor], groups: Any) -> list[torch.
     if groups.pp is None:
         return counts
     per_stage: list[Any] = [None] * groups.size("pp")
-    dist.all_gather_object(per_stage, [c.tolist() for c in counts], group=groups.pp)
-    return [torch.tensor(c, dtype=torch.int64) for stage in per_stage for c in stage]
+    mine = [c.tolist() for c in counts]
+    ordered = list(zip(layers, mine)) if layers is not None else list(enumerate(mine))
+    dist.all_gather_object(per_stage, ordered, group=groups.pp)
+    pairs = [pair for stage in per_stage for pair in stage]
+    if layers is not None:
+        pairs.sort(key=lambda pair: pair[0])
+    return [torch.tensor(c, dtype=torch.int64) for _, c in pairs]
+
+
+def moe_layer_order(chunks: list) -> list[int]:
+    """The model's index of each MoE block of a pipeline rank's ``chunks``, in the order their
+    expert counts come (chunk by chunk, its layers, then its MTP blocks, numbered after the
+    layers): the order :func:`global_expert_counts` sorts the stages' counts into."""
+    out = []
+    for chunk in chunks:
+        pattern, n = chunk.cfg.moe_layer_pattern, chunk.cfg.num_layers
+        out += [i for i in chunk.layers if pattern[i]]
+        if chunk.runs_mtp:  # the chunk its MTP blocks run in
+            out += [n + k for k in range(len(chunk.mtp)) if pattern[-1]]
+    return out
 
 
 def single_process_equivalent(cfg: RootConfig, dp: int) -> RootConfig:

@@ -1,4 +1,5 @@
-"""AdamW with parameter groups, and the warmup + cosine learning-rate schedule.
+"""AdamW with parameter groups, and the learning-rate schedule (warmup, then Megatron's decay
+styles: constant, linear, cosine, inverse-square-root, WSD).
 
 Weight decay policy: decoupled decay (AdamW) applies only to matrices that do linear maps
 (attention/MLP/expert/router weights, ``ndim >= 2``). Norm gains and biases (``ndim < 2``) and
@@ -27,19 +28,67 @@ MAIN = "main"
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine to min_lr.
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then
+    ``cfg.lr_decay_style`` (Megatron's OptimizerParamScheduler formulas, tests/test_lr_schedule.py
+    checks them against megatron-core's own).
 
     Warmup reaches ``lr`` at the end of step ``warmup - 1`` (step 0 uses lr/warmup, never 0,
     so the first update is not wasted; warmup = ``cfg.effective_warmup_steps``, at most
-    ``steps``). After warmup, a half cosine from ``lr`` down to ``min_lr`` at ``steps``; steps
-    past the end stay at ``min_lr``.
+    ``steps``); Megatron's warmup at its ``num_steps = step + 1``. After warmup Megatron's
+    formulas at ``num_steps = step``, with D = ``cfg.lr_decay_horizon`` (``lr_decay_steps``, else
+    ``steps``) and the decay progress r = (step - warmup) / (D - warmup):
+
+        constant             lr
+        linear               min_lr + (lr - min_lr) (1 - r)
+        cosine               min_lr + (lr - min_lr) (1 + cos(pi r)) / 2
+        inverse-square-root  max(min_lr, lr sqrt(warmup / step))
+        WSD                  lr until D - A (A = ``cfg.lr_wsd_anneal_steps``), then
+                             min_lr + (lr - min_lr) c(a), a = (step - (D - A)) / A, with
+                             c = 1 - a (linear), (1 + cos(pi a)) / 2 (cosine),
+                             2 * 0.5^a - 1 (exponential), 1 - sqrt(a) (minus_sqrt)
+
+    Every style but constant holds ``min_lr`` past D.
     """
     warmup = cfg.effective_warmup_steps
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
-    decay_steps = max(1, cfg.steps - warmup)
-    progress = min(1.0, (step - warmup) / decay_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    style, horizon = cfg.lr_decay_style, cfg.lr_decay_horizon
+    if style == "constant":
+        return cfg.lr
+    if step > horizon:
+        return cfg.min_lr
+    if style == "inverse-square-root":
+        return max(cfg.min_lr, cfg.lr * math.sqrt(max(warmup, 1) / max(step, 1)))
+    progress = min(1.0, (step - warmup) / max(1, horizon - warmup))
+    if style == "cosine":  # this expression, bit for bit, since before the other styles
+        return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+    if style == "linear":
+        coeff = 1.0 - progress
+    elif style == "WSD":
+        coeff = _wsd_coefficient(step, horizon, cfg.lr_wsd_anneal_steps, cfg.lr_wsd_decay_style)
+    else:
+        raise ValueError(f"TrainConfig.lr_decay_style = {style!r} is not a decay style. Fix: "
+                         "build the TrainConfig through its checks (moeplug.config)")
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+
+def _wsd_coefficient(step: int, horizon: int, anneal: int, shape: str) -> float:
+    """WSD's share of (lr - min_lr): 1 in the stable phase, then the anneal's ``shape`` over the
+    last ``anneal`` steps of the horizon."""
+    start = horizon - anneal
+    if step <= start:
+        return 1.0
+    a = (step - start) / anneal
+    if shape == "linear":
+        return 1.0 - a
+    if shape == "cosine":
+        return 0.5 * (math.cos(math.pi * a) + 1.0)
+    if shape == "exponential":
+        return 2.0 * 0.5 ** a - 1.0
+    if shape == "minus_sqrt":
+        return 1.0 - math.sqrt(a)
+    raise ValueError(f"TrainConfig.lr_wsd_decay_style = {shape!r} is not a WSD anneal shape. "
+                     "Fix: build the TrainConfig through its checks (moeplug.config)")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -264,7 +313,7 @@ def adamw(groups: list[dict], cfg: TrainConfig) -> Optimizer:
     or ``param_dtype: bf16``) the precision-aware AdamW (moments in ``optimizer_dtype``, any
     parameter dtype, fp32 main copies of bf16 parameters with ``param_dtype: bf16``)."""
     # lr here is a placeholder: the trainer sets every group's lr from lr_at(step) each step.
-    kw = {"lr": lr_at(0, cfg), "betas": (cfg.beta1, cfg.beta2), "eps": 1e-8}
+    kw = {"lr": lr_at(0, cfg), "betas": (cfg.beta1, cfg.beta2), "eps": cfg.adam_eps}
     if cfg.optimizer_dtype == "bf16" or cfg.bf16_params:
         moments = torch.bfloat16 if cfg.optimizer_dtype == "bf16" else torch.float32
         return LowPrecisionMomentsAdamW(groups, moment_dtype=moments, main_params=cfg.main_params,

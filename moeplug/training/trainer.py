@@ -2,16 +2,18 @@
 
 Shape-suffix legend: B micro-batch size, S sequence length, E experts.
 
-Reproducibility contract: the model is initialised after :func:`seed_everything`; the batch of
-step ``s`` (all its micro-batches) comes from a generator seeded by ``(seed, s)``; validation uses
-fixed batches from ``(seed, "val")``; the LR is a pure function of the step. Model, optimizer and
-RNG states go into checkpoints, so a resumed run takes exactly the steps an uninterrupted one
-would.
+Reproducibility contract: the model is initialised after :func:`seed_everything`; step ``s``
+trains on the next global batch of the corpus' sample stream, epochs of Megatron GPTDataset
+indices seeded by ``train.seed`` (moeplug.data.loader); validation is the whole validation set,
+or its first ``train.eval_batches`` micro-batches; the LR is a pure function of the step.
+Model, optimizer and RNG states and the loader's position go into checkpoints, so a resumed run
+takes exactly the steps an uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import random
@@ -23,8 +25,10 @@ import numpy as np
 import torch
 
 from moeplug import delayed_wgrad
-from moeplug.config import RootConfig
-from moeplug.data import get_batch
+from moeplug.config import ConfigError, RootConfig
+from moeplug.data.loader import (Batches, EvalBatches, eval_batches, loader_state,
+                                 resume_position, sample_batches)
+from moeplug.documents import document_eod, with_positions
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.observability.timing import add_times, measure_stages, stage
@@ -41,6 +45,8 @@ from moeplug.training.memory import (ActivationMeter, gather_ranks, memory_recor
 from moeplug.training.metrics import MetricsWriter, Progress, expert_load
 from moeplug.training.optim import build_optimizer, lr_at
 
+# Streams of batch_generator: for tests and benchmarks that draw their own random windows
+# (moeplug.data.get_batch); the trainer's batches come from moeplug.data.loader.
 _TRAIN_STREAM, _VAL_STREAM = 0, 1
 
 
@@ -48,7 +54,7 @@ _TRAIN_STREAM, _VAL_STREAM = 0, 1
 class TrainSummary:
     steps: int                # completed optimizer steps
     final_train_loss: float   # mean loss of the last step's micro-batches (lm + aux + mtp)
-    val_loss: float           # mean lm loss over the fixed validation batches at the end
+    val_loss: float           # mean lm loss over the validation set at the end
     unigram_entropy: float    # corpus unigram entropy (nats/token): the no-context baseline
     tokens_per_s: float       # training tokens per second over this process's steps
     checkpoint: str           # the final checkpoint directory
@@ -69,41 +75,67 @@ def batch_generator(seed: int, step: int, stream: int = _TRAIN_STREAM) -> torch.
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any = None) -> float:
-    """Mean language-model loss (no aux loss) over fixed batches, in eval mode. Parallel: every
-    rank runs every batch (expert-parallel collectives need all ranks in each forward); CP
+def evaluate(model: torch.nn.Module, batches: list, precision: Any, groups: Any = None,
+             weights: list | None = None) -> float:
+    """Mean language-model loss (no aux loss) over ``batches``, each weighted by ``weights``
+    (default: equally), in eval mode; 0.0 when every weight is 0. Every rank of a DP replica
+    runs the same batches (expert-parallel collectives need all ranks in each forward); CP
     ranks take their shard, pipeline ranks run the forward-only schedule."""
     was_training = model.training
+    # Eval mode on every module (a pipeline rank's chunks too: ModuleList.eval recurses): no
+    # router jitter, no token counting for the expert-bias update, the dynamic MoE path.
     model.eval()
-    device_type = batches[0][0].device.type  # autocast where the data (and model) live
-    chunks = D.pipeline_chunks(model)
-    if chunks is not None:
-        from moeplug.parallel.schedules import forward_backward_pipeline
-        # Whole sequences: the schedule takes each rank's CP shard itself.
-        res = forward_backward_pipeline(chunks, batches, groups, forward_only=True,
-                                        autocast=lambda: precision.autocast(device_type))
-        loss = float(res.lm_loss)
-    else:
-        losses = []
-        for tokens_BS, targets_BS in batches:
-            with precision.autocast(device_type):
-                losses.append(float(model(*D.local_sequence(tokens_BS, targets_BS,
-                                                            groups)).lm_loss))
-        loss = sum(losses) / len(losses)
-    model.train(was_training)
+    try:
+        loss = _eval_loss(model, batches, precision, groups, weights)
+    finally:  # also when a batch fails: the caller's next step must not train in eval mode
+        model.train(was_training)
     precision.end_step(model, groups, train=False)  # what the evaluation saw steers nothing
     return loss
 
 
-def step_batches(ids: Any, tc: Any, step: int, groups: Any = None) -> list:
-    """This rank's micro-batches of optimizer step ``step``: the step's DP * A micro-batches
-    are drawn in one-process order from the (seed, step) generator; DP rank r keeps
-    micro-batches r*A .. (r+1)*A - 1 (moeplug.training.distributed explains why)."""
-    dp = 1 if groups is None else groups.size("dp")
-    gen = batch_generator(tc.seed, step)
-    drawn = [get_batch(ids, tc.micro_batch_size, tc.seq_len, gen)
-             for _ in range(dp * tc.grad_accum_steps)]
-    return [drawn[i] for i in D.dp_slice(tc.grad_accum_steps, groups)]
+def _eval_loss(model: torch.nn.Module, batches: list, precision: Any, groups: Any,
+               weights: list | None) -> float:
+    weights = [1] * len(batches) if weights is None else list(weights)
+    device_type = batches[0][0].device.type  # autocast where the data (and model) live
+    chunks = D.pipeline_chunks(model)
+    if chunks is not None:
+        from moeplug.parallel.schedules import forward_backward_pipeline
+        # Whole sequences: the schedule takes each rank's CP shard itself. It averages its
+        # micro-batches equally: all but the last (which may be shorter, or idle) go together.
+        losses = []
+        for part in ([batches[:-1]] if len(batches) > 1 else []) + [batches[-1:]]:
+            res = forward_backward_pipeline(chunks, part, groups, forward_only=True,
+                                            autocast=lambda: precision.autocast(device_type))
+            losses += [float(res.lm_loss)] * len(part)
+    else:
+        losses = []
+        for batch in batches:  # (tokens, targets[, document positions])
+            with precision.autocast(device_type):
+                losses.append(float(model(*D.local_sequence(batch, groups)).lm_loss))
+    total = sum(weights)
+    return sum(v * w for v, w in zip(losses, weights)) / total if total else 0.0
+
+
+def evaluate_set(model: torch.nn.Module, val: EvalBatches, precision: Any,
+                 groups: Any = None) -> float:
+    """Mean lm loss over the validation set, every target counted once: each DP rank
+    evaluates its share (moeplug.data.loader.eval_batches); the token-weighted sums are added
+    over DP (sync point)."""
+    loss = evaluate(model, val.batches, precision, groups, val.weights)
+    if groups is None or groups.size("dp") == 1:
+        return loss
+    sums = torch.tensor([loss * sum(val.weights), float(sum(val.weights))], dtype=torch.float64)
+    torch.distributed.all_reduce(sums, group=groups.dp)
+    return float(sums[0] / sums[1])
+
+
+def step_batches(ids: Any, tc: Any, step: int, groups: Any = None,
+                 first: int | None = None) -> list:
+    """This rank's micro-batches of optimizer step ``step``: its share of the step's global
+    batch, the next DP * A * B samples of the stream (moeplug.data.loader; ``ids``: a corpus'
+    sample stream, or a token array read as one document); DP rank r trains on micro-batches
+    r*A .. (r+1)*A - 1 (moeplug.training.distributed explains why)."""
+    return sample_batches(ids, tc, step, groups, first)
 
 
 @dataclass(frozen=True)
@@ -197,9 +229,10 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
             routing = add_micro_batch(routing, counts, router_losses)  # counts summed there
 
         def forward(m: int) -> Any:
-            tokens_BS, targets_BS = D.local_sequence(*micro_batches[m], groups)  # CP shard
+            # This CP rank's shard of tokens, targets (and document positions).
+            batch = D.local_sequence(micro_batches[m], groups)
             with precision.autocast(device_type):  # the precision plugin picks the dtype
-                out = model(tokens_BS, targets_BS)
+                out = model(*batch)
             mtp = out.lm_loss.new_zeros(()) if out.mtp_loss is None else out.mtp_loss
             reports[m] = (out.mtp_loss is not None,
                           [v.detach() for v in (out.loss, out.lm_loss, out.aux_loss, mtp)],
@@ -345,10 +378,16 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
 
     ``model``: a MoETransformer, or a pipeline rank's ``nn.ModuleList`` of chunks. ``groups``:
     a ParallelGroups (None = one process). ``optimizer``: AdamW, or a DistributedAdamW.
+    ``micro_batches``: (tokens_BS, targets_BS) of whole sequences, or with packed documents
+    (tokens_BS, targets_BS, positions_BS) (moeplug.documents.with_positions).
     """
     num_micro = len(micro_batches)
     device_type = micro_batches[0][0].device.type  # autocast where the data (and model) live
     chunks = D.pipeline_chunks(model)
+    # Train mode on every module, whoever called (train(), the library API, a test) and
+    # whatever ran before (an evaluation, generation): router jitter and token counting are
+    # training-only, and a step in eval mode would train another model than it logs.
+    model.train()
 
     def forward_backward() -> tuple[list, list, Any]:
         optimizer.zero_grad(set_to_none=True)
@@ -412,7 +451,8 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     for m in (chunks or [model]):
         m.finalize_step(group)
     with stage("comm_wait"):  # logging only: counts summed
-        expert_counts = D.global_expert_counts(counts_per_layer, groups)
+        expert_counts = D.global_expert_counts(  # in layer order, whatever the pipeline split
+            counts_per_layer, groups, D.moe_layer_order(chunks) if chunks else None)
     moe = moe_metrics(routing, counts=expert_counts)
     with stage("comm_wait"):
         # Router losses and dropped fractions: averaged over the stage's ranks; counts: summed.
@@ -463,15 +503,28 @@ def build_rank_optimizer(model: torch.nn.Module, cfg: RootConfig, groups: Any = 
 
 def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
           plugin_names: dict[str, str], log: Callable[[str], None] = print,
-          use_bar: bool | None = None, groups: Any = None) -> TrainSummary:
+          use_bar: bool | None = None, groups: Any = None, batches: Any = None,
+          val_batches: list | None = None, tokenizer: Any = None) -> TrainSummary:
     """Train ``model`` (this rank's model or pipeline chunks, from
     moeplug.training.distributed.build_rank_model) for ``cfg.train.steps``. ``groups``: the
     ParallelGroups of a multi-process run (None: one process). Only rank 0 logs, writes
-    metrics and the run-level checkpoint files."""
+    metrics and the run-level checkpoint files.
+
+    Data: the ``corpus``'s sample stream (moeplug.data.loader), or — library use
+    (moeplug.library), one process, ``corpus`` None — ``batches``, an iterator of
+    (tokens_BS, targets_BS) micro-batches (``train.grad_accum_steps`` per step), ``val_batches`` (a list; empty: no
+    evaluation) and the ``tokenizer`` they were made with (None: unknown), which checkpoints
+    record."""
     tc = cfg.train
+    if corpus is not None:
+        tokenizer = corpus.tokenizer
+    batches = None if batches is None else iter(batches)
     if tc.threads > 0:
         torch.set_num_threads(tc.threads)
     main_rank = D.is_main_rank(groups)
+    # Packed documents: the EOD id their positions restart after (None: masking off). A
+    # tokenizer without EOS is refused here too (the CLI refuses it before any rank starts).
+    eod = document_eod(cfg, tokenizer)
     if not main_rank:
         log, use_bar = (lambda _msg: None), False
     host_allocator = "default (train.retain_freed_memory: false)"
@@ -487,6 +540,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
 
     start_step, metrics_state = 0, {"tokens_seen": 0, "train_seconds": 0.0}
     hf_origin = None  # the Hugging Face import this run continues, if any
+    consumed = 0  # samples of the stream the run has trained on (the loader's position)
     resume_from = resolve_resume(tc.resume, tc.out_dir)
     if resume_from:
         meta = (load_checkpoint(resume_from, model, optimizer) if groups is None else
@@ -494,6 +548,8 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                                         D.layout_manifest(cfg, groups)))
         start_step, metrics_state = meta["step"], meta.get("metrics") or metrics_state
         hf_origin = meta.get("hf") or meta.get(HF_ORIGIN)  # carried on (convert export)
+        if corpus is not None:  # (the caller's batches: the caller's position)
+            consumed = resume_position(meta.get("data"), corpus, cfg, resume_from)
         _restore_precision_state(precision, model, meta, groups,
                                  None if groups is None else D.layout_manifest(cfg, groups))
         if start_step >= tc.steps:
@@ -503,32 +559,57 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     dp = 1 if groups is None else groups.size("dp")
     world = 1 if groups is None else groups.world_size
     tokens_per_step = dp * tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps  # all ranks
-    vocab_size = cfg.model.vocab_size or corpus.vocab_size
+    # the embedding's rows: the tokenizer's vocabulary as the model pads it
+    vocab_size = (cfg.model_vocab_size(corpus.vocab_size) if corpus is not None
+                  else model.vocab_size)
     flops_per_token = float(model_flops_per_token(cfg.model, vocab_size, tc.seq_len))
     device = D.model_device(model)  # the CLI put it on train.device; batches follow it
     compute_dtype = torch.float32 if precision is None else precision.compute_dtype
     peak_1 = measure_peak_tflops(compute_dtype, device)
     peak = world * peak_1
     slow_bf16 = slow_bf16_note(peak_1, device) if compute_dtype == torch.bfloat16 else None
-    gen = batch_generator(tc.seed, 0, _VAL_STREAM)
-    val_batches = D.to_device([get_batch(corpus.val_ids, tc.micro_batch_size, tc.seq_len, gen)
-                               for _ in range(tc.eval_batches)], device)
+    if corpus is not None:
+        data = Batches(corpus.train_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
+                       tc.grad_accum_steps)
+        val = eval_batches(corpus.val_samples(tc.seq_len, tc.seed), tc.micro_batch_size,
+                           tc.eval_batches, groups)
+        val = EvalBatches(with_positions(D.to_device(val.batches, device), eod), val.weights,
+                          val.total_tokens)
+        data_order = loader_state(corpus, cfg)  # what the order depends on, for the checkpoints
+    else:  # library use: the caller's batches, each validation batch weighted by its targets
+        data, data_order = None, None
+        given = with_positions(D.to_device(list(val_batches or []), device), eod)
+        weights = [int(b[1].numel()) for b in given]
+        val = EvalBatches(given, weights, sum(weights))
+
+    def draw(step: int) -> list:  # this rank's micro-batches of optimizer step ``step``
+        if batches is None:
+            return data.step(consumed, groups, step)
+        drawn = list(itertools.islice(batches, tc.grad_accum_steps))
+        if len(drawn) < tc.grad_accum_steps:
+            raise ConfigError(f"TrainConfig.steps = {tc.steps}: the batches given ran out at "
+                              f"step {step + 1} ({tc.grad_accum_steps} micro-batch(es) a step, "
+                              f"train.grad_accum_steps). Fix: give more batches, or fewer steps")
+        return drawn
     metrics_path = os.path.join(tc.out_dir, "metrics.jsonl")
     # Append, never truncate: the CLI refuses a used run directory unless told to resume it
     # (the records continue) or to overwrite it (it clears the old run first).
     writer = MetricsWriter(metrics_path, append=True) if main_rank else None
-    tensorboard = None
+    mirrors = []  # TensorBoard, W&B: what each gets is what metrics.jsonl gets
     if main_rank and tc.tensorboard:
         from moeplug.observability.tensorboard import TensorBoardWriter
-        tensorboard = TensorBoardWriter(tc.out_dir, start_step)
+        mirrors.append(TensorBoardWriter(tc.out_dir, start_step))
+    if main_rank and tc.wandb:
+        from moeplug.observability.wandb_writer import WandbWriter
+        mirrors.append(WandbWriter(tc.out_dir, tc, cfg.to_dict(), start_step, resume_from))
     # Wall-clock stage times are only meaningful where ops finish before they return (CPU).
     timed = tc.time_breakdown and all(p.device.type == "cpu" for p in model.parameters())
 
     def write(record: dict) -> None:
         if writer is not None:
             writer.write(record)
-        if tensorboard is not None:
-            tensorboard.write(record)
+        for mirror in mirrors:
+            mirror.write(record)
 
     layout = None if groups is None else D.layout_manifest(cfg, groups)
     runtime = stash_runtime(model)  # what the model registered with the runtime at build
@@ -551,7 +632,12 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     def checkpoint(step: int) -> str:
         meta = {"config": cfg.to_dict(), "plugins": plugin_names, "metrics": metrics_state,
                 "scheduler": {"step": step, "lr": lr_at(step, tc)},
-                "tokenizer": corpus.tokenizer.fingerprint()}  # moeplug generate checks it
+                "model_vocab_size": vocab_size}  # the embedding's rows (a resume keeps them)
+        if data_order is not None:  # the next batch's start, and what the order depends on
+            meta["data"] = {**data_order, "consumed_samples": consumed}
+        if tokenizer is not None:  # generate and a resume check it (moeplug.training.resume)
+            meta["tokenizer"] = tokenizer.fingerprint()
+        files = tokenizer.hf_files() if tokenizer is not None else None
         state = _precision_state(precision, model, groups)
         if state is not None:
             meta["precision_state"] = state
@@ -559,9 +645,10 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             meta[HF_ORIGIN] = hf_origin
         try:
             if groups is None:
-                return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last)
+                return save_checkpoint(tc.out_dir, step, model, optimizer, meta, tc.keep_last,
+                                       tokenizer_files=files)
             return save_sharded_checkpoint(tc.out_dir, step, model, optimizer, meta, groups,
-                                           layout, tc.keep_last)
+                                           layout, tc.keep_last, tokenizer_files=files)
         except Exception as e:  # OSError, safetensors' SafetensorError: a full or unwritable disk
             if not isinstance(e, OSError) and type(e).__name__ != "SafetensorError":
                 raise
@@ -591,14 +678,26 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
     watch = NonFiniteWatch(model)
     rank = 0 if groups is None else groups.rank
     heartbeat = D.heartbeat(groups)
+
+    def validate(done: int) -> float:
+        loss = evaluate_set(model, val, precision, groups)
+        write({"kind": "val", "step": done, "val_loss": loss, "val_tokens": val.total_tokens})
+        progress.message(f"step {done:>6} | val loss {loss:.4f} ({val.total_tokens:,} tokens)")
+        return loss
+
     try:
+        if start_step == 0 and val.batches:  # the starting point: an import is scored first
+            val_loss = validate(0)
         for step in range(start_step, tc.steps):
             t0 = time.perf_counter()
             # LR is set per step from the pure schedule, so resume needs no scheduler object.
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = D.to_device(step_batches(corpus.train_ids, tc, step, groups), device)
+            step_data = with_positions(  # + document positions, once per micro-batch
+                D.to_device(draw(step), device), eod)
+            if data is not None:
+                consumed += data.global_batch(groups)
             done = step + 1
             watch.reset()
             if test_fault is not None:
@@ -610,7 +709,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             reset_process_peak(device)
             with measure_stages(timed) as times, (meter.active() if meter is not None
                                                   else contextlib.nullcontext()):
-                stats = train_step(model, optimizer, batches, tc, precision, groups)
+                stats = train_step(model, optimizer, step_data, tc, precision, groups)
             window_times = add_times(window_times, times)
             # This step's activation offloading (model.offload), read every step so each
             # record holds its own step's figures whatever train.log_interval is.
@@ -690,19 +789,19 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                 window_tokens, window_seconds, window_times = 0, 0.0, {}
             progress.step(record)
 
-            if (tc.eval_interval and done % tc.eval_interval == 0) or done == tc.steps:
-                val_loss = evaluate(model, val_batches, precision, groups)
-                write({"kind": "val", "step": done, "val_loss": val_loss})
-                progress.message(f"step {done:>6} | val loss {val_loss:.4f}")
+            if val.batches and ((tc.eval_interval and done % tc.eval_interval == 0)
+                                or done == tc.steps):
+                val_loss = validate(done)
             if (tc.ckpt_interval and done % tc.ckpt_interval == 0) or done == tc.steps:
                 ckpt_path = checkpoint(done)
     finally:
         progress.close()
         if writer is not None:
             writer.close()
-        if tensorboard is not None:
-            tensorboard.close()
+        for mirror in mirrors:
+            mirror.close()
     return TrainSummary(steps=tc.steps, final_train_loss=loss_step, val_loss=val_loss,
-                        unigram_entropy=float(corpus.unigram_entropy()),
+                        unigram_entropy=(float(corpus.unigram_entropy()) if corpus is not None
+                                         else float("nan")),
                         tokens_per_s=run_tokens / run_seconds if run_seconds else 0.0,
                         checkpoint=ckpt_path, metrics_path=metrics_path)

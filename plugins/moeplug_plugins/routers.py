@@ -12,7 +12,9 @@ forward(x_TD, num_sequences=B):
                    (moeplug.routing.scores)
     4. drop        capacity C = ceil(T*K/E * capacity_factor); over-capacity choices get prob 0
                    and dropped_TK = True; pad_to_capacity asks the dispatcher for exactly C rows
-    5. losses      sum over load_balancing_type of coeff * loss, plus z_loss_coeff * z-loss
+    5. losses      sum over load_balancing_type of coeff * loss, plus z_loss_coeff * z-loss;
+                   hf_aux_loss: the statistics of transformers' pooled loss, which the model
+                   adds once over all layers (RouterOutput.pooled_aux, moeplug.routing.pooled)
     6. count       step counts for the expert-bias update / global aux loss (training + grad)
 finalize_step(group): expert bias b += rate * sign(mean n - n) over the step's counts (summed
 over ``group``), then both per-step count buffers reset.
@@ -39,6 +41,7 @@ from moeplug.modules.recompute import recomputing, will_recompute
 from moeplug import routing as R
 from moeplug.ops import workspace
 from moeplug.routing import workspace_losses as WL
+from moeplug.routing.pooled import HF_AUX_LOSS, pooled_aux_stats
 from moeplug.quant import row_alignment
 
 
@@ -57,6 +60,12 @@ class TopKOptions:
 
     # How it runs, not what it computes (the same math): a resume may change them.
     execution_only: ClassVar[tuple[str, ...]] = ("fused", "fused_cuda")
+    # What only training reads (its losses, the jitter it adds, how fast the expert bias moves):
+    # the trained model routes the same whatever they are, so a resume may change them too
+    # (the fine-tuning of an import with another loss above all).
+    training_only: ClassVar[tuple[str, ...]] = (
+        "load_balancing_type", "aux_loss_coeff", "aux_loss_counts", "z_loss_coeff",
+        "input_jitter_eps", "bias_update_rate")
 
     # Score function. softmax + renormalize=True is Megatron's post-softmax (= Mixtral);
     # softmax + renormalize=False is Megatron's pre_softmax. For sigmoid/sqrtsoftplus,
@@ -78,7 +87,10 @@ class TopKOptions:
     enable_expert_bias: bool = False
     bias_update_rate: float = 1e-3
     # Load-balancing losses: one name or a list; coefficients: None = model.moe.aux_loss_coeff
-    # for each, a number for all, or a list matching the types.
+    # for each, a number for all, or a list matching the types. aux_loss, seq_aux_loss and
+    # global_aux_loss are Megatron's, one per MoE layer, summed over the layers; hf_aux_loss is
+    # transformers' load_balancing_loss_func: one loss over every MoE layer's tokens pooled
+    # (moeplug.routing.pooled), about K / L times the per-layer sum at the same coefficient.
     load_balancing_type: str | list = "aux_loss"
     aux_loss_coeff: float | list | None = None
     # Which token counts feed the aux losses: "plain_topk" (Megatron, default) recomputes a plain
@@ -115,9 +127,10 @@ class TopKOptions:
     def __post_init__(self) -> None:
         types = self.loss_types()
         for t in types:
-            if t not in R.AUX_LOSS_TYPES:
+            if t not in (*R.AUX_LOSS_TYPES, HF_AUX_LOSS):
                 _fail("load_balancing_type", self.load_balancing_type, f"unknown type {t!r}",
-                      f"use 'none' or any of {', '.join(R.AUX_LOSS_TYPES)} (one or a list)")
+                      f"use 'none' or any of {', '.join((*R.AUX_LOSS_TYPES, HF_AUX_LOSS))} "
+                      f"(one or a list)")
         if len(set(types)) != len(types):
             _fail("load_balancing_type", self.load_balancing_type, "lists a type twice",
                   "list each loss type once")
@@ -172,6 +185,21 @@ class TopKOptions:
                   "cannot combine with pad_to_capacity (capacity fixes the row count)",
                   "choose one of them")
 
+    def check_parallel(self, parallel) -> None:
+        """hf_aux_loss pools the tokens of every MoE layer of one micro-batch; layouts that
+        split a micro-batch's tokens (TP/SP, CP) or its layers (PP) over ranks would pool only
+        a share of them, which is another loss."""
+        if HF_AUX_LOSS not in self.loss_types():
+            return
+        split = [f"parallel.{n} = {getattr(parallel, n)}" for n in ("tp", "cp", "pp")
+                 if getattr(parallel, n) > 1]
+        if split:
+            raise ValueError(
+                f"TopKOptions.load_balancing_type = {self.load_balancing_type!r}: hf_aux_loss "
+                f"pools every MoE layer's tokens of a micro-batch into one loss, but "
+                f"{' and '.join(split)} splits them over ranks. Fix: train it with data and "
+                f"expert parallelism only, or use load_balancing_type: aux_loss (per layer)")
+
     def loss_types(self) -> list[str]:
         types = ([self.load_balancing_type] if isinstance(self.load_balancing_type, str)
                  else list(self.load_balancing_type))
@@ -180,6 +208,11 @@ class TopKOptions:
 
 def _check_against_model(model: ModelConfig, o: TopKOptions) -> None:
     E, K = model.moe.num_experts, model.moe.top_k
+    if HF_AUX_LOSS in o.loss_types() and model.mtp_num_layers:
+        _fail("load_balancing_type", o.load_balancing_type, f"hf_aux_loss pools the main "
+              f"model's MoE layers as transformers does, which has no multi-token-prediction "
+              f"blocks (model.mtp_num_layers = {model.mtp_num_layers})",
+              "set model.mtp_num_layers: 0, or use load_balancing_type: aux_loss")
     if K == 1 and o.score_function == "softmax" and o.renormalize is True:
         _fail("renormalize", True, "with top_k = 1 and softmax the renormalised weight is always "
               "1.0, so the gate gets no gradient from the main loss (Megatron rejects post-softmax "
@@ -229,6 +262,8 @@ class TopKRouter(Router):
             coeff = model.moe.aux_loss_coeff
         coeffs = coeff if isinstance(coeff, list) else [coeff] * len(types)
         self.aux_loss_coeffs = {t: float(c) for t, c in zip(types, coeffs)}
+        # transformers' loss over all layers: this layer hands its statistics to the model
+        self.pooled_coeff = self.aux_loss_coeffs.pop(HF_AUX_LOSS, 0.0)
         self.weight = nn.Parameter(torch.empty(self.num_experts, model.hidden_size, dtype=torch.float32))
         nn.init.normal_(self.weight, mean=0.0, std=model.init_std)
         E = self.num_experts
@@ -293,6 +328,8 @@ class TopKRouter(Router):
             aux_loss = aux_loss + o.z_loss_coeff * z
         if dropped_TK is not None:
             losses["dropped_fraction"] = R.dropped_fraction(dropped_TK) if T else torch.zeros(())
+        pooled = (pooled_aux_stats(logits_TE, K, self.pooled_coeff) if self.pooled_coeff
+                  else None)
         # 6. step counts for the expert-bias update
         if counting and self.step_counts_E is not None:
             with torch.no_grad():
@@ -301,7 +338,8 @@ class TopKRouter(Router):
         return RouterOutput(probs_TK=probs_TK.float(), ids_TK=ids_TK, aux_loss=aux_loss.float(),
                             logits_TE=logits_TE.float(), losses=losses, dropped_TK=dropped_TK,
                             capacity=capacity if o.pad_to_capacity else None,
-                            pad_multiple=row_alignment(o.padding_for_quantization))
+                            pad_multiple=row_alignment(o.padding_for_quantization),
+                            pooled_aux=pooled)
 
     def _active_aux_losses(self) -> dict[str, float]:
         return {t: c for t, c in self.aux_loss_coeffs.items() if c != 0.0}
