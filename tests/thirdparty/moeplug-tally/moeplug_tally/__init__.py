@@ -8,9 +8,14 @@ dispatch, F expert FFN hidden; n one expert's rows.
 
 TallyExperts: the SwiGLU expert FFN as a plain loop over the local experts, Mixtral parameter
 layout, and nothing else (no ``activation`` attribute, say: what the core needs it must get
-by calling forward). With ``$MOEPLUG_TALLY_LOG`` set, each eager forward appends one line to
-that file: the process, the rows and how many carry a nonzero weight, so a test can see that
-it, not something else, computed the experts.
+by calling forward). Its loop takes a token budget's fixed rows as they come, so it declares
+``budget_rows`` (docs/plugins.md, "Declared capabilities") and runtime.sync_free calls it on
+them; it declares no ``capturable`` (``counts_L.tolist()`` breaks a compiled graph), so
+runtime.capture refuses it. ``tally_plain`` is the same loop declaring nothing, as a plugin
+written before the capability was documented: runtime.sync_free refuses it. With
+``$MOEPLUG_TALLY_LOG`` set, each eager forward appends one line to that file: the process,
+the rows and how many carry a nonzero weight, so a test can see that it, not something else,
+computed the experts.
 
 TallyDispatcher: all-gather over the EP group, pick the rows of this rank's experts (padded as
 RouterOutput asks), and on the way back scatter-add and all-reduce. One process: no
@@ -30,7 +35,7 @@ from moeplug import hookimpl
 from moeplug.interfaces import Dispatched, Dispatcher, Experts, RouterOutput
 
 
-class TallyExperts(Experts):
+class PlainTallyExperts(Experts):
     """y = down(silu(gate x) * (up x) * p) per local expert, with autograd."""
 
     def __init__(self, model, num_local_experts: int) -> None:
@@ -61,6 +66,13 @@ class TallyExperts(Experts):
             a_nF = F.silu(gate_nF) * up_nF * p_n.unsqueeze(-1).to(up_nF.dtype)
             ys.append(a_nF @ self.down_proj[e].t())
         return torch.cat(ys, dim=0)
+
+
+class TallyExperts(PlainTallyExperts):
+    """The same loop, declaring that its forward takes budget rows (B per local expert, zero
+    rows of weight 0 where no choice landed): it reads only ``counts_L``, a host constant."""
+
+    budget_rows = True
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,10 @@ def make_experts(model, options, num_local_experts):
     return TallyExperts(model, num_local_experts)
 
 
+def make_plain_experts(model, options, num_local_experts):
+    return PlainTallyExperts(model, num_local_experts)
+
+
 def make_dispatcher(model, options, group):
     return TallyDispatcher(model, group)
 
@@ -145,6 +161,8 @@ def make_dispatcher(model, options, group):
 def moeplug_register_experts(registry) -> None:
     registry.add("tally", make_experts,
                  description="SwiGLU experts as a plain loop that tallies the rows it computed")
+    registry.add("tally_plain", make_plain_experts,
+                 description="the tally loop declaring no capability (test package)")
 
 
 @hookimpl
