@@ -96,3 +96,22 @@ def test_check_declared_passes_the_interfaces_defaults():
     class Plain(interfaces.Precision):
         name = "plain"
     check_declared(Plain(), interfaces.Precision, "precision 'plain'")
+
+
+def test_every_declared_capability_is_in_the_plugin_guide():
+    """docs/plugins.md 'Declared capabilities' names every optional attribute an interface
+    declares (those with a default: num_experts and the like are each kind's contract): a new
+    capability a plugin author must know fails here until it is documented."""
+    from pathlib import Path
+
+    from moeplug import interfaces
+    from moeplug.testing.capabilities import declared
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text("utf-8")
+    section = guide[guide.index("## Declared capabilities"):]
+    bases = (interfaces.Router, interfaces.Dispatcher, interfaces.Experts,
+             interfaces.Precision, interfaces.PluginOptions)
+    names = {n for base in bases for n in declared(base) if hasattr(base, n)}
+    assert {"budget_rows", "packed_rows", "capturable", "training_only"} <= names
+    missing = sorted(n for n in names if f"`{n}`" not in section)
+    assert not missing, f"docs/plugins.md 'Declared capabilities' does not name {missing}"
