@@ -158,7 +158,7 @@ def qwen3_layer(d: int = D, f: int = F, e: int = E, k: int = K, fused_cuda: bool
     benchmarks/profile_cuda_moe_layer.py. ``fused_cuda``, ``router_dtype``: the router's
     options ``fused_cuda`` and ``dtype``."""
     from moeplug.config import ModelConfig, MoEConfig
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.plugin_host import PluginHost
 
     m = ModelConfig(hidden_size=d, num_heads=16, num_kv_heads=4, num_layers=1, first_k_dense=0,

@@ -36,7 +36,7 @@ import torch.nn.functional as Fn
 
 from benchmarks.conftest import gflops, interleave
 from moeplug.config import ModelConfig, MoEConfig
-from moeplug.modules.moe import MoELayer
+from moeplug.moe import MoELayer
 from moeplug.ops._grouped import ROW_MULTIPLE, padded_rows
 from moeplug.plugin_host import PluginHost
 

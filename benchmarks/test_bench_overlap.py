@@ -1,5 +1,5 @@
 """Overlap at 4 ranks (EP4): how much of the expert-parallel communication the chunked
-pipeline (``model.moe.overlap_chunks``, moeplug.modules.moe_overlap) and the combined 1F1B
+pipeline (``model.moe.overlap_chunks``, moeplug.moe.overlap) and the combined 1F1B
 schedule (``parallel.overlap_moe_expert_parallel_comm``, moeplug.parallel.ep_overlap) hide
 behind compute, and what delaying the experts' weight gradients behind the dispatch's
 backward exchange (``model.moe.delay_wgrad_compute``) adds.
@@ -46,7 +46,7 @@ VARIANTS = {"off": (1, False, False), "chunks=2": (2, False, False), "chunks=4":
             "direct_write": (1, False, False, "direct_write"),
             "direct_write+1f1b": (1, True, False, "direct_write"),
             # the sync-free region (its own static exchange), unchunked and pipelined
-            # (moeplug.modules.static_overlap): the chunked one is measured against the first
+            # (moeplug.moe.overlap): the chunked one is measured against the first
             "sync_free": (1, False, False, "alltoall", True),
             "sync_free+chunks=2": (2, False, False, "alltoall", True)}
 BASELINE = {"sync_free+chunks=2": "sync_free"}  # else "off"

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.conftest import interleave
 from moeplug.config import ModelConfig, MoEConfig
-from moeplug.modules.moe import MoELayer
+from moeplug.moe import MoELayer
 from moeplug.plugin_host import PluginHost
 from moeplug.quant import block_scope
 from moeplug.quant.wire import WIRE, reset_wire

@@ -4,7 +4,7 @@ region, compiled once) buys per step on the CPU, in one run, interleaved.
 Four copies of one MoE layer with the same weights, timed fwd+bwd round-robin:
     dynamic     the default path (dispatcher + experts plugins; host syncs for counts)
     eager       runtime.sync_free, static shapes, op by op: on the CPU the stages in the
-                layer's workspace arena (moeplug.modules.static_arena)
+                layer's workspace arena (moeplug.moe.budgeted.arena)
     eager pure  the same with the functional pieces capture compiles, run op by op (what
                 eager ran before the arena form)
     replay      runtime.sync_free + runtime.capture (compiled once before timing)
@@ -33,7 +33,7 @@ SHAPES = {  # name: (tokens, D, F, E, K); tiny: where per-op dispatch is most of
 def _layer(D, F, E, K, runtime):
     from moeplug.config import config_from_dict
     from moeplug.modules import build_model
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.plugin_host import PluginHost
     cfg = config_from_dict({
         "model": {"hidden_size": D, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
@@ -137,7 +137,7 @@ def _ep2_static_vs_dynamic(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from moeplug.config import RuntimeSection
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.plugin_host import PluginHost
     from moeplug.stash import ModelRuntime
     from moeplug.testing._common import tiny_model_config

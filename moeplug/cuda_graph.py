@@ -14,7 +14,7 @@ the callable allocates during the capture, which comes from a private ``torch.cu
 alive by the recording (no other allocation reuses those blocks). Every allocation on the
 device goes to that pool while a capture is open, whatever thread makes it: the backward runs
 on autograd's device thread, which ``torch.cuda.use_mem_pool`` (this thread only) would miss.
-The callable must be sync-free (moeplug.modules.static_moe; CUDA refuses a host sync inside a
+The callable must be sync-free (moeplug.moe.budgeted; CUDA refuses a host sync inside a
 capture).
 """
 

@@ -4,8 +4,8 @@ Megatron-Core's ``delay_wgrad_compute``).
 The backward of an MoE layer is a chain: combine's exchange -> experts -> dispatch's exchange.
 Of the experts' backward only the data gradients (dX, dp) are on that chain; their weight
 gradients (dW2 = dY^T a, dW1 = dh^T x: half the backward's GEMM flops) are needed only by the
-optimizer. With the option on, the grouped expert ops (moeplug.ops.expert_mlp,
-moeplug.ops.grouped_mlp) compute dX and dp, hand them to autograd at once, and queue the weight
+optimizer. With the option on, the grouped expert FFN (moeplug.ops.grouped_ffn:
+expert_mlp, grouped_mlp) compute dX and dp, hand them to autograd at once, and queue the weight
 GEMMs here with :func:`defer`. The next exchange backward of moeplug.parallel.comm starts its
 all-to-all / reduce-scatter asynchronously, runs the queue (:func:`run_pending`) while the
 rows travel, and only then waits: the weight GEMMs hide the dispatch's backward exchange.

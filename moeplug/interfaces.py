@@ -12,11 +12,14 @@ Shape-suffix legend (torchtitan style), used throughout moeplug:
     F  expert FFN hidden size
     e.g. ``x_TD`` is a [T, D] tensor, ``ids_TK`` a [T, K] tensor, ``counts_L`` an [L] tensor.
 
-The MoE layer calls them in this order (see ``moeplug.modules.moe.MoELayer.forward``):
+The MoE layer calls them in this order (see ``moeplug.moe.MoELayer.forward``):
     1. route    ``router(x_TD) -> RouterOutput``
     2. dispatch ``dispatcher.dispatch(x_TD, routing) -> Dispatched``
     3. experts  ``experts(d.x_SD, d.probs_S, d.counts_L) -> y_SD``
     4. combine  ``dispatcher.combine(y_SD, d.meta) -> y_TD``
+With ``runtime.sync_free`` the dispatcher of steps 2 and 4 is the core's budgeted one
+(moeplug.moe.budgeted), wrapping the chosen plugin; step 3 is then the experts backend on
+budget rows (``Experts.budget_rows``, ``Experts.forward_packed``).
 No per-call state is kept on ``self``: everything ``combine`` needs travels in ``meta``, so two
 micro-batches can be in flight at once. With ``model.moe.overlap_chunks`` > 1 steps 2 and 4 run
 split in two (``Dispatcher.dispatch_start`` / ``dispatch_wait``, ``combine_start`` /
@@ -28,7 +31,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any, Callable, ClassVar, ContextManager
 
 import torch
 from torch import nn
@@ -81,26 +84,44 @@ class Dispatched:
     probs_S:  float32 routing weight of each row (experts apply it after the activation).
     counts_L: int64 CPU tensor, rows per local expert; ``counts_L.sum() == S``.
     meta:     opaque, frozen object that only this dispatcher's ``combine`` understands.
+
+    Optional (defaults mean: the layer counts from the routing, rows as above):
+    counts_E: the choices this dispatcher kept per global expert, when it counts them itself
+              (runtime.sync_free's budgeted dispatcher: on the device, no host read); the
+              layer logs these instead of counting the routing.
+    packed:   runtime.sync_free's packed budget rows (``Experts.packed_rows``): x_SD holds G
+              equal chunks, ``counts_L`` is [G, L], ``probs_S`` is None; the layer calls
+              ``Experts.forward_packed`` instead of ``forward``.
     """
 
     x_SD: torch.Tensor
-    probs_S: torch.Tensor
+    probs_S: torch.Tensor | None
     counts_L: torch.Tensor
     meta: Any
+    counts_E: torch.Tensor | None = None
+    packed: bool = False
 
 
 class Router(nn.Module, abc.ABC):
     """Chooses K experts per token. Owns the gate weight (``[E, D]``, fp32).
 
-    A router that needs sequence boundaries (per-sequence losses) sets
-    ``accepts_num_sequences = True`` and takes ``forward(x_TD, num_sequences=1)``; the MoE layer
-    then passes the batch size B of its [B, S, D] input (tokens are b-major: t = b * S + s).
-    Routers that leave it False keep the one-argument ``forward(x_TD)``.
+    Declared capabilities (class attributes, all optional with these defaults; the MoE layer
+    reads these and nothing else off a router):
     """
 
     num_experts: int
     top_k: int
+    #: The router needs sequence boundaries (per-sequence losses): it takes
+    #: ``forward(x_TD, num_sequences=1)`` and the MoE layer passes the batch size B of its
+    #: [B, S, D] input (tokens are b-major: t = b * S + s). False: ``forward(x_TD)``.
     accepts_num_sequences: bool = False
+    #: It takes ``token_group=`` (tensor parallelism: the ranks holding other chunks of the same
+    #: sequences) and counts experts over the whole group; the layer then averages the aux loss
+    #: over it (moeplug.parallel.tensor_parallel.average_over_token_group).
+    accepts_token_group: bool = False
+    #: It takes ``batch_group=`` (the ranks training the step's other micro-batches, TP x DP x
+    #: CP) and sums a global aux loss's counts over it each micro-batch (Megatron's n_i).
+    accepts_batch_group: bool = False
 
     @abc.abstractmethod
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
@@ -120,15 +141,21 @@ class Dispatcher(abc.ABC):
     Constructed with the expert-parallel process group (``None`` = single process). A dispatcher
     is stateless between calls: ``dispatch`` returns everything ``combine`` needs in ``meta``.
     Both methods are differentiable w.r.t. their tensor inputs.
+
+    Declared capabilities (class attributes, optional with these defaults; the core reads these
+    and nothing else off a dispatcher):
     """
 
     num_experts: int
     num_local_experts: int
-    # True when, under a low-precision recipe with ``quantize_dispatch``, the rows travel in
-    # the recipe's row format and are dequantized on receipt (moeplug.quant.wire), so the
-    # experts see quantized inputs; the sync-free region (runtime.sync_free) then sends its
-    # rows the same way, to compute what this dispatcher's layer computes.
+    #: Under a low-precision recipe with ``quantize_dispatch`` the rows travel in the recipe's
+    #: row format and are dequantized on receipt (moeplug.quant.wire), so the experts see
+    #: quantized inputs; runtime.sync_free's budgeted exchange then sends its rows the same way,
+    #: to compute what this dispatcher's layer computes.
     quantizes_dispatch: bool = False
+    #: The split start/wait pairs below really run the exchange in the background (see there);
+    #: False: the defaults, which exchange inside ``*_start``.
+    overlaps_comm: bool = False
 
     @abc.abstractmethod
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
@@ -138,7 +165,7 @@ class Dispatcher(abc.ABC):
     def combine(self, y_SD: torch.Tensor, meta: Any) -> torch.Tensor:
         """Return y_TD: each token's rows summed back (rows already carry their routing weight)."""
 
-    # ---- optional capability: split start/wait, for overlap (model.moe.overlap_chunks) ----
+    # ---- optional: split start/wait, for overlap (model.moe.overlap_chunks) ----
     # ``dispatch_wait(dispatch_start(x, r))`` must equal ``dispatch(x, r)``, and likewise for
     # combine. Between a start and its wait the MoE layer runs other work (the shared experts,
     # another chunk's experts) and other starts/waits, in the same order on every rank. The
@@ -146,7 +173,6 @@ class Dispatcher(abc.ABC):
     # exchange in ``*_start``, so every dispatcher works with overlap on, just without hiding
     # anything; a dispatcher whose exchange really runs in the background overrides all four
     # and sets ``overlaps_comm = True`` (the built-in ``alltoall`` does, over async collectives).
-    overlaps_comm: bool = False
 
     def dispatch_start(self, x_TD: torch.Tensor, routing: RouterOutput) -> Any:
         """Begin dispatching; returns an opaque pending object for :meth:`dispatch_wait`."""
@@ -176,20 +202,75 @@ class Experts(nn.Module, abc.ABC):
     For expert e and rows x: y = down(act(gate_up x) * p), e.g. swiglu:
     y = down(silu(gate x) * (up x) * p). The routing weight p scales the activation, not the
     input rows, so dispatchers never keep weighted copies; with ``moe.apply_probs_on_input`` the
-    MoE layer passes rows already scaled by p and p = 1.
+    MoE layer passes rows already scaled by p and p = 1. The core reaches the experts only
+    through ``forward`` (and ``forward_packed``, below): it never reads their parameters itself.
 
-    ``recompute_activation`` (optional class attribute, default absent): a backend that defines
-    it accepts ``model.recompute.modules: [moe_act]`` (the trainer sets it True: keep FC1's
-    output, rebuild the activation in backward) and the ``expert_fc1`` / ``moe_act`` offload
-    names (its op passes those tensors to ``moeplug.ops.offload_marks.note``). A backend
-    without it is refused for those settings before training starts.
+    Declared capabilities (class attributes, optional with these defaults; the core reads these
+    and nothing else off a backend). A mode that needs one the chosen backend lacks is refused
+    before any rank starts, naming the backend, the capability and the fix:
     """
 
     num_local_experts: int
+    #: The backend can keep FC1's output and rebuild the activation in backward
+    #: (``model.recompute.modules: [moe_act]``), and its ops pass FC1's input and output to
+    #: ``moeplug.ops.offload_marks.note`` (the ``expert_fc1`` / ``moe_act`` offload names).
+    can_recompute_activation: bool = False
+    #: Set to True by the core when moe_act recompute is on (only on a backend that can).
+    recompute_activation: bool = False
+    #: The backward queues its weight-gradient GEMMs (``model.moe.delay_wgrad_compute``,
+    #: moeplug.delayed_wgrad); the MoE layer then flushes the queue by its input's backward.
+    delay_wgrad_compute: bool = False
+    #: ``runtime.sync_free``: ``forward`` also takes budgeted rows, the static shapes of a
+    #: token budget: x_SD [L*B, D] with every local expert's B rows x_SD[e*B:(e+1)*B]
+    #: (``counts_L`` is [B] * L, the same CPU tensor every call) and probs_S [L*B] holding each
+    #: row's routing weight, 0 on the rows no choice filled (zero rows: computing them changes
+    #: nothing). Such a call must read no device tensor on the host (the mode never waits for
+    #: the device; a constant like ``counts_L`` may be read).
+    budget_rows: bool = False
+    #: ``runtime.capture``: the budgeted call (``forward`` on budget rows, ``forward_packed``)
+    #: is compiled (``torch.compile(fullgraph=True)`` on the CPU) or recorded as a CUDA graph
+    #: with the rest of the layer's static region: no graph break, the same ops every call.
+    capturable: bool = False
+    #: The backend implements :meth:`forward_packed`, which runtime.sync_free on the CPU then
+    #: calls instead of ``forward`` on budget rows: no FLOPs on padding rows.
+    packed_rows: bool = False
 
     @abc.abstractmethod
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         ...
+
+    @classmethod
+    def missing_capability(cls, *, sync_free: bool, capture: bool) -> str | None:
+        """What this backend lacks for runtime.sync_free / runtime.capture: its name, the
+        capability and the fix in one line (the plugin host refuses the run with it before any
+        rank starts), or None."""
+        name = cls.__name__
+        if sync_free and not cls.budget_rows:
+            return (f"{name} does not declare budget_rows, which runtime.sync_free needs (its "
+                    f"forward then takes a token budget's fixed rows: B per local expert, zero "
+                    f"rows of weight 0 where no choice landed, read on the host only as "
+                    f"constants). Fix: declare budget_rows = True on {name} once its forward "
+                    f"does (moeplug.interfaces.Experts), use plugins.experts: grouped, or set "
+                    f"runtime.sync_free: false")
+        if sync_free and capture and not cls.capturable:
+            return (f"{name} does not declare capturable, which runtime.capture needs (its "
+                    f"forward on budget rows is compiled whole, torch.compile fullgraph, or "
+                    f"recorded as a CUDA graph). Fix: declare capturable = True on {name} once "
+                    f"it is, use plugins.experts: grouped, or set runtime.capture: false")
+        return None
+
+    def forward_packed(self, x_GSD: torch.Tensor, counts_GL: torch.Tensor) -> torch.Tensor:
+        """Budgeted rows packed (``packed_rows``): y_GSD for G chunks of S rows each (one per
+        source EP rank, P*W under expert tensor parallelism). Chunk g's first
+        ``counts_GL[g].sum()`` rows are its routed rows, expert-contiguous in expert order
+        (``counts_GL[g, e]`` rows of local expert e); its other rows are padding whose outputs
+        are never read (they may be left unwritten). No routing weight: the budgeted
+        dispatcher's combine applies it (FC2 is linear). ``counts_GL`` is an int64 CPU tensor
+        the mode's kernels wrote: read it only inside a registered op (torch.library), never
+        from Python, so the call stays host-sync-free and capturable."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.forward_packed: not implemented; a backend that declares "
+            f"packed_rows = True implements it")
 
 
 class Precision(abc.ABC):
@@ -201,12 +282,14 @@ class Precision(abc.ABC):
     ``moeplug.quant.recipe_plan(recipe, ...)`` in ``autocast``: the model then runs each
     transformer block's GEMMs through the recipe (``moeplug.quant.active_recipe()``).
 
-    ``row_alignment`` (optional, default 1): rows per expert must be a multiple of it for the
-    recipe's grouped GEMMs (16 FP8, 32 MXFP8/NVFP4); the ``topk`` router pads to it.
+    Declared attributes (the core reads these and the methods below, nothing else):
     """
 
     name: str
-    compute_dtype: torch.dtype
+    #: The dtype the model computes in (fp32, or bf16 under autocast); the trainer's MFU uses it.
+    compute_dtype: torch.dtype = torch.float32
+    #: Rows per expert must be a multiple of it for the recipe's grouped GEMMs (16 FP8, 32
+    #: MXFP8/NVFP4); the ``topk`` router pads to it.
     row_alignment: int = 1
 
     def autocast(self, device_type: str) -> ContextManager:
@@ -236,6 +319,40 @@ class Precision(abc.ABC):
         is a collective over ``groups.tp_dp_cp``. Stateless recipes do nothing (the default)."""
 
 
+class PluginOptions:
+    """What the host reads off a plugin's ``options_cls`` (a dataclass), besides its fields.
+    Subclassing this is optional: a plain dataclass with the same names works alike.
+
+    ``execution_only``: names of options that change how the plugin runs, not what it computes
+    (a resume may change them; ``PluginHost.defining_options`` leaves them out).
+    ``training_only``: names of options that only weight or steer training (loss coefficients,
+    update rates): the trained model computes the same, so a resume may change them too.
+    ``check_parallel(parallel)``: rules needing the parallel layout (``cfg.parallel``), run
+    before any process group exists; raise ValueError/ConfigError with the field and a Fix.
+    """
+
+    execution_only: ClassVar[tuple[str, ...]] = ()
+    training_only: ClassVar[tuple[str, ...]] = ()
+
+    def check_parallel(self, parallel: Any) -> None:
+        """Nothing to check (the default)."""
+
+    @staticmethod
+    def execution_only_of(options_cls: type) -> tuple[str, ...]:
+        """``options_cls.execution_only``, () for a dataclass that declares none."""
+        return tuple(getattr(options_cls, "execution_only", ()))
+
+    @staticmethod
+    def training_only_of(options_cls: type) -> tuple[str, ...]:
+        """``options_cls.training_only``, () for a dataclass that declares none."""
+        return tuple(getattr(options_cls, "training_only", ()))
+
+    @staticmethod
+    def parallel_check_of(options: Any) -> Callable[[Any], None] | None:
+        """``options.check_parallel``, None for a dataclass that declares none."""
+        return getattr(options, "check_parallel", None)
+
+
 # --------------------------------------------------------------------------------------------
 # Factories: what a plugin registers. The registry validates ``options`` with the plugin's
 # ``options_cls`` (a dataclass) before calling the factory.
@@ -247,5 +364,5 @@ class Precision(abc.ABC):
 
 KINDS = ("router", "dispatcher", "experts", "precision")
 
-__all__ = ["RouterOutput", "Dispatched", "Router", "Dispatcher", "Experts", "Precision", "KINDS",
-           "ModelConfig"]
+__all__ = ["RouterOutput", "Dispatched", "Router", "Dispatcher", "Experts", "Precision",
+           "PluginOptions", "KINDS", "ModelConfig"]

@@ -494,8 +494,9 @@ class PluginHost:
             built = _build_options(entry, options)
         except PluginError:
             return None
-        skip = (set(getattr(entry.options_cls, "execution_only", ()))
-                | set(getattr(entry.options_cls, "training_only", ())))
+        from moeplug.interfaces import PluginOptions  # imports torch: only when compared
+        skip = (set(PluginOptions.execution_only_of(entry.options_cls))
+                | set(PluginOptions.training_only_of(entry.options_cls)))
         return {f.name: getattr(built, f.name) for f in dataclasses.fields(built)
                 if f.init and f.name not in skip}
 
@@ -508,7 +509,8 @@ class PluginHost:
         entry = self._entries[kind].get(name)
         if entry is None or entry.reason:
             return  # create() reports unknown and unavailable plugins
-        check = getattr(_build_options(entry, options), "check_parallel", None)
+        from moeplug.interfaces import PluginOptions
+        check = PluginOptions.parallel_check_of(_build_options(entry, options))
         if check is None:
             return
         try:
@@ -629,22 +631,34 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
     experts = attempt(host.create, "experts", p.experts, dict(p.experts_options), m, local)
     if experts is not None:
         attempt(_check_expert_op_levers, type(experts), cfg)
+        attempt(_check_mode_capabilities, type(experts), cfg)
     precision = attempt(host.create, "precision", p.precision, dict(p.precision_options))
     problems.raise_all(PluginError)
     return precision
 
 
+def _check_mode_capabilities(experts_cls: type, cfg: Any) -> None:
+    """runtime.sync_free and runtime.capture call the experts backend on budget rows
+    (moeplug.moe.budgeted): a backend that does not declare it takes them is refused here,
+    before any process group, rather than bypassed or failing in a step."""
+    rt = cfg.runtime
+    missing = experts_cls.missing_capability(sync_free=bool(rt.sync_free),
+                                             capture=bool(rt.capture))
+    if missing is not None:
+        raise PluginError(f"plugins.experts = {cfg.plugins.experts!r}: {missing}")
+
+
 def _check_expert_op_levers(experts_cls: type, cfg: Any) -> None:
     """moe_act recompute and the expert_fc1 / moe_act offload names (config.expert_op_levers)
-    need an experts backend that declares ``recompute_activation`` (moeplug.interfaces.Experts);
+    need an experts backend that declares ``can_recompute_activation`` (moeplug.interfaces.Experts);
     refused here, before any process group, rather than when the model is built."""
     levers = expert_op_levers(cfg.model)
-    if not levers or hasattr(experts_cls, "recompute_activation"):
+    if not levers or experts_cls.can_recompute_activation:
         return
     wants = [f"model.{key} {n}" for key, names in levers.items() for n in names]
     names = [n for ns in levers.values() for n in ns]
     raise PluginError(
         f"plugins.experts = {cfg.plugins.experts!r}: {experts_cls.__name__} cannot run "
-        f"{', '.join(wants)} (they need a backend that declares recompute_activation: its op "
+        f"{', '.join(wants)} (they need a backend that declares can_recompute_activation: its op "
         f"keeps FC1's output and marks its saved tensors). Fix: use plugins.experts: "
         f"grouped, or drop {', '.join(names)} from those settings")

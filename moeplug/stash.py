@@ -149,9 +149,11 @@ class ModelRuntime:
         return self._bytes
 
     def pack(self, t: torch.Tensor, skip: set[int]) -> Any:
-        if (t.dim() > 2 or t.numel() == 0 or not t.is_contiguous()
+        # Weights and odd layouts stay with autograd; any contiguous activation is bytes in
+        # pages (a GPU's budget rows save [L, B, .] blocks for their batched GEMMs).
+        if (t.dim() == 0 or t.numel() == 0 or not t.is_contiguous()
                 or t.untyped_storage().data_ptr() in skip):
-            return t  # weights and odd layouts stay with autograd
+            return t
         memory = self._memory(t.device)
         if memory.device != t.device:
             return t

@@ -3,7 +3,7 @@
 
 :class:`SyncFreeState` is owned by the model's :class:`moeplug.stash.ModelRuntime`; every MoE
 layer reaches it through its registration handle. With it active the layers run
-moeplug.modules.static_moe (static shapes, no host sync) and OR their device-side overflow flags
+moeplug.moe.budgeted (static shapes, no host sync) and OR their device-side overflow flags
 into it; the trainer reads the flag once per step, where the step syncs anyway (it reads the
 loss on the host right after), and reruns an over-budget step once on the dynamic path.
 
@@ -41,7 +41,7 @@ class SyncFreeState:
         self.cfg = cfg
         self.active = bool(cfg.sync_free)
         self.capture = bool(cfg.capture)  # a benchmark may flip it to time eager beside replay
-        # Eager on the CPU: the stages in the layers' workspace arenas (static_arena); a
+        # Eager on the CPU: the stages in the layers' workspace arenas (moeplug.moe.budgeted.arena); a
         # benchmark may flip it to time the pure pieces eagerly beside them.
         self.arena = True
         self._overflow: torch.Tensor | None = None

@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from moeplug.testing.example_plugin import EXAMPLES_DIR, install_example
+from moeplug.testing.example_plugin import EXAMPLES_DIR, install_plugin_package
 
 BUILTIN = ["hf_disk", "jsonl", "megatron", "parquet", "shakespeare", "txt"]
 
 
 @pytest.fixture(scope="module")
 def reader_env(tmp_path_factory):
-    return install_example(EXAMPLES_DIR / "moeplug-example-reader",
+    return install_plugin_package(EXAMPLES_DIR / "moeplug-example-reader",
                            tmp_path_factory.mktemp("site") / "example-reader")
 
 

@@ -215,7 +215,7 @@ def test_dispatch_and_combine_equal_alltoall(world):
 
 def _split_round_trip(disp, xs, routings, w_seed: int, split: bool):
     """Three micro-batches through dispatch -> stand-in experts -> combine, then one backward.
-    ``split``: as moeplug.modules.moe_overlap pipelines them - up to three exchanges in flight,
+    ``split``: as moeplug.moe.overlap pipelines them - up to three exchanges in flight,
     waited for out of order; else one synchronous exchange after the other."""
     xs = [x.clone().requires_grad_() for x in xs]
     probs = [r.probs_TK.detach().clone().requires_grad_() for r in routings]

@@ -44,7 +44,7 @@ EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 def _make_layer(host, cfg, options: dict, group, dispatcher: str):
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     d = host.create("dispatcher", dispatcher, {}, cfg, group)
     return MoELayer(host.create("router", "topk", options, cfg), d,
                     host.create("experts", "grouped", {}, cfg, d.num_local_experts))

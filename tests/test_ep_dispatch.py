@@ -29,7 +29,7 @@ def _tokens_per_rank(world: int) -> list[int]:
 
 
 def _make_layer(host, cfg, group, dispatcher: str):
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     d = host.create("dispatcher", dispatcher, {}, cfg, group)
     return MoELayer(host.create("router", "topk", {}, cfg), d,
                     host.create("experts", "grouped", {}, cfg, d.num_local_experts))

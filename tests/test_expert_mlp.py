@@ -15,7 +15,7 @@ import torch
 
 from moeplug import ops
 from moeplug.ops import reference as ref
-from moeplug.ops.grouped_mlp import grouped_mlp
+from moeplug.ops.grouped_ffn import grouped_mlp
 
 
 def make_inputs(counts: list[int], D: int = 24, F: int = 40, seed: int = 0):
@@ -109,7 +109,7 @@ def test_bf16_inputs_without_autocast():
 
 def test_grouped_mm_path_agrees():
     # The CUDA path (F.grouped_mm) also runs on CPU: the two paths must agree.
-    from moeplug.ops.expert_mlp import _grouped_mm_path
+    from moeplug.ops.cuda_ffn import grouped_mm_ffn as _grouped_mm_path
 
     x_SD, probs_S, counts_L, w13, w2 = make_inputs([5, 0, 11], seed=6)
     got = _grouped_mm_path(x_SD, probs_S, counts_L.tolist(), w13, w2, torch.float32)

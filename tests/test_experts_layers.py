@@ -18,9 +18,9 @@ from moeplug.config import ACTIVATIONS, ConfigError, ModelConfig, MoEConfig, Roo
 from moeplug.interfaces import Router, RouterOutput
 from moeplug.modules import MoELayer, build_model
 from moeplug.modules.mlp import SwiGLUMLP
-from moeplug.modules.shared_experts import SharedExperts
+from moeplug.moe.shared_experts import SharedExperts
 from moeplug.ops.activations import activation_fn
-from moeplug.ops.grouped_mlp import grouped_mlp
+from moeplug.ops.grouped_ffn import grouped_mlp
 from moeplug.plugin_host import PluginHost
 
 HOST = PluginHost.load()

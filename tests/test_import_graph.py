@@ -117,7 +117,7 @@ def test_no_import_circle_through_the_core():
 
 
 def test_no_import_circle_anywhere():
-    # The last circle ran modules.moe -> parallel.tensor_parallel -> parallel.experts ->
+    # The last circle ran modules.moe (now moe.layer) -> parallel.tensor_parallel -> parallel.experts ->
     # parallel.tensor_parallel -> modules.moe: the sharding rules now live in
     # parallel.sharding and the model-level TP step in parallel.tp_model, one-way imports both.
     cycles = find_cycles(import_graph())
@@ -126,5 +126,5 @@ def test_no_import_circle_anywhere():
 
 def test_model_code_and_tensor_parallel_layers_import_one_way():
     graph = import_graph()
-    assert "moeplug.modules.moe" not in graph["moeplug.parallel.tensor_parallel"]
+    assert "moeplug.moe.layer" not in graph["moeplug.parallel.tensor_parallel"]
     assert "moeplug.parallel.tensor_parallel" not in graph["moeplug.parallel.experts"]

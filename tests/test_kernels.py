@@ -276,7 +276,7 @@ def test_moe_layer_steps_reuse_every_workspace_buffer(dtype):
     27 buffers in 3 steps here in bf16, 5-15 of ~600 MB a step at the standard shape: each
     step's misses dropped buffers the next step needed."""
     from moeplug.config import ModelConfig, MoEConfig
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.ops import workspace
     from moeplug.plugin_host import PluginHost
     T, D, F, E, K = 1024, 256, 352, 16, 4

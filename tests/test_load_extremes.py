@@ -61,7 +61,7 @@ def _extreme_checks(rank: int, world: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from moeplug.testing.dispatcher_parallel import expert_grad_errors, run_with_experts
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.parallel.experts import local_expert_ids
     from moeplug.parallel.sharding import load_expert_shard
     from moeplug.plugin_host import PluginHost

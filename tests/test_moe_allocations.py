@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moeplug.config import config_from_dict
-from moeplug.modules.moe import MoELayer
+from moeplug.moe import MoELayer
 from moeplug.ops import permute, permute_probs, workspace
 from moeplug.routing import (expert_counts, router_logits, seq_aux_loss_from_stats,
                              switch_aux_loss_from_mean, switch_aux_loss_from_stats, z_loss)
@@ -97,11 +97,11 @@ ROUTER_FEATURES = {
     # The same under bf16 autocast (plugins.precision: bf16): nn.Linear's casts and GEMMs.
     "shared_experts_bf16": ({"capacity_factor": 1.0, "token_drop_policy": "position"},
                             "_Linear", {"shared_expert_ffn_hidden_size": 48}, "bf16"),
-    # The routed experts' other activations (moeplug.ops.grouped_mlp), and a shared expert's.
-    "geglu": ({}, "_GroupedMLP", {"activation": "geglu"}),
-    "gelu": ({}, "_GroupedMLP", {"activation": "gelu"}),
-    "squared_relu": ({}, "_GroupedMLP", {"activation": "squared_relu"}),
-    "squared_relu_bf16": ({}, "_GroupedMLP", {"activation": "squared_relu"}, "bf16"),
+    # The routed experts' other activations (moeplug.ops.grouped_ffn.grouped_mlp), and a shared expert's.
+    "geglu": ({}, "_GroupedFFN", {"activation": "geglu"}),
+    "gelu": ({}, "_GroupedFFN", {"activation": "gelu"}),
+    "squared_relu": ({}, "_GroupedFFN", {"activation": "squared_relu"}),
+    "squared_relu_bf16": ({}, "_GroupedFFN", {"activation": "squared_relu"}, "bf16"),
     "shared_experts_gelu": ({}, "_ActivationParts", {"activation": "gelu",
                                                      "shared_expert_ffn_hidden_size": 48}),
     # Padded rows (routing.rows): every expert to its capacity, or to a multiple of 16 rows
@@ -129,7 +129,7 @@ ROUTER_FEATURES = {
 NO_BACKWARD_BUFFERS = {"force_load_balancing"}
 
 # Top-1 routing spreads the rows per expert wider: at fp32 the experts' one-expert scratch
-# (moeplug.ops.expert_mlp, sized by the largest expert's rows) first needs its 4 KiB arena class
+# (moeplug.ops.grouped_ffn.expert_mlp, sized by the largest expert's rows) first needs its 4 KiB arena class
 # in step 5, then nothing over the next 12 steps.
 WARM_UP_STEPS = {"apply_probs_on_input": 5}
 
@@ -179,25 +179,25 @@ def _allocations_without_arenas(router_options: dict, moe_options: dict | None,
 # Execution modes: (runtime options, model.moe options, stash, precision, the Functions the
 # counter must see allocate forward and backward once the arenas are off).
 # runtime.sync_free, eager on the CPU, runs its static stages in the layer's arena
-# (moeplug.modules.static_arena); the pure pieces allocated 263 buffers in two such steps (287
+# (moeplug.moe.budgeted.arena); the pure pieces allocated 263 buffers in two such steps (287
 # with the stash). Delayed wgrad work (model.moe.delay_wgrad_compute; the stash is refused
 # with it) writes its deferred weight grads into workspace buffers.
 MODES = {
     "sync_free": ({"sync_free": True}, None, False, "fp32",
-                  ("_ToSlots", "_PackedExperts", "_FromSlots")),
+                  ("_ToSlots", "_GroupedFFN", "_FromSlots")),
     "sync_free_stash": ({"sync_free": True}, None, True, "fp32",
-                        ("_ToSlots", "_PackedExperts", "_FromSlots")),
+                        ("_ToSlots", "_GroupedFFN", "_FromSlots")),
     "sync_free_stash_bf16": ({"sync_free": True}, None, True, "bf16",
-                             ("_ToSlots", "_PackedExperts", "_FromSlots")),
+                             ("_ToSlots", "_GroupedFFN", "_FromSlots")),
     # moe.apply_probs_on_input (top-1): the weights scale the rows in the arena's stage 2
     "sync_free_probs_on_input": ({"sync_free": True}, {"top_k": 1, "apply_probs_on_input": True},
-                                 False, "fp32", ("_ToSlots", "_PackedExperts", "_FromSlots")),
-    # pipelined over chunks (moeplug.modules.static_overlap): each chunk's stages in the arena
+                                 False, "fp32", ("_ToSlots", "_GroupedFFN", "_FromSlots")),
+    # pipelined over chunks (moeplug.moe.overlap): each chunk's stages in the arena
     "sync_free_chunks_stash": ({"sync_free": True}, {"overlap_chunks": 2}, True, "fp32",
-                               ("_ToSlots", "_PackedExperts", "_FromSlots")),
-    "delay_wgrad": (None, {"delay_wgrad_compute": True}, False, "fp32", ("_ExpertMLP",)),
+                               ("_ToSlots", "_GroupedFFN", "_FromSlots")),
+    "delay_wgrad": (None, {"delay_wgrad_compute": True}, False, "fp32", ("_GroupedFFN",)),
     "delay_wgrad_chunks_bf16": (None, {"delay_wgrad_compute": True, "overlap_chunks": 2},
-                                False, "bf16", ("_ExpertMLP",)),
+                                False, "bf16", ("_GroupedFFN",)),
 }
 
 
@@ -536,7 +536,7 @@ def test_sink_rows_in_the_arena_match_torch_exactly():
 def test_shared_experts_in_the_arena_match_nn_linear_and_the_activation_bitwise(T, autocast,
                                                                                gate, activation):
     from moeplug.config import MoEConfig
-    from moeplug.modules.shared_experts import SharedExperts, add_shared
+    from moeplug.moe.shared_experts import SharedExperts, add_shared
     torch.manual_seed(T)
     m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
                                     shared_expert_ffn_hidden_size=48, shared_expert_gate=gate,
@@ -574,7 +574,7 @@ def test_shared_experts_leave_an_autocast_cached_input_to_torch():
     # Autocast casts a leaf that requires grad once per region and sums its grads in bf16
     # before the cast back; the per-linear casts would not, so such an input keeps torch.
     from moeplug.config import MoEConfig
-    from moeplug.modules.shared_experts import SharedExperts
+    from moeplug.moe.shared_experts import SharedExperts
     m = SharedExperts(32, MoEConfig(num_experts=8, top_k=2, ffn_hidden_size=32,
                                     shared_expert_ffn_hidden_size=48))
     x = torch.randn(4, 32, requires_grad=True)
@@ -805,7 +805,7 @@ def test_ep2_sync_free_steps_allocate_nothing_on_the_moe_path():
     off = run_distributed(two_rank_moe_allocations, 2, "alltoall", False, *args, timeout=240)
     for (count_on, where_on), (_, where_off) in zip(on, off):
         assert count_on == 0, "\n".join(f"{n} x {k}" for k, n in where_on.items())
-        for op in ("_ToSlots", "_PackedExperts", "_FromSlotsBackward", "_AllToAll"):
+        for op in ("_ToSlots", "_GroupedFFN", "_FromSlotsBackward", "_AllToAll"):
             assert any(op in k for k in where_off), (op, where_off)
 
 

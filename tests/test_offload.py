@@ -241,7 +241,7 @@ def test_cuda_refuses_the_expert_settings_its_path_does_not_run():
                           "the CPU expert ops only")):
         with pytest.raises(ConfigError, match=f"{field}: model.*{words}.* Fix: "):
             check_cuda_expert_levers(config_from_dict({"model": model}), field)
-    # the other activations run moeplug.ops.grouped_mlp on every device, which takes the flag
+    # the other activations run moeplug.ops.grouped_ffn.grouped_mlp on every device, which takes the flag
     gelu = {"recompute": MOE_ACT, "moe": {"activation": "gelu"}}
     check_cuda_expert_levers(config_from_dict({"model": gelu}), field)
     # but a GPU's sync-free region keeps the activation and has no offload scope

@@ -1,4 +1,4 @@
-"""Overlap on equals overlap off (``model.moe.overlap_chunks``; moeplug.modules.moe_overlap).
+"""Overlap on equals overlap off (``model.moe.overlap_chunks``; moeplug.moe.overlap).
 
 Every rank of a real gloo group builds the same model twice from one seed, once with
 ``overlap_chunks = 1`` (the plain layer) and once with ``CHUNKS`` (uneven chunks: T = 32 tokens
@@ -582,9 +582,9 @@ def test_split_all_to_all_equals_all_to_all():
 # ---- delayed expert weight gradients (model.moe.delay_wgrad_compute) at one process ---------
 
 @pytest.mark.parametrize("activation, precision, recompute_act, chunks", [
-    ("swiglu", "fp32", False, 1),   # moeplug.ops.expert_mlp (fused C++ SwiGLU)
+    ("swiglu", "fp32", False, 1),   # moeplug.ops.grouped_ffn.expert_mlp (fused C++ SwiGLU)
     ("swiglu", "bf16", True, 1),    # bf16 GEMMs, activation rebuilt in backward
-    ("geglu", "fp32", True, 1),     # moeplug.ops.grouped_mlp (torch activation), rebuilt
+    ("geglu", "fp32", True, 1),     # moeplug.ops.grouped_ffn.grouped_mlp (torch activation), rebuilt
     ("swiglu", "fp32", False, CHUNKS)])
 def test_delay_wgrad_single_process(activation, precision, recompute_act, chunks):
     """A real train_step of two accumulated micro-batches (the second sums into an existing

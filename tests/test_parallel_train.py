@@ -98,7 +98,7 @@ WORLD2 = {
     "pp2_dense_stage_stash": ({"pp": 2}, "alltoall", 2, DENSE_STAGE, {"stash": True}),
     "pp2_dense_stage_sync_free": ({"pp": 2}, "alltoall", 2, DENSE_STAGE, {"sync_free": True}),
     # The static region under ETP: the arrived chunks all-gathered over ETP, the F-slices'
-    # partial outputs reduce-scattered back (moeplug.modules.static_moe.PackedExchange).
+    # partial outputs reduce-scattered back (moeplug.moe.budgeted.exchange).
     "etp2_sync_free": ({"etp": 2}, "alltoall", 1, None, {"sync_free": True}),
     # bf16_first/last_layers count the model's blocks, not each pipeline chunk's (they once
     # kept every stage's first and last block in bf16: another model than one process's).

@@ -145,7 +145,7 @@ def _ep2_mxfp8(rank: int, world: int) -> dict:
     are per row (and per expert along M), so the two layouts quantize identical blocks."""
     import torch.distributed as dist
 
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.parallel.sharding import load_expert_shard
     from moeplug.quant import MXFP8, recipe_scope
     from moeplug.testing._common import tiny_model_config

@@ -12,7 +12,7 @@ import torch
 
 from moeplug import routing as R
 from moeplug.config import ConfigError
-from moeplug.modules.moe import MoELayer
+from moeplug.moe import MoELayer
 from moeplug.plugin_host import PluginError, PluginHost
 from moeplug.testing import check_router, tiny_model_config
 

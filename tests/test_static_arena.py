@@ -1,8 +1,8 @@
-"""The sync-free layer's eager CPU form (moeplug.modules.static_arena) against the pure pieces
-of moeplug.modules.static_moe, which capture compiles and a GPU runs.
+"""The budgeted dispatcher's eager CPU form (moeplug.moe.budgeted.arena) against its pure pieces
+(moeplug.moe.budgeted.slots), which capture compiles and a GPU runs.
 
 Proofs:
-  * the runtime's budget_slots kernel gives static_moe.slots' integers (slots, counts, the
+  * the runtime's budget_slots kernel gives slots.slots' integers (slots, counts, the
     over-budget flag), packed, over 1, 2 and 4 EP chunks, with and without router drops;
   * stages 1-6 in the arena equal the pure pieces, outputs and every gradient (torch.equal),
     fp32, bf16 autocast and bf16 tensors, gated and plain activations, within and over budget,
@@ -20,9 +20,12 @@ import types
 import pytest
 import torch
 
-from moeplug.modules import static_arena
-from moeplug.modules.static_moe import slots, static_moe
+from moeplug.config import RuntimeSection
+from moeplug.moe.budgeted import arena as static_arena
+from moeplug.moe.budgeted.dispatcher import BudgetedDispatcher
+from moeplug.moe.budgeted.slots import slots
 from moeplug.ops import workspace
+from moeplug.syncfree import SyncFreeState
 
 
 def _routing(T: int, K: int, E: int, drop: float, g: torch.Generator) -> tuple:
@@ -60,14 +63,23 @@ def _poison_free_buffers(arena: workspace.Arena) -> None:
 
 def _run(form: str, x, ids_TK, dropped_TK, probs_TK, w13, w2, activation, budget, autocast,
          grad_TD, weighted_input=False) -> list[torch.Tensor]:
+    """Stages 1-6 at one rank: the budgeted dispatcher (its arena or its pure form) around the
+    grouped experts' packed rows (moeplug.ops.grouped_ffn)."""
+    from moeplug.ops.grouped_ffn import grouped_ffn_packed
     x = x.clone().requires_grad_(True)
     p, a, b = (t.clone().requires_grad_(True) for t in (probs_TK, w13, w2))
     routing = types.SimpleNamespace(ids_TK=ids_TK, dropped_TK=dropped_TK, probs_TK=p)
-    wrap = None if form == "arena" else (lambda fn: fn)
+    E = w13.shape[0]
+    state = SyncFreeState(RuntimeSection(sync_free=True, token_budget=budget))
+    state.arena = form == "arena"
+    inner = types.SimpleNamespace(num_experts=E, num_local_experts=E, quantizes_dispatch=False)
+    dispatcher = BudgetedDispatcher(inner, state, packed=True, weighted_input=weighted_input)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        y, over, counts = static_moe(x, routing, a, b, num_experts=w13.shape[0],
-                                     token_budget=budget, activation=activation,
-                                     weighted_input=weighted_input, wrap=wrap)
+        d = dispatcher.dispatch(x, routing)
+        x_GSD = d.x_SD.view(d.counts_L.shape[0], -1, d.x_SD.shape[1])
+        y_GSD = grouped_ffn_packed(x_GSD, d.counts_L, a, b, activation)
+        y = dispatcher.combine(y_GSD.view(-1, y_GSD.shape[2]), d.meta)
+    over, counts = state.take_overflow(), d.counts_E
     (y.float() * grad_TD).sum().backward()
     return [t.detach().clone() for t in (y, over, counts, x.grad, p.grad, a.grad, b.grad)]
 

@@ -3,7 +3,7 @@
 Proofs:
   * the host-sync counter counts every kind of sync it claims to (each inserted into a tiny
     computation), and counts the dynamic MoE layer's syncs; the static layer's forward and
-    backward read zero, in its eager CPU form (moeplug.modules.static_arena) and as the pure
+    backward read zero, in its eager CPU form (moeplug.moe.budgeted.arena) and as the pure
     pieces capture compiles, and a sync slipped into either is counted;
   * static (eager) equals the dynamic layer: outputs and grads, fp32, tolerance 1e-5;
   * replay (torch.compile fullgraph, compiled once) equals eager static, outputs and grads;
@@ -24,8 +24,8 @@ import torch
 
 from moeplug.config import ConfigError, RootConfig, config_from_dict
 from moeplug.modules.build import build_model
-from moeplug.modules.moe import MoELayer
-from moeplug.modules.static_moe import budget_rows, slots
+from moeplug.moe import MoELayer
+from moeplug.moe.budgeted.slots import budget_rows, slots
 from moeplug.plugin_host import PluginHost
 from moeplug.testing.hostsync import HostSyncCounter
 from moeplug.testing.cli import run_cli
@@ -135,11 +135,10 @@ def test_dynamic_layer_syncs_and_static_layer_reads_zero():
 @pytest.mark.parametrize("form", ["arena", "pure"])
 def test_static_layer_with_syncs_inserted_is_counted(monkeypatch, form):
     # The same static stages with one .tolist() slipped in: into stage 1 of the layer's eager
-    # CPU form (static_arena), or into the combine of the pure pieces (what capture and a GPU
+    # CPU form (budgeted.arena), or into the combine of the pure pieces (what capture and a GPU
     # run), called eagerly on the layer's own routing and weights.
-    from moeplug.modules import static_arena, static_moe
-    module, name = ((static_arena, "_budget_slots") if form == "arena"
-                    else (static_moe, "combine_rows"))
+    from moeplug.moe.budgeted import arena, slots as pure
+    module, name = ((arena, "_budget_slots") if form == "arena" else (pure, "combine_rows"))
     real = getattr(module, name)
 
     def leaky(*args, **kwargs):
@@ -158,15 +157,26 @@ def test_static_layer_with_syncs_inserted_is_counted(monkeypatch, form):
 
 
 def _pure_fwd_bwd(layer: MoELayer, x: torch.Tensor, w: torch.Tensor, stash_scope) -> None:
-    """The layer's static stages as the pure pieces, eager (``wrap`` = identity): one_rank, or
-    with a ``stash_scope`` the piece-by-piece path with the stashed experts."""
-    from moeplug.modules.static_moe import static_moe
+    """The layer's static stages as the pure pieces, eager (``wrap`` = identity): capture's
+    one_rank, or with a ``stash_scope`` piece by piece (its dispatcher's pure form, the experts
+    inside the scope)."""
+    from moeplug.moe.capture import one_rank
     x_TD = x.reshape(-1, x.shape[-1]).clone().requires_grad_(True)
     routing = layer.router(x_TD)
-    y_TD, _, _ = static_moe(x_TD, routing, layer.experts.gate_up_proj, layer.experts.down_proj,
-                            num_experts=layer.router.num_experts, token_budget=2.0,
-                            activation="swiglu", weighted_input=False,
-                            wrap=lambda fn: fn, stash_scope=stash_scope)
+    budgeted = layer.budgeted
+    if stash_scope is None:
+        y_TD, _, _ = one_rank(x_TD, routing.ids_TK, routing.dropped_TK, routing.probs_TK,
+                              budgeted, layer.experts_call, budgeted.budget(*routing.ids_TK.shape),
+                              True, False, None, *layer.experts.parameters())
+    else:
+        budgeted.state.arena = False
+        try:
+            d = budgeted.dispatch(x_TD, routing)
+            with stash_scope:
+                y_SD = layer.experts_call(d.x_SD, d.probs_S, d.counts_L, d.packed)
+            y_TD = budgeted.combine(y_SD, d.meta)
+        finally:
+            budgeted.state.arena = True
     ((y_TD * w.reshape(y_TD.shape)).sum() + routing.aux_loss).backward()
 
 
@@ -357,7 +367,7 @@ def test_combine_never_reads_an_unwritten_row_into_a_token():
     # Packed slots leave the rows past the routed ones unwritten; the dump slot (dropped or
     # over-budget choices) reads the last row with weight 0, which must stay 0 when that row
     # holds NaN.
-    from moeplug.modules.static_moe import combine_rows
+    from moeplug.moe.budgeted.slots import combine_rows
     y_ECD = torch.randn(6, 4)
     y_ECD[4:] = float("nan")  # slots 4-5: no choice landed there
     slot_N = torch.tensor([0, 6, 1, 2, 3, 6])  # 6 = E*C: the dump slot
@@ -527,6 +537,7 @@ def _ep2_layer(rank: int, etp: bool = False, **runtime) -> tuple:
     import torch.distributed as dist
 
     from moeplug.config import RuntimeSection
+    from moeplug.moe.budgeted import budgeted_dispatcher
     from moeplug.parallel.expert_tp import ExpertTPDispatcher, expert_model_config
     from moeplug.stash import ModelRuntime
     from moeplug.testing._common import tiny_model_config
@@ -542,10 +553,12 @@ def _ep2_layer(rank: int, etp: bool = False, **runtime) -> tuple:
     dispatcher = host.create("dispatcher", "alltoall", {}, cfg, None if etp else dist.group.WORLD)
     if etp:
         dispatcher = ExpertTPDispatcher(dispatcher, dist.group.WORLD)
-    layer = MoELayer(host.create("router", "topk", {}, cfg), dispatcher,
-                     host.create("experts", "grouped", {}, expert_model_config(cfg, 2 if etp
-                                                                              else 1), local),
-                     runtime=handle)
+    experts = host.create("experts", "grouped", {}, expert_model_config(cfg, 2 if etp else 1),
+                          local)
+    layer = MoELayer(host.create("router", "topk", {}, cfg), dispatcher, experts,
+                     runtime=handle, budgeted=budgeted_dispatcher(
+                         dispatcher, experts, rt.sync_free, group=None if etp else
+                         dist.group.WORLD, etp_group=dist.group.WORLD if etp else None))
     g = torch.Generator().manual_seed(10 + rank)
     return layer, torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
 

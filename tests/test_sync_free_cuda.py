@@ -50,7 +50,7 @@ def test_built_graph_bindings_refuse_misuse_without_touching_cuda():
 def test_static_layer_makes_no_host_sync_on_a_gpu():
     from moeplug.config import config_from_dict
     from moeplug.modules.build import build_model
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.plugin_host import PluginHost
     cfg = config_from_dict({
         "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
@@ -71,20 +71,54 @@ def test_static_layer_makes_no_host_sync_on_a_gpu():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def _one_rank(w13: torch.Tensor, w2: torch.Tensor):
+    """(region, experts): capture's one_rank (moeplug.moe.capture: stages 1-6 at one EP rank)
+    over a budgeted dispatcher and grouped experts holding ``w13``, ``w2``, as a function
+    ``region(x_TD, ids_TK, dropped_TK, probs_TK, budget) -> (y_TD, overflow, counts_E)``."""
+    import types
+
+    from moeplug.config import RuntimeSection
+    from moeplug.moe.budgeted.dispatcher import BudgetedDispatcher, budget_counts
+    from moeplug.moe.capture import one_rank
+    from moeplug.plugin_host import PluginHost
+    from moeplug.syncfree import SyncFreeState
+    from moeplug.testing import tiny_model_config
+    E, F2, D = w13.shape
+    cfg = tiny_model_config(num_experts=E, hidden_size=D, ffn_hidden_size=F2 // 2)
+    experts = PluginHost.load().create("experts", "grouped", {}, cfg, E).to(w13.device)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(w13)
+        experts.down_proj.copy_(w2)
+    inner = types.SimpleNamespace(num_experts=E, num_local_experts=E, quantizes_dispatch=False)
+    dispatcher = BudgetedDispatcher(inner, SyncFreeState(RuntimeSection(sync_free=True)),
+                                    packed=True)
+
+    def call(x_SD, probs_S, counts_L, packed):
+        if packed:
+            return experts.forward_packed(x_SD.view(1, -1, D), counts_L).view(-1, D)
+        return experts(x_SD, probs_S, counts_L)
+
+    def region(x_TD, ids_TK, dropped_TK, probs_TK, budget):
+        packed = dispatcher.packs(x_TD)
+        return one_rank(x_TD, ids_TK, dropped_TK, probs_TK, dispatcher, call, budget, packed,
+                        dispatcher.kernels(x_TD), None if packed else budget_counts(E, budget),
+                        *experts.parameters())
+    return region, experts
+
+
 @pytest.mark.cuda
 @NEEDS_GPU
 def test_runtime_graph_replay_equals_eager_forward_and_backward():
     from moeplug.cuda_graph import capture
-    from moeplug.modules.static_moe import one_rank
     g = torch.Generator().manual_seed(0)
     T, D, F, E, K = 64, 32, 16, 4, 2
     w13 = (torch.randn(E, 2 * F, D, generator=g) * 0.1).cuda()
     w2 = (torch.randn(E, D, F, generator=g) * 0.1).cuda()
+    one_rank, _ = _one_rank(w13, w2)
 
     def step(x_TD, ids_TK, probs_TK):
         x = x_TD.detach().requires_grad_(True)
-        y, _, _ = one_rank(x, ids_TK, None, probs_TK, w13, w2, E, T * K // E * 2, "swiglu",
-                           False)
+        y, _, _ = one_rank(x, ids_TK, None, probs_TK, T * K // E * 2)
         (gx,) = torch.autograd.grad((y * y).sum(), x)
         return y, gx
 
@@ -159,7 +193,7 @@ def test_capture_on_cuda_trains_like_eager_replaying_runtime_graphs():
 
 
 def _two_layers():
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     layers = []
     for runtime in ({"sync_free": True}, {"sync_free": True, "capture": True}):
         model = _cuda_model(**runtime)
@@ -243,7 +277,7 @@ def test_fused_static_layer_on_cuda_equals_the_torch_stages(budget_of_balanced, 
     # one_rank on a GPU runs the runtime's kernels (slots spread, SwiGLU with the weights,
     # slot sum); the same function on the CPU runs the torch stages. Over budget (0.5) and
     # router-dropped choices reach no row on either.
-    from moeplug.modules.static_moe import budget_rows, one_rank
+    from moeplug.moe.budgeted.slots import budget_rows
     g = torch.Generator().manual_seed(7)
     T, D, F, E, K = 96, 64, 48, 8, 2
     C = budget_rows(T, K, E, budget_of_balanced)
@@ -257,10 +291,11 @@ def test_fused_static_layer_on_cuda_equals_the_torch_stages(budget_of_balanced, 
     runs = {}
     for device in ("cpu", "cuda"):
         t = {k: v.to(device, copy=True).requires_grad_() for k, v in leaves.items()}
+        one_rank, experts = _one_rank(t["w13"].detach(), t["w2"].detach())
         y, overflow, counts = one_rank(t["x"], ids.to(device), None if drop is None else
-                                       drop.to(device), t["p"], t["w13"], t["w2"], E, C,
-                                       "swiglu", False)
+                                       drop.to(device), t["p"], C)
         (y * w_TD.to(device)).sum().backward()
+        t["w13"].grad, t["w2"].grad = experts.gate_up_proj.grad, experts.down_proj.grad
         runs[device] = [y, overflow, counts] + [t[k].grad for k in leaves]
     assert over is None or bool(runs["cpu"][1]) == over
     for name, c, u in zip(["y", "overflow", "counts"] + list(leaves), runs["cpu"],
@@ -272,13 +307,13 @@ def test_fused_static_layer_on_cuda_equals_the_torch_stages(budget_of_balanced, 
 @NEEDS_GPU
 @pytest.mark.parametrize("precision", ["fp8_delayed", "mxfp8"])
 def test_static_layer_under_a_recipe_on_a_gpu_makes_no_host_sync_and_equals_dynamic(precision):
-    """The quantized static region (static_moe.quant_region) on a GPU: no host sync in the
-    layer's forward and backward under torch's sync detector, and outputs and grads equal to
-    the dynamic quantized path (bitwise on the CPU; a GPU's GEMMs may sum in another order for
-    the padded row counts, hence the bf16-scale tolerance)."""
+    """The quantized static region (moeplug.moe.budgeted's budget rows under a recipe) on a
+    GPU: no host sync in the layer's forward and backward under torch's sync detector, and
+    outputs and grads equal to the dynamic quantized path (bitwise on the CPU; a GPU's GEMMs
+    may sum in another order for the padded row counts, hence the bf16-scale tolerance)."""
     from moeplug.config import config_from_dict
     from moeplug.modules.build import build_model
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.plugin_host import PluginHost
     from moeplug.quant import recipe_scope
     cfg = config_from_dict({

@@ -1,5 +1,5 @@
 """Sync-free MoE pipelined over chunks (runtime.sync_free with model.moe.overlap_chunks > 1,
-moeplug.modules.static_overlap): the static region per chunk of tokens, each chunk's EP
+moeplug.moe.overlap): the static region per chunk of tokens, each chunk's EP
 exchange in flight while another chunk's experts run.
 
 Proofs:
@@ -22,7 +22,7 @@ import torch
 
 from moeplug.config import ConfigError, config_from_dict
 from moeplug.modules.build import build_model
-from moeplug.modules.moe import MoELayer
+from moeplug.moe import MoELayer
 from moeplug.plugin_host import PluginHost
 from moeplug.testing.hostsync import HostSyncCounter
 from moeplug.testing.steps import backward_micro_batches, runtime_cfg
@@ -108,15 +108,15 @@ def test_chunked_static_equals_dynamic_under_bf16_autocast():
 def test_the_chunks_are_really_static_and_chunked(monkeypatch):
     # Each chunk takes its own budget (C_c from its T_c tokens) and its exchange is started
     # before the previous chunk's experts run, through the static region's exchange.
-    from moeplug.modules import static_moe
+    from moeplug.moe.budgeted.exchange import BudgetExchange
     calls = []
-    real_start = static_moe.PackedExchange.start
+    real_start = BudgetExchange.packed_start
 
     def start(self, x_ECD, counts_WL):
         calls.append(x_ECD.shape[0])
         return real_start(self, x_ECD, counts_WL)
 
-    monkeypatch.setattr(static_moe.PackedExchange, "start", start)
+    monkeypatch.setattr(BudgetExchange, "packed_start", start)
     layer = _layer(3, sync_free=True)
     x = torch.randn(2, 15, 32)
     _fwd_bwd(layer, x, torch.ones_like(x))

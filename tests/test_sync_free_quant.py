@@ -1,7 +1,7 @@
 """Sync-free MoE under the emulated low-precision recipes (runtime.sync_free with
 plugins.precision fp8_tensorwise, fp8_delayed, fp8_blockwise, mxfp8 or nvfp4).
 
-The static region runs stage 4 through the recipe (moeplug.modules.static_moe.quant_region):
+The static region runs stage 4 through the recipe (moeplug.moe.budgeted):
 every expert's budget rows, empty slots zero rows of weight 0, the rows sent in the recipe's
 row format as the dispatchers send them, the routing weight on the activation before FC2.
 Proofs, on the full model (the recipe is active inside its blocks only):

@@ -33,7 +33,7 @@ class MoEConfig:
     # iff i % N == 0), or a 0/1 list with one entry per layer. ModelConfig.first_k_dense still
     # forces the first k layers dense; ModelConfig.moe_layer_pattern combines both.
     layer_freq: int | list = 1
-    # Overlap (moeplug.modules.moe_overlap): split each micro-batch's tokens into this many
+    # Overlap (moeplug.moe.overlap): split each micro-batch's tokens into this many
     # chunks whose dispatch/combine run in the background while another chunk's experts (and
     # the shared experts) compute. 1 = off. Dispatchers without split start/wait still work.
     overlap_chunks: int = 1

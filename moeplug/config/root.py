@@ -76,7 +76,7 @@ class RootConfig:
                   f"{self.train.device!r}", f"set train.device: cpu or {name}: false")
 
     def _check_expert_op_levers(self) -> None:
-        # The eager CPU static region (moeplug.modules.static_arena) keeps FC1's output, never
+        # The eager CPU static region (moeplug.moe.budgeted.arena) keeps FC1's output, never
         # the activation (moe_act recompute is its only mode), and notes its saved tensors for
         # the expert offload names. The captured region is compiled: inductor decides what it
         # keeps and no saved-tensor hook sees inside, so either switch would do nothing there.
@@ -94,7 +94,7 @@ class RootConfig:
                   f"from model.{key}, or set runtime.capture: false")
 
     def _check_sync_free(self) -> None:
-        # The static region (moeplug.modules.static_moe) runs the experts' GEMMs itself, in the
+        # The static region (moeplug.moe.budgeted) runs the experts' GEMMs itself, in the
         # autocast dtype or through a built-in emulated recipe: no other precision plugin's
         # GEMMs. It has its own static EP exchange (and ETP gather).
         if not self.runtime.sync_free:
@@ -110,7 +110,7 @@ class RootConfig:
                   "set runtime.capture: false, or plugins.precision: fp32 or bf16")
         chunks = self.model.moe.overlap_chunks
         if isinstance(chunks, int) and chunks > 1:
-            # The chunked static region (moeplug.modules.static_overlap) is the eager CPU one;
+            # The chunked static region (moeplug.moe.overlap) is the eager CPU one;
             # silently ignoring one of the two switches elsewhere would hide it.
             where = ("runtime.capture compiles the region whole" if self.runtime.capture else
                      f"plugins.precision = {self.plugins.precision!r} runs the region through "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from moeplug.config._checks import _check_fields, _fail, _non_negative, _positive
 
-# The precisions the sync-free region runs (moeplug.modules.static_moe): autocast's dtypes and
+# The precisions the sync-free region runs (moeplug.moe.budgeted): autocast's dtypes and
 # the built-in emulated recipes (moeplug.quant), whose expert GEMMs it runs over its budget rows.
 SYNC_FREE_PRECISIONS = ("fp32", "bf16", "fp8_tensorwise", "fp8_delayed", "fp8_blockwise",
                         "mxfp8", "nvfp4")
@@ -24,7 +24,7 @@ class RuntimeSection:
     stash_page_bytes: int = 65536  # a multiple of 64: every dtype stays aligned
     stash_pages: int = 0  # 0: the sum of the registered layers' reservations
     stash_overflow: str = "rerun"  # rerun (once, without stash) | fail | keep
-    # Sync-free MoE (moeplug.modules.static_moe): static shapes from a per-rank token budget,
+    # Sync-free MoE (moeplug.moe.budgeted): static shapes from a per-rank token budget,
     # no host synchronisation; a step over budget reruns once on the dynamic path.
     sync_free: bool = False
     token_budget: float = 2.0  # rows per (rank, expert) = ceil(T*K/E * token_budget)

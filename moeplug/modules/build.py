@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from moeplug.config import ConfigError, RootConfig
-from moeplug.modules.moe import MoELayer
 from moeplug.modules.recompute import apply_recompute
-from moeplug.modules.shared_experts import SharedExperts
-from moeplug.modules.static_moe import budget_rows
 from moeplug.modules.transformer import MoETransformer
+from moeplug.moe import MoELayer
+from moeplug.moe.budgeted import budget_rows, budgeted_dispatcher
+from moeplug.moe.shared_experts import SharedExperts
 from moeplug.modules.offload import Offloader, apply_offload
 from moeplug.parallel.context_parallel import moe_token_group
 from moeplug.ops.activations import fc1_rows
@@ -50,13 +50,19 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
                               etp_experts_config(m, groups), dispatcher.num_local_experts)
         shared = (SharedExperts(m.hidden_size, m.moe) if m.moe.shared_expert_ffn_hidden_size
                   else None)
+        handle = register_moe_layer(runtime, cfg, len(moe_layers), dispatcher.num_local_experts)
+        # runtime.sync_free: the budgeted pair around the dispatcher (moeplug.moe.budgeted).
+        budgeted = budgeted_dispatcher(dispatcher, experts,
+                                       runtime.sync_free if cfg.runtime.sync_free else None,
+                                       group=ep_group,
+                                       etp_group=None if groups is None else groups.etp,
+                                       weighted_input=m.moe.apply_probs_on_input)
         moe_layers.append(MoELayer(router, dispatcher, experts, shared,
                                    apply_probs_on_input=m.moe.apply_probs_on_input,
                                    token_group=moe_token_group(groups),
                                    batch_group=None if groups is None else groups.tp_dp_cp,
-                                   overlap_chunks=m.moe.overlap_chunks,
-                                   runtime=register_moe_layer(runtime, cfg, len(moe_layers),
-                                                              dispatcher.num_local_experts)))
+                                   overlap_chunks=m.moe.overlap_chunks, runtime=handle,
+                                   budgeted=budgeted))
     runtime.finalize()
     model = MoETransformer(m, m.vocab_size or vocab_size, moe_layers, groups=groups)
     model.runtime = runtime
@@ -89,7 +95,7 @@ def register_moe_layer(runtime: ModelRuntime, cfg: RootConfig, index: int,
     rows, F_local = rows * etp, F // etp
     fc1 = fc1_rows(m.moe.activation, F_local)
     # With overlap_chunks = N the experts run N times per micro-batch, each stashing its own
-    # page-rounded tensors: reserve N chunks' worth (moeplug.modules.moe_overlap).
+    # page-rounded tensors: reserve N chunks' worth (moeplug.moe.overlap).
     chunks = m.moe.overlap_chunks
     stash_bytes = chunks * layer_stash_bytes(-(-rows // chunks), m.hidden_size, fc1, F_local,
                                              itemsize, cfg.runtime.stash_page_bytes)

@@ -281,12 +281,12 @@ def _offloaded_class(cls: type) -> type:
         def forward(self, *args):
             return offloaded_call(self, super(sub, self).forward, *args)
 
-        def call_offloaded(self, fn, *args):
-            # ``fn`` in place of forward (the sync-free region runs the experts' op itself,
-            # not their forward): the same scope, so what its op notes leaves memory.
-            return offloaded_call(self, fn, *args)
+        def forward_packed(self, *args):
+            # runtime.sync_free's packed budget rows (Experts.forward_packed): the same scope,
+            # so what its op notes leaves memory.
+            return offloaded_call(self, super(sub, self).forward_packed, *args)
         sub = type(f"Offloaded{cls.__name__}", (cls,),
-                   {"forward": forward, "call_offloaded": call_offloaded})
+                   {"forward": forward, "forward_packed": forward_packed})
         _SUBCLASSES[cls] = sub
     return _SUBCLASSES[cls]
 
@@ -315,7 +315,7 @@ def remove_offload(model: nn.Module) -> None:
 
 def _targets(block: nn.Module, name: str) -> list[nn.Module]:
     from moeplug.modules.attention import CoreAttention
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     attn = block.attn
     if name == "attn_norm":
         return [block.attn_norm]
@@ -338,8 +338,7 @@ def apply_offload(model: nn.Module, names: list[str], offloader: Offloader) -> N
     for block in blocks:
         for name in names:
             for m in _targets(block, name):
-                if name in ("expert_fc1", "moe_act") and not hasattr(type(m),
-                                                                     "recompute_activation"):
+                if name in ("expert_fc1", "moe_act") and not m.can_recompute_activation:
                     raise ValueError(
                         f"model.offload: {name} needs the grouped experts backend (its ops mark "
                         f"the FC1 input and output); {type(m).__name__} does not. Fix: use "

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from moeplug.config import RecomputeConfig
+from moeplug.interfaces import Experts
 from moeplug.quant.linear import active_recipe, recipe_scope
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("moeplug_recomputing", default=False)
@@ -157,9 +158,9 @@ def _selective_targets(block: nn.Module, name: str) -> list[nn.Module]:
     from moeplug.modules.attention import CoreAttention
     from moeplug.modules.mla import MLAttention
     from moeplug.modules.mlp import SwiGLUMLP
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.modules.norm import RMSNorm
-    from moeplug.modules.shared_experts import SharedExperts
+    from moeplug.moe.shared_experts import SharedExperts
     ffn = block.ffn
     if name == "core_attn":
         return [m for m in block.modules() if isinstance(m, CoreAttention)]
@@ -183,7 +184,7 @@ def _selective_targets(block: nn.Module, name: str) -> list[nn.Module]:
 
 def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
     """Mark the blocks of ``model`` (a MoETransformer or a pipeline chunk) for ``cfg``."""
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     blocks = list(model.blocks) + [layer.block for layer in getattr(model, "mtp", [])]
     if cfg.granularity != "selective":
         return  # full: ModelStages.run_blocks reads cfg.recompute itself (pipeline chunks too)
@@ -191,7 +192,7 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
         for name in cfg.modules:
             if name == "moe_act" and isinstance(block.ffn, MoELayer):
                 experts = block.ffn.experts
-                if not hasattr(type(experts), "recompute_activation"):
+                if not experts.can_recompute_activation:
                     raise ValueError(
                         f"model.recompute.modules: moe_act needs an experts backend that can "
                         f"rebuild its activation in backward; {type(experts).__name__} cannot. "
@@ -207,7 +208,7 @@ def remove_recompute(model: nn.Module) -> None:
     for m in model.modules():
         if type(m) in marked:
             m.__class__ = type(m).__bases__[0]
-        if getattr(m, "recompute_activation", False):
+        if isinstance(m, Experts) and m.recompute_activation:
             m.recompute_activation = False
 
 

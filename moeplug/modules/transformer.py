@@ -17,7 +17,7 @@ from moeplug.modules.attention import Attention
 from moeplug.modules.flops import flops_per_token
 from moeplug.modules.mla import MLAttention
 from moeplug.modules.mlp import SwiGLUMLP
-from moeplug.modules.moe import MoELayer, MoEOutput
+from moeplug.moe import MoELayer, MoEOutput
 from moeplug.modules.mtp import MTPLayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding

@@ -1,12 +1,13 @@
-"""Pieces shared by the two grouped expert-MLP ops (:mod:`moeplug.ops.expert_mlp`, fused SwiGLU,
-and :mod:`moeplug.ops.grouped_mlp`, any activation): both take rows grouped by expert with one
-count per local expert, and both run their GEMMs in the autocast dtype when autocast is on.
+"""Pieces shared by the grouped expert FFN (:mod:`moeplug.ops.grouped_ffn`) and the grouped row
+GEMMs (:mod:`moeplug.ops.grouped_rows_mm`): rows grouped by expert with one count per local
+expert, GEMMs in the autocast dtype when autocast is on.
 
 Shape legend: S routed rows (grouped by expert), L local experts.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -14,6 +15,25 @@ import torch
 from moeplug import delayed_wgrad
 from moeplug.ops import workspace
 from moeplug.ops.workspace import Empty
+
+
+@functools.lru_cache(maxsize=None)
+def budget_counts(num_local: int, rows: int) -> torch.Tensor:
+    """counts_L of runtime.sync_free's budget rows: every local expert ``rows`` rows. One CPU
+    tensor per shape, never written, whose ints :func:`host_counts` knows without reading it."""
+    counts_L = torch.full((num_local,), rows, dtype=torch.int64)
+    _KNOWN[id(counts_L)] = [rows] * num_local
+    return counts_L
+
+
+_KNOWN: dict[int, list[int]] = {}  # id of a budget_counts tensor (kept alive by its cache)
+
+
+def host_counts(counts_L: torch.Tensor) -> list[int]:
+    """counts_L's ints: known on the host for budget rows (made from ints, never read back, so
+    a sync-free call reads nothing), else read off the CPU tensor."""
+    known = _KNOWN.get(id(counts_L))
+    return list(known) if known is not None else counts_L.tolist()
 
 
 def expert_slices(counts: list[int]) -> list[tuple[int, int, int]]:

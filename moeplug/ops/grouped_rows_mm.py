@@ -1,6 +1,6 @@
 """grouped_rows_mm: ``y[rows of group g] = x[rows of group g] @ w[g]^T`` over a static-shaped
 buffer whose first ``sum(counts)`` rows are the groups' rows in order, as one op whose kernel
-reads the counts itself - for the sync-free static region (moeplug.modules.static_moe).
+reads the counts itself - for the sync-free static region (moeplug.moe.budgeted).
 
 Legend: S rows (the static buffer), G groups (experts), N output and K input features.
 
@@ -13,21 +13,21 @@ bf16: its fake kernel checks CUDA's dtype rules).
 
 The CPU kernel reads the counts on the host, as torch's own CPU grouped GEMM reads its offsets:
 the counts are a CPU tensor, so there is no device to wait for. It runs one ``torch.mm`` per
-group, as the dynamic path's experts do (moeplug.ops.expert_mlp), bf16 row GEMMs over each
+group, as the dynamic path's experts do (moeplug.ops.grouped_ffn), bf16 row GEMMs over each
 group's rows rounded up to ``_grouped.ROW_MULTIPLE``. It replaced ``torch._grouped_mm``, which
 refused rows of no multiple of 16 bytes (odd feature counts took a zero-padded copy) and cannot
 pad rows; in fp32 the sync-free benchmark moved within its noise (dynamic / replay at the mid
 shape 0.80-0.83 before, 0.80-0.86 after, alternating runs).
 
 Rows past ``sum(counts)`` are left unwritten (whatever the buffer held): the caller never reads
-them into a real row (static_moe.combine_rows masks them). Registered for the CPU only; on a GPU
+them into a real row (moeplug.moe.budgeted.slots.combine_rows masks them). Registered for the CPU only; on a GPU
 the static region keeps its own path.
 
 ``grouped_rows_act`` is the activation between the two GEMMs over the same routed rows (the
 budget's other rows, half the buffer at ``token_budget: 2.0``, were activated for nothing):
 SwiGLU by the runtime's fused kernel (the dynamic path's experts run it too), the other
 activations as ``activation_fn`` computes them. The ``_out`` twins write given buffers (the
-static stages' eager form, moeplug.modules.static_arena).
+static stages' eager form, moeplug.moe.budgeted.arena).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ grouped_rows_act.register_autograd(_act_backward, setup_context=_act_setup_conte
 
 
 # ---- the ``_out`` twins: the static stages' eager form --------------------------------------
-# Each writes given buffers (moeplug.modules.static_arena's workspace buffers); never traced.
+# Each writes given buffers (moeplug.moe.budgeted.arena's workspace buffers); never traced.
 # Ops, not plain calls, so that they stay one opaque node, as the functional ops are: the
 # host-sync counter sees the op, not the kernel's read of the CPU counts (a GPU kernel reads
 # them on the device). Defined with torch.library's plain API: a call is the dispatcher and the

@@ -1,5 +1,5 @@
 """to_slots / from_slots on the CPU: the sync-free layer's gather of token rows into its budget
-slots and the weighted combine back (moeplug.modules.static_moe, stages 2 and 6), each one pass
+slots and the weighted combine back (moeplug.moe.budgeted, stages 2 and 6), each one pass
 of the runtime's row kernels, as the GPU runs them (moeplug.ops.cuda_ops.to_slots /
 from_slots).
 
@@ -18,7 +18,7 @@ each row once and sum in fp32 with fp32 weights, as the dynamic path's unpermute
 Each op is a ``torch.library.custom_op`` (an opaque node of static shape when
 ``runtime.capture`` compiles the pure pieces) with autograd; the ``*_into`` functions are the
 same kernels into given buffers (the eager form in the layer's arena,
-moeplug.modules.static_arena).
+moeplug.moe.budgeted.arena).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from moeplug.runtime import get_runtime
 def slot_map(slot_N: torch.Tensor, num_slots: int, top_k: int,
              empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
              ) -> torch.Tensor:
-    """[T, K] slots from static_moe.slots' [N] ones: its dump slot (``num_slots``) -> -1.
+    """[T, K] slots from moeplug.moe.budgeted.slots.slots' [N] ones: its dump slot (``num_slots``) -> -1.
     ``empty(shape, dtype)``: where the result and its mask come from (a workspace arena)."""
     if empty is None:
         return torch.where(slot_N < num_slots, slot_N, -1).view(-1, top_k)

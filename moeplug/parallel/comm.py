@@ -123,7 +123,7 @@ def _check_splits(name: str, splits: Sequence[int], world: int, rows: int | None
 # returns, a workspace buffer that was sent or received still looks in use (its storage's use
 # count, which moeplug.ops.workspace reads, says so), and a request in that moment (the next
 # op's, microseconds later) allocated a new buffer instead of reusing it. Measured: a 32 KB
-# arena buffer in _PackedExperts' backward at EP2 sync-free, in 4 of 50 rank-runs of a step
+# arena buffer in the packed experts' backward (moeplug.ops.grouped_ffn) at EP2 sync-free, in 4 of 50 rank-runs of a step
 # (tests/test_moe_allocations.py's EP2 case failed CI intermittently), still held when requested
 # and released within 5 ms. So the collective gets fresh views of its CPU tensors, and waiting
 # returns once those views are gone: a tensor whose last Python reference is dropped while C++

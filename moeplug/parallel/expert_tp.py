@@ -93,7 +93,7 @@ class ExpertTPDispatcher(Dispatcher):
         self.num_experts = inner.num_experts
         self.num_local_experts = inner.num_local_experts
         # The rows cross EP through ``inner``: in its row format if it quantizes them.
-        self.quantizes_dispatch = getattr(inner, "quantizes_dispatch", False)
+        self.quantizes_dispatch = inner.quantizes_dispatch
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         d = self.inner.dispatch(x_TD, routing)
@@ -123,15 +123,6 @@ def etp_dispatcher(dispatcher: Dispatcher, groups: Any) -> Dispatcher:
     """``dispatcher`` wrapped in :class:`ExpertTPDispatcher` when ``groups.etp`` is set."""
     etp = None if groups is None else groups.etp
     return dispatcher if etp is None else ExpertTPDispatcher(dispatcher, etp)
-
-
-def expert_groups(dispatcher: Dispatcher) -> tuple[Any, Any]:
-    """(EP group, ETP group) the experts behind ``dispatcher`` are split over: its ``group``
-    and None without ETP; the wrapped dispatcher's ``group`` and the ETP group with it. (A
-    dispatcher plugin exposes its EP group as ``group``; None at one rank.)"""
-    if isinstance(dispatcher, ExpertTPDispatcher):
-        return getattr(dispatcher.inner, "group", None), dispatcher.group
-    return getattr(dispatcher, "group", None), None
 
 
 def etp_experts_config(model: ModelConfig, groups: Any) -> ModelConfig:

@@ -45,10 +45,10 @@ from torch import nn
 
 from moeplug.config import ParallelConfig, RootConfig
 from moeplug.config.pipeline_layout import PipelineLayout, VirtualStage
-from moeplug.modules.moe import MoELayer
 from moeplug.modules.mtp import mtp_depths, mtp_hidden
 from moeplug.modules.stages import ModelStages
 from moeplug.modules.transformer import MoETransformer
+from moeplug.moe import MoELayer
 from moeplug.parallel import comm
 from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.layout import layout_rank_groups

@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from moeplug.modules.mla import MLAttention
-from moeplug.modules.moe import MoELayer
+from moeplug.moe import MoELayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.parallel.experts import expert_param_names
 from moeplug.parallel.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from moeplug.ops._grouped import host_counts
 from moeplug.ops.activations import activation_fn
 from moeplug.ops.offload_marks import note
 
@@ -130,7 +131,10 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, recip
 
 def quant_expert_mlp(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation, recipe,
                      recompute_act: bool = False):
-    """Every local expert's MLP with both GEMMs through ``recipe`` (rows grouped by expert).
+    """Every local expert's MLP with both GEMMs through ``recipe`` (rows grouped by expert): the
+    quantized expert FFN, for the dynamic layer and runtime.sync_free's budget rows alike (a
+    fixed B rows per expert, empty slots zero rows of weight 0: they raise no amax and add
+    nothing to a weight gradient).
 
     ``recompute_act`` (moe_act recompute): FC2 keeps FC1's output instead of its input and
     rebuilds act(h) * p in backward (the same ops, so the same gradients). The rows and FC1's
@@ -139,22 +143,21 @@ def quant_expert_mlp(x_SD, probs_S, counts_L, w1_LXD, w2_LDF, activation, recipe
     act = activation_fn(activation)
     note("expert_fc1", x_SD)  # each expert's FC1 keeps a view of these rows
     ys, start = [], 0
-    for e, n in enumerate(counts_L.tolist()):
+    for e, n in enumerate(host_counts(counts_L)):
         if n == 0:  # no rows: no GEMM (and no amax of an empty tensor)
             continue
         p_n = None if probs_S is None else probs_S[start:start + n]
-        ys.append(quant_expert_rows(x_SD[start:start + n], p_n, w1_LXD, w2_LDF, e, act, recipe,
-                                    recompute_act))
+        ys.append(_quant_expert_rows(x_SD[start:start + n], p_n, w1_LXD, w2_LDF, e, act,
+                                     recipe, recompute_act))
         start += n
     return torch.cat(ys, dim=0) if ys else x_SD.new_zeros(0, w2_LDF.shape[1])
 
 
-def quant_expert_rows(x_nD, p_n, w1_LXD, w2_LDF, e: int, act, recipe,
-                      recompute_act: bool) -> torch.Tensor:
+def _quant_expert_rows(x_nD, p_n, w1_LXD, w2_LDF, e: int, act, recipe,
+                       recompute_act: bool) -> torch.Tensor:
     """Local expert ``e``'s ``down(act(up(x)) * p)`` over its rows, both GEMMs through
     ``recipe`` under the keys (parameter, expert) that stateful recipes name them by; FC1's
-    output is noted as ``moe_act``. Used by :func:`quant_expert_mlp` and by the sync-free
-    region (moeplug.modules.static_moe), whose rows are a fixed budget per expert."""
+    output is noted as ``moe_act``."""
     h_nX = quant_linear(x_nD, w1_LXD[e], None, recipe, (id(w1_LXD), e))
     note("moe_act", h_nX)
     key = (id(w2_LDF), e)

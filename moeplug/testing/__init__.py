@@ -14,6 +14,7 @@ raises :class:`ContractError` (an AssertionError) naming the component and the b
 """
 
 from moeplug.testing._common import ContractError, tiny_model_config
+from moeplug.testing.capabilities import check_declared
 from moeplug.testing.dispatcher import check_dispatcher
 from moeplug.testing.dispatcher_parallel import check_dispatcher_ep
 from moeplug.testing.experts import check_experts
@@ -31,6 +32,6 @@ def check_component(host, kind: str, name: str, **kwargs) -> None:
     CHECKS[kind](host, name, **kwargs)
 
 
-__all__ = ["ContractError", "tiny_model_config", "check_router", "check_dispatcher",
+__all__ = ["ContractError", "tiny_model_config", "check_declared", "check_router", "check_dispatcher",
            "check_dispatcher_ep", "check_experts",
            "check_precision", "check_reader", "check_component", "reference_expert_mlp", "CHECKS"]

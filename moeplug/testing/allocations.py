@@ -66,7 +66,7 @@ def _tensors(value) -> list[torch.Tensor]:
 def _moe_ranges(model: torch.nn.Module):
     """Opens a FORWARD profiler range around each MoELayer.forward, and a BACKWARD range
     around each autograd node that forward created (node pre-hook / hook)."""
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     open_ranges: list = []
     inputs: list = []
     handles = []

@@ -17,6 +17,7 @@ from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
 from moeplug.testing._common import (build, close, differentiable, expect, expect_no_new_state,
                                      state_snapshot, tiny_model_config)
+from moeplug.testing.capabilities import check_declared
 
 
 def random_routing(T: int, E: int, K: int, generator: torch.Generator,
@@ -51,6 +52,7 @@ def check_dispatcher(source: Any, name: str | None = None, *, model_cfg: ModelCo
     gen = torch.Generator().manual_seed(seed)
     disp, label = build(source, "dispatcher", name, options, cfg, None)
     expect(isinstance(disp, Dispatcher), label, f"is a {type(disp).__name__}, not a Dispatcher")
+    check_declared(disp, Dispatcher, label)
     expect(disp.num_experts == E and disp.num_local_experts == E, label,
            f"at one process num_experts/num_local_experts = {disp.num_experts}/"
            f"{disp.num_local_experts}, expected {E}/{E}")

@@ -1,4 +1,5 @@
-"""Install the example third-party plugin package into a private directory, for tests.
+"""Install a third-party plugin package into a private directory, for tests: the example
+router and reader (plugins/examples) or the test-only packages under tests/thirdparty.
 
 The package is installed with ``pip install --target`` (no deps, no build isolation) instead of
 into the shared venv, so it is visible only to processes whose PYTHONPATH includes that
@@ -19,14 +20,16 @@ EXAMPLE_ROUTER_DIR = EXAMPLES_DIR / "moeplug-example-router"
 
 def install_example_router(target_dir: str | os.PathLike) -> dict[str, str]:
     """pip-install moeplug-example-router into ``target_dir``; return an env for subprocesses."""
-    return install_example(EXAMPLE_ROUTER_DIR, target_dir)
+    return install_plugin_package(EXAMPLE_ROUTER_DIR, target_dir)
 
 
-def install_example(package_dir: Path, target_dir: str | os.PathLike) -> dict[str, str]:
-    """pip-install the example package in ``package_dir`` (plugins/examples/...) into
-    ``target_dir``; return an env for subprocesses that see it."""
+def install_plugin_package(package_dir: str | os.PathLike,
+                           target_dir: str | os.PathLike) -> dict[str, str]:
+    """pip-install the plugin package at ``package_dir`` into ``target_dir``; return an env for
+    subprocesses (PYTHONPATH starting with ``target_dir``)."""
+    package_dir = Path(package_dir)
     if not (package_dir / "pyproject.toml").is_file():
-        raise FileNotFoundError(f"example plugin not found at {package_dir}. Fix: run from a "
+        raise FileNotFoundError(f"plugin package not found at {package_dir}. Fix: run from a "
                                 f"moeplug source checkout (pip install -e .)")
     # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
     source = Path(target_dir).with_name(Path(target_dir).name + "-src")
@@ -36,7 +39,7 @@ def install_example(package_dir: Path, target_dir: str | os.PathLike) -> dict[st
            "--no-index", "--target", str(target_dir), str(source)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
-        raise RuntimeError(f"installing the example plugin failed ({' '.join(cmd)}):\n{done.stderr}")
+        raise RuntimeError(f"installing the plugin package failed ({' '.join(cmd)}):\n{done.stderr}")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(target_dir), env.get("PYTHONPATH", "")) if p)
     return env

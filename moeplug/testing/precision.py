@@ -15,18 +15,20 @@ from torch import nn
 from moeplug.interfaces import Precision
 from moeplug.quant import block_scope
 from moeplug.testing._common import build, expect
+from moeplug.testing.capabilities import check_declared
 
 
 def check_precision(source: Any, name: str | None = None, *, options: Any = None,
                     device_type: str = "cpu") -> None:
     prec, label = build(source, "precision", name, options)
     expect(isinstance(prec, Precision), label, f"is a {type(prec).__name__}, not a Precision")
+    check_declared(prec, Precision, label)
     expect(isinstance(prec.name, str) and prec.name, label,
            f"name must be a non-empty str, got {prec.name!r}")
     expect(isinstance(prec.compute_dtype, torch.dtype) and prec.compute_dtype.is_floating_point, label,
            f"compute_dtype must be a floating torch.dtype, got {prec.compute_dtype!r}")
 
-    align = getattr(prec, "row_alignment", 1)
+    align = prec.row_alignment
     expect(isinstance(align, int) and not isinstance(align, bool) and align >= 1, label,
            f"row_alignment must be a positive int, got {align!r}")
     layer = nn.Linear(8, 8).to(device_type)

@@ -14,6 +14,7 @@ from moeplug.config import ModelConfig
 from moeplug.interfaces import Router, RouterOutput
 from moeplug.testing._common import (build, differentiable, expect, expect_no_new_state,
                                      state_snapshot, tiny_model_config)
+from moeplug.testing.capabilities import check_declared
 
 
 def check_router(source: Any, name: str | None = None, *, model_cfg: ModelConfig | None = None,
@@ -24,6 +25,7 @@ def check_router(source: Any, name: str | None = None, *, model_cfg: ModelConfig
     router, label = build(source, "router", name, options, cfg)
     expect(isinstance(router, Router), label,
            f"is a {type(router).__name__}, not a moeplug.interfaces.Router")
+    check_declared(router, Router, label)
     expect(router.num_experts == E and router.top_k == K, label,
            f"num_experts/top_k = {router.num_experts}/{router.top_k}, expected {E}/{K} from the model config")
 

@@ -105,7 +105,7 @@ def two_rank_trainer(rank: int, world: int, dispatcher: str, arenas: bool,
     layer's workspace arena off. ``options``: the dispatcher's plugin options;
     ``router_options``: the router's; ``runtime``: more of the ``runtime:`` section."""
     from moeplug.config import config_from_dict
-    from moeplug.modules.moe import MoELayer
+    from moeplug.moe import MoELayer
     from moeplug.parallel import ParallelGroups
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model

@@ -568,7 +568,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                   else model.vocab_size)
     flops_per_token = float(model_flops_per_token(cfg.model, vocab_size, tc.seq_len))
     device = D.model_device(model)  # the CLI put it on train.device; batches follow it
-    compute_dtype = getattr(precision, "compute_dtype", torch.float32)
+    compute_dtype = torch.float32 if precision is None else precision.compute_dtype
     peak_1 = measure_peak_tflops(compute_dtype, device)
     peak = world * peak_1
     slow_bf16 = slow_bf16_note(peak_1, device) if compute_dtype == torch.bfloat16 else None

@@ -23,4 +23,4 @@ def moeplug_register_experts(registry) -> None:
     registry.add("sequential", make_sequential,
                  description="loop over local experts with torch ops (reference backend)")
     registry.add("grouped", make_grouped,
-                 description="all local experts in one grouped MLP op (moeplug.ops.expert_mlp)")
+                 description="all local experts in one grouped MLP op (moeplug.ops.grouped_ffn)")

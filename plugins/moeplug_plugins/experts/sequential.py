@@ -14,6 +14,11 @@ from moeplug_plugins.experts._params import ExpertParams
 
 
 class SequentialExperts(ExpertParams):
+    # runtime.sync_free's budget rows are rows like any others: B per expert, empty slots zero
+    # rows of weight 0 (computed for nothing, but correctly). Not capturable: the reference
+    # backend reads its counts on the host.
+    budget_rows = True
+
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         recipe = active_recipe()  # a low-precision precision plugin's recipe (emulated GEMMs)
         if recipe is not None:

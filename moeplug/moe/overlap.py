@@ -1,4 +1,5 @@
-"""Chunked overlap inside one MoE layer (``model.moe.overlap_chunks`` = N > 1).
+"""Chunked overlap inside one MoE layer (``model.moe.overlap_chunks`` = N > 1): a schedule
+over the layer's stages 2-6.
 
 Legend: T tokens, D hidden, K top-k, S routed rows of a chunk, N chunks; ``x_TD[c]`` is the
 c-th of N contiguous token ranges, tokens [c*T//N, (c+1)*T//N).
@@ -21,6 +22,16 @@ exchange's gradient is started by its wait's backward and waited for by its star
 (``moeplug.parallel.comm.all_to_all_start``), and autograd runs the ready node created last
 first, which is the other chunk's experts.
 
+The same schedule runs the budgeted dispatcher (``runtime.sync_free``, eager on the CPU): each
+chunk's stages 1-2 into its own packed slots with the budget of a micro-batch of its T_c tokens
+    C_c = ceil(T_c*K/E * runtime.token_budget),
+its exchange started and waited for later, so chunk c+1's rows travel while chunk c's experts
+compute and every size is still static. Each chunk's over-budget flag joins the step's (one
+rerun on the dynamic path, as unchunked), and its demand is measured against its own balanced
+load T_c*K/E, so the budget a rerun names is the one the chunks would have needed. Chunks hold
+fewer tokens than the micro-batch, so they go over a given budget more often than the whole
+would.
+
 Numerics: every token's K rows meet the same expert weights and are summed in the same k
 order, so outputs, the router's and the input's gradients equal the unchunked layer's; the
 routed experts' weight gradients are sums over rows, which now add chunk by chunk (fp32
@@ -30,13 +41,15 @@ rounding of a differently ordered sum, ~1e-7 relative; tests/test_overlap.py sta
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from moeplug.interfaces import Dispatcher, RouterOutput
-from moeplug.modules.shared_experts import add_shared
+from moeplug.moe.shared_experts import add_shared
 from moeplug.observability.timing import stage
+from moeplug.ops import workspace
+from moeplug.quant import active_recipe
 from moeplug.routing import cat_rows, row_range
 
 
@@ -52,16 +65,14 @@ def chunk_routing(routing: RouterOutput, t0: int, t1: int) -> RouterOutput:
                                dropped_TK=cut(routing.dropped_TK), capacity=None)
 
 
-def overlapped_routed(x_TD: torch.Tensor, routing: RouterOutput, num_chunks: int,
-                      dispatcher: Dispatcher, experts: Callable[[Any], torch.Tensor],
-                      shared: Callable[[torch.Tensor], torch.Tensor] | None,
-                      experts_scope: Callable[[], Any]) -> torch.Tensor:
-    """y_TD (+ shared(x_TD)) of the routed experts, pipelined over ``num_chunks`` chunks.
-
-    ``experts(d)`` runs stage 3 on one chunk's Dispatched; ``experts_scope()`` is the context
-    stage 3 runs in (the runtime's stash scope)."""
-    T = x_TD.shape[0]
-    spans = [(c * T // num_chunks, (c + 1) * T // num_chunks) for c in range(num_chunks)]
+def overlapped(layer: Any, dispatcher: Dispatcher, x_TD: torch.Tensor,
+               routing: RouterOutput) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y_TD (+ shared(x_TD)), the kept counts per expert or None) of stages 2-6 pipelined over
+    ``layer.overlap_chunks`` chunks, through ``layer``'s stage methods."""
+    if dispatcher is layer.budgeted:
+        _check_budgeted(x_TD, dispatcher)
+    N, T = layer.overlap_chunks, x_TD.shape[0]
+    spans = [(c * T // N, (c + 1) * T // N) for c in range(N)]
 
     def start(c: int) -> Any:
         t0, t1 = spans[c]
@@ -70,16 +81,17 @@ def overlapped_routed(x_TD: torch.Tensor, routing: RouterOutput, num_chunks: int
                                              chunk_routing(routing, t0, t1))
 
     dispatching = start(0)
-    s_TD = shared(x_TD) if shared is not None else None        # during dispatch 0
+    s_TD = layer.shared(x_TD) if layer.shared is not None else None   # during dispatch 0
     combining: list[Any] = []
     y_parts: list[torch.Tensor] = []
-    for c in range(num_chunks):
+    kept: list[torch.Tensor | None] = []
+    for c in range(N):
         with stage("dispatch"):
             d = dispatcher.dispatch_wait(dispatching)
-        if c + 1 < num_chunks:
+        kept.append(d.counts_E)
+        if c + 1 < N:
             dispatching = start(c + 1)
-        with stage("experts"), experts_scope():
-            y_SD = experts(d)
+        y_SD = layer.routed_experts_compute(d)
         with stage("combine"):
             combining.append(dispatcher.combine_start(y_SD, d.meta))
             if c > 0:
@@ -87,4 +99,21 @@ def overlapped_routed(x_TD: torch.Tensor, routing: RouterOutput, num_chunks: int
     with stage("combine"):
         y_parts.append(dispatcher.combine_wait(combining[-1]))
     y_TD = cat_rows(y_parts)  # torch.cat and the sum, into the workspace
-    return y_TD if s_TD is None else add_shared(y_TD, s_TD)
+    y_TD = y_TD if s_TD is None else add_shared(y_TD, s_TD)
+    return y_TD, None if kept[0] is None else _summed(kept)
+
+
+def _summed(counts: list[torch.Tensor]) -> torch.Tensor:
+    """counts_E of the whole micro-batch: the chunks' summed (into the arena)."""
+    total = workspace.empty(tuple(counts[0].shape), counts[0].dtype)
+    total.copy_(counts[0])
+    for counts_E in counts[1:]:
+        total.add_(counts_E)
+    return total
+
+
+def _check_budgeted(x_TD: torch.Tensor, dispatcher: Any) -> None:
+    if x_TD.device.type != "cpu" or dispatcher.state.capture or active_recipe() is not None:
+        raise ValueError(  # RootConfig refuses these: a layer built without it
+            "MoELayer: runtime.sync_free with overlap_chunks > 1 runs eagerly on the CPU in "
+            "fp32 or bf16 only (no capture, no quantization recipe). Fix: overlap_chunks 1")
