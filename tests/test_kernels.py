@@ -312,7 +312,9 @@ def test_moe_layer_steps_reuse_every_workspace_buffer(dtype):
 def test_default_config_steps_reuse_every_workspace_buffer(precision):
     """The packaged default config at micro-batch 4, whole train steps: after warm-up no step
     allocates a workspace buffer (a new batch each step, so the experts' row counts change).
-    With a slack of 1/8 over the high-water mark (not 1/4) the bf16 run missed 5 buffers a step."""
+    With a slack of 1/8 over the high-water mark the bf16 run missed 5 buffers a step, and at
+    1/4 again once the grouped expert FFN's forward and backward buffers took other size
+    classes (moeplug.ops.workspace.SLACK)."""
     import yaml
 
     from moeplug.cli import default_config_path
@@ -354,10 +356,13 @@ def test_workspace_never_hands_out_a_live_buffer():
     assert small.shape == (4,)
 
 
-def test_workspace_never_grows_past_its_high_water_mark():
+def test_workspace_never_grows_past_its_high_water_mark(monkeypatch):
     """The cache's footprint stays within the most bytes its buffers held live at once: a miss
-    drops free buffers of other sizes before allocating; sizes within one class share buffers."""
+    drops free buffers of other sizes before allocating; sizes within one class share buffers.
+    The rule at a slack of 1/4 (the byte counts below are worked out for it; the default slack
+    is tuned by the default-config test above)."""
     from moeplug.ops import workspace
+    monkeypatch.setattr(workspace, "SLACK", 1.25)
     workspace.clear()
     try:
         n = workspace.MIN_BYTES // 4
