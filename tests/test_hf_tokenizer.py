@@ -185,3 +185,35 @@ def test_tokenizer_field_rules_without_the_cli(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="holds no tokenizer.json .it holds nothing"):
         DataConfig(tokenizer=str(tmp_path / "empty"))
+
+
+def test_data_prepare_with_a_hf_tokenizer_then_train_and_generate(run_cli, cli_env,
+                                                                  tiny_config_file, texts,
+                                                                  tmp_path):
+    """A JSONL corpus through `moeplug data prepare --tokenizer HF_DIR`: the .bin/.idx hold
+    AutoTokenizer's ids + EOS per record, in order; training on the prepared folder with that
+    tokenizer works (and the checkpoint carries it, so generate needs nothing else)."""
+    from moeplug.data.indexed import open_indexed
+    folder = save_hf_tokenizer(tmp_path / "tok", texts, "eos")
+    corpus = tmp_path / "corpus.jsonl"
+    docs = texts[:12]
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
+    out = tmp_path / "prepared"
+    proc = run_cli("data", "prepare", "--corpus", str(corpus), "--tokenizer", folder,
+                   "--out", str(out), "--workers", "1", env=cli_env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "12 documents" in proc.stdout, proc.stdout
+    tokens = open_indexed(str(out / "corpus"))
+    got = [tokens.tokens_N[s:s + n].tolist() for s, n in zip(tokens.starts_S, tokens.lengths_S)]
+    assert got == [auto_ids(folder, t) for t in docs]
+    run = tmp_path / "run"
+    proc = run_cli("train", "--config", tiny_config_file(), "--out", str(run), "--steps", "2",
+                   "--set", f"data.corpus={out}", "--set", f"data.tokenizer={folder}",
+                   "--set", "data.val_works=null", "--set", "data.val_fraction=0.2",
+                   "--set", "train.eval_interval=0",
+                   env=cli_env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (run / "step_000002" / "tokenizer" / "tokenizer.json").is_file()
+    gen = run_cli("generate", "--ckpt", str(run), "--prompt", "To be", "--max-new-tokens", "4",
+                  env=cli_env, timeout=300)
+    assert gen.returncode == 0 and gen.stdout.startswith("To be"), gen.stderr[-2000:]
