@@ -210,6 +210,7 @@ def test_data_prepare_with_a_hf_tokenizer_then_train_and_generate(run_cli, cli_e
     proc = run_cli("train", "--config", tiny_config_file(), "--out", str(run), "--steps", "2",
                    "--set", f"data.corpus={out}", "--set", f"data.tokenizer={folder}",
                    "--set", "data.val_works=null", "--set", "data.val_fraction=0.2",
+                   "--set", "model.qk_norm=true",  # Qwen3-MoE's attention, for the export
                    "--set", "train.eval_interval=0",
                    env=cli_env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -217,3 +218,10 @@ def test_data_prepare_with_a_hf_tokenizer_then_train_and_generate(run_cli, cli_e
     gen = run_cli("generate", "--ckpt", str(run), "--prompt", "To be", "--max-new-tokens", "4",
                   env=cli_env, timeout=300)
     assert gen.returncode == 0 and gen.stdout.startswith("To be"), gen.stderr[-2000:]
+    exported = tmp_path / "export"
+    done = run_cli("convert", "export", "--ckpt", str(run), "--out", str(exported), "--family",
+                   "qwen3_moe", env=cli_env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    back = AutoTokenizer.from_pretrained(exported)
+    assert back(docs[0])["input_ids"] == AutoTokenizer.from_pretrained(folder)(docs[0])["input_ids"]
+    assert transformers.AutoModelForCausalLM.from_pretrained(exported).config.vocab_size >= len(back)
