@@ -34,7 +34,7 @@ def test_permuted_rows_are_kept_unweighted_and_unpermute_keeps_no_rows():
     layer = next(b.ffn for b in model.blocks if isinstance(b.ffn, MoELayer))
     x_TD = torch.randn(32, 32, requires_grad=True)
     with torch.no_grad():  # the same dispatch, to know the permuted rows and their weights
-        d = layer.dispatcher.dispatch(x_TD, layer._route(x_TD, 1))
+        d = layer.dispatcher.dispatch(x_TD, layer.router_and_preprocess(x_TD, 1))
         y_SD = layer.experts(d.x_SD, d.probs_S, d.counts_L)
     saved = _saved_during(lambda: layer(x_TD))
     rows = [t for t in saved if t.shape == d.x_SD.shape]
@@ -125,7 +125,7 @@ def test_unpermute_frees_the_expert_rows_and_weighting_adds_no_saved_copy():
     def held(weighted: bool) -> int:
         x = torch.randn(32, 32, requires_grad=True)
         with torch.no_grad():
-            d = layer.dispatcher.dispatch(x, layer._route(x, 1))
+            d = layer.dispatcher.dispatch(x, layer.router_and_preprocess(x, 1))
         x_SD = d.x_SD.clone().requires_grad_()
         probs = d.probs_S.clone().requires_grad_() if weighted else None
         meter = ActivationMeter(model)
