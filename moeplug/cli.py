@@ -227,15 +227,11 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         os.environ[LOCKED_ENV] = os.path.realpath(cfg.train.out_dir)
     # 3. heavy work: data, model, loop. Imports are here so `--version`/`plugins` stay fast.
     from moeplug.data import prepare_corpus
-    from moeplug.data.corpus import check_run_data
-    from moeplug.documents import document_eod
 
     if world > 1 and not launch.under_torchrun():
         # once, here: the ranks then only read the cache
         corpus = prepare_corpus(cfg.data, host, log=print)
-        _check_corpus_tokenizer(cfg, corpus, resume_from, meta)
-        check_run_data(corpus, cfg, resume_from)
-        document_eod(cfg, corpus.tokenizer)  # data.document_mask needs the tokenizer's EOS
+        _check_corpus(cfg, corpus, resume_from, meta)
         if args.overwrite:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
@@ -320,23 +316,26 @@ def _cheap_tokenizer(cfg: RootConfig):
     return ByteTokenizer() if cfg.data.tokenizer == "bytes" else None
 
 
-def _check_corpus_tokenizer(cfg: RootConfig, corpus, resume_from: str | None,
-                            meta: dict | None) -> int:
-    """Once the tokenizer is built (a BPE is trained on the corpus): every id has a row in the
-    model (the rows split over TP), and a resumed checkpoint was trained with the same
-    tokenizer; before any rank starts. Returns the model's vocabulary rows."""
+def _check_corpus(cfg: RootConfig, corpus, resume_from: str | None, meta: dict | None) -> int:
+    """Once the tokenizer is built (a BPE is trained on the corpus), before any rank starts or
+    the model is built: a resumed checkpoint was trained with the same tokenizer and data
+    order, every id has a row in the model (the rows split over TP), and data.document_mask
+    finds the tokenizer's EOS. Returns the model's vocabulary rows."""
+    from moeplug.data.corpus import check_run_data
+    from moeplug.documents import document_eod
     if resume_from is not None and meta is not None:  # first: it names the checkpoint
         from moeplug.training.resume import check_tokenizer
         check_tokenizer(resume_from, meta, cfg, corpus.tokenizer)
-    return cfg.model_vocab_size(corpus.vocab_size)
+    rows = cfg.model_vocab_size(corpus.vocab_size)
+    check_run_data(corpus, cfg, resume_from)
+    document_eod(cfg, corpus.tokenizer)
+    return rows
 
 
 def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, groups, device,
                 resume_from: str | None = None, meta: dict | None = None):
     """This process's part of the run: data, model, loop; train()'s summary."""
     from moeplug.data import prepare_corpus
-    from moeplug.data.corpus import check_run_data
-    from moeplug.documents import document_eod
     from moeplug.training import distributed as D
     from moeplug.training.run_dir import clear_run
     from moeplug.training.trainer import seed_everything, train
@@ -348,9 +347,7 @@ def _train_rank(cfg: RootConfig, args: argparse.Namespace, host, precision, grou
         print(corpus.description)
     # the launcher checked these before the ranks started; one process (or a plain torchrun)
     # here
-    rows = _check_corpus_tokenizer(cfg, corpus, resume_from, meta)
-    check_run_data(corpus, cfg, resume_from)
-    document_eod(cfg, corpus.tokenizer)  # before the model is built
+    rows = _check_corpus(cfg, corpus, resume_from, meta)
     seed_everything(cfg.train.seed)  # same seed everywhere: every rank builds the same init
     model = D.build_rank_model(cfg, host, rows, groups, device)
     plugin_names = {k: getattr(cfg.plugins, k)
