@@ -114,26 +114,15 @@ def test_errors_name_the_field_the_value_and_the_fix():
 
 def _pieces_vs_one_process(rank: int, world: int) -> dict[str, float]:
     from moeplug.parallel import ParallelConfig, ParallelGroups
+    from moeplug.testing.cp_attention import cp_attention_errors
 
     B, H, G, N, Dh = 2, 4, 2, 16, 8
     g = torch.Generator().manual_seed(7)  # same full tensors on every rank
     q, k, v, dout = (torch.randn(B, h, N, Dh, generator=g) for h in (H, G, G, H))
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True)
-    out_ref.backward(dout)
-    errs: dict[str, float] = {}
-    for cp in (4, 2):
-        groups = ParallelGroups.build(ParallelConfig(cp=cp), world, rank)
-        W, r = groups.size("cp"), groups.rank_in("cp")
-        for comm in ("allgather", "ring"):
-            local = [shard_sequence(t, W, r, dim=2).requires_grad_() for t in (q, k, v)]
-            out = cp_attention(*local, groups.cp, comm)
-            out.backward(shard_sequence(dout, W, r, dim=2))
-            want = [out_ref] + [t.grad for t in full]
-            for name, got, ref in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in local],
-                                      want):
-                diff = got - shard_sequence(ref, W, r, dim=2)
-                errs[f"cp{cp}/{comm}/{name}"] = diff.abs().max().item()
+    errs = cp_attention_errors(
+        rank, world, q, k, v, dout,
+        reference=lambda *qkv: F.scaled_dot_product_attention(*qkv, is_causal=True,
+                                                              enable_gqa=True))
     # The LM loss at TP2 x CP2: vocab-parallel logits of this rank's tokens, one ignored token.
     logits_full = torch.randn(B, N, 12, generator=g).requires_grad_()
     targets = torch.randint(0, 12, (B, N), generator=g)

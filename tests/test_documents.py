@@ -184,8 +184,7 @@ def test_positions_change_nothing_for_one_document_per_row():
 # --- context parallelism alone, on real ranks ----------------------------------------------------
 
 def _cp_pieces(rank: int, world: int) -> dict[str, float]:
-    from moeplug.parallel import ParallelConfig, ParallelGroups
-    from moeplug.parallel.context_parallel import cp_attention, shard_sequence
+    from moeplug.testing.cp_attention import cp_attention_errors
 
     B, H, G, N, Dh = 2, 4, 2, 16, 8
     g = torch.Generator().manual_seed(7)
@@ -197,25 +196,11 @@ def _cp_pieces(rank: int, world: int) -> dict[str, float]:
     tokens[1, 12] = EOD
     positions = document_positions(tokens, EOD)
     index = torch.arange(N)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_ref = F.scaled_dot_product_attention(*full, attn_mask=attention_mask(index, index,
-                                                                             positions),
-                                             enable_gqa=True)
-    out_ref.backward(dout)
-    errs: dict[str, float] = {}
-    for cp in (4, 2):
-        groups = ParallelGroups.build(ParallelConfig(cp=cp), world, rank)
-        W, r = groups.size("cp"), groups.rank_in("cp")
-        for comm in ("allgather", "ring"):
-            local = [shard_sequence(t, W, r, dim=2).requires_grad_() for t in (q, k, v)]
-            out = cp_attention(*local, groups.cp, comm, shard_sequence(positions, W, r))
-            out.backward(shard_sequence(dout, W, r, dim=2))
-            want = [out_ref] + [t.grad for t in full]
-            for name, got, ref in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in local],
-                                      want):
-                diff = got - shard_sequence(ref, W, r, dim=2)
-                errs[f"cp{cp}/{comm}/{name}"] = diff.abs().max().item()
-    return errs
+    mask = attention_mask(index, index, positions)
+    return cp_attention_errors(
+        rank, world, q, k, v, dout, positions=positions,
+        reference=lambda *qkv: F.scaled_dot_product_attention(*qkv, attn_mask=mask,
+                                                              enable_gqa=True))
 
 
 def test_cp_attention_with_documents_equals_masked_sdpa_on_the_full_sequence():
