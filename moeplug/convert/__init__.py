@@ -260,8 +260,9 @@ def export_hf(ckpt: str, out_dir: str, model_type: str | None = None) -> str:
     moeplug's own has none, written as null (the family's defaults, e.g. Mixtral's eos 2, would
     belong to another tokenizer). The tokenizer files the checkpoint carries are written beside
     the weights, so AutoTokenizer.from_pretrained(out_dir) loads them too."""
-    from moeplug.training.checkpoint import (HF_ORIGIN, LATEST, CheckpointError, META_FILE,
-                                             carried_tokenizer, find_checkpoint,
+    from moeplug.training.checkpoint_meta import HF_ORIGIN
+    from moeplug.training.checkpoint import (LATEST, CheckpointError, META_FILE, carried_tokenizer,
+                                             find_checkpoint,
                                              load_checkpoint, read_meta, saved_config)
     path = find_checkpoint(ckpt) if ckpt else None
     if path is None:

@@ -45,107 +45,25 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from moeplug.config import ConfigError, RootConfig, config_from_dict, model_differences
 from moeplug.training.optim_base import Optimizer
-
-# moeplug's optimizers (their own base) and torch's: both save and load torch's state-dict format.
-AnyOptimizer = Optimizer | torch.optim.Optimizer
-
-FORMAT = "moeplug-checkpoint-v1"
-MODEL_FILE = "model.safetensors"
-OPTIM_FILE = "optimizer.safetensors"
-META_FILE = "meta.json"
-LATEST = "latest"
-FILES = "files"  # meta.json entry: {file name: {"sha256": hex digest, "bytes": size}}
-TOKENIZER_DIR = "tokenizer"
+from moeplug.training.checkpoint_meta import (FILES, FORMAT, LATEST, META_FILE, MODEL_FILE,
+                                             OPTIM_FILE, TOKENIZER_DIR, CheckpointError,
+                                             is_int, is_number, meta_error, read_meta,
+                                             rng_state, set_rng_state, step_dir_name)
 
 _log = logging.getLogger(__name__)  # notices; with no logging set up, Python prints them
 
-
-class CheckpointError(ConfigError):
-    """A checkpoint cannot be found or read. Subclass of ConfigError: the CLI reports it as one."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-# --------------------------------------------------------------------------------------------
-# RNG state as JSON-friendly lists/ints
-# --------------------------------------------------------------------------------------------
-
-def rng_state() -> dict:
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    py_version, py_internal, py_gauss = random.getstate()
-    return {
-        "torch": torch.get_rng_state().tolist(),
-        "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
-        "python": [py_version, list(py_internal), py_gauss],
-    }
-
-
-def _uint_list(v: Any, bound: int) -> list:
-    # np.asarray / torch.tensor would silently truncate floats or wrap large values.
-    if not isinstance(v, list) or not all(type(x) is int and 0 <= x < bound for x in v):
-        raise ValueError(f"expected a list of integers in [0, {bound})")
-    return v
-
-
-def _torch_rng(v: Any) -> torch.Tensor:
-    state = torch.tensor(_uint_list(v, 256), dtype=torch.uint8)
-    torch.Generator().set_state(state)  # a private generator checks it; the global is untouched
-    return state
-
-
-def _numpy_rng(v: Any) -> tuple:
-    name, keys, pos, has_gauss, gauss = v
-    state = (name, np.asarray(_uint_list(keys, 2**32), dtype=np.uint32), pos, has_gauss, gauss)
-    np.random.RandomState().set_state(state)
-    return state
-
-
-def _python_rng(v: Any) -> tuple:
-    version, internal, gauss = v
-    state = (version, tuple(internal), gauss)
-    random.Random().setstate(state)
-    return state
-
-
-_RNG_PARSERS = {"torch": _torch_rng, "numpy": _numpy_rng, "python": _python_rng}
-
-
-def _parse_rng(state: Any, meta_path: str) -> dict:
-    """The saved RNG states as the objects torch / numpy / random take, each tried on a private
-    generator first so that a bad one is a CheckpointError naming it, not a traceback."""
-    if not isinstance(state, dict) or not set(_RNG_PARSERS) <= set(state):
-        raise _meta_error(meta_path, "rng", state, "must be an object with the 'torch', "
-                          "'numpy' and 'python' RNG states")
-    out = {}
-    for kind, parse in _RNG_PARSERS.items():
-        try:
-            out[kind] = parse(state[kind])
-        except (TypeError, ValueError, RuntimeError, OverflowError, IndexError) as e:
-            raise _meta_error(meta_path, f"rng.{kind}", state[kind],
-                              f"is not a {kind} RNG state ({e})") from None
-    return out
-
-
-def set_rng_state(state: dict, meta_path: str = META_FILE) -> None:
-    parsed = _parse_rng(state, meta_path)
-    torch.set_rng_state(parsed["torch"])
-    np.random.set_state(parsed["numpy"])
-    random.setstate(parsed["python"])
-
+# moeplug's optimizers (their own base) and torch's: both save and load torch's state-dict format.
+AnyOptimizer = Optimizer | torch.optim.Optimizer
 
 # --------------------------------------------------------------------------------------------
 # Saving
@@ -554,70 +472,6 @@ def _open_safetensors(path: str, meta: dict, name: str) -> Any:
             f"or convert it to safetensors with a tool you trust") from None
 
 
-def _meta_error(meta_path: str, field: str, value: Any, rule: str) -> CheckpointError:
-    shown = repr(value)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    return CheckpointError(
-        f"checkpoint metadata {meta_path!r}: field '{field}' = {shown} {rule}. Fix: restore this "
-        f"{META_FILE} from a copy, resume from another checkpoint (another step_* directory of "
-        f"the run), or start fresh (train.resume='')")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-# Optional meta.json entries and what each must be when present (None counts as absent).
-# "hf": the record of a Hugging Face import (moeplug.convert), in its step-0 checkpoint only
-# (it marks a model moeplug did not train); HF_ORIGIN: the same record, carried by the
-# checkpoints of a run resumed from such an import (export reads its family and token ids).
-HF_ORIGIN = "hf_origin"
-_OPTIONAL_OBJECTS = ("metrics", "optimizer", "parallel", "config", "plugins", "scheduler", "hf",
-                     HF_ORIGIN, FILES, "tp_dims")
-
-
-def read_meta(path: str) -> dict:
-    """The meta.json of checkpoint directory ``path``, checked field by field: anything the
-    loaders use has the right type afterwards (CheckpointError naming the field otherwise)."""
-    meta_path = os.path.join(path, META_FILE)
-    try:
-        with open(meta_path, "rb") as f:
-            meta = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8 (binary)
-        raise CheckpointError(f"checkpoint metadata {meta_path!r} is unreadable ({e}). Fix: use "
-                              f"a complete checkpoint directory (see 'latest' in the run dir)") from None
-    if not isinstance(meta, dict):
-        raise _meta_error(meta_path, "(top level)", meta, f"is a JSON {type(meta).__name__}, "
-                          f"not the JSON object moeplug writes")
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path!r}: format = {meta.get('format')!r}, expected "
-                              f"{FORMAT!r}. Fix: use a checkpoint written by this moeplug version")
-    if not _is_int(meta.get("step")) or meta["step"] < 0:
-        raise _meta_error(meta_path, "step", meta.get("step"), "must be an integer >= 0")
-    _parse_rng(meta.get("rng"), meta_path)
-    version = meta.get("reshard_version")  # absent: written before the per-file manifests
-    if version is not None and not _is_int(version):
-        raise _meta_error(meta_path, "reshard_version", version, "must be an integer")
-    for key in _OPTIONAL_OBJECTS:
-        if meta.get(key) is not None and not isinstance(meta[key], dict):
-            raise _meta_error(meta_path, key, meta[key], "must be a JSON object")
-    for key, ok, rule in (("tokens_seen", _is_int, "an integer"),
-                          ("train_seconds", _is_number, "a number")):
-        value = (meta.get("metrics") or {}).get(key, 0)
-        if not ok(value) or value < 0:
-            raise _meta_error(meta_path, f"metrics.{key}", value, f"must be {rule} >= 0")
-    for name, record in (meta.get(FILES) or {}).items():
-        if not (isinstance(record, dict) and isinstance(record.get("sha256"), str)
-                and _is_int(record.get("bytes"))):
-            raise _meta_error(meta_path, f"{FILES}.{name}", record,
-                              "must be {\"sha256\": hex digest, \"bytes\": size}")
-    return meta
-
-
 def carried_tokenizer(path: str, meta: dict) -> str | None:
     """The ``tokenizer/`` directory checkpoint ``path`` carries (every file checked against its
     checksum), or None: its run's tokenizer is moeplug's own (bpe, bytes), or it is an import
@@ -735,7 +589,7 @@ def _load_model_state(path: str, model: torch.nn.Module, model_sd: dict) -> None
 def _value_kind(v: Any) -> Any:
     if v is None or isinstance(v, bool):
         return type(v)
-    if _is_number(v):
+    if is_number(v):
         return "number"
     if isinstance(v, (list, tuple)):
         return ("sequence", len(v), tuple(_value_kind(x) for x in v))
@@ -758,7 +612,7 @@ def _check_param_groups(optimizer: Any, param_groups: Any, source: str, prefix: 
         if not isinstance(saved, dict):
             raise fail(f"param_groups[{i}]", saved, "must be a JSON object")
         params = saved.get("params")
-        if not isinstance(params, list) or not all(_is_int(p) and p >= 0 for p in params):
+        if not isinstance(params, list) or not all(is_int(p) and p >= 0 for p in params):
             raise fail(f"param_groups[{i}].params", params, "must be a list of indices")
         for key, value in now.items():
             if key == "params" or value is None or saved.get(key) is None:
@@ -840,8 +694,8 @@ def _saved_ranks(path: str, meta: dict, legacy_model: torch.nn.Module | None = N
     from moeplug.training import reshard
     layout = meta.get("parallel")
     world = layout.get("world_size") if layout else 1
-    if not _is_int(world) or world < 1:
-        raise _meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
+    if not is_int(world) or world < 1:
+        raise meta_error(os.path.join(path, META_FILE), "parallel.world_size", world,
                           "must be an integer >= 1")
     ranks = range(world) if layout else ()
     handles: dict[str, Any] = {}

@@ -34,8 +34,9 @@ from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.observability.timing import add_times, measure_stages, stage
 from moeplug.stash import StashOverflowError
 from moeplug.training import distributed as D
-from moeplug.training.checkpoint import (HF_ORIGIN, load_checkpoint, load_sharded_checkpoint,
-                                         nothing_to_train, resolve_resume, save_checkpoint,
+from moeplug.training.checkpoint_meta import HF_ORIGIN
+from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoint, nothing_to_train,
+                                         resolve_resume, save_checkpoint,
                                          save_sharded_checkpoint)
 from moeplug.training.faults import (NonFiniteWatch, TestFault, TrainingFault, is_finite,
                                      nonfinite_message)
