@@ -368,7 +368,7 @@ _kept: list = []
 
 
 def _released_buffer_is_reused(run) -> bool:
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     workspace.clear()
     buf = workspace.empty((1 << 17,), torch.float32)  # 512 KB: the large-buffer cache
     buf.fill_(0)

@@ -277,7 +277,7 @@ def test_moe_layer_steps_reuse_every_workspace_buffer(dtype):
     step's misses dropped buffers the next step needed."""
     from moeplug.config import ModelConfig, MoEConfig
     from moeplug.moe import MoELayer
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     from moeplug.plugin_host import PluginHost
     T, D, F, E, K = 1024, 256, 352, 16, 4
     m = ModelConfig(hidden_size=D, num_heads=4, num_kv_heads=4, num_layers=1, first_k_dense=0,
@@ -314,12 +314,12 @@ def test_default_config_steps_reuse_every_workspace_buffer(precision):
     allocates a workspace buffer (a new batch each step, so the experts' row counts change).
     With a slack of 1/8 over the high-water mark the bf16 run missed 5 buffers a step, and at
     1/4 again once the grouped expert FFN's forward and backward buffers took other size
-    classes (moeplug.ops.workspace.SLACK)."""
+    classes (moeplug.runtime.workspace.SLACK)."""
     import yaml
 
     from moeplug.cli import default_config_path
     from moeplug.config import config_from_dict
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     from moeplug.testing.steps import one_process_trainer
     with open(default_config_path()) as f:
         raw = yaml.safe_load(f)
@@ -339,7 +339,7 @@ def test_default_config_steps_reuse_every_workspace_buffer(precision):
 
 
 def test_workspace_never_hands_out_a_live_buffer():
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
 
     shape = (workspace.MIN_BYTES // 4,)
     a = workspace.empty(shape, torch.float32)
@@ -361,7 +361,7 @@ def test_workspace_never_grows_past_its_high_water_mark(monkeypatch):
     drops free buffers of other sizes before allocating; sizes within one class share buffers.
     The rule at a slack of 1/4 (the byte counts below are worked out for it; the default slack
     is tuned by the default-config test above)."""
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     monkeypatch.setattr(workspace, "SLACK", 1.25)
     workspace.clear()
     try:

@@ -101,7 +101,7 @@ def test_unpermute_frees_the_expert_rows_and_weighting_adds_no_saved_copy():
     very same buffer out again; (2) the bytes held for backward do not grow when the routing
     weights are applied (weighted activation) compared with the same layer without weights,
     except the weights themselves: no weighted copy of any [S, .] tensor is kept."""
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     model = model_for(None)
     layer = next(b.ffn for b in model.blocks if isinstance(b.ffn, MoELayer))
     old_min = workspace.MIN_BYTES

@@ -14,7 +14,8 @@ import torch
 
 from moeplug.config import config_from_dict
 from moeplug.moe import MoELayer
-from moeplug.ops import permute, permute_probs, workspace
+from moeplug.ops import permute, permute_probs
+from moeplug.runtime import workspace
 from moeplug.routing import (expert_counts, router_logits, seq_aux_loss_from_stats,
                              switch_aux_loss_from_mean, switch_aux_loss_from_stats, z_loss)
 from moeplug.routing import append_sink_rows, drop_over_capacity, first_rows, sink_dropped

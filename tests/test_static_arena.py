@@ -24,8 +24,8 @@ from moeplug.config import RuntimeSection
 from moeplug.moe.budgeted import arena as static_arena
 from moeplug.moe.budgeted.dispatcher import BudgetedDispatcher
 from moeplug.moe.budgeted.slots import slots
-from moeplug.ops import workspace
-from moeplug.syncfree import SyncFreeState
+from moeplug.runtime import workspace
+from moeplug.runtime.syncfree import SyncFreeState
 
 
 def _routing(T: int, K: int, E: int, drop: float, g: torch.Generator) -> tuple:

@@ -39,7 +39,7 @@ from moeplug.config import ConfigError, ModelConfig
 from moeplug.interfaces import Router, RouterOutput
 from moeplug.modules.recompute import recomputing, will_recompute
 from moeplug import routing as R
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.routing import workspace_losses as WL
 from moeplug.routing.pooled import HF_AUX_LOSS, pooled_aux_stats
 from moeplug.quant import row_alignment

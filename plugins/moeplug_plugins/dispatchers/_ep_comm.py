@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.parallel import comm
 from moeplug.runtime import get_runtime
 

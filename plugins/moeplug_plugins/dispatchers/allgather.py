@@ -25,7 +25,8 @@ import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.ops import permute, permute_probs, unpermute, workspace
+from moeplug.ops import permute, permute_probs, unpermute
+from moeplug.runtime import workspace
 from moeplug.routing import (append_sink_rows, first_rows, pad_rows, padded_counts, sink_dropped,
                              unpad_rows)
 from moeplug_plugins.dispatchers import _ep_comm

@@ -50,7 +50,7 @@ import torch
 
 from moeplug.config import ModelConfig
 from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.parallel import shm_rows
 from moeplug.parallel.comm import active_group
 from moeplug.parallel.shm_heap import MiB, SymmetricHeap, heap_for

@@ -43,7 +43,8 @@ from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
 from moeplug.parallel import comm
 from moeplug.quant import active_recipe
 from moeplug.quant.wire import quantized_exchange
-from moeplug.ops import permute, permute_probs, unpermute, workspace
+from moeplug.ops import permute, permute_probs, unpermute
+from moeplug.runtime import workspace
 from moeplug.routing import (append_sink_rows, first_rows, pad_rows, padded_counts, sink_dropped,
                              unpad_rows)
 from moeplug_plugins.dispatchers import _ep_comm, _nodes

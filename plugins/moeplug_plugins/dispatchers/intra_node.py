@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.parallel import shm_rows
 from moeplug.parallel.comm import active_group
 from moeplug.parallel.shm_heap import heap_for

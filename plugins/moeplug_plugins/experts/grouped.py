@@ -28,7 +28,7 @@ class GroupedExperts(ExpertParams):
 
     def __init__(self, model, num_local_experts: int) -> None:
         super().__init__(model, num_local_experts)
-        # model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): the backward hands dX and dp to
+        # model.moe.delay_wgrad_compute (moeplug.ops.delayed_wgrad): the backward hands dX and dp to
         # autograd first and queues the weight-gradient GEMMs to run during the dispatch's
         # exchange. Not on the emulated low-precision path (RootConfig refuses that).
         self.delay_wgrad_compute = model.moe.delay_wgrad_compute

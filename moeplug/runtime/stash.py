@@ -20,9 +20,9 @@ from typing import Any, Iterator
 
 import torch
 
-from moeplug.ops.workspace import Arena
+from moeplug.runtime.workspace import Arena
 from moeplug.runtime import get_runtime
-from moeplug.syncfree import SyncFreeState
+from moeplug.runtime.syncfree import SyncFreeState
 
 
 class StashOverflowError(RuntimeError):
@@ -41,7 +41,7 @@ class LayerHandle:
     stash_pages: int
     streams: tuple[str, ...]
     runtime: "ModelRuntime"
-    # The layer's small-buffer workspace (moeplug.ops.workspace.Arena), owned by the runtime
+    # The layer's small-buffer workspace (moeplug.runtime.workspace.Arena), owned by the runtime
     # for the model's life and reused every step; ModelRuntime.workspace_bytes() sums them.
     workspace: Arena = field(default_factory=Arena)
 
@@ -99,7 +99,7 @@ class ModelRuntime:
         # Pages the tensors that did not fit would have taken, run total: the trainer's rerun
         # message turns it into the runtime.stash_pages that would have held the step.
         self.overflow_pages = 0
-        self.sync_free = SyncFreeState(cfg)  # runtime.sync_free / capture (moeplug.syncfree)
+        self.sync_free = SyncFreeState(cfg)  # runtime.sync_free / capture (moeplug.runtime.syncfree)
         # model.offload: the moeplug.modules.offload.Offloader over the second tier (None: off).
         self.offloader: Any = None
         self.offload_modules: list[str] = []
@@ -119,7 +119,7 @@ class ModelRuntime:
 
     def workspace_bytes(self) -> int:
         """Bytes the registered layers' workspace arenas hold (small buffers, kept resident
-        after the first steps; the large ones live in moeplug.ops.workspace's shared cache)."""
+        after the first steps; the large ones live in moeplug.runtime.workspace's shared cache)."""
         return sum(h.workspace.nbytes for h in self.handles)
 
     def finalize(self) -> None:

@@ -124,7 +124,7 @@ def runtime_info() -> dict[str, Any]:
     except RuntimeMissingError as exc:
         return {"available": False, "error": str(exc)}
     info["available"] = True
-    # The stash resources a run gets (moeplug.stash): what the core offers, sized per model.
+    # The stash resources a run gets (moeplug.runtime.stash): what the core offers, sized per model.
     from moeplug.config import RuntimeSection
     info["stash_pool"] = (f"paged, contiguous page runs in one 4096-aligned allocation, page "
                           f"{RuntimeSection().stash_page_bytes} B by default "
