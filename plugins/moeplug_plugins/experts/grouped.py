@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops.cuda_ffn import batched_ffn, same_rows
-from moeplug.ops.grouped_ffn import expert_mlp, grouped_ffn_packed, grouped_mlp
-from moeplug.quant import active_recipe, quant_expert_mlp
+from moeplug.api import (active_recipe, batched_ffn, expert_mlp, grouped_ffn_packed, grouped_mlp,
+                         quant_expert_mlp, same_rows)
 from moeplug_plugins.experts._params import ExpertParams
 
 
