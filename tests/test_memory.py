@@ -115,7 +115,8 @@ def test_unpermute_frees_the_expert_rows_and_weighting_adds_no_saved_copy():
         x_TD = torch.randn(32, 32, requires_grad=True)
         y = layer(x_TD)[0]
         hook.remove()
-        again = workspace.empty(seen["shape"], seen["dtype"])
+        with workspace.arena_scope(layer.workspace):  # the layer's model runtime's workspace
+            again = workspace.empty(seen["shape"], seen["dtype"])
         assert again.data_ptr() == seen["ptr"]  # y_SD's buffer is free before backward
         y.sum().backward()
     finally:

@@ -145,9 +145,11 @@ class MoELayer(nn.Module):
                 "runtime.runtime.sync_free, group=the EP group), as build_model does")
         self.overlap_chunks = overlap_chunks
         # Small buffers of this layer's ops, forward and backward (moeplug.runtime.workspace.Arena):
-        # the one its runtime registration gave it, else its own. Reused every step, so after
-        # warm-up the layer's path allocates nothing (tests/test_moe_allocations.py).
-        self.workspace = runtime.workspace if runtime is not None else workspace.Arena()
+        # the one its runtime registration gave it, else its own (over its own workspace of large
+        # buffers). Reused every step, so after warm-up the layer's path allocates nothing
+        # (tests/test_moe_allocations.py).
+        self.workspace = (runtime.workspace if runtime is not None
+                          else workspace.Arena(workspace.Workspace()))
 
     def forward(self, x_ND: torch.Tensor) -> MoEOutput:
         with workspace.arena_scope(self.workspace):

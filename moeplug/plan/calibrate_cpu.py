@@ -295,7 +295,7 @@ def _pool_bytes(fn: Callable[[], Any]) -> tuple[int, int]:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        if st.data_ptr() in {b.data_ptr() for bs in workspace._cache.values() for b in bs}:
+        if st.data_ptr() in {b.data_ptr() for b in workspace.cached_buffers()}:
             saved[st.data_ptr()] = st.nbytes()
         return t
     workspace.clear()
