@@ -331,7 +331,7 @@ def test_cuda_moe_layer_replay_vs_eager(report, shape):
     from its runtime forward and backward graphs, beside the default (dynamic) path and a
     square matmul of the same useful FLOPs, one run, interleaved."""
     from moeplug.config import RuntimeSection
-    from moeplug.stash import ModelRuntime
+    from moeplug.runtime.stash import ModelRuntime
 
     t, d, f, e, k = REPLAY_SHAPES[shape]
     useful = 3 * 2 * t * k * 3 * d * f

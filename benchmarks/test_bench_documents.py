@@ -5,7 +5,7 @@ interleaved round-robin, so the shared machine's drift hits both alike; the rows
 (masked time / causal time, lower is better):
 
 * attention forward + backward at B=4, H=8 (GQA 8/4), S=1024, Dh=64, fp32: SDPA with the
-  block-diagonal causal boolean mask [B, 1, S, S] (moeplug.documents.attention_mask) against
+  block-diagonal causal boolean mask [B, 1, S, S] (moeplug.data.documents.attention_mask) against
   SDPA ``is_causal``. On the CPU both run torch's flash kernel, but with a mask it computes
   every key block, where ``is_causal`` skips the blocks above the diagonal;
 * a whole ``train_step`` of a MoE model (D=512, 2 MoE layers of 8 experts top-2, S=1024, 2
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.conftest import interleave
-from moeplug.documents import attention_mask, document_positions, with_positions
+from moeplug.data.documents import attention_mask, document_positions, with_positions
 
 EOD = 0
 

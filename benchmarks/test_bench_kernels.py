@@ -336,11 +336,11 @@ def test_adamw_fp32_step_fused_vs_torch_default(benchmark, report):
 
 @pytest.mark.parametrize("live", [1, 10])
 def test_workspace_small_buffer_vs_torch_empty(benchmark, report, live):
-    """A MoE layer takes a few dozen small buffers a step from its arena (moeplug.ops.workspace),
+    """A MoE layer takes a few dozen small buffers a step from its arena (moeplug.runtime.workspace),
     which matters where the layer is dispatch-bound. Timed: ``live`` buffers of one size class
     taken and then dropped, against as many ``torch.empty`` calls of the same shape, in calls
     of 2000 rounds. Ratio above 1: the arena is slower than torch's allocator."""
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     arena, shape, rounds = workspace.Arena(), (64, 2), 2000
 
     def arena_calls():

@@ -45,7 +45,7 @@ from moeplug.config import (ModelConfig, MoEConfig, RecomputeConfig, RootConfig,
 from moeplug.modules import build_model
 from moeplug.modules.recompute import apply_recompute, remove_recompute
 from moeplug.modules.offload import Offloader, apply_offload, remove_offload
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import stream
 from moeplug.training.memory import (ActivationMeter, optimizer_tensors, process_peak,

@@ -6,7 +6,7 @@ backward exchange (``model.moe.delay_wgrad_compute``) adds.
 
 Every rank builds the same model (2 micro-batches per step) once per variant from one seed:
 overlap off, 2 and 4 chunks, combined 1F1B, and both; delayed expert weight gradients
-(``model.moe.delay_wgrad_compute``, moeplug.delayed_wgrad) alone and with combined 1F1B; the
+(``model.moe.delay_wgrad_compute``, moeplug.ops.delayed_wgrad) alone and with combined 1F1B; the
 sync-free region unchunked and over 2 chunks (its hidden share is against the unchunked
 sync-free step). They run the real ``train_step`` round-robin, one step each
 per round (so machine drift hits all alike), each step between two barriers (the slowest rank's

@@ -139,7 +139,7 @@ def _ep2_static_vs_dynamic(rank: int, world: int) -> dict:
     from moeplug.config import RuntimeSection
     from moeplug.moe import MoELayer
     from moeplug.plugin_host import PluginHost
-    from moeplug.stash import ModelRuntime
+    from moeplug.runtime.stash import ModelRuntime
     from moeplug.testing._common import tiny_model_config
     torch.set_num_threads(1)
     T, D, F, E, K = EP2_SHAPE

@@ -2,5 +2,7 @@
 
 __version__ = "0.1.0"
 
-# Plugin authors write `from moeplug import hookimpl`; hookspecs imports only pluggy.
+# Plugins import moeplug through moeplug.api (`from moeplug.api import hookimpl`, docs/plugins.md);
+# `from moeplug import hookimpl` keeps working for plugins written before it. hookspecs imports
+# only pluggy.
 from moeplug.hookspecs import hookimpl  # noqa: E402

@@ -160,7 +160,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     # and all before any heavy work or process; every problem found is reported together.
     base = None
     if args.preset:
-        from moeplug.presets import preset
+        from moeplug.config.presets import preset
         base = preset(args.preset)
     # A preset replaces the packaged default.yaml (whose model would override the preset's).
     path = args.config or (None if base else default_config_path())
@@ -176,7 +176,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     from moeplug.training.checkpoint import check_resume
     from moeplug.training.run_dir import LOCKED_ENV, check_run_dir, clear_run, lock_run_dir
     # A model that cannot fit is refused first: the plugin check below already allocates.
-    from moeplug.memory import check_fits
+    from moeplug.training.memory_floor import check_fits
     check_fits(cfg, 1 if launch.under_torchrun() else args.nproc or 1)
     with problems.check():
         host = _load_host(cfg)
@@ -236,7 +236,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             clear_run(cfg.train.out_dir)
         return launch.relaunch(cfg, world, argv)
     groups = D.init_distributed(cfg)
-    from moeplug.stash import StashOverflowError
+    from moeplug.runtime.stash import StashOverflowError
     from moeplug.training.faults import (EXIT_FAULT, Stopped, TrainingFault,
                                          exit_on_stop_signals, is_peer_failure,
                                          rank_failure_line, stop_on_signals, stopped_line)
@@ -322,7 +322,7 @@ def _check_corpus(cfg: RootConfig, corpus, resume_from: str | None, meta: dict |
     order, every id has a row in the model (the rows split over TP), and data.document_mask
     finds the tokenizer's EOS. Returns the model's vocabulary rows."""
     from moeplug.data.corpus import check_run_data
-    from moeplug.documents import document_eod
+    from moeplug.data.documents import document_eod
     if resume_from is not None and meta is not None:  # first: it names the checkpoint
         from moeplug.training.resume import check_tokenizer
         check_tokenizer(resume_from, meta, cfg, corpus.tokenizer)

@@ -218,7 +218,7 @@ class Experts(nn.Module, abc.ABC):
     #: Set to True by the core when moe_act recompute is on (only on a backend that can).
     recompute_activation: bool = False
     #: The backward queues its weight-gradient GEMMs (``model.moe.delay_wgrad_compute``,
-    #: moeplug.delayed_wgrad); the MoE layer then flushes the queue by its input's backward.
+    #: moeplug.ops.delayed_wgrad); the MoE layer then flushes the queue by its input's backward.
     delay_wgrad_compute: bool = False
     #: ``runtime.sync_free``: ``forward`` also takes budgeted rows, the static shapes of a
     #: token budget: x_SD [L*B, D] with every local expert's B rows x_SD[e*B:(e+1)*B]

@@ -368,16 +368,18 @@ _kept: list = []
 
 
 def _released_buffer_is_reused(run) -> bool:
-    from moeplug.ops import workspace
-    workspace.clear()
-    buf = workspace.empty((1 << 17,), torch.float32)  # 512 KB: the large-buffer cache
-    buf.fill_(0)
-    run(buf)
-    assert float(buf[0]) == 1.0  # the collective ran on the caller's memory
-    del buf
-    misses = workspace.misses()
-    workspace.empty((1 << 17,), torch.float32)
-    return workspace.misses() == misses
+    from moeplug.runtime import workspace
+    ws = workspace.Workspace()  # a model runtime's, as the MoE layer's arena reaches it
+    with ws.scope():
+        buf = workspace.empty((1 << 17,), torch.float32)  # 512 KB: the large-buffer cache
+        buf.fill_(0)
+        run(buf)
+        assert float(buf[0]) == 1.0  # the collective ran on the caller's memory
+        del buf
+        misses = ws.misses()
+        assert misses == 1
+        workspace.empty((1 << 17,), torch.float32)
+        return ws.misses() == misses
 
 
 def test_a_blocking_collective_returns_once_its_backend_let_go_of_the_buffer():

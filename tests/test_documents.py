@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeplug.documents import (attention_mask, document_ids, document_positions,
+from moeplug.data.documents import (attention_mask, document_ids, document_positions,
                                visible, with_positions)
 from moeplug.testing.distributed import run_distributed
 
@@ -215,7 +215,7 @@ def test_cp_attention_with_documents_equals_masked_sdpa_on_the_full_sequence():
 
 def test_document_mask_without_eos_is_refused_naming_the_fix():
     from moeplug.config import ConfigError
-    from moeplug.documents import document_eod
+    from moeplug.data.documents import document_eod
     cfg = SimpleNamespace(data=SimpleNamespace(document_mask=True, tokenizer="bytes"))
     with pytest.raises(ConfigError) as err:
         document_eod(cfg, SimpleNamespace(eos_id=None))

@@ -168,10 +168,19 @@ def test_import_works_without_extension_and_error_names_rebuild_command():
     assert "pip install -e . --no-build-isolation" in lines[0] and "pip install -e ." in lines[0]
 
 
-def test_pooled_buffers_survive_repeated_and_retained_backward(monkeypatch):
+@pytest.fixture
+def in_workspace():
+    """The test's ops take their buffers from a model runtime's workspace, as in a MoE layer
+    (outside any layer's arena they would be torch's)."""
+    from moeplug.runtime import workspace
+    with workspace.Workspace().scope():
+        yield
+
+
+def test_pooled_buffers_survive_repeated_and_retained_backward(monkeypatch, in_workspace):
     # Buffers come from the workspace cache: outputs and saved activations held by a live graph
     # must never be reused underneath it, so a second backward gives the same gradients.
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
 
     monkeypatch.setattr(workspace, "MIN_BYTES", 0)  # pool even these small test buffers
     x_SD, probs_S, counts_L, w13, w2 = make_inputs([300, 0, 200], D=64, F=96, seed=11)
@@ -203,12 +212,13 @@ class _RowCounts(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("recompute_act", [False, True])
 @pytest.mark.parametrize("op", ["expert_mlp", "grouped_mlp"])
 def test_bf16_row_gemms_padded_to_the_row_multiple_change_no_real_row(monkeypatch, op,
-                                                                      recompute_act):
+                                                                      recompute_act, in_workspace):
     """In bf16 each expert's row GEMMs run over its rows rounded up to ROW_MULTIPLE (into the
     next expert's rows and the buffers' spare rows): outputs and every grad equal the unpadded
     run bitwise, although the buffers hold NaN from an earlier call and the input's spare rows
     are NaN. Both grouped ops: the fused SwiGLU one and the torch one (here with GELU)."""
-    from moeplug.ops import _grouped, workspace
+    from moeplug.ops import _grouped
+    from moeplug.runtime import workspace
 
     monkeypatch.setattr(workspace, "MIN_BYTES", 0)  # workspace buffers (spare rows) for all
     counts = [13, 0, 5, 1, 22, 3]

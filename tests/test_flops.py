@@ -19,7 +19,7 @@ from moeplug.config import config_from_dict
 from moeplug.modules import MoELayer, build_model
 from moeplug.modules.flops import attention_macs, flops_per_token
 from moeplug.plugin_host import PluginHost
-from moeplug.presets import preset
+from moeplug.config.presets import preset
 
 HOST = PluginHost.load()
 VOCAB = 40

@@ -32,7 +32,7 @@ from moeplug.convert import (  # noqa: E402
 from moeplug.convert.common import read_hf_dir  # noqa: E402
 from moeplug.modules import build_model  # noqa: E402
 from moeplug.plugin_host import PluginHost  # noqa: E402
-from moeplug.presets import PRESETS, preset  # noqa: E402
+from moeplug.config.presets import PRESETS, preset  # noqa: E402
 from moeplug.training.checkpoint import load_checkpoint  # noqa: E402
 
 V = 64

@@ -277,7 +277,7 @@ def test_moe_layer_steps_reuse_every_workspace_buffer(dtype):
     step's misses dropped buffers the next step needed."""
     from moeplug.config import ModelConfig, MoEConfig
     from moeplug.moe import MoELayer
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     from moeplug.plugin_host import PluginHost
     T, D, F, E, K = 1024, 256, 352, 16, 4
     m = ModelConfig(hidden_size=D, num_heads=4, num_kv_heads=4, num_layers=1, first_k_dense=0,
@@ -314,12 +314,12 @@ def test_default_config_steps_reuse_every_workspace_buffer(precision):
     allocates a workspace buffer (a new batch each step, so the experts' row counts change).
     With a slack of 1/8 over the high-water mark the bf16 run missed 5 buffers a step, and at
     1/4 again once the grouped expert FFN's forward and backward buffers took other size
-    classes (moeplug.ops.workspace.SLACK)."""
+    classes (moeplug.runtime.workspace.SLACK)."""
     import yaml
 
     from moeplug.cli import default_config_path
     from moeplug.config import config_from_dict
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     from moeplug.testing.steps import one_process_trainer
     with open(default_config_path()) as f:
         raw = yaml.safe_load(f)
@@ -339,21 +339,54 @@ def test_default_config_steps_reuse_every_workspace_buffer(precision):
 
 
 def test_workspace_never_hands_out_a_live_buffer():
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
 
     shape = (workspace.MIN_BYTES // 4,)
-    a = workspace.empty(shape, torch.float32)
-    view = a[10:20]  # a view keeps the storage alive after `a` is gone
-    ptr_a = a.data_ptr()
-    del a
-    b = workspace.empty(shape, torch.float32)
-    assert b.data_ptr() != ptr_a
-    del view
-    c = workspace.empty(shape, torch.float32)
-    assert c.data_ptr() == ptr_a  # freed: reused instead of page-faulting a new one
-    assert c.data_ptr() != b.data_ptr()
-    small = workspace.empty((4,), torch.float32)  # below MIN_BYTES: plain torch.empty
-    assert small.shape == (4,)
+    ws = workspace.Workspace()  # a model runtime's; ops reach it through the running arena
+    with ws.scope():
+        a = workspace.empty(shape, torch.float32)
+        view = a[10:20]  # a view keeps the storage alive after `a` is gone
+        ptr_a = a.data_ptr()
+        del a
+        b = workspace.empty(shape, torch.float32)
+        assert b.data_ptr() != ptr_a
+        del view
+        c = workspace.empty(shape, torch.float32)
+        assert c.data_ptr() == ptr_a  # freed: reused instead of page-faulting a new one
+        assert c.data_ptr() != b.data_ptr()
+        small = workspace.empty((4,), torch.float32)  # below MIN_BYTES: the arena's
+        assert small.shape == (4,)
+    assert ws.misses() == 2 and ws.cached_bytes() == 2 * shape[0] * 4
+
+
+def test_workspace_is_owned_by_its_model_runtime():
+    """No process-wide cache: each model runtime owns a Workspace, which its layers' arenas
+    reach; outside any layer ops get torch's buffers; the cache goes with its model."""
+    import ast
+    import gc
+    import inspect
+    import weakref
+
+    from moeplug.config import RuntimeSection
+    from moeplug.runtime import stash, workspace
+    tree = ast.parse(inspect.getsource(workspace))
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    one, two = stash.ModelRuntime(RuntimeSection()), stash.ModelRuntime(RuntimeSection())
+    kw = dict(num_experts=4, top_k=2, hidden=8, ffn_hidden=16, num_local_experts=4,
+              dtype="float32", activation="swiglu", stash_bytes=0)
+    h1, h2 = one.register_layer(index=0, **kw), two.register_layer(index=0, **kw)
+    assert h1.workspace.cache is one.workspace and h2.workspace.cache is two.workspace
+    assert one.workspace is not two.workspace
+    n = workspace.MIN_BYTES // 4
+    with workspace.arena_scope(h1.workspace):
+        workspace.empty((n,), torch.float32)
+    assert (one.workspace.misses(), two.workspace.misses()) == (1, 0)
+    workspace.empty((n,), torch.float32)  # outside any arena: torch's, counted by no cache
+    assert (one.workspace.misses(), two.workspace.misses()) == (1, 0)
+    ref = weakref.ref(one.workspace)
+    del one, h1
+    gc.collect()
+    assert ref() is None
 
 
 def test_workspace_never_grows_past_its_high_water_mark(monkeypatch):
@@ -361,19 +394,19 @@ def test_workspace_never_grows_past_its_high_water_mark(monkeypatch):
     drops free buffers of other sizes before allocating; sizes within one class share buffers.
     The rule at a slack of 1/4 (the byte counts below are worked out for it; the default slack
     is tuned by the default-config test above)."""
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     monkeypatch.setattr(workspace, "SLACK", 1.25)
-    workspace.clear()
-    try:
+    ws = workspace.Workspace()
+    with ws.scope():
         n = workspace.MIN_BYTES // 4
         a = workspace.empty((4 * n,), torch.float32)
         b = workspace.empty((2 * n,), torch.float32)
-        live = workspace.cached_bytes()
+        live = ws.cached_bytes()
         assert live == (4 * n + 2 * n) * 4  # powers of two are their own class
         del a, b
         c = workspace.empty((3 * n,), torch.float32)  # a third size: a miss, both are free
-        assert workspace.cached_bytes() <= live
-        assert workspace.cached_bytes() >= 3 * n * 4
+        assert ws.cached_bytes() <= live
+        assert ws.cached_bytes() >= 3 * n * 4
         ptr = c.data_ptr()
         del c
         # A row count a little off lands in the same class and gets the same buffer.
@@ -384,10 +417,8 @@ def test_workspace_never_grows_past_its_high_water_mark(monkeypatch):
         assert e.data_ptr() != ptr
         # only d (in a's 1 MiB buffer, within MAX_OVERSIZE) and e: the free b was dropped to
         # stay within the high-water mark, the bytes live right now
-        assert workspace.cached_bytes() == 4 * n * 4 + 3 * n * 4
+        assert ws.cached_bytes() == 4 * n * 4 + 3 * n * 4
         with workspace.bypassed():
-            before = workspace.cached_bytes()
+            before = ws.cached_bytes()
             workspace.empty((8 * n,), torch.float32)
-            assert workspace.cached_bytes() == before  # bypassed: neither read nor filled
-    finally:
-        workspace.clear()
+            assert ws.cached_bytes() == before  # bypassed: neither read nor filled

@@ -101,7 +101,7 @@ def test_unpermute_frees_the_expert_rows_and_weighting_adds_no_saved_copy():
     very same buffer out again; (2) the bytes held for backward do not grow when the routing
     weights are applied (weighted activation) compared with the same layer without weights,
     except the weights themselves: no weighted copy of any [S, .] tensor is kept."""
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     model = model_for(None)
     layer = next(b.ffn for b in model.blocks if isinstance(b.ffn, MoELayer))
     old_min = workspace.MIN_BYTES
@@ -115,7 +115,8 @@ def test_unpermute_frees_the_expert_rows_and_weighting_adds_no_saved_copy():
         x_TD = torch.randn(32, 32, requires_grad=True)
         y = layer(x_TD)[0]
         hook.remove()
-        again = workspace.empty(seen["shape"], seen["dtype"])
+        with workspace.arena_scope(layer.workspace):  # the layer's model runtime's workspace
+            again = workspace.empty(seen["shape"], seen["dtype"])
         assert again.data_ptr() == seen["ptr"]  # y_SD's buffer is free before backward
         y.sum().backward()
     finally:

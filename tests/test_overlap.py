@@ -59,7 +59,7 @@ HIER = {"dispatcher": "hierarchical", "options": {"node_size": 2}}
 DW_MERGED = {"merged": True, "dispatcher": "direct_write"}
 RECOMPUTE_MOE = {"recompute": {"granularity": "selective", "modules": ["moe"]}}
 RECOMPUTE_FULL = {"recompute": {"granularity": "full"}}
-# delay = model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): bitwise like MERGED alone.
+# delay = model.moe.delay_wgrad_compute (moeplug.ops.delayed_wgrad): bitwise like MERGED alone.
 DELAY, MERGED_DELAY = {"delay": True}, {"merged": True, "delay": True}
 WORLD2 = {"ep2": ({"ep": 2}, 1, {}, CHUNKED), "ep2_capacity": ({"ep": 2}, 1, CAPACITY, CHUNKED),
           # allgather keeps the Dispatcher base class's split methods (exchange in *_start)
@@ -174,7 +174,7 @@ def _named(model) -> dict[str, torch.nn.Parameter]:
 
 
 def _compare(rank: int, world: int, layouts: dict) -> dict:
-    from moeplug import delayed_wgrad
+    from moeplug.ops import delayed_wgrad
     from moeplug.parallel import ParallelGroups
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model
@@ -594,7 +594,7 @@ def test_delay_wgrad_single_process(activation, precision, recompute_act, chunks
     summed into .grad on its own (off: autograd first adds the chunks' dW, then .grad), a
     different fp32 order: TOL. At one rank there is no exchange, so every deferred piece runs
     when the backward reaches the layer's input (flushed), none in flight."""
-    from moeplug import delayed_wgrad
+    from moeplug.ops import delayed_wgrad
     from moeplug.config import config_from_dict
     from moeplug.modules import build_model
     from moeplug.plugin_host import PluginHost
@@ -649,7 +649,7 @@ def test_delay_wgrad_defers_until_the_layer_input():
     """The expert op's backward really returns before its weight gradients exist: right after
     autograd ran it (a hook on its input gradient), .grad of both weights is still unset and
     one piece of work is queued; after the backward they are set and the queue is empty."""
-    from moeplug import delayed_wgrad
+    from moeplug.ops import delayed_wgrad
     from moeplug.ops import expert_mlp
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(10, 8, generator=gen, requires_grad=True)

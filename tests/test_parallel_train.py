@@ -19,7 +19,7 @@ owned slices are reduced), so there loss, norm and parameters are compared.
 
 Packed documents (``*_docs`` rows, ``data.document_mask``): the tokens are a stream of short
 documents ended by EOD; every micro-batch (validation's too) carries its document positions
-(moeplug.documents.with_positions), CP-sharded with the tokens, passed through the
+(moeplug.data.documents.with_positions), CP-sharded with the tokens, passed through the
 pipeline stages, whole under SP; compared with one process masking the same documents.
 
 Pipelines cover tied embeddings (the last stage's embedding copy: its grad summed with the
@@ -287,7 +287,7 @@ def _moe_err(got: dict, want: dict) -> float:
 
 def _run_layouts(rank: int, world: int, layouts: dict) -> dict[str, dict]:
     from moeplug.data import get_batch
-    from moeplug.documents import with_positions
+    from moeplug.data.documents import with_positions
     from moeplug.parallel import ParallelGroups
     from moeplug.parallel.fsdp import is_sharded, whole
     from moeplug.plugin_host import PluginHost

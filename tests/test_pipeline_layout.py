@@ -397,7 +397,7 @@ def _row_config(row):
     """The row as a moeplug train config: the model, the published mapping and split."""
     from moeplug.config import config_from_dict
     from moeplug.plan.models import PLAN_MODELS
-    from moeplug.presets import preset
+    from moeplug.config.presets import preset
     base = PLAN_MODELS[row.model] if row.model in PLAN_MODELS else preset(row.model)
     par = {"tp": row.tp, "pp": row.pp, "ep": row.ep, "vpp": row.vpp, "cp": row.cp,
            "sequence_parallel": row.tp > 1, **row.split}

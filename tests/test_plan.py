@@ -633,7 +633,7 @@ def _measure_against_the_plan(name, world, par, mbs, recompute, tiny_corpus, cac
     mem_ratio = max(g["predicted_memory"] for g in got) / max(g["rss_delta"] for g in got)
     print(f"{name}: step time {time_ratio:.2f}, peak memory {mem_ratio:.2f} (max over ranks)")
     # Issue 12 asks for 10 %. After the merge of the runtime branches this read 0.67-0.92:
-    # the ops' workspace cache (moeplug.ops.workspace, from 256 KiB) kept every buffer a step
+    # the ops' workspace cache (moeplug.runtime.workspace, from 256 KiB) kept every buffer a step
     # freed, keyed by exact size, resident to the step's end, and the calibration's traced
     # peak missed the cache's buffers (handed out warm, never allocated under the trace).
     # The cache now never grows while it holds free bytes, and the plan counts its buffers

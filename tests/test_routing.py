@@ -301,7 +301,7 @@ def test_input_dtype_gate_is_torchs_bf16_gemm_with_fp32_logits_bitwise(x_dtype, 
     """dtype None (router_options.dtype: input, Megatron's moe_router_dtype unset): under bf16
     autocast the gate GEMM runs in bf16 and the logits come back in fp32; values and both
     gradients bitwise torch's composition, in the arena and without one."""
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     g = _gen(21)
     x0 = torch.randn(37, 24, generator=g).to(x_dtype)
     w0 = torch.randn(6, 24, generator=g)

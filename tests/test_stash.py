@@ -1,4 +1,4 @@
-"""The paged stash (moeplug.stash) and the model's registration with the runtime.
+"""The paged stash (moeplug.runtime.stash) and the model's registration with the runtime.
 
 Parity: stash on vs off trains bitwise-identically (losses, grads, weights); overflow reruns the
 step without the stash and still matches; `fail` says what to change; after warm-up the pool
@@ -18,7 +18,7 @@ from moeplug.config import ConfigError, RootConfig
 from moeplug.modules.build import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import get_runtime
-from moeplug.stash import StashOverflowError
+from moeplug.runtime.stash import StashOverflowError
 from moeplug.testing.cli import run_cli
 from moeplug.testing.steps import runtime_cfg as _cfg
 from moeplug.testing.steps import train_ep2_variants

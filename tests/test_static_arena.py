@@ -24,8 +24,8 @@ from moeplug.config import RuntimeSection
 from moeplug.moe.budgeted import arena as static_arena
 from moeplug.moe.budgeted.dispatcher import BudgetedDispatcher
 from moeplug.moe.budgeted.slots import slots
-from moeplug.ops import workspace
-from moeplug.syncfree import SyncFreeState
+from moeplug.runtime import workspace
+from moeplug.runtime.syncfree import SyncFreeState
 
 
 def _routing(T: int, K: int, E: int, drop: float, g: torch.Generator) -> tuple:
@@ -55,7 +55,7 @@ def test_budget_slots_kernel_names_a_bad_expert_id():
 
 
 def _poison_free_buffers(arena: workspace.Arena) -> None:
-    """Every buffer the arena and the shared cache would hand out again, filled with 0xFF bytes
+    """Every buffer the arena and the workspaces would hand out again, filled with 0xFF bytes
     (NaN in every float dtype, -1 in int64)."""
     for buf in arena.free_buffers() + workspace.free_cached():
         buf.view(torch.uint8).fill_(0xFF)
@@ -104,7 +104,7 @@ def test_arena_stages_equal_the_pure_pieces(activation, budget, dtype, drop):
             grad_TD)
     want = _run("pure", *args)
     assert bool(want[1]) == (budget < 1)
-    arena = workspace.Arena()
+    arena = workspace.Arena(workspace.Workspace())
     with workspace.arena_scope(arena):
         first = _run("arena", *args)
         _poison_free_buffers(arena)
@@ -130,7 +130,7 @@ def test_arena_stages_equal_the_pure_pieces_with_probs_on_input(dtype, budget):
     args = (x, ids_TK, dropped_TK, probs_TK, w13, w2, "swiglu", budget, dtype == "autocast",
             grad_TD, True)
     want = _run("pure", *args)
-    arena = workspace.Arena()
+    arena = workspace.Arena(workspace.Workspace())
     with workspace.arena_scope(arena):
         _run("arena", *args)
         _poison_free_buffers(arena)

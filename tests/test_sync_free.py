@@ -539,7 +539,7 @@ def _ep2_layer(rank: int, etp: bool = False, **runtime) -> tuple:
     from moeplug.config import RuntimeSection
     from moeplug.moe.budgeted import budgeted_dispatcher
     from moeplug.parallel.expert_tp import ExpertTPDispatcher, expert_model_config
-    from moeplug.stash import ModelRuntime
+    from moeplug.runtime.stash import ModelRuntime
     from moeplug.testing._common import tiny_model_config
     cfg = tiny_model_config(num_experts=4, top_k=2, hidden_size=16, ffn_hidden_size=8)
     host = PluginHost.load()

@@ -81,7 +81,7 @@ def _one_rank(w13: torch.Tensor, w2: torch.Tensor):
     from moeplug.moe.budgeted.dispatcher import BudgetedDispatcher, budget_counts
     from moeplug.moe.capture import one_rank
     from moeplug.plugin_host import PluginHost
-    from moeplug.syncfree import SyncFreeState
+    from moeplug.runtime.syncfree import SyncFreeState
     from moeplug.testing import tiny_model_config
     E, F2, D = w13.shape
     cfg = tiny_model_config(num_experts=E, hidden_size=D, ffn_hidden_size=F2 // 2)
@@ -109,7 +109,7 @@ def _one_rank(w13: torch.Tensor, w2: torch.Tensor):
 @pytest.mark.cuda
 @NEEDS_GPU
 def test_runtime_graph_replay_equals_eager_forward_and_backward():
-    from moeplug.cuda_graph import capture
+    from moeplug.runtime.cuda_graph import capture
     g = torch.Generator().manual_seed(0)
     T, D, F, E, K = 64, 32, 16, 4, 2
     w13 = (torch.randn(E, 2 * F, D, generator=g) * 0.1).cuda()
@@ -238,7 +238,7 @@ def test_forwards_in_flight_take_their_own_recordings():
 def test_forwards_never_backwarded_stop_at_the_bound_with_the_setting_and_the_fix():
     # Each forward whose backward never runs keeps its recording (and its memory) busy; past
     # MAX_IN_FLIGHT of them the layer says so instead of recording without end.
-    from moeplug.cuda_graph import MAX_IN_FLIGHT
+    from moeplug.runtime.cuda_graph import MAX_IN_FLIGHT
     _, replay = _two_layers()
     x = torch.randn(2, 16, 32, device="cuda", requires_grad=True)
     held = [replay(x)[0] for _ in range(MAX_IN_FLIGHT)]

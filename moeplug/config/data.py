@@ -127,7 +127,7 @@ class DataConfig:
     cache_dir: str = ""  # empty: $MOEPLUG_CACHE or ~/.cache/moeplug
     # Packed documents (Megatron --reset-attention-mask --reset-position-ids): a token attends
     # only within its document and RoPE restarts per document; documents end at the
-    # tokenizer's EOS (which it must have). moeplug.documents.
+    # tokenizer's EOS (which it must have). moeplug.data.documents.
     document_mask: bool = False
 
     def __post_init__(self) -> None:

@@ -37,7 +37,7 @@ class MoEConfig:
     # chunks whose dispatch/combine run in the background while another chunk's experts (and
     # the shared experts) compute. 1 = off. Dispatchers without split start/wait still work.
     overlap_chunks: int = 1
-    # Megatron delay_wgrad_compute (moeplug.delayed_wgrad): the grouped experts' backward hands
+    # Megatron delay_wgrad_compute (moeplug.ops.delayed_wgrad): the grouped experts' backward hands
     # its input gradient to the dispatch's backward exchange first and computes the weight
     # gradients while that exchange is in flight. Same gradients (bitwise at overlap_chunks 1).
     delay_wgrad_compute: bool = False

@@ -17,7 +17,7 @@ SYNC_FREE_PRECISIONS = ("fp32", "bf16", "fp8_tensorwise", "fp8_delayed", "fp8_bl
 @dataclass(kw_only=True, slots=True)
 class RuntimeSection:
     """The ``runtime:`` section: the paged stash of the routed experts' saved activations
-    (moeplug.stash). Off by default: on the CPU the copy into the pool costs step time and
+    (moeplug.runtime.stash). Off by default: on the CPU the copy into the pool costs step time and
     saves no memory the pool does not itself hold (see docs/runtime.md, "Paged stash")."""
 
     stash: bool = False

@@ -73,7 +73,7 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     # Keep freed host memory in the process for reuse (moeplug.runtime.retain_freed_memory):
     # by default glibc maps every large tensor fresh and the kernel zero-fills its pages on
-    # first touch. The MoE layer's large buffers come from moeplug.ops.workspace's cache, so
+    # first touch. The MoE layer's large buffers come from moeplug.runtime.workspace's cache, so
     # it buys little there (benchmarks/test_bench_moe_layer.py: fp32 0.97 of the square
     # matmul with it, 0.93 without; bf16 no better). Off by default: glibc's heap then
     # fragments - a loop of 64 MiB tensors settled at 732 MB resident - so the footprint can

@@ -2,7 +2,7 @@
 per-head q/k RMSNorm (Qwen3) and a head dim independent of hidden / heads (``kv_channels``).
 Given the tokens' positions in their documents (``positions_BS``, packed documents under
 ``data.document_mask``), attention stays inside each document and RoPE restarts per document
-(moeplug.documents).
+(moeplug.data.documents).
 
 Legend: B batch, S sequence, D hidden, H query heads, G key/value heads (H % G == 0), Dh head dim.
 """
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeplug.config import ModelConfig
-from moeplug.documents import attention_mask
+from moeplug.data.documents import attention_mask
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.parallel.context_parallel import cp_attention_for

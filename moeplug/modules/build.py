@@ -14,7 +14,7 @@ from moeplug.modules.offload import Offloader, apply_offload
 from moeplug.parallel.context_parallel import moe_token_group
 from moeplug.ops.activations import fc1_rows
 from moeplug.parallel.expert_tp import etp_dispatcher, etp_experts_config
-from moeplug.stash import ModelRuntime, layer_stash_bytes
+from moeplug.runtime.stash import ModelRuntime, layer_stash_bytes
 
 
 def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = None,

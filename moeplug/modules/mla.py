@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek-V2, DeepSeek-V3), causal, on torch SDPA; masked to
-each document of a packed sample when given document positions (moeplug.documents).
+each document of a packed sample when given document positions (moeplug.data.documents).
 
 Legend: B batch, S sequence, D hidden, H heads, Q q_lora_rank, C kv_lora_rank,
 N qk_nope_head_dim, R qk_rope_head_dim, V v_head_dim.
@@ -53,7 +53,7 @@ class MLAttention(nn.Module):
     def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``positions_BS``: the tokens' positions in their documents (packed documents, see
-        moeplug.documents), or None for one sequence per row."""
+        moeplug.data.documents), or None for one sequence per row."""
         B, S, _ = x_BSD.shape
         H, N, R, V = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
         if self.q_proj is not None:

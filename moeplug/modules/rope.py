@@ -37,7 +37,7 @@ class RotaryEmbedding(nn.Module):
         """Rotate queries and keys of a sequence that starts at position 0; given
         ``positions_S`` (int64), of tokens at those positions (a context-parallel shard's global
         ones); given ``positions_BS``, each row's own (packed documents: positions restart per
-        document, moeplug.documents)."""
+        document, moeplug.data.documents)."""
         positions = positions_S if positions_BS is None else positions_BS
         # Document positions are never past their token's index in the sequence, which
         # RootConfig bounds by max_seq_len (train.seq_len): reading their max would sync a GPU

@@ -9,7 +9,7 @@ under sequence parallelism), D hidden, V vocabulary (V/TP under tensor paralleli
 
 Packed documents (``data.document_mask``): ``run_blocks`` and ``head_and_loss`` (for the MTP
 blocks) take the tokens' document positions ``positions_BS``, which only attention reads
-(moeplug.documents); every stage of a pipeline gets them with the micro-batch.
+(moeplug.data.documents); every stage of a pipeline gets them with the micro-batch.
 
 :class:`ModelStages` is a mixin: :class:`moeplug.modules.transformer.MoETransformer` and
 :class:`moeplug.parallel.pipeline.PipelineChunk` both inherit it, so a pipelined run executes the

@@ -178,7 +178,7 @@ class MoETransformer(ModelStages, nn.Module):
     def forward(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor | None = None,
                 positions_BS: torch.Tensor | None = None) -> ModelOutput:
         """``positions_BS``: each token's position in its document when the rows pack several
-        (moeplug.documents.document_positions; this CP rank's shard under CP):
+        (moeplug.data.documents.document_positions; this CP rank's shard under CP):
         attention stays inside each document and RoPE restarts per document. None: every row
         is one sequence."""
         # The stages (moeplug.modules.stages) are the ones pipeline chunks run, one code path.

@@ -1,6 +1,6 @@
 """runtime.capture: a schedule of the MoE layer's stages 2-4 under the budgeted dispatcher, as
-pieces compiled once (the CPU: torch.compile fullgraph, moeplug.syncfree.captured) or recorded
-as runtime CUDA graphs (moeplug.cuda_graph.GraphedPieces) and replayed every step.
+pieces compiled once (the CPU: torch.compile fullgraph, moeplug.runtime.syncfree.captured) or recorded
+as runtime CUDA graphs (moeplug.runtime.cuda_graph.GraphedPieces) and replayed every step.
 
 Legend: T tokens, K top-k, D hidden, E experts, L local experts, C budget rows, W EP ranks.
 

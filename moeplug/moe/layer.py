@@ -13,11 +13,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from moeplug.delayed_wgrad import flush_at
+from moeplug.ops.delayed_wgrad import flush_at
 from moeplug.interfaces import Dispatched, Dispatcher, Experts, Router
 from moeplug.moe.shared_experts import add_shared
 from moeplug.observability.timing import stage
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.ops.cast import cast
 from moeplug.ops.cuda_ops import device_counts
 from moeplug.ops.scale_rows import ones, scale_rows
@@ -89,7 +89,7 @@ class MoELayer(nn.Module):
             moeplug.parallel.ep_overlap
     With ``model.moe.delay_wgrad_compute`` the experts' backward queues its weight GEMMs to run
     during the dispatch's backward exchange; the layer's input is marked so that whatever is
-    still queued runs when the backward reaches it (moeplug.delayed_wgrad).
+    still queued runs when the backward reaches it (moeplug.ops.delayed_wgrad).
     Returns ``MoEOutput(y, aux_loss, counts_E)`` (a triple; ``.router_losses`` holds the
     router's logging values); nothing from the call is kept on ``self``, so several
     micro-batches may be in flight through one layer.
@@ -134,7 +134,7 @@ class MoELayer(nn.Module):
         # The ranks training the step's other micro-batches of this stage (TP x DP x CP):
         # routers that accept it sum the global aux loss's counts over it (Megatron's n_i).
         self.batch_group = batch_group
-        # The moeplug.stash.LayerHandle this layer got when the model registered with the
+        # The moeplug.runtime.stash.LayerHandle this layer got when the model registered with the
         # runtime (None: built outside build_model); its stash_scope wraps the experts stage.
         self.runtime = runtime
         if budgeted is None and runtime is not None and runtime.runtime.cfg.sync_free:
@@ -144,10 +144,12 @@ class MoELayer(nn.Module):
                 "budgeted=moeplug.moe.budgeted.budgeted_dispatcher(dispatcher, experts, "
                 "runtime.runtime.sync_free, group=the EP group), as build_model does")
         self.overlap_chunks = overlap_chunks
-        # Small buffers of this layer's ops, forward and backward (moeplug.ops.workspace.Arena):
-        # the one its runtime registration gave it, else its own. Reused every step, so after
-        # warm-up the layer's path allocates nothing (tests/test_moe_allocations.py).
-        self.workspace = runtime.workspace if runtime is not None else workspace.Arena()
+        # Small buffers of this layer's ops, forward and backward (moeplug.runtime.workspace.Arena):
+        # the one its runtime registration gave it, else its own (over its own workspace of large
+        # buffers). Reused every step, so after warm-up the layer's path allocates nothing
+        # (tests/test_moe_allocations.py).
+        self.workspace = (runtime.workspace if runtime is not None
+                          else workspace.Arena(workspace.Workspace()))
 
     def forward(self, x_ND: torch.Tensor) -> MoEOutput:
         with workspace.arena_scope(self.workspace):

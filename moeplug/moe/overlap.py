@@ -48,7 +48,7 @@ import torch
 from moeplug.interfaces import Dispatcher, RouterOutput
 from moeplug.moe.shared_experts import add_shared
 from moeplug.observability.timing import stage
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.quant import active_recipe
 from moeplug.routing import cat_rows, row_range
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moeplug.config import MoEConfig
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.ops.linear import linear
 from moeplug.ops.activations import (act_times_probs, act_times_probs_backward, activation_fn,
                                      is_gated)

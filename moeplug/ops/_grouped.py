@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from moeplug import delayed_wgrad
-from moeplug.ops import workspace
-from moeplug.ops.workspace import Empty
+from moeplug.ops import delayed_wgrad
+from moeplug.runtime import workspace
+from moeplug.runtime.workspace import Empty
 
 
 @functools.lru_cache(maxsize=None)

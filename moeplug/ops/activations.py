@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from moeplug.config import ACTIVATIONS, GATED_ACTIVATIONS
-from moeplug.ops.workspace import Empty
+from moeplug.runtime.workspace import Empty
 
 
 def _swiglu(h_N2F: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """cast: ``x.to(dtype)`` for CPU tensors, differentiable, with the result and its grad in
-workspace buffers (moeplug.ops.workspace), so a cast on the MoE path allocates nothing after
+workspace buffers (moeplug.runtime.workspace), so a cast on the MoE path allocates nothing after
 warm-up. The same conversions as ``Tensor.to`` and its ToCopyBackward0 (``copy_`` both ways),
 so the same numbers.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 
 
 class _Cast(torch.autograd.Function):

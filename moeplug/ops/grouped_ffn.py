@@ -30,7 +30,7 @@ Entry points (one Function under all three):
     grouped_mlp(x_SD, probs_S, counts_L, w13, w2, activation)  any activation
         the dynamic layer: one chunk, every row routed; ``recompute_act`` (moe_act recompute:
         keep FC1's output, rebuild the activation in backward) and ``delay_wgrad``
-        (model.moe.delay_wgrad_compute: the weight-gradient GEMMs queued, moeplug.delayed_wgrad)
+        (model.moe.delay_wgrad_compute: the weight-gradient GEMMs queued, moeplug.ops.delayed_wgrad)
     grouped_ffn_packed(x_GSD, counts_GL, w13, w2, activation)
         runtime.sync_free's budgeted rows on the CPU (Experts.forward_packed): G source chunks,
         each chunk's routed rows first and padding after (left unwritten), no routing weight
@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from moeplug import delayed_wgrad
-from moeplug.ops import workspace
+from moeplug.ops import delayed_wgrad
+from moeplug.runtime import workspace
 from moeplug.ops._checks import check_cpu_contiguous, check_probs
 from moeplug.ops._grouped import (cast as _cast, check_counts_and_probs, compute_dtype,
                                   expert_slices, mm_rows, row_multiple, with_spare_rows)
@@ -227,7 +227,7 @@ def _backward(dY_GSD: torch.Tensor, x_GSD: torch.Tensor, h_GSX: torch.Tensor,
               need: tuple[bool, bool, bool, bool], delay: bool) -> list:
     """[dX, dp, dW13, dW2] (None where not needed; dX and dp in the GEMMs' and the weights'
     dtypes, the weights' grads in theirs); with ``delay`` (one chunk) the weight grads are
-    queued on moeplug.delayed_wgrad (summed into the weights' .grad there) and come back None."""
+    queued on moeplug.ops.delayed_wgrad (summed into the weights' .grad there) and come back None."""
     G, S, D = x_GSD.shape
     dtype, empty = x_GSD.dtype, workspace.allocator(x_GSD.device)
     need_x, need_p, need_w13, need_w2 = need
@@ -340,7 +340,7 @@ def _staged_wgrads(wgrad: _WeightGrads, chunk: list, dY_S: torch.Tensor,
 
 def _defer(wgrad: _WeightGrads, w13: torch.Tensor, w2: torch.Tensor, device_type: str,
            steps: list) -> None:
-    """Queue the weight-gradient GEMMs (moeplug.delayed_wgrad): they run while the dispatch's
+    """Queue the weight-gradient GEMMs (moeplug.ops.delayed_wgrad): they run while the dispatch's
     backward exchange carries dX, and sum into the weights' .grad."""
     def work() -> None:  # the same GEMMs on the same tensors, later
         with torch.autocast(device_type, enabled=False):
@@ -402,7 +402,7 @@ class _GroupedFFN(torch.autograd.Function):
         h, y = out[0], out[1]
         note("expert_fc1", x_c)  # model.offload names (moeplug.modules.offload)
         note("moe_act", h)
-        # Saved as 2-D rows: what the paged stash packs into its pages (moeplug.stash).
+        # Saved as 2-D rows: what the paged stash packs into its pages (moeplug.runtime.stash).
         ctx.save_for_backward(x_c.view(G * S, D), h.view(G * S, h.shape[2]),
                               out[2] if keep_act else None,
                               None if p32 is None else p32.view(-1), w13_LXD, w2_LDF)
@@ -474,7 +474,7 @@ def expert_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch
     ``recompute_act``: keep only FC1's output h for backward and rebuild the activation there
     (moe_act recompute; the same kernel on the same h, so gradients are identical).
     ``delay_wgrad`` (model.moe.delay_wgrad_compute): the backward returns dX and dp and queues
-    the weight-gradient GEMMs (moeplug.delayed_wgrad); the same gradients land in ``.grad``.
+    the weight-gradient GEMMs (moeplug.ops.delayed_wgrad); the same gradients land in ``.grad``.
 
     Differentiable w.r.t. x_SD, probs_S and both weights. Under CPU autocast the GEMMs run in
     the autocast dtype and weight gradients come back in the weights' dtype.
@@ -529,12 +529,12 @@ def grouped_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torc
 
     ``recompute_act``: keep only FC1's output for backward, rebuild act(h) * p there.
     ``delay_wgrad`` (model.moe.delay_wgrad_compute): the backward returns dX and dp and queues
-    the weight-gradient GEMMs (moeplug.delayed_wgrad); the same gradients land in ``.grad``.
+    the weight-gradient GEMMs (moeplug.ops.delayed_wgrad); the same gradients land in ``.grad``.
     """
     _check_activation(x_SD, probs_S, counts_L, gate_up_proj_LXD, down_proj_LDF, activation)
     if delay_wgrad and x_SD.device.type != "cpu":
         # CUDA autograd runs backwards on its device threads: the per-thread queue
-        # (moeplug.delayed_wgrad) is only proven on CPU.
+        # (moeplug.ops.delayed_wgrad) is only proven on CPU.
         raise ValueError(f"grouped_mlp: delay_wgrad is implemented for CPU tensors only, got "
                          f"x_SD on {x_SD.device}. Fix: set model.moe.delay_wgrad_compute: "
                          f"false on GPU")

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.ops._grouped import (expert_slices, mm_rows, row_multiple, with_spare_rows,
                                   zero_unused_experts)
 from moeplug.ops.activations import act_into, act_times_probs_backward, act_width

@@ -1,6 +1,6 @@
 """linear: ``(x.to(dtype) @ weight.to(dtype).t()).to(out_dtype)``, a bias-free ``nn.Linear``
 for CPU tensors with the casts, the product and every gradient in workspace buffers
-(moeplug.ops.workspace), so the router's gate and the shared experts' projections allocate
+(moeplug.runtime.workspace), so the router's gate and the shared experts' projections allocate
 nothing after warm-up.
 
 Shape legend: N rows, I input features, O output features.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 
 
 def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import cuda_ops, reference, workspace
+from moeplug.ops import cuda_ops, reference
+from moeplug.runtime import workspace
 from moeplug.ops._checks import check_index, check_probs, check_rows, ptr
 from moeplug.runtime import get_runtime
 

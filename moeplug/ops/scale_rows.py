@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 
 
 class _ScaleRows(torch.autograd.Function):

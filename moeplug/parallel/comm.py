@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from moeplug import delayed_wgrad
-from moeplug.ops import workspace
+from moeplug.ops import delayed_wgrad
+from moeplug.runtime import workspace
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn); torch < 2.13 has only
 # the old ones. Same signatures: (output, input, ..., group=).
@@ -121,7 +121,7 @@ def _check_splits(name: str, splits: Sequence[int], world: int, rows: int | None
 # Why a collective's tensors go out on loan: gloo's worker thread drops its references to a
 # collective's tensors only after it has woken the caller, so for a moment after ``wait()``
 # returns, a workspace buffer that was sent or received still looks in use (its storage's use
-# count, which moeplug.ops.workspace reads, says so), and a request in that moment (the next
+# count, which moeplug.runtime.workspace reads, says so), and a request in that moment (the next
 # op's, microseconds later) allocated a new buffer instead of reusing it. Measured: a 32 KB
 # arena buffer in the packed experts' backward (moeplug.ops.grouped_ffn) at EP2 sync-free, in 4 of 50 rank-runs of a step
 # (tests/test_moe_allocations.py's EP2 case failed CI intermittently), still held when requested

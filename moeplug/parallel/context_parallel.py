@@ -19,7 +19,7 @@ visible token. Two ways to get them (``ParallelConfig.cp_comm``):
 
 Packed documents (``data.document_mask``): each held token also carries its position in its
 document, sharded with the tokens. RoPE rotates at those positions, and a query at global index
-i with position p sees only the keys in [i - p, i] (moeplug.documents.visible): the
+i with position p sees only the keys in [i - p, i] (moeplug.data.documents.visible): the
 allgather mask and each ring block's mask come from the queries' positions and the keys' global
 indices, so no document ids travel. In the ring a query row may see no key of a block at all
 (the block lies in earlier documents); its partial result is empty (log-sum-exp -inf) and the
@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from moeplug.documents import attention_mask, visible
+from moeplug.data.documents import attention_mask, visible
 from moeplug.parallel.comm import active_group, all_gather, all_reduce, group_rank, group_size
 from moeplug.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -144,7 +144,7 @@ def cp_attention(q_BHSDh: torch.Tensor, k_BGSDh: torch.Tensor, v_BGSDh: torch.Te
     equals the matching rows of ``scaled_dot_product_attention(..., is_causal=True)`` on the
     full sequence, and so do the gradients (summed over the ranks' losses). ``positions_BS``
     (this rank's tokens' positions in their documents): with SDPA's block-diagonal causal mask
-    of the packed documents instead (moeplug.documents.visible).
+    of the packed documents instead (moeplug.data.documents.visible).
     """
     if comm not in CP_COMMS:
         raise ValueError(f"cp_comm = {comm!r} is not a CP communication mode. "

@@ -54,7 +54,7 @@ rank and every op starts no later than in the plain order, so the tagged pipelin
 rank of an EP/DP group sits at the same pipeline rank, so both threads' collective orders agree
 across the group.
 
-Split weight-gradient computation (``model.moe.delay_wgrad_compute``, moeplug.delayed_wgrad)
+Split weight-gradient computation (``model.moe.delay_wgrad_compute``, moeplug.ops.delayed_wgrad)
 composes with both: the queue is per thread, so each backward's deferred expert GEMMs run
 during that backward's own dispatch exchange.
 """

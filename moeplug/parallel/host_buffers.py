@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 
 MIN_BYTES = 1 << 20   # smaller tensors come from torch.empty: their faults are few
 MAX_FREE = 8          # free allocations kept per size class

@@ -101,7 +101,7 @@ class PipelineChunk(ModelStages, nn.Module):
         self.receives_mtp = mtp_stage is not None and index > mtp_stage
         self.runs_mtp = bool(stage.mtp)
         self.cfg, self._groups, self._cp_group = model.cfg, model._groups, model._cp_group
-        # The model's moeplug.stash.ModelRuntime, on every chunk: a rank whose stages hold no MoE
+        # The model's moeplug.runtime.stash.ModelRuntime, on every chunk: a rank whose stages hold no MoE
         # layer still takes part in the stash's and sync-free's per-step collectives.
         self.runtime = model.runtime
         self.hidden_size = model.cfg.hidden_size  # the [B, S, D] activation the stages exchange

@@ -35,7 +35,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from moeplug import delayed_wgrad
+from moeplug.ops import delayed_wgrad
 from moeplug.config import ConfigError
 from moeplug.observability.timing import stage
 from moeplug.parallel import p2p

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 
 ARRIVE, DONE = 0, 1  # flag indices (the C++ heap has ShmHeap::kNumFlags)
 # The heap's own slots, after the caller's: this rank's largest free run and its held bytes.

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.parallel import host_buffers
 from moeplug.parallel.shm_heap import SymmetricHeap
 from moeplug.runtime import dtype_code, get_runtime

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.parallel import comm
 
 

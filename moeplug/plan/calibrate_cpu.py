@@ -244,7 +244,7 @@ class UnitCost:
     saved_bytes: int = 0   # held for backward at the end of the forward (autograd + checkpoints)
     peak_bytes: int = 0    # most bytes the unit's ops held at once over forward + backward
     saved_plain_bytes: int = 0  # saved_bytes without the run's full-block checkpointing
-    # The ops' workspace cache (moeplug.ops.workspace): its footprint after the unit's forward +
+    # The ops' workspace cache (moeplug.runtime.workspace): its footprint after the unit's forward +
     # backward from empty (kept, free, once the backward is done), and the part of saved_bytes
     # that lives in it.
     pool_bytes: int = 0
@@ -280,8 +280,8 @@ def _peak_bytes(fn: Callable[[], Any]) -> int:
     """Most bytes ``fn``'s ops held at once. The ops' workspace cache is bypassed here: warm,
     it hands out buffers no op of the trace allocates, and they would not be counted (the MoE
     unit's [S, .] rows, ~2/3 of its peak). The run's cache holds no more than the bytes its
-    buffers hold live at once (moeplug.ops.workspace), which is what this counts."""
-    from moeplug.ops import workspace
+    buffers hold live at once (moeplug.runtime.workspace), which is what this counts."""
+    from moeplug.runtime import workspace
     with workspace.bypassed():
         trace, _ = _run_traced(fn, keep_args=False)
     return trace.peak
@@ -290,12 +290,12 @@ def _peak_bytes(fn: Callable[[], Any]) -> int:
 def _pool_bytes(fn: Callable[[], Any]) -> tuple[int, int]:
     """(footprint of the ops' workspace cache after one ``fn`` from empty, bytes of the saved
     tensors that live in it). The cache is emptied after, as it was found."""
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        if st.data_ptr() in {b.data_ptr() for bs in workspace._cache.values() for b in bs}:
+        if st.data_ptr() in {b.data_ptr() for b in workspace.cached_buffers()}:
             saved[st.data_ptr()] = st.nbytes()
         return t
     workspace.clear()

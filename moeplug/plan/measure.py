@@ -46,11 +46,11 @@ def _timed_steps():
 
     from moeplug.training import trainer
     from moeplug.training.memory import process_peak
-    from moeplug.ops import workspace
+    from moeplug.runtime import workspace
     real, steps, cached = trainer.train_step, [], []
 
     def timed(*args, **kwargs):
-        # moeplug.ops.workspace keeps freed activation buffers from 256 KiB mapped for the
+        # moeplug.runtime.workspace keeps freed activation buffers from 256 KiB mapped for the
         # next step (a reserve, like a CUDA caching allocator's). Emptied before each step, the
         # step's peak is what it holds and what the cache keeps of it within the step: what
         # the plan predicts (moeplug.plan.memory.calibrated_cpu_memory).
@@ -126,10 +126,10 @@ def main(path: str) -> int:
         train(small, D.build_rank_model(small, host, corpus.vocab_size, groups, cpu), corpus,
               precision, names, groups=groups)
         before_run = calibrate_run(cfg, host, corpus.vocab_size, groups, precision)
-        # The calibration ran the same shapes: the ops' workspace cache (moeplug.ops.workspace,
+        # The calibration ran the same shapes: the ops' workspace cache (moeplug.runtime.workspace,
         # buffers from 256 KiB) would hand the run its buffers already resident, and the
         # measured peak would miss them.
-        from moeplug.ops import workspace
+        from moeplug.runtime import workspace
         workspace.clear()
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)

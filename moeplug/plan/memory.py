@@ -377,7 +377,7 @@ def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) ->
     # The ops' workspace cache keeps what a unit's backward freed for the units before it: its
     # footprint, once the backward of unit j has run, is the pool bytes live then (the saved
     # ones of the units before j and j's own); the free part of it is held on top of what
-    # unit i (< j) holds live (moeplug.ops.workspace bounds it by that live peak).
+    # unit i (< j) holds live (moeplug.runtime.workspace bounds it by that live peak).
     saved_pool = [sum(u.saved_pool_bytes for u in order[:i]) for i in range(len(order) + 1)]
     for i in range(len(order)):
         held = sum(u.saved_bytes for u in order[:i]) + order[i].peak_bytes \

@@ -41,13 +41,13 @@ PLAN_MODELS: dict[str, dict] = {
 
 
 def model_names() -> list[str]:
-    from moeplug.presets import PRESETS
+    from moeplug.config.presets import PRESETS
     return sorted([*PRESETS, *PLAN_MODELS])
 
 
 def model_config(name: str) -> ModelConfig:
     """The ModelConfig of a preset or of a planner model."""
-    from moeplug.presets import PRESETS, preset
+    from moeplug.config.presets import PRESETS, preset
     if name in PLAN_MODELS:
         return load_config(None, [], base=copy.deepcopy(PLAN_MODELS[name])).model
     if name in PRESETS:
@@ -58,7 +58,7 @@ def model_config(name: str) -> ModelConfig:
 
 def route_groups(name: str) -> int:
     """Expert groups a token may use (DeepSeek's group-limited routing), 0 when unlimited."""
-    from moeplug.presets import PRESETS
+    from moeplug.config.presets import PRESETS
     opts = PRESETS.get(name, {}).get("plugins", {}).get("router_options", {})
     return int(opts.get("group_topk", 0)) if opts.get("num_groups") else 0
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.parallel.comm import blocking
 from moeplug.routing.scores import select_topk
 from moeplug.routing.workspace_losses import aux_losses_from_stats

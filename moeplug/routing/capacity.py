@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.ops._checks import ptr
 from moeplug.runtime import get_runtime
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moeplug.ops import cuda_ops, workspace
+from moeplug.ops import cuda_ops
+from moeplug.runtime import workspace
 from moeplug.routing.scores import SCORE_FUNCTIONS, group_members
 from moeplug.runtime import runtime_for
 
@@ -82,7 +83,7 @@ class _FusedRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TE, bias_E, spec):
         T, E, K, B = spec["num_tokens"], spec["num_experts"], spec["top_k"], spec["num_sequences"]
-        # On the CPU from the running MoE layer's workspace arena (moeplug.ops.workspace): no
+        # On the CPU from the running MoE layer's workspace arena (moeplug.runtime.workspace): no
         # allocation after warm-up.
         empty = workspace.allocator(logits_TE.device)
         probs_TK = empty((T, K), torch.float32)

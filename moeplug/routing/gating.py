@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 from moeplug.ops._grouped import compute_dtype
 from moeplug.ops.linear import linear
 

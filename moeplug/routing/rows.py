@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 
 
 def sink_dropped(ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, sink: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The router's losses as autograd Functions over the running MoE layer's workspace arena
-(moeplug.ops.workspace): no allocation after warm-up (issue 7).
+(moeplug.runtime.workspace): no allocation after warm-up (issue 7).
 
 Legend: T tokens, E experts, K top-k, B sequences (T = B * S, b-major).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops import workspace
+from moeplug.runtime import workspace
 
 # The aux-loss types that the stats path computes; "aux_loss" and "global_aux_loss" are the
 # Switch loss (f_i from this micro-batch's counts, resp. the step's accumulated ones), the

@@ -24,15 +24,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from moeplug import delayed_wgrad
+from moeplug.ops import delayed_wgrad
 from moeplug.config import ConfigError, RootConfig
 from moeplug.data.loader import (Batches, EvalBatches, eval_batches, loader_state,
                                  resume_position, sample_batches)
-from moeplug.documents import document_eod, with_positions
+from moeplug.data.documents import document_eod, with_positions
 from moeplug.modules.flops import flops_per_token as model_flops_per_token
 from moeplug.observability import add_micro_batch, moe_metrics
 from moeplug.observability.timing import add_times, measure_stages, stage
-from moeplug.stash import StashOverflowError
+from moeplug.runtime.stash import StashOverflowError
 from moeplug.training import distributed as D
 from moeplug.training.checkpoint_meta import HF_ORIGIN
 from moeplug.training.checkpoint import (load_checkpoint, load_sharded_checkpoint, nothing_to_train,
@@ -268,11 +268,11 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
 
 
 def stash_runtime(model: torch.nn.Module) -> Any:
-    """The moeplug.stash.ModelRuntime ``model`` was built with (build_model sets it): a
+    """The moeplug.runtime.stash.ModelRuntime ``model`` was built with (build_model sets it): a
     MoETransformer's, or every pipeline chunk's, whether or not this rank's stages hold a MoE
     layer (the stash and sync-free steps all-reduce their flags, so every rank must take the
     same path). None for a model built otherwise."""
-    from moeplug.stash import ModelRuntime
+    from moeplug.runtime.stash import ModelRuntime
     for m in D.pipeline_chunks(model) or [model]:
         if isinstance(getattr(m, "runtime", None), ModelRuntime):
             return m.runtime
@@ -380,7 +380,7 @@ def train_step(model: torch.nn.Module, optimizer: Any, micro_batches: list, tc: 
     ``model``: a MoETransformer, or a pipeline rank's ``nn.ModuleList`` of chunks. ``groups``:
     a ParallelGroups (None = one process). ``optimizer``: AdamW, or a DistributedAdamW.
     ``micro_batches``: (tokens_BS, targets_BS) of whole sequences, or with packed documents
-    (tokens_BS, targets_BS, positions_BS) (moeplug.documents.with_positions).
+    (tokens_BS, targets_BS, positions_BS) (moeplug.data.documents.with_positions).
     """
     num_micro = len(micro_batches)
     device_type = micro_batches[0][0].device.type  # autocast where the data (and model) live
@@ -779,7 +779,7 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
                           "mfu": mfu(tflops, peak), "expert_load": expert_load(counts_per_layer),
                           "plugins": plugin_names, "moe": stats.moe,
                           "skipped_steps": skipped_total}
-                if stats.stash is not None:  # this step's pool stats (moeplug.stash)
+                if stats.stash is not None:  # this step's pool stats (moeplug.runtime.stash)
                     record["stash"] = stats.stash
                 if offload is not None:  # this step's offloading (moeplug.modules.offload)
                     record["offload"] = offload

@@ -13,10 +13,8 @@ from typing import ContextManager, Literal
 
 import torch
 
-from moeplug import hookimpl
-from moeplug.config import ConfigError
-from moeplug.interfaces import Precision
-from moeplug.quant import MXFP8, NVFP4, Blockwise, Delayed, Tensorwise, recipe_plan
+from moeplug.api import (Blockwise, ConfigError, Delayed, hookimpl, MXFP8, NVFP4, Precision,
+                         recipe_plan, Tensorwise)
 
 
 class FP32(Precision):
@@ -160,15 +158,14 @@ class QuantizedPrecision(Precision):
 def _naming(model, groups) -> tuple[dict, dict]:
     """What names a GEMM's parameter the same in every layout: ``id(param)`` -> its one-process
     name, and ``id(expert param)`` -> (this rank's first global expert, its local experts)."""
-    from moeplug.parallel import expert_param_names
-    from moeplug.training.reshard import global_names, parts
+    from moeplug.api import expert_param_names, global_param_names, model_parts
     ep_rank = 0 if groups is None else groups.rank_in("ep")
     experts = {}
-    for _, m in parts(model):
+    for _, m in model_parts(model):
         params = dict(m.named_parameters())
         for n in expert_param_names(m):  # [L, ...]: global experts ep_rank * L ..
             experts[id(params[n])] = (ep_rank * params[n].shape[0], params[n].shape[0])
-    return global_names(model), experts
+    return global_param_names(model), experts
 
 
 @contextlib.contextmanager

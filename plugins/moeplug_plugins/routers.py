@@ -34,15 +34,9 @@ from typing import ClassVar, Literal
 import torch
 from torch import nn
 
-from moeplug import hookimpl
-from moeplug.config import ConfigError, ModelConfig
-from moeplug.interfaces import Router, RouterOutput
-from moeplug.modules.recompute import recomputing, will_recompute
-from moeplug import routing as R
-from moeplug.ops import workspace
-from moeplug.routing import workspace_losses as WL
-from moeplug.routing.pooled import HF_AUX_LOSS, pooled_aux_stats
-from moeplug.quant import row_alignment
+from moeplug.api import (ConfigError, HF_AUX_LOSS, hookimpl, ModelConfig, pooled_aux_stats,
+                         recomputing, Router, RouterOutput, routing as R, row_alignment,
+                         will_recompute, workspace, workspace_losses as WL)
 
 
 def _fail(name: str, value, rule: str, fix: str) -> None:

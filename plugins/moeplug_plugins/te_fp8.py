@@ -8,7 +8,7 @@ from typing import ContextManager
 import torch
 import transformer_engine.pytorch as te  # the optional dependency; see precision.make_te_fp8
 
-from moeplug.interfaces import Precision
+from moeplug.api import Precision
 
 
 class TEFP8(Precision):

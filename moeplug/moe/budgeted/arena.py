@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from moeplug.ops import slot_rows, workspace
+from moeplug.ops import slot_rows
+from moeplug.runtime import workspace
 from moeplug.ops._grouped import cast
 from moeplug.routing import sink_dropped
 from moeplug.runtime import get_runtime

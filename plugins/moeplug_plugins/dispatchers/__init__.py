@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import sys
 from dataclasses import dataclass
 
-from moeplug import hookimpl
+from moeplug.api import hookimpl
 
 
 @dataclass(frozen=True)
@@ -29,7 +28,7 @@ class HierarchicalOptions:
     intra_node: str = "auto"
 
     def __post_init__(self) -> None:
-        from moeplug.config import ConfigError
+        from moeplug.api import ConfigError
         if self.node_size < 0:
             raise ConfigError(f"plugins.dispatcher_options.node_size = {self.node_size}: must be "
                               ">= 0. Fix: set node_size to the EP ranks per node, or 0 to take "
@@ -86,15 +85,8 @@ def direct_write_unavailable() -> str:
     runtime core built with the shared-memory heap."""
     if not sys.platform.startswith("linux"):
         return f"needs Linux POSIX shared memory (/dev/shm); this is {sys.platform}"
-    rebuild = "pip install -e . --no-build-isolation   (or: pip install -e .)"
-    try:  # the extension alone (it does not import torch): registration stays light
-        core = importlib.import_module("moeplug._runtime_core")
-    except ImportError as exc:
-        return f"moeplug's C++ runtime core is not importable: {exc}. Fix: `{rebuild}`"
-    if not hasattr(core, "ShmHeap"):
-        return (f"the runtime core was built without the shared-memory heap. Fix: rebuild it "
-                f"with `{rebuild}`")
-    return ""
+    from moeplug.api import core_feature_missing  # the extension alone: registration stays light
+    return core_feature_missing("ShmHeap", "the shared-memory heap")
 
 
 @hookimpl

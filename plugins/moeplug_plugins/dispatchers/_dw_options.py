@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeplug.config import ConfigError
+from moeplug.api import ConfigError
 
 MiB = 1 << 20
 OPTION = "plugins.dispatcher_options.heap_bytes"

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeplug.ops import workspace
-from moeplug.routing import expert_counts, padded_counts, sink_dropped
-from moeplug.runtime import get_runtime
+from moeplug.api import expert_counts, get_runtime, padded_counts, sink_dropped, workspace
 
 
 @dataclass(frozen=True)

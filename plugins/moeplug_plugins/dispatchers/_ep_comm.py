@@ -18,9 +18,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from moeplug.ops import workspace
-from moeplug.parallel import comm
-from moeplug.runtime import get_runtime
+from moeplug.api import comm, get_runtime, workspace
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from moeplug.config import ConfigError
-from moeplug.config import ModelConfig
+from moeplug.api import ConfigError, ModelConfig
 
 def ep_layout(model: ModelConfig, group) -> tuple[int, int, int]:
     """(ep_size, ep_rank, num_local_experts) for ``group`` (None = one process)."""

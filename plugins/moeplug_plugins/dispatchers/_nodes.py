@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moeplug.config import ConfigError
+from moeplug.api import ConfigError
 
 NODE_SIZE_FIELD = "plugins.dispatcher_options.node_size"
 

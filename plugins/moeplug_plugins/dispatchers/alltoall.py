@@ -31,14 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeplug.config import ModelConfig
-from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.ops import permute, permute_probs, unpermute
-from moeplug.parallel import comm
-from moeplug.quant import active_recipe
-from moeplug.quant.wire import quantized_exchange
-from moeplug.routing import (append_sink_rows, first_rows, pad_rows, padded_counts,
-                             sink_dropped, unpad_rows)
+from moeplug.api import (active_recipe, append_sink_rows, comm, Dispatched, Dispatcher, first_rows,
+                         ModelConfig, pad_rows, padded_counts, permute, permute_probs,
+                         quantized_exchange, RouterOutput, sink_dropped, unpad_rows, unpermute)
 from moeplug_plugins.dispatchers import _ep_comm
 from moeplug_plugins.dispatchers._group import ep_layout
 

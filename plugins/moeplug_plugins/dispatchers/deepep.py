@@ -32,10 +32,9 @@ from typing import Any
 
 import torch
 
-from moeplug.config import ModelConfig
-from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.ops import permute, permute_probs, unpermute
-from moeplug.routing import append_sink_rows, first_rows, pad_rows, padded_counts, unpad_rows
+from moeplug.api import (append_sink_rows, Dispatched, Dispatcher, first_rows, ModelConfig,
+                         pad_rows, padded_counts, permute, permute_probs, RouterOutput, unpad_rows,
+                         unpermute)
 from moeplug_plugins.dispatchers import _ep_comm
 from moeplug_plugins.dispatchers._group import ep_layout
 

@@ -48,14 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moeplug.config import ModelConfig
-from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.ops import workspace
-from moeplug.parallel import shm_rows
-from moeplug.parallel.comm import active_group
-from moeplug.parallel.shm_heap import MiB, SymmetricHeap, heap_for
-from moeplug.quant import active_recipe
-from moeplug.quant.wire import quantized_exchange
+from moeplug.api import (active_group, active_recipe, Dispatched, Dispatcher, heap_for, MiB,
+                         ModelConfig, quantized_exchange, RouterOutput, shm_rows, SymmetricHeap,
+                         workspace)
 from moeplug_plugins.dispatchers._dw_options import OPTION, DirectWriteOptions
 from moeplug_plugins.dispatchers._dw_plan import DirectWritePlan, build_plan, local_counts
 from moeplug_plugins.dispatchers._group import ep_layout

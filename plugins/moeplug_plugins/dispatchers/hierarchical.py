@@ -38,14 +38,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moeplug.config import ModelConfig
-from moeplug.interfaces import Dispatched, Dispatcher, RouterOutput
-from moeplug.parallel import comm
-from moeplug.quant import active_recipe
-from moeplug.quant.wire import quantized_exchange
-from moeplug.ops import permute, permute_probs, unpermute, workspace
-from moeplug.routing import (append_sink_rows, first_rows, pad_rows, padded_counts, sink_dropped,
-                             unpad_rows)
+from moeplug.api import (active_recipe, append_sink_rows, comm, Dispatched, Dispatcher, first_rows,
+                         ModelConfig, pad_rows, padded_counts, permute, permute_probs,
+                         quantized_exchange, RouterOutput, sink_dropped, unpad_rows, unpermute,
+                         workspace)
 from moeplug_plugins.dispatchers import _ep_comm, _nodes
 from moeplug_plugins.dispatchers._group import ep_layout
 from moeplug_plugins.dispatchers.direct_write import default_heap_bytes

@@ -31,10 +31,7 @@ from typing import Any
 
 import torch
 
-from moeplug.ops import workspace
-from moeplug.parallel import shm_rows
-from moeplug.parallel.comm import active_group
-from moeplug.parallel.shm_heap import heap_for
+from moeplug.api import active_group, heap_for, shm_rows, workspace
 from moeplug_plugins.dispatchers import _ep_comm
 
 

@@ -5,7 +5,7 @@ Both own the same parameters (HF Mixtral layout), so a checkpoint from one loads
 
 from __future__ import annotations
 
-from moeplug import hookimpl
+from moeplug.api import hookimpl
 
 
 def make_sequential(model, options, num_local_experts):

@@ -8,9 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeplug.config import ConfigError, ModelConfig
-from moeplug.interfaces import Experts
-from moeplug.ops.activations import fc1_rows
+from moeplug.api import ConfigError, Experts, fc1_rows, ModelConfig
 
 
 class ExpertParams(Experts):

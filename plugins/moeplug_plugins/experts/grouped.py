@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops.cuda_ffn import batched_ffn, same_rows
-from moeplug.ops.grouped_ffn import expert_mlp, grouped_ffn_packed, grouped_mlp
-from moeplug.quant import active_recipe, quant_expert_mlp
+from moeplug.api import (active_recipe, batched_ffn, expert_mlp, grouped_ffn_packed, grouped_mlp,
+                         quant_expert_mlp, same_rows)
 from moeplug_plugins.experts._params import ExpertParams
 
 
@@ -28,7 +27,7 @@ class GroupedExperts(ExpertParams):
 
     def __init__(self, model, num_local_experts: int) -> None:
         super().__init__(model, num_local_experts)
-        # model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): the backward hands dX and dp to
+        # model.moe.delay_wgrad_compute (moeplug.ops.delayed_wgrad): the backward hands dX and dp to
         # autograd first and queues the weight-gradient GEMMs to run during the dispatch's
         # exchange. Not on the emulated low-precision path (RootConfig refuses that).
         self.delay_wgrad_compute = model.moe.delay_wgrad_compute

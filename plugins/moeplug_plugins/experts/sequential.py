@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug.ops.activations import activation_fn
-from moeplug.quant import active_recipe, quant_expert_mlp
+from moeplug.api import activation_fn, active_recipe, quant_expert_mlp
 from moeplug_plugins.experts._params import ExpertParams
 
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import csv
 import io
 
-from moeplug import hookimpl
-from moeplug.data.reader import Chunk, CorpusReader, RecordError, file_or_files_under
+from moeplug.api import Chunk, CorpusReader, file_or_files_under, hookimpl, RecordError
 
 
 class CsvReader(CorpusReader):

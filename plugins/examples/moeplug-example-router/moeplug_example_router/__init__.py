@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moeplug import hookimpl
-from moeplug.interfaces import Router, RouterOutput
+from moeplug.api import hookimpl, Router, RouterOutput
 
 
 class HashRouter(Router):

@@ -98,6 +98,22 @@ def _torch_gomp_parallel() -> int:
         return 0
 
 
+def core_feature_missing(feature: str, what: str) -> str:
+    """"" when the runtime core imports and binds ``feature`` (e.g. "ShmHeap", described as
+    ``what``: "the shared-memory heap"), else why not, with the fix: a plugin's availability
+    line. Imports the extension alone, without :func:`get_runtime`'s thread setup, so a plugin
+    that registers asks this without starting anything (and plugins never import the extension
+    themselves: moeplug.api)."""
+    try:
+        core = importlib.import_module("moeplug._runtime_core")
+    except ImportError as exc:
+        return f"moeplug's C++ runtime core is not importable: {exc}. Fix: `{REBUILD_COMMAND}`"
+    if not hasattr(core, feature):
+        return (f"the runtime core was built without {what}. Fix: rebuild it with "
+                f"`{REBUILD_COMMAND}`")
+    return ""
+
+
 def retain_freed_memory() -> str:
     """Keep freed host memory in this process for the next allocation (the runtime core's
     ``retain_freed_memory``: glibc's large blocks stop being mmap'd per allocation and unmapped
@@ -124,7 +140,7 @@ def runtime_info() -> dict[str, Any]:
     except RuntimeMissingError as exc:
         return {"available": False, "error": str(exc)}
     info["available"] = True
-    # The stash resources a run gets (moeplug.stash): what the core offers, sized per model.
+    # The stash resources a run gets (moeplug.runtime.stash): what the core offers, sized per model.
     from moeplug.config import RuntimeSection
     info["stash_pool"] = (f"paged, contiguous page runs in one 4096-aligned allocation, page "
                           f"{RuntimeSection().stash_page_bytes} B by default "
@@ -326,6 +342,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["RuntimeMissingError", "REBUILD_COMMAND", "get_runtime", "runtime_available",
+           "core_feature_missing",
            "runtime_info", "dtype_code", "CUDA_BUILD_COMMAND", "cuda_extension_built",
            "get_cuda_runtime", "cuda_runtime_status", "Stream", "stream", "current_stream",
            "launch", "drain_streams"]

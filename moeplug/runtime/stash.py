@@ -20,9 +20,9 @@ from typing import Any, Iterator
 
 import torch
 
-from moeplug.ops.workspace import Arena
+from moeplug.runtime.workspace import Arena, Workspace
 from moeplug.runtime import get_runtime
-from moeplug.syncfree import SyncFreeState
+from moeplug.runtime.syncfree import SyncFreeState
 
 
 class StashOverflowError(RuntimeError):
@@ -41,8 +41,9 @@ class LayerHandle:
     stash_pages: int
     streams: tuple[str, ...]
     runtime: "ModelRuntime"
-    # The layer's small-buffer workspace (moeplug.ops.workspace.Arena), owned by the runtime
-    # for the model's life and reused every step; ModelRuntime.workspace_bytes() sums them.
+    # The layer's small-buffer arena (moeplug.runtime.workspace.Arena) over the runtime's
+    # Workspace, owned by the runtime for the model's life and reused every step;
+    # ModelRuntime.workspace_bytes() sums them.
     workspace: Arena = field(default_factory=Arena)
 
     def stash_scope(self, params: Any) -> contextlib.AbstractContextManager:
@@ -91,6 +92,9 @@ class ModelRuntime:
     def __init__(self, cfg: Any):
         self.cfg = cfg
         self.registry = get_runtime().Registry(cfg.stash_page_bytes)
+        # The model's cache of large CPU buffers (moeplug.runtime.workspace): its MoE layers'
+        # arenas take theirs from it, forward and backward; it goes with the model.
+        self.workspace = Workspace()
         self.layers: list[dict] = []
         self.handles: list[LayerHandle] = []
         self.pool: Any = None
@@ -99,7 +103,7 @@ class ModelRuntime:
         # Pages the tensors that did not fit would have taken, run total: the trainer's rerun
         # message turns it into the runtime.stash_pages that would have held the step.
         self.overflow_pages = 0
-        self.sync_free = SyncFreeState(cfg)  # runtime.sync_free / capture (moeplug.syncfree)
+        self.sync_free = SyncFreeState(cfg)  # runtime.sync_free / capture (moeplug.runtime.syncfree)
         # model.offload: the moeplug.modules.offload.Offloader over the second tier (None: off).
         self.offloader: Any = None
         self.offload_modules: list[str] = []
@@ -113,13 +117,13 @@ class ModelRuntime:
                     streams=list(streams))
         handle, pages = self.registry.register_layer(**spec)
         self.layers.append({**spec, "handle": handle, "stash_pages": pages})
-        layer = LayerHandle(handle, index, pages, tuple(streams), self)
+        layer = LayerHandle(handle, index, pages, tuple(streams), self, Arena(self.workspace))
         self.handles.append(layer)
         return layer
 
     def workspace_bytes(self) -> int:
         """Bytes the registered layers' workspace arenas hold (small buffers, kept resident
-        after the first steps; the large ones live in moeplug.ops.workspace's shared cache)."""
+        after the first steps; the large ones live in ``self.workspace``)."""
         return sum(h.workspace.nbytes for h in self.handles)
 
     def finalize(self) -> None:

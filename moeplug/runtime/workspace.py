@@ -1,4 +1,8 @@
-"""A small cache of large CPU activation buffers, reused across steps.
+"""The model runtime's buffers: a cache of large CPU activation buffers reused across steps
+(:class:`Workspace`, one per ``moeplug.runtime.stash.ModelRuntime``, no process-wide cache), and
+each MoE layer's :class:`Arena` of small ones, which reaches its model's workspace
+(``Arena.cache``). Ops call :func:`empty`: the running layer's arena and workspace hand out the
+buffer; outside any layer (no arena in scope) it is torch's.
 
 Why: glibc returns every freed block over 32 MB to the kernel, so each fresh [S, 2F] activation
 is page-faulted back in, 4 KB at a time. At the standard expert shape that is ~0.6 s of faults
@@ -7,7 +11,7 @@ mapped and hands them out again.
 
 A cached buffer is free when no tensor other than the cache shares its storage (the storage's
 reference count says so), so a buffer still held by autograd, a caller or a view is never
-reused. Only buffers of at least ``MIN_BYTES`` are cached; ``clear()`` drops them all.
+reused. Only buffers of at least ``MIN_BYTES`` are cached; ``Workspace.clear()`` drops them all.
 ``MIN_BYTES`` is well below glibc's 32 MB threshold on purpose: every activation-sized buffer of
 the MoE path (expert inputs, FC1 outputs and their grads, weight grads) then comes from the cache
 after warm-up, so a steady-state step makes no activation allocations there
@@ -49,6 +53,7 @@ import contextlib
 import functools
 import math
 import threading
+import weakref
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
@@ -70,28 +75,22 @@ MAX_OVERSIZE = 1.5
 # (tests/test_kernels.py).
 SLACK = 1.5
 
-_lock = threading.Lock()
-# size class in bytes -> buffers (uint8; handed out as a typed view of their first bytes)
-_cache: dict[int, list[torch.Tensor]] = {}
-_cached_bytes = 0
-_high_water = 0  # the most bytes the cache's buffers held live at once (since clear())
-_misses = 0  # requests that allocated (since clear())
-_bypassed = 0
 _arena: ContextVar["Arena | None"] = ContextVar("moeplug_workspace_arena", default=None)
+_bypassed: ContextVar[int] = ContextVar("moeplug_workspace_bypassed", default=0)
+# Every live Workspace, weakly: for the process-level reads below (clear, cached_bytes, misses),
+# never for handing out buffers. A workspace lives as long as its model runtime.
+_live: "weakref.WeakSet[Workspace]" = weakref.WeakSet()
 
-
+# A buffer is free when the cache holds the only reference to its storage. Tensors, views and
+# autograd's saved tensors share a storage through its C++ intrusive reference count, which torch
+# exposes only privately: sys.getrefcount of the Python storage object counts Python references
+# (one object per call), not them. So the private call stays, in this one place.
 _storage_use_count = torch._C._storage_Use_Count
 
 
 def _is_free(buf: torch.Tensor) -> bool:
     # Two references: the cache's own tensor and the temporary storage object made here.
     return _storage_use_count(buf.untyped_storage()._cdata) <= 2
-
-
-def free_cached() -> list[torch.Tensor]:
-    """The shared cache's buffers that ``empty`` would hand out now (whole, as bytes)."""
-    with _lock:
-        return [buf for bufs in _cache.values() for buf in bufs if _is_free(buf)]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -116,27 +115,85 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
-def _drop_free(nbytes: int) -> None:
-    """Forget free buffers, size class by size class in the order the classes were first
-    cached, until ``nbytes`` more fit under the high-water mark plus SLACK (or none is left).
-    Called with the lock held, on a miss, before allocating."""
-    global _cached_bytes, _high_water
-    live = sum(key for key, bufs in _cache.items() for buf in bufs if not _is_free(buf))
-    _high_water = max(_high_water, live + nbytes)
-    limit = _high_water * SLACK
-    for key in list(_cache):
-        if _cached_bytes + nbytes <= limit:
-            return
-        keep = []
-        for buf in _cache[key]:
-            if _cached_bytes + nbytes > limit and _is_free(buf):
-                _cached_bytes -= key
+class Workspace:
+    """One model runtime's cache of large CPU buffers (``ModelRuntime.workspace``; the module
+    docstring says how it is bounded). Its MoE layers reach it through their arenas
+    (``Arena.cache``), forward and backward; code outside any arena gets torch's buffers."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # size class in bytes -> buffers (uint8; handed out as a typed view of their first bytes)
+        self._cache: dict[int, list[torch.Tensor]] = {}
+        self._cached_bytes = 0
+        self._high_water = 0  # the most bytes the cache's buffers held live at once (since clear)
+        self._misses = 0  # requests that allocated (since clear)
+        _live.add(self)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of at least MIN_BYTES (the caller checked), reused once free."""
+        key = size_class(math.prod(shape) * dtype.itemsize)
+        with self._lock:
+            # The smallest free buffer that fits, up to MAX_OVERSIZE over (a row count that
+            # changes per layer and step lands here instead of allocating).
+            for size in sorted(k for k in self._cache if key <= k <= key * MAX_OVERSIZE):
+                for buf in self._cache[size]:
+                    if _is_free(buf):
+                        return _prefix(buf.view(dtype), shape)
+            self._drop_free(key)
+            self._misses += 1
+            buf = torch.empty(key, dtype=torch.uint8)
+            if self._cached_bytes + key <= MAX_CACHED_BYTES:
+                self._cache.setdefault(key, []).append(buf)
+                self._cached_bytes += key
+            return _prefix(buf.view(dtype), shape)
+
+    def _drop_free(self, nbytes: int) -> None:
+        """Forget free buffers, size class by size class in the order the classes were first
+        cached, until ``nbytes`` more fit under the high-water mark plus SLACK (or none is left).
+        Called with the lock held, on a miss, before allocating."""
+        live = sum(key for key, bufs in self._cache.items() for buf in bufs if not _is_free(buf))
+        self._high_water = max(self._high_water, live + nbytes)
+        limit = self._high_water * SLACK
+        for key in list(self._cache):
+            if self._cached_bytes + nbytes <= limit:
+                return
+            keep = []
+            for buf in self._cache[key]:
+                if self._cached_bytes + nbytes > limit and _is_free(buf):
+                    self._cached_bytes -= key
+                else:
+                    keep.append(buf)
+            if keep:
+                self._cache[key] = keep
             else:
-                keep.append(buf)
-        if keep:
-            _cache[key] = keep
-        else:
-            del _cache[key]
+                del self._cache[key]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer the cache holds (free or not, whole, as bytes)."""
+        with self._lock:
+            return [buf for bufs in self._cache.values() for buf in bufs]
+
+    def free_cached(self) -> list[torch.Tensor]:
+        """The buffers ``empty`` would hand out now (whole, as bytes)."""
+        return [buf for buf in self.buffers() if _is_free(buf)]
+
+    def clear(self) -> None:
+        """Forget every cached buffer (live tensors keep theirs)."""
+        with self._lock:
+            self._cache.clear()
+            self._cached_bytes = self._high_water = self._misses = 0
+
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
+    def misses(self) -> int:
+        """Requests that found no free buffer and allocated (since clear())."""
+        return self._misses
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The enclosed ops take their buffers here, small ones from a fresh arena (ops run
+        outside any MoE layer: tests, benchmarks)."""
+        return arena_scope(Arena(self))
 
 
 def number(value: float, dtype: torch.dtype) -> torch.Tensor:
@@ -147,30 +204,16 @@ def number(value: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Like ``torch.empty(shape, dtype=dtype)`` on CPU (contents undefined)."""
-    global _cached_bytes, _misses
-    numel = math.prod(shape)
-    nbytes = numel * dtype.itemsize
-    if _bypassed:
+    """Like ``torch.empty(shape, dtype=dtype)`` on CPU (contents undefined): from the running
+    layer's arena (small) or its model runtime's workspace (from MIN_BYTES), else torch's."""
+    arena = _arena.get()
+    if arena is None or _bypassed.get():
         return torch.empty(shape, dtype=dtype)
-    if nbytes < MIN_BYTES:
-        arena = _arena.get()
-        return torch.empty(shape, dtype=dtype) if arena is None else arena.empty(shape, dtype)
-    key = size_class(nbytes)
-    with _lock:
-        # The smallest free buffer that fits, up to MAX_OVERSIZE over (a row count that
-        # changes per layer and step lands here instead of allocating).
-        for size in sorted(k for k in _cache if key <= k <= key * MAX_OVERSIZE):
-            for buf in _cache[size]:
-                if _is_free(buf):
-                    return _prefix(buf.view(dtype), shape)
-        _drop_free(key)
-        _misses += 1
-        buf = torch.empty(key, dtype=torch.uint8)
-        if _cached_bytes + key <= MAX_CACHED_BYTES:
-            _cache.setdefault(key, []).append(buf)
-            _cached_bytes += key
-        return _prefix(buf.view(dtype), shape)
+    if math.prod(shape) * dtype.itemsize < MIN_BYTES:
+        return arena.empty(shape, dtype)
+    if arena.cache is None:
+        return torch.empty(shape, dtype=dtype)
+    return arena.cache.empty(shape, dtype)
 
 
 # What ops that take "an empty" call for a buffer: ``empty`` itself, or :func:`allocator`'s.
@@ -187,30 +230,39 @@ def allocator(device: torch.device) -> Empty:
 
 @contextlib.contextmanager
 def bypassed() -> Iterator[None]:
-    """In this scope ``empty`` is plain ``torch.empty`` (the cache is neither read nor filled)."""
-    global _bypassed
-    _bypassed += 1
+    """In this scope ``empty`` is plain ``torch.empty`` (no cache or arena is read or filled)."""
+    token = _bypassed.set(_bypassed.get() + 1)
     try:
         yield
     finally:
-        _bypassed -= 1
+        _bypassed.reset(token)
 
 
+# Process-level reads over every live model runtime's workspace (the plan's measurements and
+# the tests read them around whole runs; each workspace still belongs to one model runtime).
 def clear() -> None:
-    """Forget every cached buffer (live tensors keep theirs)."""
-    global _cached_bytes, _high_water, _misses
-    with _lock:
-        _cache.clear()
-        _cached_bytes = _high_water = _misses = 0
+    """Forget every cached buffer of every live workspace (live tensors keep theirs)."""
+    for ws in list(_live):
+        ws.clear()
 
 
 def cached_bytes() -> int:
-    return _cached_bytes
+    return sum(ws.cached_bytes() for ws in list(_live))
 
 
 def misses() -> int:
     """Requests of at least MIN_BYTES that found no free buffer and allocated (since clear())."""
-    return _misses
+    return sum(ws.misses() for ws in list(_live))
+
+
+def cached_buffers() -> list[torch.Tensor]:
+    """Every buffer every live workspace holds (free or not)."""
+    return [buf for ws in list(_live) for buf in ws.buffers()]
+
+
+def free_cached() -> list[torch.Tensor]:
+    """The buffers the live workspaces would hand out now (whole, as bytes)."""
+    return [buf for ws in list(_live) for buf in ws.free_cached()]
 
 
 class Arena:
@@ -228,7 +280,10 @@ class Arena:
 
     MAX_PER_CLASS = 16
 
-    def __init__(self) -> None:
+    def __init__(self, cache: Workspace | None = None) -> None:
+        # Where this layer's large buffers come from: its model runtime's workspace (None:
+        # torch's allocator).
+        self.cache = cache
         self._lock = threading.Lock()
         self._classes: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self.nbytes = 0  # bytes the arena holds (resident for the life of the layer)

@@ -6,7 +6,7 @@ Two forms:
     replay = capture(fn, x, w)        # fn (which may run its own backward) as one graph
     outs = replay(x2, w2)             # copies into the static inputs, one cudaGraphLaunch
 
-    piece = GraphedPieces()           # runtime.capture on CUDA (moeplug.syncfree)
+    piece = GraphedPieces()           # runtime.capture on CUDA (moeplug.runtime.syncfree)
     outs = piece(owner, fn, *args)    # fn under autograd: a forward graph and a backward graph
 
 The recordings read and write fixed addresses: the static input tensors made here, and what

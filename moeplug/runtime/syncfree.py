@@ -1,7 +1,7 @@
 """The runtime's sync-free mode (``runtime.sync_free``) and its capture/replay
 (``runtime.capture``).
 
-:class:`SyncFreeState` is owned by the model's :class:`moeplug.stash.ModelRuntime`; every MoE
+:class:`SyncFreeState` is owned by the model's :class:`moeplug.runtime.stash.ModelRuntime`; every MoE
 layer reaches it through its registration handle. With it active the layers run
 moeplug.moe.budgeted (static shapes, no host sync) and OR their device-side overflow flags
 into it; the trainer reads the flag once per step, where the step syncs anyway (it reads the
@@ -12,7 +12,7 @@ Capture, CPU: each pure piece of the static region is compiled once by ``torch.c
 has no host sync) and that compiled code - forward and its AOTAutograd backward - is replayed
 every step with no per-op Python dispatch. Why this and not a recorded kernel plan: see
 docs/ARCHITECTURE.md "Sync-free MoE and capture/replay". CUDA: each piece of each layer is
-recorded once as a runtime-owned forward graph and backward graph (moeplug.cuda_graph
+recorded once as a runtime-owned forward graph and backward graph (moeplug.runtime.cuda_graph
 .GraphedPieces) and replayed under autograd, one launch each.
 """
 
@@ -52,7 +52,7 @@ class SyncFreeState:
         # budget is above that.
         self._demand: torch.Tensor | None = None
         self._demands: dict[torch.device, tuple] = {}
-        self._graphs: Any = None  # moeplug.cuda_graph.GraphedPieces, made on first CUDA call
+        self._graphs: Any = None  # moeplug.runtime.cuda_graph.GraphedPieces, made on first CUDA call
 
     def wrap(self, fn: Callable, owner: Any = None) -> Callable:
         """The piece ``owner`` (a layer) runs: with ``runtime.capture`` compiled (CPU) or
@@ -68,9 +68,9 @@ class SyncFreeState:
 
     @property
     def graphs(self) -> Any:
-        """The CUDA recordings (moeplug.cuda_graph.GraphedPieces) of every layer."""
+        """The CUDA recordings (moeplug.runtime.cuda_graph.GraphedPieces) of every layer."""
         if self._graphs is None:
-            from moeplug.cuda_graph import GraphedPieces  # CUDA only: loads the CUDA runtime
+            from moeplug.runtime.cuda_graph import GraphedPieces  # CUDA only: loads the CUDA runtime
             self._graphs = GraphedPieces()
         return self._graphs
 
