@@ -201,7 +201,7 @@ def _adamw(params):
 def _model_vs_single_process(rank: int, world: int, layouts: list) -> dict[str, dict[str, float]]:
     """Per layout (name, ParallelConfig kwargs): max |difference| of loss, grads (step 0, after
     sync_gradients), grad norm and final params after 3 AdamW steps, against one process."""
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.experts import expert_param_names, local_expert_ids
     from moeplug.parallel.sharding import load_expert_shard
