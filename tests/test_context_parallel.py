@@ -255,7 +255,8 @@ def _model_vs_single_process(rank: int, world: int, layouts: list) -> dict[str, 
         ref_params = dict(ref.named_parameters())
         errs["params"] = max((p.detach() - want(n, ref_params[n].detach())).abs().max().item()
                              for n, p in model.named_parameters())
-        errs["cp_attention_modules"] = float(sum(b.attn._cp is not None for b in model.blocks))
+        errs["cp_attention_modules"] = float(sum(b.attn.wiring.cp_attention is not None
+                                                 for b in model.blocks))
         report[name] = errs
     return report
 

@@ -87,10 +87,10 @@ class MoETransformer(ModelStages, nn.Module):
     ``first_k_dense`` forced dense); MoE layers take ``moe_layers`` in order, the others a dense
     SwiGLU MLP.
 
-    Built for one process and not initialised: moeplug.parallelize applies the parallel layout
-    from outside (TP/SP, CP, ...), then the builder calls :meth:`reset_parameters` on the
-    parallelized model (moeplug.build.build_model), as torchtitan initialises after
-    parallelizing."""
+    Built for one process, its layers holding torch's default init: moeplug.parallelize
+    applies the parallel layout from outside (TP/SP, CP, ...), then the builder
+    (moeplug.build.build_model) calls :meth:`reset_parameters` on the parallelized model, as
+    torchtitan initialises its weights after parallelizing."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, moe_layers: Sequence[MoELayer]
                  ) -> None:
