@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeplug.config import ConfigError, RootConfig
+from moeplug.config import ConfigError, ParallelConfig, RootConfig
 from moeplug.modules.transformer import MoETransformer
 from moeplug.moe import MoELayer
 from moeplug.moe.budgeted import budget_rows, budgeted_dispatcher
 from moeplug.moe.shared_experts import SharedExperts
 from moeplug.ops.activations import fc1_rows
+from moeplug.parallel.pipeline import (PipelineChunk, build_embedding_group, model_layout,
+                                       split_model)
 from moeplug.parallelize import expert_layout, parallelize_model
 from moeplug.stash import ModelRuntime, layer_stash_bytes
 
@@ -69,6 +71,23 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
     # shards, in the order and from the generator draws it always did.
     model.reset_parameters()
     return model
+
+
+def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
+                        pipe: ParallelConfig | None = None) -> list[PipelineChunk]:
+    """Build this rank's model chunks for ``groups`` (a ParallelGroups).
+
+    The full model is built with :func:`build_model` (so the parallelize step applies TP/CP/EP
+    unchanged) and then sliced (moeplug.parallel.pipeline.split_model). Cost: the whole model
+    exists briefly on every rank; gain: with the same seed every rank's chunks hold exactly the
+    single-process initial weights, with no broadcast. Layout errors raise before building.
+    Collective (the embedding group, see :func:`build_embedding_group`)."""
+    pipe = pipe or ParallelConfig()
+    pp, pp_rank = groups.size("pp"), groups.rank_in("pp")
+    layout = model_layout(pipe, cfg.model, pp)  # validate before the (larger) build
+    embedding_group = build_embedding_group(groups, cfg.model, layout)
+    model = build_model(cfg, host, vocab_size, groups=groups)
+    return split_model(model, pipe, pp, pp_rank, embedding_group)
 
 
 def register_moe_layer(runtime: ModelRuntime, cfg: RootConfig, index: int,

@@ -303,7 +303,8 @@ def _pipeline_rank(rank: int, world: int, pp: int, pipe_kwargs: dict, num_layers
     from moeplug.build import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
-    from moeplug.parallel.pipeline import build_stage_modules, load_pipeline_shard
+    from moeplug.build import build_stage_modules
+    from moeplug.parallel.pipeline import load_pipeline_shard
     from moeplug.parallel.schedules import forward_backward_pipeline
     from moeplug.plugin_host import PluginHost
 

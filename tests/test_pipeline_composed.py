@@ -89,7 +89,7 @@ def _rank(rank: int, world: int, name: str) -> dict:
 
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import global_grad_norm, sync_gradients
-    from moeplug.parallel.pipeline import build_stage_modules
+    from moeplug.build import build_stage_modules
     from moeplug.parallel.schedules import forward_backward_pipeline
     from moeplug.parallel.sharding import load_parallel_shard, shard_state_dict
     from moeplug.plugin_host import PluginHost

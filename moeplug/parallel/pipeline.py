@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeplug.config import ParallelConfig, RootConfig
+from moeplug.config import ParallelConfig
 from moeplug.config.pipeline_layout import PipelineLayout, VirtualStage
 from moeplug.modules.mtp import mtp_depths, mtp_hidden
 from moeplug.modules.stages import ModelStages
@@ -246,25 +246,6 @@ def embedding_grads_snapshot(chunks: list[PipelineChunk]) -> dict[int, torch.Ten
     """The embedding copies' current grads (cloned), keyed by parameter id."""
     return {id(p): None if p.grad is None else p.grad.clone()
             for p in _embedding_params(chunks)}
-
-
-def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
-                        pipe: ParallelConfig | None = None) -> list[PipelineChunk]:
-    """Build this rank's model chunks for ``groups`` (a ParallelGroups).
-
-    The full model is built with :func:`moeplug.build.build_model` (so whatever the model
-    builder does for TP/CP/EP applies unchanged) and then sliced. Cost: the whole model exists
-    briefly on every rank; gain: with the same seed every rank's chunks hold exactly the
-    single-process initial weights, with no broadcast. Layout errors raise before building.
-    Collective (the embedding group, see :func:`build_embedding_group`)."""
-    from moeplug.build import build_model
-
-    pipe = pipe or ParallelConfig()
-    pp, pp_rank = groups.size("pp"), groups.rank_in("pp")
-    layout = model_layout(pipe, cfg.model, pp)  # validate before the (larger) build
-    embedding_group = build_embedding_group(groups, cfg.model, layout)
-    model = build_model(cfg, host, vocab_size, groups=groups)
-    return split_model(model, pipe, pp, pp_rank, embedding_group)
 
 
 def pipeline_state_dict(chunks: list[PipelineChunk]) -> dict[str, torch.Tensor]:
