@@ -194,7 +194,7 @@ def _loader_vs_step(cfg_dict: dict, corpus_cfg: dict):
     from moeplug.config import config_from_dict
     from moeplug.data import prepare_corpus
     from moeplug.data.loader import Batches
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, train_step
     cfg = config_from_dict({**cfg_dict, "data": corpus_cfg})

@@ -62,7 +62,7 @@ def test_masked_attention_vs_causal(report):
 
 def test_masked_train_step_vs_causal(report):
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
                                           train_step)

@@ -42,7 +42,7 @@ import torch
 from benchmarks.conftest import interleave, interleave_samples, paired_ratios
 from moeplug.config import (ModelConfig, MoEConfig, RecomputeConfig, RootConfig, RuntimeSection,
                             TrainConfig)
-from moeplug.modules import build_model
+from moeplug.build import build_model
 from moeplug.modules.recompute import apply_recompute, remove_recompute
 from moeplug.modules.offload import Offloader, apply_offload, remove_offload
 from moeplug.runtime import workspace

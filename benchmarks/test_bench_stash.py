@@ -22,7 +22,7 @@ MICRO = 2
 
 def _setup(stash: bool):
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches
     cfg = config_from_dict({

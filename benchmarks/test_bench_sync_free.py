@@ -32,7 +32,7 @@ SHAPES = {  # name: (tokens, D, F, E, K); tiny: where per-op dispatch is most of
 
 def _layer(D, F, E, K, runtime):
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.moe import MoELayer
     from moeplug.plugin_host import PluginHost
     cfg = config_from_dict({
@@ -81,7 +81,7 @@ def test_moe_layer_replay_vs_eager(report, shape):
 
 def _train_setup(runtime):
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches
     cfg = config_from_dict({

@@ -30,7 +30,7 @@ MARKERS_PER_STEP = MICRO * (LAYERS + 4 * LAYERS + 1) + 3
 
 def _setup():
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
                                           train_step)

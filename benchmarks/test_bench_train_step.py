@@ -28,7 +28,7 @@ TARGET_MFU_FP32 = 0.50  # issue 7 (Parallel Folding reports 49.3 % MFU on H100)
 
 def _setup(precision_name: str):
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import build_rank_optimizer, seed_everything, step_batches
     cfg = config_from_dict({

@@ -115,7 +115,7 @@ def load_checkpoint_model(ckpt: str, device: str = "auto") -> LoadedModel:
     layout, on ``device`` (a ``train.device`` value). CheckpointError/ConfigError with the fix
     otherwise."""
     from moeplug.data import prepare_corpus
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training import distributed as D
     from moeplug.data.tokenizer import HFTokenizer

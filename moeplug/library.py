@@ -68,7 +68,7 @@ def build(config: str | dict | RootConfig | None = None, *, checkpoint: str | No
     model). ``vocab_size``: the tokenizer's vocabulary where none is known without training
     one (``data.tokenizer: bpe``); the model pads it as ``model.vocab_size: 0`` says."""
     from moeplug.data.tokenizer import ByteTokenizer, HFTokenizer, is_hf_tokenizer
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import check_plugins, load_host
     from moeplug.training import distributed as D
     from moeplug.training.checkpoint import (config_dict, find_checkpoint, load_checkpoint,

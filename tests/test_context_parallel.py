@@ -190,7 +190,7 @@ def _adamw(params):
 def _model_vs_single_process(rank: int, world: int, layouts: list) -> dict[str, dict[str, float]]:
     """Per layout (name, ParallelConfig kwargs): max |difference| of loss, grads (step 0, after
     sync_gradients), grad norm and final params after 3 AdamW steps, against one process."""
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.experts import expert_param_names, local_expert_ids
     from moeplug.parallel.sharding import load_expert_shard
@@ -244,7 +244,8 @@ def _model_vs_single_process(rank: int, world: int, layouts: list) -> dict[str, 
         ref_params = dict(ref.named_parameters())
         errs["params"] = max((p.detach() - want(n, ref_params[n].detach())).abs().max().item()
                              for n, p in model.named_parameters())
-        errs["cp_attention_modules"] = float(sum(b.attn._cp is not None for b in model.blocks))
+        errs["cp_attention_modules"] = float(sum(b.attn.wiring.cp_attention is not None
+                                                 for b in model.blocks))
         report[name] = errs
     return report
 

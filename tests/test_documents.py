@@ -93,7 +93,7 @@ def test_with_positions_appends_them_and_off_is_unchanged():
 
 def _model(extra: dict, mtp: int = 0):
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     cfg = config_from_dict({
         "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -267,7 +267,7 @@ def _doc_stream(n: int, seed: int) -> "object":
 def test_train_feeds_document_positions_to_every_step_and_to_validation(tmp_path):
     from moeplug.config import config_from_dict
     from moeplug.data import get_batch
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.metrics import read_metrics
     from moeplug.training.trainer import batch_generator, evaluate, seed_everything, train

@@ -16,7 +16,8 @@ import torch
 
 from moeplug.config import ACTIVATIONS, ConfigError, ModelConfig, MoEConfig, RootConfig, TrainConfig
 from moeplug.interfaces import Router, RouterOutput
-from moeplug.modules import MoELayer, build_model
+from moeplug.build import build_model
+from moeplug.modules import MoELayer
 from moeplug.modules.mlp import SwiGLUMLP
 from moeplug.moe.shared_experts import SharedExperts
 from moeplug.ops.activations import activation_fn

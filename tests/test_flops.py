@@ -16,7 +16,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from moeplug.config import config_from_dict
-from moeplug.modules import MoELayer, build_model
+from moeplug.build import build_model
+from moeplug.modules import MoELayer
 from moeplug.modules.flops import attention_macs, flops_per_token
 from moeplug.plugin_host import PluginHost
 from moeplug.config.presets import preset

@@ -18,7 +18,7 @@ import yaml
 from conftest import tiny_config_dict
 from moeplug.config import config_from_dict
 from moeplug.data import prepare_corpus
-from moeplug.modules import build_model
+from moeplug.build import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.testing.cli import run_cli
 from moeplug.training.checkpoint import load_checkpoint

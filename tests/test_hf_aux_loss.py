@@ -20,7 +20,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from moeplug.config import ConfigError, ParallelConfig, config_from_dict  # noqa: E402
 from moeplug.convert import load_hf_into_moeplug  # noqa: E402
-from moeplug.modules import build_model  # noqa: E402
+from moeplug.build import build_model  # noqa: E402
 from moeplug.plugin_host import PluginError, PluginHost  # noqa: E402
 from moeplug.routing.pooled import pooled_aux_loss, pooled_aux_stats  # noqa: E402
 

@@ -30,7 +30,7 @@ from moeplug.config import ConfigError, config_from_dict, load_config  # noqa: E
 from moeplug.convert import (  # noqa: E402
     ConvertError, export_hf, import_hf, load_hf_into_moeplug, root_config_from_hf)
 from moeplug.convert.common import read_hf_dir  # noqa: E402
-from moeplug.modules import build_model  # noqa: E402
+from moeplug.build import build_model  # noqa: E402
 from moeplug.plugin_host import PluginHost  # noqa: E402
 from moeplug.config.presets import PRESETS, preset  # noqa: E402
 from moeplug.training.checkpoint import load_checkpoint  # noqa: E402

@@ -20,7 +20,7 @@ from transformers.models.mixtral.modeling_mixtral import (  # noqa: E402
 from moeplug.config import PluginsConfig, RootConfig, TrainConfig, config_from_dict  # noqa: E402
 from moeplug.convert.common import ConvertError  # noqa: E402
 from moeplug.convert.mixtral import config_from_hf, state_from_hf  # noqa: E402
-from moeplug.modules import build_model  # noqa: E402
+from moeplug.build import build_model  # noqa: E402
 from moeplug.plugin_host import PluginHost  # noqa: E402
 
 EXPERTS = ["sequential", "grouped"]

@@ -119,7 +119,7 @@ def test_no_import_circle_through_the_core():
 def test_no_import_circle_anywhere():
     # The last circle ran modules.moe (now moe.layer) -> parallel.tensor_parallel -> parallel.experts ->
     # parallel.tensor_parallel -> modules.moe: the sharding rules now live in
-    # parallel.sharding and the model-level TP step in parallel.tp_model, one-way imports both.
+    # parallel.sharding and the model-level TP step in moeplug.parallelize, one-way imports both.
     cycles = find_cycles(import_graph())
     assert cycles == [], "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
@@ -128,3 +128,36 @@ def test_model_code_and_tensor_parallel_layers_import_one_way():
     graph = import_graph()
     assert "moeplug.moe.layer" not in graph["moeplug.parallel.tensor_parallel"]
     assert "moeplug.parallel.tensor_parallel" not in graph["moeplug.parallel.experts"]
+
+
+def test_model_modules_do_not_import_the_parallel_code():
+    # Parallelism is applied to a built model from outside (moeplug.parallelize, torchtitan's
+    # parallelize.py): the model's modules build for one process, so nothing under
+    # moeplug/modules imports the parallel package, the parallelize step or the builder that
+    # calls it (directly, or deferred inside a function).
+    graph = import_graph()
+    outside = ("moeplug.parallel", "moeplug.parallelize", "moeplug.build")
+
+    def is_outside(name: str) -> bool:
+        return any(name == o or name.startswith(o + ".") for o in outside)
+    modules = [m for m in graph if m == "moeplug.modules" or m.startswith("moeplug.modules.")]
+    assert "moeplug.modules.attention" in modules
+    hits = {m: sorted(filter(is_outside, graph[m])) for m in modules if any(map(is_outside, graph[m]))}
+    assert hits == {}, f"model modules importing parallel code: {hits}"
+    # The check itself sees such an import: the graph of one importing module.
+    assert "moeplug.parallel.comm" in graph["moeplug.parallel.tensor_parallel"]
+
+
+def test_parallelize_steps_keep_their_documented_order():
+    # TP/SP -> CP -> EP/ETP -> recompute -> offload: offload marks layers TP replaces
+    # (attn_proj), and CP's hooks extend TP's; the module docstring lists the same order.
+    import moeplug.parallelize as par
+    assert par.ORDER == ("tp", "cp", "ep", "recompute", "offload")
+    doc = par.__doc__
+    positions = [doc.index(f"{i}. ") for i in range(1, 6)]
+    assert positions == sorted(positions)
+    src = (PKG / "parallelize" / "__init__.py").read_text(encoding="utf-8")
+    body = src[src.index("def parallelize_model"):]
+    calls = [body.index(c) for c in ("apply_tp(", "apply_cp(", "apply_ep(", "apply_recompute(",
+                                     "apply_offload(")]
+    assert calls == sorted(calls), "parallelize_model must call the steps in ORDER"

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from moeplug.config import ConfigError, ModelConfig, MoEConfig, RootConfig, TrainConfig
-from moeplug.modules import MoELayer, MoETransformer, build_model
+from moeplug.build import build_model
+from moeplug.modules import MoELayer, MoETransformer
 from moeplug.plugin_host import PluginHost
 
 

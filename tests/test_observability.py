@@ -126,7 +126,7 @@ def test_real_model_carries_each_layers_router_losses(tiny_cfg):
     """ModelOutput.router_losses holds, per MoE layer, what that layer's router returned; the
     z-loss matches ST-MoE's formula on the router's own input, the dropped fraction the counts,
     and coeff-weighted losses add up to the model's aux_loss."""
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     cfg = tiny_cfg("model.first_k_dense=0",
                    "plugins.router_options={z_loss_coeff: 0.1, capacity_factor: 0.5, "
                    "load_balancing_type: [aux_loss, seq_aux_loss]}")
@@ -168,7 +168,7 @@ def trained_run(tiny_cfg, tmp_path):
     3; z-loss on so two loss types appear; TensorBoard on."""
     from moeplug.cli import check_plugins
     from moeplug.data import prepare_corpus
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.training.trainer import seed_everything, train
     out_dir = str(tmp_path / "run")
     cfg = tiny_cfg("train.steps=3", "train.warmup_steps=0", "train.micro_batch_size=4",
@@ -283,7 +283,7 @@ def test_training_run_logs_a_time_breakdown(trained_run):
 
 def test_time_breakdown_can_be_switched_off(tiny_cfg, tmp_path):
     from moeplug.data import prepare_corpus
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.training.trainer import train
     cfg = tiny_cfg("train.steps=2", "train.warmup_steps=0", "train.log_interval=1",
                    "train.eval_batches=1", "train.time_breakdown=false",
@@ -517,7 +517,7 @@ def test_resumed_run_replaces_the_tensorboard_steps_it_logs_again(trained_run):
     """Resuming from step 2 logs step 3 again: TensorBoard shows each step once, the new one."""
     from moeplug.config import apply_overrides, config_from_dict
     from moeplug.data import prepare_corpus
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.training.trainer import seed_everything, train
     cfg, out_dir = trained_run
     cfg = config_from_dict(apply_overrides(cfg.to_dict(), [

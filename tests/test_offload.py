@@ -14,7 +14,7 @@ import torch
 from moeplug.config import (OFFLOAD_MODULES, ConfigError, ModelConfig, MoEConfig,
                             RecomputeConfig, RootConfig, RuntimeSection, TrainConfig,
                             config_from_dict)
-from moeplug.modules import build_model
+from moeplug.build import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import stream
 from moeplug.testing.steps import backward_micro_batches

@@ -400,7 +400,7 @@ def test_single_process_layer_matches_unchunked():
     of sums, and the GEMM library's rounding of a row can depend on how many rows the call has
     (MKL's kernels for AMD Zen 4 round the 3-chunk forward ~7e-9 off, its Intel kernels did
     not): every chunking is held to TOL, and the unchunked path (chunks > T) to bitwise."""
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import seed_everything
 
@@ -501,7 +501,7 @@ def test_chunked_overlap_with_the_paged_stash():
     """The experts of every chunk save into the runtime's page pool: on equals off, bitwise,
     and every page comes back."""
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.optim import build_optimizer
     from moeplug.training.trainer import train_step
@@ -596,7 +596,7 @@ def test_delay_wgrad_single_process(activation, precision, recompute_act, chunks
     when the backward reaches the layer's input (flushed), none in flight."""
     from moeplug.ops import delayed_wgrad
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.optim import build_optimizer
     from moeplug.training.trainer import train_step

@@ -57,7 +57,7 @@ def _adamw(params):
 def _train_layouts(rank: int, world: int) -> dict[str, dict[str, float]]:
     import torch.distributed as dist
 
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.experts import expert_param_names, local_expert_ids
     from moeplug.parallel.sharding import load_expert_shard
@@ -136,7 +136,7 @@ def test_three_adamw_steps_match_single_process(reports, layout):
 def test_single_process_sync_is_a_no_op_and_clip_matches_torch():
     # One process: sync_gradients leaves every grad as it is (DP = 1), and the global-norm clip
     # is torch's clip_grad_norm_ (same norm, same scaled grads).
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
     from moeplug.plugin_host import PluginHost

@@ -54,7 +54,7 @@ def _one_thread():
 
 def _reference(cfg, microbatches):
     """One process, gradient accumulation: backward of (loss_m / M) for each micro-batch."""
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
 
     torch.manual_seed(0)
@@ -231,7 +231,7 @@ def test_pipeline_config_field_errors(kwargs, match):
 # --------------------------------------------------------------------------------------------
 
 def _single_process_chunks(cfg, pipe, pp, rank):
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     torch.manual_seed(0)
@@ -300,10 +300,11 @@ def _pipeline_rank(rank: int, world: int, pp: int, pipe_kwargs: dict, num_layers
                    num_mb: int, adam_steps: int) -> dict:
     from torch import nn
 
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
-    from moeplug.parallel.pipeline import build_stage_modules, load_pipeline_shard
+    from moeplug.build import build_stage_modules
+    from moeplug.parallel.pipeline import load_pipeline_shard
     from moeplug.parallel.schedules import forward_backward_pipeline
     from moeplug.plugin_host import PluginHost
 
@@ -384,7 +385,7 @@ def test_pipeline_step_equals_gradient_accumulation(name, world, pp, pipe_kwargs
 def test_pp2_1f1b_three_adamw_steps_match_one_process():
     num_layers, num_mb, steps = 4, 3, 3
     results = run_distributed(_pipeline_rank, 2, 2, {}, num_layers, num_mb, steps, timeout=120)
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
 
     torch.manual_seed(0)

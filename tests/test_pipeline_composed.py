@@ -70,7 +70,7 @@ def _microbatches(num: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _reference(cfg, host, microbatches):
     """One process, gradient accumulation over every DP x M micro-batch."""
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     torch.manual_seed(0)
     ref = build_model(cfg, host, V)
     loss = mtp = 0.0
@@ -89,7 +89,7 @@ def _rank(rank: int, world: int, name: str) -> dict:
 
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import global_grad_norm, sync_gradients
-    from moeplug.parallel.pipeline import build_stage_modules
+    from moeplug.build import build_stage_modules
     from moeplug.parallel.schedules import forward_backward_pipeline
     from moeplug.parallel.sharding import load_parallel_shard, shard_state_dict
     from moeplug.plugin_host import PluginHost
@@ -141,7 +141,7 @@ def _one_thread():
 def test_composed_pipeline_equals_one_process(name):
     world, pkw, overrides, *_ = LAYOUTS[name]
     results = run_distributed(_rank, world, name, timeout=150)
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     expected = {k for k, _ in build_model(_cfg(overrides), PluginHost.load(), V).named_parameters()}
     assert set().union(*(r["params"] for r in results)) == expected
@@ -165,7 +165,7 @@ def test_last_stage_embedding_copy_is_flagged_and_loaded():
     """Single process, chunks split by hand: the last stage holds the embedding (tied head /
     MTP) as a flagged copy, the first stage the original; an untied model without MTP shares
     nothing (the plain partition of tests/test_pipeline.py)."""
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     for overrides, shared in (({"tie_embeddings": True}, True), ({"mtp_num_layers": 1}, True),
@@ -184,7 +184,7 @@ def test_last_stage_embedding_copy_is_flagged_and_loaded():
 
 
 def test_mtp_last_stage_needs_tokens():
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     cfg = _cfg({"mtp_num_layers": 1})
@@ -198,7 +198,7 @@ def test_mtp_last_stage_needs_tokens():
 
 
 def _mtp_rejections(rank: int, world: int) -> dict[str, str]:
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.plugin_host import PluginHost
     out = {}

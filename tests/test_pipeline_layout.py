@@ -352,7 +352,7 @@ def _model_cfg(**model):
                           [(0, [], 0, 1)]]),
 ])
 def test_split_model_chunks_hold_what_the_layout_says(layout, pp, model, want):
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     cfg = _model_cfg(**model)
@@ -371,7 +371,7 @@ def test_standalone_mtp_stage_hands_the_loss_stage_its_hidden_states():
     """One process, the PP4 layout Et|ttt|m|L run stage by stage: the MTP stage sends the main
     hidden state and the depth's normed hidden state along S, and the loss stage's losses are
     the whole model's."""
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     cfg = _model_cfg(mtp_num_layers=2)

@@ -429,7 +429,7 @@ def _tiny_units(model: dict, vocab: int = 256, shape=(8, 32)):
     import torch
 
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plan import calibrate_cpu as C
     from moeplug.plugin_host import PluginHost
     root = config_from_dict({"model": {**model, "vocab_size": vocab},
@@ -548,7 +548,7 @@ def _unit_ops_local_and_on_rank(rank: int, world: int, data: dict) -> dict:
     """One rank of an EP2 layout: the aten ops of the MoE unit built alone at ep=1 shapes (what
     sizes the plan's bytes) and of the same unit on this rank's own modules (what times it)."""
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel import ParallelGroups
     from moeplug.plan import calibrate_cpu as C
     from moeplug.plugin_host import PluginHost

@@ -506,7 +506,7 @@ def test_a_plugin_that_defines_reset_parameters_initialises_its_own(cls, kept):
     # moeplug draws every matrix from normal(0, init_std); a plugin's own [1, E] scale went
     # that way silently. PyTorch's convention now lets it keep its own initialisation.
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
 
     def moeplug_register_routers(registry):
         registry.add("scaled", cls)

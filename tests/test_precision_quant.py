@@ -29,7 +29,7 @@ def test_recipe_passes_the_precision_contract(host, name):
 def _model(tiny_cfg, host, *overrides):
     from moeplug.cli import check_plugins
     from moeplug.data import prepare_corpus
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.training.trainer import seed_everything
     cfg = tiny_cfg(*overrides)
     precision = check_plugins(host, cfg)

@@ -13,7 +13,7 @@ import torch
 from moeplug.config import (RECOMPUTE_MODULES, ConfigError, MLAConfig, ModelConfig, MoEConfig,
                             RecomputeConfig, RootConfig, TrainConfig,
                             config_from_dict)
-from moeplug.modules import build_model
+from moeplug.build import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.testing.steps import backward_micro_batches
 

@@ -130,7 +130,7 @@ def test_a_checkpoint_without_optimizer_state_resumes_under_the_distributed_opti
     import torch
     import yaml
 
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.checkpoint import save_checkpoint
     from moeplug.training.optim import build_optimizer, lr_at

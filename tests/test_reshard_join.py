@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 def _full_state():
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel.experts import expert_param_names
     from moeplug.plugin_host import PluginHost
     cfg = config_from_dict({"model": {"hidden_size": 16, "num_layers": 2, "num_heads": 2,

@@ -344,7 +344,7 @@ def test_expert_bias_moves_toward_balance(host):
 
 def test_model_finalize_step_updates_every_router(host):
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     cfg = config_from_dict({
         "model": {"hidden_size": 16, "num_layers": 3, "num_heads": 2, "num_kv_heads": 1,
                   "max_seq_len": 16, "first_k_dense": 1, "dense_ffn_hidden_size": 16,

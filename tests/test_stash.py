@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moeplug.config import ConfigError, RootConfig
-from moeplug.modules.build import build_model
+from moeplug.build import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import get_runtime
 from moeplug.runtime.stash import StashOverflowError

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from moeplug.config import ConfigError, RootConfig, config_from_dict
-from moeplug.modules.build import build_model
+from moeplug.build import build_model
 from moeplug.moe import MoELayer
 from moeplug.moe.budgeted.slots import budget_rows, slots
 from moeplug.plugin_host import PluginHost

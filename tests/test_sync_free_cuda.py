@@ -49,7 +49,7 @@ def test_built_graph_bindings_refuse_misuse_without_touching_cuda():
 @NEEDS_GPU
 def test_static_layer_makes_no_host_sync_on_a_gpu():
     from moeplug.config import config_from_dict
-    from moeplug.modules.build import build_model
+    from moeplug.build import build_model
     from moeplug.moe import MoELayer
     from moeplug.plugin_host import PluginHost
     cfg = config_from_dict({
@@ -142,7 +142,7 @@ def test_runtime_graph_replay_equals_eager_forward_and_backward():
 # ---- runtime.capture on CUDA: the layer's pieces as runtime forward and backward graphs -------
 
 def _cuda_model(**runtime):
-    from moeplug.modules.build import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.testing.steps import runtime_cfg
     torch.manual_seed(0)
@@ -312,7 +312,7 @@ def test_static_layer_under_a_recipe_on_a_gpu_makes_no_host_sync_and_equals_dyna
     outputs and grads equal to the dynamic quantized path (bitwise on the CPU; a GPU's GEMMs
     may sum in another order for the padded row counts, hence the bf16-scale tolerance)."""
     from moeplug.config import config_from_dict
-    from moeplug.modules.build import build_model
+    from moeplug.build import build_model
     from moeplug.moe import MoELayer
     from moeplug.plugin_host import PluginHost
     from moeplug.quant import recipe_scope

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from moeplug.config import ConfigError, config_from_dict
-from moeplug.modules.build import build_model
+from moeplug.build import build_model
 from moeplug.plugin_host import PluginHost
 from moeplug.runtime import stream
 from moeplug.testing.hostsync import HostSyncCounter

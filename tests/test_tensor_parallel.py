@@ -68,7 +68,7 @@ def _compare_layout(rank: int, world: int, pcfg_kwargs: dict, dispatcher: str,
                     overrides: dict) -> dict[str, float]:
     import torch.distributed as dist
 
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import global_grad_norm, sync_gradients
     from moeplug.parallel.sharding import load_parallel_shard, shard_state_dict
@@ -122,6 +122,7 @@ def _vocab_ce_and_errors(rank: int, world: int) -> dict:
     from moeplug.modules.rope import RotaryEmbedding
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+    from moeplug.parallelize.tp import parallelize_attention
 
     groups = ParallelGroups.build(ParallelConfig(tp=2), world, rank)
     g = torch.Generator().manual_seed(3)
@@ -143,7 +144,8 @@ def _vocab_ce_and_errors(rank: int, world: int) -> dict:
     cfg = config_from_dict({"model": {"hidden_size": 16, "num_heads": 4, "num_kv_heads": 1,
                                       "max_seq_len": 16}, "train": {"seq_len": SEQ}}).model
     try:
-        Attention(cfg, RotaryEmbedding(cfg.head_dim, 16, 1e4), groups)
+        parallelize_attention(Attention(cfg, RotaryEmbedding(cfg.head_dim, 16, 1e4)), cfg,
+                              groups.tp, False)
     except ValueError as e:
         out["kv_error"] = str(e)
     return out
@@ -237,7 +239,7 @@ def test_etp_slice_keeps_gate_and_up_halves_together():
 
 
 def test_shard_state_dict_errors_name_the_parameter():
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.sharding import shard_state_dict
     from moeplug.plugin_host import PluginHost

@@ -145,7 +145,7 @@ def test_progress_bar_on_a_terminal_replaces_log_lines():
 def _real_pieces(cfg):
     from moeplug.cli import check_plugins
     from moeplug.data import prepare_corpus
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import seed_everything
     host = PluginHost.load()

@@ -94,7 +94,7 @@ def _config_value(value):
 def test_offline_run_holds_every_logged_value(tiny_cfg, tmp_path, monkeypatch):
     from moeplug.cli import check_plugins
     from moeplug.data import prepare_corpus
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import seed_everything, train
     for k, v in _wandb_env(tmp_path).items():

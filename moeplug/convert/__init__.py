@@ -58,7 +58,7 @@ def root_config_from_hf(hf: dict, hf_sd=(), experts: str = "grouped") -> RootCon
 
 
 def build_from_config(cfg: RootConfig, vocab_size: int):
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     return build_model(cfg, PluginHost.load(block=cfg.plugins.block), vocab_size)
 

@@ -1,7 +1,8 @@
-"""Model pieces: norm, rope, attention, dense MLP, MoE layer, transformer, builder."""
+"""Model pieces, built for one process: norm, rope, attention, dense MLP, transformer, stages,
+recompute and offload marks. moeplug.build makes a model of them; moeplug.parallelize applies the
+parallel layout to it from outside."""
 
-from moeplug.modules.build import build_model
 from moeplug.moe import MoELayer
 from moeplug.modules.transformer import ModelOutput, MoETransformer
 
-__all__ = ["build_model", "MoELayer", "MoETransformer", "ModelOutput"]
+__all__ = ["MoELayer", "MoETransformer", "ModelOutput"]

@@ -9,8 +9,6 @@ Legend: B batch, S sequence, D hidden, H query heads, G key/value heads (H % G =
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,8 +17,7 @@ from moeplug.config import ModelConfig
 from moeplug.data.documents import attention_mask
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
-from moeplug.parallel.context_parallel import cp_attention_for
-from moeplug.parallel.tensor_parallel import enter_for, parallelize_attention
+from moeplug.modules.wiring import LOCAL
 
 
 class CoreAttention(nn.Module):
@@ -44,9 +41,11 @@ class CoreAttention(nn.Module):
 
 
 class Attention(nn.Module):
-    """q/k/v/o projections without bias, RoPE on q and k, causal SDPA with shared kv heads."""
+    """q/k/v/o projections without bias, RoPE on q and k, causal SDPA with shared kv heads.
+    Built for one process; moeplug.parallelize makes q/k/v column- and o row-parallel (TP) and
+    sets ``wiring`` (the TP region's entry; under CP its ``cp_attention``)."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, groups: Any = None) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -66,26 +65,24 @@ class Attention(nn.Module):
         # counted, moved, saved) once per layer.
         self._rope = [rope]
         self.core_attn = CoreAttention()
-        # Context parallel (groups.cp set): x holds a load-balanced shard of the sequence, so RoPE
-        # and the causal mask use global positions and K/V are exchanged over the CP group.
-        self._cp = cp_attention_for(groups)
-        # Tensor parallel (groups.tp set): q/k/v column-parallel by heads, o row-parallel.
-        parallelize_attention(self, cfg, groups)
-        self._groups = groups
+        self.wiring = LOCAL
 
     def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``positions_BS``: each token's position in its document (packed documents; this
         CP rank's tokens, the whole sequence under SP), or None for one sequence per row."""
-        x_BSD = enter_for(self._groups, x_BSD)  # TP: gather the sequence (SP) once for q, k, v
+        x_BSD = self.wiring.enter(x_BSD)  # TP: gather the sequence (SP) once for q, k, v
         B, S, _ = x_BSD.shape
         q_BHSDh = self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         k_BGSDh = self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v_BGSDh = self.v_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q_BHSDh, k_BGSDh = self.q_norm(q_BHSDh), self.k_norm(k_BGSDh)
-        if self._cp is not None:
-            out_BHSDh = self._cp(q_BHSDh, k_BGSDh, v_BGSDh, self._rope[0], positions_BS)
+        cp = self.wiring.cp_attention
+        if cp is not None:
+            # Context parallel: x holds a load-balanced shard of the sequence, so RoPE and the
+            # causal mask use global positions and K/V are exchanged over the CP group.
+            out_BHSDh = cp(q_BHSDh, k_BGSDh, v_BGSDh, self._rope[0], positions_BS)
         else:
             q_BHSDh, k_BGSDh = self._rope[0](q_BHSDh, k_BGSDh, positions_BS=positions_BS)
             # Positional: a recomputed core_attn's forward takes *args only.

@@ -40,7 +40,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from moeplug.modules import recompute
+from moeplug.modules import marks, recompute
 from moeplug.ops.offload_marks import SCOPE
 from moeplug.runtime import get_runtime, stream
 
@@ -271,30 +271,15 @@ def offloaded_call(module: nn.Module, fn: Any, *args: Any) -> Any:
     return out
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _offloaded_class(cls: type) -> type:
-    """A subclass of ``cls`` whose forward runs under an offload scope (isinstance, parameter
-    names and checkpoints unchanged; the same trick as moeplug.modules.recompute.mark)."""
-    if cls not in _SUBCLASSES:
-        def forward(self, *args):
-            return offloaded_call(self, super(sub, self).forward, *args)
-
-        def forward_packed(self, *args):
-            # runtime.sync_free's packed budget rows (Experts.forward_packed): the same scope,
-            # so what its op notes leaves memory.
-            return offloaded_call(self, super(sub, self).forward_packed, *args)
-        sub = type(f"Offloaded{cls.__name__}", (cls,),
-                   {"forward": forward, "forward_packed": forward_packed})
-        _SUBCLASSES[cls] = sub
-    return _SUBCLASSES[cls]
+# An offloaded module's forward runs under its offload scope (moeplug.modules.marks); so does
+# runtime.sync_free's call on packed budget rows (Experts.forward_packed), so that what its op
+# notes leaves memory too.
+OFFLOAD = marks.MarkKind("Offloaded", offloaded_call, ("forward", "forward_packed"))
 
 
 def mark(module: nn.Module, offloader: Offloader, names: frozenset[str], inputs: bool) -> None:
     """``inputs``: the module's own inputs leave; ``names``: what its ops note."""
-    if type(module) not in _SUBCLASSES.values():
-        module.__class__ = _offloaded_class(type(module))
+    marks.mark(module, OFFLOAD)
     object.__setattr__(module, "_moeplug_offloader", offloader)
     object.__setattr__(module, "_moeplug_offload_inputs",
                        inputs or getattr(module, "_moeplug_offload_inputs", False))
@@ -304,10 +289,8 @@ def mark(module: nn.Module, offloader: Offloader, names: frozenset[str], inputs:
 
 def remove_offload(model: nn.Module) -> None:
     """Undo apply_offload's marks (benchmarks switch levers on one model)."""
-    marked = set(_SUBCLASSES.values())
     for m in model.modules():
-        if type(m) in marked:
-            m.__class__ = type(m).__bases__[0]
+        if marks.unmark(m, OFFLOAD):
             for attr in ("_moeplug_offloader", "_moeplug_offload_names",
                          "_moeplug_offload_inputs"):
                 m.__dict__.pop(attr, None)

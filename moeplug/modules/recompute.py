@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint, get_device_states, set_device_sta
 
 from moeplug.config import RecomputeConfig
 from moeplug.interfaces import Experts
+from moeplug.modules import marks
 from moeplug.quant.linear import active_recipe, recipe_scope
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("moeplug_recomputing", default=False)
@@ -135,23 +136,12 @@ def checkpointed(fn: Callable, *args: Any) -> Any:
                       preserve_rng_state=False, context_fn=_contexts)
 
 
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _recomputed_class(cls: type) -> type:
-    """A subclass of ``cls`` whose forward is checkpointed: isinstance, parameter names and
-    deepcopy keep working (a forward closure on the instance would not survive a copy)."""
-    if cls not in _SUBCLASSES:
-        def forward(self, *args):
-            return checkpointed(super(sub, self).forward, *args)
-        sub = type(f"Recomputed{cls.__name__}", (cls,), {"forward": forward})
-        _SUBCLASSES[cls] = sub
-    return _SUBCLASSES[cls]
+# A recomputed module's forward keeps only its inputs (moeplug.modules.marks).
+RECOMPUTE = marks.MarkKind("Recomputed", lambda module, fn, *args: checkpointed(fn, *args))
 
 
 def mark(module: nn.Module) -> None:
-    if type(module) not in _SUBCLASSES.values():
-        module.__class__ = _recomputed_class(type(module))
+    marks.mark(module, RECOMPUTE)
 
 
 def _selective_targets(block: nn.Module, name: str) -> list[nn.Module]:
@@ -204,10 +194,8 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
 
 def remove_recompute(model: nn.Module) -> None:
     """Undo apply_recompute's selective marks (benchmarks switch levers on one model)."""
-    marked = set(_SUBCLASSES.values())
     for m in model.modules():
-        if type(m) in marked:
-            m.__class__ = type(m).__bases__[0]
+        marks.unmark(m, RECOMPUTE)
         if isinstance(m, Experts) and m.recompute_activation:
             m.recompute_activation = False
 

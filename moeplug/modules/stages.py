@@ -16,8 +16,8 @@ blocks) take the tokens' document positions ``positions_BS``, which only attenti
 very code of the single-process forward (TP: vocab-parallel embedding/head/CE and SP
 scatter/gather at the ends; CP: the CP group's token-mean loss and the aux-loss grad scale; MTP:
 the embedding and output head shared with the main model). It reads only these attributes of
-its host: ``cfg``, ``_groups``, ``_cp_group``, ``embed``, ``norm``, ``head`` (None when tied),
-``mtp``. A pipeline chunk holds the pieces of its stage under the model's names.
+its host: ``cfg``, ``wiring`` (moeplug.modules.wiring: the TP/CP hooks moeplug.parallelize
+installs), ``embed``, ``norm``, ``head`` (None when tied), ``mtp``. A pipeline chunk holds the pieces of its stage under the model's names.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import torch.nn.functional as F
 
 from moeplug.modules.mtp import mtp_head_losses, mtp_losses
 from moeplug.modules.recompute import block_chunks, chunk_is_checkpointed, run_chunk
-from moeplug.parallel import tensor_parallel as tpar
-from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
 from moeplug.quant.linear import block_scope_factory
 from moeplug.routing.pooled import pooled_aux_loss
 
@@ -104,9 +102,9 @@ class ModelStages:
                     pooled.append(block_out.pooled_aux)
         if pooled:  # one pipeline chunk holds every layer: the router refuses PP (and TP, CP)
             aux_loss = aux_loss + pooled_aux_loss(pooled)
-        if self._cp_group is not None:  # grad x CP: sync_gradients averages over CP (cp_aux_loss)
-            # Linear, so applying it per pipeline chunk equals applying it to the model's sum.
-            aux_loss = cp_aux_loss(aux_loss, self._cp_group)
+        # CP: grad x CP, as sync_gradients averages over CP (context_parallel.cp_aux_loss).
+        # Linear, so applying it per pipeline chunk equals applying it to the model's sum.
+        aux_loss = self.wiring.aux_loss(aux_loss)
         return BlocksOutput(x_BSD, aux_loss, expert_counts, router_losses)
 
     def head_and_loss(self, x_BSD: torch.Tensor, tokens_BS: torch.Tensor | None,
@@ -121,19 +119,12 @@ class ModelStages:
         ``positions_BS``: document positions (packed documents; the MTP blocks' attention), or
         None."""
         # TP: logits_BSV holds this rank's V/TP vocabulary columns; [B, S, V] is never built.
-        logits_BSV = F.linear(tpar.enter_for(self._groups, self.norm(x_BSD)), self.output_weight())
+        logits_BSV = F.linear(self.wiring.enter(self.norm(x_BSD)), self.output_weight())
         mtp_aux = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         if targets_BS is None:
             return HeadOutput(logits_BSV, None, None, mtp_aux, [])
-        # fp32 cross-entropy: under bf16 autocast the log-softmax over V would lose precision.
-        tp_group = tpar.tp_of(self._groups)[0]
-        if self._cp_group is not None:  # CP first: under TP x CP too, the mean is the group's
-            lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group, tp_group=tp_group)
-        elif tp_group is not None:
-            lm_loss = tpar.lm_loss(logits_BSV, targets_BS, self._groups)
-        else:
-            lm_loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
-                                      targets_BS.reshape(-1))
+        # fp32; vocab-parallel under TP, the CP group's token mean under CP.
+        lm_loss = self.wiring.lm_loss(logits_BSV, targets_BS)
         if not self.cfg.mtp_num_layers:
             return HeadOutput(logits_BSV, lm_loss, None, mtp_aux, [])
         if tokens_BS is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -22,9 +22,8 @@ from moeplug.modules.mtp import MTPLayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.modules.stages import ModelStages
+from moeplug.modules.wiring import LOCAL
 from moeplug.observability.timing import stage
-from moeplug.parallel import tensor_parallel as tpar
-from moeplug.parallel.tp_model import parallelize_transformer
 
 
 @dataclass(frozen=True)
@@ -50,22 +49,18 @@ class ModelOutput:
 
 
 class TransformerBlock(nn.Module):
-    """x + attn(norm(x)), then + ffn(norm(x)); ffn is a dense SwiGLU or an MoELayer."""
+    """x + attn(norm(x)), then + ffn(norm(x)); ffn is a dense SwiGLU or an MoELayer.
+    ``wiring`` (set by moeplug.parallelize): what the tokens do around a replicated MLA
+    attention and around the MoE layer under TP."""
 
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ffn: SwiGLUMLP | MoELayer,
-                 groups: Any = None) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ffn: SwiGLUMLP | MoELayer
+                 ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        if cfg.attention == "mla":
-            if groups is not None and getattr(groups, "cp", None) is not None:
-                raise ValueError("ModelConfig.attention = 'mla' does not support context "
-                                 "parallelism yet. Fix: set attention: gqa or cp: 1")
-            self.attn = MLAttention(cfg, rope)
-        else:
-            self.attn = Attention(cfg, rope, groups)
+        self.attn = MLAttention(cfg, rope) if cfg.attention == "mla" else Attention(cfg, rope)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.ffn = ffn
-        self._groups = groups
+        self.wiring = LOCAL
 
     def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -74,15 +69,14 @@ class TransformerBlock(nn.Module):
         with stage("attention"):
             h_BSD = self.attn_norm(x_BSD)
             if isinstance(self.attn, MLAttention):  # not split over TP: the whole sequence
-                x_BSD = x_BSD + tpar.on_whole_sequence(self.attn, h_BSD, self._groups,
-                                                       positions_BS)
+                x_BSD = x_BSD + self.wiring.whole_sequence(self.attn, h_BSD, positions_BS)
             else:
                 x_BSD = x_BSD + self.attn(h_BSD, positions_BS)
         if isinstance(self.ffn, MoELayer):
-            # TP: the MoE layer routes only this rank's sequence chunk (tpar.moe_tokens_in).
-            moe_out = self.ffn(tpar.moe_tokens_in(self.ffn_norm(x_BSD), self._groups))
+            # TP: the MoE layer routes only this rank's sequence chunk (Wiring.moe_tokens_in).
+            moe_out = self.ffn(self.wiring.moe_tokens_in(self.ffn_norm(x_BSD)))
             y_BSD, aux_loss, counts_E = moe_out
-            y_BSD = tpar.moe_tokens_out(y_BSD, self._groups)
+            y_BSD = self.wiring.moe_tokens_out(y_BSD)
             return MoEOutput(x_BSD + y_BSD, aux_loss, counts_E, moe_out.router_losses,
                              moe_out.pooled_aux)
         return x_BSD + self.ffn(self.ffn_norm(x_BSD)), None, None
@@ -91,10 +85,15 @@ class TransformerBlock(nn.Module):
 class MoETransformer(ModelStages, nn.Module):
     """Layer i is MoE iff ``cfg.moe_layer_pattern[i]`` (moe.layer_freq, the first
     ``first_k_dense`` forced dense); MoE layers take ``moe_layers`` in order, the others a dense
-    SwiGLU MLP."""
+    SwiGLU MLP.
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, moe_layers: Sequence[MoELayer],
-                 groups: Any = None) -> None:
+    Built for one process, its layers holding torch's default init: moeplug.parallelize
+    applies the parallel layout from outside (TP/SP, CP, ...), then the builder
+    (moeplug.build.build_model) calls :meth:`reset_parameters` on the parallelized model, as
+    torchtitan initialises its weights after parallelizing."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, moe_layers: Sequence[MoELayer]
+                 ) -> None:
         super().__init__()
         pattern = cfg.moe_layer_pattern
         # MTP blocks are the same kind as the last layer (Megatron); MoE ones come last.
@@ -104,7 +103,7 @@ class MoETransformer(ModelStages, nn.Module):
                 f"MoETransformer: got {len(moe_layers)} MoE layers but ModelConfig's layer "
                 f"pattern (moe.layer_freq = {cfg.moe.layer_freq!r}, first_k_dense = "
                 f"{cfg.first_k_dense}) has {sum(pattern)} (+ {num_mtp_moe} MTP). "
-                f"Fix: build one MoELayer per MoE layer (use moeplug.modules.build_model)")
+                f"Fix: build one MoELayer per MoE layer (use moeplug.build.build_model)")
         if vocab_size <= 0:
             raise ValueError(f"MoETransformer: vocab_size = {vocab_size} must be >= 1. "
                              f"Fix: pass the tokenizer's vocab_size")
@@ -117,32 +116,18 @@ class MoETransformer(ModelStages, nn.Module):
         else:
             self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         moe_iter = iter(moe_layers)
-        ffns = [next(moe_iter) if is_moe else SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size, groups)
+        ffns = [next(moe_iter) if is_moe else SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size)
                 for is_moe in pattern]
-        self.blocks = nn.ModuleList(TransformerBlock(cfg, self.rope, ffn, groups) for ffn in ffns)
-        if cfg.mtp_num_layers and groups is not None and getattr(groups, "cp", None) is not None:
-            raise ValueError("ModelConfig.mtp_num_layers > 0 does not support context parallelism "
-                             "yet (MTP shifts tokens across shards). Fix: set mtp_num_layers: 0")
-        if cfg.mtp_num_layers and tpar.tp_of(groups)[0] is not None:
-            # mtp_losses takes full-vocabulary logits and the MTP blocks are built unsharded, so
-            # TP would crash (or, worse, silently count MTP expert grads TP times).
-            raise ValueError(f"ModelConfig.mtp_num_layers = {cfg.mtp_num_layers} does not support "
-                             f"tensor parallelism yet (tp = {groups.size('tp')}): the MTP blocks "
-                             "and their loss are not tensor/vocab-parallel. Fix: set "
-                             "mtp_num_layers: 0 or parallel.tp: 1")
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, self.rope, ffn) for ffn in ffns)
         self.mtp = nn.ModuleList(
             MTPLayer(cfg, TransformerBlock(cfg, self.rope, next(moe_iter) if num_mtp_moe else
                                            SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size)))
             for _ in range(cfg.mtp_num_layers))
-        # Context parallel: each CP rank holds a shard of every sequence; the loss is the mean
-        # over the whole CP group's tokens (moeplug.parallel.context_parallel).
-        self._cp_group = None if groups is None else groups.cp
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, vocab_size, bias=False)
-        # Tensor parallel: vocab-parallel embedding/head, SP flags (moeplug.parallel.tp_model).
-        parallelize_transformer(self, groups)
-        self._groups = groups
-        self.reset_parameters()
+        # The stages' TP/CP hooks (vocab-parallel head input and loss, CP's loss and aux-loss
+        # grad scale): moeplug.parallelize sets them.
+        self.wiring = LOCAL
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

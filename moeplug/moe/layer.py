@@ -126,9 +126,9 @@ class MoELayer(nn.Module):
         self.budgeted = budgeted
         self.shared = shared  # registered only when given: no "shared" keys in checkpoints else
         self.apply_probs_on_input = apply_probs_on_input
-        # The group whose ranks hold other chunks of the same sequences (TP; see
-        # moeplug.parallel.tensor_parallel.moe_tokens_in). Routers that accept it count experts
-        # over the whole group; the aux loss is then averaged over it, which equals the loss of
+        # The group whose ranks hold other chunks of the same sequences (TP x CP, set by
+        # moeplug.parallelize.ep; see ParallelWiring.moe_tokens_in). Routers that accept it
+        # count experts over the whole group; the aux loss is then averaged over it, which equals the loss of
         # the unsplit batch, with each rank's grad that of its own tokens.
         self.token_group = token_group
         # The ranks training the step's other micro-batches of this stage (TP x DP x CP):

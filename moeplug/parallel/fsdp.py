@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# Attributes moeplug sets on parameters (tensor_parallel, tp_model, pipeline) and reads later
+# Attributes moeplug sets on parameters (tensor_parallel, parallelize.tp, pipeline) and reads later
 # (grad sync, grad norm, sharding, checkpoints).
 PARAM_ATTRS = ("partition_dim", "sequence_parallel", "pipeline_copy")
 

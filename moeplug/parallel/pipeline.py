@@ -43,14 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeplug.config import ParallelConfig, RootConfig
+from moeplug.config import ParallelConfig
 from moeplug.config.pipeline_layout import PipelineLayout, VirtualStage
 from moeplug.modules.mtp import mtp_depths, mtp_hidden
 from moeplug.modules.stages import ModelStages
 from moeplug.modules.transformer import MoETransformer
 from moeplug.moe import MoELayer
-from moeplug.parallel import comm
-from moeplug.parallel import tensor_parallel as tpar
 from moeplug.parallel.layout import layout_rank_groups
 
 
@@ -100,7 +98,8 @@ class PipelineChunk(ModelStages, nn.Module):
         # After a standalone MTP stage the activation carries the MTP hidden states too.
         self.receives_mtp = mtp_stage is not None and index > mtp_stage
         self.runs_mtp = bool(stage.mtp)
-        self.cfg, self._groups, self._cp_group = model.cfg, model._groups, model._cp_group
+        # The model's TP/CP hooks (moeplug.parallelize), which its stages call.
+        self.cfg, self.wiring = model.cfg, model.wiring
         # The model's moeplug.runtime.stash.ModelRuntime, on every chunk: a rank whose stages hold no MoE
         # layer still takes part in the stash's and sync-free's per-step collectives.
         self.runtime = model.runtime
@@ -127,8 +126,7 @@ class PipelineChunk(ModelStages, nn.Module):
         if self.receives_mtp:
             return (B, S + sum(S - k for k in range(1, mtp_depths(self.cfg, S) + 1)),
                     self.hidden_size)
-        tp, sp = tpar.tp_of(self._groups)
-        return (B, S // comm.group_size(tp) if sp else S, self.hidden_size)
+        return (B, self.wiring.local_seq_len(S), self.hidden_size)
 
     def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None,
                 tokens_BS: torch.Tensor | None = None,
@@ -248,25 +246,6 @@ def embedding_grads_snapshot(chunks: list[PipelineChunk]) -> dict[int, torch.Ten
     """The embedding copies' current grads (cloned), keyed by parameter id."""
     return {id(p): None if p.grad is None else p.grad.clone()
             for p in _embedding_params(chunks)}
-
-
-def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
-                        pipe: ParallelConfig | None = None) -> list[PipelineChunk]:
-    """Build this rank's model chunks for ``groups`` (a ParallelGroups).
-
-    The full model is built with :func:`moeplug.modules.build_model` (so whatever the model
-    builder does for TP/CP/EP applies unchanged) and then sliced. Cost: the whole model exists
-    briefly on every rank; gain: with the same seed every rank's chunks hold exactly the
-    single-process initial weights, with no broadcast. Layout errors raise before building.
-    Collective (the embedding group, see :func:`build_embedding_group`)."""
-    from moeplug.modules import build_model
-
-    pipe = pipe or ParallelConfig()
-    pp, pp_rank = groups.size("pp"), groups.rank_in("pp")
-    layout = model_layout(pipe, cfg.model, pp)  # validate before the (larger) build
-    embedding_group = build_embedding_group(groups, cfg.model, layout)
-    model = build_model(cfg, host, vocab_size, groups=groups)
-    return split_model(model, pipe, pp, pp_rank, embedding_group)
 
 
 def pipeline_state_dict(chunks: list[PipelineChunk]) -> dict[str, torch.Tensor]:

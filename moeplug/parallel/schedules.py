@@ -149,7 +149,7 @@ def forward_backward_pipeline(chunks: Sequence[Any], microbatches: Sequence[tupl
                               activation_dtype: torch.dtype | None = None,
                               grad_accumulation: Any = None) -> PipelineStepResult:
     """Run forward (+ backward) of ``microbatches`` through this rank's ``chunks`` (from
-    :func:`moeplug.parallel.pipeline.build_stage_modules`), leaving the gradients of
+    :func:`moeplug.build.build_stage_modules`), leaving the gradients of
     ``sum_m (lm_loss_m + aux_loss_m) / M`` accumulated in the chunks' ``.grad``.
 
     ``microbatches``: M pairs (tokens_BS, targets_BS) of whole sequences, the same on every

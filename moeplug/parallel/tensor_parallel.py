@@ -10,7 +10,11 @@ Layout (Shoeybi et al. 2019; Korthikanti et al. 2022):
   * embedding: vocab-parallel (rows [r*Vl, (r+1)*Vl)); output head: column-parallel over the
     vocabulary, fed to :func:`vocab_parallel_cross_entropy`, which never gathers the logits;
   * MLA attention: not split (replicated on every TP rank); under SP it runs on the gathered
-    sequence (:func:`on_whole_sequence`).
+    sequence (moeplug.parallelize.wiring.ParallelWiring.whole_sequence).
+
+This module holds the regions, layers and loss; applying them to a built model (which layers
+become which, the ``wiring`` the modules call at the regions' edges) is
+moeplug.parallelize.tp's job, from outside the model's modules.
 
 The column-parallel layer is *only* the local matmul over a weight shard: the region is entered
 once by :func:`enter_tp_region`, so one sequence all-gather feeds q, k and v (Megatron gets the
@@ -42,7 +46,7 @@ from moeplug.runtime import workspace
 from moeplug.parallel import comm
 
 
-def _check_divisible(what: str, value: int, W: int, fix: str) -> None:
+def check_divisible(what: str, value: int, W: int, fix: str) -> None:
     if value % W:
         raise ValueError(f"{what} = {value} is not divisible by the tensor-parallel size {W}. "
                          f"Fix: {fix}")
@@ -69,7 +73,7 @@ def scatter_sequence(x_BSD: torch.Tensor, group: Any) -> torch.Tensor:
     if comm.group_size(group) == 1:
         return x_BSD
     S = x_BSD.shape[1]
-    _check_divisible("sequence length", S, comm.group_size(group),
+    check_divisible("sequence length", S, comm.group_size(group),
                      "choose train.seq_len a multiple of ParallelConfig.tp")
     return _seq_first(comm.scatter_to_sp_region(_seq_first(x_BSD), group))
 
@@ -78,7 +82,7 @@ def reduce_scatter_sequence(y_BSD: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum partial [B, S, D] outputs over the group and keep this rank's [B, s, D] chunk."""
     if comm.group_size(group) == 1:
         return y_BSD
-    _check_divisible("sequence length", y_BSD.shape[1], comm.group_size(group),
+    check_divisible("sequence length", y_BSD.shape[1], comm.group_size(group),
                      "choose train.seq_len a multiple of ParallelConfig.tp")
     return _seq_first(comm.reduce_scatter_to_sp_region(_seq_first(y_BSD), group))
 
@@ -107,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group: Any) -> None:
         super().__init__()
         W = comm.group_size(group)
-        _check_divisible("ColumnParallelLinear out_features", out_features, W,
+        check_divisible("ColumnParallelLinear out_features", out_features, W,
                          "choose tp dividing the layer's output size")
         self.weight = nn.Parameter(torch.empty(out_features // W, in_features))
         self.weight.partition_dim = 0
@@ -126,7 +130,7 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         W = comm.group_size(group)
-        _check_divisible("RowParallelLinear in_features", in_features, W,
+        check_divisible("RowParallelLinear in_features", in_features, W,
                          "choose tp dividing the layer's input size")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features // W))
@@ -145,7 +149,7 @@ class VocabParallelEmbedding(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         W = comm.group_size(group)
-        _check_divisible("vocab_size", vocab_size, W,
+        check_divisible("vocab_size", vocab_size, W,
                          f"set model.vocab_size to a multiple of {W} (it may pad the tokenizer's)")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.vocab_start = comm.group_rank(group) * (vocab_size // W)
@@ -214,77 +218,7 @@ def vocab_parallel_cross_entropy(logits_NVl: torch.Tensor, targets_N: torch.Tens
     return _VocabParallelCE.apply(logits_NVl, targets_N, group)
 
 
-# --- model wiring (what moeplug.modules calls; every helper is a no-op at TP = 1) -----------
-
-def tp_of(groups: Any) -> tuple[Any, bool]:
-    """(TP group or None, sequence parallel on?) of a ParallelGroups (None: one process)."""
-    tp = None if groups is None else groups.tp
-    return tp, tp is not None and bool(groups.config.sequence_parallel)
-
-
-def parallelize_attention(attn: nn.Module, cfg: Any, groups: Any) -> None:
-    """Swap an Attention's q/k/v for column-parallel and o for row-parallel layers (same names)
-    and make its head counts local. GQA: kv heads are split too, so each rank keeps whole groups
-    (query head h uses kv head h // (H/G), and rank r's query heads map to its kv heads)."""
-    tp, sp = tp_of(groups)
-    if tp is None:
-        return
-    W = comm.group_size(tp)
-    _check_divisible("ModelConfig.num_heads", cfg.num_heads, W, "choose tp dividing num_heads")
-    _check_divisible("ModelConfig.num_kv_heads", cfg.num_kv_heads, W,
-                     "choose tp dividing num_kv_heads (each TP rank needs whole KV heads)")
-    D, Dh = cfg.hidden_size, cfg.head_dim
-    attn.q_proj = ColumnParallelLinear(D, cfg.num_heads * Dh, tp)
-    attn.k_proj = ColumnParallelLinear(D, cfg.num_kv_heads * Dh, tp)
-    attn.v_proj = ColumnParallelLinear(D, cfg.num_kv_heads * Dh, tp)
-    attn.o_proj = RowParallelLinear(cfg.num_heads * Dh, D, tp, sp)
-    attn.num_heads, attn.num_kv_heads = cfg.num_heads // W, cfg.num_kv_heads // W
-    for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
-        if norm is not None:  # one [Dh] weight shared by all heads; each rank has other heads
-            mark_sequence_parallel(norm)
-
-
-def parallelize_mlp(mlp: nn.Module, hidden_size: int, ffn_hidden_size: int, groups: Any) -> None:
-    """Dense SwiGLU: gate/up column-parallel, down row-parallel (same names)."""
-    tp, sp = tp_of(groups)
-    if tp is None:
-        return
-    mlp.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp)
-    mlp.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, tp)
-    mlp.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, tp, sp)
-
-
-def on_whole_sequence(module: nn.Module, x_BsD: torch.Tensor, groups: Any,
-                      *args: Any) -> torch.Tensor:
-    """``module(x, *args)`` for a module replicated over TP (not split, e.g. MLA; ``args``
-    belong to the whole sequence, e.g. document positions). Without SP every
-    rank already holds the whole sequence. Under SP a causal attention must see every earlier
-    chunk: gather the sequence, run it, keep this rank's chunk of the output. Backward: the
-    slice passes on only this rank's chunk of the grad (the others' come from their ranks), so
-    the gather reduce-scatters the partial input grads and the module's weight grads are partial
-    too (flagged ``sequence_parallel`` by moeplug.parallel.tp_model, summed over TP)."""
-    tp, sp = tp_of(groups)
-    if tp is None or not sp:
-        return module(x_BsD, *args)
-    y_BSD = module(gather_sequence(x_BsD, tp), *args)
-    return y_BSD.chunk(comm.group_size(tp), dim=1)[comm.group_rank(tp)]
-
-
-def moe_tokens_in(x_BSD: torch.Tensor, groups: Any) -> torch.Tensor:
-    """The MoE layer always works on this TP rank's sequence chunk: under SP it already holds
-    it; without SP every rank holds all tokens, so it keeps its chunk (Megatron instead refuses
-    MoE + TP without SP). Routing each token once keeps expert grads from being counted TP
-    times when sync_gradients sums them over expert-DP."""
-    tp, sp = tp_of(groups)
-    return x_BSD if tp is None or sp else scatter_sequence(x_BSD, tp)
-
-
-def moe_tokens_out(y_BsD: torch.Tensor, groups: Any) -> torch.Tensor:
-    """Inverse of :func:`moe_tokens_in`: all-gather the chunks; the consumer is replicated over
-    TP, so the backward keeps this rank's chunk of the (identical) grads."""
-    tp, sp = tp_of(groups)
-    return y_BsD if tp is None or sp else gather_sequence(y_BsD, tp, grad_is_partial=False)
-
+# --- the MoE layer's aux loss over its token group -------------------------------------------
 
 def average_over_token_group(aux: torch.Tensor, group: Any) -> torch.Tensor:
     """Mean over ``group`` of each rank's aux loss (forward all-reduce / W, backward identity /
@@ -317,19 +251,6 @@ class _MeanOverGroup(Function):
         with workspace.ctx_arena(ctx):
             return torch.div(grad, workspace.number(ctx.W, grad.dtype),
                              out=workspace.empty((), grad.dtype)), None, None
-
-
-def enter_for(groups: Any, x: torch.Tensor) -> torch.Tensor:
-    """:func:`enter_tp_region` with the groups' TP group and SP flag (identity at TP = 1)."""
-    tp, sp = tp_of(groups)
-    return x if tp is None else enter_tp_region(x, tp, sp)
-
-
-def lm_loss(logits_BSVl: torch.Tensor, targets_BS: torch.Tensor, groups: Any) -> torch.Tensor:
-    """Mean token cross-entropy of vocab-parallel logits (the full logits are never built)."""
-    tp, _ = tp_of(groups)
-    return vocab_parallel_cross_entropy(logits_BSVl.reshape(-1, logits_BSVl.shape[-1]),
-                                        targets_BS.reshape(-1), tp).mean()
 
 
 # --- gradients and state dicts ----------------------------------------------------------------

@@ -527,7 +527,6 @@ def _rank_unit_fns(model: Any, root: Any, precision: Any, vocab: int, groups: An
     loss. Their collectives are costed from the links, not here. Timed, never sized: the
     units' bytes still come from :func:`_unit_fns` (at ep=1 / tp=1 no buffer is held twice).
     Under sequence parallelism the blocks take this rank's sequence chunk."""
-    from moeplug.parallel import tensor_parallel as tpar
     full = root.model.recompute.granularity == "full"
     h = root.model.hidden_size
     blocks = list(model.blocks)
@@ -546,8 +545,8 @@ def _rank_unit_fns(model: Any, root: Any, precision: Any, vocab: int, groups: An
 
     def moe(x):
         blk = blocks[moe_i]
-        out = blk.ffn(tpar.moe_tokens_in(blk.ffn_norm(x), blk._groups))
-        return x + tpar.moe_tokens_out(out[0], blk._groups), out[1].float()
+        out = blk.ffn(blk.wiring.moe_tokens_in(blk.ffn_norm(x)))
+        return x + blk.wiring.moe_tokens_out(out[0]), out[1].float()
 
     units = {"attn": _block_unit(attn, h, chunk, full, precision),
              "head": _head_unit(model, vocab, precision)}
@@ -642,7 +641,7 @@ def calibrate_run(root: Any, host: Any, vocab: int, groups: Any = None,
                   precision: Any = None) -> CpuCosts:
     """Measure this CPU for ``root`` (a RootConfig) on this rank; call on every rank of the run
     at once when ``groups`` is given (the collectives are measured over them)."""
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     if root.parallel.pp > 1:
         from moeplug.config import ConfigError
         raise ConfigError("plan --cluster cpu: pipeline layouts are not calibrated (the units "

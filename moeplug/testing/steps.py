@@ -32,7 +32,7 @@ def one_process_trainer(cfg, precision: str = "fp32", vocab: int = 256,
     routing and the experts' row counts change step to step)."""
     import numpy as np
 
-    from moeplug.modules import build_model
+    from moeplug.build import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import (build_rank_optimizer, seed_everything, step_batches,
                                           train_step)

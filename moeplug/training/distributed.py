@@ -235,8 +235,7 @@ def build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
 
 
 def _build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any) -> nn.Module:
-    from moeplug.modules import build_model
-    from moeplug.parallel.pipeline import build_stage_modules
+    from moeplug.build import build_model, build_stage_modules
     from moeplug.parallel.sharding import load_parallel_shard
 
     if groups is None:

@@ -1,19 +1,20 @@
-"""Build a MoETransformer from a validated RootConfig and the plugin host."""
+"""Build a MoETransformer from a validated RootConfig and the plugin host: make the plugins and
+the modules (for one process), apply the parallel layout and memory levers from outside
+(moeplug.parallelize, in its fixed order), then initialise the parameters."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from moeplug.config import ConfigError, RootConfig
-from moeplug.modules.recompute import apply_recompute
+from moeplug.config import ConfigError, ParallelConfig, RootConfig
 from moeplug.modules.transformer import MoETransformer
 from moeplug.moe import MoELayer
 from moeplug.moe.budgeted import budget_rows, budgeted_dispatcher
 from moeplug.moe.shared_experts import SharedExperts
-from moeplug.modules.offload import Offloader, apply_offload
-from moeplug.parallel.context_parallel import moe_token_group
 from moeplug.ops.activations import fc1_rows
-from moeplug.parallel.expert_tp import etp_dispatcher, etp_experts_config
+from moeplug.parallel.pipeline import (PipelineChunk, build_embedding_group, model_layout,
+                                       split_model)
+from moeplug.parallelize import expert_layout, parallelize_model
 from moeplug.runtime.stash import ModelRuntime, layer_stash_bytes
 
 
@@ -26,8 +27,8 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
     ``vocab_size`` comes from the tokenizer; ``cfg.model.vocab_size`` (if non-zero) may pad it up
     (e.g. to a multiple of 64 for faster GEMMs) but never below. ``ep_group`` is the
     expert-parallel process group (None: single process). ``groups`` (a ParallelGroups, None =
-    single process) gives the modules their groups, e.g. attention's ``groups.cp``; its ``ep``
-    group is used when ``ep_group`` is not given.
+    single process) is the layout moeplug.parallelize applies (TP/SP -> CP -> EP/ETP ->
+    recompute -> offload); its ``ep`` group is used when ``ep_group`` is not given.
     """
     m, p = cfg.model, cfg.plugins
     if m.vocab_size and m.vocab_size < vocab_size:
@@ -35,45 +36,58 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
             f"ModelConfig.vocab_size = {m.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({vocab_size}); token ids would overflow the embedding. Fix: set model.vocab_size=0 "
             f"(use the tokenizer's) or >= {vocab_size}")
-    if groups is not None and ep_group is None:
-        ep_group = groups.ep
+    # EP / ETP are chosen as the plugins are made (the dispatcher is the EP exchange).
+    experts_for = expert_layout(groups, ep_group)
     moe_layers = []
     runtime = ModelRuntime(cfg.runtime)  # every MoE layer registers once, here
     # The transformer places them by the pattern; MTP blocks follow the last layer's kind.
     num_mtp_moe = m.mtp_num_layers if m.moe_layer_pattern[-1] else 0
     for _ in range(sum(m.moe_layer_pattern) + num_mtp_moe):
         router = host.create("router", p.router, dict(p.router_options), m)
-        dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m, ep_group)
+        dispatcher = host.create("dispatcher", p.dispatcher, dict(p.dispatcher_options), m,
+                                 experts_for.ep_group)
         # ETP: all-gather rows over groups.etp around experts built with ffn_hidden_size / ETP.
-        dispatcher = etp_dispatcher(dispatcher, groups)
+        dispatcher = experts_for.dispatcher(dispatcher)
         experts = host.create("experts", p.experts, dict(p.experts_options),
-                              etp_experts_config(m, groups), dispatcher.num_local_experts)
+                              experts_for.experts_config(m), dispatcher.num_local_experts)
         shared = (SharedExperts(m.hidden_size, m.moe) if m.moe.shared_expert_ffn_hidden_size
                   else None)
         handle = register_moe_layer(runtime, cfg, len(moe_layers), dispatcher.num_local_experts)
         # runtime.sync_free: the budgeted pair around the dispatcher (moeplug.moe.budgeted).
         budgeted = budgeted_dispatcher(dispatcher, experts,
                                        runtime.sync_free if cfg.runtime.sync_free else None,
-                                       group=ep_group,
-                                       etp_group=None if groups is None else groups.etp,
+                                       group=experts_for.ep_group,
+                                       etp_group=experts_for.etp_group,
                                        weighted_input=m.moe.apply_probs_on_input)
         moe_layers.append(MoELayer(router, dispatcher, experts, shared,
                                    apply_probs_on_input=m.moe.apply_probs_on_input,
-                                   token_group=moe_token_group(groups),
-                                   batch_group=None if groups is None else groups.tp_dp_cp,
                                    overlap_chunks=m.moe.overlap_chunks, runtime=handle,
                                    budgeted=budgeted))
     runtime.finalize()
-    model = MoETransformer(m, m.vocab_size or vocab_size, moe_layers, groups=groups)
+    model = MoETransformer(m, m.vocab_size or vocab_size, moe_layers)
     model.runtime = runtime
-    apply_recompute(model, m.recompute)  # selective: marks modules; full: run_blocks reads it
-    if m.offload:  # chosen module inputs go to the second tier (moeplug.modules.offload)
-        rc = cfg.runtime
-        runtime.offloader = Offloader(rc.offload_dir, rc.stash_page_bytes, rc.offload_max_bytes,
-                                      rc.offload_min_bytes)
-        apply_offload(model, m.offload, runtime.offloader)
-        runtime.offload_modules = list(m.offload)
+    parallelize_model(model, cfg, groups)
+    # After parallelizing (torchtitan's init_weights): a parallel rank initialises its own
+    # shards, in the order and from the generator draws it always did.
+    model.reset_parameters()
     return model
+
+
+def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
+                        pipe: ParallelConfig | None = None) -> list[PipelineChunk]:
+    """Build this rank's model chunks for ``groups`` (a ParallelGroups).
+
+    The full model is built with :func:`build_model` (so the parallelize step applies TP/CP/EP
+    unchanged) and then sliced (moeplug.parallel.pipeline.split_model). Cost: the whole model
+    exists briefly on every rank; gain: with the same seed every rank's chunks hold exactly the
+    single-process initial weights, with no broadcast. Layout errors raise before building.
+    Collective (the embedding group, see :func:`build_embedding_group`)."""
+    pipe = pipe or ParallelConfig()
+    pp, pp_rank = groups.size("pp"), groups.rank_in("pp")
+    layout = model_layout(pipe, cfg.model, pp)  # validate before the (larger) build
+    embedding_group = build_embedding_group(groups, cfg.model, layout)
+    model = build_model(cfg, host, vocab_size, groups=groups)
+    return split_model(model, pipe, pp, pp_rank, embedding_group)
 
 
 def register_moe_layer(runtime: ModelRuntime, cfg: RootConfig, index: int,

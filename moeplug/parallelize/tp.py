@@ -1,0 +1,110 @@
+"""Step 1 of moeplug.parallelize: tensor and sequence parallelism (Megatron TP/SP) on a built,
+unparallelized model (torchtitan's ``apply_tp``).
+
+Layout (Shoeybi et al. 2019; Korthikanti et al. 2022; the layers and regions are
+moeplug.parallel.tensor_parallel's):
+  * attention: q/k/v column-parallel by heads (each rank holds H/W query heads and G/W kv heads,
+    so GQA groups never straddle ranks), o row-parallel;
+  * dense SwiGLU: gate/up column-parallel, down row-parallel;
+  * embedding: vocab-parallel; output head: column-parallel over the vocabulary, fed to the
+    vocab-parallel cross-entropy;
+  * MLA attention: not split (replicated on every TP rank; ParallelWiring.whole_sequence).
+Layers keep their names, so checkpoints and state dicts do not change. The MTP blocks stay
+unsplit (MTP under TP is refused here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from moeplug.modules.attention import Attention
+from moeplug.modules.mla import MLAttention
+from moeplug.modules.mlp import SwiGLUMLP
+from moeplug.modules.norm import RMSNorm
+from moeplug.moe import MoELayer
+from moeplug.parallel import comm
+from moeplug.parallel.experts import expert_param_names
+from moeplug.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                              VocabParallelEmbedding, check_divisible,
+                                              mark_sequence_parallel)
+from moeplug.parallelize.wiring import ParallelWiring
+
+
+def tp_of(groups: Any) -> tuple[Any, bool]:
+    """(TP group or None, sequence parallel on?) of a ParallelGroups (None: one process)."""
+    tp = None if groups is None else groups.tp
+    return tp, tp is not None and bool(groups.config.sequence_parallel)
+
+
+def parallelize_attention(attn: Attention, cfg: Any, tp: Any, sp: bool) -> None:
+    """Swap an Attention's q/k/v for column-parallel and o for row-parallel layers (same names)
+    and make its head counts local. GQA: kv heads are split too, so each rank keeps whole groups
+    (query head h uses kv head h // (H/G), and rank r's query heads map to its kv heads)."""
+    W = comm.group_size(tp)
+    check_divisible("ModelConfig.num_heads", cfg.num_heads, W, "choose tp dividing num_heads")
+    check_divisible("ModelConfig.num_kv_heads", cfg.num_kv_heads, W,
+                    "choose tp dividing num_kv_heads (each TP rank needs whole KV heads)")
+    D, Dh = cfg.hidden_size, cfg.head_dim
+    attn.q_proj = ColumnParallelLinear(D, cfg.num_heads * Dh, tp)
+    attn.k_proj = ColumnParallelLinear(D, cfg.num_kv_heads * Dh, tp)
+    attn.v_proj = ColumnParallelLinear(D, cfg.num_kv_heads * Dh, tp)
+    attn.o_proj = RowParallelLinear(cfg.num_heads * Dh, D, tp, sp)
+    attn.num_heads, attn.num_kv_heads = cfg.num_heads // W, cfg.num_kv_heads // W
+    for norm in (attn.q_norm, attn.k_norm):
+        if norm is not None:  # one [Dh] weight shared by all heads; each rank has other heads
+            mark_sequence_parallel(norm)
+
+
+def parallelize_mlp(mlp: SwiGLUMLP, tp: Any, sp: bool) -> None:
+    """Dense SwiGLU: gate/up column-parallel, down row-parallel (same names)."""
+    D, F = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    mlp.gate_proj = ColumnParallelLinear(D, F, tp)
+    mlp.up_proj = ColumnParallelLinear(D, F, tp)
+    mlp.down_proj = RowParallelLinear(F, D, tp, sp)
+
+
+def apply_tp(model: nn.Module, groups: Any) -> ParallelWiring | None:
+    """TP/SP on ``model`` (a MoETransformer) for ``groups.tp``; returns the wiring the modules
+    now need (the CP step adds to it), or None without TP. Before parameter init: the new
+    layers' weights are empty until ``reset_parameters`` or a shard load."""
+    tp, sp = tp_of(groups)
+    if tp is None:
+        return None
+    cfg = model.cfg
+    if cfg.mtp_num_layers:
+        # mtp_losses takes full-vocabulary logits and the MTP blocks are built unsharded, so
+        # TP would crash (or, worse, silently count MTP expert grads TP times).
+        raise ValueError(f"ModelConfig.mtp_num_layers = {cfg.mtp_num_layers} does not support "
+                         f"tensor parallelism yet (tp = {groups.size('tp')}): the MTP blocks "
+                         "and their loss are not tensor/vocab-parallel. Fix: set "
+                         "mtp_num_layers: 0 or parallel.tp: 1")
+    for block in model.blocks:
+        if isinstance(block.attn, Attention):
+            parallelize_attention(block.attn, cfg, tp, sp)
+        if isinstance(block.ffn, SwiGLUMLP):
+            parallelize_mlp(block.ffn, tp, sp)
+    parallelize_embedding_and_flags(model, tp, sp)
+    return ParallelWiring(tp_group=tp, sequence_parallel=sp)
+
+
+def parallelize_embedding_and_flags(model: nn.Module, tp: Any, sp: bool) -> None:
+    """The model-level TP pieces: vocab-parallel embedding (and head, column-parallel over V;
+    tied heads reuse the embedding shard), and the ``sequence_parallel`` flag on parameters
+    whose grads are partial over TP: norms and MLA attention (replicated, its output kept per
+    chunk: ParallelWiring.whole_sequence) under SP, and every non-expert parameter of the MoE
+    layers (router, shared experts), whose tokens are always split over TP
+    (ParallelWiring.moe_tokens_in)."""
+    V, D = model.vocab_size, model.cfg.hidden_size
+    model.embed = VocabParallelEmbedding(V, D, tp, sp)
+    if model.head is not None:
+        model.head = ColumnParallelLinear(D, V, tp)
+    expert_names = expert_param_names(model)
+    for name, module in model.named_modules():
+        if isinstance(module, (RMSNorm, MLAttention)) and sp:
+            mark_sequence_parallel(module)
+        if isinstance(module, MoELayer):
+            for pname, p in module.named_parameters():
+                if f"{name}.{pname}" not in expert_names:
+                    p.sequence_parallel = True
