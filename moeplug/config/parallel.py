@@ -142,22 +142,14 @@ class ParallelConfig:
                   f"{counts[0]} replaces", f"unset {counts[0]}, or {accounts[0]}")
 
     def _check_fsdp(self) -> None:
-        """What FSDP (moeplug.parallel.fsdp) cannot hold within this section; the rules that
-        need other sections are moeplug.config.modes.fsdp's, the world size's :meth:`resolve`'s."""
+        """FSDP's own switch (moeplug.parallel.fsdp); what it cannot be combined with is
+        moeplug.config.modes.fsdp's, what the world size must give :meth:`resolve`'s."""
         if not self.fsdp:
             if self.fsdp_reshard_after_forward is False:
                 _fail(self, "fsdp_reshard_after_forward", False, "acts only with fsdp: true",
                       "set fsdp: true, or drop fsdp_reshard_after_forward")
             return
-        if self.distributed_optimizer:
-            _fail(self, "fsdp", True, "shards the AdamW state itself; ZeRO-1 "
-                  "(distributed_optimizer) is the alternative to it, not an addition",
-                  "set distributed_optimizer: false, or fsdp: false")
-        if self.overlap_moe_expert_parallel_comm:
-            _fail(self, "fsdp", True, "gathers and reduces each block's parameters in hooks "
-                  "of one backward at a time; overlap_moe_expert_parallel_comm runs a "
-                  "micro-batch's backward on a second thread beside the next forward",
-                  "set overlap_moe_expert_parallel_comm: false, or fsdp: false")
+        # Against the other parallel options and the other modes: moeplug.config.modes.fsdp.
 
     def layout(self) -> "ParallelConfig":
         """This section (the degrees); kept so ``cfg.parallel.layout()`` reads as before."""

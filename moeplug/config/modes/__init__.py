@@ -10,7 +10,7 @@ A mode states its rules in its own module here, one small file each (``RULES``, 
     recompute    model.recompute: moe_act's backend capability, the swiglu CUDA path
     offload      model.offload against recompute
     precision    plugins.precision's recipes against train.master_dtype / param_dtype
-    fsdp         parallel.fsdp against the other sections
+    fsdp         parallel.fsdp against ZeRO-1, combined 1F1B and the other sections
     device       train.device: what a GPU does not run yet
 
 A rule lives in the module of the mode its message reports (the field it names first); the

@@ -54,3 +54,15 @@ class Rule:
             raise ValueError(f"Rule {self.mode}/{self.reports}: needs = {self.needs!r} must be "
                              f"one of {', '.join(NEEDS)}")
 
+
+
+def missing_capability(experts: type, capability: str, switch: str, why: str,
+                       once: str) -> str | None:
+    """The one line for an Experts class that does not declare ``capability``, which the mode
+    ``switch`` (its field) needs, ``why``; None when it does."""
+    if getattr(experts, capability):
+        return None
+    name = experts.__name__
+    return (f"{name} does not declare {capability}, which {switch} needs ({why}). Fix: declare "
+            f"{capability} = True on {name} once {once}, use plugins.experts: grouped, or set "
+            f"{switch}: false")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from moeplug.config._checks import ConfigError, _fail
 from moeplug.config.model import expert_op_levers
-from moeplug.config.modes._rule import Facts, Rule
+from moeplug.config.modes._rule import Facts, Rule, missing_capability
 
 
 def _not_with_stash(f: Facts) -> None:
@@ -56,13 +56,9 @@ def _ignores_expert_op_levers(key: str):
 
 def missing_capturable(experts: type) -> str | None:
     """What ``experts`` (an Experts class) lacks for runtime.capture: one line, or None."""
-    if experts.capturable:
-        return None
-    name = experts.__name__
-    return (f"{name} does not declare capturable, which runtime.capture needs (its forward on "
-            f"budget rows is compiled whole, torch.compile fullgraph, or recorded as a CUDA "
-            f"graph). Fix: declare capturable = True on {name} once it is, use plugins.experts: "
-            f"grouped, or set runtime.capture: false")
+    return missing_capability(
+        experts, "capturable", "runtime.capture", "its forward on budget rows is compiled "
+        "whole, torch.compile fullgraph, or recorded as a CUDA graph", "it is")
 
 
 def _experts_capturable(f: Facts) -> None:

@@ -1,7 +1,8 @@
-"""parallel.fsdp (moeplug.parallel.fsdp) across sections: each rule is a part of moeplug that
-reads or writes parameters outside their module's forward, where fully_shard leaves only this
-rank's shard, or that keeps its own copy of them. (FSDP's rules within the parallel section
-and against the world size: ParallelConfig._check_fsdp, ParallelConfig.resolve.)"""
+"""parallel.fsdp (moeplug.parallel.fsdp): what it cannot be combined with. ZeRO-1 is the
+alternative to it; combined 1F1B runs a second backward beside its hooks; the rest is a part of
+moeplug that reads or writes parameters outside their module's forward, where fully_shard
+leaves only this rank's shard, or that keeps its own copy of them. (Against the world size:
+ParallelConfig.resolve.)"""
 
 from __future__ import annotations
 
@@ -21,6 +22,20 @@ def _rule(bad: Callable[[Any], bool], rule: Callable[[Any], str], fix: str):
 
 _FSDP = {"parallel": {"fsdp": True}}
 RULES = (
+    Rule("fsdp", "config", "ParallelConfig.fsdp", _rule(
+        lambda c: c.parallel.distributed_optimizer,
+        lambda c: "shards the AdamW state itself; ZeRO-1 (distributed_optimizer) is the "
+                  "alternative to it, not an addition",
+        "set distributed_optimizer: false"), {"parallel": {"fsdp": True,
+                                                           "distributed_optimizer": True}}),
+    Rule("fsdp", "config", "ParallelConfig.fsdp", _rule(
+        lambda c: c.parallel.overlap_moe_expert_parallel_comm,
+        lambda c: "gathers and reduces each block's parameters in hooks of one backward at a "
+                  "time; overlap_moe_expert_parallel_comm runs a micro-batch's backward on a "
+                  "second thread beside the next forward",
+        "set overlap_moe_expert_parallel_comm: false"),
+        {"parallel": {"fsdp": True, "overlap_moe_expert_parallel_comm": True},
+         "train": {"grad_accum_steps": 2}}),
     Rule("fsdp", "config", "ParallelConfig.fsdp", _rule(
         lambda c: c.train.bf16_params,
         lambda c: f"keeps fp32 sharded parameters and gathers them in the precision recipe's "

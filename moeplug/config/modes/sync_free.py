@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from moeplug.config._checks import ConfigError, _fail
 from moeplug.config.model import expert_op_levers
-from moeplug.config.modes._rule import Facts, Rule
+from moeplug.config.modes._rule import Facts, Rule, missing_capability
 from moeplug.config.runtime import SYNC_FREE_PRECISIONS
 
 
@@ -20,14 +20,10 @@ def _precision(f: Facts) -> None:
 
 def missing_budget_rows(experts: type) -> str | None:
     """What ``experts`` (an Experts class) lacks for runtime.sync_free: one line, or None."""
-    if experts.budget_rows:
-        return None
-    name = experts.__name__
-    return (f"{name} does not declare budget_rows, which runtime.sync_free needs (its forward "
-            f"then takes a token budget's fixed rows: B per local expert, zero rows of weight 0 "
-            f"where no choice landed, read on the host only as constants). Fix: declare "
-            f"budget_rows = True on {name} once its forward does (moeplug.interfaces.Experts), "
-            f"use plugins.experts: grouped, or set runtime.sync_free: false")
+    return missing_capability(
+        experts, "budget_rows", "runtime.sync_free", "its forward then takes a token budget's "
+        "fixed rows: B per local expert, zero rows of weight 0 where no choice landed, read on "
+        "the host only as constants", "its forward does (moeplug.interfaces.Experts)")
 
 
 def _experts_budget_rows(f: Facts) -> None:
