@@ -242,22 +242,14 @@ class Experts(nn.Module, abc.ABC):
     @classmethod
     def missing_capability(cls, *, sync_free: bool, capture: bool) -> str | None:
         """What this backend lacks for runtime.sync_free / runtime.capture: its name, the
-        capability and the fix in one line (the plugin host refuses the run with it before any
-        rank starts), or None."""
-        name = cls.__name__
-        if sync_free and not cls.budget_rows:
-            return (f"{name} does not declare budget_rows, which runtime.sync_free needs (its "
-                    f"forward then takes a token budget's fixed rows: B per local expert, zero "
-                    f"rows of weight 0 where no choice landed, read on the host only as "
-                    f"constants). Fix: declare budget_rows = True on {name} once its forward "
-                    f"does (moeplug.interfaces.Experts), use plugins.experts: grouped, or set "
-                    f"runtime.sync_free: false")
-        if sync_free and capture and not cls.capturable:
-            return (f"{name} does not declare capturable, which runtime.capture needs (its "
-                    f"forward on budget rows is compiled whole, torch.compile fullgraph, or "
-                    f"recorded as a CUDA graph). Fix: declare capturable = True on {name} once "
-                    f"it is, use plugins.experts: grouped, or set runtime.capture: false")
-        return None
+        capability and the fix in one line, or None."""
+        # The messages are the modes' own (moeplug.config.modes sync_free, capture), which
+        # the plugin host runs before any rank starts; this is for a layer built by hand.
+        from moeplug.config.modes import capture as capture_mode, sync_free as sync_free_mode
+        missing = sync_free_mode.missing_budget_rows(cls) if sync_free else None
+        if missing is None and sync_free and capture:
+            missing = capture_mode.missing_capturable(cls)
+        return missing
 
     def forward_packed(self, x_GSD: torch.Tensor, counts_GL: torch.Tensor) -> torch.Tensor:
         """Budgeted rows packed (``packed_rows``): y_GSD for G chunks of S rows each (one per

@@ -43,7 +43,8 @@ from typing import Any, Callable, Iterable, Literal
 import pluggy
 
 from moeplug import hookspecs
-from moeplug.config import ConfigError, Problems, expert_op_levers
+from moeplug.config import ConfigError, Problems
+from moeplug.config.modes import check_modes
 
 # moeplug.interfaces.KINDS (no torch here), then the corpus readers (moeplug.data.reader).
 KINDS = ("router", "dispatcher", "experts", "precision", "dataset")
@@ -629,36 +630,9 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
     # one process: every expert local (a dispatcher that failed above does not hide the rest)
     local = m.moe.num_experts if dispatcher is None else dispatcher.num_local_experts
     experts = attempt(host.create, "experts", p.experts, dict(p.experts_options), m, local)
-    if experts is not None:
-        attempt(_check_expert_op_levers, type(experts), cfg)
-        attempt(_check_mode_capabilities, type(experts), cfg)
+    if experts is not None:  # the modes' rules on the backend's declared capabilities
+        with problems.check():
+            check_modes(cfg, experts=type(experts))
     precision = attempt(host.create, "precision", p.precision, dict(p.precision_options))
     problems.raise_all(PluginError)
     return precision
-
-
-def _check_mode_capabilities(experts_cls: type, cfg: Any) -> None:
-    """runtime.sync_free and runtime.capture call the experts backend on budget rows
-    (moeplug.moe.budgeted): a backend that does not declare it takes them is refused here,
-    before any process group, rather than bypassed or failing in a step."""
-    rt = cfg.runtime
-    missing = experts_cls.missing_capability(sync_free=bool(rt.sync_free),
-                                             capture=bool(rt.capture))
-    if missing is not None:
-        raise PluginError(f"plugins.experts = {cfg.plugins.experts!r}: {missing}")
-
-
-def _check_expert_op_levers(experts_cls: type, cfg: Any) -> None:
-    """moe_act recompute and the expert_fc1 / moe_act offload names (config.expert_op_levers)
-    need an experts backend that declares ``can_recompute_activation`` (moeplug.interfaces.Experts);
-    refused here, before any process group, rather than when the model is built."""
-    levers = expert_op_levers(cfg.model)
-    if not levers or experts_cls.can_recompute_activation:
-        return
-    wants = [f"model.{key} {n}" for key, names in levers.items() for n in names]
-    names = [n for ns in levers.values() for n in ns]
-    raise PluginError(
-        f"plugins.experts = {cfg.plugins.experts!r}: {experts_cls.__name__} cannot run "
-        f"{', '.join(wants)} (they need a backend that declares can_recompute_activation: its op "
-        f"keeps FC1's output and marks its saved tensors). Fix: use plugins.experts: "
-        f"grouped, or drop {', '.join(names)} from those settings")

@@ -234,22 +234,22 @@ def test_an_experts_backend_without_the_ops_is_refused_before_training(run_cli, 
 def test_cuda_refuses_the_expert_settings_its_path_does_not_run():
     """``train.device: auto`` resolves to a GPU only at launch: the CUDA swiglu experts (torch's
     grouped_mm autograd) would ignore moe_act and cannot delay dW. Checked on any machine."""
-    from moeplug.training.distributed import check_cuda_expert_levers
+    from moeplug.config.modes import check_modes
     field = "TrainConfig.device = 'auto'"
     for model, words in (({"recompute": MOE_ACT}, "moe_act is not built into the swiglu"),
                          ({"moe": {"delay_wgrad_compute": True}}, "delay_wgrad_compute runs in "
                           "the CPU expert ops only")):
         with pytest.raises(ConfigError, match=f"{field}: model.*{words}.* Fix: "):
-            check_cuda_expert_levers(config_from_dict({"model": model}), field)
+            check_modes(config_from_dict({"model": model}), device="cuda")
     # the other activations run moeplug.ops.grouped_ffn.grouped_mlp on every device, which takes the flag
     gelu = {"recompute": MOE_ACT, "moe": {"activation": "gelu"}}
-    check_cuda_expert_levers(config_from_dict({"model": gelu}), field)
+    check_modes(config_from_dict({"model": gelu}), device="cuda")
     # but a GPU's sync-free region keeps the activation and has no offload scope
     for model in (gelu, {"offload": ["expert_fc1"]}):
         with pytest.raises(ConfigError, match=f"{field}: model.* act in the CPU's sync-free "
                                               f"region only.* Fix: .*runtime.sync_free: false"):
-            check_cuda_expert_levers(config_from_dict({"model": model, "runtime": {
-                "sync_free": True}}), field)
+            check_modes(config_from_dict({"model": model, "runtime": {"sync_free": True}}),
+                        device="cuda")
 
 
 def _ep2_on_off(rank: int, world: int, sync_free: bool = False) -> dict:

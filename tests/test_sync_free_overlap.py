@@ -204,14 +204,14 @@ def test_what_the_chunked_region_does_not_run_is_refused(over, words):
 
 def test_a_gpu_resolved_from_auto_refuses_the_chunked_region():
     # train.device auto resolves to a GPU only at launch (RootConfig cannot see it): the same
-    # check runs there, before any work.
-    from moeplug.training.distributed import check_cuda_expert_levers
+    # rules run there, before any work.
+    from moeplug.config.modes import check_modes
     cfg = config_from_dict({"model": {"moe": {"overlap_chunks": 2}},
                             "runtime": {"sync_free": True}})
     with pytest.raises(ConfigError, match=r"overlap_chunks = 2 pipelines the CPU's sync-free "
                                           r"region only.*Fix"):
-        check_cuda_expert_levers(cfg, "train.device (auto: a GPU)")
-    check_cuda_expert_levers(config_from_dict({"runtime": {"sync_free": True}}), "train.device")
+        check_modes(cfg, device="cuda")  # resolve_device's call
+    check_modes(config_from_dict({"runtime": {"sync_free": True}}), device="cuda")
 
 
 def test_a_layer_built_without_the_config_refuses_a_chunked_region_it_cannot_run():

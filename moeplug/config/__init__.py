@@ -2,7 +2,8 @@
 
 Every check runs in ``__post_init__`` and raises :class:`ConfigError` whose message names the
 class, the field, the bad value and the fix, so a bad config fails before any model, data or
-process group exists. ``RootConfig`` cross-checks fields that span sections.
+process group exists. ``RootConfig`` cross-checks fields that span sections; which modes
+combine is :mod:`moeplug.config.modes`'s.
 
 Loading: :func:`load_config` merges, in order, the dataclass defaults, a YAML file, and dotted
 overrides (``model.moe.num_experts=8``); unknown keys are errors (with the closest valid name).
@@ -15,6 +16,7 @@ keep going after a failure, and the cross-section checks still run over such sec
     parallel    parallel: and validate_model     runtime  runtime:
     pipeline_layout  Megatron's pipeline layouts: what every virtual stage holds
     root        RootConfig (cross-section checks), model_differences
+    modes       which modes combine: a module of rules per mode, check_modes runs them
     loader      config_from_dict, load_config, apply_overrides
 """
 

@@ -165,11 +165,6 @@ class RecomputeConfig:
 # Fine-grained activation offloading (moeplug.modules.offload): Megatron's --offload-modules names.
 OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
                    "expert_fc1", "moe_act")
-# The recompute names whose checkpoint contains an offload name's tensors (never kept, so
-# nothing would be offloaded): the pair is refused.
-_OFFLOAD_INSIDE_RECOMPUTE = {"core_attn": ("core_attn",), "layernorm": ("attn_norm", "mlp_norm"),
-                             "moe": ("expert_fc1", "moe_act")}
-
 
 
 def expert_op_levers(m: "ModelConfig") -> dict[str, list[str]]:
@@ -177,8 +172,8 @@ def expert_op_levers(m: "ModelConfig") -> dict[str, list[str]]:
     ``model.*`` field: ``{"recompute.modules": ["moe_act"], "offload": ["expert_fc1", ...]}``
     (only those set). The op keeps FC1's output instead of the activation (moe_act recompute)
     and notes which of its saved tensors the offload names mean; a path that runs the experts
-    otherwise would ignore them (RootConfig, plugin_host.check_plugins and
-    training.distributed.resolve_device refuse them there)."""
+    otherwise would ignore them (moeplug.config.modes refuses them there: capture, recompute,
+    sync_free)."""
     out: dict[str, list[str]] = {}
     rc = m.recompute
     if isinstance(rc, RecomputeConfig) and rc.granularity == "selective" and \
@@ -265,19 +260,8 @@ class ModelConfig:
         if bad:
             _fail(self, "offload", self.offload, f"unknown module name(s) {bad}",
                   f"use names from {', '.join(OFFLOAD_MODULES)}")
-        rc = self.recompute
-        if not isinstance(rc, RecomputeConfig):
-            return
-        if self.offload and rc.granularity == "full":
-            _fail(self, "offload", self.offload, "is kept by nothing under full recompute (each "
-                  "block keeps only its input)", "drop offload or use recompute granularity "
-                  "selective")
-        for r in rc.modules if rc.granularity == "selective" else ():
-            clash = [o for o in _OFFLOAD_INSIDE_RECOMPUTE.get(r, ()) if o in self.offload]
-            if clash:
-                _fail(self, "offload", self.offload, f"names {clash}, which recompute module "
-                      f"{r!r} already discards (it keeps only its inputs)",
-                      f"drop {clash} from offload or {r!r} from recompute.modules")
+        # Against recompute, capture and the experts backend: moeplug.config.modes (offload,
+        # capture, recompute).
 
     def _check_attention(self) -> None:
         if self.attention not in ATTENTION_TYPES:

@@ -142,22 +142,14 @@ class ParallelConfig:
                   f"{counts[0]} replaces", f"unset {counts[0]}, or {accounts[0]}")
 
     def _check_fsdp(self) -> None:
-        """What FSDP (moeplug.parallel.fsdp) cannot hold within this section; the rules that
-        need other sections are :func:`check_fsdp_run`'s, the world size's :meth:`resolve`'s."""
+        """FSDP's own switch (moeplug.parallel.fsdp); what it cannot be combined with is
+        moeplug.config.modes.fsdp's, what the world size must give :meth:`resolve`'s."""
         if not self.fsdp:
             if self.fsdp_reshard_after_forward is False:
                 _fail(self, "fsdp_reshard_after_forward", False, "acts only with fsdp: true",
                       "set fsdp: true, or drop fsdp_reshard_after_forward")
             return
-        if self.distributed_optimizer:
-            _fail(self, "fsdp", True, "shards the AdamW state itself; ZeRO-1 "
-                  "(distributed_optimizer) is the alternative to it, not an addition",
-                  "set distributed_optimizer: false, or fsdp: false")
-        if self.overlap_moe_expert_parallel_comm:
-            _fail(self, "fsdp", True, "gathers and reduces each block's parameters in hooks "
-                  "of one backward at a time; overlap_moe_expert_parallel_comm runs a "
-                  "micro-batch's backward on a second thread beside the next forward",
-                  "set overlap_moe_expert_parallel_comm: false, or fsdp: false")
+        # Against the other parallel options and the other modes: moeplug.config.modes.fsdp.
 
     def layout(self) -> "ParallelConfig":
         """This section (the degrees); kept so ``cfg.parallel.layout()`` reads as before."""
@@ -328,40 +320,6 @@ class ParallelConfig:
     def chunk_layers(self, num_layers: int, pp: int | None = None) -> list[list[range]]:
         """``[rank][chunk]`` -> the global layer indices of that model chunk."""
         return self.layer_layout(num_layers, pp=pp).chunk_layers()
-
-
-def check_fsdp_run(cfg: object) -> None:
-    """FSDP's rules across sections (``cfg``: the RootConfig; RootConfig calls this). Each is a
-    part of moeplug that reads or writes parameters outside their module's forward, where
-    fully_shard leaves only this rank's shard, or that keeps its own copy of them."""
-    p = cfg.parallel  # type: ignore[attr-defined]
-    if not p.fsdp:
-        return
-    train, runtime, model = cfg.train, cfg.runtime, cfg.model  # type: ignore[attr-defined]
-    rules = [
-        (train.bf16_params, f"keeps fp32 sharded parameters and gathers them in the precision "
-         f"recipe's dtype; bf16 parameters (train.master_dtype {train.master_dtype!r}, "
-         f"param_dtype {train.param_dtype!r}) are another recipe for the same memory",
-         "set train.master_dtype and train.param_dtype: fp32"),
-        (train.optimizer_dtype == "bf16", "runs torch's AdamW on the sharded parameters; the "
-         "bf16-moments AdamW (train.optimizer_dtype: bf16) does not take sharded tensors",
-         "set train.optimizer_dtype: fp32"),
-        (runtime.sync_free, "leaves each expert weight sharded outside the experts' forward; "
-         "the sync-free region (runtime.sync_free) reads the whole weights itself",
-         "set runtime.sync_free: false"),
-        (runtime.stash, "leaves each expert weight sharded outside the experts' forward; the "
-         "paged stash (runtime.stash) registers the experts' parameters itself",
-         "set runtime.stash: false"),
-        (model.moe.delay_wgrad_compute, "reduce-scatters a block's weight gradients when its "
-         "backward ends; model.moe.delay_wgrad_compute computes them later",
-         "set model.moe.delay_wgrad_compute: false"),
-        (p.pp > 1 and model.tie_embeddings, "cannot sum the last pipeline stage's copy of the "
-         "tied embedding into the first stage's (their grads are sharded by different "
-         "stages)", "set model.tie_embeddings: false, or pp: 1"),
-    ]
-    for bad, rule, fix in rules:
-        if bad:
-            raise ConfigError(f"ParallelConfig.fsdp = True: {rule}. Fix: {fix}, or fsdp: false")
 
 
 def _error(obj: object, name: str, value: object, rule: str, fix: str) -> ConfigError:

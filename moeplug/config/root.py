@@ -9,16 +9,18 @@ from typing import Any, Callable, Mapping
 
 from moeplug.config._checks import ConfigError, _check_fields, _fail, _record
 from moeplug.config.data import DataConfig
-from moeplug.config.model import ModelConfig, expert_op_levers
-from moeplug.config.parallel import ParallelConfig, check_fsdp_run, validate_model
+from moeplug.config.model import ModelConfig
+from moeplug.config.modes import check_modes
+from moeplug.config.parallel import ParallelConfig, validate_model
 from moeplug.config.plugins import PluginsConfig
-from moeplug.config.runtime import SYNC_FREE_PRECISIONS, RuntimeSection
+from moeplug.config.runtime import RuntimeSection
 from moeplug.config.train import TrainConfig
 
 
 @dataclass(kw_only=True, slots=True)
 class RootConfig:
-    """The whole run. Cross-component checks live here."""
+    """The whole run. Cross-section checks live here; which modes combine, in
+    moeplug.config.modes (run from here: the rules that need the config alone)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
@@ -33,94 +35,10 @@ class RootConfig:
             _fail(self.train, "seq_len", self.train.seq_len,
                   f"exceeds model.max_seq_len ({self.model.max_seq_len})",
                   f"set train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len")
-        for name in ("master_dtype", "param_dtype"):  # both make the parameters bf16
-            if getattr(self.train, name) == "bf16" and self.plugins.precision != "bf16":
-                _fail(self.train, name, "bf16", f"needs plugins.precision bf16 (got "
-                      f"{self.plugins.precision!r}): bf16 weights are computed with under bf16 "
-                      f"autocast", f"set plugins.precision: bf16 or train.{name}: fp32")
         self._check_parallel_fits_model()
-        check_fsdp_run(self)
-        self._check_sync_free()
-        self._check_delay_wgrad()
-        self._check_expert_op_levers()
-
-    def _check_delay_wgrad(self) -> None:
-        # The split backward lives in the grouped experts' fp32/bf16 CPU ops (moeplug.ops
-        # expert_mlp, grouped_mlp); every other path computes its weight gradients inside
-        # torch's autograd, where they cannot be moved behind the exchange.
-        moe, name = self.model.moe, "delay_wgrad_compute"
-        if moe.delay_wgrad_compute is not True:
-            return
-        if self.plugins.experts != "grouped":
-            _fail(moe, name, True, f"needs the grouped experts backend (its op splits the "
-                  f"backward), not plugins.experts = {self.plugins.experts!r}",
-                  f"set plugins.experts: grouped or {name}: false")
-        if self.plugins.precision not in ("fp32", "bf16"):
-            _fail(moe, name, True, f"splits the fp32/bf16 expert GEMMs; plugins.precision = "
-                  f"{self.plugins.precision!r} runs the experts through its own quantized op",
-                  f"set plugins.precision: fp32 or bf16, or {name}: false")
-        if self.runtime.sync_free:
-            _fail(moe, name, True, "is not built into the static sync-free region "
-                  "(runtime.sync_free runs its own expert backward)",
-                  f"set runtime.sync_free: false or {name}: false")
-        if self.runtime.stash:
-            # The stash hands the experts' saved tensors back as views of its pages and frees
-            # the pages when autograd drops them - right after the dgrad, before the deferred
-            # weight GEMMs read them.
-            _fail(moe, name, True, "cannot be combined with runtime.stash (its pages return to "
-                  "the pool when the experts' backward node ends; the delayed weight GEMMs "
-                  "read them later)", f"set runtime.stash: false or {name}: false")
-        if self.train.device.startswith("cuda"):
-            _fail(moe, name, True, f"is implemented for the CPU expert ops only (on CUDA the "
-                  f"experts use torch's grouped_mm autograd), but train.device = "
-                  f"{self.train.device!r}", f"set train.device: cpu or {name}: false")
-
-    def _check_expert_op_levers(self) -> None:
-        # The eager CPU static region (moeplug.moe.budgeted.arena) keeps FC1's output, never
-        # the activation (moe_act recompute is its only mode), and notes its saved tensors for
-        # the expert offload names. The captured region is compiled: inductor decides what it
-        # keeps and no saved-tensor hook sees inside, so either switch would do nothing there.
-        # (A GPU's region: moeplug.training.distributed.check_cuda_expert_levers.)
-        if not (self.runtime.sync_free and self.runtime.capture):
-            return
-        m = self.model
-        for key, names in expert_op_levers(m).items():
-            obj, field_name = (m.recompute, "modules") if key == "recompute.modules" \
-                else (m, "offload")
-            what = " and ".join(names) + (" acts" if len(names) == 1 else " act")
-            _fail(obj, field_name, getattr(obj, field_name), f"{what} inside the expert ops; "
-                  f"runtime.capture compiles the sync-free region, which would ignore "
-                  f"{'it' if len(names) == 1 else 'them'}", f"drop {' and '.join(names)} "
-                  f"from model.{key}, or set runtime.capture: false")
-
-    def _check_sync_free(self) -> None:
-        # The static region (moeplug.moe.budgeted) runs the experts' GEMMs itself, in the
-        # autocast dtype or through a built-in emulated recipe: no other precision plugin's
-        # GEMMs. It has its own static EP exchange (and ETP gather).
-        if not self.runtime.sync_free:
-            return
-        if self.plugins.precision not in SYNC_FREE_PRECISIONS:
-            _fail(self.runtime, "sync_free", True, f"runs the expert GEMMs in fp32, bf16 or an "
-                  f"emulated recipe ({', '.join(SYNC_FREE_PRECISIONS[2:])}), not "
-                  f"plugins.precision = {self.plugins.precision!r}",
-                  "set plugins.precision to one of those, or runtime.sync_free: false")
-        if self.runtime.capture and self.plugins.precision not in ("fp32", "bf16"):
-            _fail(self.runtime, "capture", True, f"compiles the sync-free region in fp32 or bf16 "
-                  f"only; plugins.precision = {self.plugins.precision!r} runs it eagerly",
-                  "set runtime.capture: false, or plugins.precision: fp32 or bf16")
-        chunks = self.model.moe.overlap_chunks
-        if isinstance(chunks, int) and chunks > 1:
-            # The chunked static region (moeplug.moe.overlap) is the eager CPU one;
-            # silently ignoring one of the two switches elsewhere would hide it.
-            where = ("runtime.capture compiles the region whole" if self.runtime.capture else
-                     f"plugins.precision = {self.plugins.precision!r} runs the region through "
-                     f"its recipe" if self.plugins.precision not in ("fp32", "bf16") else
-                     f"train.device = {self.train.device!r} runs the GPU's region"
-                     if self.train.device.startswith("cuda") else None)
-            if where is not None:
-                _fail(self.model.moe, "overlap_chunks", chunks, f"pipelines the sync-free "
-                      f"region eagerly on the CPU in fp32 or bf16 only; {where}, unchunked",
-                      "set model.moe.overlap_chunks: 1, or runtime.sync_free: false")
+        # Which modes combine (sync_free, capture, stash, overlap, delay_wgrad, recompute,
+        # offload, recipes, fsdp, device): each mode's rules, moeplug.config.modes.
+        check_modes(self)
 
     def _check_parallel_fits_model(self) -> None:
         # Shards must split evenly (heads % TP, experts % EP, layers per pipeline stage, seq_len
@@ -159,42 +77,11 @@ class RootConfig:
         if m.attention == "mla" and par.cp > 1:  # else a traceback from every rank's build
             _fail(m, "attention", "mla", f"multi-head latent attention does not support "
                   f"parallel.cp = {par.cp} yet", "set model.attention: gqa or parallel.cp: 1")
-        if par.overlap_moe_expert_parallel_comm is True:
-            self._check_combined_1f1b()
         if par.pp > 1 and par.vpp > 1 and self.train.grad_accum_steps % par.pp:
             _fail(self.train, "grad_accum_steps", self.train.grad_accum_steps,
                   f"the interleaved pipeline schedule (parallel.vpp = {par.vpp}) needs a "
                   f"multiple of parallel.pp = {par.pp} micro-batches",
                   f"set train.grad_accum_steps to a multiple of {par.pp}, or parallel.vpp: 1")
-
-    def _check_combined_1f1b(self) -> None:
-        # Every layout composes: TP/SP, CP (both cp_comm modes), EP/ETP and DP collectives
-        # (MLA's and MTP's included) all pass their group through
-        # moeplug.parallel.comm.active_group, which puts the overlapped backward's on the twin
-        # groups; PP's tagged p2p messages match by tag whichever thread sends them
-        # (moeplug.parallel.schedules).
-        par, name = self.parallel, "overlap_moe_expert_parallel_comm"
-        if self.train.grad_accum_steps < 2:
-            _fail(par, name, True, f"needs two micro-batches in flight, but "
-                  f"train.grad_accum_steps = {self.train.grad_accum_steps}",
-                  f"set train.grad_accum_steps >= 2 or {name}: false")
-        rc = self.model.recompute
-        jitter = self.plugins.router_options.get("input_jitter_eps", 0.0)
-        recomputes = rc.granularity == "full" or bool(rc.modules)
-        if isinstance(jitter, (int, float)) and jitter > 0 and recomputes:
-            # A recompute replays the forward's RNG state on the helper thread (set, run,
-            # restore) while this thread's forward draws the jitter from the same global
-            # generator: the forward's draws would depend on the threads' timing.
-            _fail(par, name, True, f"cannot be combined with recompute while the router "
-                  f"draws input jitter (plugins.router_options.input_jitter_eps = {jitter}: "
-                  f"the overlapped backward's recompute replays torch's global RNG while the "
-                  f"forward draws from it)",
-                  f"set plugins.router_options.input_jitter_eps: 0, recompute nothing "
-                  f"(model.recompute.granularity: selective, modules: []) or {name}: false")
-        if self.runtime.stash:
-            _fail(par, name, True, "cannot be combined with runtime.stash (the stash pool "
-                  "serves one forward or backward at a time)",
-                  f"set runtime.stash: false or {name}: false")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -29,6 +29,7 @@ class RuntimeSection:
     sync_free: bool = False
     token_budget: float = 2.0  # rows per (rank, expert) = ceil(T*K/E * token_budget)
     capture: bool = False  # capture the static region once, replay it every step (sync_free)
+    # (Which of these combine, and with the rest of the run: moeplug.config.modes.)
     # The second tier (model.offload's target): an unlinked sparse file in offload_dir ("" =
     # the system temp directory; a tmpfs there saves no RAM), offload_max_bytes of address range.
     offload_dir: str = ""
@@ -45,14 +46,6 @@ class RuntimeSection:
                 or not math.isfinite(self.token_budget) or self.token_budget <= 0):
             _fail(self, "token_budget", self.token_budget, "must be a finite number > 0",
                   "use e.g. token_budget: 2.0 (rows per expert = 2x the balanced load)")
-        if self.capture and self.stash:
-            _fail(self, "capture", self.capture, "cannot combine with runtime.stash (the "
-                  "captured region keeps its saved tensors in its own compiled graph)",
-                  "set runtime.stash: false, or capture: false")
-        if self.capture and not self.sync_free:
-            _fail(self, "capture", self.capture, "needs runtime.sync_free: true (only a region "
-                  "with static shapes and no host sync can be captured and replayed)",
-                  "set runtime.sync_free: true, or capture: false")
         if not isinstance(self.stash, bool):
             _fail(self, "stash", self.stash, "must be a boolean", "write stash: true or false")
         _positive(self, "stash_page_bytes")

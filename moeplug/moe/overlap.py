@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from moeplug.config.modes.overlap import chunked_region_blocker
 from moeplug.interfaces import Dispatcher, RouterOutput
 from moeplug.moe.shared_experts import add_shared
 from moeplug.observability.timing import stage
@@ -113,7 +114,11 @@ def _summed(counts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _check_budgeted(x_TD: torch.Tensor, dispatcher: Any) -> None:
-    if x_TD.device.type != "cpu" or dispatcher.state.capture or active_recipe() is not None:
-        raise ValueError(  # RootConfig refuses these: a layer built without it
+    # The config's rule (moeplug.config.modes.overlap), asked again for a layer built without
+    # a config: refused, not silently unchunked or a crash in the CPU kernels.
+    recipe = active_recipe()
+    if chunked_region_blocker(device=x_TD.device.type, capture=dispatcher.state.capture,
+                              recipe=None if recipe is None else type(recipe).__name__):
+        raise ValueError(
             "MoELayer: runtime.sync_free with overlap_chunks > 1 runs eagerly on the CPU in "
             "fp32 or bf16 only (no capture, no quantization recipe). Fix: overlap_chunks 1")

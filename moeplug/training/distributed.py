@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeplug.config import ConfigError, RootConfig, expert_op_levers
+from moeplug.config import ConfigError, RootConfig
+from moeplug.config.modes import check_modes
 
 
 def _env_int(name: str, default: int) -> int:
@@ -79,41 +80,10 @@ def resolve_device(cfg: RootConfig, num_local: int | None = None) -> torch.devic
     if index >= count:
         raise ConfigError(f"{field}: cuda:{index} does not exist, torch sees {count} GPU(s). "
                           f"Fix: pick one of cuda:0 .. cuda:{count - 1}")
-    if cfg.parallel.pp > 1:  # its p2p receive buffers and loss sums are CPU tensors
-        raise ConfigError(f"{field} with parallel.pp = {cfg.parallel.pp}: pipeline parallelism "
-                          "runs on the CPU only so far. Fix: --set train.device=cpu, or "
-                          "parallel.pp=1 (tp/ep/dp/cp for the GPUs)")
-    check_cuda_expert_levers(cfg, field)
+    # What a GPU does not run yet (pipeline parallelism, the CPU-only expert modes): the modes'
+    # device rules (moeplug.config.modes), here because auto resolves to a GPU only now.
+    check_modes(cfg, device="cuda")
     return torch.device("cuda", index)
-
-
-def check_cuda_expert_levers(cfg: RootConfig, field: str) -> None:
-    """Expert settings the GPU path does not run, refused before any work (``auto`` resolves to
-    a GPU only here, so RootConfig cannot see them): the swiglu experts' CUDA path is torch's
-    grouped_mm autograd, which keeps the activation and computes dW with dX."""
-    moe = cfg.model.moe
-    if moe.delay_wgrad_compute:
-        raise ConfigError(f"{field}: model.moe.delay_wgrad_compute runs in the CPU expert ops "
-                          "only. Fix: set model.moe.delay_wgrad_compute: false, or "
-                          "--set train.device=cpu")
-    levers = expert_op_levers(cfg.model)
-    if cfg.runtime.sync_free and levers:
-        wants = [f"model.{key} {n}" for key, names in levers.items() for n in names]
-        drop = " and ".join(n for names in levers.values() for n in names)
-        raise ConfigError(f"{field}: {', '.join(wants)} act in the CPU's sync-free region only; "
-                          "a GPU's (batched GEMMs under autograd, or CUDA graphs) keeps the "
-                          f"activation and offloads nothing. Fix: drop {drop} from those "
-                          "settings, set runtime.sync_free: false, or --set train.device=cpu")
-    if cfg.runtime.sync_free and moe.overlap_chunks > 1:
-        raise ConfigError(f"{field}: model.moe.overlap_chunks = {moe.overlap_chunks} pipelines "
-                          "the CPU's sync-free region only; a GPU's runs unchunked. Fix: set "
-                          "model.moe.overlap_chunks: 1, runtime.sync_free: false, or "
-                          "--set train.device=cpu")
-    if moe.activation == "swiglu" and "recompute.modules" in levers:
-        raise ConfigError(f"{field}: model.recompute.modules moe_act is not built into the swiglu "
-                          "experts' CUDA path (torch's grouped_mm keeps the activation), so it "
-                          "would be ignored. Fix: drop moe_act from model.recompute.modules, or "
-                          "--set train.device=cpu")
 
 
 def model_device(model: nn.Module) -> torch.device:
