@@ -121,19 +121,15 @@ class ModelStages:
         ``positions_BS``: document positions (packed documents; the MTP blocks' attention), or
         None."""
         # TP: logits_BSV holds this rank's V/TP vocabulary columns; [B, S, V] is never built.
-        logits_BSV = F.linear(tpar.enter_for(self._groups, self.norm(x_BSD)), self.output_weight())
+        logits_BSV = self.vocab_logits(self.norm(x_BSD))
         mtp_aux = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         if targets_BS is None:
             return HeadOutput(logits_BSV, None, None, mtp_aux, [])
-        # fp32 cross-entropy: under bf16 autocast the log-softmax over V would lose precision.
-        tp_group = tpar.tp_of(self._groups)[0]
         if self._cp_group is not None:  # CP first: under TP x CP too, the mean is the group's
-            lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group, tp_group=tp_group)
-        elif tp_group is not None:
-            lm_loss = tpar.lm_loss(logits_BSV, targets_BS, self._groups)
+            lm_loss = cp_cross_entropy(logits_BSV, targets_BS, self._cp_group,
+                                       tp_group=tpar.tp_of(self._groups)[0])
         else:
-            lm_loss = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
-                                      targets_BS.reshape(-1))
+            lm_loss = self.mean_cross_entropy(logits_BSV, targets_BS)
         if not self.cfg.mtp_num_layers:
             return HeadOutput(logits_BSV, lm_loss, None, mtp_aux, [])
         if tokens_BS is None:
@@ -143,11 +139,26 @@ class ModelStages:
                              "micro-batch's tokens to the last pipeline stage")
         if mtp_hidden_states is None:
             depth_losses, aux, mtp_counts = mtp_losses(
-                self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight,
-                positions_BS)
+                self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.vocab_logits,
+                self.mean_cross_entropy, positions_BS)
         else:
             depth_losses, aux, mtp_counts = mtp_head_losses(
-                mtp_hidden_states, tokens_BS, targets_BS, self.output_weight), [], []
+                mtp_hidden_states, tokens_BS, targets_BS, self.vocab_logits,
+                self.mean_cross_entropy), [], []
         mtp_loss = (self.cfg.mtp_loss_scaling_factor / self.cfg.mtp_num_layers) * sum(
             depth_losses, torch.zeros((), device=x_BSD.device))
         return HeadOutput(logits_BSV, lm_loss, mtp_loss, sum(aux, mtp_aux), mtp_counts)
+
+    def vocab_logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """The output head on a normed hidden state: the whole sequence's logits of this TP
+        rank's vocabulary columns (under SP the sequence is gathered first)."""
+        return F.linear(tpar.enter_for(self._groups, h_BSD), self.output_weight())
+
+    def mean_cross_entropy(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor
+                           ) -> torch.Tensor:
+        """Mean token cross-entropy of :meth:`vocab_logits`' logits, in fp32 (under bf16
+        autocast the log-softmax over V would lose precision); vocab-parallel under TP."""
+        if tpar.tp_of(self._groups)[0] is not None:
+            return tpar.lm_loss(logits_BSV, targets_BS, self._groups)
+        return F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
+                               targets_BS.reshape(-1))

@@ -24,7 +24,7 @@ from moeplug.modules.rope import RotaryEmbedding
 from moeplug.modules.stages import ModelStages
 from moeplug.observability.timing import stage
 from moeplug.parallel import tensor_parallel as tpar
-from moeplug.parallel.tp_model import parallelize_transformer
+from moeplug.parallel.tp_model import parallelize_mtp, parallelize_transformer
 
 
 @dataclass(frozen=True)
@@ -123,16 +123,12 @@ class MoETransformer(ModelStages, nn.Module):
         if cfg.mtp_num_layers and groups is not None and getattr(groups, "cp", None) is not None:
             raise ValueError("ModelConfig.mtp_num_layers > 0 does not support context parallelism "
                              "yet (MTP shifts tokens across shards). Fix: set mtp_num_layers: 0")
-        if cfg.mtp_num_layers and tpar.tp_of(groups)[0] is not None:
-            # mtp_losses takes full-vocabulary logits and the MTP blocks are built unsharded, so
-            # TP would crash (or, worse, silently count MTP expert grads TP times).
-            raise ValueError(f"ModelConfig.mtp_num_layers = {cfg.mtp_num_layers} does not support "
-                             f"tensor parallelism yet (tp = {groups.size('tp')}): the MTP blocks "
-                             "and their loss are not tensor/vocab-parallel. Fix: set "
-                             "mtp_num_layers: 0 or parallel.tp: 1")
+        # MTP blocks are tensor-parallel like the decoder's (Megatron's MTP transformer layer);
+        # their eh_proj is made column-parallel by moeplug.parallel.tp_model.parallelize_mtp.
         self.mtp = nn.ModuleList(
             MTPLayer(cfg, TransformerBlock(cfg, self.rope, next(moe_iter) if num_mtp_moe else
-                                           SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size)))
+                                           SwiGLUMLP(cfg.hidden_size, cfg.dense_ffn_hidden_size,
+                                                     groups), groups))
             for _ in range(cfg.mtp_num_layers))
         # Context parallel: each CP rank holds a shard of every sequence; the loss is the mean
         # over the whole CP group's tokens (moeplug.parallel.context_parallel).
@@ -141,6 +137,7 @@ class MoETransformer(ModelStages, nn.Module):
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, vocab_size, bias=False)
         # Tensor parallel: vocab-parallel embedding/head, SP flags (moeplug.parallel.tp_model).
         parallelize_transformer(self, groups)
+        parallelize_mtp(self, groups)
         self._groups = groups
         self.reset_parameters()
 

@@ -14,8 +14,9 @@ from moeplug.modules.mla import MLAttention
 from moeplug.moe import MoELayer
 from moeplug.modules.norm import RMSNorm
 from moeplug.parallel.experts import expert_param_names
-from moeplug.parallel.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
-                                              mark_sequence_parallel, tp_of)
+from moeplug.parallel.tensor_parallel import (ColumnParallelLinear, GatheredColumnParallelLinear,
+                                              VocabParallelEmbedding, mark_sequence_parallel,
+                                              tp_of)
 
 
 def parallelize_transformer(model: nn.Module, groups: Any) -> None:
@@ -40,3 +41,19 @@ def parallelize_transformer(model: nn.Module, groups: Any) -> None:
             for pname, p in module.named_parameters():
                 if f"{name}.{pname}" not in expert_names:
                     p.sequence_parallel = True
+
+
+def parallelize_mtp(model: nn.Module, groups: Any) -> None:
+    """The MTP blocks' own TP piece (Megatron's MultiTokenPredictionLayer), called by
+    MoETransformer after :func:`parallelize_transformer`: each depth's ``eh_proj`` becomes
+    column-parallel with its output gathered over TP (and scattered over the sequence under
+    SP), so the block after it gets the same activation as any decoder block. The rest is the
+    decoder's: the blocks are built tensor-parallel with the groups, their norms and MoE
+    router flagged by parallelize_transformer, the shared embedding and head vocab-parallel
+    (moeplug.modules.stages.ModelStages.vocab_logits / mean_cross_entropy)."""
+    tp, sp = tp_of(groups)
+    if tp is None:
+        return
+    D = model.cfg.hidden_size
+    for layer in model.mtp:
+        layer.eh_proj = GatheredColumnParallelLinear(2 * D, D, tp, sp)
