@@ -2,9 +2,10 @@
 FSDP run: the planner's per-rank parameter + gradient + optimizer bytes (moeplug.plan.fsdp)
 against what a 4-rank gloo FSDP run of a tiny config holds after a real ``train_step``,
 measured from the tensors themselves by benchmarks/test_bench_fsdp.py's ``_held_bytes`` (a
-sharded tensor counts its local shard), within 10 %, at DP4, DP2 x TP2 (SP) x EP2 and PP2 x DP2
-(each pipeline stage against its own plan: the embedding on one, the head on the other). And the planner's other FSDP terms: the
-gathered working set and the per-step comm follow reshard_after_forward."""
+sharded tensor counts its local shard), within 10 %, at DP4, DP2 x TP2 (SP) x EP2 and
+PP2 x DP2 (each pipeline stage against its own plan: the embedding on one, the head on the
+other). And the planner's other FSDP terms: the gathered working set and the per-step comm
+follow reshard_after_forward."""
 
 from __future__ import annotations
 
