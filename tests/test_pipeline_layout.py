@@ -17,7 +17,6 @@ loss on the first and last stage regardless). Then what the model split does wit
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -385,7 +384,8 @@ def test_standalone_mtp_stage_hands_the_loss_stage_its_hidden_states():
     x = tokens
     for c in chunks[:3]:
         x = c(x, targets, tokens).x_BSD
-    assert x.shape == (2, 8 + 7 + 6, 16) == chunks[3].activation_shape(tokens)
+    # the main hidden state and each depth's, all of the whole sequence (Megatron's rolled MTP)
+    assert x.shape == (2, 8 * 3, 16) == chunks[3].activation_shape(tokens)
     out, want = chunks[3](x, targets, tokens), model(tokens, targets)
     torch.testing.assert_close(out.lm_loss, want.lm_loss, rtol=0, atol=0)
     torch.testing.assert_close(out.mtp_loss, want.mtp_loss, rtol=0, atol=0)
@@ -417,16 +417,10 @@ def test_published_rows_load_as_train_configs_with_megatrons_split(row):
     """Every P26 row and PF's Mixtral row, with its published split (the DeepSeek-V3 layouts;
     Qwen3-235B's --account-for-embedding/loss-in-pipeline-split, Megatron-MoE-ModelZoo's
     model config), loads as a moeplug train config and resolves on its GPU count; the layers
-    each (rank, chunk) holds are Megatron's. One row is refused for another reason, stated:
-    DeepSeek-V3 on H100 runs TP2 with its MTP block, and moeplug's MTP is not tensor-parallel."""
-    from moeplug.plan.models import model_config
-    if row.tp > 1 and model_config(row.model).mtp_num_layers:
-        with pytest.raises(ConfigError, match="mtp_num_layers = 1: multi-token prediction does "
-                           "not support parallel.tp = 2"):
-            _row_config(row)
-        cfg = _row_config(dataclasses.replace(row, tp=1))  # the split itself is accepted
-    else:
-        cfg = _row_config(row)
+    each (rank, chunk) holds are Megatron's. DeepSeek-V3 on H100 runs TP2 (+SP) with its MTP
+    block: accepted, as MTP is tensor-parallel (tests/test_parallel_train.py's *_mtp rows)."""
+    cfg = _row_config(row)
+    assert cfg.parallel.tp == row.tp
     assert cfg.parallel.resolve(row.gpus).vpp == row.vpp
     m = cfg.model
     lay = cfg.parallel.layer_layout(m.num_layers, m.mtp_num_layers)

@@ -63,17 +63,14 @@ class RootConfig:
             _fail(m, "vocab_size", m.vocab_size, f"is not divisible by parallel.tp = {par.tp} "
                   f"(the embedding and head are split over TP)",
                   f"pad it to a multiple of {par.tp}, e.g. {-(-m.vocab_size // par.tp) * par.tp}")
-        # The MTP blocks and their loss are built unsharded (not tensor/vocab-parallel) and MTP
-        # shifts tokens across CP shards, so the model build would refuse these layouts: say so
-        # here, before any rank starts, instead of as a traceback from build_model.
-        for degree in ("tp", "cp"):
-            if m.mtp_num_layers and getattr(par, degree) > 1:
-                _fail(m, "mtp_num_layers", m.mtp_num_layers,
-                      f"multi-token prediction does not support parallel.{degree} = "
-                      f"{getattr(par, degree)} yet ("
-                      + ("the MTP blocks and loss are not tensor/vocab-parallel" if degree == "tp"
-                         else "MTP shifts tokens across context-parallel shards") + ")",
-                      f"set model.mtp_num_layers: 0 or parallel.{degree}: 1")
+        # MTP shifts tokens across CP shards (Megatron exchanges the shard boundaries; moeplug
+        # does not yet), so the model build would refuse CP: say so here, before any rank
+        # starts, instead of as a traceback from build_model. TP/SP split MTP as any layer.
+        if m.mtp_num_layers and par.cp > 1:
+            _fail(m, "mtp_num_layers", m.mtp_num_layers,
+                  f"multi-token prediction does not support parallel.cp = {par.cp} yet (MTP "
+                  "shifts tokens across context-parallel shards)",
+                  "set model.mtp_num_layers: 0 or parallel.cp: 1")
         if m.attention == "mla" and par.cp > 1:  # else a traceback from every rank's build
             _fail(m, "attention", "mla", f"multi-head latent attention does not support "
                   f"parallel.cp = {par.cp} yet", "set model.attention: gqa or parallel.cp: 1")

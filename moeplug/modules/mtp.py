@@ -11,10 +11,18 @@ modules 1..k-1, and the embedding of the token k steps further on:
     L_MTP = mtp_loss_scaling_factor / K * sum_k L_k
 ``eh_proj`` stores its input columns as [embedding | hidden] — the order of the DeepSeek-V3
 checkpoint, Megatron and vLLM — which is the paper's M with its two column blocks swapped.
-Positions beyond S - k are simply cut: attention is causal, so the cut changes no kept position
-(Megatron rolls the sequence and masks the tail instead; same values). Packed documents: the
+Every depth runs on the whole sequence, as Megatron's ``roll_tensor``: depth k embeds t_{i+k}
+where i + k < S and token 0 at the k last positions, whose loss is not taken (the mean is over
+the S - k positions that have a target). Attention is causal, so those tail positions change
+no kept one; they are routed like any token (the MTP MoE block's aux loss and expert counts
+see all S, as Megatron's). Keeping the length S lets tensor and sequence parallelism split the
+MTP blocks as any layer (moeplug.parallelize.tp.apply_tp). Packed documents: the
 block at position i attends within the document of token i, as the main model's blocks
 (Megatron passes MTP the main attention mask and rotary positions).
+
+Tensor parallelism (Megatron's MultiTokenPredictionLayer): the embedding and output head are
+the main model's vocab-parallel ones; ``eh_proj`` is column-parallel with its output gathered
+(then scattered over the sequence under SP); the block is tensor-parallel as any layer.
 """
 
 from __future__ import annotations
@@ -27,6 +35,11 @@ from torch import nn
 
 from moeplug.config import ModelConfig
 from moeplug.modules.norm import RMSNorm
+
+# (logits of this rank's vocabulary columns for a normed hidden state, whole sequence) and the
+# mean cross-entropy of such logits: moeplug.modules.stages passes its TP-aware pair.
+Logits = Callable[[torch.Tensor], torch.Tensor]
+MeanCE = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class MTPLayer(nn.Module):
@@ -55,29 +68,28 @@ def mtp_depths(cfg: ModelConfig, seq_len: int) -> int:
 
 
 def mtp_hidden(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
-               targets_BS: torch.Tensor, embed: nn.Embedding,
+               targets_BS: torch.Tensor, embed: nn.Module,
                positions_BS: torch.Tensor | None = None):
-    """Each depth's normed hidden state ``norm_k(h_k)`` [B, S - k, D] (what the output head
-    reads), plus the MoE blocks' aux losses and counts: the MTP blocks' part of
-    :func:`mtp_losses`, which a pipeline's MTP stage runs when the loss sits in a later one.
+    """Each depth's normed hidden state ``norm_k(h_k)`` [B, S, D] (what the output head reads;
+    [B, S/TP, D] under SP, as ``h_BSD``), plus the MoE blocks' aux losses and counts: the MTP
+    blocks' part of :func:`mtp_losses`, which a pipeline's MTP stage runs when the loss sits in
+    a later one.
 
     ``targets_BS`` must be the next-token targets (``targets[:, i] = tokens[:, i + 1]``, as
-    ``moeplug.data.get_batch`` returns them): depth k reads token i + k from them.
+    ``moeplug.data.get_batch`` returns them): :func:`mtp_head_losses` reads depth k's from them.
     """
     S = tokens_BS.shape[1]
     if S > 1 and not torch.equal(targets_BS[:, :-1], tokens_BS[:, 1:]):
         raise ValueError("multi-token prediction needs next-token targets (targets[:, i] == "
                          "tokens[:, i + 1]); got other targets. Fix: pass the batch from "
                          "moeplug.data.get_batch, or set model.mtp_num_layers=0")
-    # t_0..t_S: every token the batch knows; depth k feeds t_{i+k}, predicts t_{i+k+1}.
-    seq_BS1 = torch.cat((tokens_BS[:, :1], targets_BS), dim=1)
     hidden, aux, counts = [], [], []
     for k, layer in enumerate(layers, start=1):
         if S - k <= 0:
             break  # too short to have a target k + 1 ahead: no loss at this depth
-        emb_BSD = embed(seq_BS1[:, k:S])
-        h_BSD, layer_aux, counts_E = layer(
-            h_BSD[:, :S - k], emb_BSD, None if positions_BS is None else positions_BS[:, :S - k])
+        # t_{i+k}, token 0 where i + k >= S (Megatron's roll_tensor fills its tail with 0).
+        emb_BSD = embed(F.pad(tokens_BS[:, k:], (0, k)))
+        h_BSD, layer_aux, counts_E = layer(h_BSD, emb_BSD, positions_BS)
         hidden.append(layer.norm(h_BSD))
         if counts_E is not None:
             aux.append(layer_aux.float())
@@ -86,25 +98,20 @@ def mtp_hidden(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch
 
 
 def mtp_head_losses(hidden: Sequence[torch.Tensor], tokens_BS: torch.Tensor,
-                    targets_BS: torch.Tensor, output_weight: Callable[[], torch.Tensor]):
+                    targets_BS: torch.Tensor, logits: Logits, mean_ce: MeanCE):
     """Per-depth cross-entropies [L_1, ..., L_K] of :func:`mtp_hidden`'s states through the
-    shared output head: depth k predicts t_{i+k+1}."""
+    shared output head (``logits``: the whole sequence's, this rank's vocabulary columns):
+    depth k predicts t_{i+k+1} = targets[:, i + k] at its S - k first positions."""
     S = tokens_BS.shape[1]
-    seq_BS1 = torch.cat((tokens_BS[:, :1], targets_BS), dim=1)
-    losses = []
-    for k, hn_BSD in enumerate(hidden, start=1):
-        logits_BSV = F.linear(hn_BSD, output_weight())
-        losses.append(F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
-                                      seq_BS1[:, k + 1:S + 1].reshape(-1)))
-    return losses
+    return [mean_ce(logits(hn_BSD)[:, :S - k], targets_BS[:, k:])
+            for k, hn_BSD in enumerate(hidden, start=1)]
 
 
 def mtp_losses(layers: Sequence[MTPLayer], h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
-               targets_BS: torch.Tensor, embed: nn.Embedding,
-               output_weight: Callable[[], torch.Tensor],
+               targets_BS: torch.Tensor, embed: nn.Module, logits: Logits, mean_ce: MeanCE,
                positions_BS: torch.Tensor | None = None):
     """Per-depth cross-entropies [L_1, ..., L_K] plus the MoE blocks' aux losses and counts:
     :func:`mtp_hidden` then :func:`mtp_head_losses`. ``positions_BS``: document positions
     (packed documents), or None."""
     hidden, aux, counts = mtp_hidden(layers, h_BSD, tokens_BS, targets_BS, embed, positions_BS)
-    return mtp_head_losses(hidden, tokens_BS, targets_BS, output_weight), aux, counts
+    return mtp_head_losses(hidden, tokens_BS, targets_BS, logits, mean_ce), aux, counts

@@ -119,7 +119,7 @@ class ModelStages:
         ``positions_BS``: document positions (packed documents; the MTP blocks' attention), or
         None."""
         # TP: logits_BSV holds this rank's V/TP vocabulary columns; [B, S, V] is never built.
-        logits_BSV = F.linear(self.wiring.enter(self.norm(x_BSD)), self.output_weight())
+        logits_BSV = self.vocab_logits(self.norm(x_BSD))
         mtp_aux = torch.zeros((), device=x_BSD.device, dtype=torch.float32)
         if targets_BS is None:
             return HeadOutput(logits_BSV, None, None, mtp_aux, [])
@@ -134,11 +134,23 @@ class ModelStages:
                              "micro-batch's tokens to the last pipeline stage")
         if mtp_hidden_states is None:
             depth_losses, aux, mtp_counts = mtp_losses(
-                self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.output_weight,
-                positions_BS)
+                self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.vocab_logits,
+                self.mean_cross_entropy, positions_BS)
         else:
             depth_losses, aux, mtp_counts = mtp_head_losses(
-                mtp_hidden_states, tokens_BS, targets_BS, self.output_weight), [], []
+                mtp_hidden_states, tokens_BS, targets_BS, self.vocab_logits,
+                self.mean_cross_entropy), [], []
         mtp_loss = (self.cfg.mtp_loss_scaling_factor / self.cfg.mtp_num_layers) * sum(
             depth_losses, torch.zeros((), device=x_BSD.device))
         return HeadOutput(logits_BSV, lm_loss, mtp_loss, sum(aux, mtp_aux), mtp_counts)
+
+    def vocab_logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """The output head on a normed hidden state: the whole sequence's logits of this TP
+        rank's vocabulary columns (under SP the sequence is gathered first)."""
+        return F.linear(self.wiring.enter(h_BSD), self.output_weight())
+
+    def mean_cross_entropy(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor
+                           ) -> torch.Tensor:
+        """Mean token cross-entropy of :meth:`vocab_logits`' logits, in fp32; vocab-parallel
+        under TP (the wiring's LM loss: MTP is refused under CP, so it is never CP's mean)."""
+        return self.wiring.lm_loss(logits_BSV, targets_BS)

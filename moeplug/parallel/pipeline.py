@@ -14,7 +14,7 @@ the loss alone. A stage may hold nothing at all: it passes its input on.
 
 Activations between stages are [B, S, D] (S / TP under SP). After a stage of MTP blocks that
 is not the last, they are the main hidden state and each MTP depth's normed hidden state,
-concatenated along the sequence ([B, S + (S-1) + ... + (S-K), D]; MTP runs without TP and CP):
+concatenated along the sequence ([B, (1 + K) S, D], S / TP each under SP; MTP runs without CP):
 the loss stage computes every logit, as Megatron's MTP block hands its hidden states to the
 output layer.
 
@@ -123,10 +123,10 @@ class PipelineChunk(ModelStages, nn.Module):
         CP shard): under SP each TP rank holds S / TP positions, as between any two blocks;
         after the MTP stage the MTP hidden states follow along S."""
         B, S = tokens_BS.shape
-        if self.receives_mtp:
-            return (B, S + sum(S - k for k in range(1, mtp_depths(self.cfg, S) + 1)),
-                    self.hidden_size)
-        return (B, self.wiring.local_seq_len(S), self.hidden_size)
+        s = self.wiring.local_seq_len(S)
+        if self.receives_mtp:  # the main hidden state and one per MTP depth, each [B, s, D]
+            return (B, s * (1 + mtp_depths(self.cfg, S)), self.hidden_size)
+        return (B, s, self.hidden_size)
 
     def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None,
                 tokens_BS: torch.Tensor | None = None,
@@ -140,9 +140,7 @@ class PipelineChunk(ModelStages, nn.Module):
             x = self.embed_tokens(x)
         mtp_in = None  # the MTP depths' normed hidden states, from an earlier stage
         if self.receives_mtp:
-            S = tokens_BS.shape[1]
-            sizes = [S] + [S - k for k in range(1, mtp_depths(self.cfg, S) + 1)]
-            x, *mtp_in = torch.split(x, sizes, dim=1)
+            x, *mtp_in = x.chunk(1 + mtp_depths(self.cfg, tokens_BS.shape[1]), dim=1)
         blocks_out = self.run_blocks(x, self.blocks.values(), self.layers.start, positions_BS)
         x, aux, counts = blocks_out.x_BSD, blocks_out.aux_loss, blocks_out.expert_counts
         if self.runs_mtp and not self.is_last:

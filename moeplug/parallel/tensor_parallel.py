@@ -140,6 +140,30 @@ class RowParallelLinear(nn.Module):
         return exit_tp_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
 
 
+class GatheredColumnParallelLinear(nn.Module):
+    """Megatron's ColumnParallelLinear followed by ``gather_from_tensor_model_parallel_region``
+    (the MTP ``eh_proj``): rows [r*out/W, (r+1)*out/W) of the [out, in] weight, the input
+    entered into the TP region here, the [..., out/W] outputs all-gathered along the last dim
+    (backward: this rank's columns of the replicated grad). Under SP the input is this rank's
+    [B, s, in] chunk, gathered over the sequence first, and the output is scattered back to
+    its [B, s, out] chunk: the same contract as ``nn.Linear(in, out)`` on the activation."""
+
+    def __init__(self, in_features: int, out_features: int, group: Any,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        W = comm.group_size(group)
+        _check_divisible("GatheredColumnParallelLinear out_features", out_features, W,
+                         "choose tp dividing the hidden size")
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features // W, in_features))
+        self.weight.partition_dim = 0
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        y_BSDl = F.linear(enter_tp_region(x_BSD, self.group, self.sequence_parallel), self.weight)
+        y_BSD = comm.gather_from_tp_region(y_BSDl.contiguous(), self.group)
+        return scatter_sequence(y_BSD, self.group) if self.sequence_parallel else y_BSD
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [r*Vl, (r+1)*Vl) of the [V, D] table; ids outside this range look up zeros, and the
     ranks' partial results are summed (all-reduce, or reduce-scatter over the sequence under SP,

@@ -4,7 +4,8 @@ and import nothing of moeplug.parallel; this package changes a built model, in a
 
     1. TP / SP     (tp.apply_tp)        attention q/k/v column- and o row-parallel, dense MLP
                                         gate/up column- and down row-parallel, vocab-parallel
-                                        embedding and head, ``sequence_parallel`` grad flags,
+                                        embedding and head, the MTP blocks and eh_proj,
+                                        ``sequence_parallel`` grad flags,
                                         the TP region hooks (wiring.ParallelWiring)
     2. CP          (cp.apply_cp)        CP attention and the CP loss / aux-loss hooks, added
                                         to the TP wiring; then the wiring is installed
@@ -45,9 +46,9 @@ def parallelize_model(model: nn.Module, cfg: RootConfig, groups: Any = None) -> 
     nothing)."""
     wiring = apply_tp(model, groups)
     wiring = apply_cp(model, groups, wiring)
-    if wiring is not None:  # the main model's modules; the MTP blocks stay unsplit
+    if wiring is not None:  # the model's stages, its blocks and the MTP blocks
         model.wiring = wiring
-        install(model.blocks, wiring)
+        install([*model.blocks, *model.mtp], wiring)
     apply_ep(model, groups)
     m = cfg.model
     apply_recompute(model, m.recompute)  # selective: marks modules; full: run_blocks reads it

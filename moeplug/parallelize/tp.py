@@ -8,9 +8,11 @@ moeplug.parallel.tensor_parallel's):
   * dense SwiGLU: gate/up column-parallel, down row-parallel;
   * embedding: vocab-parallel; output head: column-parallel over the vocabulary, fed to the
     vocab-parallel cross-entropy;
-  * MLA attention: not split (replicated on every TP rank; ParallelWiring.whole_sequence).
-Layers keep their names, so checkpoints and state dicts do not change. The MTP blocks stay
-unsplit (MTP under TP is refused here).
+  * MLA attention: not split (replicated on every TP rank; ParallelWiring.whole_sequence);
+  * MTP (Megatron's MultiTokenPredictionLayer): each depth's block as any decoder block, its
+    ``eh_proj`` column-parallel with the output gathered (scattered over the sequence under SP),
+    the embedding and head the main model's vocab-parallel ones.
+Layers keep their names, so checkpoints and state dicts do not change.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from moeplug.modules.norm import RMSNorm
 from moeplug.moe import MoELayer
 from moeplug.parallel import comm
 from moeplug.parallel.experts import expert_param_names
-from moeplug.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                              VocabParallelEmbedding, check_divisible,
-                                              mark_sequence_parallel)
+from moeplug.parallel.tensor_parallel import (ColumnParallelLinear, GatheredColumnParallelLinear,
+                                              RowParallelLinear, VocabParallelEmbedding,
+                                              check_divisible, mark_sequence_parallel)
 from moeplug.parallelize.wiring import ParallelWiring
 
 
@@ -73,18 +75,13 @@ def apply_tp(model: nn.Module, groups: Any) -> ParallelWiring | None:
     if tp is None:
         return None
     cfg = model.cfg
-    if cfg.mtp_num_layers:
-        # mtp_losses takes full-vocabulary logits and the MTP blocks are built unsharded, so
-        # TP would crash (or, worse, silently count MTP expert grads TP times).
-        raise ValueError(f"ModelConfig.mtp_num_layers = {cfg.mtp_num_layers} does not support "
-                         f"tensor parallelism yet (tp = {groups.size('tp')}): the MTP blocks "
-                         "and their loss are not tensor/vocab-parallel. Fix: set "
-                         "mtp_num_layers: 0 or parallel.tp: 1")
-    for block in model.blocks:
+    for block in [*model.blocks, *(layer.block for layer in model.mtp)]:
         if isinstance(block.attn, Attention):
             parallelize_attention(block.attn, cfg, tp, sp)
         if isinstance(block.ffn, SwiGLUMLP):
             parallelize_mlp(block.ffn, tp, sp)
+    for layer in model.mtp:  # [emb | hidden] -> D, gathered so the block gets a decoder's input
+        layer.eh_proj = GatheredColumnParallelLinear(2 * cfg.hidden_size, cfg.hidden_size, tp, sp)
     parallelize_embedding_and_flags(model, tp, sp)
     return ParallelWiring(tp_group=tp, sequence_parallel=sp)
 

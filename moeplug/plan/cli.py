@@ -11,7 +11,8 @@ import argparse
 
 from moeplug.config import ConfigError
 
-MAPPING_KEYS = ("tp", "cp", "pp", "ep", "etp", "vpp", "mbs")
+MAPPING_KEYS = ("tp", "cp", "pp", "ep", "etp", "vpp", "mbs", "fsdp", "fsdp_reshard")
+SWITCH_KEYS = ("fsdp", "fsdp_reshard")  # 0 or 1 (parallel.fsdp, _reshard_after_forward)
 
 
 def add_plan_parser(sub) -> None:
@@ -28,7 +29,9 @@ def add_plan_parser(sub) -> None:
                    "or the config's world)")
     p.add_argument("--mapping", metavar="K=V,..", help=f"keys {', '.join(MAPPING_KEYS)}, "
                    "and last layout=STRING (Megatron's pipeline layout, which may hold commas); "
-                   "e.g. tp=2,ep=8,pp=4,vpp=2 or 'pp=8,ep=32,layout=Et*3|(tt|)*29m|L'")
+                   "e.g. tp=2,ep=8,pp=4,vpp=2 or 'pp=8,ep=32,layout=Et*3|(tt|)*29m|L'; "
+                   "fsdp=1 plans FSDP2 (parallel.fsdp), fsdp_reshard=0 keeps the gathered "
+                   "parameters from forward to backward")
     p.add_argument("--search", action="store_true", help="rank every valid mapping")
     p.add_argument("--gbs", type=int, metavar="N", help="global batch in sequences "
                    "(default: 8 per data-parallel rank ... the config's)")
@@ -61,11 +64,16 @@ def _parse_mapping(text: str) -> dict:
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")
         key = key.strip()
+        if key in SWITCH_KEYS and sep and value.strip() not in ("0", "1"):
+            raise ConfigError(f"--mapping {text!r}: bad item {item!r}: {key} is a switch. "
+                              f"Fix: write {key}=1 (on) or {key}=0 (off)")
         if not sep or key not in MAPPING_KEYS or not value.strip().isdigit() \
-                or int(value) < 1:  # a 0 degree once reached a ZeroDivisionError traceback
+                or (int(value) < 1 and key not in SWITCH_KEYS):
+            # (a 0 degree once reached a ZeroDivisionError traceback)
             raise ConfigError(f"--mapping {text!r}: bad item {item!r}. Fix: write "
                               f"key=integer pairs (each >= 1) with keys "
-                              f"{', '.join(MAPPING_KEYS)}, e.g. --mapping tp=2,ep=8,pp=4")
+                              f"{', '.join(MAPPING_KEYS)} (fsdp and fsdp_reshard 0 or 1), e.g. "
+                              "--mapping tp=2,ep=8,pp=4")
         out[key] = int(value)
     return out
 
@@ -92,7 +100,8 @@ def config_inputs(path: str):
                   mbs=tr.micro_batch_size, seq=tr.seq_len,
                   gbs_per_dp=tr.micro_batch_size * tr.grad_accum_steps,
                   first_stage_layers=par.num_layers_in_first_stage,
-                  last_stage_layers=par.num_layers_in_last_stage)
+                  last_stage_layers=par.num_layers_in_last_stage,
+                  fsdp=int(par.fsdp), fsdp_reshard=int(par.fsdp_reshard_after_forward))
     if par.pipeline_layout is not None or par.account_for_embedding_in_pipeline_split \
             or par.account_for_loss_in_pipeline_split:  # the config's split, as a layout
         fields["layout"] = par.layer_layout(root.model.num_layers,

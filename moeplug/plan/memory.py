@@ -47,8 +47,16 @@ class Mapping:
     # Megatron's layout string (parallel.pipeline_layout): what every virtual stage holds;
     # sets vpp when vpp is 1 (moeplug.plan.split).
     layout: str | None = None
+    # FSDP2 (parallel.fsdp): 1 shards parameters, gradients and optimizer state over DP x CP /
+    # EDP (moeplug.plan.fsdp); fsdp_reshard = parallel.fsdp_reshard_after_forward.
+    fsdp: int = 0
+    fsdp_reshard: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("fsdp", "fsdp_reshard"):
+            if getattr(self, name) not in (0, 1) or isinstance(getattr(self, name), bool):
+                raise ConfigError(f"--mapping {name}={getattr(self, name)!r}: must be 0 or 1. "
+                                  f"Fix: write {name}=1 (on) or {name}=0 (off)")
         for name in ("world", "tp", "cp", "pp", "ep", "etp", "vpp", "mbs", "seq", "gbs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "gbs" else 1):
@@ -108,7 +116,8 @@ class Mapping:
         s = f"TP{self.tp} EP{self.ep} PP{self.pp}"
         return s + (f" CP{self.cp}" if self.cp > 1 else "") + \
             (f" VPP{self.vpp}" if self.vpp > 1 else "") + \
-            (f" ETP{self.etp}" if self.etp > 1 else "") + f" MBS{self.mbs}"
+            (f" ETP{self.etp}" if self.etp > 1 else "") + f" MBS{self.mbs}" + \
+            ((" FSDP" + ("" if self.fsdp_reshard else " (kept gathered)")) if self.fsdp else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,6 +285,8 @@ class MemoryBreakdown:
     optimizer: float
     activations: dict = field(default_factory=dict)
     comm_buffers: float = 0.0
+    # FSDP: the parameters (and one gradient) gathered unsharded while blocks compute
+    fsdp_gathered: float = 0.0
 
     @property
     def activations_total(self) -> float:
@@ -283,7 +294,8 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return self.weights_grads + self.optimizer + self.activations_total + self.comm_buffers
+        return self.weights_grads + self.optimizer + self.activations_total + \
+            self.comm_buffers + self.fsdp_gathered
 
 
 def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
@@ -299,6 +311,10 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
         optim = state * (dense + expert)
     if opt.param_bytes == 4:                       # fp32 training: the weights are the master
         optim -= 4 * (dense + expert) / ((mp.dp * mp.cp) if opt.distributed_optimizer else 1)
+    gathered = 0.0
+    if mp.fsdp:  # everything sharded, plus the unsharded working set (moeplug.plan.fsdp)
+        from moeplug.plan.fsdp import fsdp_memory
+        wg, optim, gathered = fsdp_memory(cfg, mp, opt, part, dense, expert)
     acts: dict[str, float] = {}
     held = inflight(mp, rank)  # per chunk
     layers = part.layers
@@ -331,7 +347,7 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
         comm = 2 * tok / mp.tp * cfg.moe.top_k * cfg.hidden_size * opt.act_bytes \
             * (opt.token_budget or 1.0)
     return MemoryBreakdown(rank=rank, weights_grads=wg, optimizer=optim, activations=acts,
-                           comm_buffers=comm)
+                           comm_buffers=comm, fsdp_gathered=gathered)
 
 
 def peak_memory(cfg: ModelConfig, mp: Mapping, opt: Options) -> MemoryBreakdown:

@@ -262,6 +262,10 @@ def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
             dp_s += _collective(n * (opt.grad_bytes + opt.param_bytes) * (d - 1) / d, 2, bw, c)
     backward = (2 / 3) * m * (slow["gemm"] + slow["attention"])
     parts["dp_comm"] = max(0.0, dp_s - backward)
+    if mp.fsdp:  # FSDP's per-micro-batch gathers and reduce-scatters replace ZeRO-1's
+        from moeplug.plan.fsdp import fsdp_seconds
+        parts["dp_comm"] = 0.0
+        parts["fsdp_comm"] = fsdp_seconds(cfg, mp, opt, c, split, slow)
     # Optimizer: read and write master weights, moments and gradients of the local shard.
     shard = dense / (mp.dp * mp.cp) + expert / mp.edp
     parts["optimizer"] = shard * 32 / (c.hbm_tbps * 1e12)

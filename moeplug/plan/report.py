@@ -18,6 +18,8 @@ def memory_text(mem: MemoryBreakdown, limit_gb: float) -> str:
              f"  activations          {mem.activations_total / div:8.1f}"]
     for k, v in sorted(mem.activations.items(), key=lambda kv: -kv[1]):
         lines.append(f"    {k:<18} {v / div:8.1f}")
+    if mem.fsdp_gathered:
+        lines.append(f"  FSDP gathered        {mem.fsdp_gathered / div:8.1f}")
     lines += [f"  comm buffers         {mem.comm_buffers / div:8.1f}",
               f"  total                {mem.total / div:8.1f}  (device {limit_gb:.0f} GB)"]
     return "\n".join(lines)
