@@ -152,7 +152,7 @@ class GatheredColumnParallelLinear(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         W = comm.group_size(group)
-        _check_divisible("GatheredColumnParallelLinear out_features", out_features, W,
+        check_divisible("GatheredColumnParallelLinear out_features", out_features, W,
                          "choose tp dividing the hidden size")
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features // W, in_features))
