@@ -6,3 +6,5 @@ __version__ = "0.1.0"
 # `from moeplug import hookimpl` keeps working for plugins written before it. hookspecs imports
 # only pluggy.
 from moeplug.hookspecs import hookimpl  # noqa: E402
+
+__all__ = ["hookimpl"]
