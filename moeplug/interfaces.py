@@ -234,17 +234,31 @@ class Experts(nn.Module, abc.ABC):
     #: The backend implements :meth:`forward_packed`, which runtime.sync_free on the CPU then
     #: calls instead of ``forward`` on budget rows: no FLOPs on padding rows.
     packed_rows: bool = False
+    #: Under a low-precision recipe (a Precision declaring ``quantizes_gemms``: the emulated
+    #: FP8/FP4 recipes) ``forward`` runs its GEMMs through ``moeplug.quant.active_recipe()``
+    #: (``moeplug.quant.quant_expert_mlp``, or ``F.linear``, which the recipe intercepts while
+    #: it is active). A backend without it is refused under such a recipe: its GEMMs would
+    #: silently stay in full precision.
+    runs_recipe: bool = False
 
     @abc.abstractmethod
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         ...
 
     @classmethod
-    def missing_capability(cls, *, sync_free: bool, capture: bool) -> str | None:
-        """What this backend lacks for runtime.sync_free / runtime.capture: its name, the
-        capability and the fix in one line (the plugin host refuses the run with it before any
-        rank starts), or None."""
+    def missing_capability(cls, *, sync_free: bool, capture: bool,
+                           recipe: str | None = None) -> str | None:
+        """What this backend lacks for runtime.sync_free / runtime.capture / the low-precision
+        recipe named ``recipe``: its name, the capability and the fix in one line (the plugin
+        host refuses the run with it before any rank starts), or None."""
         name = cls.__name__
+        if recipe is not None and not cls.runs_recipe:
+            return (f"{name} does not declare runs_recipe, which plugins.precision: {recipe} "
+                    f"needs (its forward runs its GEMMs through moeplug.quant.active_recipe(): "
+                    f"quant_expert_mlp, or F.linear, which the recipe intercepts; else they "
+                    f"would stay in full precision). Fix: declare runs_recipe = True on {name} "
+                    f"once its forward does (moeplug.interfaces.Experts), use plugins.experts: "
+                    f"grouped, or plugins.precision: bf16")
         if sync_free and not cls.budget_rows:
             return (f"{name} does not declare budget_rows, which runtime.sync_free needs (its "
                     f"forward then takes a token budget's fixed rows: B per local expert, zero "
@@ -291,6 +305,10 @@ class Precision(abc.ABC):
     #: Rows per expert must be a multiple of it for the recipe's grouped GEMMs (16 FP8, 32
     #: MXFP8/NVFP4); the ``topk`` router pads to it.
     row_alignment: int = 1
+    #: Its ``autocast`` runs each transformer block's GEMMs through a ``moeplug.quant`` recipe
+    #: (``moeplug.quant.active_recipe()`` is set there): the experts backend must then declare
+    #: ``Experts.runs_recipe``, or the run is refused before any rank starts.
+    quantizes_gemms: bool = False
 
     def autocast(self, device_type: str) -> ContextManager:
         return contextlib.nullcontext()

@@ -629,21 +629,24 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
     # one process: every expert local (a dispatcher that failed above does not hide the rest)
     local = m.moe.num_experts if dispatcher is None else dispatcher.num_local_experts
     experts = attempt(host.create, "experts", p.experts, dict(p.experts_options), m, local)
+    precision = attempt(host.create, "precision", p.precision, dict(p.precision_options))
     if experts is not None:
         attempt(_check_expert_op_levers, type(experts), cfg)
-        attempt(_check_mode_capabilities, type(experts), cfg)
-    precision = attempt(host.create, "precision", p.precision, dict(p.precision_options))
+        attempt(_check_mode_capabilities, type(experts), cfg, precision)
     problems.raise_all(PluginError)
     return precision
 
 
-def _check_mode_capabilities(experts_cls: type, cfg: Any) -> None:
+def _check_mode_capabilities(experts_cls: type, cfg: Any, precision: Any = None) -> None:
     """runtime.sync_free and runtime.capture call the experts backend on budget rows
-    (moeplug.moe.budgeted): a backend that does not declare it takes them is refused here,
-    before any process group, rather than bypassed or failing in a step."""
+    (moeplug.moe.budgeted), a low-precision recipe expects it to run its GEMMs through the
+    recipe: a backend that does not declare it does is refused here, before any process group,
+    rather than bypassed (unquantized GEMMs) or failing in a step."""
     rt = cfg.runtime
+    recipe = cfg.plugins.precision if precision is not None and precision.quantizes_gemms \
+        else None
     missing = experts_cls.missing_capability(sync_free=bool(rt.sync_free),
-                                             capture=bool(rt.capture))
+                                             capture=bool(rt.capture), recipe=recipe)
     if missing is not None:
         raise PluginError(f"plugins.experts = {cfg.plugins.experts!r}: {missing}")
 
