@@ -198,3 +198,19 @@ def test_moe_layer_fwd_bwd(benchmark, report, dtype_name):
                times["hf_mixtral"] / times["grouped"])
     benchmark.extra_info.update({k: v * 1e3 for k, v in times.items()})
     benchmark.pedantic(candidates["grouped"], rounds=1, iterations=1)
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_moe_layer_old_vs_new(report, dtype_name):
+    """#44 item 8: the same layer (standard shape, topk + alltoall + grouped, built from the
+    config) fwd+bwd in the baseline tree and in this one, alternating in one run
+    (benchmarks/_baseline.py); output and every gradient bitwise equal, the new/old time within
+    the noise band."""
+    from benchmarks._baseline import NOISE_BAND, old_vs_new
+    res = old_vs_new("moe_layer", {"T": T, "D": D, "F": F, "E": E, "K": K, "dtype": dtype_name},
+                     pairs=5, warmup=1)
+    report.row(f"moe layer {dtype_name} fwd+bwd T{T} D{D} F{F} E{E} K{K}",
+               "new / old (median pair)", res.median, note=res.note())
+    print(f"\nmoe layer {dtype_name} old vs new: {res.median:.3f} ({res.note()}); "
+          f"band {NOISE_BAND[0]:.2f}-{NOISE_BAND[1]:.2f}; digest {res.new_digest}")
+    res.check()

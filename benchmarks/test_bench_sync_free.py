@@ -190,3 +190,38 @@ def test_ep2_moe_layer_static_vs_dynamic(report):
     report.row(name, "dynamic / static eager", times["dynamic"] / times["static"],
                note=f"static {times['static'] * 1e3:.1f} ms, dynamic "
                     f"{times['dynamic'] * 1e3:.1f} ms")
+
+
+OLD_VS_NEW = {  # name: (workload, params, pairs)
+    "layer eager small": ("moe_layer", {"T": 512, "D": 128, "F": 256, "E": 8, "K": 2,
+                                        "runtime": {"sync_free": True}}, 15),
+    "layer eager mid": ("moe_layer", {"T": 2048, "D": 512, "F": 704, "E": 16, "K": 4,
+                                      "runtime": {"sync_free": True}}, 9),
+    "layer replay small": ("moe_layer", {"T": 512, "D": 128, "F": 256, "E": 8, "K": 2,
+                                         "runtime": {"sync_free": True, "capture": True}}, 15),
+    "train_step eager": ("train_step", {
+        "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "max_seq_len": 128, "first_k_dense": 0,
+                  "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 128}},
+        "train": {"steps": 100, "micro_batch_size": 4, "seq_len": 128, "warmup_steps": 1,
+                  "grad_accum_steps": 1},
+        # a budget no step goes over (the default 2.0 reran 16 of 17 steps here, in both trees:
+        # the timing would be the dynamic path's)
+        "runtime": {"sync_free": True, "token_budget": 4.0}}, 15),
+}
+
+
+@pytest.mark.parametrize("case", list(OLD_VS_NEW))
+def test_sync_free_old_vs_new(report, case):
+    """#44 item 8: runtime.sync_free (eager, and capture's replay) in the baseline tree and in
+    this one, alternating in one run (benchmarks/_baseline.py), one thread each as above: the
+    same outputs and gradients (or every step's loss) bitwise, no over-budget rerun, the
+    new/old time within the noise band. The first unit (untimed) compiles under capture."""
+    from benchmarks._baseline import NOISE_BAND, old_vs_new
+    kind, params, pairs = OLD_VS_NEW[case]
+    res = old_vs_new(kind, params, pairs=pairs, warmup=2, threads=1)
+    report.row(f"sync-free {case}", "new / old (median pair)", res.median, note=res.note())
+    print(f"\nsync-free {case} old vs new: {res.median:.3f} ({res.note()}); "
+          f"band {NOISE_BAND[0]:.2f}-{NOISE_BAND[1]:.2f}; digest {res.new_digest}")
+    assert res.new_digest.get("sync_free_reruns", 0) == 0
+    res.check()

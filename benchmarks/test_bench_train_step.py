@@ -73,3 +73,23 @@ def test_train_step_mfu(report, precision_name):
                target=TARGET_MFU_FP32 if precision_name == "fp32" else None,
                note=f"{model_gflops:.0f} vs {mm_gflops:.0f} GFLOP/s, "
                     f"{times['train_step'] * 1e3:.0f} ms/step")
+
+
+def test_train_step_old_vs_new(report):
+    """#44 item 8: this file's model and train_step in the baseline tree and in this one,
+    alternating step by step in one run (benchmarks/_baseline.py): every step's loss and grad
+    norm bitwise equal, the new/old step time within the noise band."""
+    from benchmarks._baseline import NOISE_BAND, old_vs_new
+    params = {"model": {"hidden_size": D, "num_layers": LAYERS, "num_heads": 8,
+                        "num_kv_heads": 4, "max_seq_len": SEQ, "first_k_dense": 0,
+                        "vocab_size": VOCAB,
+                        "moe": {"num_experts": E, "top_k": K, "ffn_hidden_size": F}},
+              "train": {"steps": 100, "micro_batch_size": BATCH, "seq_len": SEQ,
+                        "warmup_steps": 1, "grad_accum_steps": 1},
+              "vocab": VOCAB}
+    res = old_vs_new("train_step", params, pairs=4, warmup=1)
+    report.row(f"train_step fp32 D{D} E{E} top{K} F{F} seq{SEQ} x{LAYERS} layers",
+               "new / old (median pair)", res.median, note=res.note())
+    print(f"\ntrain_step old vs new: {res.median:.3f} ({res.note()}); "
+          f"band {NOISE_BAND[0]:.2f}-{NOISE_BAND[1]:.2f}; losses {res.new_digest}")
+    res.check()

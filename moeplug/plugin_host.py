@@ -630,9 +630,10 @@ def check_plugins(host: "PluginHost", cfg: Any) -> Any:
     # one process: every expert local (a dispatcher that failed above does not hide the rest)
     local = m.moe.num_experts if dispatcher is None else dispatcher.num_local_experts
     experts = attempt(host.create, "experts", p.experts, dict(p.experts_options), m, local)
-    if experts is not None:  # the modes' rules on the backend's declared capabilities
-        with problems.check():
-            check_modes(cfg, experts=type(experts))
     precision = attempt(host.create, "precision", p.precision, dict(p.precision_options))
+    if experts is not None:  # the modes' rules on the backend's (and recipe's) declared capabilities
+        with problems.check():
+            check_modes(cfg, experts=type(experts),
+                        precision=None if precision is None else type(precision))
     problems.raise_all(PluginError)
     return precision

@@ -60,8 +60,10 @@ def _lines(rule: Rule, without: bool = False) -> list[str]:
                 modes.RULES = saved
         else:
             cfg = config_from_dict(copy.deepcopy(dict(rule.example)))
-            fact = ({"experts": _bare_experts(dict(rule.declares))} if rule.needs == "experts"
-                    else {"device": "cuda"})
+            # a recipe that quantizes GEMMs beside the experts (the precision rule reads it)
+            fact = ({"experts": _bare_experts(dict(rule.declares)),
+                     "precision": type("QuantizingPrecision", (), {"quantizes_gemms": True})}
+                    if rule.needs == "experts" else {"device": "cuda"})
             check_modes(cfg, rules=rules, **fact)
     except ConfigError as e:
         return e.errors
@@ -89,7 +91,9 @@ def test_every_rule_refuses_its_example_naming_field_value_and_fix(rule):
 def test_the_default_run_passes_every_rule(needs):
     cfg = config_from_dict({})
     fact = {"config": {}, "experts": {"experts": _bare_experts(
-        {"budget_rows": True, "capturable": True, "can_recompute_activation": True})},
+        {"budget_rows": True, "capturable": True, "can_recompute_activation": True,
+         "runs_recipe": True}), "precision": type("QuantizingPrecision", (),
+                                                  {"quantizes_gemms": True})},
         "device": {"device": "cuda"}}[needs]
     check_modes(cfg, **fact)
     # a CPU run meets no device rule, whatever it asks

@@ -119,6 +119,7 @@ class QuantizedPrecision(Precision):
     device. Parameters, gradients and optimizer state stay fp32."""
 
     compute_dtype = torch.bfloat16
+    quantizes_gemms = True
 
     def __init__(self, name: str, recipe, options: QuantOptions):
         self.name, self.recipe, self.options = name, recipe, options

@@ -9,7 +9,8 @@ A mode states its rules in its own module here, one small file each (``RULES``, 
     delay_wgrad  model.moe.delay_wgrad_compute: grouped experts, fp32/bf16, CPU, no stash
     recompute    model.recompute: moe_act's backend capability, the swiglu CUDA path
     offload      model.offload against recompute
-    precision    plugins.precision's recipes against train.master_dtype / param_dtype
+    precision    plugins.precision's recipes against train.master_dtype / param_dtype, and
+                 a recipe that quantizes GEMMs against an experts backend not running it
     fsdp         parallel.fsdp against ZeRO-1, combined 1F1B and the other sections
     device       train.device: what a GPU does not run yet
 
@@ -44,9 +45,10 @@ RULES: tuple[Rule, ...] = tuple(r for module in _MODULES for r in module.RULES)
 
 
 def check_modes(cfg, *, experts: type | None = None, device: str | None = None,
-                rules: tuple[Rule, ...] | None = None) -> None:
+                precision: type | None = None, rules: tuple[Rule, ...] | None = None) -> None:
     """Run the mode rules (``rules``, default every one) that read the fact given: with
-    ``experts`` (the chosen Experts class), the ``experts`` rules; with ``device`` ("cuda" or
+    ``experts`` (the chosen Experts class; ``precision``, the chosen Precision class, beside
+    it), the ``experts`` rules; with ``device`` ("cuda" or
     "cpu", what train.device resolved to), the ``device`` rules; with neither, the ``config``
     rules (RootConfig runs these). ConfigError listing every broken rule, one line each; while
     a config load collects problems (moeplug.config.loader), the config rules record theirs."""
@@ -54,7 +56,7 @@ def check_modes(cfg, *, experts: type | None = None, device: str | None = None,
         raise TypeError("check_modes: give experts or device, not both (they become known at "
                         "different points: check_plugins, resolve_device)")
     needs = "experts" if experts is not None else "device" if device is not None else "config"
-    facts = Facts(cfg, experts=experts, device=device)
+    facts = Facts(cfg, experts=experts, device=device, precision=precision)
     chosen = [r for r in (RULES if rules is None else rules) if r.needs == needs]
     if needs == "config":
         for rule in chosen:  # _fail records while a load collects, else raises the first

@@ -7,19 +7,22 @@ from typing import Any, Callable, Mapping
 
 # When each fact becomes known, all before any process group exists (moeplug.cli cmd_train):
 #   config   the RootConfig alone: its __post_init__, on every load (CLI, library, plan, resume)
-#   experts  the chosen Experts class's declared capabilities: plugin_host.check_plugins
+#   experts  the chosen Experts class's declared capabilities (and the Precision class's):
+#            plugin_host.check_plugins
 #   device   the device train.device resolved to: training.distributed.resolve_device
 NEEDS = ("config", "experts", "device")
 
 
 @dataclass(frozen=True, slots=True)
 class Facts:
-    """What a rule may read: the run's config, and (once known) the chosen Experts class and
-    the device ``train.device`` resolved to ("cuda" or "cpu")."""
+    """What a rule may read: the run's config, and (once known) the chosen Experts class (with
+    the Precision class beside it: its declared ``quantizes_gemms``) and the device
+    ``train.device`` resolved to ("cuda" or "cpu")."""
 
     cfg: Any  # the RootConfig
     experts: type | None = None
     device: str | None = None
+    precision: type | None = None
 
     @property
     def device_field(self) -> str:

@@ -4,7 +4,7 @@ modules.)"""
 
 from __future__ import annotations
 
-from moeplug.config._checks import _fail
+from moeplug.config._checks import ConfigError, _fail
 from moeplug.config.modes._rule import Facts, Rule
 
 
@@ -20,5 +20,23 @@ def _bf16_weights(name: str):
     return check
 
 
-RULES = tuple(Rule("precision", "config", f"TrainConfig.{name}", _bf16_weights(name),
-                   {"train": {name: "bf16"}}) for name in ("master_dtype", "param_dtype"))
+def _experts_runs_recipe(f: Facts) -> None:
+    # A recipe that quantizes GEMMs (Precision.quantizes_gemms) reaches an experts backend's
+    # GEMMs only through moeplug.quant.active_recipe(); one that does not declare it runs them
+    # (runs_recipe) would silently stay in full precision: refused, never bypassed.
+    if f.precision is None or not f.precision.quantizes_gemms or f.experts.runs_recipe:
+        return
+    name, recipe = f.experts.__name__, f.cfg.plugins.precision
+    raise ConfigError(
+        f"plugins.experts = {f.cfg.plugins.experts!r}: {name} does not declare runs_recipe, "
+        f"which plugins.precision: {recipe} needs (its forward runs its GEMMs through "
+        f"moeplug.quant.active_recipe(): quant_expert_mlp, or F.linear, which the recipe "
+        f"intercepts; else they would stay in full precision). Fix: declare runs_recipe = True "
+        f"on {name} once its forward does (moeplug.interfaces.Experts), use plugins.experts: "
+        f"grouped, or plugins.precision: bf16")
+
+
+RULES = (*(Rule("precision", "config", f"TrainConfig.{name}", _bf16_weights(name),
+                {"train": {name: "bf16"}}) for name in ("master_dtype", "param_dtype")),
+         Rule("precision", "experts", "plugins.experts", _experts_runs_recipe,
+              {"plugins": {"precision": "fp8_tensorwise"}}))

@@ -22,6 +22,7 @@ class GroupedExperts(ExpertParams):
     # runtime.sync_free: budget rows and their packed form; runtime.capture compiles or records
     # both (the ops are custom ops of static shape on the CPU, batched GEMMs on a GPU).
     budget_rows = True
+    runs_recipe = True  # quant_expert_mlp under active_recipe()
     packed_rows = True
     capturable = True
 

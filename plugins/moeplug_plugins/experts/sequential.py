@@ -17,6 +17,7 @@ class SequentialExperts(ExpertParams):
     # rows of weight 0 (computed for nothing, but correctly). Not capturable: the reference
     # backend reads its counts on the host.
     budget_rows = True
+    runs_recipe = True  # quant_expert_mlp under active_recipe()
 
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
         recipe = active_recipe()  # a low-precision precision plugin's recipe (emulated GEMMs)

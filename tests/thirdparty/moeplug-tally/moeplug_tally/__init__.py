@@ -11,11 +11,15 @@ layout, and nothing else (no ``activation`` attribute, say: what the core needs 
 by calling forward). Its loop takes a token budget's fixed rows as they come, so it declares
 ``budget_rows`` (docs/plugins.md, "Declared capabilities") and runtime.sync_free calls it on
 them; it declares no ``capturable`` (``counts_L.tolist()`` breaks a compiled graph), so
-runtime.capture refuses it. ``tally_plain`` is the same loop declaring nothing, as a plugin
-written before the capability was documented: runtime.sync_free refuses it. With
+runtime.capture refuses it. Under a low-precision recipe its GEMMs go through
+``moeplug.quant.quant_linear`` with the active recipe, so it declares ``runs_recipe``.
+``tally_plain`` is the same loop declaring nothing (its GEMMs plain ``@``), as a plugin
+written before the capabilities were documented: runtime.sync_free and the FP8/FP4 recipes
+refuse it. With
 ``$MOEPLUG_TALLY_LOG`` set, each eager forward appends one line to that file: the process,
 the rows and how many carry a nonzero weight, so a test can see that it, not something else,
-computed the experts.
+computed the experts; each eager dispatch of the tally dispatcher appends ``pid dispatch S
+tokens T`` (the rows it sent to this rank's experts, this rank's tokens).
 
 TallyDispatcher: all-gather over the EP group, pick the rows of this rank's experts (padded as
 RouterOutput asks), and on the way back scatter-add and all-reduce. One process: no
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 
 from moeplug import hookimpl
 from moeplug.interfaces import Dispatched, Dispatcher, Experts, RouterOutput
+from moeplug.quant import active_recipe, quant_linear
 
 
 class PlainTallyExperts(Experts):
@@ -62,17 +67,31 @@ class PlainTallyExperts(Experts):
         for e, n in enumerate(counts_L.tolist()):
             x_nD, p_n = x_SD[start:start + n], probs_S[start:start + n]
             start += n
-            gate_nF, up_nF = (x_nD @ self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            gate_nF, up_nF = self._gemm(x_nD, self.gate_up_proj, e).chunk(2, dim=-1)
             a_nF = F.silu(gate_nF) * up_nF * p_n.unsqueeze(-1).to(up_nF.dtype)
-            ys.append(a_nF @ self.down_proj[e].t())
+            ys.append(self._gemm(a_nF, self.down_proj, e))
         return torch.cat(ys, dim=0)
+
+    def _gemm(self, x_nK: torch.Tensor, w_LNK: torch.Tensor, e: int) -> torch.Tensor:
+        return x_nK @ w_LNK[e].t()
 
 
 class TallyExperts(PlainTallyExperts):
     """The same loop, declaring that its forward takes budget rows (B per local expert, zero
-    rows of weight 0 where no choice landed): it reads only ``counts_L``, a host constant."""
+    rows of weight 0 where no choice landed): it reads only ``counts_L``, a host constant; and
+    that its GEMMs run through a low-precision recipe when one is active."""
 
     budget_rows = True
+    runs_recipe = True
+
+    def _gemm(self, x_nK: torch.Tensor, w_LNK: torch.Tensor, e: int) -> torch.Tensor:
+        """Through the low-precision recipe when one is active (docs/plugins.md: declared
+        ``runs_recipe``), keyed (weight, expert) so a stateful recipe keeps one scale per
+        expert GEMM."""
+        recipe = active_recipe()
+        if recipe is None:
+            return x_nK @ w_LNK[e].t()
+        return quant_linear(x_nK, w_LNK[e], None, recipe, (id(w_LNK), e))
 
 
 @dataclass(frozen=True)
@@ -102,6 +121,7 @@ class TallyDispatcher(Dispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, routing: RouterOutput) -> Dispatched:
         T, K = routing.ids_TK.shape
+        log = os.environ.get("MOEPLUG_TALLY_LOG")
         x_all, probs_all = self._gather(x_TD), self._gather(routing.probs_TK.float())
         with torch.no_grad():
             ids_all = self._gather(routing.ids_TK)
@@ -132,6 +152,9 @@ class TallyDispatcher(Dispatcher):
         x_SD = torch.where(real_S, x_all[token_S.clamp(min=0)], 0)
         probs_S = torch.where(real_S.squeeze(1),
                               probs_all.reshape(-1)[choice_S.clamp(min=0)], 0)
+        if log and not torch.compiler.is_compiling():
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()} dispatch {S} tokens {T}\n")
         return Dispatched(x_SD, probs_S, want_L, _Meta(token_S, T))
 
     def combine(self, y_SD: torch.Tensor, meta: _Meta) -> torch.Tensor:
