@@ -1,5 +1,5 @@
 """``moeplug plan`` with FSDP2 (``--mapping ...,fsdp=1`` / ``parallel.fsdp``) against a real
-FSDP run: the planner's per-rank parameter + gradient + optimizer bytes (moeplug.plan.fsdp)
+FSDP run: the planner's per-rank parameter + gradient + optimizer bytes (moeplug.plan.memory.fsdp_memory)
 against what a 4-rank gloo FSDP run of a tiny config holds after a real ``train_step``,
 measured from the tensors themselves by benchmarks/test_bench_fsdp.py's ``_held_bytes`` (a
 sharded tensor counts its local shard), within 10 %, at DP4, DP2 x TP2 (SP) x EP2 and

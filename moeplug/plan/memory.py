@@ -48,7 +48,7 @@ class Mapping:
     # sets vpp when vpp is 1 (moeplug.plan.split).
     layout: str | None = None
     # FSDP2 (parallel.fsdp): 1 shards parameters, gradients and optimizer state over DP x CP /
-    # EDP (moeplug.plan.fsdp); fsdp_reshard = parallel.fsdp_reshard_after_forward.
+    # EDP (fsdp_memory); fsdp_reshard = parallel.fsdp_reshard_after_forward.
     fsdp: int = 0
     fsdp_reshard: int = 1
 
@@ -312,8 +312,7 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
     if opt.param_bytes == 4:                       # fp32 training: the weights are the master
         optim -= 4 * (dense + expert) / ((mp.dp * mp.cp) if opt.distributed_optimizer else 1)
     gathered = 0.0
-    if mp.fsdp:  # everything sharded, plus the unsharded working set (moeplug.plan.fsdp)
-        from moeplug.plan.fsdp import fsdp_memory
+    if mp.fsdp:  # everything sharded, plus the unsharded working set (fsdp_memory below)
         wg, optim, gathered = fsdp_memory(cfg, mp, opt, part, dense, expert)
     acts: dict[str, float] = {}
     held = inflight(mp, rank)  # per chunk
@@ -418,3 +417,90 @@ def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) ->
     return MemoryBreakdown(rank=0, weights_grads=weights, optimizer=base.optimizer,
                            activations={f"activations + grads ({name})": worst},
                            comm_buffers=(4 if rerun else 2) * base.comm_buffers)
+
+
+# --- FSDP2 (parallel.fsdp, moeplug.parallel.fsdp): what a rank holds and sends ----------------
+# FSDP2 (``parallel.fsdp``, moeplug.parallel.fsdp) in the plan: what a rank holds and sends.
+#
+# Legend: d = DP x CP (the dense parameters' FSDP mesh), e = EDP (the experts'), n_d / n_e a
+# stage's dense / expert parameters on this rank (its TP / EP / ETP slice, memory.stage_params).
+#
+# Sharded state, what ``fully_shard`` leaves between steps (torch keeps the sharded parameter in
+# its own dtype, fp32, the master weights; gradients are reduce-scattered in fp32, Megatron's
+# accumulate_allreduce_grads_in_fp32; AdamW's moments are DTensors like the parameter):
+#     (4 + grad_bytes + moments) x (n_d / d + n_e / e)        moments 8 B (4 with bf16 moments)
+# Unsharded working set on top (the parameters gathered in the compute dtype, param_bytes):
+#     reshard_after_forward true:  two blocks' parameters (the one computing and the next one,
+#         prefetched) plus one block's unsharded gradient before its reduce-scatter;
+#     reshard_after_forward false: every block of the stage stays gathered from its forward to
+#         its backward, plus one block's unsharded gradient;
+#     and the root's parameters (embedding, final norm, head), which moeplug keeps gathered
+#         between forward and backward (moeplug.parallel.fsdp.apply_fsdp).
+# Comm per micro-batch: each block's parameters all-gathered in forward (and again in backward
+# when resharded), its gradient reduce-scattered in backward; the root's gathered and reduced
+# once. FSDP prefetches the next unit's gather under the current one's compute, so only the part
+# beyond the stage's compute is exposed. It replaces ZeRO-1's step-end reduce-scatter and
+# all-gather (perf.step_time's dp_comm).
+FP32 = 4  # the sharded parameters (the master weights) and the reduced gradients
+
+
+def _mtp_dense(cfg, part) -> float:
+    h = cfg.hidden_size
+    return part.mtp * (2 * h * h + 3 * h)
+
+
+def block_params(cfg, mp: Mapping, part) -> list[tuple[float, float]]:
+    """(dense, expert) parameters of each FSDP block unit of a stage on this rank (its layers,
+    then its MTP blocks, each one unit as apply_fsdp wraps them)."""
+    units = [layer_params(cfg, moe) for moe in part.layers]
+    last_moe = bool(cfg.moe_layer_pattern[-1]) if part.mtp else False
+    for _ in range(part.mtp):  # an MTP block: a layer of the last layer's kind + eh_proj, norms
+        d, e = layer_params(cfg, last_moe)
+        units.append((d + _mtp_dense(cfg, part) / part.mtp, e))
+    return [(d / mp.tp, e / (mp.ep * mp.etp)) for d, e in units]
+
+
+def root_params(cfg, mp: Mapping, part) -> float:
+    """The root unit's parameters on this rank: the embedding, final norm and head."""
+    h, V = cfg.hidden_size, cfg.vocab_size
+    n = V * h if part.embedding else 0.0
+    if part.loss:
+        n += h + (0 if cfg.tie_embeddings else V * h)
+    return n / mp.tp
+
+
+def fsdp_memory(cfg, mp: Mapping, opt: Options, part, dense: float, expert: float
+                ) -> tuple[float, float, float]:
+    """(parameters + gradients, optimizer state, gathered working set) bytes of one rank of a
+    stage under FSDP; ``dense`` / ``expert``: memory.stage_params of the stage."""
+    d, e = mp.dp * mp.cp, mp.edp
+    shard = dense / d + expert / e
+    moments = 4 if opt.bf16_moments else 8
+    weights_grads = shard * (FP32 + opt.grad_bytes)
+    optimizer = shard * moments
+    units = [dn + ex for dn, ex in block_params(cfg, mp, part)]
+    gathered = 0.0
+    if units:
+        biggest = max(units)
+        if mp.fsdp_reshard:
+            held = sum(sorted(units)[-2:])  # the computing block and the prefetched one
+        else:
+            held = sum(units)
+        gathered = held * opt.param_bytes + biggest * FP32  # + one unsharded fp32 gradient
+    gathered += root_params(cfg, mp, part) * opt.param_bytes
+    return weights_grads, optimizer, gathered
+
+
+def fsdp_comm_bytes(cfg, mp: Mapping, opt: Options, part) -> tuple[float, float]:
+    """(dense, expert) bytes this rank sends per micro-batch over its FSDP meshes: all-gathers
+    of the gathered parameters and reduce-scatters of the fp32 gradients, each (m-1)/m of the
+    unsharded tensor on a mesh of m ranks."""
+    d, e = mp.dp * mp.cp, mp.edp
+    gathers = 2 if mp.fsdp_reshard else 1
+    dense = expert = 0.0
+    for dn, ex in block_params(cfg, mp, part):
+        per = gathers * opt.param_bytes + FP32
+        dense += dn * per * (d - 1) / d
+        expert += ex * per * (e - 1) / e
+    dense += root_params(cfg, mp, part) * (opt.param_bytes + FP32) * (d - 1) / d
+    return dense, expert

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from moeplug.config import GATED_ACTIVATIONS, ModelConfig
 from moeplug.modules.flops import attention_macs, flops_per_token
 from moeplug.plan.cluster import Cluster
-from moeplug.plan.memory import Mapping, Options, layer_activations, stage_params
+from moeplug.plan.memory import (Mapping, Options, fsdp_comm_bytes, layer_activations,
+                                 stage_params)
 from moeplug.plan.split import model_blocks, rank_parts
 
 # Fitted (see module docstring and moeplug.plan.calibrate): the fraction of BF16 dense peak
@@ -263,7 +264,6 @@ def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
     backward = (2 / 3) * m * (slow["gemm"] + slow["attention"])
     parts["dp_comm"] = max(0.0, dp_s - backward)
     if mp.fsdp:  # FSDP's per-micro-batch gathers and reduce-scatters replace ZeRO-1's
-        from moeplug.plan.fsdp import fsdp_seconds
         parts["dp_comm"] = 0.0
         parts["fsdp_comm"] = fsdp_seconds(cfg, mp, opt, c, split, slow)
     # Optimizer: read and write master weights, moments and gradients of the local shard.
@@ -281,3 +281,18 @@ def _throughput(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
     peak = c.peak("bf16" if opt.precision == "fp8" else opt.precision)
     return StepTime(parts=parts, tflops_per_gpu=tflops, mfu=tflops / peak,
                     tokens_per_s_per_gpu=tokens / total / mp.world)
+
+
+def fsdp_seconds(cfg, mp: Mapping, opt: Options, c, parts: list, slow: dict) -> float:
+    """Exposed FSDP comm of a step: every micro-batch's gathers and reduce-scatters on the
+    slowest-communicating stage, at the DP links perf.step_time uses, less the compute of the
+    slowest stage (``slow``: its per-micro-batch perf.stage_seconds) they prefetch under."""
+    span = mp.world // mp.pp
+    bw = c.nvlink_gbps if span <= c.nvlink_domain else c.inter_gbps
+    worst = 0.0
+    for part in parts:
+        dense, expert = fsdp_comm_bytes(cfg, mp, opt, part)
+        calls = (2 + mp.fsdp_reshard) * (len(part.layers) + part.mtp + 1)
+        worst = max(worst, _collective(dense + expert, calls, bw, c))
+    m = mp.microbatches
+    return max(0.0, m * worst - m * (slow["gemm"] + slow["attention"]))
