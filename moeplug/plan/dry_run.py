@@ -104,7 +104,8 @@ def run_config(name: str | None, config: str | None, mp: Any, opt: Any,
     if opt.full_recompute:
         sets.append("model.recompute.granularity=full")
     elif opt.recompute:
-        sets.append(f"model.recompute.modules=[{','.join(opt.recompute)}]")
+        sets += ["model.recompute.granularity=selective",
+                 f"model.recompute.modules=[{','.join(opt.recompute)}]"]
     return load_config(path, sets, base=base)
 
 
@@ -177,6 +178,7 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moeplug.parallel import ParallelGroups
+    from moeplug.plan.dry_attention import FusedAttentionMode
     from moeplug.plan.fake_step import DryStepMode
     from moeplug.plugin_host import check_plugins, load_host
     from moeplug.training import distributed as D
@@ -189,10 +191,11 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
     try:
         groups = ParallelGroups.build(cfg.parallel.layout(), world, rank)
         host = load_host(cfg)
-        precision = _meta_autocast(check_plugins(host, cfg))
+        with torch.device("meta"):  # its one instance of each component: never allocated
+            precision = _meta_autocast(check_plugins(host, cfg))
         mode = DryStepMode()
         tc = cfg.train
-        with mode, _grad_marks(mode):
+        with mode, FusedAttentionMode(), _grad_marks(mode):
             torch.manual_seed(tc.seed)
             with torch.device("meta"):  # every parameter and buffer, never allocated
                 model = D.build_rank_model(cfg, host, cfg.model.vocab_size, groups,
@@ -219,6 +222,13 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
             state = [t for t in _optimizer_tensors(optimizer)
                      if id(t.untyped_storage()) not in held]
             opt_bytes = mode.category_bytes(state)
+        if mode.peak_live:
+            from collections import Counter
+            agg = Counter()
+            for b, c in mode.peak_live:
+                agg[c] += b
+            for c, b in agg.most_common(25):
+                print(f"  peak: {b / 2**30:8.3f} GiB  {c}")
         stage = groups.rank_in("pp") if groups.pp is not None else 0
         return RankMeasure(
             rank=rank, stage=stage, params=param_bytes, grads=grad_bytes, optimizer=opt_bytes,

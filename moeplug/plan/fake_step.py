@@ -33,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # Shadowed tensors stay small (counts, splits, row maps of one micro-batch), never activations.
 SHADOW_LIMIT = 1 << 22
+DEBUG_PEAK = bool(__import__("os").environ.get("MOEPLUG_DRY_DEBUG"))
 _SHADOW_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 # c10d op name -> the kind the report prints.
@@ -75,6 +76,9 @@ class DryStepMode(TorchDispatchMode):
         self.comm = defaultdict(int)                    # kind -> bytes this rank sent
         self.comm_calls = defaultdict(int)
         self.category = "other"
+        self.creator: dict[int, tuple] = {}
+        self._snap = 0
+        self.peak_live: list = []  # at the step's peak: (bytes, creator) of its storages
         self.unshadowed = 0                             # host copies with no shadow (zeros)
 
     # ---- values -------------------------------------------------------------------------------
@@ -147,6 +151,7 @@ class DryStepMode(TorchDispatchMode):
             self.shadows[m] = r
             return m
         out = tree_map_only(torch.Tensor, to_meta, real_out)
+        self._op = func
         self._track(out)
         return out
 
@@ -234,17 +239,23 @@ class DryStepMode(TorchDispatchMode):
                 continue
             n = st.nbytes()
             self.live[key] = (n, self.category)
+            self.creator[key] = (str(getattr(self, "_op", "")), tuple(t.shape))
             self._refs[key] = weakref.ref(st, lambda _r, k=key: self._free(k))
             self._add(self.category, n)
 
     def _add(self, cat: str, n: int) -> None:
         self.bytes[cat] += n
+        if DEBUG_PEAK and cat == "step" and self.bytes[cat] > self._snap + (1 << 30):
+            self._snap = self.bytes[cat]
+            self.peak_live = [(b, self.creator.get(k)) for k, (b, c) in self.live.items()
+                              if c == "step"]
         self.peak[cat] = max(self.peak[cat], self.bytes[cat])
         total = sum(self.bytes.values())
         self.peak_total = max(self.peak_total, total)
 
     def _free(self, key: int) -> None:
         n, cat = self.live.pop(key, (0, None))
+        self.creator.pop(key, None)
         self._refs.pop(key, None)
         if cat is not None:
             self.bytes[cat] -= n
@@ -314,5 +325,6 @@ class DryStepMode(TorchDispatchMode):
             self._propagate(func, args, kwargs, out)
         else:
             self._drop_written(func, args)
+        self._op = func
         self._track(out)
         return out
