@@ -236,7 +236,10 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
             comm=dict(mode.comm),
             comm_calls=dict(mode.comm_calls), seconds=time.perf_counter() - t0,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            path="GPU path on fake CUDA tensors (torch ops; no C++ runtime kernel ran)")
+            path="the GPU path on meta tensors: torch ops and torch's meta kernels (grouped GEMM, "
+                 "memory-efficient attention); SwiGLU, permute and norms as torch's references "
+                 "(moeplug's CUDA extension is not built here); the C++ runtime's kernels ran "
+                 "only on the host's real row counts")
     finally:
         dist.destroy_process_group()
 
@@ -325,8 +328,8 @@ def dry_run(name: str, config: str | None, model_cfg: Any, mp: Any, opt: Any,
             raise ConfigError(f"--rank {r}: the job has ranks 0 .. {mp.world - 1}. Fix: pass "
                               f"a rank below --gpus {mp.world}")
     ranks = ranks or stage_ranks(cfg, mp.world)
-    print(f"dry run: {len(ranks)} rank(s) of {mp.world} under torch's fake process group and "
-          "FakeTensorMode; routing from the balanced oracle")
+    print(f"dry run: {len(ranks)} rank(s) of {mp.world} under torch's fake process group, on "
+          "the meta device; routing from the balanced oracle")
     measures = []
     for r in ranks:
         m = measure_rank(cfg, r, mp.world)
