@@ -2,28 +2,37 @@
 
 For rank R of a W-rank job (W up to 1,024) this joins torch's ``fake`` process group at world
 W (collectives return at once and move no data), builds the rank's real model and optimizer
-through moeplug train's own build (``moeplug.training.distributed.build_rank_model`` and
-``moeplug.training.trainer.build_rank_optimizer``) under ``FakeTensorMode`` (shapes, dtypes and
-devices, no data: nothing the size of the model is allocated), and runs one real
-``train_step`` (forward and backward of every micro-batch through the pipeline schedule,
-gradient reduction, clip, optimizer step) under :class:`moeplug.plan.fake_step.DryStepMode`.
+through moeplug train's own build (``moeplug.training.distributed.build_rank_model``, which
+builds the whole model and copies the rank's shard, and ``trainer.build_rank_optimizer``) on
+the **meta device** (shapes, dtypes, no storage: nothing the size of the model is allocated),
+and runs one real ``train_step`` (every micro-batch's forward and backward through the
+pipeline schedule, gradient reduce-scatter, clip, optimizer step, all-gather) under
+:class:`moeplug.plan.fake_step.DryStepMode`. Meta rather than FakeTensorMode: a fake CUDA
+tensor on a CPU-only torch fails in torch's own Python bindings (indexing, ``to``), and a fake
+module cannot be moved (``Module.to`` swaps payloads, which a fake parameter refuses).
 
-Path: the tensors are fake *CUDA* tensors, so every op takes moeplug's GPU path, which is
-torch ops (torch's grouped GEMM, index_select, scatter) with torch's own fake kernels; the CPU
-path's C++ runtime kernels read data pointers, which fake tensors do not have. The CUDA
-extension (``moeplug._cuda_ops``) is not built on this machine, so its ops take their torch
-fallbacks as well. The report names the path.
+Path: a meta tensor is not a CPU tensor, so every op takes moeplug's GPU path: torch ops with
+torch's meta kernels (grouped GEMM; attention as the fused kernel, moeplug.plan.dry_attention);
+moeplug's CUDA extension is not built here, so SwiGLU, permute and the norms run as its torch
+references (what a GPU without the extension runs). Host-side bookkeeping (row counts, the
+chunk sort's index) runs on real CPU tensors, the C++ runtime included; the one runtime kernel
+the GPU path calls on device rows (the dispatcher's chunk sort) has a torch form for meta
+tensors next to it (moeplug_plugins.dispatchers._ep_comm._move_meta). The report names the path.
 
 Routing: fake collectives move no data, so every MoE layer's expert ids are replaced by the
 balanced oracle's (:func:`balanced_ids`): token t's k-th choice is expert ``(t*K + k) mod E``,
-every expert gets T*K/E rows of every rank, the router still runs (its logits, scores and
-losses are computed and kept as in training).
+so every expert gets T*K/E rows from every rank; the router itself still runs (its logits,
+scores and losses are computed and kept as in training). The row counts, splits and the count
+all-to-all's result come from the oracle's values (DryStepMode's shadows).
 
-What it measures, per rank: parameter, gradient and optimizer-state bytes (distinct storages),
-the peak of everything else alive during the step (activations, temporaries, the dispatcher's
-and pipeline's buffers: the storages fake ops create, counted while they live), and the bytes
-this rank sends per collective kind. What it cannot: NCCL's own buffers, CUDA-graph pools, the
-caching allocator's fragmentation and rounding, timing.
+What it measures, per rank: parameter, gradient (at their peak: the fp32 sums of bf16 grads
+included) and optimizer-state bytes (distinct storages); the peak of everything else alive
+during the forward and backward (activations, temporaries, the dispatcher's and pipeline's
+buffers: every storage the step's ops create, counted while it lives); the bytes this rank
+hands to each kind of collective. What it cannot: NCCL's own buffers, CUDA-graph pools, the
+caching allocator's rounding and fragmentation, timing; FP8 recipes, activation offloading and
+the combined-1F1B helper thread are not traced (moeplug.plan.dry_check plans those rows
+without them).
 """
 
 from __future__ import annotations

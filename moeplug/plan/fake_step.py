@@ -1,6 +1,6 @@
-"""The dispatch mode a dry run's train step runs under, above torch's ``FakeTensorMode``.
+"""The dispatch mode a dry run's train step runs under, on meta tensors (moeplug.plan.dry_run).
 
-Fake tensors have shapes and no values, so three things a real step has must come from here:
+Meta tensors have shapes and no values, so three things a real step has must come from here:
 
 * **values a step reads on the host** (``int(t)``, ``t.tolist()``: the routing's row counts,
   the all-to-all splits, capacity pads). Small integer and boolean tensors are *shadowed*: each
@@ -20,10 +20,9 @@ Fake tensors have shapes and no values, so three things a real step has must com
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops, sync_ops
