@@ -49,6 +49,13 @@ def add_plan_parser(sub) -> None:
                    help="plan sync-free MoE (runtime.sync_free) with this token budget "
                    "(default: the config's, else off)")
     p.add_argument("--out", metavar="PNG", help="with --search: plot of the search")
+    p.add_argument("--dry-run", action="store_true", help="also build each measured rank's "
+                   "real model and optimizer under torch's fake process group and fake tensors "
+                   "and run one train step: its measured bytes beside the plan's "
+                   "(docs/planning.md, 'Dry run')")
+    p.add_argument("--rank", type=int, action="append", metavar="R", help="with --dry-run: "
+                   "the global rank to measure (repeatable; default one rank of every "
+                   "pipeline stage)")
 
 
 def _parse_mapping(text: str) -> dict:
@@ -213,6 +220,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not cand.fits:
             print(f"does NOT fit: {cand.memory.total / GB:.1f} GB > {cand.limit / GB:.1f} GB "
                   "(90 % of the device)")
+        if args.dry_run:
+            from moeplug.plan.dry_run import dry_run
+            dry_run(args.preset or "deepseek_v3", args.config, cfg, mp, opt, args.rank)
     if args.search:
         gbs = args.gbs if args.gbs is not None else 8 * world
         cands = search(cfg, opt, cluster, gbs=gbs, seq=seq)
@@ -235,3 +245,13 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} {value}: must be a positive integer. Fix: {fix}")
     if args.out and not args.search:
         raise ConfigError(f"--out {args.out}: the PNG plots a search. Fix: add --search")
+    if args.dry_run and args.search:
+        raise ConfigError("--dry-run with --search: the dry run measures one mapping. Fix: "
+                          "drop --search and pass --mapping")
+    if args.rank and not args.dry_run:
+        raise ConfigError(f"--rank {args.rank[0]}: ranks are measured by the dry run only. "
+                          "Fix: add --dry-run, or drop --rank")
+    for r in args.rank or ():
+        if r < 0:
+            raise ConfigError(f"--rank {r}: must be a rank >= 0. Fix: pass a global rank "
+                              "below --gpus, e.g. --rank 0")

@@ -144,6 +144,25 @@ def a2a_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster) -> floa
     return max(_collective(intra, 1, c.nvlink_gbps, c), _collective(inter, 0, c.inter_gbps, c))
 
 
+def a2a_step_bytes(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
+                   parts: list | None = None) -> float:
+    """Bytes one rank of pipeline stage ``rank`` hands to its all-to-alls in one step (its
+    own chunk included, as the collective's input counts it): per MoE block and micro-batch,
+    the dispatch and the combine and their two backward exchanges (two more when the MoE
+    block is recomputed), each the routed rows of the rank's tokens (T*K rows of the hidden
+    size; sync-free: the budget slots), plus each dispatch's fp32 routing weight per row
+    and its backward. The token-based (flex) dispatcher's dedup is a bandwidth saving
+    (:func:`a2a_seconds`), not one moeplug's exchange makes: not counted here."""
+    if mp.ep * mp.etp == 1 or not cfg.moe.num_experts:
+        return 0.0
+    part = (parts or rank_parts(cfg, mp))[rank]
+    moe_blocks = sum(1 for x in part.layers if x)
+    _, rerun = _recompute_macs(cfg, True, set(opt.recompute))
+    rows = mp.mbs * mp.seq / (mp.cp * mp.tp) * cfg.moe.top_k * (opt.token_budget or 1.0)
+    per_block = rows * ((4 + 2 * rerun) * cfg.hidden_size * opt.act_bytes + (2 + rerun) * 4)
+    return moe_blocks * mp.microbatches * per_block
+
+
 def _gemm_rate(c: Cluster, opt: Options, k: dict) -> tuple[float, float, float]:
     """(peak FLOP/s, efficiency, seconds per layer per micro-batch) of this cluster's GEMMs."""
     if c.generation == "cpu":

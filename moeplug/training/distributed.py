@@ -192,8 +192,10 @@ def build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any,
     ``build_model(cfg, host, vocab).to(device)``. Initialised on the CPU whatever the device, so
     the initial weights of a seed are the same on every device."""
     from moeplug.training.optim import apply_param_dtype  # bf16 weights (param/master_dtype)
-    model = apply_param_dtype(_build_rank_model(cfg, host, vocab_size, groups).to(device),
-                              cfg.train)
+    model = _build_rank_model(cfg, host, vocab_size, groups)
+    if model_device(model) != torch.device(device):  # (a no-op there; a fake model can't swap)
+        model = model.to(device)
+    model = apply_param_dtype(model, cfg.train)
     if groups is not None and cfg.parallel.fsdp:
         # FSDP2 from outside the modules, over the layout just applied (moeplug.parallel.fsdp);
         # the recipe only decides the dtype the parameters are gathered in.

@@ -96,6 +96,8 @@ class _MoveChunks(Function):
 
 
 def _move(rows: torch.Tensor, counts_WL: torch.Tensor, to_expert_major: bool) -> torch.Tensor:
+    if rows.is_meta or counts_WL.is_meta:  # no data to point the kernel at (plan --dry-run)
+        return _move_meta(rows, counts_WL, to_expert_major)
     rows = rows.contiguous()
     out = workspace.empty(tuple(rows.shape), rows.dtype)
     W, L = counts_WL.shape
@@ -105,6 +107,22 @@ def _move(rows: torch.Tensor, counts_WL: torch.Tensor, to_expert_major: bool) ->
         counts=counts_WL.data_ptr(), num_ranks=W, local_experts=L,
         to_expert_major=to_expert_major)
     return out
+
+
+def _move_meta(rows: torch.Tensor, counts_WL: torch.Tensor, to_expert_major: bool
+               ) -> torch.Tensor:
+    """:func:`_move` in torch ops, for meta tensors (``moeplug plan --dry-run``): the runtime's
+    kernel reads data pointers, which meta tensors do not have. Same layout: chunk (a, b) of
+    the source-major counts ``c`` [A, B] goes to its place in (b, a)-major order."""
+    c = counts_WL if to_expert_major else counts_WL.t()
+    flat = c.reshape(-1)
+    src_start = (flat.cumsum(0) - flat).view(c.shape).t().reshape(-1)
+    dst_counts = c.t().reshape(-1)
+    dst_start = dst_counts.cumsum(0) - dst_counts
+    S = rows.shape[0]
+    pos = torch.arange(S, dtype=torch.int64, device=c.device)
+    idx = torch.repeat_interleave(src_start - dst_start, dst_counts, output_size=S) + pos
+    return rows.index_select(0, idx.to(rows.device))
 
 
 def _apply_moves(rows: torch.Tensor, plan: A2APlan, to_expert_major: bool) -> torch.Tensor:
