@@ -84,6 +84,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "recipe_plan": ("moeplug.quant", "recipe_plan"),
     "row_alignment": ("moeplug.quant", "row_alignment"),
     "quant_expert_mlp": ("moeplug.quant", "quant_expert_mlp"),
+    "quant_linear": ("moeplug.quant", "quant_linear"),
     "quantized_exchange": ("moeplug.quant.wire", "quantized_exchange"),
     "Tensorwise": ("moeplug.quant", "Tensorwise"),
     "Delayed": ("moeplug.quant", "Delayed"),

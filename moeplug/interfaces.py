@@ -234,6 +234,13 @@ class Experts(nn.Module, abc.ABC):
     #: The backend implements :meth:`forward_packed`, which runtime.sync_free on the CPU then
     #: calls instead of ``forward`` on budget rows: no FLOPs on padding rows.
     packed_rows: bool = False
+    #: Under a low-precision recipe (a Precision declaring ``quantizes_gemms``: the emulated
+    #: FP8/FP4 recipes) ``forward`` runs its GEMMs through ``moeplug.quant.active_recipe()``
+    #: (``moeplug.quant.quant_expert_mlp``, or ``F.linear``, which the recipe intercepts while
+    #: it is active). A backend without it is refused under such a recipe (the precision
+    #: mode's rule, moeplug.config.modes.precision): its GEMMs would silently stay in full
+    #: precision.
+    runs_recipe: bool = False
 
     @abc.abstractmethod
     def forward(self, x_SD: torch.Tensor, probs_S: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
@@ -283,6 +290,10 @@ class Precision(abc.ABC):
     #: Rows per expert must be a multiple of it for the recipe's grouped GEMMs (16 FP8, 32
     #: MXFP8/NVFP4); the ``topk`` router pads to it.
     row_alignment: int = 1
+    #: Its ``autocast`` runs each transformer block's GEMMs through a ``moeplug.quant`` recipe
+    #: (``moeplug.quant.active_recipe()`` is set there): the experts backend must then declare
+    #: ``Experts.runs_recipe``, or the run is refused before any rank starts.
+    quantizes_gemms: bool = False
 
     def autocast(self, device_type: str) -> ContextManager:
         return contextlib.nullcontext()

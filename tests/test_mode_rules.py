@@ -60,9 +60,10 @@ def _lines(rule: Rule, without: bool = False) -> list[str]:
                 modes.RULES = saved
         else:
             cfg = config_from_dict(copy.deepcopy(dict(rule.example)))
-            # a recipe that quantizes GEMMs beside the experts (the precision rule reads it)
+            # the precision mode's rule reads a recipe that quantizes GEMMs beside the experts
+            quantizing = type("QuantizingPrecision", (), {"quantizes_gemms": True})
             fact = ({"experts": _bare_experts(dict(rule.declares)),
-                     "precision": type("QuantizingPrecision", (), {"quantizes_gemms": True})}
+                     "precision": quantizing if rule.mode == "precision" else None}
                     if rule.needs == "experts" else {"device": "cuda"})
             check_modes(cfg, rules=rules, **fact)
     except ConfigError as e:

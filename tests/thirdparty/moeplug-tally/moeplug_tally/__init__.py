@@ -1,5 +1,5 @@
 """``tally`` experts and ``tally`` dispatcher: a third-party plugin package written only from
-README "Writing a plugin" (moeplug.interfaces and the ``moeplug_register_*`` hooks), as an
+docs/plugins.md (moeplug.api and the ``moeplug_register_*`` hooks), as an
 outside author would. Tests install it with pip into a private directory
 (tests/test_thirdparty_modes.py) and train with it in every mode.
 
@@ -12,7 +12,7 @@ by calling forward). Its loop takes a token budget's fixed rows as they come, so
 ``budget_rows`` (docs/plugins.md, "Declared capabilities") and runtime.sync_free calls it on
 them; it declares no ``capturable`` (``counts_L.tolist()`` breaks a compiled graph), so
 runtime.capture refuses it. Under a low-precision recipe its GEMMs go through
-``moeplug.quant.quant_linear`` with the active recipe, so it declares ``runs_recipe``.
+``moeplug.api.quant_linear`` with the active recipe, so it declares ``runs_recipe``.
 ``tally_plain`` is the same loop declaring nothing (its GEMMs plain ``@``), as a plugin
 written before the capabilities were documented: runtime.sync_free and the FP8/FP4 recipes
 refuse it. With
@@ -35,9 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moeplug import hookimpl
-from moeplug.interfaces import Dispatched, Dispatcher, Experts, RouterOutput
-from moeplug.quant import active_recipe, quant_linear
+from moeplug.api import (Dispatched, Dispatcher, Experts, RouterOutput, active_recipe, hookimpl,
+                         quant_linear)
 
 
 class PlainTallyExperts(Experts):
