@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from moeplug.config import ConfigError, ParallelConfig, RootConfig
+from moeplug.config.modes import check_modes
 from moeplug.modules.transformer import MoETransformer
 from moeplug.moe import MoELayer
 from moeplug.moe.budgeted import budget_rows, budgeted_dispatcher
@@ -50,6 +51,8 @@ def build_model(cfg: RootConfig, host: Any, vocab_size: int, ep_group: Any = Non
         dispatcher = experts_for.dispatcher(dispatcher)
         experts = host.create("experts", p.experts, dict(p.experts_options),
                               experts_for.experts_config(m), dispatcher.num_local_experts)
+        if not moe_layers:  # the modes' rules on its declared capabilities, as check_plugins
+            check_modes(cfg, experts=type(experts))  # does before any rank (a build by hand)
         shared = (SharedExperts(m.hidden_size, m.moe) if m.moe.shared_expert_ffn_hidden_size
                   else None)
         handle = register_moe_layer(runtime, cfg, len(moe_layers), dispatcher.num_local_experts)

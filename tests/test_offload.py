@@ -145,7 +145,7 @@ def test_bad_offload_config_fails_naming_field_value_and_fix(tmp_path):
         config_from_dict({"runtime": {"offload_dir": str(tmp_path / "nope")}})
     with pytest.raises(ConfigError, match="offload = 'moe_act': must be a list"):
         config_from_dict({"model": {"offload": "moe_act"}})
-    with pytest.raises(ValueError, match="needs the grouped experts backend"):
+    with pytest.raises(ConfigError, match="SequentialExperts cannot run model.offload moe_act"):
         model_for(["moe_act"], experts="sequential")
 
 

@@ -321,12 +321,9 @@ def apply_offload(model: nn.Module, names: list[str], offloader: Offloader) -> N
     for block in blocks:
         for name in names:
             for m in _targets(block, name):
-                if name in ("expert_fc1", "moe_act") and not m.can_recompute_activation:
-                    raise ValueError(
-                        f"model.offload: {name} needs the grouped experts backend (its ops mark "
-                        f"the FC1 input and output); {type(m).__name__} does not. Fix: use "
-                        f"plugins.experts: grouped or drop {name}")
-                if name in ("expert_fc1", "moe_act"):  # tensors inside the op, noted by it
+                # expert_fc1 / moe_act: tensors inside the op, noted by it (a backend that
+                # declares can_recompute_activation: moeplug.config.modes.recompute's rule)
+                if name in ("expert_fc1", "moe_act"):
                     mark(m, offloader, frozenset({name}), inputs=False)
                 else:  # the module's inputs (qkv_linear: the x that q/k/v_proj all keep)
                     mark(m, offloader, frozenset(), inputs=True)

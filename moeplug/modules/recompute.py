@@ -181,13 +181,9 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
     for block in blocks:
         for name in cfg.modules:
             if name == "moe_act" and isinstance(block.ffn, MoELayer):
-                experts = block.ffn.experts
-                if not experts.can_recompute_activation:
-                    raise ValueError(
-                        f"model.recompute.modules: moe_act needs an experts backend that can "
-                        f"rebuild its activation in backward; {type(experts).__name__} cannot. "
-                        f"Fix: use plugins.experts: grouped or drop moe_act")
-                experts.recompute_activation = True
+                # the backend declares it can (the recompute mode's rule, which build_model
+                # and the plugin host run: moeplug.config.modes.recompute)
+                block.ffn.experts.recompute_activation = True
             for m in _selective_targets(block, name):
                 mark(m)
 
