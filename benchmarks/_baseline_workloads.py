@@ -2,7 +2,8 @@
 
 Imported by ``benchmarks/_baseline_worker.py`` after it has put one tree's moeplug on the path,
 so everything here reaches moeplug only through what both trees have: ``config_from_dict``,
-``moeplug.modules.build_model``, ``PluginHost.load``, the trainer's ``train_step``,
+``build_model`` (moeplug.build; the baseline's moeplug.modules), ``PluginHost.load``,
+the trainer's ``train_step``,
 ``build_rank_optimizer``, ``seed_everything``, ``step_batches``, and the MoE layer found in the
 built model by its class name (it moved from ``moeplug.modules.moe`` to ``moeplug.moe``).
 
@@ -30,7 +31,10 @@ def _sha(tensors: list[torch.Tensor]) -> str:
 def _build(model: dict, train: dict | None = None, runtime: dict | None = None,
            vocab: int = 256):
     from moeplug.config import config_from_dict
-    from moeplug.modules import build_model
+    try:  # this checkout: the builder left moeplug.modules (#44 item 4); the baseline's: there
+        from moeplug.build import build_model
+    except ImportError:
+        from moeplug.modules import build_model
     from moeplug.plugin_host import PluginHost
     from moeplug.training.trainer import seed_everything
     cfg = config_from_dict({"model": model, **({"train": train} if train else {}),

@@ -20,7 +20,7 @@ LAYOUT = ["parallel.pp=2", "parallel.ep=2", "parallel.distributed_optimizer=true
 
 def _cfg(extra: list[str] = ()) -> object:
     from moeplug.config import load_config
-    from moeplug.presets import preset
+    from moeplug.config.presets import preset
     return load_config(None, ["model.vocab_size=256", "train.micro_batch_size=2",
                               "train.seq_len=32", "train.grad_accum_steps=2",
                               "train.param_dtype=bf16", "plugins.precision=bf16",

@@ -116,8 +116,9 @@ def test_tally_trains_sync_free_at_ep2(tally_env, run_cli, cli_env, tiny_config_
 
 
 @pytest.mark.parametrize("experts, extra, capability", [
-    ("tally_plain", (), "budget_rows"),
-    ("tally", ("--set", "runtime.capture=true"), "capturable"),
+    ("tally_plain", SYNC_FREE, "budget_rows"),
+    ("tally", (*SYNC_FREE, "--set", "runtime.capture=true"), "capturable"),
+    # without sync_free: tally_plain lacks budget_rows too, and every broken rule is reported
     ("tally_plain", ("--set", "plugins.precision=fp8_tensorwise"), "runs_recipe"),
 ])
 def test_a_capability_the_plugin_lacks_is_refused_in_one_line_before_any_rank(
@@ -126,8 +127,7 @@ def test_a_capability_the_plugin_lacks_is_refused_in_one_line_before_any_rank(
     plugin, the capability and the fix; the experts never ran."""
     log = tmp_path / "refused.log"
     proc = _train(run_cli, cli_env, tally_env, tiny_config_file(), tmp_path / "r", log,
-                  *SYNC_FREE, *extra, "--nproc", "2", "--set", "parallel.ep=2",
-                  experts=experts)
+                  *extra, "--nproc", "2", "--set", "parallel.ep=2", experts=experts)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

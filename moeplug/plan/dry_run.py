@@ -81,7 +81,7 @@ def run_config(name: str | None, config: str | None, mp: Any, opt: Any,
     from moeplug.config import load_config
     from moeplug.plan.models import PLAN_MODELS
     from moeplug.plan.split import _given, plan_layout
-    from moeplug.presets import PRESETS, preset
+    from moeplug.config.presets import PRESETS, preset
     import copy
     if config:
         base, path = None, config

@@ -1,4 +1,4 @@
-"""runtime.capture (moeplug.syncfree, moeplug.moe.capture): the sync-free region compiled
+"""runtime.capture (moeplug.runtime.syncfree, moeplug.moe.capture): the sync-free region compiled
 (torch.compile fullgraph on the CPU) or recorded as CUDA graphs, then replayed every step."""
 
 from __future__ import annotations

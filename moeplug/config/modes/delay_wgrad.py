@@ -1,4 +1,4 @@
-"""model.moe.delay_wgrad_compute (moeplug.delayed_wgrad): the grouped experts' backward queues
+"""model.moe.delay_wgrad_compute (moeplug.ops.delayed_wgrad): the grouped experts' backward queues
 its weight-gradient GEMMs to run during the dispatch's backward exchange. The split backward
 lives in the grouped experts' fp32/bf16 CPU ops (moeplug.ops expert_mlp, grouped_mlp); every
 other path computes its weight gradients inside torch's autograd, where they cannot be moved

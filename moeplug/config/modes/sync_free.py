@@ -1,4 +1,4 @@
-"""runtime.sync_free (moeplug.moe.budgeted, moeplug.syncfree): static shapes from a per-rank
+"""runtime.sync_free (moeplug.moe.budgeted, moeplug.runtime.syncfree): static shapes from a per-rank
 token budget, no host synchronisation; the region runs the experts' GEMMs itself, in the
 autocast dtype or through a built-in emulated recipe, over its own static EP exchange."""
 
