@@ -13,9 +13,9 @@ from moeplug.moe import MoELayer
 from moeplug.moe.budgeted import budget_rows, budgeted_dispatcher
 from moeplug.moe.shared_experts import SharedExperts
 from moeplug.ops.activations import fc1_rows
-from moeplug.parallel.pipeline import (PipelineChunk, build_embedding_group, model_layout,
-                                       split_model)
+from moeplug.parallel.embedding_group import build_embedding_group
 from moeplug.parallelize import expert_layout, parallelize_model
+from moeplug.parallelize.pipeline import PipelineChunk, model_layout, split_model
 from moeplug.runtime.stash import ModelRuntime, layer_stash_bytes
 
 
@@ -81,7 +81,7 @@ def build_stage_modules(cfg: RootConfig, host: Any, vocab_size: int, groups: Any
     """Build this rank's model chunks for ``groups`` (a ParallelGroups).
 
     The full model is built with :func:`build_model` (so the parallelize step applies TP/CP/EP
-    unchanged) and then sliced (moeplug.parallel.pipeline.split_model). Cost: the whole model
+    unchanged) and then sliced (moeplug.parallelize.pipeline.split_model). Cost: the whole model
     exists briefly on every rank; gain: with the same seed every rank's chunks hold exactly the
     single-process initial weights, with no broadcast. Layout errors raise before building.
     Collective (the embedding group, see :func:`build_embedding_group`)."""

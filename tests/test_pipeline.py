@@ -232,14 +232,14 @@ def test_pipeline_config_field_errors(kwargs, match):
 
 def _single_process_chunks(cfg, pipe, pp, rank):
     from moeplug.build import build_model
-    from moeplug.parallel.pipeline import split_model
+    from moeplug.parallelize.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     torch.manual_seed(0)
     return split_model(build_model(cfg, PluginHost.load(), V), pipe, pp, rank)
 
 
 def test_chunk_state_dicts_partition_the_full_model():
-    from moeplug.parallel.pipeline import pipeline_state_dict
+    from moeplug.parallelize.pipeline import pipeline_state_dict
     cfg = _cfg(num_layers=4)
     ref, _ = _reference(cfg, [])
     full = ref.state_dict()
@@ -278,7 +278,7 @@ def test_single_process_pipeline_step_is_gradient_accumulation():
 
 
 def test_load_pipeline_shard_errors():
-    from moeplug.parallel.pipeline import load_pipeline_shard
+    from moeplug.parallelize.pipeline import load_pipeline_shard
     cfg = _cfg(num_layers=2)
     chunks = _single_process_chunks(cfg, ParallelConfig(), 2, 1)
     full = _reference(cfg, [])[0].state_dict()
@@ -304,7 +304,7 @@ def _pipeline_rank(rank: int, world: int, pp: int, pipe_kwargs: dict, num_layers
     from moeplug.parallel import ParallelConfig, ParallelGroups
     from moeplug.parallel.grad_sync import clip_grad_norm, sync_gradients
     from moeplug.build import build_stage_modules
-    from moeplug.parallel.pipeline import load_pipeline_shard
+    from moeplug.parallelize.pipeline import load_pipeline_shard
     from moeplug.parallel.schedules import forward_backward_pipeline
     from moeplug.plugin_host import PluginHost
 

@@ -166,7 +166,7 @@ def test_last_stage_embedding_copy_is_flagged_and_loaded():
     MTP) as a flagged copy, the first stage the original; an untied model without MTP shares
     nothing (the plain partition of tests/test_pipeline.py)."""
     from moeplug.build import build_model
-    from moeplug.parallel.pipeline import split_model
+    from moeplug.parallelize.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     for overrides, shared in (({"tie_embeddings": True}, True), ({"mtp_num_layers": 1}, True),
                               ({}, False)):
@@ -185,7 +185,7 @@ def test_last_stage_embedding_copy_is_flagged_and_loaded():
 
 def test_mtp_last_stage_needs_tokens():
     from moeplug.build import build_model
-    from moeplug.parallel.pipeline import split_model
+    from moeplug.parallelize.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     cfg = _cfg({"mtp_num_layers": 1})
     last = split_model(build_model(cfg, PluginHost.load(), V), ParallelConfig(), 2, 1)[0]

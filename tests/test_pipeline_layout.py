@@ -352,7 +352,7 @@ def _model_cfg(**model):
 ])
 def test_split_model_chunks_hold_what_the_layout_says(layout, pp, model, want):
     from moeplug.build import build_model
-    from moeplug.parallel.pipeline import split_model
+    from moeplug.parallelize.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     cfg = _model_cfg(**model)
     pipe = ParallelConfig(pp=pp, pipeline_layout=layout)
@@ -371,7 +371,7 @@ def test_standalone_mtp_stage_hands_the_loss_stage_its_hidden_states():
     hidden state and the depth's normed hidden state along S, and the loss stage's losses are
     the whole model's."""
     from moeplug.build import build_model
-    from moeplug.parallel.pipeline import split_model
+    from moeplug.parallelize.pipeline import split_model
     from moeplug.plugin_host import PluginHost
     cfg = _model_cfg(mtp_num_layers=2)
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ transformer layers (``t``), the MTP blocks (``m``, all in one stage) and the fin
 head + loss (``L``, last stage only). Every split moeplug runs is one: an even split, uneven
 first / last stages, Megatron's ``account_for_embedding/loss_in_pipeline_split`` and a layout
 string (``--pipeline-model-parallel-layout``) all become a :class:`PipelineLayout`, which the
-model split (moeplug.parallel.pipeline), the checkpoints' manifests and the planner read.
+model split (moeplug.parallelize.pipeline), the checkpoints' manifests and the planner read.
 
 The string grammar is Megatron-Core's ``PipelineParallelLayerLayout.parse_str_to_list``
 (megatron/core/transformer/pipeline_parallel_layer_layout.py), reproduced step by step so that

@@ -12,7 +12,7 @@ blocks) take the tokens' document positions ``positions_BS``, which only attenti
 (moeplug.data.documents); every stage of a pipeline gets them with the micro-batch.
 
 :class:`ModelStages` is a mixin: :class:`moeplug.modules.transformer.MoETransformer` and
-:class:`moeplug.parallel.pipeline.PipelineChunk` both inherit it, so a pipelined run executes the
+:class:`moeplug.parallelize.pipeline.PipelineChunk` both inherit it, so a pipelined run executes the
 very code of the single-process forward (TP: vocab-parallel embedding/head/CE and SP
 scatter/gather at the ends; CP: the CP group's token-mean loss and the aux-loss grad scale; MTP:
 the embedding and output head shared with the main model). It reads only these attributes of

@@ -105,7 +105,7 @@ def global_grad_norm(model: nn.Module, groups: Any) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         for p in ps:
             # A pipeline stage's twin of a parameter held by another stage (the last stage's
-            # embedding copy, moeplug.parallel.pipeline) holds the same grad: count it once.
+            # embedding copy, moeplug.parallelize.pipeline) holds the same grad: count it once.
             if p.grad is not None and not getattr(p, "pipeline_copy", False) \
                     and not is_sharded(p):
                 total += p.grad.detach().double().pow(2).sum().cpu()

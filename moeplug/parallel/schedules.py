@@ -42,7 +42,7 @@ from moeplug.parallel import p2p
 from moeplug.parallel.context_parallel import shard_sequence
 from moeplug.parallel.fsdp import gathered_dtype
 from moeplug.parallel.ep_overlap import run_beside
-from moeplug.parallel.pipeline import allreduce_embedding_grads, embedding_grads_snapshot
+from moeplug.parallel.embedding_group import allreduce_embedding_grads, embedding_grads_snapshot
 
 
 @dataclass(frozen=True, order=True)

@@ -20,7 +20,8 @@ module that is also recomputed runs its offload scope around the checkpoint (the
 the order applied, moeplug.modules.marks). The builder (moeplug.build.build_model) calls
 :func:`parallelize_model` before initialising the parameters, so a parallel model's weights
 are drawn from the same generator stream as before; FSDP is applied last, by the training
-setup (moeplug.training.distributed), over the layout this leaves.
+setup (moeplug.training.distributed), over the layout this leaves. Under PP the builder then
+cuts the parallelized model into this rank's chunks (pipeline.split_model).
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def runtime_info() -> dict[str, Any]:
                           f"{RuntimeSection().stash_page_bytes} B by default "
                           f"(runtime.stash_page_bytes), sized from the registered MoE layers")
     info["cuda_extension"] = cuda_runtime_status()
-    from moeplug.parallel.communicators import communicator_status
+    from moeplug.runtime.communicators import communicator_status
     info["communicators"] = communicator_status(get_runtime())
     return info
 

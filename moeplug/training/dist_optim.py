@@ -147,7 +147,7 @@ class DistributedAdamW:
                  "expert": torch.zeros((), dtype=torch.float64)}
         for b in self.buckets:
             if b.pipeline_copy:
-                # The last stage's embedding copy (moeplug.parallel.pipeline) holds the same
+                # The last stage's embedding copy (moeplug.parallelize.pipeline) holds the same
                 # grad as the first stage's: summing over PP would count it twice.
                 continue
             kind = "expert" if b.is_expert else ("tp" if b.tp_sharded else "dense")

@@ -225,7 +225,7 @@ def _build_rank_model(cfg: RootConfig, host: Any, vocab_size: int, groups: Any) 
 
 def pipeline_chunks(model: nn.Module) -> list | None:
     """The pipeline chunks if ``model`` is a pipeline rank's ModuleList, else None."""
-    from moeplug.parallel.pipeline import PipelineChunk
+    from moeplug.parallelize.pipeline import PipelineChunk
     if isinstance(model, nn.ModuleList) and all(isinstance(c, PipelineChunk) for c in model):
         return list(model)
     return None

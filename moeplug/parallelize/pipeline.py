@@ -1,4 +1,5 @@
-"""Pipeline parallelism, part 1: which layers each pipeline rank holds, as model chunks.
+"""Pipeline parallelism applied from outside: which layers each pipeline rank holds, as model
+chunks of the built model (the embedding copies' grad sum: moeplug.parallel.embedding_group).
 
 Legend: B micro-batch, S sequence, D hidden, V vocabulary; P pipeline ranks (PP), C model chunks
 per rank (VPP, "virtual stages"), N layers, K MTP depths.
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moeplug.config import ParallelConfig
@@ -49,7 +49,6 @@ from moeplug.modules.mtp import mtp_depths, mtp_hidden
 from moeplug.modules.stages import ModelStages
 from moeplug.modules.transformer import MoETransformer
 from moeplug.moe import MoELayer
-from moeplug.parallel.layout import layout_rank_groups
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,8 @@ class PipelineChunk(ModelStages, nn.Module):
     A stage other than the first that needs the embedding (MTP, a tied head) holds a second
     copy of it (same name, same initial value), flagged ``pipeline_copy = True`` on ranks other
     than the first so the global grad norm counts the parameter once. Its grad is summed with
-    the others over ``embedding_group`` by :func:`allreduce_embedding_grads` (the schedule calls
+    the others over ``embedding_group`` by
+    :func:`moeplug.parallel.embedding_group.allreduce_embedding_grads` (the schedule calls
     it), so every copy gets the single-process grad and they stay equal under the optimizer."""
 
     def __init__(self, model: MoETransformer, stage: VirtualStage, *, index: int = 0,
@@ -170,7 +170,8 @@ def split_model(model: MoETransformer, pipe: ParallelConfig, pp: int, pp_rank: i
                 embedding_group: Any = None) -> list[PipelineChunk]:
     """The ``vpp`` chunks of pipeline rank ``pp_rank`` (references to ``model``'s submodules:
     drop ``model`` afterwards and the other ranks' layers are freed). ``embedding_group``: from
-    :func:`build_embedding_group` (None with one process, or when nothing is shared)."""
+    :func:`moeplug.parallel.embedding_group.build_embedding_group` (None with one process, or
+    when nothing is shared)."""
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank = {pp_rank} is outside [0, {pp}). Fix: pass "
                          "groups.rank_in('pp') and groups.size('pp')")
@@ -187,63 +188,6 @@ def split_model(model: MoETransformer, pipe: ParallelConfig, pp: int, pp_rank: i
                 p.pipeline_copy = True
         chunks.append(chunk)
     return chunks
-
-
-def build_embedding_group(groups: Any, model_cfg: Any, layout: PipelineLayout | None = None
-                          ) -> Any:
-    """The process group of this rank's pipeline ranks that hold an embedding copy
-    (:meth:`PipelineLayout.embedding_ranks`), over which the copies' grads are summed
-    (Megatron's embedding group). None when only one rank holds it; the pipeline group itself
-    when all do. Collective: every rank of the world must call it (``dist.new_group`` for each
-    pipeline's ranks, in the same order everywhere)."""
-    pp = groups.size("pp")
-    if pp == 1:
-        return None
-    layout = layout or model_layout(groups.config, model_cfg, pp)
-    holders = layout.embedding_ranks(model_cfg.tie_embeddings)
-    if len(holders) == 1:
-        return None
-    if len(holders) == pp:
-        return groups.pp
-    mine = None
-    for ranks in layout_rank_groups(groups.config)["pp"]:
-        members = [ranks[i] for i in holders]
-        g = dist.new_group(ranks=members)
-        if groups.rank in members:
-            mine = g
-    return mine
-
-
-def _embedding_params(chunks: list[PipelineChunk]) -> list[nn.Parameter]:
-    """The embedding copies' parameters of this rank, each once (two chunks of one rank share
-    the same module)."""
-    out: dict[int, nn.Parameter] = {}
-    for chunk in chunks:
-        if chunk.embedding_group is not None:
-            out.update((id(p), p) for p in chunk.embed.parameters())
-    return list(out.values())
-
-
-@torch.no_grad()
-def allreduce_embedding_grads(chunks: list[PipelineChunk],
-                              grads_before: dict[int, torch.Tensor | None]) -> None:
-    """Sum what this step added to the embedding copies' grads over their embedding group.
-
-    ``grads_before`` (:func:`embedding_grads_snapshot`, taken before the step's backwards) is
-    kept out of the sum, so grads accumulated over several calls are not added twice."""
-    group = next((c.embedding_group for c in chunks if c.embedding_group is not None), None)
-    for p in _embedding_params(chunks):
-        before = grads_before.get(id(p))
-        grad = torch.zeros_like(p) if p.grad is None else p.grad
-        delta = grad if before is None else grad - before
-        dist.all_reduce(delta, group=group)
-        p.grad = delta if before is None else before + delta
-
-
-def embedding_grads_snapshot(chunks: list[PipelineChunk]) -> dict[int, torch.Tensor | None]:
-    """The embedding copies' current grads (cloned), keyed by parameter id."""
-    return {id(p): None if p.grad is None else p.grad.clone()
-            for p in _embedding_params(chunks)}
 
 
 def pipeline_state_dict(chunks: list[PipelineChunk]) -> dict[str, torch.Tensor]:
