@@ -327,7 +327,7 @@ def _check_corpus(cfg: RootConfig, corpus, resume_from: str | None, meta: dict |
         from moeplug.training.resume import check_tokenizer
         check_tokenizer(resume_from, meta, cfg, corpus.tokenizer)
     rows = cfg.model_vocab_size(corpus.vocab_size)
-    check_run_data(corpus, cfg, resume_from)
+    check_run_data(corpus, cfg, resume_from, meta)
     document_eod(cfg, corpus.tokenizer)
     return rows
 

@@ -455,8 +455,13 @@ class PluginHost:
                               + (", ".join(self.names(kind)) or "(none)"))
         return entry
 
-    def create(self, kind: str, name: str, options: dict | None = None, *args: Any) -> Any:
-        """Build component ``name`` of ``kind``; ``args`` as in the module docstring."""
+    def create(self, kind: str, name: str, options: dict | None = None, *args: Any,
+               interface: type | None = None) -> Any:
+        """Build component ``name`` of ``kind``; ``args`` as in the module docstring. The
+        component must be an instance of ``interface``: by default the kind's class in
+        moeplug.interfaces. A dataset's caller names its interface
+        (moeplug.data.reader.CorpusReader, which moeplug.data.sources passes: the data package
+        sits above this host, which does not import it)."""
         entry = self.require(kind, name)
         expected = _FACTORY_ARGS[kind]
         if len(args) != len(expected):
@@ -477,7 +482,7 @@ class PluginHost:
                 f"{kind}({', '.join((*_FACTORY_ARGS[kind][:1], 'options', *_FACTORY_ARGS[kind][1:]))})"
                 f" ({exc}). Fix: give the factory that signature (docs/plugins.md)"
             ) from exc
-        _check_interface(kind, name, entry, component)
+        _check_interface(kind, name, entry, component, interface)
         return component
 
     def defining_options(self, kind: str, name: str, options: dict | None) -> dict | None:
@@ -588,10 +593,11 @@ def _source_of(plugin: object, registered: list[tuple[object, _Source]]) -> str:
     return repr(plugin)
 
 
-def _check_interface(kind: str, name: str, entry: _Entry, component: Any) -> None:
-    if kind == "dataset":
-        from moeplug.data.reader import CorpusReader as base
-    else:
+def _check_interface(kind: str, name: str, entry: _Entry, component: Any,
+                     base: type | None) -> None:
+    if base is None:
+        if kind == "dataset":  # checked by its caller: moeplug.data.sources passes the interface
+            return
         from moeplug import interfaces  # imports torch: only when something is created
         base = {"router": interfaces.Router, "dispatcher": interfaces.Dispatcher,
                 "experts": interfaces.Experts, "precision": interfaces.Precision}[kind]

@@ -36,7 +36,7 @@ def test_builtin_readers_come_through_the_entry_point_group():
     assert {(infos[n].dist, infos[n].entry_point) for n in BUILTIN} == {("moeplug",
                                                                          "builtin_datasets")}
     from moeplug.data.reader import CorpusReader
-    assert all(isinstance(host.create("dataset", n, None), CorpusReader) for n in BUILTIN)
+    assert all(isinstance(host.create("dataset", n, None, interface=CorpusReader), CorpusReader) for n in BUILTIN)
 
 
 def test_plugins_lists_the_third_party_reader(reader_env):

@@ -16,7 +16,7 @@ from moeplug.config import ConfigError, DataConfig
 from moeplug.data import prepare_corpus
 from moeplug.data.indexed import open_indexed
 from moeplug.data.prepare import prepare, read_meta
-from moeplug.data.reader import ReadOptions
+from moeplug.data.reader import CorpusReader, ReadOptions
 from moeplug.data.tokenizer import ByteTokenizer
 from moeplug.plugin_host import PluginHost
 
@@ -31,7 +31,7 @@ def host():
 
 
 def reader(host, name):
-    return host.create("dataset", name, None)
+    return host.create("dataset", name, None, interface=CorpusReader)
 
 
 def expected_ids(docs=DOCS):

@@ -421,10 +421,12 @@ def _counts(tokens: IndexedTokens, folder: str, fp: str, cache: str) -> np.ndarr
     return counts
 
 
-def check_run_data(corpus: Corpus, cfg: Any, resume_from: str | None = None) -> None:
+def check_run_data(corpus: Corpus, cfg: Any, resume_from: str | None = None,
+                   meta: dict | None = None) -> None:
     """What a training run needs of its data, checked before any rank starts: samples of
     ``train.seq_len`` in both splits (their epoch-0 indices are built and cached here) and a
-    resume that keeps the data order (moeplug.data.loader). (Every id is inside the
+    resume that keeps the data order (moeplug.data.loader; ``meta``: the resumed checkpoint's
+    meta.json, read by the caller). (Every id is inside the
     tokenizer's vocabulary, checked by prepare_corpus, and so inside the model's: a
     model.vocab_size below the tokenizer's is refused with the model.)"""
     t = cfg.train
@@ -434,5 +436,4 @@ def check_run_data(corpus: Corpus, cfg: Any, resume_from: str | None = None) -> 
     corpus.val_samples(t.seq_len, t.seed)
     if resume_from:
         from moeplug.data.loader import resume_position
-        from moeplug.training.checkpoint import read_meta as read_checkpoint_meta
-        resume_position(read_checkpoint_meta(resume_from).get("data"), corpus, cfg, resume_from)
+        resume_position((meta or {}).get("data"), corpus, cfg, resume_from)

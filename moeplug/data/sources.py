@@ -29,12 +29,13 @@ _HASH_BLOCK = 8 << 20
 def reader_for(host: Any, entry: CorpusEntry) -> CorpusReader:
     """The reader of ``entry``: the one it names, or the one reader that claims its path."""
     if entry.format:
-        reader = host.create("dataset", entry.format, None)
+        reader = host.create("dataset", entry.format, None, interface=CorpusReader)
         if not reader.claims(entry.path):
             raise ConfigError(f"{entry.field} = {entry.path!r}: not in format {entry.format!r} "
                               f"({reader.description}). Fix: correct the path or the format")
         return reader
-    readers = {name: host.create("dataset", name, None) for name in host.names("dataset")}
+    readers = {name: host.create("dataset", name, None, interface=CorpusReader)
+               for name in host.names("dataset")}
     claimed = [name for name, r in readers.items() if r.claims(entry.path)]
     if len(claimed) == 1:
         return readers[claimed[0]]
