@@ -668,3 +668,36 @@ def test_pipeline_sums_bf16_micro_batch_grads_in_fp32(train):
     from moeplug.testing.distributed import run_distributed
     assert run_distributed(_grads_against_micro_batch_sums, 2, train, {"pp": 2},
                            timeout=300) == [[], []]
+
+
+def test_bf16_grads_leave_for_their_fp32_sums_during_the_backward():
+    """Inside Fp32GradAccumulation, each bf16 grad moves into its fp32 sum as soon as autograd
+    has accumulated it: at no point of a micro-batch's backward do two bf16 grads live beside
+    the sums (the peak is the fp32 sums plus one parameter's grad, as Megatron's main-grad
+    hooks, not a whole bf16 grad set: 6 bytes a parameter), and the step's grads are still the
+    fp32 sums rounded once (the tests above)."""
+    from moeplug.plugin_host import PluginHost
+    from moeplug.training.distributed import build_rank_model
+    from moeplug.training.trainer import Fp32GradAccumulation, seed_everything
+    cfg = _tiny_moe_cfg({"grad_accum_steps": 2, "param_dtype": "bf16"})
+    seed_everything(0)
+    model = build_rank_model(cfg, PluginHost.load(), 32, None)
+    params = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    assert len(params) > 4
+    alive: list[int] = []  # bf16 grads alive when each parameter's grad lands (its own counted)
+    for p in params:  # registered first: runs before the accumulator's hook, sees its grad
+        p.register_post_accumulate_grad_hook(
+            lambda _p: alive.append(sum(q.grad is not None for q in params)))
+    with Fp32GradAccumulation(model) as acc:
+        for tokens, targets in (b[0] for b in _tiny_batches(2)):
+            model(tokens, targets).loss.backward()
+            assert all(p.grad is None for p in params)  # the hooks left nothing for add()
+            acc.add(last=False)
+        acc.add(last=True)
+    assert len(alive) == 2 * len(params) and max(alive) == 1
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in params)
+    # Outside ``with`` the hooks are gone: autograd's .grad stays put.
+    model.zero_grad(set_to_none=True)
+    tokens, targets = _tiny_batches(1)[0][0]
+    model(tokens, targets).loss.backward()
+    assert all(p.grad is not None for p in params)

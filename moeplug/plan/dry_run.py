@@ -265,7 +265,7 @@ def _grad_marks(mode: Any, model: Any = None):
     has accumulated it, the fp32 sums of bf16 grads (Fp32GradAccumulation) once made. The
     optimizer's work (reduce-scatter, clip, step, all-gather) counts as ``optim``."""
     from moeplug.training.trainer import Fp32GradAccumulation
-    add = Fp32GradAccumulation.add
+    add, move = Fp32GradAccumulation.add, Fp32GradAccumulation.move
     autocast = torch.autocast
 
     def meta_autocast(device_type: str, *args, **kwargs):
@@ -290,14 +290,21 @@ def _grad_marks(mode: Any, model: Any = None):
         return False if args and args[0] == "meta" else enabled(*args)
     torch.is_autocast_enabled = meta_enabled
 
-    def marked_add(self, last):
+    def marked_move(self, p):  # the sums, made in the backward's hooks or after it
+        category, mode.category = mode.category, "grad"  # born a gradient, never an activation
+        try:
+            move(self, p)
+        finally:
+            mode.category = category
+
+    def marked_add(self, last):  # the grads written back from the sums
         add(self, last)
-        mode.mark(list(self.sums.values()) + [p.grad for p in self.params], "grad")
-    Fp32GradAccumulation.add = marked_add
+        mode.mark([p.grad for p in self.params], "grad")
+    Fp32GradAccumulation.add, Fp32GradAccumulation.move = marked_add, marked_move
     try:
         yield
     finally:
-        Fp32GradAccumulation.add = add
+        Fp32GradAccumulation.add, Fp32GradAccumulation.move = add, move
         torch.autocast = autocast
         p2p.recv = recv
         torch.is_autocast_enabled = enabled

@@ -169,26 +169,46 @@ class Fp32GradAccumulation:
     """Sums the bf16 grads of bf16 parameters (``train.param_dtype`` / ``master_dtype: bf16``)
     over a step's micro-batches in fp32, as Megatron accumulates bf16 grads into fp32 main
     grads: autograd would add each micro-batch's grad into the bf16 ``.grad`` and round every
-    partial sum. After each micro-batch's backward, :meth:`add` moves the grads into fp32 sums
-    (dropping ``.grad``, so the next backward starts a fresh one); after the last it writes the
-    sums back, rounded once. fp32 grads are left to autograd. The pipeline schedules call it
-    after each of their backward ops (``forward_backward_pipeline(grad_accumulation=...)``)."""
+    partial sum. Inside ``with``, a post-accumulate-grad hook on each such parameter moves its
+    grad into the fp32 sum as soon as autograd has accumulated it (dropping ``.grad``), so a
+    backward never holds a whole bf16 grad set beside the fp32 sums (Megatron's main_grad
+    hooks: 4 bytes a parameter at the peak, not 6). :meth:`add` after each micro-batch's
+    backward moves what no hook saw (weight grads summed in by hand, moeplug.ops.delayed_wgrad);
+    after the last it writes the sums back, rounded once. fp32 grads are left to autograd. The
+    pipeline schedules call ``add`` after each of their backward ops
+    (``forward_backward_pipeline(grad_accumulation=...)``)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.params = [p for p in model.parameters() if p.dtype == torch.bfloat16]
         self.sums: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+
+    def __enter__(self) -> "Fp32GradAccumulation":
+        self._hooks = [p.register_post_accumulate_grad_hook(self.move)
+                       for p in self.params if p.requires_grad]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @torch.no_grad()
+    def move(self, p: torch.Tensor) -> None:
+        """``p``'s grad into its fp32 sum (the first one makes the sum)."""
+        if p.grad is None:
+            return
+        total = self.sums.get(id(p))
+        if total is None:
+            self.sums[id(p)] = p.grad.float()
+        else:
+            total.add_(p.grad)
+        p.grad = None
 
     @torch.no_grad()
     def add(self, last: bool) -> None:
         for p in self.params:
-            if p.grad is None:
-                continue
-            total = self.sums.get(id(p))
-            if total is None:
-                self.sums[id(p)] = p.grad.float()
-            else:
-                total.add_(p.grad)
-            p.grad = None
+            self.move(p)
         if last:
             for p in self.params:
                 total = self.sums.pop(id(p), None)
@@ -200,6 +220,16 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
                       groups) -> tuple[list, list, Any]:
     """Forward + backward of this rank's micro-batches: (loss sums, counts, routing); the sums
     are loss, lm_loss, aux_loss and, only for a model with MTP layers, mtp_loss."""
+    if num_micro == 1:  # one backward: autograd's .grad is the step's grad
+        return _micro_batches(model, chunks, micro_batches, num_micro, device_type, precision,
+                              groups, None)
+    with Fp32GradAccumulation(model) as accumulate:
+        return _micro_batches(model, chunks, micro_batches, num_micro, device_type, precision,
+                              groups, accumulate)
+
+
+def _micro_batches(model, chunks, micro_batches, num_micro, device_type, precision, groups,
+                   accumulate) -> tuple[list, list, Any]:
     routing = None  # per-layer counts and router losses of this rank's micro-batches
     if chunks is not None:
         from moeplug.parallel.schedules import forward_backward_pipeline
@@ -208,7 +238,7 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
         # on a shard of the shard).
         res = forward_backward_pipeline(
             chunks, micro_batches, groups, autocast=lambda: precision.autocast(device_type),
-            grad_accumulation=Fp32GradAccumulation(model) if num_micro > 1 else None)
+            grad_accumulation=accumulate)
         has_mtp = res.mtp_loss is not None
         sums = [float(res.loss), float(res.lm_loss), float(res.aux_loss),
                 float(0.0 if res.mtp_loss is None else res.mtp_loss)]
@@ -241,8 +271,6 @@ def _forward_backward(model, chunks, micro_batches, num_micro, device_type, prec
             if device_type == "cpu":
                 report(m)
             return out.loss
-
-        accumulate = Fp32GradAccumulation(model) if num_micro > 1 else None
 
         def backward(m: int, loss: torch.Tensor) -> None:
             # Grad accumulation: divide so the summed grads equal the micro-batch mean.
