@@ -678,7 +678,8 @@ def test_bf16_grads_leave_for_their_fp32_sums_during_the_backward():
     fp32 sums rounded once (the tests above)."""
     from moeplug.plugin_host import PluginHost
     from moeplug.training.distributed import build_rank_model
-    from moeplug.training.trainer import Fp32GradAccumulation, seed_everything
+    from moeplug.training.grad_accumulation import Fp32GradAccumulation
+    from moeplug.training.trainer import seed_everything
     cfg = _tiny_moe_cfg({"grad_accum_steps": 2, "param_dtype": "bf16"})
     seed_everything(0)
     model = build_rank_model(cfg, PluginHost.load(), 32, None)

@@ -264,7 +264,7 @@ def _grad_marks(mode: Any, model: Any = None):
     """Gradients count as ``grad``, not as the step's activations: each ``.grad`` once autograd
     has accumulated it, the fp32 sums of bf16 grads (Fp32GradAccumulation) once made. The
     optimizer's work (reduce-scatter, clip, step, all-gather) counts as ``optim``."""
-    from moeplug.training.trainer import Fp32GradAccumulation
+    from moeplug.training.grad_accumulation import Fp32GradAccumulation
     add, move = Fp32GradAccumulation.add, Fp32GradAccumulation.move
     autocast = torch.autocast
 
