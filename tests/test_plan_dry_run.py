@@ -6,6 +6,9 @@
 * At a 64-rank fake world, the dry run's meta-device rank holds the same parameter bytes as a
   real (CPU) build of that rank under the same fake process group.
 * The meta path's chunk sort equals the runtime kernel's; bad flags are one line, exit 2.
+* On the meta device the GPU path's SwiGLU and row kernels run through their fake kernels,
+  saving what they save on a GPU (bf16 rows, not the fp32 reference's copies), with the
+  shapes and dtypes of the CPU twins' real outputs.
 """
 
 from __future__ import annotations
@@ -113,3 +116,38 @@ def test_dry_run_bad_flags_are_one_line(run_cli, args, field):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert field in r.stderr and "Fix:" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_meta_tensors_take_the_cuda_kernels_fakes_and_save_what_a_gpu_saves():
+    from moeplug.ops import cuda_ops
+    from moeplug.ops.swiglu import swiglu as cpu_swiglu
+    from moeplug.ops.permute import permute as cpu_permute, unpermute as cpu_unpermute
+    S, F = 6, 4
+    h = torch.randn(S, 2 * F).bfloat16().requires_grad_()
+    p = torch.rand(S).requires_grad_()
+    assert cuda_ops.traced(h.to("meta")) and not cuda_ops.traced(h)
+    a_real = cpu_swiglu(h, p)  # the runtime's CPU kernel: same contract
+    gh_real, gp_real = torch.autograd.grad(a_real, (h, p), torch.ones_like(a_real))
+    h_m = h.detach().to("meta").requires_grad_()
+    p_m = p.detach().to("meta").requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        a_m = cuda_ops.swiglu(h_m, p_m)
+    # h as it came (bf16) and the fp32 weights: the reference would keep fp32 copies of h
+    assert sorted((tuple(t.shape), t.dtype) for t in saved) == \
+        [((S,), torch.float32), ((S, 2 * F), torch.bfloat16)]
+    gh_m, gp_m = torch.autograd.grad(a_m, (h_m, p_m), torch.empty_like(a_m))
+    for m, r in ((a_m, a_real), (gh_m, gh_real), (gp_m, gp_real)):
+        assert m.is_meta and (m.shape, m.dtype) == (r.shape, r.dtype)
+
+    x = torch.randn(5, 3).bfloat16().requires_grad_()
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
+    rows_real, row_map, _ = cpu_permute(x, ids, 3)
+    y_real = cpu_unpermute(rows_real, row_map)
+    (gx_real,) = torch.autograd.grad(y_real, x, torch.ones_like(y_real))
+    x_m = x.detach().to("meta").requires_grad_()
+    rows_m = cuda_ops._Permute.apply(x_m, row_map.to("meta"), None)
+    y_m = cuda_ops.unpermute(rows_m, row_map.to("meta"))
+    (gx_m,) = torch.autograd.grad(y_m, x_m, torch.empty_like(y_m))
+    for m, r in ((rows_m, rows_real), (y_m, y_real), (gx_m, gx_real)):
+        assert m.is_meta and (m.shape, m.dtype) == (r.shape, r.dtype)

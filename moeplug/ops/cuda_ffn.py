@@ -33,7 +33,7 @@ def grouped_mm_ffn(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts: lis
         offs = offs.pin_memory().to(x_SD.device, non_blocking=True)
     x_c = x_SD.to(compute_dtype)
     h_S2F = F.grouped_mm(x_c, w13_L2FD.to(compute_dtype).transpose(-2, -1), offs=offs)
-    a_SF = (cuda_ops.swiglu(h_S2F, probs_S) if cuda_ops.available(h_S2F)
+    a_SF = (cuda_ops.swiglu(h_S2F, probs_S) if cuda_ops.traced(h_S2F)
             else reference.swiglu(h_S2F, probs_S))
     return F.grouped_mm(a_SF, w2_LDF.to(compute_dtype).transpose(-2, -1), offs=offs)
 
@@ -55,7 +55,7 @@ def batched_ffn(x_SD: torch.Tensor, probs_S: torch.Tensor | None, w13_LXD: torch
     L = w13_LXD.shape[0]
     h_LBX = torch.bmm(x_SD.view(L, -1, x_SD.shape[1]), w13_LXD.transpose(1, 2))
     h_SX = h_LBX.view(-1, h_LBX.shape[2])
-    if activation == "swiglu" and cuda_ops.available(h_SX):
+    if activation == "swiglu" and cuda_ops.traced(h_SX):
         a_SF = cuda_ops.swiglu(h_SX, probs_S)
     else:
         a_SF = activation_fn(activation)(h_SX)

@@ -6,8 +6,11 @@ The references cost the MoE layer most of its non-GEMM time on an H200 at a Qwen
 shape: SwiGLU upcasts [S, 2F] to fp32, unpermute gathers [S, D] in fp32, and the backward of
 the permute gather is an index_put with a sort (docs/GPU.md has the profile).
 
-Kernels run on torch's current stream. Shape legend: T tokens, K top-k, D hidden, S = T*K
-routed rows, F expert FFN size.
+Kernels run on torch's current stream. Each is an op of the ``moeplug`` torch.library
+namespace (a CUDA kernel and a ``register_fake`` shape function): on the meta device and under
+FakeTensorMode the same autograd Functions run, saving what they save on a GPU, so
+``moeplug plan --dry-run`` traces this path (:func:`traced`) and not the fp32 references.
+Shape legend: T tokens, K top-k, D hidden, S = T*K routed rows, F expert FFN size.
 """
 
 from __future__ import annotations
@@ -28,14 +31,37 @@ def available(t: torch.Tensor) -> bool:
     return True
 
 
+def traced(t: torch.Tensor) -> bool:
+    """Whether the permute, unpermute and SwiGLU ops below take ``t``: where
+    :func:`available`, and on the meta device (the dry run of a GPU job), where their fake
+    kernels give the shapes."""
+    return available(t) or (t.is_meta and t.dtype in DTYPE_CODES)
+
+
 def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
+_lib = torch.library.Library("moeplug", "FRAGMENT")
+_lib.define("cuda_spread_rows(Tensor x_TD, Tensor row_map_TK, int? num_rows) -> Tensor")
+_lib.define("cuda_sum_rows(Tensor rows_SD, Tensor row_map_TK) -> Tensor")
+_lib.define("cuda_swiglu(Tensor h_S2F, Tensor? probs32_S) -> Tensor")
+_lib.define("cuda_swiglu_backward(Tensor grad_SF, Tensor h_S2F, Tensor? probs32_S, "
+            "bool want_probs) -> (Tensor, Tensor)")
+
+
 def _sum_rows(rows_SD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
+    return torch.ops.moeplug.cuda_sum_rows(rows_SD.contiguous(), row_map_TK)
+
+
+@torch.library.register_fake("moeplug::cuda_sum_rows", lib=_lib)
+def _sum_rows_fake(rows_SD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
+    return rows_SD.new_empty(row_map_TK.shape[0], rows_SD.shape[1])
+
+
+def _sum_rows_cuda(rows_SD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
     # A row_map entry of -1 adds nothing (the kernel skips it).
     T, K = row_map_TK.shape
-    rows_SD = rows_SD.contiguous()
     out_TD = torch.empty(T, rows_SD.shape[1], dtype=rows_SD.dtype, device=rows_SD.device)
     get_cuda_runtime().unpermute(
         y=rows_SD.data_ptr(), row_map=row_map_TK.data_ptr(),
@@ -49,8 +75,18 @@ def _spread_rows(x_TD: torch.Tensor, row_map_TK: torch.Tensor, num_rows: int | N
                  ) -> torch.Tensor:
     # num_rows None: the T*K packed rows, each written once. Else a [num_rows, D] table with
     # rows no choice maps to (and -1 entries, skipped) left at zero.
+    return torch.ops.moeplug.cuda_spread_rows(x_TD.contiguous(), row_map_TK, num_rows)
+
+
+@torch.library.register_fake("moeplug::cuda_spread_rows", lib=_lib)
+def _spread_rows_fake(x_TD: torch.Tensor, row_map_TK: torch.Tensor, num_rows: int | None
+                      ) -> torch.Tensor:
+    return x_TD.new_empty(row_map_TK.numel() if num_rows is None else num_rows, x_TD.shape[1])
+
+
+def _spread_rows_cuda(x_TD: torch.Tensor, row_map_TK: torch.Tensor, num_rows: int | None
+                      ) -> torch.Tensor:
     T, K = row_map_TK.shape
-    x_TD = x_TD.contiguous()
     out_SD = (torch.empty(T * K, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device)
               if num_rows is None else
               torch.zeros(num_rows, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device))
@@ -59,6 +95,10 @@ def _spread_rows(x_TD: torch.Tensor, row_map_TK: torch.Tensor, num_rows: int | N
                                hidden=x_TD.shape[1], dtype=DTYPE_CODES[x_TD.dtype],
                                stream=_stream())
     return out_SD
+
+
+_lib.impl("cuda_sum_rows", _sum_rows_cuda, "CUDA")
+_lib.impl("cuda_spread_rows", _spread_rows_cuda, "CUDA")
 
 
 class _Permute(torch.autograd.Function):
@@ -135,34 +175,61 @@ def unpermute(y_SD: torch.Tensor, row_map_TK: torch.Tensor) -> torch.Tensor:
     return _Unpermute.apply(y_SD, row_map_TK.contiguous(), True)
 
 
+def _swiglu_cuda(h_S2F: torch.Tensor, p32: torch.Tensor | None) -> torch.Tensor:
+    S, F2 = h_S2F.shape
+    a_SF = torch.empty(S, F2 // 2, dtype=h_S2F.dtype, device=h_S2F.device)
+    get_cuda_runtime().swiglu_forward(
+        h=h_S2F.data_ptr(), probs=0 if p32 is None else p32.data_ptr(), a=a_SF.data_ptr(),
+        num_rows=S, ffn_hidden=F2 // 2, dtype=DTYPE_CODES[h_S2F.dtype], stream=_stream())
+    return a_SF
+
+
+def _swiglu_backward_cuda(grad_SF: torch.Tensor, h_S2F: torch.Tensor, p32: torch.Tensor | None,
+                          want_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    S, F2 = h_S2F.shape
+    grad_h = torch.empty_like(h_S2F)
+    # No grad of the weight wanted: an empty one (an op's outputs are tensors, never None).
+    grad_p = torch.empty(S if want_p else 0, dtype=torch.float32, device=h_S2F.device)
+    get_cuda_runtime().swiglu_backward(
+        grad_a=grad_SF.data_ptr(), h=h_S2F.data_ptr(),
+        probs=0 if p32 is None else p32.data_ptr(), grad_h=grad_h.data_ptr(),
+        grad_probs=grad_p.data_ptr() if want_p else 0, num_rows=S,
+        ffn_hidden=F2 // 2, dtype=DTYPE_CODES[h_S2F.dtype], stream=_stream())
+    return grad_h, grad_p
+
+
+@torch.library.register_fake("moeplug::cuda_swiglu", lib=_lib)
+def _swiglu_fake(h_S2F: torch.Tensor, p32: torch.Tensor | None) -> torch.Tensor:
+    return h_S2F.new_empty(h_S2F.shape[0], h_S2F.shape[1] // 2)
+
+
+@torch.library.register_fake("moeplug::cuda_swiglu_backward", lib=_lib)
+def _swiglu_backward_fake(grad_SF: torch.Tensor, h_S2F: torch.Tensor, p32: torch.Tensor | None,
+                          want_p: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(h_S2F),
+            h_S2F.new_empty(h_S2F.shape[0] if want_p else 0, dtype=torch.float32))
+
+
+_lib.impl("cuda_swiglu", _swiglu_cuda, "CUDA")
+_lib.impl("cuda_swiglu_backward", _swiglu_backward_cuda, "CUDA")
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_S2F: torch.Tensor, probs_S: torch.Tensor | None):
         h_S2F = h_S2F.contiguous()
-        S, F2 = h_S2F.shape
         p32 = None if probs_S is None else probs_S.detach().float().contiguous()
-        a_SF = torch.empty(S, F2 // 2, dtype=h_S2F.dtype, device=h_S2F.device)
-        get_cuda_runtime().swiglu_forward(
-            h=h_S2F.data_ptr(), probs=0 if p32 is None else p32.data_ptr(), a=a_SF.data_ptr(),
-            num_rows=S, ffn_hidden=F2 // 2, dtype=DTYPE_CODES[h_S2F.dtype], stream=_stream())
         ctx.save_for_backward(h_S2F, p32)
         ctx.probs_dtype = None if probs_S is None else probs_S.dtype
-        return a_SF
+        return torch.ops.moeplug.cuda_swiglu(h_S2F, p32)
 
     @staticmethod
     def backward(ctx, grad_SF):
         h_S2F, p32 = ctx.saved_tensors
-        S, F2 = h_S2F.shape
-        grad_SF = grad_SF.contiguous()
-        grad_h = torch.empty_like(h_S2F)
         want_p = p32 is not None and ctx.needs_input_grad[1]
-        grad_p = torch.empty(S, dtype=torch.float32, device=h_S2F.device) if want_p else None
-        get_cuda_runtime().swiglu_backward(
-            grad_a=grad_SF.data_ptr(), h=h_S2F.data_ptr(),
-            probs=0 if p32 is None else p32.data_ptr(), grad_h=grad_h.data_ptr(),
-            grad_probs=0 if grad_p is None else grad_p.data_ptr(), num_rows=S,
-            ffn_hidden=F2 // 2, dtype=DTYPE_CODES[h_S2F.dtype], stream=_stream())
-        return grad_h, None if grad_p is None else grad_p.to(ctx.probs_dtype)
+        grad_h, grad_p = torch.ops.moeplug.cuda_swiglu_backward(grad_SF.contiguous(), h_S2F,
+                                                                p32, want_p)
+        return grad_h, grad_p.to(ctx.probs_dtype) if want_p else None
 
 
 def swiglu(h_S2F: torch.Tensor, probs_S: torch.Tensor | None = None) -> torch.Tensor:

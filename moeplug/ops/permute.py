@@ -60,7 +60,7 @@ def permute(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int
     Differentiable w.r.t. ``x_TD``; ``counts_E`` is an int64 CPU tensor.
     """
     if x_TD.device.type != "cpu":  # the CUDA kernels where loaded, else plain torch (autograd)
-        if cuda_ops.available(x_TD):
+        if cuda_ops.traced(x_TD):
             return cuda_ops.permute(x_TD, ids_TK, num_experts)
         x_SD, row_map_TK, counts_E = reference.permute(x_TD, ids_TK, num_experts)
         return x_SD, row_map_TK, counts_E.cpu()
@@ -127,7 +127,7 @@ def unpermute(y_SD: torch.Tensor, row_map_TK: torch.Tensor,
     (as :func:`permute` returns them); rows no entry reads get zero gradient.
     """
     if y_SD.device.type != "cpu":  # the CUDA kernels where loaded, else plain torch (autograd)
-        if probs_TK is None and cuda_ops.available(y_SD):
+        if probs_TK is None and cuda_ops.traced(y_SD):
             return cuda_ops.unpermute(y_SD, row_map_TK)
         return reference.unpermute(y_SD, row_map_TK, probs_TK)
     check_rows("unpermute", "y_SD", y_SD, 2, "[S, D]")

@@ -13,8 +13,9 @@ module cannot be moved (``Module.to`` swaps payloads, which a fake parameter ref
 
 Path: a meta tensor is not a CPU tensor, so every op takes moeplug's GPU path: torch ops with
 torch's meta kernels (grouped GEMM; attention as the fused kernel, moeplug.plan.dry_attention);
-moeplug's CUDA extension is not built here, so SwiGLU, permute and the norms run as its torch
-references (what a GPU without the extension runs). Host-side bookkeeping (row counts, the
+the CUDA extension's SwiGLU and permute / unpermute row kernels through their fake kernels
+(torch.library ops with ``register_fake``, moeplug.ops.cuda_ops), so they save what they save on
+a GPU; the norms are moeplug's own (torch ops, as on a GPU). Host-side bookkeeping (row counts, the
 chunk sort's index) runs on real CPU tensors, the C++ runtime included; the one runtime kernel
 the GPU path calls on device rows (the dispatcher's chunk sort) has a torch form for meta
 tensors next to it (moeplug_plugins.dispatchers._ep_comm._move_meta). The report names the path.
@@ -246,9 +247,9 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
             comm_calls=dict(mode.comm_calls), seconds=time.perf_counter() - t0,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             path="the GPU path on meta tensors: torch ops and torch's meta kernels (grouped GEMM, "
-                 "memory-efficient attention); SwiGLU, permute and norms as torch's references "
-                 "(moeplug's CUDA extension is not built here); the C++ runtime's kernels ran "
-                 "only on the host's real row counts")
+                 "memory-efficient attention); SwiGLU and permute as the CUDA extension's kernels "
+                 "through their fake kernels; the C++ runtime's kernels ran only on the host's "
+                 "real row counts")
     finally:
         dist.destroy_process_group()
 
