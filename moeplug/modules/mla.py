@@ -14,6 +14,8 @@ Parameter names follow Hugging Face DeepseekV3Attention (``kv_a_proj_with_mqa`` 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -50,21 +52,31 @@ class MLAttention(nn.Module):
         self._rope = [rope]
         self.core_attn = CoreAttention()
 
+    def up_projections(self, c_BSC: torch.Tensor, q_lat_BSL: torch.Tensor | None = None) -> Any:
+        """The latents' norms and up projections: kv_b_proj(kv_a_norm(c)), and with a q latent
+        also q_b_proj(q_a_norm(q_lat)), returned second. Recompute ``mla_up_proj`` runs this
+        method under a checkpoint (moeplug.modules.recompute), dropping the normalized latents
+        the up projections keep for backward."""
+        kv_BSX = self.kv_b_proj(self.kv_a_norm(c_BSC))
+        if q_lat_BSL is None:
+            return kv_BSX
+        return kv_BSX, self.q_b_proj(self.q_a_norm(q_lat_BSL))
+
     def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``positions_BS``: the tokens' positions in their documents (packed documents, see
         moeplug.data.documents), or None for one sequence per row."""
         B, S, _ = x_BSD.shape
         H, N, R, V = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
+        c_BSC, k_rope_BSR = self.kv_a_proj(x_BSD).split([self.kv_lora_rank, R], dim=-1)
         if self.q_proj is not None:
             q_BSX = self.q_proj(x_BSD)
+            kv_BSX = self.up_projections(c_BSC)
         else:
-            q_BSX = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSD)))
+            kv_BSX, q_BSX = self.up_projections(c_BSC, self.q_a_proj(x_BSD))
         q_BHSQ = q_BSX.view(B, S, H, N + R).transpose(1, 2)
         q_nope_BHSN, q_rope_BHSR = q_BHSQ.split([N, R], dim=-1)
-
-        c_BSC, k_rope_BSR = self.kv_a_proj(x_BSD).split([self.kv_lora_rank, R], dim=-1)
-        kv_BHSX = self.kv_b_proj(self.kv_a_norm(c_BSC)).view(B, S, H, N + V).transpose(1, 2)
+        kv_BHSX = kv_BSX.view(B, S, H, N + V).transpose(1, 2)
         k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
 
         # One rope key for all heads (the "MQA" part): rotate it once as a single head.

@@ -5,8 +5,12 @@ names, checkpoints and outputs stay the same; gradients are identical because th
 forward is the same code on the same inputs). Selective names -> what the backward recomputes:
 
     core_attn       softmax(q k^T) v (CoreAttention; not CP's ring/all-gather attention)
-    mla_up_proj     MLA's up projections q_b_proj / kv_b_proj and the q_a / kv_a norms
-    layernorm       every RMSNorm of the blocks (attn_norm, ffn_norm, q/k norms)
+    mla_up_proj     MLA's latent norms and up projections (MLAttention.up_projections:
+                    q_a / kv_a norms, q_b_proj / kv_b_proj; the normalized latents dropped)
+    layernorm       the blocks' attn_norm and ffn_norm: their outputs, which the next
+                    projection keeps, are dropped once it has run and made again from the
+                    norm's input when the backward reaches it (moeplug.modules.discard,
+                    Megatron's output discarding); a norm keeps only its input anyway
     moe_act         the expert activation: only FC1's output is kept, act(h) * p is rebuilt
                     per expert in backward (output discarding, as Megatron; grouped experts)
     mlp             the dense SwiGLU MLPs
@@ -14,9 +18,8 @@ forward is the same code on the same inputs). Selective names -> what the backwa
     shared_experts  the shared expert MLP
 
 A checkpointed module keeps only its inputs; its internals are rebuilt in backward by
-``torch.utils.checkpoint`` (non-reentrant). Megatron also discards the *outputs* of
-``layernorm`` / ``moe_act``; here only ``moe_act`` does (the norm's output is still kept by the
-projection that reads it).
+``torch.utils.checkpoint`` (non-reentrant). ``layernorm`` and ``moe_act`` discard *outputs*, as
+Megatron does: the tensor the next op keeps is freed and rebuilt before that op's backward.
 Side effects must happen once: a router counts tokens for the expert-bias update and global aux
 loss only when :func:`recomputing` is False, so recomputing ``moe`` or a full block does not
 count a micro-batch twice. Routing is deterministic, so the recomputed routing is the same.
@@ -138,6 +141,9 @@ def checkpointed(fn: Callable, *args: Any) -> Any:
 
 # A recomputed module's forward keeps only its inputs (moeplug.modules.marks).
 RECOMPUTE = marks.MarkKind("Recomputed", lambda module, fn, *args: checkpointed(fn, *args))
+# mla_up_proj: a method of the attention, not a module of its own (the parameters keep their
+# names: q_a_norm, q_b_proj, ... as Hugging Face's).
+RECOMPUTE_UP = marks.MarkKind("RecomputedUp", RECOMPUTE.around, methods=("up_projections",))
 
 
 def mark(module: nn.Module) -> None:
@@ -154,15 +160,10 @@ def _selective_targets(block: nn.Module, name: str) -> list[nn.Module]:
     ffn = block.ffn
     if name == "core_attn":
         return [m for m in block.modules() if isinstance(m, CoreAttention)]
-    if name == "mla_up_proj":
-        a = block.attn
-        if not isinstance(a, MLAttention):
-            return []
-        parts = (a.q_b_proj if a.q_proj is None else None, getattr(a, "q_a_norm", None),
-                 a.kv_b_proj, a.kv_a_norm)
-        return [m for m in parts if m is not None]
-    if name == "layernorm":
-        return [m for m in block.modules() if isinstance(m, RMSNorm)]
+    if name == "mla_up_proj":  # MLAttention.up_projections, under RECOMPUTE_UP
+        return [block.attn] if isinstance(block.attn, MLAttention) else []
+    if name == "layernorm":  # the block's two: their outputs discarded (DISCARD)
+        return [m for m in (block.attn_norm, block.ffn_norm) if isinstance(m, RMSNorm)]
     if name == "mlp":
         return [ffn] if isinstance(ffn, SwiGLUMLP) else []
     if name == "moe":
@@ -184,14 +185,23 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
                 # the backend declares it can (the recompute mode's rule, which build_model
                 # and the plugin host run: moeplug.config.modes.recompute)
                 block.ffn.experts.recompute_activation = True
+            kind = _kind(name)
             for m in _selective_targets(block, name):
-                mark(m)
+                marks.mark(m, kind)
+
+
+def _kind(name: str) -> marks.MarkKind:
+    """The mark a selective name puts on its targets."""
+    from moeplug.modules.discard import DISCARD  # discard reads this module's flags
+    return {"layernorm": DISCARD, "mla_up_proj": RECOMPUTE_UP}.get(name, RECOMPUTE)
 
 
 def remove_recompute(model: nn.Module) -> None:
     """Undo apply_recompute's selective marks (benchmarks switch levers on one model)."""
+    kinds = {_kind(name) for name in ("layernorm", "mla_up_proj", "core_attn")}
     for m in model.modules():
-        marks.unmark(m, RECOMPUTE)
+        for kind in kinds:
+            marks.unmark(m, kind)
         if isinstance(m, Experts) and m.recompute_activation:
             m.recompute_activation = False
 

@@ -19,6 +19,7 @@ from moeplug.modules.mla import MLAttention
 from moeplug.modules.mlp import SwiGLUMLP
 from moeplug.moe import MoELayer, MoEOutput
 from moeplug.modules.mtp import MTPLayer
+from moeplug.modules.discard import release
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.modules.stages import ModelStages
@@ -66,20 +67,30 @@ class TransformerBlock(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``positions_BS``: the tokens' positions in their documents (packed documents, for
         attention only; the whole CP-local sequence also under SP), or None."""
+        # release(): recompute ``layernorm`` drops a norm's output once its reader has run
+        # (moeplug.modules.discard; without the mark it does nothing).
         with stage("attention"):
             h_BSD = self.attn_norm(x_BSD)
             if isinstance(self.attn, MLAttention):  # not split over TP: the whole sequence
-                x_BSD = x_BSD + self.wiring.whole_sequence(self.attn, h_BSD, positions_BS)
+                a_BSD = self.wiring.whole_sequence(self.attn, h_BSD, positions_BS)
             else:
-                x_BSD = x_BSD + self.attn(h_BSD, positions_BS)
+                a_BSD = self.attn(h_BSD, positions_BS)
+            release(h_BSD, a_BSD)
+            x_BSD = x_BSD + a_BSD
+        h_BSD = self.ffn_norm(x_BSD)
         if isinstance(self.ffn, MoELayer):
             # TP: the MoE layer routes only this rank's sequence chunk (Wiring.moe_tokens_in).
-            moe_out = self.ffn(self.wiring.moe_tokens_in(self.ffn_norm(x_BSD)))
+            moe_out = self.ffn(self.wiring.moe_tokens_in(h_BSD))
             y_BSD, aux_loss, counts_E = moe_out
+            # The router's losses read the norm's output only through the gate GEMM, whose
+            # backward waits for the routing weights' gradient, which comes through y.
+            release(h_BSD, y_BSD)
             y_BSD = self.wiring.moe_tokens_out(y_BSD)
             return MoEOutput(x_BSD + y_BSD, aux_loss, counts_E, moe_out.router_losses,
                              moe_out.pooled_aux)
-        return x_BSD + self.ffn(self.ffn_norm(x_BSD)), None, None
+        y_BSD = self.ffn(h_BSD)
+        release(h_BSD, y_BSD)
+        return x_BSD + y_BSD, None, None
 
 
 class MoETransformer(ModelStages, nn.Module):

@@ -188,6 +188,7 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moeplug.parallel import ParallelGroups
+    from moeplug.modules import discard
     from moeplug.plan.dry_attention import FusedAttentionMode
     from moeplug.plan.fake_step import DryStepMode
     from moeplug.plugin_host import check_plugins, load_host
@@ -205,7 +206,7 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
             precision = _meta_autocast(check_plugins(host, cfg))
         mode = DryStepMode()
         tc = cfg.train
-        with mode, FusedAttentionMode(), _grad_marks(mode):
+        with mode, FusedAttentionMode(), _grad_marks(mode), discard.observing(mode.discarded):
             torch.manual_seed(tc.seed)
             with torch.device("meta"):  # every parameter and buffer, never allocated
                 model = D.build_rank_model(cfg, host, cfg.model.vocab_size, groups,

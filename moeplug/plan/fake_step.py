@@ -259,6 +259,18 @@ class DryStepMode(TorchDispatchMode):
         if cat is not None:
             self.bytes[cat] -= n
 
+    def discarded(self, storage: torch.UntypedStorage, nbytes: int, freed: bool) -> None:
+        """Output discarding (moeplug.modules.discard) freed or refilled a live storage."""
+        key = id(storage)
+        if key not in self.live:
+            return
+        _, cat = self.live[key]
+        self.live[key] = (0 if freed else nbytes, cat)
+        if freed:
+            self.bytes[cat] -= nbytes
+        else:
+            self._add(cat, nbytes)
+
     def mark(self, tensors, category: str) -> None:
         """Count the storages of ``tensors`` as ``category`` from now on (gradients, state)."""
         for t in tensors:

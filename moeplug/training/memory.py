@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from moeplug.modules import recompute
+from moeplug.modules import discard, recompute
 from moeplug.parallel.fsdp import local
 
 
@@ -56,9 +56,9 @@ class _Held:
         if tensor is None:
             return
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in meter.param_ptrs or storage.nbytes() == 0:
+        if storage.data_ptr() in meter.param_ptrs or storage.nbytes() == 0:
             return
+        key = storage._cdata  # the storage itself: its data pointer changes if it is discarded
         self.key = key
         refs, nbytes = meter.live.get(key, (0, storage.nbytes()))
         meter.live[key] = (refs + 1, nbytes)
@@ -88,12 +88,23 @@ class ActivationMeter:
     def hold(self, tensors: Iterable[Any]) -> list[_Held]:
         return [_Held(self, t) for t in tensors if isinstance(t, torch.Tensor)]
 
+    def _discarded(self, storage: torch.UntypedStorage, nbytes: int, freed: bool) -> None:
+        """A saved storage freed or refilled by output discarding (moeplug.modules.discard)."""
+        key = storage._cdata
+        if key not in self.live:
+            return
+        refs, _ = self.live[key]
+        self.live[key] = (refs, 0 if freed else nbytes)
+        self.current += -nbytes if freed else nbytes
+        self.peak = max(self.peak, self.current)
+
     @contextlib.contextmanager
     def active(self) -> Iterator["ActivationMeter"]:
         token = recompute._HELD_INPUTS.set(self.hold)
         try:
             with torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(self, t),
-                                                          lambda h: h.tensor):
+                                                          lambda h: h.tensor), \
+                    discard.observing(self._discarded):
                 yield self
         finally:
             recompute._HELD_INPUTS.reset(token)

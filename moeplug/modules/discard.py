@@ -1,0 +1,89 @@
+"""Output discarding (Megatron's CheckpointWithoutOutput): a module's output is freed once the
+module that reads it has run, and computed again from the first module's inputs when the
+backward reaches the reader.
+
+A norm's output is what the next projection (or the router) keeps for backward; the norm keeps
+its input (moeplug.modules.norm). Recompute ``layernorm`` (moeplug.modules.recompute) marks the
+blocks' two norms with :data:`DISCARD`: their forward notes how to make the output again
+(:func:`discarding`), and the block, once the reader has run, calls :func:`release` with the
+reader's output. That frees the output's storage (the tensors autograd saved still point at it)
+and hooks the reader's output gradient, which arrives just before the reader's backward, to
+refill the same storage, bitwise the first values: the norm's forward again, without autograd.
+Where nothing was noted (no mark, no grad, a checkpointed region, which keeps nothing anyway,
+or a CUDA graph being captured, where no allocation may happen) :func:`release` does nothing.
+
+Memory meters (moeplug.training.memory, the dry run) see storages shrink and grow through
+:func:`observing`; the callbacks active when an output is freed are the ones told of its refill
+(which may run on autograd's device thread).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from moeplug.modules import marks, recompute
+
+# callback(storage, nbytes, freed): storage shrank by nbytes (freed) or grew back (not freed)
+Observer = Callable[[torch.UntypedStorage, int, bool], None]
+_OBSERVERS: ContextVar[tuple[Observer, ...]] = ContextVar("moeplug_discard_observers",
+                                                         default=())
+# output -> (fn, args) that make it again; an entry lives until release() or the output dies
+_NOTED = WeakIdKeyDictionary()
+
+
+@contextlib.contextmanager
+def observing(callback: Observer) -> Iterator[None]:
+    token = _OBSERVERS.set(_OBSERVERS.get() + (callback,))
+    try:
+        yield
+    finally:
+        _OBSERVERS.reset(token)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def discarding(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``fn(*args)``, noted so that :func:`release` may free it."""
+    out = fn(*args)
+    if (torch.is_grad_enabled() and out.requires_grad and not recompute.will_recompute()
+            and not recompute.recomputing() and not _capturing(out)):
+        _NOTED[out] = (fn, args)
+    return out
+
+
+def release(out: torch.Tensor, reader_out: torch.Tensor) -> None:
+    """Free ``out`` (noted by :func:`discarding`) now that its reader has made ``reader_out``;
+    refill it when ``reader_out``'s gradient is computed."""
+    noted = _NOTED.pop(out, None)
+    if noted is None or not reader_out.requires_grad:
+        return
+    fn, args = noted
+    storage = out.untyped_storage()
+    nbytes = storage.nbytes()
+    observers = _OBSERVERS.get()
+    storage.resize_(0)
+    for tell in observers:
+        tell(storage, nbytes, True)
+
+    def refill(grad: torch.Tensor) -> None:
+        if storage.nbytes():  # a second backward over a retained graph
+            return
+        with torch.no_grad():
+            again = fn(*args)
+        storage.resize_(nbytes)
+        # A storage copy: the saved tensors' version counters stay as autograd recorded them.
+        storage.copy_(again.untyped_storage())
+        for tell in observers:
+            tell(storage, nbytes, False)
+    reader_out.register_hook(refill)
+
+
+# Recompute ``layernorm``'s mark: the forward notes its output for release().
+DISCARD = marks.MarkKind("Discarded", lambda module, fn, *args: discarding(fn, *args))
