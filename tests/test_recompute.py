@@ -225,3 +225,33 @@ def test_recompute_under_ep_tp_pp_equals_one_process():
             assert "distopt" in name or r["num_grads"] > 0
             bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
             assert not bad, f"{name}, rank {rank}: differs from one process: {bad}"
+
+
+def test_grouped_mm_ffn_discards_the_activation_under_moe_act():
+    """The GPU experts' form (torch's grouped GEMM, whose CPU kernel runs it here): under
+    moe_act the activation FC2 keeps for backward is freed once FC2 has run and made again just
+    before FC2's backward (Megatron's output discarding): the output and every gradient are
+    bitwise the same, and the bytes held for backward fall by exactly the activation's."""
+    from moeplug.ops.cuda_ffn import grouped_mm_ffn
+    from moeplug.training.memory import ActivationMeter
+    g = torch.Generator().manual_seed(0)
+    L, D, F, counts = 3, 16, 8, [5, 0, 7]
+    S = sum(counts)
+    x = torch.randn(S, D, generator=g).bfloat16().requires_grad_()
+    p = torch.rand(S, generator=g).requires_grad_()
+    w13 = (torch.randn(L, 2 * F, D, generator=g) / 4).bfloat16().requires_grad_()
+    w2 = (torch.randn(L, D, F, generator=g) / 4).bfloat16().requires_grad_()
+    dy = torch.randn(S, D, generator=g).bfloat16()
+
+    def run(recompute_act: bool):
+        meter = ActivationMeter(torch.nn.Module())
+        with meter.active():
+            y = grouped_mm_ffn(x, p, counts, w13, w2, torch.bfloat16, recompute_act)
+            held = meter.current
+        return y, torch.autograd.grad(y, (x, p, w13, w2), dy), held
+
+    y_ref, grads_ref, held_ref = run(False)
+    y, grads, held = run(True)
+    assert torch.equal(y, y_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+    assert held_ref - held == S * F * 2  # the bf16 activation [S, F]

@@ -364,3 +364,25 @@ def _bias_on_rank(rank, world_size):
 def test_expert_bias_counts_are_all_reduced_over_the_group():
     results = run_distributed(_bias_on_rank, 2, timeout=90)
     assert results[0] == results[1] == [-1.0, 1.0, -1.0, -1.0]
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32),
+                                              (torch.float32, torch.bfloat16)])
+def test_fp32_gate_keeps_its_inputs_as_they_came_and_matches_the_composition(x_dtype, w_dtype):
+    """The fp32 gate over bf16 inputs keeps x and w in their own dtypes for backward (as
+    Megatron's RouterGatingLinearFunction), not autograd's fp32 copy of x (T*D floats a layer),
+    with the composition's logits and gradients bit for bit."""
+    from moeplug.routing.gating import router_logits
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=g).to(x_dtype).requires_grad_()
+    w = torch.randn(8, 64, generator=g).to(w_dtype).requires_grad_()
+    dy = torch.randn(37, 8, generator=g)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = router_logits(x.view(37, 64), w, torch.float32)
+    assert sorted(str(t.dtype) for t in saved) == sorted([str(x_dtype), str(w_dtype)])
+    ref = x.float() @ w.float().t()
+    assert torch.equal(y, ref)
+    for a, b in zip(torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
     small components and the norm drifts (same choice as Hugging Face's MixtralRMSNorm, which our
     parity test relies on). Under autograd it keeps only its input for backward
     (:class:`_RMSNorm`); recompute ``layernorm`` also drops its output once the next module has
-    run (moeplug.modules.discard).
+    run (moeplug.ops.discard).
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:

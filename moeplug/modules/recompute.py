@@ -9,7 +9,7 @@ forward is the same code on the same inputs). Selective names -> what the backwa
                     q_a / kv_a norms, q_b_proj / kv_b_proj; the normalized latents dropped)
     layernorm       the blocks' attn_norm and ffn_norm: their outputs, which the next
                     projection keeps, are dropped once it has run and made again from the
-                    norm's input when the backward reaches it (moeplug.modules.discard,
+                    norm's input when the backward reaches it (moeplug.ops.discard,
                     Megatron's output discarding); a norm keeps only its input anyway
     moe_act         the expert activation: only FC1's output is kept, act(h) * p is rebuilt
                     per expert in backward (output discarding, as Megatron; grouped experts)
@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint, get_device_states, set_device_sta
 from moeplug.config import RecomputeConfig
 from moeplug.interfaces import Experts
 from moeplug.modules import marks
+from moeplug.ops import discard
 from moeplug.quant.linear import active_recipe, recipe_scope
 
 _RECOMPUTING: ContextVar[bool] = ContextVar("moeplug_recomputing", default=False)
@@ -64,7 +65,8 @@ def will_recompute() -> bool:
 def _flag(var: ContextVar[bool]):
     token = var.set(True)
     try:
-        yield
+        with discard.suspended():  # a checkpointed region keeps nothing to discard
+            yield
     finally:
         var.reset(token)
 
@@ -144,6 +146,8 @@ RECOMPUTE = marks.MarkKind("Recomputed", lambda module, fn, *args: checkpointed(
 # mla_up_proj: a method of the attention, not a module of its own (the parameters keep their
 # names: q_a_norm, q_b_proj, ... as Hugging Face's).
 RECOMPUTE_UP = marks.MarkKind("RecomputedUp", RECOMPUTE.around, methods=("up_projections",))
+# layernorm: the norm's output is noted, and freed by the block once its reader has run.
+DISCARD = marks.MarkKind("Discarded", lambda module, fn, *args: discard.discarding(fn, *args))
 
 
 def mark(module: nn.Module) -> None:
@@ -192,7 +196,6 @@ def apply_recompute(model: nn.Module, cfg: RecomputeConfig) -> None:
 
 def _kind(name: str) -> marks.MarkKind:
     """The mark a selective name puts on its targets."""
-    from moeplug.modules.discard import DISCARD  # discard reads this module's flags
     return {"layernorm": DISCARD, "mla_up_proj": RECOMPUTE_UP}.get(name, RECOMPUTE)
 
 

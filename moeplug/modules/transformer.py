@@ -19,12 +19,12 @@ from moeplug.modules.mla import MLAttention
 from moeplug.modules.mlp import SwiGLUMLP
 from moeplug.moe import MoELayer, MoEOutput
 from moeplug.modules.mtp import MTPLayer
-from moeplug.modules.discard import release
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
 from moeplug.modules.stages import ModelStages
 from moeplug.modules.wiring import LOCAL
 from moeplug.observability.timing import stage
+from moeplug.ops.discard import release
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class TransformerBlock(nn.Module):
         """``positions_BS``: the tokens' positions in their documents (packed documents, for
         attention only; the whole CP-local sequence also under SP), or None."""
         # release(): recompute ``layernorm`` drops a norm's output once its reader has run
-        # (moeplug.modules.discard; without the mark it does nothing).
+        # (moeplug.ops.discard; without the mark it does nothing).
         with stage("attention"):
             h_BSD = self.attn_norm(x_BSD)
             if isinstance(self.attn, MLAttention):  # not split over TP: the whole sequence

@@ -20,22 +20,28 @@ import torch
 import torch.nn.functional as F
 
 from moeplug.ops import cuda_ops, reference
+from moeplug.ops.discard import discarding, release
 from moeplug.ops._grouped import host_counts
 
 
 def grouped_mm_ffn(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts: list[int],
                    w13_L2FD: torch.Tensor, w2_LDF: torch.Tensor,
-                   compute_dtype: torch.dtype) -> torch.Tensor:
+                   compute_dtype: torch.dtype, recompute_act: bool = False) -> torch.Tensor:
     """SwiGLU experts over rows grouped by the host ``counts`` (this path also runs on CPU
-    tensors, where torch's grouped GEMM has a CPU kernel)."""
+    tensors, where torch's grouped GEMM has a CPU kernel). ``recompute_act`` (moe_act
+    recompute): the activation, which FC2 keeps for backward, is freed once FC2 has run and
+    made again from FC1's output just before FC2's backward (moeplug.ops.discard, as
+    Megatron discards it)."""
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     if x_SD.device.type == "cuda":
         offs = offs.pin_memory().to(x_SD.device, non_blocking=True)
     x_c = x_SD.to(compute_dtype)
     h_S2F = F.grouped_mm(x_c, w13_L2FD.to(compute_dtype).transpose(-2, -1), offs=offs)
-    a_SF = (cuda_ops.swiglu(h_S2F, probs_S) if cuda_ops.traced(h_S2F)
-            else reference.swiglu(h_S2F, probs_S))
-    return F.grouped_mm(a_SF, w2_LDF.to(compute_dtype).transpose(-2, -1), offs=offs)
+    act = cuda_ops.swiglu if cuda_ops.traced(h_S2F) else reference.swiglu
+    a_SF = discarding(act, h_S2F, probs_S) if recompute_act else act(h_S2F, probs_S)
+    y_SD = F.grouped_mm(a_SF, w2_LDF.to(compute_dtype).transpose(-2, -1), offs=offs)
+    release(a_SF, y_SD)  # nothing unless noted by discarding()
+    return y_SD
 
 
 def same_rows(counts_L: torch.Tensor) -> bool:

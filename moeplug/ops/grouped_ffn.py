@@ -488,7 +488,7 @@ def expert_mlp(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts_L: torch
                              f"false on GPU")
         from moeplug.ops.cuda_ffn import grouped_mm_ffn
         return grouped_mm_ffn(x_SD, probs_S, counts_L.tolist(), gate_up_proj_L2FD,
-                              down_proj_LDF, dtype)
+                              down_proj_LDF, dtype, recompute_act)
     for name, t in (("x_SD", x_SD), ("gate_up_proj", gate_up_proj_L2FD),
                     ("down_proj", down_proj_LDF)):
         check_cpu_contiguous("expert_mlp", name, t)

@@ -188,7 +188,7 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from moeplug.parallel import ParallelGroups
-    from moeplug.modules import discard
+    from moeplug.ops import discard
     from moeplug.plan.dry_attention import FusedAttentionMode
     from moeplug.plan.fake_step import DryStepMode
     from moeplug.plugin_host import check_plugins, load_host

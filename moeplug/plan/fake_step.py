@@ -260,7 +260,7 @@ class DryStepMode(TorchDispatchMode):
             self.bytes[cat] -= n
 
     def discarded(self, storage: torch.UntypedStorage, nbytes: int, freed: bool) -> None:
-        """Output discarding (moeplug.modules.discard) freed or refilled a live storage."""
+        """Output discarding (moeplug.ops.discard) freed or refilled a live storage."""
         key = id(storage)
         if key not in self.live:
             return

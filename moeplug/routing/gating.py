@@ -28,9 +28,10 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor,
     rounded to bf16. Without autocast and with fp32 inputs it is the fp32 gate.
 
     Routing decisions flip on tiny logit differences, so Megatron keeps the gate GEMM out of
-    bf16 (``moe_router_dtype``). Autograd casts the gradients back to the inputs' dtypes; unlike
-    Megatron's RouterGatingLinearFunction we keep the up-cast copies for backward, which costs
-    T*D extra floats but needs no custom autograd function.
+    bf16 (``moe_router_dtype``). Inputs of another dtype go through :class:`_UpcastGate`, which
+    keeps them as they came and casts again in backward (Megatron's
+    RouterGatingLinearFunction): autograd of the composition would keep the fp32 copy of x,
+    T*D floats a layer beside the bf16 x the rest of the layer keeps.
 
     CPU inputs already in ``dtype`` (and the ``None`` gate's CPU inputs) take
     :func:`moeplug.ops.linear.linear` instead: the same GEMMs and casts that autograd runs
@@ -44,8 +45,35 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor,
     if (x_TD.device.type == "cpu" and x_TD.dtype == dtype and weight_ED.dtype == dtype
             and x_TD.dim() == 2 and x_TD.is_contiguous() and weight_ED.is_contiguous()):
         return linear(x_TD, weight_ED, dtype)
+    if x_TD.dim() == 2 and (x_TD.dtype != dtype or weight_ED.dtype != dtype):
+        return _UpcastGate.apply(x_TD, weight_ED, dtype)
     with torch.autocast(device_type=x_TD.device.type, enabled=False):
         return x_TD.to(dtype) @ weight_ED.to(dtype).t()
+
+
+class _UpcastGate(torch.autograd.Function):
+    """``x.to(dtype) @ w.to(dtype).t()`` (autocast off) keeping x and w as they came. The
+    backward casts them again and runs the GEMMs autograd runs for the composition
+    (MmBackward0's: ``g @ w`` and, w.t() being column-major, ``(g.t() @ x)``; then the casts
+    back to the inputs' dtypes), so the gradients are bitwise the composition's."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, weight_ED: torch.Tensor, dtype: torch.dtype):
+        ctx.save_for_backward(x_TD, weight_ED)
+        ctx.dtype = dtype
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            return x_TD.to(dtype) @ weight_ED.to(dtype).t()
+
+    @staticmethod
+    def backward(ctx, grad_TE: torch.Tensor):
+        x_TD, weight_ED = ctx.saved_tensors
+        dx = dw = None
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx = grad_TE.mm(weight_ED.to(ctx.dtype)).to(x_TD.dtype)
+            if ctx.needs_input_grad[1]:
+                dw = grad_TE.t().mm(x_TD.to(ctx.dtype)).to(weight_ED.dtype)
+        return dx, dw, None
 
 
 def _input_dtype_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor,

@@ -22,7 +22,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from moeplug.modules import discard, recompute
+from moeplug.modules import recompute
+from moeplug.ops import discard
 from moeplug.parallel.fsdp import local
 
 
@@ -89,7 +90,7 @@ class ActivationMeter:
         return [_Held(self, t) for t in tensors if isinstance(t, torch.Tensor)]
 
     def _discarded(self, storage: torch.UntypedStorage, nbytes: int, freed: bool) -> None:
-        """A saved storage freed or refilled by output discarding (moeplug.modules.discard)."""
+        """A saved storage freed or refilled by output discarding (moeplug.ops.discard)."""
         key = storage._cdata
         if key not in self.live:
             return

@@ -25,20 +25,7 @@ def _experts_rebuild_activation(f: Facts) -> None:
         f"grouped, or drop {', '.join(names)} from those settings")
 
 
-def _gpu_swiglu_moe_act(f: Facts) -> None:
-    # The swiglu experts' CUDA path is torch's grouped_mm autograd, which keeps the activation;
-    # the other activations run moeplug.ops.grouped_ffn.grouped_mlp on every device.
-    levers = expert_op_levers(f.cfg.model)
-    if f.device == "cuda" and f.cfg.model.moe.activation == "swiglu" \
-            and "recompute.modules" in levers:
-        raise ConfigError(f"{f.device_field}: model.recompute.modules moe_act is not built into "
-                          "the swiglu experts' CUDA path (torch's grouped_mm keeps the "
-                          "activation), so it would be ignored. Fix: drop moe_act from "
-                          "model.recompute.modules, or --set train.device=cpu")
-
-
 _MOE_ACT = {"model": {"recompute": {"granularity": "selective", "modules": ["moe_act"]}}}
 RULES = (
     Rule("recompute", "experts", "plugins.experts", _experts_rebuild_activation, _MOE_ACT),
-    Rule("recompute", "device", "TrainConfig.device", _gpu_swiglu_moe_act, _MOE_ACT),
 )

@@ -4,13 +4,14 @@ backward reaches the reader.
 
 A norm's output is what the next projection (or the router) keeps for backward; the norm keeps
 its input (moeplug.modules.norm). Recompute ``layernorm`` (moeplug.modules.recompute) marks the
-blocks' two norms with :data:`DISCARD`: their forward notes how to make the output again
+blocks' two norms (its ``DISCARD`` mark): their forward notes how to make the output again
 (:func:`discarding`), and the block, once the reader has run, calls :func:`release` with the
-reader's output. That frees the output's storage (the tensors autograd saved still point at it)
+reader's output; moe_act does the same for the activation FC2 keeps (moeplug.ops.cuda_ffn). That frees the output's storage (the tensors autograd saved still point at it)
 and hooks the reader's output gradient, which arrives just before the reader's backward, to
 refill the same storage, bitwise the first values: the norm's forward again, without autograd.
-Where nothing was noted (no mark, no grad, a checkpointed region, which keeps nothing anyway,
-or a CUDA graph being captured, where no allocation may happen) :func:`release` does nothing.
+Where nothing was noted (no mark, no grad, a checkpointed region, which keeps nothing anyway:
+the checkpoints enter :func:`suspended`; or a CUDA graph being captured, where no allocation may
+happen) :func:`release` does nothing.
 
 Memory meters (moeplug.training.memory, the dry run) see storages shrink and grow through
 :func:`observing`; the callbacks active when an output is freed are the ones told of its refill
@@ -26,14 +27,23 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from moeplug.modules import marks, recompute
-
 # callback(storage, nbytes, freed): storage shrank by nbytes (freed) or grew back (not freed)
 Observer = Callable[[torch.UntypedStorage, int, bool], None]
 _OBSERVERS: ContextVar[tuple[Observer, ...]] = ContextVar("moeplug_discard_observers",
                                                          default=())
 # output -> (fn, args) that make it again; an entry lives until release() or the output dies
 _NOTED = WeakIdKeyDictionary()
+_SUSPENDED: ContextVar[bool] = ContextVar("moeplug_discard_suspended", default=False)
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Note nothing inside (a checkpoint's first run and its recomputation)."""
+    token = _SUSPENDED.set(True)
+    try:
+        yield
+    finally:
+        _SUSPENDED.reset(token)
 
 
 @contextlib.contextmanager
@@ -52,8 +62,8 @@ def _capturing(t: torch.Tensor) -> bool:
 def discarding(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     """``fn(*args)``, noted so that :func:`release` may free it."""
     out = fn(*args)
-    if (torch.is_grad_enabled() and out.requires_grad and not recompute.will_recompute()
-            and not recompute.recomputing() and not _capturing(out)):
+    if (torch.is_grad_enabled() and out.requires_grad and not _SUSPENDED.get()
+            and not _capturing(out)):
         _NOTED[out] = (fn, args)
     return out
 
@@ -83,7 +93,3 @@ def release(out: torch.Tensor, reader_out: torch.Tensor) -> None:
         for tell in observers:
             tell(storage, nbytes, False)
     reader_out.register_hook(refill)
-
-
-# Recompute ``layernorm``'s mark: the forward notes its output for release().
-DISCARD = marks.MarkKind("Discarded", lambda module, fn, *args: discarding(fn, *args))
