@@ -4,6 +4,9 @@ Conventions (Megatron-Core with the distributed optimizer, what P26 Table 3 assu
     weights BF16 (2 B) + main gradients FP32 (4 B) = 6 B per parameter on its rank;
     FP32 master weights + Adam moments = 12 B per parameter (8 with BF16 moments), sharded
     ZeRO-1 style over DP x CP (dense parameters) and over EDP (expert parameters).
+Where moeplug differs from Megatron the bytes are moeplug's: MLA attention is replicated over TP
+(its weights and activations whole on every TP rank, :func:`replicated_attention`), and a
+Qwen3-style q/k norm keeps its input beside the rotated q and k attention keeps.
 Activations are the tensors autograd saves for backward, per transformer layer and per token
 (:func:`layer_activations`), in BF16 (2 B; FP8 runs keep linear-layer inputs in 1 B), with the
 routing weights applied inside the activation (Megatron's memory-efficient permutation and
@@ -189,30 +192,43 @@ def layer_params(cfg: ModelConfig, moe: bool) -> tuple[float, float]:
     return attn + shared + m.num_experts * h, float(m.num_experts * g * h * m.ffn_hidden_size)
 
 
+def replicated_attention(cfg: ModelConfig, split_mla: bool = False) -> float:
+    """Parameters of one layer's attention that every TP rank holds whole. moeplug replicates
+    MLA over TP (the block runs the whole sequence through it on each rank,
+    moeplug.modules.wiring's ``whole_sequence``) where Megatron splits its heads; the GQA
+    attention is split. The time model (moeplug.plan.perf) keeps Megatron's split: the
+    published rows it is fitted to ran it (``split_mla``: Megatron's)."""
+    return attention_macs(cfg)[0] if cfg.attention == "mla" and not split_mla else 0.0
+
+
 def stage_params(cfg: ModelConfig, mp: Mapping, rank: int,
-                 parts: list | None = None) -> tuple[float, float]:
+                 parts: list | None = None, split_mla: bool = False) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of pipeline stage ``rank``: its layers
     and MTP blocks, the embedding where it sits (the first stage's, the copies of an MTP stage
     or a tied head), the final norm and head on the loss stage. ``parts``: rank_parts(cfg,
-    mp), when the caller has them."""
+    mp), when the caller has them; ``split_mla``: see :func:`replicated_attention`."""
     h, V = cfg.hidden_size, cfg.vocab_size
     part = (parts or rank_parts(cfg, mp))[rank]
     dense = expert = 0.0
     for moe in part.layers:
         d, e = layer_params(cfg, moe)
         dense, expert = dense + d, expert + e
+    whole = len(part.layers) * replicated_attention(cfg, split_mla)  # on every TP rank
+    dense -= whole
     if part.embedding:
         dense += V * h                                   # embedding (or its copy)
     if part.loss:
         dense += h + (0 if cfg.tie_embeddings else V * h)  # final norm + output head
     dense += part.mtp * (2 * h * h + 3 * h)              # MTP eh_proj + norms
-    return dense / mp.tp, expert / (mp.ep * mp.etp)
+    return dense / mp.tp + whole, expert / (mp.ep * mp.etp)
 
 
 # ---------------------------------------------------------------- activations
 
-def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options) -> dict:
-    """Bytes one rank saves for backward in one layer for one micro-batch, per module."""
+def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
+                      split_mla: bool = False) -> dict:
+    """Bytes one rank saves for backward in one layer for one micro-batch, per module
+    (``split_mla``: MLA's heads split over TP, as Megatron; see :func:`replicated_attention`)."""
     h, b = cfg.hidden_size, opt.act_bytes
     lin = 1 if opt.precision == "fp8" else b      # FP8 keeps linear-layer inputs in one byte
     tok = mp.mbs * mp.seq / mp.cp                 # tokens of this rank's micro-batch
@@ -227,18 +243,22 @@ def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options) ->
     put("attn_norm", h, sp, b)                                  # residual / norm input
     put("layernorm", h, tok, lin, "layernorm" in rc)            # norm out = QKV input
     n = cfg.num_heads
+    heads_tp = mp.tp  # the ranks the heads are split over: none for MLA (replicated_attention)
     if cfg.attention == "mla":
         a = cfg.mla
+        heads_tp = mp.tp if split_mla else 1
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         down = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
         put("mla_down", down + (a.q_lora_rank or 0) + a.kv_lora_rank, tok, lin)
-        put("mla_up_proj", n * (2 * qk + a.v_head_dim) / mp.tp, tok, b, "mla_up_proj" in rc)
+        put("mla_up_proj", n * (2 * qk + a.v_head_dim) / heads_tp, tok, b, "mla_up_proj" in rc)
         v = a.v_head_dim
     else:
         d = cfg.head_dim
         put("qkv_linear", (n + 2 * cfg.num_kv_heads) * d / mp.tp, tok, b)
+        if cfg.qk_norm:  # the q / k norms keep their inputs (the projections' outputs)
+            put("qk_norm", (n + cfg.num_kv_heads) * d / mp.tp, tok, b)
         v = d
-    put("core_attn", n * v / mp.tp, tok, lin, "core_attn" in rc)  # output = o_proj input
+    put("core_attn", n * v / heads_tp, tok, lin, "core_attn" in rc)  # output = o_proj input
     put("mlp_norm", h, sp, b)
     put("layernorm", h, sp if moe else tok, lin, "layernorm" in rc)
     if not moe:
@@ -457,7 +477,8 @@ def block_params(cfg, mp: Mapping, part) -> list[tuple[float, float]]:
     for _ in range(part.mtp):  # an MTP block: a layer of the last layer's kind + eh_proj, norms
         d, e = layer_params(cfg, last_moe)
         units.append((d + _mtp_dense(cfg, part) / part.mtp, e))
-    return [(d / mp.tp, e / (mp.ep * mp.etp)) for d, e in units]
+    whole = replicated_attention(cfg)
+    return [((d - whole) / mp.tp + whole, e / (mp.ep * mp.etp)) for d, e in units]
 
 
 def root_params(cfg, mp: Mapping, part) -> float:

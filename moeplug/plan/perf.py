@@ -201,9 +201,11 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
         # Recompute drops tensors from memory, not from the work: every tensor is still
         # written, read and its gradient written and read, and a recomputed one is written
         # once more in backward.
-        saved = sum(layer_activations(cfg, moe, mp, replace(opt, recompute=())).values())
+        # Megatron's split MLA, as the published rows ran (memory.replicated_attention).
+        saved = sum(layer_activations(cfg, moe, mp, replace(opt, recompute=()),
+                                      split_mla=True).values())
         kept = (tok / mp.tp * cfg.hidden_size * opt.act_bytes if opt.full_recompute else
-                sum(layer_activations(cfg, moe, mp, opt).values()))  # full: the block input
+                sum(layer_activations(cfg, moe, mp, opt, split_mla=True).values()))
         mem += count * (MEMORY_PASSES * saved + (saved - kept)) / (c.hbm_tbps * 1e12)
         if moe:
             a2a += count * (4 + 2 * rerun_moe) * a2a_seconds(cfg, mp, opt, c)
@@ -273,7 +275,7 @@ def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
     per_mb = sum(slow.values())
     parts["pp_bubble"] = per_mb * (mp.pp - 1) / mp.vpp if mp.pp > 1 else 0.0
     # DP: fp32 gradient reduce-scatter + bf16 parameter all-gather, hidden under backward.
-    dense, expert = stage_params(cfg, mp, 0, split)
+    dense, expert = stage_params(cfg, mp, 0, split, split_mla=True)
     dp_s = 0.0
     for n, d, span in ((dense, mp.dp * mp.cp, mp.world // mp.pp),
                        (expert, mp.edp, mp.world // mp.pp)):
