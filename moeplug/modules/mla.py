@@ -78,6 +78,9 @@ class MLAttention(nn.Module):
         q_nope_BHSN, q_rope_BHSR = q_BHSQ.split([N, R], dim=-1)
         kv_BHSX = kv_BSX.view(B, S, H, N + V).transpose(1, 2)
         k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
+        # Attention keeps v for backward; as a view it would keep all of kv_b_proj's output
+        # (N + V a head), which nothing else keeps (k goes on through torch.cat).
+        v_BHSV = v_BHSV.contiguous()
 
         # One rope key for all heads (the "MQA" part): rotate it once as a single head.
         q_rope_BHSR, k_rope_B1SR = self._rope[0](q_rope_BHSR, k_rope_BSR.unsqueeze(1),
