@@ -14,8 +14,6 @@ Parameter names follow Hugging Face DeepseekV3Attention (``kv_a_proj_with_mqa`` 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -23,6 +21,7 @@ from moeplug.config import ModelConfig
 from moeplug.modules.attention import CoreAttention
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
+from moeplug.ops.discard import release
 
 
 class MLAttention(nn.Module):
@@ -52,42 +51,42 @@ class MLAttention(nn.Module):
         self._rope = [rope]
         self.core_attn = CoreAttention()
 
-    def up_projections(self, c_BSC: torch.Tensor, q_lat_BSL: torch.Tensor | None = None) -> Any:
-        """The latents' norms and up projections: kv_b_proj(kv_a_norm(c)), and with a q latent
-        also q_b_proj(q_a_norm(q_lat)), returned second. Recompute ``mla_up_proj`` runs this
-        method under a checkpoint (moeplug.modules.recompute), dropping the normalized latents
-        the up projections keep for backward."""
-        kv_BSX = self.kv_b_proj(self.kv_a_norm(c_BSC))
-        if q_lat_BSL is None:
-            return kv_BSX
-        return kv_BSX, self.q_b_proj(self.q_a_norm(q_lat_BSL))
+    def up_projections(self, q_in_BSX: torch.Tensor, c_BSC: torch.Tensor,
+                       k_rope_BSR: torch.Tensor, positions_BS: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention's q, k, v from the latents: the latent norms, the up projections and RoPE
+        (Megatron's ``mla_up_proj`` region). ``q_in_BSX``: q_proj's output, or with a q LoRA
+        q_a_proj's (its latent). Recompute ``mla_up_proj`` runs this without autograd and
+        discards q, k, v once attention has run, making them again before its backward
+        (moeplug.modules.recompute.discarded_region)."""
+        B, S, _ = c_BSC.shape
+        H, N, R, V = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
+        q_BSX = q_in_BSX if self.q_proj is not None else self.q_b_proj(self.q_a_norm(q_in_BSX))
+        q_BHSQ = q_BSX.view(B, S, H, N + R).transpose(1, 2)
+        q_nope_BHSN, q_rope_BHSR = q_BHSQ.split([N, R], dim=-1)
+        kv_BHSX = self.kv_b_proj(self.kv_a_norm(c_BSC)).view(B, S, H, N + V).transpose(1, 2)
+        k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
+        # Attention keeps v for backward; as a view it would keep all of kv_b_proj's output
+        # (N + V a head), which nothing else keeps (k goes on through torch.cat).
+        v_BHSV = v_BHSV.contiguous()
+        # One rope key for all heads (the "MQA" part): rotate it once as a single head.
+        q_rope_BHSR, k_rope_B1SR = self._rope[0](q_rope_BHSR, k_rope_BSR.unsqueeze(1),
+                                                 positions_BS=positions_BS)
+        q_BHSQ = torch.cat((q_nope_BHSN, q_rope_BHSR), dim=-1)
+        k_BHSQ = torch.cat((k_nope_BHSN, k_rope_B1SR.expand(B, H, S, R)), dim=-1)
+        return q_BHSQ, k_BHSQ, v_BHSV
 
     def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``positions_BS``: the tokens' positions in their documents (packed documents, see
         moeplug.data.documents), or None for one sequence per row."""
         B, S, _ = x_BSD.shape
-        H, N, R, V = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
-        c_BSC, k_rope_BSR = self.kv_a_proj(x_BSD).split([self.kv_lora_rank, R], dim=-1)
-        if self.q_proj is not None:
-            q_BSX = self.q_proj(x_BSD)
-            kv_BSX = self.up_projections(c_BSC)
-        else:
-            kv_BSX, q_BSX = self.up_projections(c_BSC, self.q_a_proj(x_BSD))
-        q_BHSQ = q_BSX.view(B, S, H, N + R).transpose(1, 2)
-        q_nope_BHSN, q_rope_BHSR = q_BHSQ.split([N, R], dim=-1)
-        kv_BHSX = kv_BSX.view(B, S, H, N + V).transpose(1, 2)
-        k_nope_BHSN, v_BHSV = kv_BHSX.split([N, V], dim=-1)
-        # Attention keeps v for backward; as a view it would keep all of kv_b_proj's output
-        # (N + V a head), which nothing else keeps (k goes on through torch.cat).
-        v_BHSV = v_BHSV.contiguous()
-
-        # One rope key for all heads (the "MQA" part): rotate it once as a single head.
-        q_rope_BHSR, k_rope_B1SR = self._rope[0](q_rope_BHSR, k_rope_BSR.unsqueeze(1),
-                                                 positions_BS=positions_BS)
-        q_BHSQ = torch.cat((q_nope_BHSN, q_rope_BHSR), dim=-1)
-        k_BHSQ = torch.cat((k_nope_BHSN, k_rope_B1SR.expand(B, H, S, R)), dim=-1)
+        c_BSC, k_rope_BSR = self.kv_a_proj(x_BSD).split([self.kv_lora_rank, self.rope_dim],
+                                                        dim=-1)
+        q_in_BSX = self.q_proj(x_BSD) if self.q_proj is not None else self.q_a_proj(x_BSD)
+        qkv = self.up_projections(q_in_BSX, c_BSC, k_rope_BSR, positions_BS)
         # SDPA's default scale is 1/sqrt(q's last dim) = 1/sqrt(N + R), DeepSeek's softmax scale
         # (no YaRN mscale: only the default rope is supported). V may differ from N + R.
-        out_BHSV = self.core_attn(q_BHSQ, k_BHSQ, v_BHSV, positions_BS)
-        return self.o_proj(out_BHSV.transpose(1, 2).reshape(B, S, H * V))
+        out_BHSV = self.core_attn(*qkv, positions_BS)
+        release(qkv, out_BHSV)  # mla_up_proj: q, k, v dropped until attention's backward
+        return self.o_proj(out_BHSV.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim))

@@ -5,8 +5,9 @@ names, checkpoints and outputs stay the same; gradients are identical because th
 forward is the same code on the same inputs). Selective names -> what the backward recomputes:
 
     core_attn       softmax(q k^T) v (CoreAttention; not CP's ring/all-gather attention)
-    mla_up_proj     MLA's latent norms and up projections (MLAttention.up_projections:
-                    q_a / kv_a norms, q_b_proj / kv_b_proj; the normalized latents dropped)
+    mla_up_proj     MLA's latent norms, up projections and RoPE (MLAttention.up_projections)
+                    run without autograd; the q, k, v they make are dropped once attention
+                    has run and made again before its backward (Megatron's output discarding)
     layernorm       the blocks' attn_norm and ffn_norm: their outputs, which the next
                     projection keeps, are dropped once it has run and made again from the
                     norm's input when the backward reaches it (moeplug.ops.discard,
@@ -141,11 +142,77 @@ def checkpointed(fn: Callable, *args: Any) -> Any:
                       preserve_rng_state=False, context_fn=_contexts)
 
 
+class _RegionState:
+    """What a discarded region's backward needs: how to run it again, with the forward's
+    autocast and precision recipe, and the recomputation once made."""
+
+    def __init__(self, fn: Callable, args: tuple) -> None:
+        self.fn, self.args = fn, args
+        self.recipe = active_recipe()
+        kind = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        self.autocast = (dict(device_type=kind, dtype=torch.get_autocast_dtype(kind))
+                         if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind)
+                         else None)
+        self.recomputed: tuple | None = None
+
+    def make(self) -> tuple:
+        """The region again, with autograd: its outputs (kept for the backward)."""
+        inputs = tuple(a.detach().requires_grad_(a.requires_grad)
+                       if isinstance(a, torch.Tensor) else a for a in self.args)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            if self.autocast is not None:
+                stack.enter_context(torch.autocast(**self.autocast))
+            if self.recipe is not None:
+                stack.enter_context(recipe_scope(self.recipe))
+            outs = self.fn(*inputs)
+        self.recomputed = (inputs, outs)
+        return outs
+
+
+class _DiscardedRegion(torch.autograd.Function):
+    """A region's outputs computed without autograd (its internals kept by nobody); the
+    backward runs autograd over the recomputation that refilled them (Megatron's
+    CheckpointWithoutOutputFunction)."""
+
+    @staticmethod
+    def forward(ctx, state: _RegionState, *args):
+        ctx.state = state
+        ctx.save_for_backward(*(a for a in args if isinstance(a, torch.Tensor)))  # counted
+        with torch.no_grad():
+            return tuple(state.fn(*args))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        state = ctx.state
+        if state.recomputed is None:  # never released: nothing was freed
+            state.make()
+        inputs, outs = state.recomputed
+        state.recomputed = None
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, *(a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None
+                        for a in inputs))
+
+
+def discarded_region(fn: Callable, *args: Any) -> tuple:
+    """``fn(*args)`` (a tuple of tensors) kept by nobody but its readers, and those only until
+    the caller's :func:`moeplug.ops.discard.release`: the outputs are freed once their reader
+    has run and made again, with autograd, just before the reader's backward."""
+    first = next(a for a in args if isinstance(a, torch.Tensor))
+    if not torch.is_grad_enabled() or not discard.may_note(first):
+        return fn(*args)
+    state = _RegionState(fn, args)
+    outs = _DiscardedRegion.apply(state, *args)
+    discard.note(outs, state.make)
+    return outs
+
+
 # A recomputed module's forward keeps only its inputs (moeplug.modules.marks).
 RECOMPUTE = marks.MarkKind("Recomputed", lambda module, fn, *args: checkpointed(fn, *args))
-# mla_up_proj: a method of the attention, not a module of its own (the parameters keep their
-# names: q_a_norm, q_b_proj, ... as Hugging Face's).
-RECOMPUTE_UP = marks.MarkKind("RecomputedUp", RECOMPUTE.around, methods=("up_projections",))
+# mla_up_proj: a method of the attention (MLAttention.up_projections), its q, k, v discarded.
+RECOMPUTE_UP = marks.MarkKind("RecomputedUp", lambda module, fn, *args:
+                              discarded_region(fn, *args), methods=("up_projections",))
 # layernorm: the norm's output is noted, and freed by the block once its reader has run.
 DISCARD = marks.MarkKind("Discarded", lambda module, fn, *args: discard.discarding(fn, *args))
 

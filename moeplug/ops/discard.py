@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -59,37 +59,63 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def may_note(t: torch.Tensor) -> bool:
+    """Whether outputs on ``t``'s device may be noted now: no checkpoint is running (one keeps
+    nothing to discard) and no CUDA graph is being captured (no allocation may happen)."""
+    return not _SUSPENDED.get() and not _capturing(t)
+
+
+def note(outs: Sequence[torch.Tensor], make: Callable[[], Sequence[torch.Tensor]]) -> None:
+    """Let :func:`release` free ``outs``: ``make()`` returns tensors of their values, in order,
+    when the backward needs them again."""
+    for i, out in enumerate(outs):
+        _NOTED[out] = (make, i)
+
+
 def discarding(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    """``fn(*args)``, noted so that :func:`release` may free it."""
+    """``fn(*args)``, noted so that :func:`release` may free it (made again by ``fn`` on the
+    same inputs, without autograd)."""
     out = fn(*args)
-    if (torch.is_grad_enabled() and out.requires_grad and not _SUSPENDED.get()
-            and not _capturing(out)):
-        _NOTED[out] = (fn, args)
+    if torch.is_grad_enabled() and out.requires_grad and may_note(out):
+        def make() -> tuple[torch.Tensor]:
+            with torch.no_grad():
+                return (fn(*args),)
+        note([out], make)
     return out
 
 
-def release(out: torch.Tensor, reader_out: torch.Tensor) -> None:
-    """Free ``out`` (noted by :func:`discarding`) now that its reader has made ``reader_out``;
-    refill it when ``reader_out``'s gradient is computed."""
-    noted = _NOTED.pop(out, None)
-    if noted is None or not reader_out.requires_grad:
+def release(outs: torch.Tensor | Sequence[torch.Tensor], reader_out: torch.Tensor) -> None:
+    """Free ``outs`` (those noted by :func:`note`) now that their reader has made
+    ``reader_out``; refill them when ``reader_out``'s gradient is computed."""
+    if isinstance(outs, torch.Tensor):
+        outs = (outs,)
+    makes: dict[int, tuple[Callable, list]] = {}
+    for out in outs:
+        noted = _NOTED.pop(out, None)
+        if noted is not None:
+            make, i = noted
+            makes.setdefault(id(make), (make, []))[1].append((out.untyped_storage(), i))
+    if not makes or not reader_out.requires_grad:
         return
-    fn, args = noted
-    storage = out.untyped_storage()
-    nbytes = storage.nbytes()
     observers = _OBSERVERS.get()
-    storage.resize_(0)
-    for tell in observers:
-        tell(storage, nbytes, True)
+    sizes = {}
+    for _, storages in makes.values():
+        for storage, _ in storages:
+            sizes[id(storage)] = storage.nbytes()
+            storage.resize_(0)
+            for tell in observers:
+                tell(storage, sizes[id(storage)], True)
 
     def refill(grad: torch.Tensor) -> None:
-        if storage.nbytes():  # a second backward over a retained graph
-            return
-        with torch.no_grad():
-            again = fn(*args)
-        storage.resize_(nbytes)
-        # A storage copy: the saved tensors' version counters stay as autograd recorded them.
-        storage.copy_(again.untyped_storage())
-        for tell in observers:
-            tell(storage, nbytes, False)
+        for make, storages in makes.values():
+            if all(storage.nbytes() for storage, _ in storages):
+                continue  # a second backward over a retained graph
+            again = make()
+            for storage, i in storages:
+                storage.resize_(sizes[id(storage)])
+                # A storage copy: the saved tensors' version counters stay as autograd
+                # recorded them.
+                storage.copy_(again[i].untyped_storage())
+                for tell in observers:
+                    tell(storage, sizes[id(storage)], False)
     reader_out.register_hook(refill)
