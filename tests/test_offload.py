@@ -135,9 +135,16 @@ def test_bad_offload_config_fails_naming_field_value_and_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"ModelConfig.offload = \['fc1'\]: unknown.*"
                                           r"attn_norm, qkv_linear"):
         ModelConfig(offload=["fc1"])
-    with pytest.raises(ConfigError, match="recompute module 'moe' already discards"):
+    with pytest.raises(ConfigError, match="recompute module 'moe' already drops"):
         config_from_dict({"model": {"offload": ["expert_fc1"], "recompute": {
             "granularity": "selective", "modules": ["moe"]}}})
+    # output discarding: the norm's output is the q/k/v projections' input, and mla_up_proj's
+    # q, k, v are what core_attn offload would move
+    for recompute, name in (("layernorm", "qkv_linear"), ("mla_up_proj", "core_attn")):
+        with pytest.raises(ConfigError, match=f"\\['{name}'\\], whose tensors recompute module "
+                                              f"'{recompute}' already drops"):
+            config_from_dict({"model": {"offload": [name], "recompute": {
+                "granularity": "selective", "modules": [recompute]}}})
     with pytest.raises(ConfigError, match="full recompute"):
         config_from_dict({"model": {"offload": ["core_attn"],
                                     "recompute": {"granularity": "full"}}})

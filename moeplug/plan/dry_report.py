@@ -21,7 +21,7 @@ def planner_rank(cfg: Any, mp: Any, opt: Any, stage: int) -> dict:
     mem = stage_memory(cfg, mp, opt, stage, parts)
     per_param = opt.param_bytes + opt.grad_bytes
     return {"weights": mem.weights_grads * opt.param_bytes / per_param,
-            "grads": mem.weights_grads * opt.grad_bytes / per_param,
+            "grads": mem.weights_grads * opt.grad_bytes / per_param + mem.grad_landing,
             "optimizer": mem.optimizer,
             "activations": mem.activations_total + mem.comm_buffers,
             "all-to-all": a2a_step_bytes(cfg, mp, opt, stage, parts)}

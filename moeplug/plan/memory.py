@@ -307,6 +307,9 @@ class MemoryBreakdown:
     comm_buffers: float = 0.0
     # FSDP: the parameters (and one gradient) gathered unsharded while blocks compute
     fsdp_gathered: float = 0.0
+    # Parameters narrower than their main grads: the largest one's grad in the parameter's
+    # dtype, alive beside the main grads while it is added into them (its backward's output)
+    grad_landing: float = 0.0
 
     @property
     def activations_total(self) -> float:
@@ -315,7 +318,21 @@ class MemoryBreakdown:
     @property
     def total(self) -> float:
         return self.weights_grads + self.optimizer + self.activations_total + \
-            self.comm_buffers + self.fsdp_gathered
+            self.comm_buffers + self.fsdp_gathered + self.grad_landing
+
+
+def largest_param(cfg: ModelConfig, mp: Mapping, part) -> float:
+    """Elements of the largest parameter tensor on a rank of stage ``part``: the embedding or
+    head (V x h over TP) where it sits, else a MoE layer's stacked expert weights (moeplug keeps
+    the local experts' FC1 in one [L, 2F, h] tensor)."""
+    h, V = cfg.hidden_size, cfg.vocab_size
+    sizes = [0.0]
+    if part.embedding or (part.loss and not cfg.tie_embeddings):
+        sizes.append(V * h / mp.tp)
+    if any(part.layers) and cfg.moe.num_experts:
+        local = cfg.moe.num_experts / mp.ep
+        sizes.append(local * (_gated(cfg) - 1) * cfg.moe.ffn_hidden_size * h / mp.etp)
+    return max(sizes)
 
 
 def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
@@ -365,8 +382,11 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
         # Dispatch + combine buffers of one layer's worth of routed rows (double-buffered).
         comm = 2 * tok / mp.tp * cfg.moe.top_k * cfg.hidden_size * opt.act_bytes \
             * (opt.token_budget or 1.0)
+    landing = 0.0
+    if opt.param_bytes < opt.grad_bytes and not mp.fsdp:
+        landing = largest_param(cfg, mp, part) * opt.param_bytes
     return MemoryBreakdown(rank=rank, weights_grads=wg, optimizer=optim, activations=acts,
-                           comm_buffers=comm, fsdp_gathered=gathered)
+                           comm_buffers=comm, fsdp_gathered=gathered, grad_landing=landing)
 
 
 def peak_memory(cfg: ModelConfig, mp: Mapping, opt: Options) -> MemoryBreakdown:

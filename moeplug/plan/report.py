@@ -20,6 +20,8 @@ def memory_text(mem: MemoryBreakdown, limit_gb: float) -> str:
         lines.append(f"    {k:<18} {v / div:8.1f}")
     if mem.fsdp_gathered:
         lines.append(f"  FSDP gathered        {mem.fsdp_gathered / div:8.1f}")
+    if mem.grad_landing:  # the largest bf16 grad as it lands beside the fp32 main grads
+        lines.append(f"  grad landing         {mem.grad_landing / div:8.1f}")
     lines += [f"  comm buffers         {mem.comm_buffers / div:8.1f}",
               f"  total                {mem.total / div:8.1f}  (device {limit_gb:.0f} GB)"]
     return "\n".join(lines)

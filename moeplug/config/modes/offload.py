@@ -9,9 +9,12 @@ from moeplug.config._checks import _fail
 from moeplug.config.model import RecomputeConfig
 from moeplug.config.modes._rule import Facts, Rule
 
-# The recompute names whose checkpoint contains an offload name's tensors.
-_OFFLOAD_INSIDE_RECOMPUTE = {"core_attn": ("core_attn",), "layernorm": ("attn_norm", "mlp_norm"),
-                             "moe": ("expert_fc1", "moe_act")}
+# The recompute names that drop an offload name's tensors (a checkpoint's internals; the
+# outputs layernorm and mla_up_proj discard: the q/k/v projections' input, attention's q, k, v)
+# or hold them for their rebuild (a discarded norm's input).
+_OFFLOAD_INSIDE_RECOMPUTE = {"core_attn": ("core_attn",),
+                             "layernorm": ("attn_norm", "mlp_norm", "qkv_linear"),
+                             "mla_up_proj": ("core_attn",), "moe": ("expert_fc1", "moe_act")}
 
 
 def _recompute(f: Facts) -> RecomputeConfig | None:
@@ -34,8 +37,8 @@ def _not_inside_recompute(f: Facts) -> None:
     for r in rc.modules:
         clash = [o for o in _OFFLOAD_INSIDE_RECOMPUTE.get(r, ()) if o in m.offload]
         if clash:
-            _fail(m, "offload", m.offload, f"names {clash}, which recompute module {r!r} already "
-                  f"discards (it keeps only its inputs)",
+            _fail(m, "offload", m.offload, f"names {clash}, whose tensors recompute module "
+                  f"{r!r} already drops or keeps for its rebuild",
                   f"drop {clash} from offload or {r!r} from recompute.modules")
 
 
