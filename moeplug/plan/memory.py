@@ -192,28 +192,29 @@ def layer_params(cfg: ModelConfig, moe: bool) -> tuple[float, float]:
     return attn + shared + m.num_experts * h, float(m.num_experts * g * h * m.ffn_hidden_size)
 
 
-def replicated_attention(cfg: ModelConfig, split_mla: bool = False) -> float:
+def replicated_attention(cfg: ModelConfig, megatron: bool = False) -> float:
     """Parameters of one layer's attention that every TP rank holds whole. moeplug replicates
     MLA over TP (the block runs the whole sequence through it on each rank,
     moeplug.modules.wiring's ``whole_sequence``) where Megatron splits its heads; the GQA
     attention is split. The time model (moeplug.plan.perf) keeps Megatron's split: the
-    published rows it is fitted to ran it (``split_mla``: Megatron's)."""
-    return attention_macs(cfg)[0] if cfg.attention == "mla" and not split_mla else 0.0
+    published rows it is fitted to ran it (``megatron``: Megatron's tensors where moeplug's
+    differ, see also :func:`layer_activations`)."""
+    return attention_macs(cfg)[0] if cfg.attention == "mla" and not megatron else 0.0
 
 
 def stage_params(cfg: ModelConfig, mp: Mapping, rank: int,
-                 parts: list | None = None, split_mla: bool = False) -> tuple[float, float]:
+                 parts: list | None = None, megatron: bool = False) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of pipeline stage ``rank``: its layers
     and MTP blocks, the embedding where it sits (the first stage's, the copies of an MTP stage
     or a tied head), the final norm and head on the loss stage. ``parts``: rank_parts(cfg,
-    mp), when the caller has them; ``split_mla``: see :func:`replicated_attention`."""
+    mp), when the caller has them; ``megatron``: see :func:`replicated_attention`."""
     h, V = cfg.hidden_size, cfg.vocab_size
     part = (parts or rank_parts(cfg, mp))[rank]
     dense = expert = 0.0
     for moe in part.layers:
         d, e = layer_params(cfg, moe)
         dense, expert = dense + d, expert + e
-    whole = len(part.layers) * replicated_attention(cfg, split_mla)  # on every TP rank
+    whole = len(part.layers) * replicated_attention(cfg, megatron)  # on every TP rank
     dense -= whole
     if part.embedding:
         dense += V * h                                   # embedding (or its copy)
@@ -226,9 +227,11 @@ def stage_params(cfg: ModelConfig, mp: Mapping, rank: int,
 # ---------------------------------------------------------------- activations
 
 def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
-                      split_mla: bool = False) -> dict:
+                      megatron: bool = False) -> dict:
     """Bytes one rank saves for backward in one layer for one micro-batch, per module
-    (``split_mla``: MLA's heads split over TP, as Megatron; see :func:`replicated_attention`)."""
+    (``megatron``: Megatron's where moeplug's differ: MLA's heads split over TP, see
+    :func:`replicated_attention`; and under sequence parallelism recompute ``layernorm`` drops
+    the norm's output whole, where moeplug's q/k/v projections keep the all-gathered copy)."""
     h, b = cfg.hidden_size, opt.act_bytes
     lin = 1 if opt.precision == "fp8" else b      # FP8 keeps linear-layer inputs in one byte
     tok = mp.mbs * mp.seq / mp.cp                 # tokens of this rank's micro-batch
@@ -241,12 +244,14 @@ def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
             out[name] = out.get(name, 0.0) + elems_per_token * tokens * nbytes
 
     put("attn_norm", h, sp, b)                                  # residual / norm input
-    put("layernorm", h, tok, lin, "layernorm" in rc)            # norm out = QKV input
+    # norm out = QKV input; under SP moeplug's projections keep the gathered copy, which
+    # layernorm's discarding (of the sequence shard) does not reach
+    put("layernorm", h, tok, lin, "layernorm" in rc and (megatron or mp.tp == 1))
     n = cfg.num_heads
     heads_tp = mp.tp  # the ranks the heads are split over: none for MLA (replicated_attention)
     if cfg.attention == "mla":
         a = cfg.mla
-        heads_tp = mp.tp if split_mla else 1
+        heads_tp = mp.tp if megatron else 1
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         down = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
         put("mla_down", down + (a.q_lora_rank or 0) + a.kv_lora_rank, tok, lin)
@@ -260,7 +265,8 @@ def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
         v = d
     put("core_attn", n * v / heads_tp, tok, lin, "core_attn" in rc)  # output = o_proj input
     put("mlp_norm", h, sp, b)
-    put("layernorm", h, sp if moe else tok, lin, "layernorm" in rc)
+    put("layernorm", h, sp if moe else tok, lin,
+        "layernorm" in rc and (megatron or moe or mp.tp == 1))
     if not moe:
         f = cfg.dense_ffn_hidden_size / mp.tp
         put("mlp", 3 * f, tok, b, "mlp" in rc)                  # fc1 out (2f) + act out (f)

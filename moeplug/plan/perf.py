@@ -203,9 +203,9 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
         # once more in backward.
         # Megatron's split MLA, as the published rows ran (memory.replicated_attention).
         saved = sum(layer_activations(cfg, moe, mp, replace(opt, recompute=()),
-                                      split_mla=True).values())
+                                      megatron=True).values())
         kept = (tok / mp.tp * cfg.hidden_size * opt.act_bytes if opt.full_recompute else
-                sum(layer_activations(cfg, moe, mp, opt, split_mla=True).values()))
+                sum(layer_activations(cfg, moe, mp, opt, megatron=True).values()))
         mem += count * (MEMORY_PASSES * saved + (saved - kept)) / (c.hbm_tbps * 1e12)
         if moe:
             a2a += count * (4 + 2 * rerun_moe) * a2a_seconds(cfg, mp, opt, c)
@@ -275,7 +275,7 @@ def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
     per_mb = sum(slow.values())
     parts["pp_bubble"] = per_mb * (mp.pp - 1) / mp.vpp if mp.pp > 1 else 0.0
     # DP: fp32 gradient reduce-scatter + bf16 parameter all-gather, hidden under backward.
-    dense, expert = stage_params(cfg, mp, 0, split, split_mla=True)
+    dense, expert = stage_params(cfg, mp, 0, split, megatron=True)
     dp_s = 0.0
     for n, d, span in ((dense, mp.dp * mp.cp, mp.world // mp.pp),
                        (expert, mp.edp, mp.world // mp.pp)):
