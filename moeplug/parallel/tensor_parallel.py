@@ -199,18 +199,21 @@ class _VocabParallelCE(Function):
 
     @staticmethod
     def forward(ctx, logits_NVl, targets_N, group):
-        logits_NVl = logits_NVl.float()
-        Vl = logits_NVl.shape[1]
-        max_N = logits_NVl.max(dim=1).values
+        # One fp32 [N, V/TP] buffer, shifted and exponentiated in place (as Megatron's): the
+        # loss stage's peak is logit-sized, and this is its largest tensor.
+        shifted_NVl = logits_NVl.float() if logits_NVl.dtype != torch.float32 \
+            else logits_NVl.clone()
+        Vl = shifted_NVl.shape[1]
+        max_N = shifted_NVl.max(dim=1).values
         if group is not None:
             dist.all_reduce(max_N, op=dist.ReduceOp.MAX, group=comm.active_group(group))
-        shifted_NVl = logits_NVl - max_N.unsqueeze(1)
+        shifted_NVl.sub_(max_N.unsqueeze(1))
         local_N = targets_N - comm.group_rank(group) * Vl
         outside_N = (local_N < 0) | (local_N >= Vl)
         local_N = local_N.masked_fill(outside_N, 0)
         rows_N = torch.arange(shifted_NVl.shape[0], device=shifted_NVl.device)
         target_logit_N = shifted_NVl[rows_N, local_N].masked_fill(outside_N, 0.0)
-        exp_NVl = shifted_NVl.exp()
+        exp_NVl = shifted_NVl.exp_()
         sum_exp_N = exp_NVl.sum(dim=1)
         if group is not None:
             both_2N = torch.stack([target_logit_N, sum_exp_N])  # one collective for two sums
@@ -227,7 +230,7 @@ class _VocabParallelCE(Function):
         grad_NVl = softmax_NVl.clone()
         rows_N = torch.arange(grad_NVl.shape[0], device=grad_NVl.device)
         grad_NVl[rows_N, local_N] -= (~outside_N).to(grad_NVl.dtype)
-        return grad_NVl * grad_N.unsqueeze(1), None, None
+        return grad_NVl.mul_(grad_N.unsqueeze(1)), None, None
 
 
 def vocab_parallel_cross_entropy(logits_NVl: torch.Tensor, targets_N: torch.Tensor,

@@ -14,6 +14,7 @@ sides then plan, so that they compare the same run:
 
     python -m moeplug.plan.dry_check                 # every row, rank 0
     python -m moeplug.plan.dry_check --row 2 --rank 0 --rank 224
+    python -m moeplug.plan.dry_check --stages        # every row, a rank of every stage
 """
 
 from __future__ import annotations
@@ -44,14 +45,16 @@ def row_plan(row, microbatches: int):
     return mp, opt
 
 
-def check_row(row, ranks: list[int] | None, microbatches: int) -> list[tuple]:
+def check_row(row, ranks: list[int] | None, microbatches: int,
+              stages: bool = False) -> list[tuple]:
     from moeplug.plan import dry_report
-    from moeplug.plan.dry_run import measure_rank, run_config
+    from moeplug.plan.dry_run import measure_rank, run_config, stage_ranks
     from moeplug.plan.models import model_config
     mp, opt = row_plan(row, microbatches)
     cfg = run_config(row.model, None, mp, opt)
     model = model_config(row.model)
-    measures = [measure_rank(cfg, r, mp.world) for r in (ranks or [0])]
+    ranks = stage_ranks(cfg, mp.world) if stages else (ranks or [0])
+    measures = [measure_rank(cfg, r, mp.world) for r in ranks]
     for m in measures:
         print(dry_report.rank_text(m))
     return dry_report.comparison_rows(model, mp, opt, measures)
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row", type=int, action="append", help="row index (repeatable; "
                    "default every row)")
     p.add_argument("--rank", type=int, action="append", help="global rank (default 0)")
+    p.add_argument("--stages", action="store_true", help="a rank of every pipeline stage "
+                   "(as moeplug plan --dry-run measures by default)")
     p.add_argument("--microbatches", type=int, default=8, help="per DP rank (default 8)")
     args = p.parse_args(argv)
     table = rows()
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         row = table[i]
         print(f"== row {i}: {row.source} {row.label}")
         try:
-            table_rows = check_row(row, args.rank, args.microbatches)
+            table_rows = check_row(row, args.rank, args.microbatches, args.stages)
         except ConfigError as e:  # a layout moeplug train refuses: said, the others still run
             print(f"not run: {e}", flush=True)
             continue

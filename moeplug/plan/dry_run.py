@@ -217,11 +217,13 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
             _watch(model, optimizer, mode)
             params = list(model.parameters())
             param_bytes = mode.category_bytes(params)
-            # Micro-batches of this DP rank: token ids (any in-vocabulary values will do).
-            shape = (tc.micro_batch_size, tc.seq_len)
-            batches = [(torch.empty(shape, dtype=torch.int64, device="meta"),
-                        torch.empty(shape, dtype=torch.int64, device="meta"))
+            # Micro-batches of this DP rank: token ids (any in-vocabulary values will do), the
+            # targets the next tokens of one window, as multi-token prediction checks; the
+            # zeros are shadowed (small integer tensors carry host values), so it can.
+            shape = (tc.micro_batch_size, tc.seq_len + 1)
+            windows = [torch.zeros(shape, dtype=torch.int64, device="meta")
                        for _ in range(tc.grad_accum_steps)]
+            batches = [(w[:, :-1], w[:, 1:]) for w in windows]
             mode.rebase()
             mode.category = "step"
             train_step(model, optimizer, batches, tc, precision, groups)
