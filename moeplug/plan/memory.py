@@ -292,11 +292,14 @@ def inflight(mp: Mapping, rank: int) -> list[float]:
     """Per model chunk of stage ``rank``, the micro-batches whose activations it holds at the
     rank's peak: the forwards of its warm-up (1F1B: ``pp - rank``; interleaved: Megatron's
     ``(pp - rank - 1) * 2 + (vpp - 1) * pp + 1`` chunk forwards, which walk the chunks in
-    groups of ``pp`` micro-batches), so chunks of unequal size count each their own."""
+    groups of ``pp`` micro-batches; with exactly ``pp`` micro-batches every forward runs before
+    the first backward), so chunks of unequal size count each their own."""
     m, vpp = mp.microbatches, mp.vpp
     if vpp == 1:
         return [float(min(mp.pp - rank, m))]
     forwards = min((mp.pp - rank - 1) * 2 + (vpp - 1) * mp.pp + 1, m * vpp)
+    if m == mp.pp:  # Megatron's schedule (and moeplug's) then runs every forward first
+        forwards = m * vpp
     held = [0.0] * vpp
     for k in range(forwards):  # forward k of the schedule runs chunk (k mod pp·vpp) // pp
         held[(k % (mp.pp * vpp)) // mp.pp] += 1
