@@ -384,9 +384,11 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
             mult = count / len(layers) if k in opt.offload else held_blocks[moe]
             acts[k] = acts.get(k, 0.0) + v * mult
     tok = mp.mbs * mp.seq / mp.cp
-    if part.loss:  # fp32 logits saved by the cross-entropy, one micro-batch at a time, and
-        # in its backward one depth's fp32 and bf16 logit gradients (6 B a logit)
-        acts["logits"] = tok * cfg.vocab_size / mp.tp * (4 * (1 + cfg.mtp_num_layers) + 6)
+    if part.loss:  # fp32 logits saved by the cross-entropy for every micro-batch the loss's
+        # chunk (the last) holds, and in its backward one depth's fp32 and bf16 logit
+        # gradients (6 B a logit)
+        logits = tok * cfg.vocab_size / mp.tp
+        acts["logits"] = logits * (4 * (1 + cfg.mtp_num_layers) * held[-1] + 6)
     comm = 0.0
     if cfg.moe.num_experts and mp.ep > 1 and any(layers):
         # Dispatch + combine buffers of one layer's worth of routed rows (double-buffered).
