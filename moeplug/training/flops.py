@@ -3,6 +3,8 @@
 MFU here is "model FLOPs utilisation against what this machine's dense GEMM actually reaches",
 not against a datasheet number: on CPUs the datasheet peak is rarely known, and a measured
 square matmul in the same dtype and thread count is the honest ceiling for GEMM-bound training.
+The trainer measures it at start-up and again whenever a logged MFU reads above 100 % (the
+first measure ran beside other work: a compile, another run), keeping the best.
 """
 
 from __future__ import annotations

@@ -752,6 +752,9 @@ def train(cfg: RootConfig, model: torch.nn.Module, corpus: Any, precision: Any,
             record = None
             if done % tc.log_interval == 0 or done == tc.steps:
                 tflops = achieved_tflops(flops_per_token, window_tokens, window_seconds)
+                if mfu(tflops, peak) > 1.0:  # the start-up GEMM ran beside other work
+                    peak_1 = max(peak_1, measure_peak_tflops(compute_dtype, device))
+                    peak = world * peak_1
                 record = {"kind": "train", "step": done, **sums, "lr": lr, "grad_norm": grad_norm,
                           "tokens_per_s": window_tokens / window_seconds, "tflops": tflops,
                           "mfu": mfu(tflops, peak), "expert_load": expert_load(counts_per_layer),
