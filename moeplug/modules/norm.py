@@ -57,7 +57,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x_ND.requires_grad or self.weight.requires_grad):
+        # Compiled (runtime.capture, torch.compile), AOTAutograd's partitioner picks what the
+        # backward keeps itself, and the nested autograd.grad would break the graph.
+        if (torch.is_grad_enabled() and (x_ND.requires_grad or self.weight.requires_grad)
+                and not torch.compiler.is_compiling()):
             return _RMSNorm.apply(x_ND, self.weight, self.eps)
         return _rms_norm(x_ND, self.weight, self.eps)
 

@@ -11,7 +11,8 @@ and hooks the reader's output gradient, which arrives just before the reader's b
 refill the same storage, bitwise the first values: the norm's forward again, without autograd.
 Where nothing was noted (no mark, no grad, a checkpointed region, which keeps nothing anyway:
 the checkpoints enter :func:`suspended`; or a CUDA graph being captured, where no allocation may
-happen) :func:`release` does nothing.
+happen; or a graph being compiled, whose backward AOTAutograd plans) :func:`release` does
+nothing.
 
 Memory meters (moeplug.training.memory, the dry run) see storages shrink and grow through
 :func:`observing`; the callbacks active when an output is freed are the ones told of its refill
@@ -61,8 +62,10 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def may_note(t: torch.Tensor) -> bool:
     """Whether outputs on ``t``'s device may be noted now: no checkpoint is running (one keeps
-    nothing to discard) and no CUDA graph is being captured (no allocation may happen)."""
-    return not _SUSPENDED.get() and not _capturing(t)
+    nothing to discard), no CUDA graph is being captured (no allocation may happen) and no
+    graph is being compiled (AOTAutograd picks what a compiled backward keeps)."""
+    return (not torch.compiler.is_compiling() and not _SUSPENDED.get()
+            and not _capturing(t))
 
 
 def note(outs: Sequence[torch.Tensor], make: Callable[[], Sequence[torch.Tensor]]) -> None:
@@ -87,6 +90,8 @@ def discarding(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
 def release(outs: torch.Tensor | Sequence[torch.Tensor], reader_out: torch.Tensor) -> None:
     """Free ``outs`` (those noted by :func:`note`) now that their reader has made
     ``reader_out``; refill them when ``reader_out``'s gradient is computed."""
+    if torch.compiler.is_compiling():  # nothing was noted (may_note)
+        return
     if isinstance(outs, torch.Tensor):
         outs = (outs,)
     makes: dict[int, tuple[Callable, list]] = {}
