@@ -268,9 +268,8 @@ def _kind(name: str) -> marks.MarkKind:
 
 def remove_recompute(model: nn.Module) -> None:
     """Undo apply_recompute's selective marks (benchmarks switch levers on one model)."""
-    kinds = {_kind(name) for name in ("layernorm", "mla_up_proj", "core_attn")}
     for m in model.modules():
-        for kind in kinds:
+        for kind in (RECOMPUTE, RECOMPUTE_UP, DISCARD):
             marks.unmark(m, kind)
         if isinstance(m, Experts) and m.recompute_activation:
             m.recompute_activation = False

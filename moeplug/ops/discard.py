@@ -6,9 +6,11 @@ A norm's output is what the next projection (or the router) keeps for backward; 
 its input (moeplug.modules.norm). Recompute ``layernorm`` (moeplug.modules.recompute) marks the
 blocks' two norms (its ``DISCARD`` mark): their forward notes how to make the output again
 (:func:`discarding`), and the block, once the reader has run, calls :func:`release` with the
-reader's output; moe_act does the same for the activation FC2 keeps (moeplug.ops.cuda_ffn). That frees the output's storage (the tensors autograd saved still point at it)
-and hooks the reader's output gradient, which arrives just before the reader's backward, to
-refill the same storage, bitwise the first values: the norm's forward again, without autograd.
+reader's output; moe_act does the same for the activation FC2 keeps (moeplug.ops.cuda_ffn),
+and mla_up_proj for attention's q, k, v (moeplug.modules.recompute.discarded_region). That
+frees the output's storage (the tensors autograd saved still point at it) and hooks the
+reader's output gradient, which arrives just before the reader's backward, to refill the same
+storage, bitwise the first values: the norm's forward again, without autograd.
 Where nothing was noted (no mark, no grad, a checkpointed region, which keeps nothing anyway:
 the checkpoints enter :func:`suspended`; or a CUDA graph being captured, where no allocation may
 happen; or a graph being compiled, whose backward AOTAutograd plans) :func:`release` does
@@ -32,7 +34,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 Observer = Callable[[torch.UntypedStorage, int, bool], None]
 _OBSERVERS: ContextVar[tuple[Observer, ...]] = ContextVar("moeplug_discard_observers",
                                                          default=())
-# output -> (fn, args) that make it again; an entry lives until release() or the output dies
+# output -> (make, i): make() returns the noted outputs again, this one at index i; an entry
+# lives until release() or the output dies
 _NOTED = WeakIdKeyDictionary()
 _SUSPENDED: ContextVar[bool] = ContextVar("moeplug_discard_suspended", default=False)
 
@@ -94,33 +97,33 @@ def release(outs: torch.Tensor | Sequence[torch.Tensor], reader_out: torch.Tenso
         return
     if isinstance(outs, torch.Tensor):
         outs = (outs,)
+    # one make() per noted region: (make, [(storage, index, bytes), ...])
     makes: dict[int, tuple[Callable, list]] = {}
     for out in outs:
         noted = _NOTED.pop(out, None)
         if noted is not None:
             make, i = noted
-            makes.setdefault(id(make), (make, []))[1].append((out.untyped_storage(), i))
+            storage = out.untyped_storage()
+            makes.setdefault(id(make), (make, []))[1].append((storage, i, storage.nbytes()))
     if not makes or not reader_out.requires_grad:
         return
     observers = _OBSERVERS.get()
-    sizes = {}
     for _, storages in makes.values():
-        for storage, _ in storages:
-            sizes[id(storage)] = storage.nbytes()
+        for storage, _, nbytes in storages:
             storage.resize_(0)
             for tell in observers:
-                tell(storage, sizes[id(storage)], True)
+                tell(storage, nbytes, True)
 
     def refill(grad: torch.Tensor) -> None:
         for make, storages in makes.values():
-            if all(storage.nbytes() for storage, _ in storages):
+            if all(storage.nbytes() for storage, _, _ in storages):
                 continue  # a second backward over a retained graph
             again = make()
-            for storage, i in storages:
-                storage.resize_(sizes[id(storage)])
+            for storage, i, nbytes in storages:
+                storage.resize_(nbytes)
                 # A storage copy: the saved tensors' version counters stay as autograd
                 # recorded them.
                 storage.copy_(again[i].untyped_storage())
                 for tell in observers:
-                    tell(storage, sizes[id(storage)], False)
+                    tell(storage, nbytes, False)
     reader_out.register_hook(refill)
