@@ -608,7 +608,7 @@ def _measure_against_the_plan(name, world, par, mbs, recompute, tiny_corpus, cac
            # lr 3e-4: at the default 3e-3 this model's routers collapse onto one expert within
            # eight steps (max/mean load 4.0), and the plan, like every estimator, assumes
            # routing near balance (moeplug.plan.memory; README "Planning a run").
-           "train": {"steps": 8, "micro_batch_size": mbs, "seq_len": 256, "warmup_steps": 2,
+           "train": {"steps": 12, "micro_batch_size": mbs, "seq_len": 256, "warmup_steps": 2,
                      "lr": 3e-4, "min_lr": 3e-5,
                      # one validation batch at the end: the comparison reads train steps only
                      "eval_interval": 0, "eval_batches": 1, "log_interval": 4,

@@ -4,19 +4,31 @@
     python -m torch.distributed.run --standalone --nproc-per-node=2 \\
         -m moeplug.plan.measure CONFIG               # a gloo layout (config's parallel section)
 
-Each rank: trains a tiny model of the same architecture for two steps (warm-up), calibrates
-"this CPU" (moeplug.plan.calibrate_cpu), trains the config's model, calibrates again, and
-writes ``OUT_DIR/measured_rank{R}.json`` with the measured ``step_s`` / ``rss_delta`` and the
-plan's ``predicted_step_s`` / ``predicted_memory`` from the mean of the two calibrations (which
-bracket the load the run saw), with their parts.
+Each rank: trains a tiny model of the same architecture for two steps (warm-up), then the
+config's model, and writes ``OUT_DIR/measured_rank{R}.json`` with the measured ``step_s`` /
+``rss_delta`` and the plan's ``predicted_step_s`` / ``predicted_memory`` from the mean of two
+calibrations of "this CPU" (moeplug.plan.calibrate_cpu), with their parts.
 
-Step time is process CPU seconds of one ``train_step``, the best of the second half of the
-steps (the first ones warm up); the wall time the trainer logs is kept as ``step_wall_s``. On a
-machine shared with other jobs wall time measures their load; CPU time measures the step.
-Memory is a step's resident-set peak (VmHWM, which the trainer resets before each step) minus
-the resident set just before the model is built, with glibc's mmap threshold pinned and
-moeplug's buffer cache emptied before each step (see ``_pin_mmap_threshold`` and
-``_timed_steps``: both make the resident set follow the bytes the step holds).
+The run's steps come in two halves, each measuring one thing in the regime it needs:
+
+- a first run of half the steps measures memory: glibc's mmap threshold pinned and moeplug's
+  buffer cache emptied before each step, so a step's resident-set peak (VmHWM, which the
+  trainer resets before each step) minus the resident set just before the model was built
+  follows the bytes the step holds (see ``_pin_mmap_threshold``);
+- then the threshold is released to where a long run leaves it, "this CPU" is calibrated, a
+  second run of the model from its initialisation takes the other half of the steps as
+  ``moeplug train`` runs them (its heap and buffer cache reused), and it is calibrated again:
+  the two calibrations bracket the load the timed steps saw. Step time is process CPU seconds
+  of one ``train_step``, the best of the second run's steps after its first two (packing, the
+  heap's first growth); the wall time the trainer logs is kept as ``step_wall_s``. On a machine
+  shared with other jobs wall time measures their load; CPU time measures the step.
+
+Timed pinned, every tensor from 128 KiB is a fresh mapping whose pages fault in when first
+written and are unmapped when it dies: 0.6-0.8 s of system time per step of the EP2 test layout,
+a third of its CPU seconds, which ``moeplug train`` never pays, and which varied by rank and run
+(tests/test_plan.py, 2026-12-02). The memory run comes first because a heap that has grown
+under the released threshold keeps reusing its free blocks after the threshold is pinned again,
+and the resident set would then measure them.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ def _rss_now() -> int:
 
 
 @contextlib.contextmanager
-def _timed_steps():
+def _timed_steps(memory: bool):
     """(process CPU seconds, wall seconds, resident-set peak) of each trainer.train_step call
     while active. The trainer resets the peak before each step, so the peak read right after
     one is that step's, not a later checkpoint's or evaluation's."""
@@ -50,12 +62,13 @@ def _timed_steps():
     real, steps, cached = trainer.train_step, [], []
 
     def timed(*args, **kwargs):
-        # moeplug.runtime.workspace keeps freed activation buffers from 256 KiB mapped for the
-        # next step (a reserve, like a CUDA caching allocator's). Emptied before each step, the
-        # step's peak is what it holds and what the cache keeps of it within the step: what
-        # the plan predicts (moeplug.plan.memory.calibrated_cpu_memory).
-        cached.append(workspace.cached_bytes())
-        workspace.clear()
+        if memory:
+            # moeplug.runtime.workspace keeps freed activation buffers from 256 KiB mapped for
+            # the next step (a reserve, like a CUDA caching allocator's). Emptied before each
+            # step, the step's peak is what it holds and what the cache keeps of it within the
+            # step: what the plan predicts (moeplug.plan.memory.calibrated_cpu_memory).
+            cached.append(workspace.cached_bytes())
+            workspace.clear()
         c0, w0 = time.process_time(), time.perf_counter()
         try:
             return real(*args, **kwargs)
@@ -92,8 +105,16 @@ def _pin_mmap_threshold() -> None:
     glibc otherwise raises this threshold the first time such a block is freed, after which
     freed tensors stay in its heap: the resident set then measures the heap's fragmentation
     over the run's history, not the bytes the run holds, which is what the plan predicts."""
-    M_MMAP_THRESHOLD = -3
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+
+
+def _release_mmap_threshold() -> None:
+    """The threshold a long run reaches: glibc raises it to the largest block freed, up to
+    DEFAULT_MMAP_THRESHOLD_MAX (32 MiB on 64-bit), and freed tensors are reused from the heap."""
+    ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+
+
+_M_MMAP_THRESHOLD = -3
 
 
 def main(path: str) -> int:
@@ -125,22 +146,35 @@ def main(path: str) -> int:
         seed_everything(cfg.train.seed)
         train(small, D.build_rank_model(small, host, corpus.vocab_size, groups, cpu), corpus,
               precision, names, groups=groups)
-        before_run = calibrate_run(cfg, host, corpus.vocab_size, groups, precision)
-        # The calibration ran the same shapes: the ops' workspace cache (moeplug.runtime.workspace,
-        # buffers from 256 KiB) would hand the run its buffers already resident, and the
-        # measured peak would miss them.
-        from moeplug.runtime import workspace
-        workspace.clear()
+        if cfg.train.steps < 6:
+            raise SystemExit("moeplug.plan.measure: train.steps must be at least 6 (half of "
+                             "them measure memory, the rest time)")
         gc.collect()
         ctypes.CDLL("libc.so.6").malloc_trim(0)
         seed_everything(cfg.train.seed)
-        reset_process_peak(cpu)  # the calibration's own peak is not the run's
+        reset_process_peak(cpu)  # the warm-up's own peak is not the run's
         before = _rss_now()
-        model = D.build_rank_model(cfg, host, corpus.vocab_size, groups, cpu)
-        with _timed_steps() as (steps, cached):
-            train(cfg, model, corpus, precision, names, groups=groups)
-        del model
-        # Calibrated again after the run: the mean of the two brackets the load it saw.
+        half = cfg.train.steps // 2
+
+        def run(n_steps: int, out_dir: str, memory: bool):
+            run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(
+                cfg.train, steps=n_steps, out_dir=out_dir))
+            seed_everything(cfg.train.seed)
+            model = D.build_rank_model(run_cfg, host, corpus.vocab_size, groups, cpu)
+            with _timed_steps(memory) as (steps, cached):
+                train(run_cfg, model, corpus, precision, names, groups=groups)
+            return steps, cached
+        memory_steps, cached = run(half, os.path.join(cfg.train.out_dir, "memory"), True)
+        _release_mmap_threshold()
+        from moeplug.runtime import workspace
+        workspace.clear()  # the timed run fills its own cache, as ``moeplug train`` does
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        # Calibrated before and after the timed run: the mean of the two brackets the load it
+        # saw. Nothing of the calibration reads the resident set (its bytes are counted from
+        # the tensors), so it is timed in the regime of the timed run.
+        before_run = calibrate_run(cfg, host, corpus.vocab_size, groups, precision)
+        time_steps, _ = run(cfg.train.steps - half, cfg.train.out_dir, False)
         costs = before_run.mean(calibrate_run(cfg, host, corpus.vocab_size, groups, precision))
     finally:
         D.shutdown(groups)
@@ -151,9 +185,10 @@ def main(path: str) -> int:
     dp = int(os.environ.get("WORLD_SIZE", "1")) // (par.tp * par.cp * par.pp)
     tokens = dp * tc.micro_batch_size * tc.seq_len * tc.grad_accum_steps
     pred, mem = predict(path, costs)
-    later = steps[len(steps) // 2:]  # the first steps warm up (packing, first-touch pages)
-    out = {"rss_delta": max(p for _, _, p in steps) - before,
-           "step_s": min(c for c, _, _ in later),
+    timed = time_steps[2:]  # the first ones warm up (packing, the heap's first growth)
+    out = {"rss_delta": max(p for _, _, p in memory_steps) - before,
+           "step_s": min(c for c, _, _ in timed),
+           "steps_cpu_s": [c for c, _, _ in memory_steps + time_steps],
            "step_wall_s": tokens / last["tokens_per_s"],
            "workspace_cached_before_step": max(cached),
            "predicted_step_s": pred.total, "predicted_parts": pred.parts,
