@@ -666,3 +666,20 @@ def test_cpu_run_matches_the_calibrated_plan(name, tiny_corpus, cache_dir, tmp_p
         # again once, both attempts printed; two misses in a row fail.
         print(f"{name}: attempt {attempt}: step time {time_ratio:.2f} outside 0.80-1.20")
     assert abs(time_ratio - 1) <= 0.20, f"{name}: predicted/measured step time {time_ratio:.2f}"
+
+
+def test_measure_refuses_too_few_steps_before_any_run(tiny_corpus, cache_dir, tmp_path, cli_env):
+    """plan.measure needs a memory half and a timed half of at least three steps each: fewer
+    steps fail at once, naming the file, the field, its value and the fix, before any process
+    group, warm-up or output exists."""
+    import yaml
+    from conftest import tiny_config_dict
+    data = tiny_config_dict(tiny_corpus, str(tmp_path / "run"), cache_dir)
+    data["train"]["steps"] = 4
+    path = tmp_path / "few.yaml"
+    path.write_text(yaml.safe_dump(data))
+    r = subprocess.run([sys.executable, "-m", "moeplug.plan.measure", str(path)], env=cli_env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"{path}: train.steps is 4; set it to at least 6" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -53,7 +53,8 @@ def _rss_now() -> int:
 def _timed_steps(memory: bool):
     """(process CPU seconds, wall seconds, resident-set peak) of each trainer.train_step call
     while active. The trainer resets the peak before each step, so the peak read right after
-    one is that step's, not a later checkpoint's or evaluation's."""
+    one is that step's, not a later checkpoint's or evaluation's. ``memory``: the buffer cache
+    is emptied before each step (the memory run of the module docstring)."""
     import time
 
     from moeplug.training import trainer
@@ -100,6 +101,9 @@ def predict(path: str, costs):
     return perf.step_time(cfg, mp, o, c), calibrated_cpu_memory(cfg, mp, o, costs)
 
 
+_M_MMAP_THRESHOLD = -3
+
+
 def _pin_mmap_threshold() -> None:
     """Tensors of 128 KiB and more get their own mapping, returned to the kernel when freed.
     glibc otherwise raises this threshold the first time such a block is freed, after which
@@ -114,7 +118,11 @@ def _release_mmap_threshold() -> None:
     ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 32 << 20)
 
 
-_M_MMAP_THRESHOLD = -3
+def _return_free_memory() -> None:
+    """Collect garbage and hand the heap's free pages back, so the resident set read next
+    holds only live bytes."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def main(path: str) -> int:
@@ -130,6 +138,9 @@ def main(path: str) -> int:
     from moeplug.training.trainer import seed_everything, train
 
     cfg = load_config(path)
+    if cfg.train.steps < 6:  # before any process group or warm-up run
+        raise SystemExit(f"moeplug.plan.measure: {path}: train.steps is {cfg.train.steps}; "
+                         "set it to at least 6 (half the steps measure memory, the rest time)")
     host = _load_host(cfg)
     precision = check_plugins(host, cfg)
     groups = D.init_distributed(cfg)
@@ -146,11 +157,7 @@ def main(path: str) -> int:
         seed_everything(cfg.train.seed)
         train(small, D.build_rank_model(small, host, corpus.vocab_size, groups, cpu), corpus,
               precision, names, groups=groups)
-        if cfg.train.steps < 6:
-            raise SystemExit("moeplug.plan.measure: train.steps must be at least 6 (half of "
-                             "them measure memory, the rest time)")
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _return_free_memory()
         seed_everything(cfg.train.seed)
         reset_process_peak(cpu)  # the warm-up's own peak is not the run's
         before = _rss_now()
@@ -168,8 +175,7 @@ def main(path: str) -> int:
         _release_mmap_threshold()
         from moeplug.runtime import workspace
         workspace.clear()  # the timed run fills its own cache, as ``moeplug train`` does
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _return_free_memory()
         # Calibrated before and after the timed run: the mean of the two brackets the load it
         # saw. Nothing of the calibration reads the resident set (its bytes are counted from
         # the tensors), so it is timed in the regime of the timed run.
