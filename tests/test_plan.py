@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from moeplug.config import ConfigError
 from moeplug.modules.flops import flops_per_token
 from moeplug.plan import perf
 from moeplug.plan.calibrate import BOUNDS, fit, predict, row_inputs, target
@@ -174,6 +175,36 @@ def test_search_returns_valid_mappings_best_first_under_the_memory_limit():
         check_model(cfg, k.mapping)  # moeplug's own layout rules accept every candidate
         assert k.fits == (peak_memory(cfg, k.mapping, Options()).total <= 0.9 * 80 * GB)
     assert any(not k.fits for k in cands)  # the limit really filters
+
+
+def test_search_tries_fsdp_where_train_accepts_it_and_it_fits_what_zero1_cannot():
+    """--search ranks FSDP (fsdp=1) beside each ZeRO-1 mapping: every FSDP candidate passes
+    moeplug train's rules, never plans more bytes than its ZeRO-1 twin, and some fit only with
+    it; the combined 1F1B, which train refuses beside FSDP, is searched without it."""
+    cfg, c = model_config("qwen3_235b"), get_cluster("h100", 256)
+    cands = search(cfg, Options(), c, gbs=2048, seq=4096)
+    twins = {}
+    for k in cands:
+        twins.setdefault(dataclasses.replace(k.mapping, fsdp=0), {})[k.mapping.fsdp] = k
+    pairs = [d for d in twins.values() if 0 in d and 1 in d]
+    assert pairs
+    for d in pairs:
+        check_model(cfg, d[1].mapping)
+        assert d[1].memory.total <= d[0].memory.total
+    assert any(d[1].fits and not d[0].fits for d in pairs)
+    assert not any(k.mapping.fsdp for k in search(cfg, Options(a2a_overlap=True), c, gbs=2048,
+                                                    seq=4096))
+
+
+@pytest.mark.parametrize("mapping, tied, match", [
+    (dict(world=8, tp=2, pp=4, ep=2), False, "DP x CP = 1 x 1 = 1"),
+    (dict(world=8, tp=1, pp=2, ep=2), True, "tied embedding split over pipeline stages"),
+])
+def test_plan_refuses_fsdp_where_train_does(mapping, tied, match):
+    cfg = dataclasses.replace(model_config("mixtral_tiny"), tie_embeddings=tied)
+    with pytest.raises(ConfigError, match=match):
+        check_model(cfg, Mapping(**mapping, fsdp=1, seq=256))
+    check_model(cfg, Mapping(**mapping, seq=256))  # the same mapping without FSDP is valid
 
 
 def test_cli_search_prints_the_table_and_writes_the_png(run_cli, tmp_path):

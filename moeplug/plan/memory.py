@@ -421,6 +421,23 @@ def check_model(cfg: ModelConfig, mp: Mapping) -> None:
                    num_layers=None, vpp=mp.vpp, ffn_hidden_size=cfg.moe.ffn_hidden_size,
                    seq_len=mp.seq)
     plan_layout(cfg, mp)
+    if mp.fsdp:
+        check_fsdp(cfg, mp)
+
+
+def check_fsdp(cfg: ModelConfig, mp: Mapping) -> None:
+    """moeplug train's FSDP rules that a mapping and model decide (ParallelConfig.resolve and
+    moeplug.config.modes.fsdp): a DP x CP mesh of more than one rank to shard over, and no tied
+    embedding split over pipeline stages. (The rules on options - ZeRO-1, the combined 1F1B -
+    are the planner's to apply: it plans FSDP in place of ZeRO-1.)"""
+    if mp.dp * mp.cp == 1:
+        raise ConfigError(f"--mapping fsdp=1: FSDP shards over DP x CP = {mp.dp} x {mp.cp} = 1 "
+                          f"rank at {mp.world} GPUs: nothing to shard. Fix: fsdp=0, or lower "
+                          "tp/pp so DP > 1")
+    if mp.pp > 1 and cfg.tie_embeddings:
+        raise ConfigError(f"--mapping fsdp=1 with pp={mp.pp}: moeplug train refuses FSDP with a "
+                          "tied embedding split over pipeline stages (their grads are sharded by "
+                          "different stages). Fix: fsdp=0, or pp=1")
 
 
 def calibrated_cpu_memory(cfg: ModelConfig, mp: Mapping, opt: Options, costs) -> MemoryBreakdown:

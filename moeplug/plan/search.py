@@ -48,9 +48,14 @@ def evaluate(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster) -> Candida
 
 
 def search(cfg: ModelConfig, opt: Options, c: Cluster, *, gbs: int, seq: int,
-           mbs_choices=(1, 2), vpp_choices=(1, 2, 4)) -> list[Candidate]:
-    """Every valid mapping, best predicted TFLOP/s first (fitting ones before the others)."""
+           mbs_choices=(1, 2), vpp_choices=(1, 2, 4), fsdp_choices=(0, 1)) -> list[Candidate]:
+    """Every valid mapping, best predicted TFLOP/s first (fitting ones before the others).
+    FSDP (``fsdp=1``: parameters, gradients and AdamW state sharded over DP, in place of
+    ZeRO-1) is tried beside each mapping where moeplug train accepts it (check_fsdp); not with
+    the combined 1F1B (``opt.a2a_overlap``) or bf16 AdamW moments, which train refuses beside
+    FSDP (moeplug.config.modes.fsdp)."""
     world, out = c.num_gpus, []
+    fsdps = (0,) if opt.a2a_overlap or opt.bf16_moments else fsdp_choices
     for tp in _divisors(world, min(c.gpus_per_node, c.nvlink_domain, 8)):
         for pp in _divisors(world // tp, min(16, cfg.num_layers)):
             for ep in _divisors(world // pp):
@@ -59,11 +64,12 @@ def search(cfg: ModelConfig, opt: Options, c: Cluster, *, gbs: int, seq: int,
                         dp = world // (tp * pp)
                         if gbs % (dp * mbs):
                             continue
-                        try:
-                            mp = Mapping(world=world, tp=tp, pp=pp, ep=ep, vpp=vpp, mbs=mbs,
-                                         gbs=gbs, seq=seq)
-                            out.append(evaluate(cfg, mp, opt, c))
-                        except ConfigError:
-                            continue
+                        for fsdp in fsdps:
+                            try:
+                                mp = Mapping(world=world, tp=tp, pp=pp, ep=ep, vpp=vpp,
+                                             mbs=mbs, gbs=gbs, seq=seq, fsdp=fsdp)
+                                out.append(evaluate(cfg, mp, opt, c))
+                            except ConfigError:
+                                continue
     out.sort(key=lambda k: (not k.fits, -k.step.tflops_per_gpu))
     return out
