@@ -4,7 +4,8 @@
 * attention alone (world 4: CP4 and CP2 x DP2, both K/V exchanges): output and dq/dk/dv of every
   rank's shard equal the matching rows of torch SDPA (is_causal) on the full sequence;
 * the LM loss alone at TP2 x CP2 (same spawn): every rank's value is the whole sequences' mean
-  cross-entropy, and its logits' grad is CP times its share of that mean's;
+  cross-entropy, and its logits' grad is CP times its share of that mean's; multi-token
+  prediction's ids k ahead (cp_ahead) are each rank's shard of the whole sequence's shift;
 * the whole model (CP2 at world 2 with both exchanges, CP2 x EP2 at world 4): loss, every
   gradient after sync_gradients, and 3 AdamW steps with the global-norm clip equal one process
   running the unsharded batch.
@@ -24,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from moeplug.config import ConfigError
-from moeplug.parallel.context_parallel import (ContextParallelAttention, cp_attention, cp_chunk_ids,
-                                               cp_cross_entropy, cp_positions, shard_sequence,
-                                               unshard_sequence)
+from moeplug.parallel.context_parallel import (ContextParallelAttention, cp_ahead, cp_attention,
+                                               cp_chunk_ids, cp_cross_entropy, cp_positions,
+                                               shard_sequence, unshard_sequence)
 from moeplug.testing.distributed import run_distributed
 
 TOL = 1e-5
@@ -139,6 +140,13 @@ def _pieces_vs_one_process(rank: int, world: int) -> dict[str, float]:
     # Each rank's grad is W times its share of the global mean's (sync_gradients averages).
     want_grad = W * shard_sequence(logits_full.grad, W, r)[..., cols]
     errs["ce/grad"] = (local.grad - want_grad).abs().max().item()
+    # Multi-token prediction's ids k ahead: this rank's shard of the whole sequence shifted by k
+    # (fill past its end), although the shard's two chunks are not contiguous.
+    ids = torch.randint(0, 1000, (B, N), generator=g)
+    for k in (1, 3, 5, N):
+        whole = F.pad(ids[:, k:], (0, k), value=-7)
+        got = cp_ahead(shard_sequence(ids, W, r), k, -7, groups.cp)
+        errs[f"ahead/{k}"] = float(not torch.equal(got, shard_sequence(whole, W, r)))
     return errs
 
 
@@ -160,6 +168,14 @@ def test_tp_cp_loss_is_the_whole_groups_token_mean(pieces_world4):
     # trainer logs), not of its own chunk; ignored tokens leave the mean as in F.cross_entropy.
     for rank, errs in enumerate(pieces_world4):
         assert errs["ce/loss"] <= TOL and errs["ce/grad"] <= TOL, (rank, errs)
+
+
+def test_cp_ahead_is_the_whole_sequences_shift(pieces_world4):
+    for rank, errs in enumerate(pieces_world4):
+        ahead = {k: v for k, v in errs.items() if k.startswith("ahead/")}
+        assert len(ahead) == 4 and not any(ahead.values()), (rank, ahead)
+    ids = torch.arange(12).reshape(2, 6)
+    assert torch.equal(cp_ahead(ids, 2, 0, None), F.pad(ids[:, 2:], (0, 2)))  # one process
 
 
 # --- the whole model, on real ranks -------------------------------------------------------------

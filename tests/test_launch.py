@@ -69,11 +69,6 @@ def test_nproc2_ep2_equals_one_process_with_double_accumulation(run_cli, tiny_co
       "--set", "parallel.sequence_parallel=true"],
      ["parallel.tp = 2, parallel.ep = 4: needs 4 processes", "Fix: add --nproc 4"]),
     (["--nproc", "0"], ["--nproc 0: must be >= 1", "Fix:"]),
-    # MTP under CP: caught in the config, not as a traceback from the model build on a rank
-    # (under TP it trains: tests/test_parallel_train.py's *_mtp rows)
-    (["--nproc", "2", "--set", "parallel.cp=2", "--set", "model.mtp_num_layers=2"],
-     ["ModelConfig.mtp_num_layers = 2", "parallel.cp = 2",
-      "Fix: set model.mtp_num_layers: 0 or parallel.cp: 1"]),
     # MLA under CP: was a ValueError traceback from every rank's model build
     (["--nproc", "2", "--set", "parallel.cp=2", "--set", "model.attention=mla"],
      ["ModelConfig.attention = 'mla'", "parallel.cp = 2",

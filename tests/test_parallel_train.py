@@ -147,6 +147,11 @@ WORLD2 = {
     "tp2_sp_mla_mtp_tied": ({"tp": 2, "sequence_parallel": True}, "alltoall", 1,
                             {**MLA, **MTP, **TIED}),
     "tp2_sp_mtp_docs": ({"tp": 2, "sequence_parallel": True}, "alltoall", 1, MTP, None, DOCS),
+    # MTP under CP: a rank holds chunks r and 2W-1-r of each sequence, so the tokens and targets
+    # k ahead cross its shards (ParallelWiring.ahead all-gathers the ids); depth 1's loss is the
+    # CP group's mean over its S - 1 targets, the MTP block's aux loss takes CP's grad scale.
+    "cp2_mtp": ({"cp": 2}, "alltoall", 1, MTP),
+    "cp2_ring_mtp_docs": ({"cp": 2, "cp_comm": "ring"}, "alltoall", 1, MTP, None, DOCS),
 }
 WORLD4 = {
     "ep4": ({"ep": 4}, "alltoall", 1),
@@ -204,6 +209,11 @@ WORLD4 = {
     "pp2_tp2_sp_layout_mtp": ({"pp": 2, "tp": 2, "sequence_parallel": True,
                                "pipeline_layout": "Ett|tt|m|L"}, "alltoall", 2, MTP),
     "pp2_tp2_mtp_tied": ({"pp": 2, "tp": 2}, "alltoall", 2, {**MTP, **TIED}),
+    # MTP under CP x TP + SP, and under PP x CP in its own stage (the activation then carries
+    # each depth's CP-sharded hidden state), tied.
+    "cp2_tp2_sp_mtp": ({"cp": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 1, MTP),
+    "pp2_cp2_layout_mtp_tied": ({"pp": 2, "cp": 2, "pipeline_layout": "Ett|tt|m|L"},
+                                "alltoall", 2, {**MTP, **TIED}),
 }
 WORLD8 = {
     "pp2_ep2_tp2_sp": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 2),

@@ -195,28 +195,3 @@ def test_mtp_last_stage_needs_tokens():
                        r"is None. Fix: pass the micro-batch's tokens"):
         last(x_BSD, targets)
     assert last(x_BSD, targets, tokens).mtp_loss is not None
-
-
-def _mtp_rejections(rank: int, world: int) -> dict[str, str]:
-    from moeplug.build import build_model
-    from moeplug.parallel import ParallelConfig, ParallelGroups
-    from moeplug.plugin_host import PluginHost
-    out = {}
-    for kind in ("tp", "cp"):
-        groups = ParallelGroups.build(ParallelConfig(**{kind: 2}), world, rank)
-        try:
-            build_model(_cfg({"mtp_num_layers": 1}), PluginHost.load(), V, groups=groups)
-            out[kind] = "built"
-        except ValueError as e:
-            out[kind] = str(e)
-    return out
-
-
-def test_mtp_with_cp_is_rejected_by_the_model_tp_is_built():
-    """What the model itself cannot run, pipelined or not: MTP under CP (MTP shifts tokens
-    across shards). Under TP it builds (tensor-parallel MTP blocks, tests/test_parallel_train.py
-    proves them equal to one process)."""
-    for errors in run_distributed(_mtp_rejections, 2, timeout=90):
-        assert errors["tp"] == "built"
-        assert "does not support context parallelism" in errors["cp"]
-        assert "Fix: set mtp_num_layers: 0" in errors["cp"]

@@ -63,14 +63,6 @@ class RootConfig:
             _fail(m, "vocab_size", m.vocab_size, f"is not divisible by parallel.tp = {par.tp} "
                   f"(the embedding and head are split over TP)",
                   f"pad it to a multiple of {par.tp}, e.g. {-(-m.vocab_size // par.tp) * par.tp}")
-        # MTP shifts tokens across CP shards (Megatron exchanges the shard boundaries; moeplug
-        # does not yet), so the model build would refuse CP: say so here, before any rank
-        # starts, instead of as a traceback from build_model. TP/SP split MTP as any layer.
-        if m.mtp_num_layers and par.cp > 1:
-            _fail(m, "mtp_num_layers", m.mtp_num_layers,
-                  f"multi-token prediction does not support parallel.cp = {par.cp} yet (MTP "
-                  "shifts tokens across context-parallel shards)",
-                  "set model.mtp_num_layers: 0 or parallel.cp: 1")
         if m.attention == "mla" and par.cp > 1:  # else a traceback from every rank's build
             _fail(m, "attention", "mla", f"multi-head latent attention does not support "
                   f"parallel.cp = {par.cp} yet", "set model.attention: gqa or parallel.cp: 1")

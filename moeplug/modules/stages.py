@@ -135,11 +135,10 @@ class ModelStages:
         if mtp_hidden_states is None:
             depth_losses, aux, mtp_counts = mtp_losses(
                 self.mtp, x_BSD, tokens_BS, targets_BS, self.embed, self.vocab_logits,
-                self.mean_cross_entropy, positions_BS)
+                positions_BS, self.wiring)
         else:
             depth_losses, aux, mtp_counts = mtp_head_losses(
-                mtp_hidden_states, tokens_BS, targets_BS, self.vocab_logits,
-                self.mean_cross_entropy), [], []
+                mtp_hidden_states, targets_BS, self.vocab_logits, self.wiring), [], []
         mtp_loss = (self.cfg.mtp_loss_scaling_factor / self.cfg.mtp_num_layers) * sum(
             depth_losses, torch.zeros((), device=x_BSD.device))
         return HeadOutput(logits_BSV, lm_loss, mtp_loss, sum(aux, mtp_aux), mtp_counts)
@@ -148,9 +147,3 @@ class ModelStages:
         """The output head on a normed hidden state: the whole sequence's logits of this TP
         rank's vocabulary columns (under SP the sequence is gathered first)."""
         return F.linear(self.wiring.enter(h_BSD), self.output_weight())
-
-    def mean_cross_entropy(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor
-                           ) -> torch.Tensor:
-        """Mean token cross-entropy of :meth:`vocab_logits`' logits, in fp32; vocab-parallel
-        under TP (the wiring's LM loss: MTP is refused under CP, so it is never CP's mean)."""
-        return self.wiring.lm_loss(logits_BSV, targets_BS)

@@ -57,6 +57,22 @@ class Wiring:
         return F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
                                targets_BS.reshape(-1))
 
+    def ahead(self, ids_BS: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
+        """Each held position's token id ``k`` positions further on in the sequence, ``fill``
+        past its end (multi-token prediction's t_{i+k}; Megatron's roll_tensor fills with 0)."""
+        return F.pad(ids_BS[:, k:], (0, k), value=fill)
+
+    def lm_loss_ahead(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor,
+                      k: int) -> torch.Tensor:
+        """MTP depth k's mean cross-entropy: its logits at the S - k first positions against
+        the next-token targets k further on (t_{i+k+1} = targets[:, i + k])."""
+        S = targets_BS.shape[1]
+        return self.lm_loss(logits_BSV[:, :S - k], targets_BS[:, k:])
+
+    def whole_seq_len(self, S: int) -> int:
+        """The sequence's length when this rank holds ``S`` of its tokens (S x CP under CP)."""
+        return S
+
     def local_seq_len(self, S: int) -> int:
         """Positions of the [B, S, D] activation between blocks on this rank (S / TP under SP)."""
         return S

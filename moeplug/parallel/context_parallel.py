@@ -193,6 +193,22 @@ def cp_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, group: 
     return all_reduce(sum_, group) / count
 
 
+def cp_ahead(ids_BS: torch.Tensor, k: int, fill: int, group: Any) -> torch.Tensor:
+    """For each token this CP rank holds, the id ``k`` positions further on in the whole
+    sequence, ``fill`` where that is past its end: multi-token prediction's shifted tokens and
+    targets (Megatron's roll_tensor, which exchanges the shard boundaries under CP). The ranks'
+    chunks are not contiguous (chunk r and 2W-1-r), so the ids are all-gathered over the CP
+    group (B x N int64: tiny beside one activation), shifted in global order and re-sharded.
+    Ids are data, not activations: nothing here has a gradient."""
+    W = group_size(group)
+    if W == 1:
+        return F.pad(ids_BS[:, k:], (0, k), value=fill)
+    shards = [torch.empty_like(ids_BS) for _ in range(W)]
+    dist.all_gather(shards, ids_BS.contiguous(), group=active_group(group))
+    whole_BN = unshard_sequence(shards)
+    return shard_sequence(F.pad(whole_BN[:, k:], (0, k), value=fill), W, group_rank(group))
+
+
 def moe_token_group(groups: Any) -> Any:
     """The ranks whose MoE layers route other chunks of the same sequences: TP x CP. Routers sum
     their aux-loss expert counts over it (Megatron reduces them over TP x CP), so each chunk's

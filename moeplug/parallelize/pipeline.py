@@ -15,7 +15,7 @@ the loss alone. A stage may hold nothing at all: it passes its input on.
 
 Activations between stages are [B, S, D] (S / TP under SP). After a stage of MTP blocks that
 is not the last, they are the main hidden state and each MTP depth's normed hidden state,
-concatenated along the sequence ([B, (1 + K) S, D], S / TP each under SP; MTP runs without CP):
+concatenated along the sequence ([B, (1 + K) S, D], S / TP each under SP, this rank's CP shard under CP):
 the loss stage computes every logit, as Megatron's MTP block hands its hidden states to the
 output layer.
 
@@ -125,7 +125,9 @@ class PipelineChunk(ModelStages, nn.Module):
         B, S = tokens_BS.shape
         s = self.wiring.local_seq_len(S)
         if self.receives_mtp:  # the main hidden state and one per MTP depth, each [B, s, D]
-            return (B, s * (1 + mtp_depths(self.cfg, S)), self.hidden_size)
+            # the depths the whole sequence has (S x CP under CP), as mtp_hidden counts them
+            return (B, s * (1 + mtp_depths(self.cfg, self.wiring.whole_seq_len(S))),
+                    self.hidden_size)
         return (B, s, self.hidden_size)
 
     def forward(self, x: torch.Tensor, targets_BS: torch.Tensor | None = None,
@@ -140,7 +142,8 @@ class PipelineChunk(ModelStages, nn.Module):
             x = self.embed_tokens(x)
         mtp_in = None  # the MTP depths' normed hidden states, from an earlier stage
         if self.receives_mtp:
-            x, *mtp_in = x.chunk(1 + mtp_depths(self.cfg, tokens_BS.shape[1]), dim=1)
+            x, *mtp_in = x.chunk(1 + mtp_depths(self.cfg, self.wiring.whole_seq_len(
+                tokens_BS.shape[1])), dim=1)
         blocks_out = self.run_blocks(x, self.blocks.values(), self.layers.start, positions_BS)
         x, aux, counts = blocks_out.x_BSD, blocks_out.aux_loss, blocks_out.expert_counts
         if self.runs_mtp and not self.is_last:
@@ -148,7 +151,7 @@ class PipelineChunk(ModelStages, nn.Module):
                 raise ValueError("PipelineChunk: the MTP stage needs the micro-batch's tokens "
                                  "and targets. Fix: pass them to every stage's forward")
             mtp_in, mtp_aux, mtp_counts = mtp_hidden(self.mtp, x, tokens_BS, targets_BS,
-                                                     self.embed, positions_BS)
+                                                     self.embed, positions_BS, self.wiring)
             aux, counts = sum(mtp_aux, aux), counts + mtp_counts
         if not self.is_last:
             out = x if mtp_in is None else torch.cat([x, *mtp_in], dim=1)

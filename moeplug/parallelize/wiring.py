@@ -19,7 +19,7 @@ from torch import nn
 
 from moeplug.modules.wiring import Wiring
 from moeplug.parallel import comm
-from moeplug.parallel.context_parallel import cp_aux_loss, cp_cross_entropy
+from moeplug.parallel.context_parallel import cp_ahead, cp_aux_loss, cp_cross_entropy
 from moeplug.parallel.tensor_parallel import (enter_tp_region, gather_sequence, scatter_sequence,
                                               vocab_parallel_cross_entropy)
 
@@ -81,6 +81,26 @@ class ParallelWiring(Wiring):
             return vocab_parallel_cross_entropy(logits_BSV.reshape(-1, logits_BSV.shape[-1]),
                                                 targets_BS.reshape(-1), self.tp_group).mean()
         return super().lm_loss(logits_BSV, targets_BS)
+
+    def ahead(self, ids_BS: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
+        """CP: this rank's chunks are not contiguous, so the ids ahead come from the whole
+        sequence (cp_ahead all-gathers the ids over CP); else the local shift."""
+        if self.cp_group is None:
+            return super().ahead(ids_BS, k, fill)
+        return cp_ahead(ids_BS, k, fill, self.cp_group)
+
+    def lm_loss_ahead(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor,
+                      k: int) -> torch.Tensor:
+        """CP: every held position keeps its logits; the targets k ahead are ignored (-100)
+        past the sequence's end, and the mean is over the CP group's S - k targets
+        (cp_cross_entropy counts the kept ones), the LM loss's convention."""
+        if self.cp_group is None:
+            return super().lm_loss_ahead(logits_BSV, targets_BS, k)
+        return cp_cross_entropy(logits_BSV, self.ahead(targets_BS, k, fill=-100),
+                                self.cp_group, ignore_index=-100, tp_group=self.tp_group)
+
+    def whole_seq_len(self, S: int) -> int:
+        return S * comm.group_size(self.cp_group)
 
     def local_seq_len(self, S: int) -> int:
         return S // comm.group_size(self.tp_group) if self.sequence_parallel else S
