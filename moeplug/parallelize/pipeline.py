@@ -15,9 +15,9 @@ the loss alone. A stage may hold nothing at all: it passes its input on.
 
 Activations between stages are [B, S, D] (S / TP under SP). After a stage of MTP blocks that
 is not the last, they are the main hidden state and each MTP depth's normed hidden state,
-concatenated along the sequence ([B, (1 + K) S, D], S / TP each under SP, this rank's CP shard under CP):
-the loss stage computes every logit, as Megatron's MTP block hands its hidden states to the
-output layer.
+concatenated along the sequence ([B, (1 + K) S, D], S / TP each under SP, this rank's CP
+shard under CP): the loss stage computes every logit, as Megatron's MTP block hands its hidden
+states to the output layer.
 
 Embedding copies: the embedding lives on every rank that needs it -- the first stage, the MTP
 stage (MTP embeds the tokens k steps ahead), the last stage when the head is the tied
