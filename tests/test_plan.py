@@ -197,13 +197,15 @@ def test_search_tries_fsdp_where_train_accepts_it_and_it_fits_what_zero1_cannot(
 
 
 @pytest.mark.parametrize("mapping, tied, match", [
-    (dict(world=8, tp=2, pp=4, ep=2), False, "DP x CP = 1 x 1 = 1"),
-    (dict(world=8, tp=1, pp=2, ep=2), True, "tied embedding split over pipeline stages"),
+    (dict(world=8, tp=2, pp=4, ep=2), False, r"DP x CP = 1 x 1 = 1.*Fix: fsdp=0, or lower tp/pp"),
+    (dict(world=8, tp=1, pp=2, ep=2), True,
+     r"tied embedding split over pipeline stages.*Fix: fsdp=0, or pp=1"),
 ])
 def test_plan_refuses_fsdp_where_train_does(mapping, tied, match):
     cfg = dataclasses.replace(model_config("mixtral_tiny"), tie_embeddings=tied)
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as err:
         check_model(cfg, Mapping(**mapping, fsdp=1, seq=256))
+    assert str(err.value).startswith("--mapping fsdp=1")  # names the field the user gave
     check_model(cfg, Mapping(**mapping, seq=256))  # the same mapping without FSDP is valid
 
 
