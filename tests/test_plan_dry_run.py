@@ -96,13 +96,27 @@ def test_dry_run_parameters_at_64_fake_ranks_equal_a_real_build_of_that_rank():
     assert measure_rank(cfg, rank, 64).params == real
 
 
-def test_meta_chunk_sort_equals_the_runtime_kernel():
-    from moeplug_plugins.dispatchers._ep_comm import _move, _move_meta
+def test_chunk_sort_is_a_torch_library_op_whose_fake_matches_the_runtime_kernel():
+    """The chunk sort is a torch.library op: torch's opcheck runs its fake kernel beside the
+    runtime's on real tensors (shapes, dtypes, strides, schema); on meta tensors the fake runs,
+    and the dry run's shadows get the kernel's own values."""
+    from moeplug.plan.fake_step import DryStepMode
+    from moeplug_plugins.dispatchers._ep_comm import _move, gather_index
     counts_WL = torch.tensor([[3, 0, 2], [1, 4, 0]], dtype=torch.int64)
-    rows = torch.arange(10, dtype=torch.float32).view(10, 1) * 1.5
+    rows = torch.arange(20, dtype=torch.float32).view(10, 2) * 1.5
     for to_expert_major in (True, False):
-        assert torch.equal(_move_meta(rows, counts_WL, to_expert_major),
-                           _move(rows, counts_WL, to_expert_major))
+        torch.library.opcheck(torch.ops.moeplug_plugins.move_row_chunks,
+                              (rows, counts_WL, to_expert_major))
+    # arrival: rank 0 sends experts (0, 1, 2) rows 0-2 | - | 3-4; rank 1 sends 5 | 6-9 | -
+    want = torch.tensor([0, 1, 2, 5, 6, 7, 8, 9, 3, 4])  # expert-major
+    assert torch.equal(_move(rows, counts_WL, True), rows[want])
+    meta = _move(rows.to("meta"), counts_WL.to("meta"), True)
+    assert meta.is_meta and meta.shape == rows.shape and meta.dtype == rows.dtype
+    mode = DryStepMode()
+    with mode:
+        counts_meta = mode.shadow(torch.empty(2, 3, dtype=torch.int64, device="meta"), counts_WL)
+        idx = gather_index(counts_meta, True)
+    assert idx.is_meta and torch.equal(mode._values(idx), want)
 
 
 @pytest.mark.parametrize("args, field", [

@@ -15,10 +15,11 @@ Path: a meta tensor is not a CPU tensor, so every op takes moeplug's GPU path: t
 torch's meta kernels (grouped GEMM; attention as the fused kernel, moeplug.plan.dry_attention);
 the CUDA extension's SwiGLU and permute / unpermute row kernels through their fake kernels
 (torch.library ops with ``register_fake``, moeplug.ops.cuda_ops), so they save what they save on
-a GPU; the norms are moeplug's own (torch ops, as on a GPU). Host-side bookkeeping (row counts, the
-chunk sort's index) runs on real CPU tensors, the C++ runtime included; the one runtime kernel
-the GPU path calls on device rows (the dispatcher's chunk sort) has a torch form for meta
-tensors next to it (moeplug_plugins.dispatchers._ep_comm._move_meta). The report names the path.
+a GPU; the norms are moeplug's own (torch ops, as on a GPU). Host-side bookkeeping (row counts,
+the chunk sort's index) runs on real CPU tensors or on the shadows of meta ones, the C++
+runtime included: the chunk sort (``moeplug_plugins::move_row_chunks``) is a torch.library op
+too, whose fake kernel gives the meta tensor while the shadows get the kernel's values. The
+report names the path.
 
 Routing: fake collectives move no data, so every MoE layer's expert ids are replaced by the
 balanced oracle's (:func:`balanced_ids`): token t's k-th choice is expert ``(t*K + k) mod E``,

@@ -96,9 +96,19 @@ class _MoveChunks(Function):
 
 
 def _move(rows: torch.Tensor, counts_WL: torch.Tensor, to_expert_major: bool) -> torch.Tensor:
-    if rows.is_meta or counts_WL.is_meta:  # no data to point the kernel at (plan --dry-run)
-        return _move_meta(rows, counts_WL, to_expert_major)
-    rows = rows.contiguous()
+    return torch.ops.moeplug_plugins.move_row_chunks(rows.contiguous(), counts_WL,
+                                                     to_expert_major)
+
+
+# The runtime's kernel as a torch.library op, so that tensors without data take its fake kernel
+# (the meta device of ``moeplug plan --dry-run``, FakeTensorMode): the kernel reads data
+# pointers, which those tensors do not have. The dry run's shadows (moeplug.plan.fake_step) run
+# the op itself on the real counts, so its chunk sort index comes from this same kernel.
+@torch.library.custom_op("moeplug_plugins::move_row_chunks", mutates_args=(), device_types="cpu")
+def _move_op(rows: torch.Tensor, counts_WL: torch.Tensor, to_expert_major: bool
+             ) -> torch.Tensor:
+    """``rows`` [S, ...] with chunk (a, b) of the source-major counts ``c`` [A, B] moved to
+    its place in (b, a)-major order (``to_expert_major``; else the inverse)."""
     out = workspace.empty(tuple(rows.shape), rows.dtype)
     W, L = counts_WL.shape
     get_runtime().move_row_chunks(
@@ -109,20 +119,9 @@ def _move(rows: torch.Tensor, counts_WL: torch.Tensor, to_expert_major: bool) ->
     return out
 
 
-def _move_meta(rows: torch.Tensor, counts_WL: torch.Tensor, to_expert_major: bool
-               ) -> torch.Tensor:
-    """:func:`_move` in torch ops, for meta tensors (``moeplug plan --dry-run``): the runtime's
-    kernel reads data pointers, which meta tensors do not have. Same layout: chunk (a, b) of
-    the source-major counts ``c`` [A, B] goes to its place in (b, a)-major order."""
-    c = counts_WL if to_expert_major else counts_WL.t()
-    flat = c.reshape(-1)
-    src_start = (flat.cumsum(0) - flat).view(c.shape).t().reshape(-1)
-    dst_counts = c.t().reshape(-1)
-    dst_start = dst_counts.cumsum(0) - dst_counts
-    S = rows.shape[0]
-    pos = torch.arange(S, dtype=torch.int64, device=c.device)
-    idx = torch.repeat_interleave(src_start - dst_start, dst_counts, output_size=S) + pos
-    return rows.index_select(0, idx.to(rows.device))
+@_move_op.register_fake
+def _(rows, counts_WL, to_expert_major):
+    return rows.new_empty(rows.shape)
 
 
 def _apply_moves(rows: torch.Tensor, plan: A2APlan, to_expert_major: bool) -> torch.Tensor:
