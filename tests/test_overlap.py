@@ -137,8 +137,8 @@ WORLD4.update({"etp2_ep2_1f1b": ({"etp": 2, "ep": 2}, 2, {}, MERGED),
                "etp2_ep2_1f1b_delay_wgrad": ({"etp": 2, "ep": 2}, 2, {}, MERGED_DELAY),
                "tp2_sp_etp2_ep2_1f1b": ({**SP, "etp": 2, "ep": 2}, 2, {}, MERGED),
                "pp2_ep2_mla_mtp_1f1b": ({"pp": 2, "ep": 2}, 3, {}, MERGED, {**MLA, **MTP}),
-               # MLA under SP gathers the whole sequence (ParallelWiring.whole_sequence):
-               # that gather's reduce-scatter runs in the overlapped backward, on the twins
+               # MLA under SP gathers its latents over the sequence (moeplug.modules.mla):
+               # those gathers' reduce-scatters run in the overlapped backward, on the twins
                "tp2_sp_ep2_mla_1f1b": ({**SP, "ep": 2}, 2, {}, MERGED, MLA)})
 
 

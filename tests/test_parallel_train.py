@@ -65,6 +65,7 @@ DOCS = {"document_mask": True}  # the data section of the packed-documents rows
 EOD = 0
 MLA = {"attention": "mla", "mla": {"q_lora_rank": 8, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
                                    "qk_rope_head_dim": 4, "v_head_dim": 4}}
+MLA_NO_Q_LORA = {"attention": "mla", "mla": {**MLA["mla"], "q_lora_rank": 0}}
 
 
 def _hier(node_size: int, router: dict | None = None) -> dict:
@@ -136,6 +137,15 @@ WORLD2 = {
     "cp2_ring_docs": ({"cp": 2, "cp_comm": "ring"}, "alltoall", 1, None, None, DOCS),
     "tp2_sp_docs": ({"tp": 2, "sequence_parallel": True}, "alltoall", 1, None, None, DOCS),
     "tp2_sp_mla_docs": ({"tp": 2, "sequence_parallel": True}, "alltoall", 1, MLA, None, DOCS),
+    # MLA split over TP (Megatron's): the down projections whole on every rank, their latents
+    # entering the region, the up projections and o_proj split by heads; with and without SP,
+    # with q_proj in place of the q LoRA, and with mla_up_proj recomputed
+    "tp2_mla": ({"tp": 2}, "alltoall", 1, MLA),
+    "tp2_sp_mla_no_q_lora": ({"tp": 2, "sequence_parallel": True}, "alltoall", 1, MLA_NO_Q_LORA),
+    "tp2_mla_no_q_lora": ({"tp": 2}, "alltoall", 1, MLA_NO_Q_LORA),
+    "tp2_sp_mla_recompute_up": ({"tp": 2, "sequence_parallel": True}, "alltoall", 1,
+                                {**MLA, "recompute": {"granularity": "selective",
+                                                      "modules": ["mla_up_proj", "core_attn"]}}),
     "ep2_docs": ({"ep": 2}, "alltoall", 1, None, None, DOCS),
     "pp2_docs": ({"pp": 2}, "alltoall", 2, None, None, DOCS),
     # MTP under TP (Megatron's MTP layer): eh_proj column-parallel with its output gathered,
@@ -143,7 +153,7 @@ WORLD2 = {
     # seq 8 leaves the depth 7 positions with a target, which no TP shard split could.
     "tp2_mtp": ({"tp": 2}, "alltoall", 1, MTP),
     "tp2_sp_mtp": ({"tp": 2, "sequence_parallel": True}, "alltoall", 1, MTP),
-    # DeepSeek-V3's shape: MLA (replicated over TP) in the decoder and in the MTP block, tied
+    # DeepSeek-V3's shape: MLA (split over TP) in the decoder and in the MTP block, tied
     "tp2_sp_mla_mtp_tied": ({"tp": 2, "sequence_parallel": True}, "alltoall", 1,
                             {**MLA, **MTP, **TIED}),
     "tp2_sp_mtp_docs": ({"tp": 2, "sequence_parallel": True}, "alltoall", 1, MTP, None, DOCS),
@@ -214,6 +224,10 @@ WORLD4 = {
     "cp2_tp2_sp_mtp": ({"cp": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 1, MTP),
     "pp2_cp2_layout_mtp_tied": ({"pp": 2, "cp": 2, "pipeline_layout": "Ett|tt|m|L"},
                                 "alltoall", 2, {**MTP, **TIED}),
+    # MLA split over TP, folded with EP4, and with PP and MTP (DeepSeek-V3's shape)
+    "tp2_sp_ep4_mla_folded": ({"tp": 2, "ep": 4, "sequence_parallel": True}, "alltoall", 1, MLA),
+    "pp2_tp2_sp_mla_mtp": ({"pp": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 2,
+                           {**MLA, **MTP}),
 }
 WORLD8 = {
     "pp2_ep2_tp2_sp": ({"pp": 2, "ep": 2, "tp": 2, "sequence_parallel": True}, "alltoall", 2),
@@ -239,6 +253,7 @@ WORLD4_FSDP = {
                                   "etp": 2}, "alltoall", 1),
     "fsdp_dp2_cp2": ({**FSDP, "cp": 2}, "alltoall", 1),
     "fsdp_pp2_dp2": ({**FSDP, "pp": 2}, "alltoall", 2),
+    "fsdp_dp2_tp2_sp_mla": ({**FSDP, "tp": 2, "sequence_parallel": True}, "alltoall", 1, MLA),
 }
 # hierarchical vs alltoall at the same layout (each also equals one process above)
 HIER_PAIRS = {

@@ -35,8 +35,8 @@ LAYOUTS_2 = {
     "tp2_sp": (dict(tp=2, sequence_parallel=True), "alltoall", {"qk_norm": True}),
     "tp2_sp_tied": (dict(tp=2, sequence_parallel=True), "allgather", {"tie_embeddings": True}),
     "etp2_ep1": (dict(etp=2), "allgather", {}),
-    # MLA is not split over TP: every TP rank runs it on the whole sequence (under SP on the
-    # gathered chunks, keeping its own chunk of the output; its weights' grads then summed)
+    # MLA split over TP by heads (Megatron's): the down projections whole on every rank (under
+    # SP on its sequence chunk, their grads then summed), the latents gathered
     "tp2_mla": (dict(tp=2), "alltoall", MLA),
     "tp2_sp_mla": (dict(tp=2, sequence_parallel=True), "alltoall", MLA),
 }

@@ -21,6 +21,7 @@ from moeplug.config import ModelConfig
 from moeplug.modules.attention import CoreAttention
 from moeplug.modules.norm import RMSNorm
 from moeplug.modules.rope import RotaryEmbedding
+from moeplug.modules.wiring import LOCAL
 from moeplug.ops.discard import release
 
 
@@ -50,6 +51,7 @@ class MLAttention(nn.Module):
         # Shared RoPE table, not registered per layer (see Attention).
         self._rope = [rope]
         self.core_attn = CoreAttention()
+        self.wiring = LOCAL
 
     def up_projections(self, q_in_BSX: torch.Tensor, c_BSC: torch.Tensor,
                        k_rope_BSR: torch.Tensor, positions_BS: torch.Tensor | None
@@ -76,14 +78,23 @@ class MLAttention(nn.Module):
         k_BHSQ = torch.cat((k_nope_BHSN, k_rope_B1SR.expand(B, H, S, R)), dim=-1)
         return q_BHSQ, k_BHSQ, v_BHSV
 
-    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor | None = None
+    def forward(self, x_BsD: torch.Tensor, positions_BS: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """``positions_BS``: the tokens' positions in their documents (packed documents, see
-        moeplug.data.documents), or None for one sequence per row."""
-        B, S, _ = x_BSD.shape
-        c_BSC, k_rope_BSR = self.kv_a_proj(x_BSD).split([self.kv_lora_rank, self.rope_dim],
-                                                        dim=-1)
-        q_in_BSX = self.q_proj(x_BSD) if self.q_proj is not None else self.q_a_proj(x_BSD)
+        moeplug.data.documents; the whole sequence under SP), or None for one sequence per row.
+
+        Under TP (Megatron's split MLA) the heads are split: the down projections are
+        replicated and run on the tokens this rank holds (its sequence chunk under SP), their
+        small latents enter the TP region (all-gathered over the sequence under SP, instead of
+        the [B, S, D] input), and the up projections, attention and o_proj work on this rank's
+        heads."""
+        kv_BSX = self.wiring.enter(self.kv_a_proj(x_BsD))
+        c_BSC, k_rope_BSR = kv_BSX.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.q_proj is not None:
+            q_in_BSX = self.q_proj(self.wiring.enter(x_BsD))
+        else:
+            q_in_BSX = self.wiring.enter(self.q_a_proj(x_BsD))
+        B, S, _ = c_BSC.shape
         qkv = self.up_projections(q_in_BSX, c_BSC, k_rope_BSR, positions_BS)
         # SDPA's default scale is 1/sqrt(q's last dim) = 1/sqrt(N + R), DeepSeek's softmax scale
         # (no YaRN mscale: only the default rope is supported). V may differ from N + R.

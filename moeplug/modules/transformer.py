@@ -51,8 +51,7 @@ class ModelOutput:
 
 class TransformerBlock(nn.Module):
     """x + attn(norm(x)), then + ffn(norm(x)); ffn is a dense SwiGLU or an MoELayer.
-    ``wiring`` (set by moeplug.parallelize): what the tokens do around a replicated MLA
-    attention and around the MoE layer under TP."""
+    ``wiring`` (set by moeplug.parallelize): what the tokens do around the MoE layer under TP."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, ffn: SwiGLUMLP | MoELayer
                  ) -> None:
@@ -71,10 +70,7 @@ class TransformerBlock(nn.Module):
         # (moeplug.ops.discard; without the mark it does nothing).
         with stage("attention"):
             h_BSD = self.attn_norm(x_BSD)
-            if isinstance(self.attn, MLAttention):  # not split over TP: the whole sequence
-                a_BSD = self.wiring.whole_sequence(self.attn, h_BSD, positions_BS)
-            else:
-                a_BSD = self.attn(h_BSD, positions_BS)
+            a_BSD = self.attn(h_BSD, positions_BS)
             release(h_BSD, a_BSD)
             x_BSD = x_BSD + a_BSD
         h_BSD = self.ffn_norm(x_BSD)

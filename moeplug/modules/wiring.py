@@ -35,10 +35,6 @@ class Wiring:
         """The input of column-parallel layers (q/k/v, gate/up, the output head)."""
         return x
 
-    def whole_sequence(self, module: nn.Module, x_BsD: torch.Tensor, *args: Any) -> torch.Tensor:
-        """``module(x, *args)`` for a module replicated over TP (MLA attention)."""
-        return module(x_BsD, *args)
-
     def moe_tokens_in(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """The tokens the MoE layer routes on this rank."""
         return x_BSD

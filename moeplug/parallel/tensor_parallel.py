@@ -9,8 +9,8 @@ Layout (Shoeybi et al. 2019; Korthikanti et al. 2022):
   * dense SwiGLU: gate/up column-parallel, down row-parallel;
   * embedding: vocab-parallel (rows [r*Vl, (r+1)*Vl)); output head: column-parallel over the
     vocabulary, fed to :func:`vocab_parallel_cross_entropy`, which never gathers the logits;
-  * MLA attention: not split (replicated on every TP rank); under SP it runs on the gathered
-    sequence (moeplug.parallelize.wiring.ParallelWiring.whole_sequence).
+  * MLA attention (Megatron's split): the q/kv down projections replicated, their latents
+    entering the region; the up projections column-parallel by heads, o row-parallel.
 
 This module holds the regions, layers and loss; applying them to a built model (which layers
 become which, the ``wiring`` the modules call at the regions' edges) is

@@ -8,7 +8,12 @@ moeplug.parallel.tensor_parallel's):
   * dense SwiGLU: gate/up column-parallel, down row-parallel;
   * embedding: vocab-parallel; output head: column-parallel over the vocabulary, fed to the
     vocab-parallel cross-entropy;
-  * MLA attention: not split (replicated on every TP rank; ParallelWiring.whole_sequence);
+  * MLA attention (Megatron's MLASelfAttention): q_a_proj / kv_a_proj replicated, run on the
+    tokens the rank holds (its sequence chunk under SP), their latents entering the region
+    (all-gathered under SP: Q + C + R a token instead of D); q_b_proj (or q_proj) and
+    kv_b_proj column-parallel by heads, o_proj row-parallel. The latent norms run after the
+    entry on the whole sequence with this rank's heads' part of their grads, so their weights'
+    grads are summed over TP (``sequence_parallel``), as are the down projections' under SP;
   * MTP (Megatron's MultiTokenPredictionLayer): each depth's block as any decoder block, its
     ``eh_proj`` column-parallel with the output gathered (scattered over the sequence under SP),
     the embedding and head the main model's vocab-parallel ones.
@@ -59,6 +64,31 @@ def parallelize_attention(attn: Attention, cfg: Any, tp: Any, sp: bool) -> None:
             mark_sequence_parallel(norm)
 
 
+def parallelize_mla(attn: MLAttention, cfg: Any, tp: Any, sp: bool) -> None:
+    """Split an MLAttention's heads over TP (same names): the up projections column-parallel,
+    o_proj row-parallel; the down projections stay whole on every rank (Megatron's duplicated
+    linear_q_down_proj / linear_kv_down_proj). Each per-head weight is [H * d, ...] head-major
+    (the forward views it as [.., H, d]), so rank r's contiguous chunk is its H/W heads."""
+    W = comm.group_size(tp)
+    check_divisible("ModelConfig.num_heads", cfg.num_heads, W, "choose tp dividing num_heads")
+    m, H, D = cfg.mla, cfg.num_heads, cfg.hidden_size
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if attn.q_proj is not None:
+        attn.q_proj = ColumnParallelLinear(D, H * qk, tp)
+    else:
+        attn.q_b_proj = ColumnParallelLinear(m.q_lora_rank, H * qk, tp)
+        mark_sequence_parallel(attn.q_a_norm)
+    attn.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim),
+                                          tp)
+    mark_sequence_parallel(attn.kv_a_norm)
+    attn.o_proj = RowParallelLinear(H * m.v_head_dim, D, tp, sp)
+    attn.num_heads = H // W
+    if sp:  # the down projections see only this rank's sequence chunk
+        for down in (attn.kv_a_proj, attn.q_a_proj if attn.q_proj is None else None):
+            if down is not None:
+                mark_sequence_parallel(down)
+
+
 def parallelize_mlp(mlp: SwiGLUMLP, tp: Any, sp: bool) -> None:
     """Dense SwiGLU: gate/up column-parallel, down row-parallel (same names)."""
     D, F = mlp.gate_proj.in_features, mlp.gate_proj.out_features
@@ -78,6 +108,8 @@ def apply_tp(model: nn.Module, groups: Any) -> ParallelWiring | None:
     for block in [*model.blocks, *(layer.block for layer in model.mtp)]:
         if isinstance(block.attn, Attention):
             parallelize_attention(block.attn, cfg, tp, sp)
+        elif isinstance(block.attn, MLAttention):
+            parallelize_mla(block.attn, cfg, tp, sp)
         if isinstance(block.ffn, SwiGLUMLP):
             parallelize_mlp(block.ffn, tp, sp)
     for layer in model.mtp:  # [emb | hidden] -> D, gathered so the block gets a decoder's input
@@ -89,8 +121,7 @@ def apply_tp(model: nn.Module, groups: Any) -> ParallelWiring | None:
 def parallelize_embedding_and_flags(model: nn.Module, tp: Any, sp: bool) -> None:
     """The model-level TP pieces: vocab-parallel embedding (and head, column-parallel over V;
     tied heads reuse the embedding shard), and the ``sequence_parallel`` flag on parameters
-    whose grads are partial over TP: norms and MLA attention (replicated, its output kept per
-    chunk: ParallelWiring.whole_sequence) under SP, and every non-expert parameter of the MoE
+    whose grads are partial over TP: norms under SP, and every non-expert parameter of the MoE
     layers (router, shared experts), whose tokens are always split over TP
     (ParallelWiring.moe_tokens_in)."""
     V, D = model.vocab_size, model.cfg.hidden_size
@@ -99,7 +130,7 @@ def parallelize_embedding_and_flags(model: nn.Module, tp: Any, sp: bool) -> None
         model.head = ColumnParallelLinear(D, V, tp)
     expert_names = expert_param_names(model)
     for name, module in model.named_modules():
-        if isinstance(module, (RMSNorm, MLAttention)) and sp:
+        if isinstance(module, RMSNorm) and sp:
             mark_sequence_parallel(module)
         if isinstance(module, MoELayer):
             for pname, p in module.named_parameters():

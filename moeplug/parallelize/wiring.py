@@ -39,20 +39,6 @@ class ParallelWiring(Wiring):
         return x if self.tp_group is None else enter_tp_region(x, self.tp_group,
                                                                self.sequence_parallel)
 
-    def whole_sequence(self, module: nn.Module, x_BsD: torch.Tensor, *args: Any) -> torch.Tensor:
-        """``module(x, *args)`` for a module replicated over TP (not split, e.g. MLA; ``args``
-        belong to the whole sequence, e.g. document positions). Without SP every rank already
-        holds the whole sequence. Under SP a causal attention must see every earlier chunk:
-        gather the sequence, run it, keep this rank's chunk of the output. Backward: the slice
-        passes on only this rank's chunk of the grad (the others' come from their ranks), so the
-        gather reduce-scatters the partial input grads and the module's weight grads are
-        partial too (flagged ``sequence_parallel`` by the TP step, summed over TP)."""
-        tp = self.tp_group
-        if tp is None or not self.sequence_parallel:
-            return module(x_BsD, *args)
-        y_BSD = module(gather_sequence(x_BsD, tp), *args)
-        return y_BSD.chunk(comm.group_size(tp), dim=1)[comm.group_rank(tp)]
-
     def moe_tokens_in(self, x_BSD: torch.Tensor) -> torch.Tensor:
         """The MoE layer always works on this TP rank's sequence chunk: under SP it already
         holds it; without SP every rank holds all tokens, so it keeps its chunk (Megatron

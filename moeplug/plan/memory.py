@@ -4,9 +4,9 @@ Conventions (Megatron-Core with the distributed optimizer, what P26 Table 3 assu
     weights BF16 (2 B) + main gradients FP32 (4 B) = 6 B per parameter on its rank;
     FP32 master weights + Adam moments = 12 B per parameter (8 with BF16 moments), sharded
     ZeRO-1 style over DP x CP (dense parameters) and over EDP (expert parameters).
-Where moeplug differs from Megatron the bytes are moeplug's: MLA attention is replicated over TP
-(its weights and activations whole on every TP rank, :func:`replicated_attention`), and a
-Qwen3-style q/k norm keeps its input beside the rotated q and k attention keeps.
+Where moeplug differs from Megatron the bytes are moeplug's: under sequence parallelism the q/k/v
+projections keep their all-gathered input, and a Qwen3-style q/k norm keeps its input beside
+the rotated q and k attention keeps.
 Activations are the tensors autograd saves for backward, per transformer layer and per token
 (:func:`layer_activations`), in BF16 (2 B; FP8 runs keep linear-layer inputs in 1 B), with the
 routing weights applied inside the activation (Megatron's memory-efficient permutation and
@@ -192,29 +192,37 @@ def layer_params(cfg: ModelConfig, moe: bool) -> tuple[float, float]:
     return attn + shared + m.num_experts * h, float(m.num_experts * g * h * m.ffn_hidden_size)
 
 
-def replicated_attention(cfg: ModelConfig, megatron: bool = False) -> float:
-    """Parameters of one layer's attention that every TP rank holds whole. moeplug replicates
-    MLA over TP (the block runs the whole sequence through it on each rank,
-    moeplug.modules.wiring's ``whole_sequence``) where Megatron splits its heads; the GQA
-    attention is split. The time model (moeplug.plan.perf) keeps Megatron's split: the
-    published rows it is fitted to ran it (``megatron``: Megatron's tensors where moeplug's
-    differ, see also :func:`layer_activations`)."""
-    return attention_macs(cfg)[0] if cfg.attention == "mla" and not megatron else 0.0
+def tp_whole(cfg: ModelConfig, moe: bool) -> float:
+    """Parameters of one layer that every TP rank holds whole (moeplug.parallelize.tp): its
+    two norms; MLA's down projections and latent norms (q_a_proj, kv_a_proj with the shared
+    rope key, q_a_norm, kv_a_norm), which Megatron duplicates too while splitting the heads;
+    and an MoE layer's router, shared experts and their gate, which run on this rank's
+    sequence chunk (Megatron splits the shared experts over TP instead). The GQA attention's
+    projections and the dense MLP are split."""
+    h = cfg.hidden_size
+    whole = 2.0 * h
+    if cfg.attention == "mla":
+        m = cfg.mla
+        whole += (m.q_lora_rank * (h + 1) if m.q_lora_rank else 0) \
+            + m.kv_lora_rank * (h + 1) + h * m.qk_rope_head_dim
+    if moe:
+        whole += layer_params(cfg, True)[0] - attention_macs(cfg)[0] - 2 * h
+    return whole
 
 
 def stage_params(cfg: ModelConfig, mp: Mapping, rank: int,
-                 parts: list | None = None, megatron: bool = False) -> tuple[float, float]:
+                 parts: list | None = None) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of pipeline stage ``rank``: its layers
     and MTP blocks, the embedding where it sits (the first stage's, the copies of an MTP stage
     or a tied head), the final norm and head on the loss stage. ``parts``: rank_parts(cfg,
-    mp), when the caller has them; ``megatron``: see :func:`replicated_attention`."""
+    mp), when the caller has them."""
     h, V = cfg.hidden_size, cfg.vocab_size
     part = (parts or rank_parts(cfg, mp))[rank]
     dense = expert = 0.0
     for moe in part.layers:
         d, e = layer_params(cfg, moe)
         dense, expert = dense + d, expert + e
-    whole = len(part.layers) * replicated_attention(cfg, megatron)  # on every TP rank
+    whole = sum(tp_whole(cfg, moe) for moe in part.layers)  # on every TP rank
     dense -= whole
     if part.embedding:
         dense += V * h                                   # embedding (or its copy)
@@ -229,9 +237,9 @@ def stage_params(cfg: ModelConfig, mp: Mapping, rank: int,
 def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
                       megatron: bool = False) -> dict:
     """Bytes one rank saves for backward in one layer for one micro-batch, per module
-    (``megatron``: Megatron's where moeplug's differ: MLA's heads split over TP, see
-    :func:`replicated_attention`; and under sequence parallelism recompute ``layernorm`` drops
-    the norm's output whole, where moeplug's q/k/v projections keep the all-gathered copy)."""
+    (``megatron``: Megatron's where moeplug's differ: under sequence parallelism recompute
+    ``layernorm`` drops the norm's output whole, where moeplug's column-parallel projections
+    keep the all-gathered copy)."""
     h, b = cfg.hidden_size, opt.act_bytes
     lin = 1 if opt.precision == "fp8" else b      # FP8 keeps linear-layer inputs in one byte
     tok = mp.mbs * mp.seq / mp.cp                 # tokens of this rank's micro-batch
@@ -244,26 +252,31 @@ def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
             out[name] = out.get(name, 0.0) + elems_per_token * tokens * nbytes
 
     put("attn_norm", h, sp, b)                                  # residual / norm input
-    # norm out = QKV input; under SP moeplug's projections keep the gathered copy, which
-    # layernorm's discarding (of the sequence shard) does not reach
-    put("layernorm", h, tok, lin, "layernorm" in rc and (megatron or mp.tp == 1))
     n = cfg.num_heads
-    heads_tp = mp.tp  # the ranks the heads are split over: none for MLA (replicated_attention)
     if cfg.attention == "mla":
         a = cfg.mla
-        heads_tp = mp.tp if megatron else 1
+        # norm out = the down projections' input, the sequence shard itself (their latents
+        # enter the TP region); without a q LoRA q_proj keeps the gathered copy under SP
+        put("layernorm", h, sp, lin, "layernorm" in rc)
+        if not a.q_lora_rank and mp.tp > 1 and not megatron:
+            put("layernorm", h, tok, lin)
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         down = (a.q_lora_rank or 0) + a.kv_lora_rank + a.qk_rope_head_dim
+        # the gathered latents (the latent norms' inputs) and their norms' outputs (the up
+        # projections' inputs), whole on every TP rank
         put("mla_down", down + (a.q_lora_rank or 0) + a.kv_lora_rank, tok, lin)
-        put("mla_up_proj", n * (2 * qk + a.v_head_dim) / heads_tp, tok, b, "mla_up_proj" in rc)
+        put("mla_up_proj", n * (2 * qk + a.v_head_dim) / mp.tp, tok, b, "mla_up_proj" in rc)
         v = a.v_head_dim
     else:
+        # norm out = QKV input; under SP moeplug's projections keep the gathered copy, which
+        # layernorm's discarding (of the sequence shard) does not reach
+        put("layernorm", h, tok, lin, "layernorm" in rc and (megatron or mp.tp == 1))
         d = cfg.head_dim
         put("qkv_linear", (n + 2 * cfg.num_kv_heads) * d / mp.tp, tok, b)
         if cfg.qk_norm:  # the q / k norms keep their inputs (the projections' outputs)
             put("qk_norm", (n + cfg.num_kv_heads) * d / mp.tp, tok, b)
         v = d
-    put("core_attn", n * v / heads_tp, tok, lin, "core_attn" in rc)  # output = o_proj input
+    put("core_attn", n * v / mp.tp, tok, lin, "core_attn" in rc)  # output = o_proj input
     put("mlp_norm", h, sp, b)
     put("layernorm", h, sp if moe else tok, lin,
         "layernorm" in rc and (megatron or moe or mp.tp == 1))
@@ -521,13 +534,12 @@ def _mtp_dense(cfg, part) -> float:
 def block_params(cfg, mp: Mapping, part) -> list[tuple[float, float]]:
     """(dense, expert) parameters of each FSDP block unit of a stage on this rank (its layers,
     then its MTP blocks, each one unit as apply_fsdp wraps them)."""
-    units = [layer_params(cfg, moe) for moe in part.layers]
+    units = [(*layer_params(cfg, moe), tp_whole(cfg, moe)) for moe in part.layers]
     last_moe = bool(cfg.moe_layer_pattern[-1]) if part.mtp else False
     for _ in range(part.mtp):  # an MTP block: a layer of the last layer's kind + eh_proj, norms
         d, e = layer_params(cfg, last_moe)
-        units.append((d + _mtp_dense(cfg, part) / part.mtp, e))
-    whole = replicated_attention(cfg)
-    return [((d - whole) / mp.tp + whole, e / (mp.ep * mp.etp)) for d, e in units]
+        units.append((d + _mtp_dense(cfg, part) / part.mtp, e, tp_whole(cfg, last_moe)))
+    return [((d - whole) / mp.tp + whole, e / (mp.ep * mp.etp)) for d, e, whole in units]
 
 
 def root_params(cfg, mp: Mapping, part) -> float:

@@ -201,7 +201,7 @@ def stage_seconds(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster, rank:
         # Recompute drops tensors from memory, not from the work: every tensor is still
         # written, read and its gradient written and read, and a recomputed one is written
         # once more in backward.
-        # Megatron's split MLA, as the published rows ran (memory.replicated_attention).
+        # Megatron's tensors, as the published rows ran (memory.layer_activations).
         saved = sum(layer_activations(cfg, moe, mp, replace(opt, recompute=()),
                                       megatron=True).values())
         kept = (tok / mp.tp * cfg.hidden_size * opt.act_bytes if opt.full_recompute else
@@ -275,7 +275,7 @@ def step_time(cfg: ModelConfig, mp: Mapping, opt: Options, c: Cluster,
     per_mb = sum(slow.values())
     parts["pp_bubble"] = per_mb * (mp.pp - 1) / mp.vpp if mp.pp > 1 else 0.0
     # DP: fp32 gradient reduce-scatter + bf16 parameter all-gather, hidden under backward.
-    dense, expert = stage_params(cfg, mp, 0, split, megatron=True)
+    dense, expert = stage_params(cfg, mp, 0, split)
     dp_s = 0.0
     for n, d, span in ((dense, mp.dp * mp.cp, mp.world // mp.pp),
                        (expert, mp.edp, mp.world // mp.pp)):
