@@ -112,6 +112,16 @@ def test_cp2_reshards_to_one_process_and_back(run_cli, tiny_config_file, tmp_pat
            _layout(2, 1, cp=2), _layout(1, 1), _layout(2, 1, cp=2))
 
 
+def test_mla_split_over_tp2_reshards_to_one_process_and_back(run_cli, tiny_config_file,
+                                                            tmp_path):
+    # MLA's heads split over TP2 (q_b_proj / kv_b_proj by rows, o_proj by columns; the down
+    # projections and latent norms whole on both ranks), with SP, then without it.
+    mla = ["--set", "model.attention=mla"]
+    _chain(run_cli, tiny_config_file(str(tmp_path / "unused")), tmp_path,
+           _layout(2, 2, tp=2, sequence_parallel=True) + mla, _layout(1, 2) + mla,
+           _layout(2, 2, tp=2) + mla)
+
+
 def test_etp2_with_the_distributed_optimizer_reshards_to_one_process_and_back(
         run_cli, tiny_config_file, tmp_path):
     # ETP2 on 2 ranks: each expert's F split in two (gate and up rows halved separately), dense
