@@ -209,6 +209,44 @@ def test_plan_refuses_fsdp_where_train_does(mapping, tied, match):
     check_model(cfg, Mapping(**mapping, seq=256))  # the same mapping without FSDP is valid
 
 
+@pytest.mark.parametrize("world, degrees", [
+    (8, dict(tp=2, pp=4, ep=2)),   # DP x CP = 1
+    (8, dict(tp=1, pp=2, ep=2)),   # DP 4 over PP2
+    (8, dict(tp=2, pp=1, cp=2, ep=2)),
+    (4, dict(tp=2, cp=2)),         # DP 1, CP 2: shards over CP
+    (2, dict(tp=2)),               # DP x CP = 1, one stage
+    (8, dict(tp=1, pp=1, ep=8)),
+])
+@pytest.mark.parametrize("tied", [False, True])
+def test_plan_fsdp_verdicts_are_trains(world, degrees, tied):
+    """The planner's FSDP rules (memory.check_fsdp) twin two of moeplug train's
+    (ParallelConfig.resolve's DP x CP > 1, config.modes.fsdp's tied embedding over PP): the
+    same mappings go to both, so that the twins cannot drift apart."""
+    from moeplug.plan.dry_run import run_config
+    cfg = dataclasses.replace(model_config("mixtral_tiny"), tie_embeddings=tied)
+    mp = Mapping(world=world, **degrees, seq=256)
+    check_model(cfg, mp)  # valid without FSDP on both sides
+    # fp32 weights: FSDP refuses bf16 parameters (its own mixed precision), a rule on options
+    root = run_config("mixtral_tiny", None, mp,
+                      Options(precision="fp32", distributed_optimizer=False))
+    root.parallel.resolve(world)
+
+    def verdict(check) -> bool:
+        try:
+            check()
+        except ConfigError:
+            return False
+        return True
+
+    def train():
+        fsdp = dataclasses.replace(
+            root, model=dataclasses.replace(root.model, tie_embeddings=tied),
+            parallel=dataclasses.replace(root.parallel, fsdp=True))
+        fsdp.parallel.resolve(world)
+
+    assert verdict(lambda: check_model(cfg, dataclasses.replace(mp, fsdp=1))) == verdict(train)
+
+
 def test_cli_search_prints_the_table_and_writes_the_png(run_cli, tmp_path):
     pytest.importorskip("matplotlib")  # the optional plot extra
     png = tmp_path / "search.png"
