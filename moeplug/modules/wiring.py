@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
 class Wiring:

@@ -73,20 +73,22 @@ def parallelize_mla(attn: MLAttention, cfg: Any, tp: Any, sp: bool) -> None:
     check_divisible("ModelConfig.num_heads", cfg.num_heads, W, "choose tp dividing num_heads")
     m, H, D = cfg.mla, cfg.num_heads, cfg.hidden_size
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    # The latent norms run after the entry, on this rank's heads' part of their grads; under SP
+    # the down projections see only this rank's sequence chunk. Both: grads summed over TP.
     if attn.q_proj is not None:
         attn.q_proj = ColumnParallelLinear(D, H * qk, tp)
     else:
         attn.q_b_proj = ColumnParallelLinear(m.q_lora_rank, H * qk, tp)
         mark_sequence_parallel(attn.q_a_norm)
+        if sp:
+            mark_sequence_parallel(attn.q_a_proj)
     attn.kv_b_proj = ColumnParallelLinear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim),
                                           tp)
     mark_sequence_parallel(attn.kv_a_norm)
+    if sp:
+        mark_sequence_parallel(attn.kv_a_proj)
     attn.o_proj = RowParallelLinear(H * m.v_head_dim, D, tp, sp)
     attn.num_heads = H // W
-    if sp:  # the down projections see only this rank's sequence chunk
-        for down in (attn.kv_a_proj, attn.q_a_proj if attn.q_proj is None else None):
-            if down is not None:
-                mark_sequence_parallel(down)
 
 
 def parallelize_mlp(mlp: SwiGLUMLP, tp: Any, sp: bool) -> None:

@@ -187,9 +187,14 @@ def layer_params(cfg: ModelConfig, moe: bool) -> tuple[float, float]:
     if not moe:
         return attn + 3 * h * cfg.dense_ffn_hidden_size, 0.0
     m = cfg.moe
-    g = _gated(cfg)
-    shared = g * h * m.shared_expert_ffn_hidden_size + (h if m.shared_expert_gate else 0)
-    return attn + shared + m.num_experts * h, float(m.num_experts * g * h * m.ffn_hidden_size)
+    return attn + _moe_dense(cfg), float(m.num_experts * _gated(cfg) * h * m.ffn_hidden_size)
+
+
+def _moe_dense(cfg: ModelConfig) -> float:
+    """An MoE layer's non-expert parameters: the shared experts (and their gate), the router."""
+    h, m = cfg.hidden_size, cfg.moe
+    shared = _gated(cfg) * h * m.shared_expert_ffn_hidden_size + (h if m.shared_expert_gate else 0)
+    return shared + m.num_experts * h
 
 
 def tp_whole(cfg: ModelConfig, moe: bool) -> float:
@@ -206,7 +211,7 @@ def tp_whole(cfg: ModelConfig, moe: bool) -> float:
         whole += (m.q_lora_rank * (h + 1) if m.q_lora_rank else 0) \
             + m.kv_lora_rank * (h + 1) + h * m.qk_rope_head_dim
     if moe:
-        whole += layer_params(cfg, True)[0] - attention_macs(cfg)[0] - 2 * h
+        whole += _moe_dense(cfg)
     return whole
 
 
