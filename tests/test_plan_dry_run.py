@@ -5,6 +5,7 @@
   real tensors, equal the dry run's measure of that rank at the same world.
 * At a 64-rank fake world, the dry run's meta-device rank holds the same parameter bytes as a
   real (CPU) build of that rank under the same fake process group.
+* Offloading on meta tensors moves every named tensor once and frees it at the peak.
 * The meta path's chunk sort equals the runtime kernel's; bad flags are one line, exit 2.
 * On the meta device the GPU path's SwiGLU and row kernels run through their fake kernels,
   saving what they save on a GPU (bf16 rows, not the fp32 reference's copies), with the
@@ -94,6 +95,63 @@ def test_dry_run_parameters_at_64_fake_ranks_equal_a_real_build_of_that_rank():
     finally:
         dist.destroy_process_group()
     assert measure_rank(cfg, rank, 64).params == real
+
+
+def test_dry_run_offloads_through_the_device_tier_and_frees_what_it_moves():
+    """model.offload on the meta device (the GPU tier's logic, moeplug.modules.offload): every
+    named tensor of every layer and micro-batch goes to host memory once, and at the step's peak
+    only the layer being computed still holds its own (the planner's model of offloading). Once
+    offloading was silently a no-op off the CPU, and the dry run measured the rows as if the
+    published offload were not there."""
+    from moeplug.plan.dry_run import measure_rank
+    shape = ["train.seq_len=256"]
+    kept = measure_rank(_cfg(shape), 0, 4)
+    moved = measure_rank(_cfg(shape + ["model.offload=[attn_norm,mlp_norm,expert_fc1]"]), 0, 4)
+    cfg = _cfg(shape)
+    tc, m = cfg.train, cfg.model
+    one = tc.micro_batch_size * tc.seq_len * m.hidden_size * 2  # a norm's bf16 input
+    rows = one * m.moe.top_k  # the experts' FC1 input: balanced routing brings T*K rows back
+    layers = m.num_layers // 2                                  # this stage's (all MoE), at PP2
+    assert moved.offloaded == layers * tc.grad_accum_steps * (2 * one + rows)
+    assert kept.offloaded == 0
+    # everything but the current layer's tensors of one micro-batch left the device
+    assert kept.activations_peak - moved.activations_peak >= moved.offloaded - 2 * one - rows
+    assert (moved.params, moved.grads, moved.optimizer, moved.comm) == \
+        (kept.params, kept.grads, kept.optimizer, kept.comm)
+
+
+@pytest.fixture(scope="module")
+def kept_rank0():
+    from moeplug.plan.dry_run import measure_rank
+    return measure_rank(_cfg(["train.seq_len=256"]), 0, 4)
+
+
+@pytest.mark.parametrize("name", ["attn_norm", "qkv_linear", "core_attn", "attn_proj",
+                                  "mlp_norm", "expert_fc1", "moe_act"])
+def test_the_planners_offload_moves_what_the_code_moves(name, kept_rank0):
+    """Per offload name, the bytes the planner takes off the device (memory.layer_offloaded,
+    times the stage's layers and micro-batches) are the bytes the dry run's step moved to host
+    memory, and the dry run's peak drops. attn_proj: the attention kernel keeps the tensor
+    o_proj's offload moves, so the planner counts nothing and the peak does not drop. (Once
+    the planner moved the attention output for core_attn, q/k/v for qkv_linear and nothing for
+    attn_proj, and the activation, not FC1's output, for moe_act.)"""
+    from moeplug.plan.dry_run import measure_rank
+    from moeplug.plan.memory import Mapping, Options, layer_offloaded
+    cfg = _cfg(["train.seq_len=256"])
+    m = measure_rank(_cfg(["train.seq_len=256", f"model.offload=[{name}]"]), 0, 4)
+    tc = cfg.train
+    mp = Mapping(world=4, pp=2, ep=2, mbs=tc.micro_batch_size, seq=tc.seq_len,
+                 gbs=2 * tc.micro_batch_size * tc.grad_accum_steps)
+    opt = Options(precision="bf16", dispatcher="alltoall", offload=(name,))
+    per_layer = sum(layer_offloaded(cfg.model, True, mp, opt).values())
+    layers = cfg.model.num_layers // 2  # rank 0's stage at PP2, every layer an MoE layer
+    planned = per_layer * layers * tc.grad_accum_steps
+    drop = kept_rank0.activations_peak - m.activations_peak
+    if name == "attn_proj":
+        assert planned == 0 and m.offloaded > 0 and drop <= 0
+    else:
+        assert planned == m.offloaded > 0
+        assert drop > 0
 
 
 def test_chunk_sort_is_a_torch_library_op_whose_fake_matches_the_runtime_kernel():

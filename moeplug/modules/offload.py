@@ -24,9 +24,15 @@ event; unpacking waits for that event only. A tensor is restored with its storag
 strides exactly, so gradients are bitwise those of no offloading. The run's pages return to the
 tier (queued behind the reads) when autograd drops the saved tensor.
 
+Devices: a CPU tensor goes to the SpillTier file above. A CUDA tensor goes to pinned host
+memory (Megatron's tier): the copy is queued on a side stream after the producer's work, the
+caching allocator is told the side stream still reads the storage (``record_stream``), and the
+read in backward is queued on that stream too, the consumer's stream waiting on its event only,
+so neither direction blocks the host. A meta tensor (``moeplug plan --dry-run``) moves no bytes:
+its storage is let go in forward and a new one of the same size is made at the prefetch, which is
+what device memory sees on a GPU. Tensors of any other device stay (counted as ``kept``).
+
 Inside a checkpointed (recomputed) region nothing is offloaded: its internals are not kept.
-Only CPU tensors are offloaded here; a GPU's tier (pinned host memory and a copy stream) is not
-built, so tensors on other devices stay where they are (counted as ``kept``).
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ import torch
 from torch import nn
 
 from moeplug.modules import marks, recompute
-from moeplug.ops.offload_marks import SCOPE
+from moeplug.ops.offload_marks import SCOPE, storage_key
 from moeplug.runtime import get_runtime, stream
 
 STREAM = "offload"
+_TIERS = ("cpu", "cuda", "meta")  # the devices whose tensors can leave (see the module)
 
 
 class _Spill:
@@ -67,10 +74,52 @@ class _Spill:
         self.ready = o.stream.record()
         o.bytes_prefetched += self.nbytes
 
+    def wait(self) -> None:
+        self.ready.synchronize()
+
     def __del__(self) -> None:
         # Queued behind this run's write and read, so the pages are reused only after both.
         o = self.offloader
         o.stream._core.enqueue_spill_free(o.tier, self.first, self.count)
+
+
+class _HostCopy:
+    """One device storage's bytes in host memory (see the module: CUDA and meta tensors),
+    read back into ``buffer`` on demand; the same interface as :class:`_Spill`."""
+
+    __slots__ = ("offloader", "device", "nbytes", "host", "buffer", "ready", "__weakref__")
+
+    def __init__(self, offloader: "Offloader", base: torch.Tensor):
+        self.offloader, self.device, self.nbytes = offloader, base.device, base.numel()
+        self.buffer: torch.Tensor | None = None
+        self.ready: Any = None
+        self.host = None
+        if self.device.type == "cuda":
+            side = offloader.side_stream(self.device)
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            side.wait_stream(torch.cuda.current_stream(self.device))  # after the producer
+            with torch.cuda.stream(side):
+                self.host.copy_(base, non_blocking=True)
+            base.record_stream(side)  # its block is not reused before the copy ran
+
+    def prefetch(self) -> None:
+        if self.buffer is not None:
+            return
+        if self.device.type == "cuda":
+            side = self.offloader.side_stream(self.device)
+            with torch.cuda.stream(side):  # behind the write, on the same stream
+                self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+                self.buffer.copy_(self.host, non_blocking=True)
+                self.ready = side.record_event()
+        else:  # meta: the device memory comes back; there are no bytes to move
+            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.offloader.bytes_prefetched += self.nbytes
+
+    def wait(self) -> None:
+        if self.ready is not None:  # CUDA: the consumer's stream, not the host, waits
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.ready)
+            self.buffer.record_stream(current)  # made on the side stream, used on this one
 
 
 class _Saved:
@@ -108,15 +157,13 @@ class _Scope:
     def __init__(self, offloader: "Offloader", names: frozenset[str], inputs: tuple,
                  group: _Group, outer: Any):
         self.offloader, self.names, self.group, self.outer = offloader, names, group, outer
-        self.allowed = {t.untyped_storage().data_ptr() for t in inputs
-                        if isinstance(t, torch.Tensor)}
-        # storage pointer -> (spill, the original tensor): one spill per storage per call; the
-        # original is held until the call ends so its address cannot be reused meanwhile.
-        self.spilled: dict[int, tuple[_Spill, torch.Tensor]] = {}
+        self.allowed = {storage_key(t) for t in inputs if isinstance(t, torch.Tensor)}
+        # storage_key -> (spill or host copy, the original tensor): one per storage per call; the
+        # original is held until the call ends so its key cannot be reused meanwhile.
+        self.spilled: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def pack(self, t: torch.Tensor) -> Any:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.allowed and not isinstance(t, nn.Parameter):
+        if storage_key(t) in self.allowed and not isinstance(t, nn.Parameter):
             saved = self.offloader.spill(t, self)
             if saved is not None:
                 return saved
@@ -130,11 +177,11 @@ def _unpack(saved: Any) -> torch.Tensor:
         t0 = time.perf_counter()
         if spill.buffer is None:  # not prefetched (no grad hook fired): fetch it now
             saved.group.prefetch()
-        spill.ready.synchronize()
+        spill.wait()
         o.wait_seconds += time.perf_counter() - t0  # backward stalled on the tier this long
         storage = spill.buffer.untyped_storage()
-        return torch.empty(0, dtype=saved.dtype).set_(storage, saved.offset, saved.size,
-                                                      saved.stride)
+        return torch.empty(0, dtype=saved.dtype, device=spill.buffer.device).set_(
+            storage, saved.offset, saved.size, saved.stride)
     raise TypeError(f"offload: cannot unpack {type(saved).__name__}")
 
 
@@ -154,6 +201,7 @@ class Offloader:
         self.page_bytes, self.max_bytes, self.min_bytes = page_bytes, max_bytes, min_bytes
         self._tier: Any = None
         self._stream: Any = None
+        self._side: dict = {}  # device -> the CUDA side stream of its copies
         self._last_group: weakref.ref | None = None
         self.bytes_offloaded = self.bytes_prefetched = self.kept = 0
         self.wait_seconds = 0.0  # backward's time blocked on reads (not yet done prefetches)
@@ -172,23 +220,39 @@ class Offloader:
             self._stream = stream(STREAM)
         return self._stream
 
+    def side_stream(self, device: torch.device) -> Any:
+        if device not in self._side:
+            self._side[device] = torch.cuda.Stream(device)
+        return self._side[device]
+
     def spill(self, t: torch.Tensor, scope: _Scope) -> _Saved | None:
         storage = t.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if t.device.type != "cpu" or nbytes < self.min_bytes:
-            self.kept += t.device.type != "cpu"
+        nbytes, kind = storage.nbytes(), t.device.type
+        if kind not in _TIERS or nbytes < self.min_bytes:
+            self.kept += kind not in _TIERS
             return None
-        hit = scope.spilled.get(ptr)
+        key = storage_key(t)
+        hit = scope.spilled.get(key)
         if hit is None:
-            first, count = self.tier.alloc(nbytes)
-            if first < 0:  # tier full: counted by it, the tensor stays in memory
+            base = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0,
+                                                                            (nbytes,), (1,))
+            moved = self._to_tier(base) if kind == "cpu" else _HostCopy(self, base)
+            if moved is None:  # tier full: counted by it, the tensor stays in memory
                 return None
-            base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
-            self.stream._core.enqueue_spill_write(self.tier, first, count, ptr, nbytes, keep=base)
-            hit = scope.spilled[ptr] = (_Spill(self, first, count, nbytes), base)
-            scope.group.spills.append(weakref.ref(hit[0]))
+            hit = scope.spilled[key] = (moved, base)
+            scope.group.spills.append(weakref.ref(moved))
             self.bytes_offloaded += nbytes
         return _Saved(hit[0], t, scope.group)
+
+    def _to_tier(self, base: torch.Tensor) -> _Spill | None:
+        """A CPU storage's bytes (``base``: all of them, as uint8) written to the tier."""
+        nbytes = base.numel()
+        first, count = self.tier.alloc(nbytes)
+        if first < 0:
+            return None
+        self.stream._core.enqueue_spill_write(self.tier, first, count, base.data_ptr(), nbytes,
+                                              keep=base)
+        return _Spill(self, first, count, nbytes)
 
     @contextlib.contextmanager
     def scope(self, names: frozenset[str], inputs: tuple) -> Iterator[_Group | None]:
@@ -221,7 +285,7 @@ class Offloader:
     def stats(self) -> dict:
         """For train records: bytes moved and the tier's page statistics."""
         out = {"bytes_offloaded": self.bytes_offloaded, "bytes_prefetched": self.bytes_prefetched,
-               "kept_off_cpu": self.kept}
+               "kept_no_tier": self.kept}
         if self._tier is not None:
             t = self._tier.stats()
             out.update(pages_in_use=t["pages_in_use"], high_water=t["high_water"],

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from moeplug.ops import cuda_ops, reference
 from moeplug.ops.discard import discarding, release
+from moeplug.ops.offload_marks import note
 from moeplug.ops._grouped import host_counts
 
 
@@ -36,7 +37,13 @@ def grouped_mm_ffn(x_SD: torch.Tensor, probs_S: torch.Tensor | None, counts: lis
     if x_SD.device.type == "cuda":
         offs = offs.pin_memory().to(x_SD.device, non_blocking=True)
     x_c = x_SD.to(compute_dtype)
+    # model.offload's names (moeplug.modules.offload), said before the op that saves each.
+    note("expert_fc1", x_c)
     h_S2F = F.grouped_mm(x_c, w13_L2FD.to(compute_dtype).transpose(-2, -1), offs=offs)
+    if not recompute_act:
+        # Under moe_act recompute the rebuild's closure (moeplug.ops.discard) holds h on the
+        # device: moving autograd's reference would free nothing and add a copy in backward.
+        note("moe_act", h_S2F)
     act = cuda_ops.swiglu if cuda_ops.traced(h_S2F) else reference.swiglu
     a_SF = discarding(act, h_S2F, probs_S) if recompute_act else act(h_S2F, probs_S)
     y_SD = F.grouped_mm(a_SF, w2_LDF.to(compute_dtype).transpose(-2, -1), offs=offs)

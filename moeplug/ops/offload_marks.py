@@ -13,9 +13,16 @@ import torch
 SCOPE: ContextVar[Any] = ContextVar("moeplug_offload_scope", default=None)
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """What names ``t``'s storage while it lives: its address, or for a meta tensor (which has
+    none: every one reads 0) the storage object's identity."""
+    storage = t.untyped_storage()
+    return id(storage) if t.device.type == "meta" else storage.data_ptr()
+
+
 def note(name: str, t: torch.Tensor) -> None:
     """``t`` is what ``name`` means in this op; it leaves memory when that name is offloaded in
     the current module call (a no-op outside any offload scope)."""
     scope = SCOPE.get()
     if scope is not None and name in scope.names:
-        scope.allowed.add(t.untyped_storage().data_ptr())
+        scope.allowed.add(storage_key(t))

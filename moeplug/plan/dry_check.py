@@ -9,8 +9,8 @@ sides then plan, so that they compare the same run:
   activations stop growing at Megatron's warm-up depth, and the step's time grows with it;
 * BF16 GEMMs for the FP8 rows (the FP8 recipes' quantized tensors are not traced on meta);
 * the alltoall dispatcher (moeplug's; the token-based flex dispatcher's dedup is a bandwidth
-  saving the all-to-all bytes do not count), no activation offloading (not traced), no
-  combined-1F1B overlap (its helper thread's twin groups: not traced).
+  saving the all-to-all bytes do not count), no combined-1F1B overlap (its helper thread's
+  twin groups: not traced); the row's activation offloading as published (traced).
 
     python -m moeplug.plan.dry_check                 # every row, rank 0
     python -m moeplug.plan.dry_check --row 2 --rank 0 --rank 224
@@ -41,7 +41,8 @@ def row_plan(row, microbatches: int):
         text = split_config(mp, **row.split).layer_layout(model.num_layers,
                                                           model.mtp_num_layers).text()
         mp = dataclasses.replace(mp, layout=text)
-    opt = Options(precision="bf16", recompute=tuple(row.recompute), dispatcher="alltoall")
+    opt = Options(precision="bf16", recompute=tuple(row.recompute), offload=tuple(row.offload),
+                  dispatcher="alltoall")
     return mp, opt
 
 

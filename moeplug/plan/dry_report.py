@@ -40,7 +40,8 @@ def rank_text(m: Any) -> str:
             f"  weights {m.params / GIB:.2f} GiB  grads {m.grads / GIB:.2f} GiB at the end, "
             f"{m.grads_peak / GIB:.2f} at their peak  optimizer state {m.optimizer / GIB:.2f} GiB"
             f"  activations peak {m.activations_peak / GIB:.2f} GiB\n"
-            f"  sent per step: {comm or 'nothing'}")
+            f"  sent per step: {comm or 'nothing'}"
+            + (f"\n  offloaded to host memory: {m.offloaded / GIB:.2f} GiB" if m.offloaded else ""))
 
 
 def comparison_rows(cfg: Any, mp: Any, opt: Any, measures: list) -> list[tuple]:

@@ -32,9 +32,12 @@ included) and optimizer-state bytes (distinct storages); the peak of everything 
 during the forward and backward (activations, temporaries, the dispatcher's and pipeline's
 buffers: every storage the step's ops create, counted while it lives); the bytes this rank
 hands to each kind of collective. What it cannot: NCCL's own buffers, CUDA-graph pools, the
-caching allocator's rounding and fragmentation, timing; FP8 recipes, activation offloading and
-the combined-1F1B helper thread are not traced (moeplug.plan.dry_check plans those rows
-without them).
+caching allocator's rounding and fragmentation, timing; FP8 recipes and the combined-1F1B
+helper thread are not traced (moeplug.plan.dry_check plans those rows without them).
+
+Offloading (model.offload, ``--offload``) runs the GPU tier's logic on meta tensors
+(moeplug.modules.offload): a named tensor's storage is let go in forward and made again at its
+prefetch in backward, so the peak is the device's; the bytes moved to host memory are reported.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class RankMeasure:
     peak_rss: int = 0
     path: str = ""
     precision_note: str = ""
+    offloaded: int = 0        # bytes model.offload moved to host memory in the step
 
 
 def run_config(name: str | None, config: str | None, mp: Any, opt: Any,
@@ -112,6 +116,8 @@ def run_config(name: str | None, config: str | None, mp: Any, opt: Any,
         sets.append(f"model.vocab_size={vocab_size}")
     if root0.model.max_seq_len < mp.seq:
         sets.append(f"model.max_seq_len={mp.seq}")
+    if opt.offload:
+        sets.append(f"model.offload=[{','.join(opt.offload)}]")
     if opt.full_recompute:
         sets.append("model.recompute.granularity=full")
     elif opt.recompute:
@@ -236,6 +242,7 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
             state = [t for t in _optimizer_tensors(optimizer)
                      if id(t.untyped_storage()) not in held]
             opt_bytes = mode.category_bytes(state)
+            offloaded = sum(o.bytes_offloaded for o in _offloaders(model))
         if mode.peak_live:
             from collections import Counter
             agg = Counter()
@@ -249,6 +256,7 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
             activations_peak=mode.peak["step"], grads_peak=mode.peak["grad"],
             comm=dict(mode.comm),
             comm_calls=dict(mode.comm_calls), seconds=time.perf_counter() - t0,
+            offloaded=offloaded,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             path="the GPU path on meta tensors: torch ops and torch's meta kernels (grouped GEMM, "
                  "memory-efficient attention); SwiGLU and permute as the CUDA extension's kernels "
@@ -256,6 +264,13 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
                  "real row counts")
     finally:
         dist.destroy_process_group()
+
+
+def _offloaders(model: Any) -> list:
+    """The distinct Offloaders (moeplug.modules.offload) the model's marked modules use."""
+    found = {id(o): o for m in model.modules()
+             if (o := m.__dict__.get("_moeplug_offloader")) is not None}
+    return list(found.values())
 
 
 def _main_grads(optimizer: Any, params: list) -> list:

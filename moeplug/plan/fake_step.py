@@ -94,7 +94,10 @@ class DryStepMode(TorchDispatchMode):
         return x
 
     def _shadowable(self, func, args, kwargs, out) -> bool:
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        leaves = tree_flatten((args, kwargs))[0]
+        if any(isinstance(x, torch.UntypedStorage) for x in leaves):
+            return False  # set_ onto a meta storage (offloading's views): no host values
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if any(t.is_meta and t not in self.shadows for t in tensors):
             return False
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]

@@ -245,24 +245,46 @@ def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
     (``megatron``: Megatron's where moeplug's differ: under sequence parallelism recompute
     ``layernorm`` drops the norm's output whole, where moeplug's column-parallel projections
     keep the all-gathered copy)."""
+    out: dict[str, float] = {}
+    for name, nbytes, _ in _layer_parts(cfg, moe, mp, opt, megatron):
+        out[name] = out.get(name, 0.0) + nbytes
+    return out
+
+
+def layer_offloaded(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options) -> dict:
+    """The part of :func:`layer_activations` (per module) that ``opt.offload`` moves off the
+    device, as moeplug's offload names move it on a GPU (moeplug.modules.offload): the name's
+    module inputs, or the tensors its expert ops mark."""
+    out: dict[str, float] = {}
+    for name, nbytes, by in _layer_parts(cfg, moe, mp, opt):
+        if by in opt.offload:
+            out[name] = out.get(name, 0.0) + nbytes
+    return out
+
+
+def _layer_parts(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
+                 megatron: bool = False) -> list[tuple[str, float, str | None]]:
+    """(module, bytes, the offload name that moves them or None) of every tensor one layer
+    saves for one micro-batch (see :func:`layer_activations`)."""
     h, b = cfg.hidden_size, opt.act_bytes
     lin = 1 if opt.precision == "fp8" else b      # FP8 keeps linear-layer inputs in one byte
     tok = mp.mbs * mp.seq / mp.cp                 # tokens of this rank's micro-batch
     sp = tok / mp.tp                              # sequence-parallel shard (norms, residual)
     rc = set(opt.recompute)
-    out: dict[str, float] = {}
+    out: list[tuple[str, float, str | None]] = []
 
-    def put(name: str, elems_per_token: float, tokens: float, nbytes: int, drop: bool = False):
+    def put(name: str, elems_per_token: float, tokens: float, nbytes: int, drop: bool = False,
+            off: str | None = None):
         if not drop:
-            out[name] = out.get(name, 0.0) + elems_per_token * tokens * nbytes
+            out.append((name, elems_per_token * tokens * nbytes, off))
 
-    put("attn_norm", h, sp, b)                                  # residual / norm input
+    put("attn_norm", h, sp, b, off="attn_norm")                 # residual / norm input
     n = cfg.num_heads
     if cfg.attention == "mla":
         a = cfg.mla
         # norm out = the down projections' input, the sequence shard itself (their latents
         # enter the TP region); without a q LoRA q_proj keeps the gathered copy under SP
-        put("layernorm", h, sp, lin, "layernorm" in rc)
+        put("layernorm", h, sp, lin, "layernorm" in rc, off="qkv_linear")  # the module's input
         if not a.q_lora_rank and mp.tp > 1 and not megatron:
             put("layernorm", h, tok, lin)
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -270,19 +292,23 @@ def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
         # the gathered latents (the latent norms' inputs) and their norms' outputs (the up
         # projections' inputs), whole on every TP rank
         put("mla_down", down + (a.q_lora_rank or 0) + a.kv_lora_rank, tok, lin)
-        put("mla_up_proj", n * (2 * qk + a.v_head_dim) / mp.tp, tok, b, "mla_up_proj" in rc)
+        put("mla_up_proj", n * (2 * qk + a.v_head_dim) / mp.tp, tok, b, "mla_up_proj" in rc,
+            off="core_attn")                                    # core attention's q, k, v
         v = a.v_head_dim
     else:
         # norm out = QKV input; under SP moeplug's projections keep the gathered copy, which
         # layernorm's discarding (of the sequence shard) does not reach
-        put("layernorm", h, tok, lin, "layernorm" in rc and (megatron or mp.tp == 1))
+        # (the module's input, which qkv_linear moves, unless SP gathered it inside)
+        put("layernorm", h, tok, lin, "layernorm" in rc and (megatron or mp.tp == 1),
+            off="qkv_linear" if mp.tp == 1 else None)
         d = cfg.head_dim
-        put("qkv_linear", (n + 2 * cfg.num_kv_heads) * d / mp.tp, tok, b)
+        put("qkv_linear", (n + 2 * cfg.num_kv_heads) * d / mp.tp, tok, b, off="core_attn")
         if cfg.qk_norm:  # the q / k norms keep their inputs (the projections' outputs)
             put("qk_norm", (n + cfg.num_kv_heads) * d / mp.tp, tok, b)
         v = d
-    put("core_attn", n * v / mp.tp, tok, lin, "core_attn" in rc)  # output = o_proj input
-    put("mlp_norm", h, sp, b)
+    # output = o_proj input; attn_proj's offload moves nothing: the attention kernel keeps it
+    put("core_attn", n * v / mp.tp, tok, lin, "core_attn" in rc)
+    put("mlp_norm", h, sp, b, off="mlp_norm")
     put("layernorm", h, sp if moe else tok, lin,
         "layernorm" in rc and (megatron or moe or mp.tp == 1))
     if not moe:
@@ -295,8 +321,11 @@ def layer_activations(cfg: ModelConfig, moe: bool, mp: Mapping, opt: Options,
     slots = routed * (opt.token_budget or 1.0)                  # sync-free: the budget slots
     drop_moe = "moe" in rc
     put("router", 2 * m.num_experts, sp, 4, drop_moe)            # fp32 logits + scores
-    put("expert_fc1", h, slots, lin, drop_moe)                   # permuted tokens
-    put("moe_fc1_out", gated * m.ffn_hidden_size / mp.etp, slots, b, drop_moe)
+    put("expert_fc1", h, slots, lin, drop_moe, off="expert_fc1")  # permuted tokens
+    # FC1's output, which moe_act offload moves (not under moe_act recompute, whose rebuild
+    # holds it on the device)
+    put("moe_fc1_out", gated * m.ffn_hidden_size / mp.etp, slots, b, drop_moe,
+        off=None if "moe_act" in rc else "moe_act")
     put("moe_act", m.ffn_hidden_size / mp.etp, routed, lin,
         drop_moe or "moe_act" in rc or bool(opt.token_budget))
     fs = m.shared_expert_ffn_hidden_size
@@ -397,10 +426,11 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
         count = sum(1 for x in layers if x == moe)
         if opt.full_recompute:
             break
+        moved = layer_offloaded(cfg, moe, mp, opt) if count else {}
         for k, v in (layer_activations(cfg, moe, mp, opt).items() if count else ()):
             # Offloaded tensors stay on the device for the layer being computed only.
-            mult = count / len(layers) if k in opt.offload else held_blocks[moe]
-            acts[k] = acts.get(k, 0.0) + v * mult
+            off = moved.get(k, 0.0)
+            acts[k] = acts.get(k, 0.0) + (v - off) * held_blocks[moe] + off * count / len(layers)
     tok = mp.mbs * mp.seq / mp.cp
     if part.loss:  # fp32 logits saved by the cross-entropy for every micro-batch the loss's
         # chunk (the last) holds, and in its backward one depth's fp32 and bf16 logit

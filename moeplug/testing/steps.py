@@ -12,13 +12,17 @@ from moeplug.training.memory import ActivationMeter
 
 def backward_micro_batches(model, vocab: int, micro_batches: int = 2) -> tuple:
     """(loss per micro-batch, the parameters' grads by name, the peak bytes held for backward)
-    for ``micro_batches`` batches of 2 x 16 random tokens (fixed seed), grads accumulated."""
+    for ``micro_batches`` batches of 2 x 16 random tokens (fixed seed, drawn on the CPU and moved
+    to the model's device), grads accumulated."""
     g = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
     meter, losses = ActivationMeter(model), []
     with meter.active():
         for _ in range(micro_batches):
-            tok = torch.randint(0, vocab, (2, 16), generator=g)
-            out = model(tok, torch.randint(0, vocab, (2, 16), generator=g))
+            tok, tgt = (torch.randint(0, vocab, (2, 16), generator=g) for _ in range(2))
+            if device.type != "cpu":  # (a .to, even a no-op one, is a host sync to counters)
+                tok, tgt = tok.to(device), tgt.to(device)
+            out = model(tok, tgt)
             (out.loss / micro_batches).backward()
             losses.append(out.loss.detach())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
