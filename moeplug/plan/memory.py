@@ -15,7 +15,7 @@ activations of its in-flight micro-batches: ``pp - rank`` of them under 1F1B; wi
 ``(pp - rank - 1) * 2 + (vpp - 1) * pp + 1`` chunk forwards of Megatron's interleaved warm-up,
 each counted with its own chunk's layers (a layout's chunks may differ in size). The pipeline
 split is moeplug train's (moeplug.plan.split). Recompute drops the tensors of the named modules
-(Megatron ``recompute_modules``); offloaded tensors stay on the device for one layer only.
+(Megatron ``recompute_modules``); offloaded tensors are on the device for two layers only.
 """
 
 from __future__ import annotations
@@ -428,9 +428,12 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
             break
         moved = layer_offloaded(cfg, moe, mp, opt) if count else {}
         for k, v in (layer_activations(cfg, moe, mp, opt).items() if count else ()):
-            # Offloaded tensors stay on the device for the layer being computed only.
+            # Offloaded tensors are on the device for two layers at the peak: in backward the
+            # one being computed and the one prefetched ahead of it (moeplug.modules.offload,
+            # as Megatron's), a layer's worth each.
             off = moved.get(k, 0.0)
-            acts[k] = acts.get(k, 0.0) + (v - off) * held_blocks[moe] + off * count / len(layers)
+            on_device = min(held_blocks[moe], 2 * count / len(layers))
+            acts[k] = acts.get(k, 0.0) + (v - off) * held_blocks[moe] + off * on_device
     tok = mp.mbs * mp.seq / mp.cp
     if part.loss:  # fp32 logits saved by the cross-entropy for every micro-batch the loss's
         # chunk (the last) holds, and in its backward one depth's fp32 and bf16 logit
