@@ -15,6 +15,7 @@ sides then plan, so that they compare the same run:
     python -m moeplug.plan.dry_check                 # every row, rank 0
     python -m moeplug.plan.dry_check --row 2 --rank 0 --rank 224
     python -m moeplug.plan.dry_check --stages        # every row, a rank of every stage
+    python -m moeplug.plan.dry_check --row 1 --offload attn_norm,expert_fc1   # other offload
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ def row_plan(row, microbatches: int):
 
 
 def check_row(row, ranks: list[int] | None, microbatches: int,
-              stages: bool = False) -> list[tuple]:
+              stages: bool = False, offload: tuple | None = None) -> list[tuple]:
     from moeplug.plan import dry_report
     from moeplug.plan.dry_run import measure_rank, run_config, stage_ranks
     from moeplug.plan.models import model_config
+    if offload is not None:  # --offload: these names instead of the published ones
+        row = dataclasses.replace(row, offload=offload)
     mp, opt = row_plan(row, microbatches)
     cfg = run_config(row.model, None, mp, opt)
     model = model_config(row.model)
@@ -72,13 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", action="store_true", help="a rank of every pipeline stage "
                    "(as moeplug plan --dry-run measures by default)")
     p.add_argument("--microbatches", type=int, default=8, help="per DP rank (default 8)")
+    p.add_argument("--offload", default=None, metavar="M,..", help="offload these modules "
+                   "instead of the row's published ones ('' for none)")
     args = p.parse_args(argv)
     table = rows()
     for i in args.row or range(len(table)):
         row = table[i]
         print(f"== row {i}: {row.source} {row.label}")
         try:
-            table_rows = check_row(row, args.rank, args.microbatches, args.stages)
+            offload = None if args.offload is None else \
+                tuple(n for n in args.offload.split(",") if n)
+            table_rows = check_row(row, args.rank, args.microbatches, args.stages, offload)
         except ConfigError as e:  # a layout moeplug train refuses: said, the others still run
             print(f"not run: {e}", flush=True)
             continue
