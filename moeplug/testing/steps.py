@@ -20,7 +20,7 @@ def backward_micro_batches(model, vocab: int, micro_batches: int = 2) -> tuple:
     with meter.active():
         for _ in range(micro_batches):
             tok, tgt = (torch.randint(0, vocab, (2, 16), generator=g) for _ in range(2))
-            if device.type != "cpu":  # (a .to, even a no-op one, is a host sync to counters)
+            if device.type != "cpu":  # (HostSyncCounter counts even a no-op .to)
                 tok, tgt = tok.to(device), tgt.to(device)
             out = model(tok, tgt)
             (out.loss / micro_batches).backward()
