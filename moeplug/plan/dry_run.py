@@ -200,7 +200,7 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
     from moeplug.plan.fake_step import DryStepMode
     from moeplug.plugin_host import check_plugins, load_host
     from moeplug.training import distributed as D
-    from moeplug.training.trainer import build_rank_optimizer, train_step
+    from moeplug.training.trainer import build_rank_optimizer, stash_runtime, train_step
 
     t0 = time.perf_counter()
     if dist.is_initialized():
@@ -242,7 +242,8 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
             state = [t for t in _optimizer_tensors(optimizer)
                      if id(t.untyped_storage()) not in held]
             opt_bytes = mode.category_bytes(state)
-            offloaded = sum(o.bytes_offloaded for o in _offloaders(model))
+            offloader = getattr(stash_runtime(model), "offloader", None)  # None: no offload
+            offloaded = 0 if offloader is None else offloader.bytes_offloaded
         if mode.peak_live:
             from collections import Counter
             agg = Counter()
@@ -264,13 +265,6 @@ def measure_rank(cfg: Any, rank: int, world: int) -> RankMeasure:
                  "real row counts")
     finally:
         dist.destroy_process_group()
-
-
-def _offloaders(model: Any) -> list:
-    """The distinct Offloaders (moeplug.modules.offload) the model's marked modules use."""
-    found = {id(o): o for m in model.modules()
-             if (o := m.__dict__.get("_moeplug_offloader")) is not None}
-    return list(found.values())
 
 
 def _main_grads(optimizer: Any, params: list) -> list:
