@@ -426,14 +426,13 @@ def stage_memory(cfg: ModelConfig, mp: Mapping, opt: Options, rank: int,
         count = sum(1 for x in layers if x == moe)
         if opt.full_recompute:
             break
-        moved = layer_offloaded(cfg, moe, mp, opt) if count else {}
-        for k, v in (layer_activations(cfg, moe, mp, opt).items() if count else ()):
-            # Offloaded tensors are on the device for two layers at the peak: in backward the
-            # one being computed and the one prefetched ahead of it (moeplug.modules.offload,
-            # as Megatron's), a layer's worth each.
-            off = moved.get(k, 0.0)
-            on_device = min(held_blocks[moe], 2 * count / len(layers))
-            acts[k] = acts.get(k, 0.0) + (v - off) * held_blocks[moe] + off * on_device
+        # Offloaded tensors are on the device for two layers at the peak: in backward the one
+        # being computed and the one prefetched ahead of it (moeplug.modules.offload, as
+        # Megatron's), a layer's worth each.
+        on_device = min(held_blocks[moe], 2 * count / len(layers)) if count else 0.0
+        for k, v, by in (_layer_parts(cfg, moe, mp, opt) if count else ()):
+            mult = on_device if by in opt.offload else held_blocks[moe]
+            acts[k] = acts.get(k, 0.0) + v * mult
     tok = mp.mbs * mp.seq / mp.cp
     if part.loss:  # fp32 logits saved by the cross-entropy for every micro-batch the loss's
         # chunk (the last) holds, and in its backward one depth's fp32 and bf16 logit
