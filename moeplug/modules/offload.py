@@ -51,7 +51,6 @@ from moeplug.ops.offload_marks import SCOPE, storage_key
 from moeplug.runtime import get_runtime, stream
 
 STREAM = "offload"
-_TIERS = ("cpu", "cuda", "meta")  # the devices whose tensors can leave (see the module)
 
 
 class _Spill:
@@ -195,6 +194,10 @@ class Offloader:
     until written); ``min_bytes``: smaller tensors are not worth a copy and stay.
     """
 
+    # Where each device's tensors go (see the module; the run record lists it); tensors of
+    # other devices stay.
+    TIERS = {"cpu": "file", "cuda": "pinned host memory", "meta": "none (the dry run)"}
+
     def __init__(self, directory: str, page_bytes: int, max_bytes: int,
                  min_bytes: int = 65536):
         self.directory = directory or tempfile.gettempdir()
@@ -228,8 +231,8 @@ class Offloader:
     def spill(self, t: torch.Tensor, scope: _Scope) -> _Saved | None:
         storage = t.untyped_storage()
         nbytes, kind = storage.nbytes(), t.device.type
-        if kind not in _TIERS or nbytes < self.min_bytes:
-            self.kept += kind not in _TIERS
+        if kind not in self.TIERS or nbytes < self.min_bytes:
+            self.kept += kind not in self.TIERS
             return None
         key = storage_key(t)
         hit = scope.spilled.get(key)

@@ -189,7 +189,9 @@ class ModelRuntime:
         pool = None if self.pool is None else {"page_bytes": self.pool.page_bytes,
                                                "num_pages": self.pool.num_pages}
         offload = None if self.offloader is None else {
-            "modules": self.offload_modules, "tier": "file", "dir": self.offloader.directory,
+            # by device: a CPU tensor's to the file, a GPU's to pinned host memory
+            "modules": self.offload_modules, "tier": dict(self.offloader.TIERS),
+            "dir": self.offloader.directory,
             "page_bytes": self.offloader.page_bytes}
         return {"stash": bool(self.cfg.stash), "stash_overflow": self.cfg.stash_overflow,
                 "pool": pool, "layers": self.layers, "offload": offload,
